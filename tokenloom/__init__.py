@@ -1,0 +1,29 @@
+"""tokenloom: a plugin-architected LLM inference and serving engine.
+
+``from tokenloom import LLM, SamplingParams`` is the offline API (imported lazily, so that
+``import tokenloom`` stays cheap and registers nothing).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "tokenloom.core.llm",
+    "SamplingParams": "tokenloom.core.request",
+    "RequestOutput": "tokenloom.core.request",
+    "CompletionOutput": "tokenloom.core.request",
+    "EngineArgs": "tokenloom.core.config",
+    "AsyncLLM": "tokenloom.core.engine",
+    "LLMEngine": "tokenloom.core.engine",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenloom' has no attribute {name!r}")

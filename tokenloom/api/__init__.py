@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server and the command line, assembled from the registries."""

@@ -1,0 +1,124 @@
+"""The data that crosses the core's boundaries each step, as dataclasses of plain values:
+scheduler -> executor (:class:`SchedulerOutput`), executor -> engine
+(:class:`ModelRunnerOutput`), and model runner -> model (:class:`AttentionMetadata`).
+
+Executors may send :class:`SchedulerOutput` and :class:`ModelRunnerOutput` to other
+processes: they hold no tensors and no live objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloom.core.request import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # tokens already generated: non-empty when a preempted request is resumed (recomputed)
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One scheduling decision: which requests run this step, and how many tokens each.
+
+    One mechanism covers prefill, chunked prefill, decode and prefix-cache hits: a request
+    computes ``num_scheduled_tokens[req_id]`` tokens starting at its ``num_computed_tokens``.
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # requests the worker must forget (finished, aborted or preempted since the last step)
+    finished_req_ids: set[str] = field(default_factory=set)
+    # per constrained request: the allowed-token mask for this step (a list of allowed ids)
+    allowed_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: the chosen token first, then the top-k alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    # rank of the chosen token among all tokens (1 = most likely)
+    rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, per request id."""
+
+    # the token(s) sampled this step; empty for a request still in (chunked) prefill
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # logprobs of the prompt positions computed this step (only requests that asked)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # for pooling models: the pooled output of requests whose prompt finished this step
+    pooled: dict[str, Any] = field(default_factory=dict)
+    # requests that failed inside the worker (e.g. a sampler error): id -> message
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat batch of tokens maps onto sequences and KV-cache slots.
+
+    The batch holds ``num_tokens`` tokens of ``num_seqs`` sequences, sequence ``i`` owning
+    the tokens ``query_start_loc[i]:query_start_loc[i+1]``. Tensors live on the model's
+    device; the ``*_cpu`` lists are the same values for Python-side loops.
+    """
+
+    # [num_tokens] flat index (block_id * block_size + offset) where each token's K/V go
+    slot_mapping: Any
+    # [num_seqs + 1] cumulative query lengths
+    query_start_loc: Any
+    # [num_seqs] tokens in the KV cache after this step (computed before + this step's)
+    seq_lens: Any
+    # [num_seqs, max_blocks] block ids of each sequence, padded with 0
+    block_tables: Any
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # one tensor per attention layer: [2, num_blocks, block_size, num_kv_heads, head_size]
+    kv_caches: list[Any]
+    # the platform's attention backend (an object with ``forward``), chosen by the runner
+    backend: Any = None
+    # True when sequences attend both ways (encoder models); no KV cache is written then
+    bidirectional: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

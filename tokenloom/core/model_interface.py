@@ -1,0 +1,55 @@
+"""What the core expects of a model plugin (:class:`ModelProtocol`) and what it hands one
+when building it (:class:`ModelContext`), plus :class:`KVCacheSpec`, the KV shape a model needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol
+
+
+@dataclass
+class KVCacheSpec:
+    """The KV cache a model needs: one ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+    tensor per attention layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    # per layer: the sliding window in tokens, or None for full attention
+    sliding_windows: list[int | None] = field(default_factory=list)
+
+    def bytes_per_block(self, block_size: int, element_size: int) -> int:
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_size * element_size
+
+
+@dataclass
+class ModelContext:
+    """Everything a model plugin's constructor receives."""
+
+    hf_config: Any  # transformers.PretrainedConfig (after --hf-overrides, --rope-*)
+    dtype: Any  # torch.dtype of weights and activations
+    device: Any  # torch.device
+    # a QuantizationMethod instance, or None for unquantized weights
+    quantization: Any = None
+    model_config: Any = None  # tokenloom.core.config.ModelConfig
+    # "generate" or "pooling"; a pooling runner wants hidden states, not logits
+    runner: str = "generate"
+
+
+class ModelProtocol(Protocol):
+    """A model plugin: an ``nn.Module`` constructed as ``Model(ctx: ModelContext)``."""
+
+    kv_cache_spec: KVCacheSpec
+
+    def forward(self, input_ids: Any, positions: Any, attn_metadata: Any) -> Any:
+        """Run the flat batch: ``input_ids`` and ``positions`` are ``[num_tokens]``; returns
+        hidden states ``[num_tokens, hidden_size]``. K/V are written to
+        ``attn_metadata.kv_caches[layer]`` at ``attn_metadata.slot_mapping``."""
+
+    def compute_logits(self, hidden_states: Any) -> Any:
+        """``[n, hidden_size]`` -> ``[n, vocab_size]`` float logits."""
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Load ``(hf_name, tensor)`` pairs (a tensor may be a packed quantized weight with a
+        ``dequantize()`` method); returns the names of the parameters it filled."""

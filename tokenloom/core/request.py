@@ -1,0 +1,249 @@
+"""Request-side data: :class:`SamplingParams` (validated on construction), the engine's
+:class:`Request` state, and the :class:`RequestOutput` the APIs return, shaped like vLLM's.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloom.errors import InvalidRequestError
+
+# a "logprob" entry: token id -> Logprob
+SampleLogprobs = list[dict[int, "Logprob"]]
+PromptLogprobs = list[dict[int, "Logprob"] | None]
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries all text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request; the same fields and defaults as vLLM's ``SamplingParams``.
+
+    Every field is checked on construction; a bad value raises
+    :class:`~tokenloom.errors.InvalidRequestError` naming the parameter.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # a constraint for a structured-output backend (dict form of vLLM's StructuredOutputsParams)
+    structured_outputs: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias keys must be token ids and values numbers", param="logit_bias") from None
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, message: str) -> None:
+            raise InvalidRequestError(f"{param} {message}", param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be at least 1, got {self.n}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            bad("best_of", f"must be an integer >= n ({self.n}), got {self.best_of}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                bad(name, f"must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.temperature < 0.0:
+            bad("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad("logprobs", f"must be a non-negative integer, got {self.logprobs}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", f"must be a non-negative integer, got {self.prompt_logprobs}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            bad("truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain empty strings")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            bad("allowed_token_ids", "must not be empty")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> "SamplingParams":
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class Request:
+    """The engine's state of one sequence (one of the ``n`` outputs of a user request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: set[int] = field(default_factory=set)
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    # the user request this sequence belongs to, and its index among the n outputs
+    parent_id: str | None = None
+    index: int = 0
+    prompt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED):
+            return self.status.value
+        if self.status is RequestStatus.FINISHED_ERROR:
+            return "error"
+        return None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` outputs (``RequestOutput.outputs[i]``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns and ``AsyncLLM.generate`` yields, like vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,1 @@
+"""Compute primitives: a torch reference for every op, fast CPU paths, Triton kernels."""

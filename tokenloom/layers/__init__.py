@@ -1,0 +1,1 @@
+"""nn.Module building blocks for model plugins (the model SDK)."""

@@ -1,0 +1,1 @@
+"""The plugin system: hook specifications, discovery and typed registries."""

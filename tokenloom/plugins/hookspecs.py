@@ -1,0 +1,165 @@
+"""Every tokenloom hook, one per plugin kind: the contract plugin authors implement.
+
+Each hook receives a ``register(name, target, **options)`` callback. ``target`` is a class,
+a factory, or a lazy ``"module:attr"`` string imported on first use. ``register`` validates
+the name and records which plugin gave it; a duplicate name is an error naming both plugins
+unless ``override=True`` is passed.
+
+All hooks are called once, by :func:`tokenloom.plugins.manager.load_plugins`, in the main
+process, when the CLI or ``LLM(...)`` starts. Worker processes never call them: they
+receive the resolved registries as plain data (name -> ``"module:attr"``).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "tokenloom"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# -- what runs the model ---------------------------------------------------------------
+
+
+@hookspec
+def register_platforms(register):
+    """Register device platforms (where tensors live and which attention backend runs).
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.Platform` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. The engine picks the platform named by
+    ``--device`` (``auto``: the first registered platform whose ``is_available()`` is true).
+    """
+
+
+@hookspec
+def register_executors(register):
+    """Register executors: what owns the workers that run the model.
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.Executor` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. ``--distributed-executor-backend``
+    names the executor (``uni`` by default). The executor is constructed in the main
+    process; it starts whatever workers it owns and ships them plain data only.
+    """
+
+
+# -- what the model is -----------------------------------------------------------------
+
+
+@hookspec
+def register_models(register):
+    """Register model implementations by Hugging Face architecture name.
+
+    :param register: ``register(architecture, target)``, e.g.
+        ``register("LlamaForCausalLM", "my_pkg.llama:LlamaForCausalLM")``; ``target``
+        resolves to an ``nn.Module`` class honouring :class:`tokenloom.plugin_api.ModelProtocol`.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. The worker imports the class by its
+    ``"module:Class"`` string when it builds the model; the architecture is chosen from
+    the ``architectures`` field of the model's config.
+    """
+
+
+@hookspec
+def register_load_formats(register):
+    """Register weight load formats (``--load-format``).
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.LoadFormat` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. ``--load-format auto`` asks each
+    registered format, in registration order, whether it can load the model's files.
+    """
+
+
+@hookspec
+def register_quantization_methods(register):
+    """Register quantization methods (``--quantization``).
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.QuantizationMethod` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. A load format may name the method its
+    files need (GGUF files name ``gguf``); ``--quantization`` overrides that choice.
+    """
+
+
+@hookspec
+def register_model_sources(register):
+    """Register model sources: turn a model tag into local files.
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.ModelSource` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. When ``tokenloom serve MODEL`` starts,
+    each source is asked in registration order whether it recognises ``MODEL`` (a path, a
+    Hugging Face repo id, a short name of a model shipped in a pip package...); the first
+    that does resolves it to a local path.
+    """
+
+
+# -- what the server speaks ------------------------------------------------------------
+
+
+@hookspec
+def register_tool_parsers(register):
+    """Register tool-call parsers (``--tool-call-parser``).
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.ToolParser` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load, including for files given with
+    ``--tool-parser-plugin``. The server instantiates the named parser per request.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register):
+    """Register reasoning parsers (``--reasoning-parser``).
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.ReasoningParser` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. The server instantiates the named parser
+    per request to split ``reasoning_content`` from ``content``.
+    """
+
+
+@hookspec
+def register_structured_output_backends(register):
+    """Register guided-decoding backends (``--guided-decoding-backend``).
+
+    :param register: ``register(name, target)``; ``target`` resolves to a
+        :class:`tokenloom.plugin_api.StructuredOutputBackend` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. Backends compile a request's constraint
+    into a matcher that the engine asks for an allowed-token mask each step.
+    """
+
+
+@hookspec
+def register_api_routes(register):
+    """Register extra HTTP routes on the OpenAI-compatible server.
+
+    :param register: ``register(name, target)``; ``target`` resolves to a callable
+        ``target(app, engine_client) -> None`` that adds routes to the FastAPI ``app``
+        (usually ``app.include_router(router)``).
+    :returns: nothing.
+
+    Called once in the main process at plugin load; the targets are called when
+    ``tokenloom serve`` builds its app, after the built-in routes.
+    """

@@ -1,0 +1,213 @@
+"""Plugin discovery: entry points, ``--plugin MODULE`` and ``--tool-parser-plugin FILE``.
+
+:func:`load_plugins` is the one explicit, idempotent call that discovers plugins, calls
+their hooks with an attributed ``register`` callback and returns a :class:`PluginSet`:
+a registry per kind, what each plugin registered, and the plugins that failed to load.
+Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Iterable
+
+import importlib_metadata
+import pluggy
+
+from tokenloom.errors import PluginError
+from tokenloom.plugins import hookspecs
+from tokenloom.plugins.registry import Registry, import_file
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "tokenloom.plugins"
+ENABLED_PLUGINS_ENV = "TOKENLOOM_PLUGINS"
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    """One plugin kind: its registry name, the hook that fills it, the flag that picks from it."""
+
+    name: str
+    hook: str
+    flag: str | None = None
+
+
+PLUGIN_KINDS: tuple[PluginKind, ...] = (
+    PluginKind("platform", "register_platforms", "--device"),
+    PluginKind("executor", "register_executors", "--distributed-executor-backend"),
+    PluginKind("model", "register_models"),
+    PluginKind("load_format", "register_load_formats", "--load-format"),
+    PluginKind("quantization", "register_quantization_methods", "--quantization"),
+    PluginKind("model_source", "register_model_sources"),
+    PluginKind("tool_parser", "register_tool_parsers", "--tool-call-parser"),
+    PluginKind("reasoning_parser", "register_reasoning_parsers", "--reasoning-parser"),
+    PluginKind("structured_output_backend", "register_structured_output_backends", "--guided-decoding-backend"),
+    PluginKind("api_route", "register_api_routes"),
+)
+KIND_BY_NAME = {kind.name: kind for kind in PLUGIN_KINDS}
+
+# Set on a class by the plugin_api decorators (``@register_tool_parser("name")``): a plugin
+# file's marked classes are registered when the file is loaded, never at import.
+REGISTRATION_MARK = "__tokenloom_registrations__"
+
+
+@dataclass
+class PluginInfo:
+    """A loaded plugin: where it came from and what it registered, by kind."""
+
+    name: str
+    origin: str  # "package 1.2.3", "module foo.bar" or "file /path/x.py"
+    registered: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class PluginFailure:
+    """A plugin that could not be loaded, with the cause (the others still load)."""
+
+    name: str
+    origin: str
+    cause: str
+
+
+@dataclass
+class PluginSet:
+    """Everything plugins registered: one :class:`Registry` per kind."""
+
+    registries: dict[str, Registry]
+    plugins: list[PluginInfo]
+    failures: list[PluginFailure]
+
+    def registry(self, kind: str) -> Registry:
+        return self.registries[kind]
+
+    def to_plain(self) -> dict[str, dict[str, str]]:
+        """Registries as plain data for worker processes (they never re-run discovery)."""
+        return {kind: registry.to_plain() for kind, registry in self.registries.items()}
+
+    @classmethod
+    def from_plain(cls, tables: dict[str, dict[str, str]]) -> "PluginSet":
+        registries = {kind.name: Registry.from_plain(kind.name, tables.get(kind.name, {})) for kind in PLUGIN_KINDS}
+        for kind in PLUGIN_KINDS:
+            registries[kind.name].flag = kind.flag
+        return cls(registries, [], [])
+
+
+def new_registries() -> dict[str, Registry]:
+    return {kind.name: Registry(kind.name, kind.flag) for kind in PLUGIN_KINDS}
+
+
+def enabled_entry_point_names() -> set[str] | None:
+    """``TOKENLOOM_PLUGINS=a,b`` restricts which entry-point plugins load; unset means all."""
+    value = os.environ.get(ENABLED_PLUGINS_ENV)
+    if value is None:
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+_cache: dict[tuple, PluginSet] = {}
+_cache_lock = threading.Lock()
+
+
+def load_plugins(
+    modules: Iterable[str] = (),
+    files: Iterable[str] = (),
+    *,
+    entry_points: bool = True,
+) -> PluginSet:
+    """Discover and load plugins; the same arguments (and environment) give the same PluginSet.
+
+    :param modules: importable module names given with ``--plugin``.
+    :param files: ``.py`` paths given with ``--tool-parser-plugin``; an error in one is raised
+        (naming the path), since the user asked for that file explicitly.
+    :param entry_points: load the ``tokenloom.plugins`` entry-point group (the built-ins too).
+    """
+    enabled = enabled_entry_point_names()
+    key = (tuple(modules), tuple(os.path.abspath(f) for f in files), entry_points,
+           tuple(sorted(enabled)) if enabled is not None else None)
+    with _cache_lock:
+        if key not in _cache:
+            _cache[key] = _load(list(modules), list(files), entry_points, enabled)
+        return _cache[key]
+
+
+def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set[str] | None) -> PluginSet:
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    registries = new_registries()
+    plugins: list[PluginInfo] = []
+    failures: list[PluginFailure] = []
+
+    def add(name: str, origin: str, load) -> None:
+        try:
+            module = load()
+            manager.register(module, name=name)
+        except Exception as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+            logger.warning("plugin %r (%s) failed to load: %s", name, origin, cause)
+            failures.append(PluginFailure(name, origin, cause))
+            return
+        info = PluginInfo(name, origin)
+        plugins.append(info)
+        if not _call_hooks(manager, module, info, registries, failures):
+            plugins.remove(info)
+
+    if entry_points:
+        for entry_point in sorted(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP), key=_builtin_first):
+            if enabled is not None and entry_point.name not in enabled:
+                continue
+            dist = entry_point.dist
+            origin = f"{dist.name} {dist.version}" if dist is not None else f"module {entry_point.value}"
+            add(entry_point.name, origin, entry_point.load)
+    for module_name in modules:
+        add(module_name, f"module {module_name}", partial(importlib.import_module, module_name))
+    for path in files:
+        try:
+            module = import_file(path)
+        except Exception as exc:
+            raise PluginError(f"--tool-parser-plugin {path}: {type(exc).__name__}: {exc}") from exc
+        add(os.path.basename(path), f"file {os.path.abspath(path)}", lambda module=module: module)
+        if failures and failures[-1].origin == f"file {os.path.abspath(path)}":
+            raise PluginError(f"--tool-parser-plugin {path}: {failures[-1].cause}")
+    return PluginSet(registries, plugins, failures)
+
+
+def _builtin_first(entry_point) -> tuple[int, str]:
+    # Built-ins register first so that `auto` choices (load format, model source, platform)
+    # try them in a fixed order; a third-party plugin replaces one with override=True.
+    return (0 if entry_point.value.startswith("tokenloom.") else 1, entry_point.name)
+
+
+def _call_hooks(manager, module, info: PluginInfo, registries, failures) -> bool:
+    """Call the plugin's hooks (and register its marked classes); False if one raised."""
+    for kind in PLUGIN_KINDS:
+        registry = registries[kind.name]
+
+        def register(name, target, *, override=False, _registry=registry, _kind=kind.name, **options):
+            _registry.register(name, target, plugin_name=info.name, override=override, **options)
+            info.registered.setdefault(_kind, []).append(name)
+
+        hook = getattr(manager.hook, kind.hook)
+        for impl in hook.get_hookimpls():
+            if impl.plugin is not module:
+                continue
+            try:
+                impl.function(register=register)
+            except Exception as exc:
+                cause = f"{kind.hook} raised {type(exc).__name__}: {exc}"
+                logger.warning("plugin %r (%s) failed: %s", info.name, info.origin, cause)
+                failures.append(PluginFailure(info.name, info.origin, cause))
+                manager.unregister(module)
+                return False
+    for value in list(vars(module).values()):
+        for kind_name, name, options in getattr(value, REGISTRATION_MARK, ()):
+            if getattr(value, "__module__", None) != module.__name__:
+                continue  # imported from elsewhere: registered by its own module
+            registries[kind_name].register(name, value, plugin_name=info.name, **options)
+            info.registered.setdefault(kind_name, []).append(name)
+    return True

@@ -1,0 +1,153 @@
+"""Typed, named registries: one per plugin kind, filled through the hooks' ``register`` callback.
+
+A registry maps a name to a target (a class, a factory, or a lazy ``"module:attr"`` string)
+and remembers which plugin registered it. Lookups of an unknown name list the known names
+and the closest match; a duplicate name is an error naming both plugins.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenloom.errors import PluginError, UnknownNameError
+
+
+@dataclass
+class RegistryEntry:
+    """One registered name: what it points at and who registered it."""
+
+    name: str
+    target: Any
+    plugin_name: str
+    options: dict = field(default_factory=dict)
+    _resolved: Any = None
+
+    @property
+    def target_path(self) -> str:
+        """The target as plain data (``"module:attr"``), what worker processes receive."""
+        if isinstance(self.target, str):
+            return self.target
+        module = getattr(self.target, "__module__", None)
+        qualname = getattr(self.target, "__qualname__", None)
+        source_file = getattr(sys.modules.get(module or ""), "__file__", None)
+        if module and module.startswith("_tokenloom_file_plugin_") and source_file:
+            return f"{source_file}:{qualname}"
+        return f"{module}:{qualname}"
+
+    def resolve(self) -> Any:
+        if self._resolved is None:
+            self._resolved = resolve_target(self.target) if isinstance(self.target, str) else self.target
+        return self._resolved
+
+
+def resolve_target(path: str) -> Any:
+    """Import ``"package.module:attr"`` (or ``"/path/file.py:attr"``) and return ``attr``."""
+    module_name, sep, attr_path = path.rpartition(":")
+    if not sep or not module_name or not attr_path:
+        raise PluginError(f"plugin target {path!r} is not of the form 'module:attr'")
+    try:
+        if module_name.endswith(".py"):
+            module = import_file(module_name)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # report which target failed, and why
+        raise PluginError(f"cannot import plugin target {path!r}: {type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(f"plugin target {path!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+    return obj
+
+
+def import_file(path: str):
+    """Import a .py file by path under a private module name (once per path)."""
+    resolved = Path(path).resolve()
+    module_name = "_tokenloom_file_plugin_" + "".join(c if c.isalnum() else "_" for c in str(resolved))
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    if not resolved.is_file():
+        raise FileNotFoundError(f"no such plugin file: {path}")
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+class Registry:
+    """Name -> target for one plugin kind (``kind`` is e.g. ``"tool_parser"``)."""
+
+    def __init__(self, kind: str, flag: str | None = None):
+        self.kind = kind
+        # the CLI flag that chooses from this registry, named in error messages
+        self.flag = flag
+        self._entries: dict[str, RegistryEntry] = {}
+
+    def register(self, name: str, target: Any, *, plugin_name: str, override: bool = False, **options) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {plugin_name!r} registered a {self.kind} with an invalid name {name!r}")
+        if not (isinstance(target, str) or callable(target)):
+            raise PluginError(
+                f"plugin {plugin_name!r} registered {self.kind} {name!r} with target {target!r}: "
+                "expected a class, a callable or a 'module:attr' string"
+            )
+        existing = self._entries.get(name)
+        if existing is not None and not override:
+            raise PluginError(
+                f"{self.kind} {name!r} is registered twice: by plugin {existing.plugin_name!r} and by "
+                f"plugin {plugin_name!r}; rename one, or pass override=True to replace it deliberately"
+            )
+        self._entries[name] = RegistryEntry(name, target, plugin_name, options)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entries(self) -> list[RegistryEntry]:
+        return list(self._entries.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, name: str) -> RegistryEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise UnknownNameError(self.kind, name, self.names(), flag=self.flag) from None
+
+    def get(self, name: str) -> Any:
+        """The resolved target (imported on first use)."""
+        return self.entry(name).resolve()
+
+    def to_plain(self) -> dict[str, str]:
+        """Plain data for worker processes: name -> ``"module:attr"``."""
+        return {name: entry.target_path for name, entry in self._entries.items()}
+
+    @classmethod
+    def from_plain(cls, kind: str, table: dict[str, str]) -> "Registry":
+        registry = cls(kind)
+        for name, target in table.items():
+            registry.register(name, target, plugin_name="<resolved in main process>")
+        return registry
+
+
+def closest_match(name: str, known: list[str]) -> str | None:
+    matches = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    if not matches:
+        lowered = {k.lower(): k for k in known}
+        matches = [lowered[name.lower()]] if name.lower() in lowered else []
+    return matches[0] if matches else None
