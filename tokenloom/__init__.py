@@ -9,7 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "tokenloom.core.llm",
+    "LLM": "tokenloom.llm",
     "SamplingParams": "tokenloom.core.request",
     "RequestOutput": "tokenloom.core.request",
     "CompletionOutput": "tokenloom.core.request",

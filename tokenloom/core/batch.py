@@ -49,8 +49,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # requests the worker must forget (finished, aborted or preempted since the last step)
     finished_req_ids: set[str] = field(default_factory=set)
-    # per constrained request: the allowed-token mask for this step (a list of allowed ids)
-    allowed_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

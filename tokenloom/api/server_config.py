@@ -1,0 +1,78 @@
+"""``ServerConfig``: the options of the HTTP front end (vLLM's frontend flags), separate from
+the engine's. Attribute docstrings are the CLI help texts. Importing this is cheap (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Host name or address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    uvicorn_log_level: str = "info"
+    """Log level of uvicorn: critical, error, warning, info, debug, trace."""
+    api_key: list[str] | None = None
+    """API key(s) clients must present as ``Authorization: Bearer KEY`` (also TOKENLOOM_API_KEY).
+    Every route needs it except /health, /ping, /version (and /metrics unless
+    --metrics-require-key)."""
+    metrics_require_key: bool = False
+    """Require the API key on /metrics too."""
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    """CORS allowed origins."""
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    """CORS allowed methods."""
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    """CORS allowed headers."""
+    allow_credentials: bool = False
+    """CORS: allow credentials."""
+    middleware: list[str] = field(default_factory=list)
+    """Import paths of extra ASGI middleware: a function becomes ``@app.middleware("http")``, a
+    class is added with ``app.add_middleware``; added after tokenloom's own."""
+    root_path: str | None = None
+    """FastAPI root_path when behind a path-based proxy."""
+    ssl_keyfile: str | None = None
+    """The TLS key file."""
+    ssl_certfile: str | None = None
+    """The TLS certificate file."""
+    ssl_ca_certs: str | None = None
+    """The CA certificates file."""
+    ssl_cert_reqs: int = 0
+    """Whether a client certificate is required (see Python's ssl module)."""
+    disable_fastapi_docs: bool = False
+    """Disable FastAPI's /docs, /redoc and /openapi.json."""
+    enable_request_id_headers: bool = False
+    """Add an X-Request-Id header to responses."""
+    return_tokens_as_token_ids: bool = False
+    """Represent tokens in logprobs as ``token_id:N`` strings."""
+    max_log_len: int | None = None
+    """Maximum prompt characters/ids printed in request logs."""
+    disable_log_requests: bool = False
+    """Do not log each request."""
+    disable_log_stats: bool = False
+    """Do not log the periodic engine stats line."""
+    chat_template: str | None = None
+    """A chat template file path or the template itself; overrides the model's."""
+    chat_template_content_format: str = "auto"
+    """How message content is given to the template: auto, string or openai."""
+    response_role: str = "assistant"
+    """The role of generated chat messages when add_generation_prompt is true."""
+    enable_auto_tool_choice: bool = False
+    """Let the model choose to call tools (needs --tool-call-parser)."""
+    tool_call_parser: str | None = None
+    """The tool-call parser plugin that turns model output into tool calls."""
+    tool_parser_plugin: list[str] = field(default_factory=list)
+    """.py files that define and register tool parsers."""
+    plugins: list[str] = field(default_factory=list)
+    """Importable modules to load as tokenloom plugins (besides the installed entry points)."""
+    enable_prompt_tokens_details: bool = False
+    """Report cached prompt tokens in usage.prompt_tokens_details."""
+    enable_server_load_tracking: bool = False
+    """Track in-flight requests for /load."""
+    disable_frontend_multiprocessing: bool = False
+    """Run the HTTP server and the engine in one process."""
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    """Largest accepted request body; larger ones get 413."""

@@ -1,0 +1,29 @@
+"""The ``uni`` executor: one worker in the engine's own process (the default)."""
+
+from __future__ import annotations
+
+from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.executor import Executor
+from tokenloom.plugin_api import hookimpl
+
+
+class UniProcExecutor(Executor):
+    def initialize(self) -> int:
+        from tokenloom.core.worker import Worker
+
+        self.worker = Worker(self.config)
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_blocks()
+        self.worker.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker = None
+
+
+@hookimpl
+def register_executors(register):
+    register("uni", "tokenloom.builtin_plugins.executors.uniproc:UniProcExecutor")

@@ -1,0 +1,539 @@
+"""The engine: :class:`LLMEngine` (one ``step()`` = schedule -> execute -> apply tokens,
+detokenize, check stops) and :class:`AsyncLLM`, which runs that loop in a background thread
+and gives every request its own async output stream, aborting it when the stream is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterable
+
+from tokenloom.core.batch import TokenLogprobs
+from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.detokenizer import IncrementalDetokenizer
+from tokenloom.core.model_loader import resolve_model
+from tokenloom.core.request import (
+    CompletionOutput,
+    Logprob,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+    RequestStatus,
+    SamplingParams,
+)
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
+from tokenloom.plugins.manager import PluginSet, load_plugins
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EXECUTOR = "uni"
+
+
+@dataclass
+class PreparedPrompt:
+    """A validated prompt: its token ids (and text when it came as text)."""
+
+    prompt_token_ids: list[int]
+    prompt: str | None
+
+
+@dataclass
+class RequestState:
+    """One user request: its ``n`` sequences and what has been reported of each."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    sequences: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    arrival_time: float
+    # per sequence: text / tokens / logprobs already sent (for DELTA outputs)
+    sent_text: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    num_processed_tokens: list[int] = field(default_factory=list)
+    logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.sequences)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class LLMEngine:
+    """The synchronous engine. Not thread-safe: one thread calls it."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginSet):
+        started = time.perf_counter()
+        self.config = config
+        self.plugins = plugins
+        config.device.device = choose_platform(config.device.device, plugins)
+        config.plugin_tables = plugins.to_plain()
+        self.model_info, self.tokenizer = resolve_model(config, plugins)
+        config.model_info = self.model_info
+        self.max_model_len = self.model_info.max_model_len
+        executor_name = config.parallel.distributed_executor_backend or DEFAULT_EXECUTOR
+        self.executor = plugins.registry("executor").get(executor_name)(config)
+        self.num_blocks = self.executor.initialize()
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self._sequence_owner: dict[str, RequestState] = {}
+        self._decoded_tokens: dict[int, str] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    time.perf_counter() - started, self.model_info.architecture, self.num_blocks,
+                    config.cache.block_size, self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> "LLMEngine":
+        return cls(engine_args.create_engine_config(), plugins or load_plugins())
+
+    @property
+    def model_name(self) -> str:
+        names = self.config.model.served_model_name
+        return names[0] if names else self.config.model.model
+
+    # -- requests ---------------------------------------------------------------------
+
+    def prepare_prompt(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
+        """Tokenize and validate a prompt: text, token ids, or vLLM's dict forms."""
+        text: str | None = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("the tokenizer was skipped (--skip-tokenizer-init): send token ids", param="prompt")
+            text = prompt
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            vocab_size = self.model_info.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary [0, {vocab_size})", param="prompt")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        self.check_fits(len(token_ids), params)
+        return PreparedPrompt(token_ids, text)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens + 1 > self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {num_prompt_tokens} tokens, but the model's context length is "
+                f"{self.max_model_len}: shorten the prompt (or use truncate_prompt_tokens)", param="prompt")
+        block_size = self.config.cache.block_size
+        if -(-(num_prompt_tokens + 1) // block_size) > self.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, more than the whole KV cache holds "
+                f"({self.num_blocks} blocks of {block_size})", param="prompt")
+        max_logprobs = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise InvalidRequestError(f"{name} {value} is more than --max-logprobs {max_logprobs}", param=name)
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
+                    arrival_time: float | None = None, prepared: PreparedPrompt | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        prepared = prepared or self.prepare_prompt(prompt, params)
+        params = self._with_bad_words(params)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        sequences = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + index)  # distinct but reproducible
+            sequences.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                prompt_token_ids=list(prepared.prompt_token_ids),
+                sampling_params=child_params,
+                eos_token_ids=set(self.model_info.eos_token_ids),
+                arrival_time=arrival_time,
+                priority=priority,
+                parent_id=request_id,
+                index=index,
+                prompt=prepared.prompt,
+            ))
+        state = RequestState(
+            request_id=request_id,
+            prompt=prepared.prompt,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=params,
+            sequences=sequences,
+            detokenizers=[self._detokenizer(prepared.prompt_token_ids, seq.sampling_params) for seq in sequences],
+            arrival_time=arrival_time,
+            sent_text=[0] * params.n,
+            sent_tokens=[0] * params.n,
+            texts=[""] * params.n,
+            num_processed_tokens=[0] * params.n,
+            logprobs=[[] if params.logprobs is not None else None for _ in sequences],
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        for seq in sequences:
+            self.scheduler.add_request(seq)
+            self._sequence_owner[seq.request_id] = state
+        self.requests[request_id] = state
+        self.prompt_tokens_total += len(prepared.prompt_token_ids)
+
+    def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        if not params.bad_words or self.tokenizer is None:
+            return params
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        extra = dict(params.extra_args or {})
+        extra["bad_words_token_ids"] = sequences
+        return params.clone(extra_args=extra)
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            self.scheduler.finish_requests([seq.request_id for seq in state.sequences], RequestStatus.FINISHED_ABORTED)
+            for seq in state.sequences:
+                self._sequence_owner.pop(seq.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute(scheduler_output)
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for seq in changed:
+            state = self._sequence_owner.get(seq.request_id)
+            if state is None:
+                continue
+            try:
+                self._process_sequence(state, seq, runner_output, now)
+            except Exception as exc:  # one request's failure never stops the others
+                logger.exception("request %s failed while processing its output", state.request_id)
+                seq.stop_reason = f"{type(exc).__name__}: {exc}"
+                self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_ERROR)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+                for seq in state.sequences:
+                    self._sequence_owner.pop(seq.request_id, None)
+        return outputs
+
+    def _process_sequence(self, state: RequestState, seq: Request, runner_output, now: float) -> None:
+        index = seq.index
+        new_token_ids = seq.output_token_ids[state.num_processed_tokens[index]:]
+        state.num_processed_tokens[index] = len(seq.output_token_ids)
+        self.generation_tokens_total += len(new_token_ids)
+        if new_token_ids and state.first_token_time is None:
+            state.first_token_time = now
+        if state.prompt_logprobs is not None and seq.index == 0:
+            for entry in runner_output.prompt_logprobs.get(seq.request_id, []):
+                state.prompt_logprobs.append(self._logprob_dict(entry))
+        if state.logprobs[index] is not None:
+            for entry in runner_output.logprobs.get(seq.request_id, []):
+                state.logprobs[index].append(self._logprob_dict(entry))
+                seq.cumulative_logprob += entry.logprobs[0]
+        detokenizer = state.detokenizers[index]
+        if detokenizer is None:
+            return
+        if new_token_ids:
+            detokenizer.update(new_token_ids)
+            if detokenizer.stop_string is not None and not seq.finished:
+                seq.stop_reason = detokenizer.stop_string
+                self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
+        if seq.finished:
+            detokenizer.flush()
+        state.texts[index] = detokenizer.output_text
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        result: dict[int, Logprob] = {}
+        for position, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            if token_id in result:
+                continue
+            rank = entry.rank if position == 0 else position
+            result[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self.decode_token(token_id))
+        return result
+
+    def decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._decoded_tokens.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._decoded_tokens[token_id] = text
+        return text
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.sampling_params.output_kind
+        finished = state.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        completions = []
+        for seq in state.sequences:
+            i = seq.index
+            text = state.texts[i]
+            token_ids = seq.output_token_ids
+            logprobs = state.logprobs[i]
+            if delta:
+                text, token_ids = text[state.sent_text[i]:], token_ids[state.sent_tokens[i]:]
+                if logprobs is not None:
+                    logprobs = logprobs[state.sent_tokens[i]:]
+                if not text and not token_ids and not seq.finished:
+                    continue
+                state.sent_text[i] = len(state.texts[i])
+                state.sent_tokens[i] = len(seq.output_token_ids)
+            completions.append(CompletionOutput(
+                index=i,
+                text=text,
+                token_ids=list(token_ids),
+                cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
+                logprobs=list(logprobs) if logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        if delta and not completions:
+            return None
+        first = state.sequences[0]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            metrics=RequestMetrics(
+                arrival_time=state.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=state.first_token_time,
+                finished_time=time.monotonic() if finished else None,
+                num_cached_tokens=first.num_cached_tokens,
+                num_preemptions=sum(seq.num_preemptions for seq in state.sequences),
+            ),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        scheduler_stats = self.scheduler.stats()
+        return EngineStats(
+            num_running=scheduler_stats.num_running,
+            num_waiting=scheduler_stats.num_waiting,
+            kv_cache_usage=scheduler_stats.kv_cache_usage,
+            prefix_cache_queries=scheduler_stats.prefix_cache_queries,
+            prefix_cache_hits=scheduler_stats.prefix_cache_hits,
+            num_preemptions=scheduler_stats.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def choose_platform(name: str, plugins: PluginSet) -> str:
+    registry = plugins.registry("platform")
+    if name != "auto":
+        registry.entry(name)
+        return name
+    for entry in registry.entries():
+        if entry.resolve().is_available():
+            return entry.name
+    raise EngineDeadError(f"no available device platform among {', '.join(registry.names()) or 'none'}")
+
+
+class AsyncLLM:
+    """The engine for the server: a background thread runs ``LLMEngine.step()`` while there is
+    work; each request gets an asyncio queue of its outputs."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.errored = False
+        self._dead_reason: str | None = None
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> "AsyncLLM":
+        return cls(LLMEngine.from_engine_args(engine_args, plugins))
+
+    # what the server reads
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return list(self.engine.config.model.served_model_name or [self.engine.config.model.model])
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.config.model.max_logprobs
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.errored
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        if self.errored:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        if self._thread is None:
+            await self.start()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        prepared = self.engine.prepare_prompt(prompt, sampling_params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, sampling_params, priority, prepared, time.monotonic()))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        self.engine.shutdown()
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, params, priority, prepared, arrival = command
+                if request_id not in self._streams:
+                    continue  # the client went away before the engine saw the request
+                try:
+                    self.engine.add_request(request_id, None, params, priority=priority,
+                                            arrival_time=arrival, prepared=prepared)
+                except Exception as exc:
+                    self._deliver([(request_id, exc)])
+            elif command[0] == "abort":
+                self.engine.abort_request(command[1])
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._stats = self.engine.stats()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                if outputs:
+                    self._deliver([(output.request_id, output) for output in outputs])
+        except BaseException as exc:  # the engine is dead: every stream learns why
+            logger.exception("the engine loop died")
+            self.errored = True
+            self._dead_reason = f"{type(exc).__name__}: {exc}"
+            error = EngineDeadError(f"the engine died: {self._dead_reason}")
+            self._deliver([(request_id, error) for request_id in list(self._streams)])
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        def put_all() -> None:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait(item)
+
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(put_all)

@@ -1,0 +1,225 @@
+"""From a model tag to a built model, by asking the registries: which model source resolves
+the tag, which load format reads the files, which model class implements the architecture,
+which quantization method the weights need.
+
+:func:`resolve_model` runs in the main process (cheap: config and tokenizer only) and gives
+:class:`ModelInfo`, plain data a worker can receive; :func:`build_model` runs in the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloom.core.config import EngineConfig, ModelConfig
+from tokenloom.errors import ConfigError, ContextLengthError, ModelLoadError, UnknownNameError
+from tokenloom.plugins.manager import PluginSet
+
+logger = logging.getLogger(__name__)
+
+ADD_MODEL_HINT = (
+    "to add an architecture, write a model plugin: "
+    "@hookimpl def register_models(register): register('MyArch', 'my_pkg.model:MyModel') "
+    "(see PLUGINS.md, register_models)"
+)
+
+
+@dataclass
+class ModelInfo:
+    """A resolved model, as plain data (what the worker needs to build it again)."""
+
+    path: str
+    name: str
+    source: str
+    load_format: str
+    architecture: str
+    quantization: str | None
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    # the config object itself (picklable); workers may also re-read it from the files
+    hf_config: Any = None
+
+
+def resolve_source(model: str, plugins: PluginSet, model_config: ModelConfig, download_dir: str | None):
+    registry = plugins.registry("model_source")
+    for entry in registry.entries():
+        source = entry.resolve()()
+        if source.matches(model):
+            return source.resolve(model, revision=model_config.revision, download_dir=download_dir)
+    raise ModelLoadError(
+        f"no model source recognises {model!r}: pass a local directory or .gguf file, a Hugging Face "
+        f"repo id (org/name), or a packaged model name; registered sources: {', '.join(registry.names()) or 'none'}"
+    )
+
+
+def choose_load_format(name: str, path: str, hint: str | None, plugins: PluginSet):
+    """The load format plugin instance and its name (``auto`` asks each in order)."""
+    registry = plugins.registry("load_format")
+    if name != "auto":
+        return name, registry.get(name)()
+    candidates = ([hint] if hint and hint in registry else []) + [n for n in registry.names() if n != hint]
+    for candidate in candidates:
+        load_format = registry.get(candidate)()
+        if getattr(load_format, "auto_selectable", True) and load_format.can_load(path):
+            return candidate, load_format
+    raise ModelLoadError(
+        f"no load format can read the model files at {path}; registered formats: "
+        f"{', '.join(registry.names()) or 'none'} (choose one with --load-format)"
+    )
+
+
+def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, Any]:
+    """Resolve ``config.model`` to files, config and tokenizer. Returns (info, tokenizer)."""
+    model_config = config.model
+    started = time.perf_counter()
+    resolved = resolve_source(model_config.model, plugins, model_config, config.load.download_dir)
+    format_name, load_format = choose_load_format(config.load.load_format, resolved.path, resolved.load_format, plugins)
+    hf_config = load_format.load_config(resolved.path, model_config)
+    apply_rope_overrides(hf_config, model_config)
+    tokenizer = None if model_config.skip_tokenizer_init else load_format.load_tokenizer(resolved.path, model_config)
+    logger.info("resolved %s -> %s (%s, %s) in %.2fs", model_config.model, resolved.path, resolved.source,
+                format_name, time.perf_counter() - started)
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    model_registry = plugins.registry("model")
+    architecture = next((a for a in architectures if a in model_registry), None)
+    if architecture is None:
+        raise UnknownNameError("model architecture", architectures[0] if architectures else "<none in config>",
+                               model_registry.names(), hint=ADD_MODEL_HINT)
+
+    quantization = model_config.quantization or load_format.quantization(resolved.path)
+    if quantization is not None and quantization not in plugins.registry("quantization"):
+        plugins.registry("quantization").entry(quantization)  # raises the unknown-name error
+
+    max_model_len = derive_max_model_len(hf_config, model_config)
+    info = ModelInfo(
+        path=resolved.path,
+        name=resolved.name,
+        source=resolved.source,
+        load_format=format_name,
+        architecture=architecture,
+        quantization=quantization,
+        max_model_len=max_model_len,
+        vocab_size=int(getattr(hf_config, "vocab_size", 0) or (len(tokenizer) if tokenizer is not None else 0)),
+        eos_token_ids=eos_token_ids(hf_config, tokenizer),
+        hf_config=hf_config,
+    )
+    return info, tokenizer
+
+
+def apply_rope_overrides(hf_config: Any, model_config: ModelConfig) -> None:
+    """``--rope-scaling`` / ``--rope-theta`` (transformers 5 keeps both in rope_parameters)."""
+    if model_config.rope_scaling is None and model_config.rope_theta is None:
+        return
+    parameters = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if model_config.rope_scaling:
+        parameters.update(model_config.rope_scaling)
+        if "type" in parameters and "rope_type" not in parameters:
+            parameters["rope_type"] = parameters["type"]
+    if model_config.rope_theta is not None:
+        parameters["rope_theta"] = model_config.rope_theta
+        hf_config.rope_theta = model_config.rope_theta
+    parameters.setdefault("rope_type", "default")
+    if hasattr(hf_config, "rope_parameters"):
+        hf_config.rope_parameters = parameters
+    hf_config.rope_scaling = parameters
+
+
+def derive_max_model_len(hf_config: Any, model_config: ModelConfig) -> int:
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    model_max = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value > 0:
+            model_max = value
+            break
+    if model_config.max_model_len is None:
+        if model_max is None:
+            raise ConfigError("the model config states no context length: pass --max-model-len", param="max_model_len")
+        return model_max
+    if model_max is not None and model_config.max_model_len > model_max:
+        raise ContextLengthError(
+            f"--max-model-len {model_config.max_model_len} is larger than the model's context length {model_max}",
+            param="max_model_len",
+        )
+    return model_config.max_model_len
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    config_eos = getattr(hf_config, "eos_token_id", None)
+    for value in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]):
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tokenizer_eos, int) and tokenizer_eos not in ids:
+        ids.append(tokenizer_eos)
+    return ids
+
+
+def resolve_dtype(name: str, hf_config: Any, platform: Any):
+    import torch
+
+    explicit = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float": torch.float32, "float32": torch.float32}
+    if name in explicit:
+        return explicit[name]
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, torch.float32)
+    return platform.default_dtype(stored if isinstance(stored, torch.dtype) else torch.float32)
+
+
+def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, *, runner: str = "generate"):
+    """Construct the model plugin on the platform's device and load its weights (worker side)."""
+    import torch
+
+    from tokenloom.core.model_interface import ModelContext
+
+    started = time.perf_counter()
+    device = platform.torch_device()
+    dtype = resolve_dtype(config.model.dtype, info.hf_config, platform)
+    model_class = plugins.registry("model").get(info.architecture)
+    quantization = None
+    if info.quantization is not None:
+        quantization = plugins.registry("quantization").get(info.quantization)()
+    context = ModelContext(hf_config=info.hf_config, dtype=dtype, device=device, quantization=quantization,
+                           model_config=config.model, runner=runner)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(context)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    model.eval()
+    built = time.perf_counter()
+
+    load_format = plugins.registry("load_format").get(info.load_format)()
+    if getattr(load_format, "initializes_randomly", False):
+        initialize_randomly(model, seed=config.model.seed or 0)
+        logger.info("dummy weights: parameters initialised randomly (seed %s)", config.model.seed or 0)
+    else:
+        with torch.inference_mode():
+            loaded = model.load_weights(load_format.iterate_weights(info.path, config.model, config.load))
+        missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"the files at {info.path} have no weights for {shown}")
+    logger.info("model %s built in %.2fs, weights loaded in %.2fs (dtype %s, quantization %s)",
+                info.architecture, built - started, time.perf_counter() - built, dtype, info.quantization or "none")
+    return model, dtype
+
+
+def initialize_randomly(model: Any, seed: int) -> None:
+    """Small random values for every parameter (``--load-format dummy``: profiling only)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            values = torch.empty(parameter.shape, dtype=torch.float32).uniform_(-1e-2, 1e-2, generator=generator)
+            parameter.copy_(values.to(parameter.dtype))

@@ -1,0 +1,31 @@
+"""A worker: the platform, the model runner and its KV cache, built from plain data (the
+engine config with its resolved plugin tables). Executors own one or more workers; a worker
+never runs plugin discovery."""
+
+from __future__ import annotations
+
+from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.config import EngineConfig
+from tokenloom.plugins.manager import PluginSet
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        from tokenloom.core.model_runner import ModelRunner
+
+        plugins = PluginSet.from_plain(config.plugin_tables)
+        self.platform = plugins.registry("platform").get(config.device.device)()
+        self.platform.configure_threads()
+        self.runner = ModelRunner(config, config.model_info, plugins, self.platform)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
