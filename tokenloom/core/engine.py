@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable
 
-from tokenloom.core.batch import TokenLogprobs
+from tokenloom.core.batch import ModelRunnerOutput, TokenLogprobs
 from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.model_loader import resolve_model
@@ -243,9 +243,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        runner_output = self.executor.execute(scheduler_output)
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
+        else:
+            runner_output = self.executor.execute(scheduler_output)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
@@ -273,6 +274,8 @@ class LLMEngine:
 
     def _process_sequence(self, state: RequestState, seq: Request, runner_output, now: float) -> None:
         index = seq.index
+        if seq.request_id in runner_output.errors:
+            seq.stop_reason = runner_output.errors[seq.request_id]
         new_token_ids = seq.output_token_ids[state.num_processed_tokens[index]:]
         state.num_processed_tokens[index] = len(seq.output_token_ids)
         self.generation_tokens_total += len(new_token_ids)

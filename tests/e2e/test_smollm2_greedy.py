@@ -1,0 +1,59 @@
+"""The real SmolLM2-135M-Instruct GGUF through the offline API: greedy 64-token continuations
+are identical to transformers running the same dequantized weights in float32."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a Python function that reverses a string:\n",
+    "Q: What is 12 times 7?\nA:",
+    "Les fleurs du printemps",
+]
+NUM_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    return LLM(model=smollm2_gguf, dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(smollm2_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    directory, name = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True)).eval()
+    results = []
+    for prompt in PROMPTS:
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            generated = model.generate(input_ids, max_new_tokens=NUM_TOKENS, do_sample=False,
+                                       eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
+        results.append((input_ids[0].tolist(), generated[0, input_ids.shape[1]:].tolist()))
+    return results
+
+
+def test_greedy_continuations_match_transformers(llm, transformers_greedy):
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    for output, (prompt_ids, expected) in zip(outputs, transformers_greedy):
+        assert output.prompt_token_ids == prompt_ids
+        assert output.outputs[0].token_ids == expected
+
+
+def test_text_matches_tokenizer_decode(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    output = llm.generate(["Write a haiku about the sea."], params)[0].outputs[0]
+    assert output.text == llm.get_tokenizer().decode(output.token_ids, skip_special_tokens=True)

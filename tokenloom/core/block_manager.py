@@ -1,0 +1,251 @@
+"""The KV-cache block pool: per-request block tables, ref-counted fixed-size blocks, prefix
+caching by a hash chain over full blocks, and LRU eviction of cached free blocks.
+
+Pure Python and unit-testable: it hands out block ids; the worker owns the memory behind them.
+Every block id in ``range(num_blocks)`` is a normal block (no null block is reserved).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable
+
+from tokenloom.core.request import Request
+from tokenloom.errors import ConfigError, TokenloomError
+
+PREFIX_HASH_ALGOS = ("builtin", "sha256")
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups counted in tokens, like vLLM's prefix_cache_queries/hits."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockManager:
+    """Allocates KV blocks to requests and shares identical full-block prefixes between them.
+
+    A block's content is identified by the hash chain ``hash(parent_hash, block_token_ids)``,
+    so a hit on block ``i`` implies the whole prefix before it matches too.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 hash_algo: str = "builtin"):
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
+        if block_size < 1:
+            raise ConfigError(f"--block-size must be at least 1, got {block_size}", param="block-size")
+        if hash_algo not in PREFIX_HASH_ALGOS:
+            raise ConfigError(f"--prefix-caching-hash-algo must be one of {', '.join(PREFIX_HASH_ALGOS)}, "
+                              f"got {hash_algo!r}", param="prefix-caching-hash-algo")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
+        self.prefix_cache_stats = PrefixCacheStats()
+
+        self._ref_counts = [0] * num_blocks
+        # content hash of each block whose KV may be reused; None when it holds nothing reusable
+        self._hash_of_block: list[Hashable | None] = [None] * num_blocks
+        self._block_by_hash: dict[Hashable, int] = {}
+        # free blocks with nothing cached are reused before any cached block is evicted
+        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
+        # free blocks that still hold a cached prefix, least recently freed first (the LRU order)
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+
+        self._block_tables: dict[str, list[int]] = {}
+        # hash chain of each request's leading full blocks, extended lazily
+        self._request_hashes: dict[str, list[Hashable]] = {}
+        # how many leading blocks of each table have been offered to the cache already
+        self._num_registered_blocks: dict[str, int] = {}
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by at least one request."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks (in use or free) whose content can be hit by a prefix lookup."""
+        return len(self._block_by_hash)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (empty when it holds no blocks)."""
+        return list(self._block_tables.get(request_id, ()))
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest run of cached full blocks that starts the request's tokens.
+
+        The hit stops one token short of the whole sequence (rounded down to a block) so the
+        last token is always recomputed and the model produces logits for it.
+
+        :returns: the hit block ids and the number of tokens they hold.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks: list[int] = []
+        for block_index in range(max_hit_blocks):
+            block_id = self._block_by_hash.get(self._block_hash(request, block_index))
+            if block_id is None:
+                break
+            hit_blocks.append(block_id)
+        return hit_blocks, len(hit_blocks) * self.block_size
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (e.g. after new weights); blocks in use keep serving their
+        own requests but are no longer shared and return to the pool uncached."""
+        self._free_uncached.extend(self._free_cached)
+        self._free_cached.clear()
+        for block_id in self._block_by_hash.values():
+            self._hash_of_block[block_id] = None
+        self._block_by_hash.clear()
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Grow the request's block table to cover ``request.num_computed_tokens`` plus the
+        prefix hit (``computed_blocks``, only on the first allocation) plus ``num_new_tokens``.
+
+        The caller sets ``request.num_computed_tokens`` to include the hit after this succeeds.
+        Passing ``computed_blocks`` (even ``[]``) marks a prefix lookup whose result is used:
+        it is counted in :attr:`prefix_cache_stats` once per allocation that uses it.
+
+        :returns: the block ids added, or None (and nothing allocated) when too few are free.
+        """
+        request_id = request.request_id
+        table = self._block_tables.get(request_id)
+        hit_blocks = computed_blocks or []
+        if hit_blocks and table:
+            raise TokenloomError(f"request {request_id!r} already holds blocks; a prefix hit only "
+                                 "applies to its first allocation")
+        num_held = len(table) if table else 0
+        num_tokens = request.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
+        num_to_allocate = max(0, self.num_blocks_needed(num_tokens) - num_held - len(hit_blocks))
+        # hit blocks that are free leave the free pool when touched
+        num_revived = sum(1 for block_id in hit_blocks if self._ref_counts[block_id] == 0)
+        if num_to_allocate > self.num_free_blocks - num_revived:
+            return None
+
+        if table is None:
+            table = self._block_tables[request_id] = []
+            self._num_registered_blocks[request_id] = len(hit_blocks)
+            if computed_blocks is not None and self.enable_prefix_caching:
+                self.prefix_cache_stats.queries += request.num_tokens
+                self.prefix_cache_stats.hits += len(hit_blocks) * self.block_size
+        # take the hit blocks before popping new ones, so the pops cannot evict them
+        for block_id in hit_blocks:
+            if self._ref_counts[block_id] == 0:
+                del self._free_cached[block_id]
+            self._ref_counts[block_id] += 1
+            table.append(block_id)
+        new_block_ids = [self._pop_free_block() for _ in range(num_to_allocate)]
+        for block_id in new_block_ids:
+            self._ref_counts[block_id] = 1
+        table.extend(new_block_ids)
+        if self.enable_prefix_caching:
+            self._register_computed_blocks(request, table)
+        return new_block_ids
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (finish, abort or preemption).
+
+        Full blocks whose KV is computed (per ``request.num_computed_tokens``) are cached first,
+        so a preempted request can hit its own blocks when it resumes.
+        """
+        request_id = request.request_id
+        table = self._block_tables.pop(request_id, None)
+        if table is not None:
+            if self.enable_prefix_caching:
+                self._register_computed_blocks(request, table)
+            # the tail goes into the LRU queue first, so a prefix outlives its own continuation
+            for block_id in reversed(table):
+                self._ref_counts[block_id] -= 1
+                if self._ref_counts[block_id] == 0:
+                    if self._hash_of_block[block_id] is None:
+                        self._free_uncached.append(block_id)
+                    else:
+                        self._free_cached[block_id] = None
+        self._request_hashes.pop(request_id, None)
+        self._num_registered_blocks.pop(request_id, None)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _pop_free_block(self) -> int:
+        if self._free_uncached:
+            return self._free_uncached.pop()
+        block_id, _ = self._free_cached.popitem(last=False)
+        del self._block_by_hash[self._hash_of_block[block_id]]
+        self._hash_of_block[block_id] = None
+        return block_id
+
+    def _register_computed_blocks(self, request: Request, table: list[int]) -> None:
+        """Offer each newly computed full block to the cache.
+
+        Only blocks whose KV was written in earlier steps qualify, so a lookup can never hit a
+        block the worker is still filling.
+        """
+        request_id = request.request_id
+        num_full_computed = min(request.num_computed_tokens // self.block_size, len(table))
+        block_index = self._num_registered_blocks[request_id]
+        while block_index < num_full_computed:
+            block_id = table[block_index]
+            block_hash = self._block_hash(request, block_index)
+            # a duplicate (same content computed twice) stays private and is freed uncached
+            if self._hash_of_block[block_id] is None and block_hash not in self._block_by_hash:
+                self._hash_of_block[block_id] = block_hash
+                self._block_by_hash[block_hash] = block_id
+            block_index += 1
+        self._num_registered_blocks[request_id] = block_index
+
+    def _block_hash(self, request: Request, block_index: int) -> Hashable:
+        """The chain hash of full block ``block_index`` of the request, computing the chain up
+        to it on first use."""
+        chain = self._request_hashes.setdefault(request.request_id, [])
+        while len(chain) <= block_index:
+            parent = chain[-1] if chain else None
+            chain.append(self._hash_block(parent, self._block_token_ids(request, len(chain))))
+        return chain[block_index]
+
+    def _hash_block(self, parent: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
+        if self.hash_algo == "sha256":
+            return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
+        # ints and tuples of ints hash the same in every process (no PYTHONHASHSEED salt)
+        return hash((0 if parent is None else parent, token_ids))
+
+    def _block_token_ids(self, request: Request, block_index: int) -> tuple[int, ...]:
+        # sliced from the two lists directly: request.all_token_ids copies the whole sequence
+        start = block_index * self.block_size
+        end = start + self.block_size
+        prompt = request.prompt_token_ids
+        num_prompt = len(prompt)
+        if end <= num_prompt:
+            return tuple(prompt[start:end])
+        output = request.output_token_ids
+        if start >= num_prompt:
+            return tuple(output[start - num_prompt:end - num_prompt])
+        return tuple(prompt[start:]) + tuple(output[:end - num_prompt])

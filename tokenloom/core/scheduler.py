@@ -1,0 +1,452 @@
+"""Continuous batching: each step decides which requests run and how many tokens each
+computes, under a token budget and a sequence cap, with chunked prefill, prefix-cache hits,
+preemption by recompute, and FCFS or priority order. It owns the waiting and running queues
+and the :class:`~tokenloom.core.block_manager.BlockManager`.
+
+Chunked prefill disabled means a prompt is never split: one that does not fit the step's
+remaining budget waits (head of line), and one longer than the whole budget (possible for a
+resumed request with its output) runs whole, alone in a step, once nothing else is scheduled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenloom.core.block_manager import BlockManager
+from tokenloom.core.config import CacheConfig, SchedulerConfig
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# share of the model length above which a prompt's chunk is capped when several prompts may
+# prefill at once and no --long-prefill-token-threshold is given (vLLM's default)
+LONG_PREFILL_SHARE = 0.04
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class _FCFSQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front."""
+
+    def __init__(self) -> None:
+        self._requests: deque[Request] = deque()
+
+    def push(self, request: Request, order_key: tuple) -> None:
+        self._requests.append(request)
+
+    def push_front(self, request: Request, order_key: tuple) -> None:
+        self._requests.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._requests[0]
+
+    def pop(self) -> Request:
+        return self._requests.popleft()
+
+    def remove_ids(self, request_ids: set[str]) -> None:
+        self._requests = deque(r for r in self._requests if r.request_id not in request_ids)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+
+class _PriorityQueue:
+    """Waiting requests by (priority, arrival); a preempted request keeps its original key,
+    which puts it ahead of everything that arrived after it at its priority."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, Request]] = []
+
+    def push(self, request: Request, order_key: tuple) -> None:
+        heapq.heappush(self._heap, (order_key, request))
+
+    push_front = push
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove_ids(self, request_ids: set[str]) -> None:
+        self._heap = [entry for entry in self._heap if entry[1].request_id not in request_ids]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class Scheduler:
+    """vLLM-v1-style scheduler: ``schedule()`` then ``update_from_output()`` once per step.
+
+    The engine must call ``update_from_output`` after every ``schedule`` (even an empty one):
+    requests the scheduler finishes on its own are returned from there.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int):
+        if max_model_len < 2:
+            raise ConfigError(f"max_model_len must be at least 2 (one prompt and one output token), "
+                              f"got {max_model_len}", param="max-model-len")
+        if scheduler_config.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got "
+                              f"{scheduler_config.scheduling_policy!r}", param="scheduling-policy")
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_waiting_requests = scheduler_config.max_waiting_requests
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.max_num_partial_prefills = max(1, scheduler_config.max_num_partial_prefills)
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        if not self.long_prefill_token_threshold and self.max_num_partial_prefills > 1:
+            self.long_prefill_token_threshold = max(1, int(max_model_len * LONG_PREFILL_SHARE))
+        self.use_priority = scheduler_config.scheduling_policy == "priority"
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                          hash_algo=cache_config.prefix_caching_hash_algo)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = _PriorityQueue() if self.use_priority else _FCFSQueue()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._admission_seq: dict[str, int] = {}
+        self._next_admission_seq = 0
+        # ids whose state the worker must drop at the next step
+        self._finished_req_ids: set[str] = set()
+        # requests finished inside schedule(); the next update_from_output returns them
+        self._finished_in_schedule: list[Request] = []
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or reject it at once when it can never run."""
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request "
+                                      "a unique id", param="request_id")
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="prompt")
+        if num_prompt_tokens + 1 > self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {num_prompt_tokens} tokens, but the model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt plus at least one output token); shorten the prompt "
+                f"to at most {self.max_model_len - 1} tokens", param="prompt")
+        block_size = self.block_manager.block_size
+        num_blocks_needed = self.block_manager.num_blocks_needed(num_prompt_tokens + 1)
+        if num_blocks_needed > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens and needs {num_blocks_needed} KV-cache blocks of "
+                f"{block_size} tokens, but the cache has only {self.block_manager.num_blocks} blocks; shorten "
+                "the prompt or give the KV cache more memory (--gpu-memory-utilization, "
+                "--kv-cache-memory-bytes, --num-gpu-blocks-override)", param="prompt")
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            raise OverloadedError(f"{len(self.waiting)} requests are already waiting "
+                                  f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
+        request.status = RequestStatus.WAITING
+        self.requests[request_id] = request
+        self._admission_seq[request_id] = self._next_admission_seq
+        self._next_admission_seq += 1
+        self.waiting.push(request, self._order_key(request))
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step: running requests first (a decode token or the next prompt chunk
+        each, in admission order), then waiting ones in policy order, all within the token
+        budget and the sequence cap."""
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids_by_req: dict[str, list[int]] = {}
+        preempted_this_step = False
+
+        # a snapshot: preemption removes requests from self.running while we walk it
+        for request in list(self.running):
+            if token_budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new_tokens = self._num_running_tokens_to_schedule(request, token_budget)
+            if num_new_tokens == 0:
+                continue
+            while True:
+                new_block_ids = self.block_manager.allocate_slots(request, num_new_tokens)
+                if new_block_ids is not None:
+                    break
+                victim = max(self.running, key=self._order_key)
+                if victim is request and len(self.running) == 1:
+                    self._finish_unfittable(request)
+                    break
+                preempted_this_step = True
+                if victim.request_id in num_scheduled_tokens:
+                    # already scheduled this step: take its tokens back
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_block_ids_by_req[victim.request_id]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                continue
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids_by_req[request.request_id] = new_block_ids
+            token_budget -= num_new_tokens
+
+        cached_reqs = [
+            CachedRequestData(req_id=req_id, new_block_ids=block_ids,
+                              num_computed_tokens=self.requests[req_id].num_computed_tokens)
+            for req_id, block_ids in new_block_ids_by_req.items()
+        ]
+        # after a preemption memory is short: admitting more would only preempt again
+        new_reqs = [] if preempted_this_step else self._schedule_waiting(token_budget, num_scheduled_tokens)
+
+        finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            finished_req_ids=finished_req_ids,
+        )
+
+    def _num_running_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
+        num_uncomputed = request.num_tokens - request.num_computed_tokens
+        if not self.enable_chunked_prefill:
+            return num_uncomputed if num_uncomputed <= token_budget else 0
+        num_new_tokens = min(num_uncomputed, token_budget)
+        if self.long_prefill_token_threshold:
+            num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
+        return num_new_tokens
+
+    def _schedule_waiting(self, token_budget: int, num_scheduled_tokens: dict[str, int]) -> list[NewRequestData]:
+        """Admit waiting requests in order; the head blocks the rest so nothing starves."""
+        new_reqs: list[NewRequestData] = []
+        num_partial_prefills = 0
+        if self.enable_chunked_prefill and len(self.waiting):
+            # a running request is mid-prefill when more than its one pending token is uncomputed
+            num_partial_prefills = sum(
+                1 for r in self.running
+                if r.num_tokens - r.num_computed_tokens - num_scheduled_tokens.get(r.request_id, 0) > 1)
+        now = time.monotonic()
+        while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached_tokens = None, 0
+            # a prefix hit would skip the prompt positions whose logprobs were asked for
+            if self.block_manager.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(request)
+            num_uncomputed = request.num_tokens - num_cached_tokens
+            if self.enable_chunked_prefill:
+                num_new_tokens = min(num_uncomputed, token_budget)
+                if self.long_prefill_token_threshold:
+                    num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
+                if num_new_tokens < num_uncomputed and num_partial_prefills >= self.max_num_partial_prefills:
+                    break
+            elif num_uncomputed <= token_budget:
+                num_new_tokens = num_uncomputed
+            elif num_uncomputed > self.max_num_batched_tokens and not num_scheduled_tokens:
+                num_new_tokens = num_uncomputed  # can never fit the budget: runs whole, alone
+            else:
+                break
+            new_block_ids = self.block_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.pop()
+            if num_new_tokens < num_uncomputed:
+                num_partial_prefills += 1
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = num_cached_tokens
+            self.running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.block_manager.get_block_table(request.request_id),
+                num_computed_tokens=num_cached_tokens,
+            ))
+        return new_reqs
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results: advance computed tokens, append sampled tokens and
+        logprobs, check token-level stops, free what finished.
+
+        :returns: the requests that got tokens or finished, for the engine to detokenize.
+        """
+        changed, self._finished_in_schedule = self._finished_in_schedule, []
+        errors = model_runner_output.errors
+        now = time.monotonic()
+        any_finished = False
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING or req_id in errors:
+                continue  # finished or aborted since schedule(); errors are handled below
+            if request.num_output_tokens == 0 and req_id in model_runner_output.prompt_logprobs:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = []
+                request.prompt_logprobs.extend(model_runner_output.prompt_logprobs[req_id])
+            request.num_computed_tokens += num_tokens
+            sampled_token_ids = model_runner_output.sampled_token_ids.get(req_id)
+            # a chunk that leaves prompt tokens uncomputed samples nothing
+            if not sampled_token_ids or request.num_computed_tokens < request.num_tokens:
+                continue
+            token_logprobs = model_runner_output.logprobs.get(req_id) or []
+            for position, token_id in enumerate(sampled_token_ids):
+                request.output_token_ids.append(token_id)
+                if position < len(token_logprobs):
+                    if request.logprobs is None:
+                        request.logprobs = []
+                    request.logprobs.append(token_logprobs[position])
+                if self._check_stop(request, token_id):
+                    self._finish(request, request.status)
+                    any_finished = True
+                    break
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            changed.append(request)
+        for req_id in errors:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            logger.warning("request %s failed in the worker: %s", req_id, errors[req_id])
+            if request.status is not RequestStatus.RUNNING:
+                self.waiting.remove_ids({req_id})
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            any_finished = True
+            changed.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.finished]
+        return changed
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Token-level stops, in order: stop_token_ids, EOS, max_tokens, max_model_len."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                return True
+        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) \
+                or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # ---- finishing and preemption --------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string): they leave the queues and free
+        their blocks now. Unknown or already finished ids are ignored.
+
+        :returns: the requests finished by this call.
+        """
+        if not status.finished:
+            raise InvalidRequestError(f"finish_requests needs a FINISHED_* status, got {status.name}",
+                                      param="status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        known_ids = {req_id for req_id in request_ids if req_id in self.requests}
+        if not known_ids:
+            return []
+        self.running = [r for r in self.running if r.request_id not in known_ids]
+        self.waiting.remove_ids(known_ids)
+        finished = [self.requests[req_id] for req_id in known_ids]
+        for request in finished:
+            self._finish(request, status)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Release a request that has already left (or is about to leave) the queues."""
+        request.status = status
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        del self._admission_seq[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+    def _finish_unfittable(self, request: Request) -> None:
+        logger.warning("request %s needs more KV-cache blocks than the whole cache holds (%d blocks of %d "
+                       "tokens) after %d tokens; finishing it with reason 'length'", request.request_id,
+                       self.block_manager.num_blocks, self.block_manager.block_size, request.num_tokens)
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        self._finished_in_schedule.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and queue it to be recomputed from scratch.
+
+        Its computed full blocks stay in the prefix cache, so on resumption it usually hits
+        them instead of recomputing everything.
+        """
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        if request.num_output_tokens == 0 and request.prompt_logprobs:
+            request.prompt_logprobs = []  # the prompt is recomputed from its first position
+        self.num_preemptions += 1
+        self._finished_req_ids.add(request.request_id)
+        self.waiting.push_front(request, self._order_key(request))
+        logger.warning("request %s preempted (KV cache full, %d preemptions so far); it will be recomputed. "
+                       "More KV-cache memory or a lower --max-num-seqs avoids this.",
+                       request.request_id, self.num_preemptions)
+
+    def _order_key(self, request: Request) -> tuple:
+        """Lower runs first; the highest running key is preempted first."""
+        seq = self._admission_seq[request.request_id]
+        if self.use_priority:
+            return (request.priority, request.arrival_time, seq)
+        return (seq,)
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        prefix_stats = self.block_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            prefix_cache_queries=prefix_stats.queries,
+            prefix_cache_hits=prefix_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )
