@@ -27,6 +27,7 @@ from tokenloom.core.request import (
     RequestStatus,
     SamplingParams,
 )
+from tokenloom.core.sampler import SamplingState, tokenize_bad_words
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
@@ -157,6 +158,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens, more than the whole KV cache holds "
                 f"({self.num_blocks} blocks of {block_size})", param="prompt")
+        SamplingState(params, []).validate(self.model_info.vocab_size)  # token ids in params are in range
         max_logprobs = self.config.model.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -208,16 +210,11 @@ class LLMEngine:
         self.prompt_tokens_total += len(prepared.prompt_token_ids)
 
     def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """Tokenize ``bad_words`` once, here, so the worker needs no tokenizer."""
         if not params.bad_words or self.tokenizer is None:
             return params
-        sequences: list[list[int]] = []
-        for word in params.bad_words:
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
         extra = dict(params.extra_args or {})
-        extra["bad_words_token_ids"] = sequences
+        extra["bad_words_token_ids"] = tokenize_bad_words(self.tokenizer, params.bad_words)
         return params.clone(extra_args=extra)
 
     def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
@@ -297,8 +294,12 @@ class LLMEngine:
                 seq.stop_reason = detokenizer.stop_string
                 self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
         if seq.finished:
-            detokenizer.flush()
-        state.texts[index] = detokenizer.output_text
+            if detokenizer.stop_string is None:
+                detokenizer.flush()
+            state.texts[index] = detokenizer.output_text
+        else:
+            # never show a streaming client text that may turn out to start a stop string
+            state.texts[index] = detokenizer.released_text
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         result: dict[int, Logprob] = {}

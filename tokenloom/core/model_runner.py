@@ -110,6 +110,7 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids),
                 bad_words_token_ids=bad_words,
                 eos_token_ids=self.info.eos_token_ids,
+                device=self.device,
             ),
             prompt_logprobs=params.prompt_logprobs,
         )
@@ -146,6 +147,9 @@ class ModelRunner:
             sampled = self.sampler(logits, metadata)
             for row, i in enumerate(sampling_rows):
                 state = states[i]
+                if row in sampled.errors:
+                    output.errors[state.req_id] = sampled.errors[row]
+                    continue
                 token_id = sampled.token_ids[row]
                 state.token_ids.append(token_id)
                 state.sampling.output_token_ids.append(token_id)
