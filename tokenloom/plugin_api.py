@@ -55,7 +55,8 @@ def __getattr__(name: str) -> Any:
 
 def _mark(kind: str, name: str, **options):
     def decorate(cls):
-        marks = list(getattr(cls, REGISTRATION_MARK, ()))
+        # the class's own marks only, never a base class's (vars, not getattr)
+        marks = list(vars(cls).get(REGISTRATION_MARK, ()))
         marks.append((kind, name, options))
         setattr(cls, REGISTRATION_MARK, tuple(marks))
         return cls

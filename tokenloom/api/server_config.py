@@ -15,6 +15,8 @@ class ServerConfig:
     """Port to listen on."""
     uvicorn_log_level: str = "info"
     """Log level of uvicorn: critical, error, warning, info, debug, trace."""
+    disable_uvicorn_access_log: bool = False
+    """Do not write uvicorn's access log (one line per HTTP request)."""
     api_key: list[str] | None = None
     """API key(s) clients must present as ``Authorization: Bearer KEY`` (also TOKENLOOM_API_KEY).
     Every route needs it except /health, /ping, /version (and /metrics unless

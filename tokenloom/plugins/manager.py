@@ -21,7 +21,7 @@ import pluggy
 
 from tokenloom.errors import PluginError
 from tokenloom.plugins import hookspecs
-from tokenloom.plugins.registry import Registry, import_file
+from tokenloom.plugins.registry import Registry, closest_match, import_file
 
 logger = logging.getLogger(__name__)
 
@@ -127,12 +127,15 @@ def load_plugins(
         (naming the path), since the user asked for that file explicitly.
     :param entry_points: load the ``tokenloom.plugins`` entry-point group (the built-ins too).
     """
+    # materialised once: a generator would be empty the second time it is read
+    modules = list(modules)
+    files = list(files)
     enabled = enabled_entry_point_names()
     key = (tuple(modules), tuple(os.path.abspath(f) for f in files), entry_points,
            tuple(sorted(enabled)) if enabled is not None else None)
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _load(list(modules), list(files), entry_points, enabled)
+            _cache[key] = _load(modules, files, entry_points, enabled)
         return _cache[key]
 
 
@@ -143,22 +146,48 @@ def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set
     plugins: list[PluginInfo] = []
     failures: list[PluginFailure] = []
 
+    def fail(name: str, origin: str, cause: str) -> None:
+        logger.warning("plugin %r (%s) failed to load: %s", name, origin, cause)
+        failures.append(PluginFailure(name, origin, cause))
+
     def add(name: str, origin: str, load) -> None:
         try:
             module = load()
-            manager.register(module, name=name)
         except Exception as exc:
-            cause = f"{type(exc).__name__}: {exc}"
-            logger.warning("plugin %r (%s) failed to load: %s", name, origin, cause)
-            failures.append(PluginFailure(name, origin, cause))
+            fail(name, origin, f"{type(exc).__name__}: {exc}")
+            return
+        if manager.is_registered(module):
+            return  # e.g. --plugin naming a module an entry point already loaded
+        if manager.has_plugin(name):
+            fail(name, origin, f"another plugin is already loaded under the name {name!r}; rename one of them")
+            return
+        unknown = _unknown_hooks(manager, module)
+        if unknown:
+            fail(name, origin, unknown)
+            return
+        try:
+            manager.register(module, name=name)
+        except Exception as exc:  # pluggy rejects hook functions with wrong argument names
+            fail(name, origin, f"{type(exc).__name__}: {exc}")
             return
         info = PluginInfo(name, origin)
+        staged = {kind: registry.copy() for kind, registry in registries.items()}
+        cause = _call_hooks(manager, module, info, staged)
+        if cause is not None:
+            manager.unregister(module)
+            fail(name, origin, cause)
+            return
+        registries.update(staged)
         plugins.append(info)
-        if not _call_hooks(manager, module, info, registries, failures):
-            plugins.remove(info)
 
     if entry_points:
-        for entry_point in sorted(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP), key=_builtin_first):
+        discovered = sorted(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP), key=_builtin_first)
+        if enabled is not None:
+            for missing in sorted(enabled - {entry_point.name for entry_point in discovered}):
+                fail(missing, ENABLED_PLUGINS_ENV,
+                     f"{ENABLED_PLUGINS_ENV} names {missing!r} but no installed plugin has that name; installed: "
+                     + ", ".join(sorted({entry_point.name for entry_point in discovered})))
+        for entry_point in discovered:
             if enabled is not None and entry_point.name not in enabled:
                 continue
             dist = entry_point.dist
@@ -183,8 +212,21 @@ def _builtin_first(entry_point) -> tuple[int, str]:
     return (0 if entry_point.value.startswith("tokenloom.") else 1, entry_point.name)
 
 
-def _call_hooks(manager, module, info: PluginInfo, registries, failures) -> bool:
-    """Call the plugin's hooks (and register its marked classes); False if one raised."""
+def _unknown_hooks(manager, module) -> str | None:
+    """A misspelt hook (``register_model``) would silently never be called: name it instead."""
+    known = [kind.hook for kind in PLUGIN_KINDS]
+    for attr in dir(module):
+        if attr in known or manager.parse_hookimpl_opts(module, attr) is None:
+            continue
+        suggestion = closest_match(attr, known)
+        return (f"{attr!r} is marked @hookimpl but is not a tokenloom hook"
+                + (f"; did you mean {suggestion!r}?" if suggestion else f"; hooks: {', '.join(known)}"))
+    return None
+
+
+def _call_hooks(manager, module, info: PluginInfo, registries) -> str | None:
+    """Call the plugin's hooks (and register its marked classes) into ``registries``; the
+    cause of the first failure, or None."""
     for kind in PLUGIN_KINDS:
         registry = registries[kind.name]
 
@@ -199,15 +241,16 @@ def _call_hooks(manager, module, info: PluginInfo, registries, failures) -> bool
             try:
                 impl.function(register=register)
             except Exception as exc:
-                cause = f"{kind.hook} raised {type(exc).__name__}: {exc}"
-                logger.warning("plugin %r (%s) failed: %s", info.name, info.origin, cause)
-                failures.append(PluginFailure(info.name, info.origin, cause))
-                manager.unregister(module)
-                return False
+                return f"{kind.hook} raised {type(exc).__name__}: {exc}"
     for value in list(vars(module).values()):
-        for kind_name, name, options in getattr(value, REGISTRATION_MARK, ()):
-            if getattr(value, "__module__", None) != module.__name__:
+        # the class's own marks only: a subclass of a marked class is not registered again
+        marks = vars(value).get(REGISTRATION_MARK, ()) if isinstance(value, type) else ()
+        for kind_name, name, options in marks:
+            if value.__module__ != module.__name__:
                 continue  # imported from elsewhere: registered by its own module
-            registries[kind_name].register(name, value, plugin_name=info.name, **options)
+            try:
+                registries[kind_name].register(name, value, plugin_name=info.name, **options)
+            except Exception as exc:
+                return f"registering {value.__qualname__} raised {type(exc).__name__}: {exc}"
             info.registered.setdefault(kind_name, []).append(name)
-    return True
+    return None

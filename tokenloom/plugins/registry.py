@@ -51,6 +51,12 @@ def resolve_target(path: str) -> Any:
     module_name, sep, attr_path = path.rpartition(":")
     if not sep or not module_name or not attr_path:
         raise PluginError(f"plugin target {path!r} is not of the form 'module:attr'")
+    if "<locals>" in attr_path:
+        # what a class defined inside a function becomes as plain data
+        raise PluginError(
+            f"plugin target {path!r} cannot be imported by name (it was defined inside a function); "
+            "define it at module level of an importable module"
+        )
     try:
         if module_name.endswith(".py"):
             module = import_file(module_name)
@@ -111,6 +117,13 @@ class Registry:
             )
         self._entries[name] = RegistryEntry(name, target, plugin_name, options)
 
+    def copy(self) -> "Registry":
+        """A shallow copy: the manager registers a plugin into a copy and keeps it only when
+        every hook of that plugin succeeded, so a failed plugin leaves nothing behind."""
+        duplicate = Registry(self.kind, self.flag)
+        duplicate._entries = dict(self._entries)
+        return duplicate
+
     def names(self) -> list[str]:
         return list(self._entries)
 
@@ -140,7 +153,7 @@ class Registry:
     @classmethod
     def from_plain(cls, kind: str, table: dict[str, str]) -> "Registry":
         registry = cls(kind)
-        for name, target in table.items():
+        for name, target in table.items():  # the order is kept: `auto` choices depend on it
             registry.register(name, target, plugin_name="<resolved in main process>")
         return registry
 

@@ -1,0 +1,14 @@
+"""tokenloom-example-plugin: the hooks only. Targets are "module:Class" strings, imported by
+tokenloom on first use, so loading this plugin imports nothing else."""
+
+from tokenloom.plugin_api import hookimpl
+
+
+@hookimpl
+def register_tool_parsers(register):
+    register("example_call_tags", "tokenloom_example_plugin.call_tags:CallTagToolParser")
+
+
+@hookimpl
+def register_model_sources(register):
+    register("example", "tokenloom_example_plugin.example_source:ExampleModelSource")

@@ -1,0 +1,218 @@
+"""The third-party example plugin (examples/tokenloom-example-plugin): its tool parser and model
+source work, and once pip-installed it is discovered through its real entry-point metadata."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tokenloom.errors import ModelLoadError
+
+EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "tokenloom-example-plugin"
+
+
+@pytest.fixture(scope="module")
+def example_modules():
+    """The example package imported from its source directory (no installation)."""
+    sys.path.insert(0, str(EXAMPLE_DIR))
+    try:
+        from tokenloom_example_plugin import call_tags, example_source
+
+        yield call_tags, example_source
+    finally:
+        sys.path.remove(str(EXAMPLE_DIR))
+        for name in [name for name in sys.modules if name.startswith("tokenloom_example_plugin")]:
+            del sys.modules[name]
+
+
+# -- the tool parser -----------------------------------------------------------------------------
+
+OUTPUT = ('Let me check. <call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>'
+          ' and <call>{"name": "get_time", "arguments": {}}</call> done <')
+
+
+def calls_of(tool_calls):
+    return [(call.name, json.loads(call.arguments)) for call in tool_calls]
+
+
+def streamed(parser, pieces):
+    """(content, [(name, arguments)], indices) from feeding ``pieces`` one by one."""
+    content, calls, indices = [], [], []
+    messages = [parser.extract_delta(piece, None) for piece in pieces] + [parser.finish(None)]
+    for message in filter(None, messages):
+        content.append(message.content or "")
+        for delta in message.tool_calls:
+            calls.append((delta.name, json.loads(delta.arguments)))
+            indices.append(delta.index)
+            assert delta.id.startswith("call_")
+    return "".join(content), calls, indices
+
+
+def test_extract_finds_calls_and_keeps_the_text_around_them(example_modules):
+    call_tags, _ = example_modules
+    result = call_tags.CallTagToolParser(None).extract(OUTPUT, None)
+    assert result.tools_called
+    assert calls_of(result.tool_calls) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert result.content == "Let me check.  and  done <"
+    assert len({call.id for call in result.tool_calls}) == 2
+
+
+@pytest.mark.parametrize("text", [
+    "<call>not json</call>",
+    '<call>{"arguments": {}}</call>',  # no name
+    '<call>{"name": "f", "arguments": [1]}</call>',  # arguments not an object
+    '<call>{"name": "f"}',  # never closed
+    "plain answer",
+])
+def test_malformed_or_absent_calls_stay_content(example_modules, text):
+    call_tags, _ = example_modules
+    result = call_tags.CallTagToolParser(None).extract(text, None)
+    assert not result.tools_called and result.tool_calls == [] and result.content == text
+
+
+def test_every_two_and_three_way_split_streams_the_same_result(example_modules):
+    call_tags, _ = example_modules
+    expected = call_tags.CallTagToolParser(None).extract(OUTPUT, None)
+    cuts = range(1, len(OUTPUT))
+    for cut_points in itertools.chain(itertools.combinations(cuts, 1), random.Random(0).sample(
+            list(itertools.combinations(cuts, 2)), 400)):
+        bounds = (0, *cut_points, len(OUTPUT))
+        pieces = [OUTPUT[start:end] for start, end in zip(bounds, bounds[1:])]
+        content, calls, indices = streamed(call_tags.CallTagToolParser(None), pieces)
+        assert content == expected.content, pieces
+        assert calls == calls_of(expected.tool_calls), pieces
+        assert indices == [0, 1]
+
+
+@pytest.mark.parametrize("text", ["<call>not json</call> tail", 'x <call>{"name": "f"}', "a < b <ca", "<<call>"])
+def test_streaming_matches_extract_on_odd_inputs_character_by_character(example_modules, text):
+    call_tags, _ = example_modules
+    expected = call_tags.CallTagToolParser(None).extract(text, None)
+    content, calls, _ = streamed(call_tags.CallTagToolParser(None), list(text))
+    assert content == (expected.content or "") and calls == calls_of(expected.tool_calls)
+
+
+def test_streaming_holds_back_only_what_may_start_a_call(example_modules):
+    call_tags, _ = example_modules
+    parser = call_tags.CallTagToolParser(None)
+    assert parser.extract_delta("Hello <ca", None).content == "Hello "
+    assert parser.extract_delta("t", None).content == "<cat"  # not a tag after all
+    assert parser.extract_delta('<call>{"name": "f"', None) is None  # inside a call: nothing yet
+    message = parser.extract_delta("}</call>", None)
+    assert message.content is None and message.tool_calls[0].name == "f"
+
+
+# -- the model source ------------------------------------------------------------------------------
+
+
+def test_model_source_resolves_directories_and_gguf_files_in_order(example_modules, tmp_path, monkeypatch):
+    _, example_source = example_modules
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "tiny").mkdir(parents=True)
+    second.mkdir()
+    (second / "tiny.gguf").write_bytes(b"GGUF")
+    (second / "other.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("TOKENLOOM_EXAMPLE_MODELS", os.pathsep.join([str(first), str(second)]))
+    source = example_source.ExampleModelSource()
+    assert source.matches("example:tiny") and not source.matches("HuggingFaceTB/SmolLM2-135M")
+    resolved = source.resolve("example:tiny")
+    assert (resolved.path, resolved.name, resolved.source, resolved.load_format) == (
+        str(first / "tiny"), "tiny", "example", None)
+    resolved = source.resolve("example:other")
+    assert (resolved.path, resolved.load_format) == (str(second / "other.gguf"), "gguf")
+    with pytest.raises(ModelLoadError, match="available: other, tiny"):
+        source.resolve("example:missing")
+
+
+def test_model_source_says_which_variable_to_set(example_modules, monkeypatch):
+    _, example_source = example_modules
+    monkeypatch.delenv("TOKENLOOM_EXAMPLE_MODELS", raising=False)
+    with pytest.raises(ModelLoadError, match="set TOKENLOOM_EXAMPLE_MODELS"):
+        example_source.ExampleModelSource().resolve("example:tiny")
+    with pytest.raises(ModelLoadError, match="write example:NAME"):
+        example_source.ExampleModelSource().resolve("example:")
+
+
+# -- installed with pip, discovered through its entry point ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def installed_example(tmp_path_factory):
+    """The example installed with pip into a fresh directory (offline, no dependencies)."""
+    source = tmp_path_factory.mktemp("source") / "tokenloom-example-plugin"
+    # a copy: pip builds in the source tree and would leave build/ and *.egg-info in examples/
+    shutil.copytree(EXAMPLE_DIR, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(source)],
+        check=True, capture_output=True, timeout=300,
+    )
+    return target
+
+
+def run_tokenloom(args: list[str], pythonpath: Path | None, **env_updates) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "TOKENLOOM_PLUGINS"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    env.update(env_updates)
+    script = Path(sys.executable).with_name("tokenloom")
+    command = [str(script)] if script.exists() else [
+        sys.executable, "-c", "import sys; from tokenloom.api.cli import main; sys.exit(main())"]
+    return subprocess.run(command + args, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.hook("register_tool_parsers")
+@pytest.mark.hook("register_model_sources")
+def test_tokenloom_plugins_lists_the_installed_example(installed_example):
+    assert list(installed_example.glob("tokenloom_example_plugin-0.1.0.dist-info/entry_points.txt"))
+    result = run_tokenloom(["plugins", "--json"], installed_example)
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    [example] = [plugin for plugin in listing["plugins"] if plugin["name"] == "example"]
+    assert example["origin"] == "tokenloom-example-plugin 0.1.0"
+    assert example["registered"] == {"tool_parser": ["example_call_tags"], "model_source": ["example"]}
+    # the text listing shows it too
+    text = run_tokenloom(["plugins"], installed_example, TOKENLOOM_PLUGINS="example")
+    assert "example  (tokenloom-example-plugin 0.1.0)" in text.stdout
+    assert "tool_parser: example_call_tags" in text.stdout
+
+
+def test_without_installation_there_is_no_example_plugin():
+    result = run_tokenloom(["plugins", "--json"], None, TOKENLOOM_PLUGINS="example")
+    listing = json.loads(result.stdout)
+    assert listing["plugins"] == []
+    assert listing["failures"][0]["name"] == "example"
+
+
+def test_installed_example_resolves_lazily_and_works(installed_example, tmp_path):
+    (tmp_path / "tiny").mkdir()
+    check = textwrap.dedent("""
+        import json, sys
+        from tokenloom.plugins.manager import load_plugins
+
+        plugin_set = load_plugins()
+        lazy = "tokenloom_example_plugin.call_tags" not in sys.modules
+        parser = plugin_set.registry("tool_parser").get("example_call_tags")(None)
+        result = parser.extract('<call>{"name": "f", "arguments": {"x": 1}}</call>', None)
+        source = plugin_set.registry("model_source").get("example")()
+        print(json.dumps({"lazy": lazy, "calls": [[c.name, c.arguments] for c in result.tool_calls],
+                          "path": source.resolve("example:tiny").path,
+                          "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
+    """)
+    env = {key: value for key, value in os.environ.items()}
+    env.update(PYTHONPATH=str(installed_example), TOKENLOOM_PLUGINS="example",
+               TOKENLOOM_EXAMPLE_MODELS=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report == {"lazy": True, "calls": [["f", '{"x": 1}']], "path": str(tmp_path / "tiny"), "heavy": []}

@@ -1,0 +1,628 @@
+"""The catalogue of ``tokenloom serve`` flags, by vLLM's names, as data.
+
+Each :class:`Flag` names its vLLM group, where its value goes (an :class:`EngineArgs`
+field or a :class:`ServerConfig` field), its type, and a status: ``implemented``,
+``cpu_noop`` (accepted, warned: it means nothing on the CPU), ``noop`` (accepted, warned:
+vLLM itself ignores it, or it concerns something tokenloom never does) or
+``unimplemented`` (rejected by name, unless given the value that changes nothing).
+Implemented flags take their help text and default from the config dataclasses' attribute
+docstrings. Importing this module is cheap: no torch, no plugins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Callable
+
+from tokenloom.errors import ConfigError
+
+IMPLEMENTED = "implemented"
+CPU_NOOP = "cpu_noop"
+NOOP = "noop"
+UNIMPLEMENTED = "unimplemented"
+STATUSES = (IMPLEMENTED, CPU_NOOP, NOOP, UNIMPLEMENTED)
+
+ENGINE = "engine"  # an EngineArgs field
+SERVER = "server"  # a ServerConfig field
+CLI = "cli"  # consumed by the command line itself (--config)
+
+# vLLM's group names, in the order --help lists them, with what each holds
+GROUPS: dict[str, str] = {
+    "Frontend": "the HTTP server: address, TLS, CORS, API keys, chat templates, tool calling, plugins",
+    "ModelConfig": "which model, its tokenizer, dtype, context length and generation defaults",
+    "LoadConfig": "where weights come from and in which format",
+    "StructuredOutputsConfig": "guided decoding (JSON schema, regex, choice, grammar) and reasoning parsing",
+    "ParallelConfig": "tensor, pipeline and data parallelism and the executor that owns the workers",
+    "CacheConfig": "the paged KV cache: block size, memory, prefix caching",
+    "SchedulerConfig": "continuous batching: token budget, sequence cap, chunked prefill, policy",
+    "DeviceConfig": "the device platform",
+    "MultiModalConfig": "image, audio and video inputs",
+    "LoRAConfig": "LoRA adapters",
+    "PromptAdapterConfig": "prompt adapters",
+    "SpeculativeConfig": "speculative decoding",
+    "ObservabilityConfig": "tracing and metrics",
+    "TokenizerPoolConfig": "asynchronous tokenizer pools (deprecated by vLLM)",
+    "VllmConfig": "whole-engine JSON configs: compilation, KV transfer, speculative, structured outputs",
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag of ``tokenloom serve``."""
+
+    name: str  # "--max-model-len"
+    group: str  # a key of GROUPS
+    status: str  # one of STATUSES
+    help: str = ""  # implemented flags default to their config field's docstring
+    dest: str | None = None  # the EngineArgs / ServerConfig field an implemented flag sets
+    to: str = ENGINE
+    kind: str = "str"  # a key of CONVERTERS
+    nargs: str | None = None  # "+" (one or more values) or "?" (an optional value)
+    repeat: bool = False  # may be given several times; the values are collected in a list
+    choices: tuple | None = None
+    default: Any = None  # flags that are not implemented: vLLM's default, accepted silently
+    aliases: tuple[str, ...] = ()  # short forms: -tp, -pp, -q, -O ...
+    negatable: bool = False  # has a --no-NAME form
+    const: Any = None  # a bool flag that sets ``dest`` to this value when given
+    note: str = ""  # why a noop is ignored, or what to use instead of an unimplemented flag
+    tokenloom_only: bool = False  # not a vLLM flag: tokenloom's own
+
+    @property
+    def key(self) -> str:
+        """The flag's own name as an identifier (``max_model_len``); several flags may share a dest."""
+        return self.name[2:].replace("-", "_")
+
+    @property
+    def option_strings(self) -> tuple[str, ...]:
+        negation = ("--no-" + self.name[2:],) if self.negatable else ()
+        return (self.name, *self.aliases, *negation)
+
+    @property
+    def metavar(self) -> str | None:
+        if self.kind == "bool":
+            return None
+        if self.choices:
+            return "{" + ",".join(map(str, self.choices)) + "}"
+        return self.key.upper()
+
+    def converter(self) -> Callable[[str], Any]:
+        return CONVERTERS[self.kind]
+
+
+# -- value converters ------------------------------------------------------------------
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT]?)$")
+_BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True,
+               "false": False, "no": False, "0": False, "off": False}
+
+
+def parse_size(text: str) -> int:
+    """An integer, optionally human-readable as vLLM accepts it: ``1k`` = 1000, ``1K`` = 1024,
+    ``25.6k`` = 25600 (lower-case suffixes are powers of 1000, upper-case of 1024)."""
+    match = _SIZE.match(str(text).strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (suffixes k, m, g, t or K, M, G, T allowed)")
+    number, suffix = match.groups()
+    power = "kmgt".index(suffix.lower()) + 1 if suffix else 0
+    value = float(number) * (1000 if suffix.islower() else 1024) ** power
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def parse_json_object(text: str) -> dict:
+    """A JSON object given as text (``'{"factor": 2.0}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg} at character {exc.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
+
+
+def parse_str_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form, ``'["a", "b"]'``) or a single string."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            value = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a valid JSON list ({exc.msg}): {text!r}") from None
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+    return [text]
+
+
+def parse_level_or_json(text: str) -> int | dict:
+    """An optimisation level (``3``) or a JSON object, as vLLM's ``-O`` takes."""
+    return int(text) if text.strip().isdigit() else parse_json_object(text)
+
+
+def parse_bool(text: str) -> bool:
+    try:
+        return _BOOL_WORDS[str(text).strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+
+
+CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "str": str, "int": int, "float": float, "size": parse_size,
+    "json": parse_json_object, "strlist": parse_str_list, "bool": parse_bool,
+    "level_or_json": parse_level_or_json,
+}
+JSON_KINDS = ("json", "level_or_json")  # kinds that also take vLLM's dotted form: --hf-overrides.key value
+
+
+# -- constructors that keep the table below readable -------------------------------------
+
+
+def implemented(name: str, group: str, dest: str | None = None, **options) -> Flag:
+    return Flag(name, group, IMPLEMENTED, dest=dest or name[2:].replace("-", "_"), **options)
+
+
+def server(name: str, dest: str | None = None, **options) -> Flag:
+    return implemented(name, "Frontend", dest, to=SERVER, **options)
+
+
+def cpu_noop(name: str, group: str, note: str, help: str, **options) -> Flag:
+    return Flag(name, group, CPU_NOOP, help=help, note=note, **options)
+
+
+def noop(name: str, group: str, note: str, help: str, **options) -> Flag:
+    return Flag(name, group, NOOP, help=help, note=note, **options)
+
+
+def unimplemented(name: str, group: str, help: str, **options) -> Flag:
+    return Flag(name, group, UNIMPLEMENTED, help=help, **options)
+
+
+def _bool(**options) -> dict:
+    return {"kind": "bool", "negatable": True, "default": False, **options}
+
+
+GPU_ONLY = "it concerns CUDA graphs or GPU kernels, which the CPU does not use"
+
+FLAGS: tuple[Flag, ...] = (
+    # -- Frontend: ServerConfig ------------------------------------------------------------
+    implemented("--config", "Frontend", to=CLI, help=(
+        "A YAML file of flags: keys are flag names without the leading dashes (max-model-len or "
+        "max_model_len). The command line wins over the file, the file over the defaults.")),
+    server("--host"),
+    server("--port", kind="int"),
+    server("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace")),
+    server("--disable-uvicorn-access-log", kind="bool"),
+    server("--api-key", repeat=True),
+    server("--metrics-require-key", kind="bool", tokenloom_only=True),
+    server("--allow-credentials", kind="bool"),
+    server("--allowed-origins", kind="strlist"),
+    server("--allowed-methods", kind="strlist"),
+    server("--allowed-headers", kind="strlist"),
+    server("--middleware", repeat=True),
+    server("--root-path"),
+    server("--ssl-keyfile"),
+    server("--ssl-certfile"),
+    server("--ssl-ca-certs"),
+    server("--ssl-cert-reqs", kind="int"),
+    unimplemented("--enable-ssl-refresh", "Frontend", "Reload the TLS context when the certificate files change.",
+                  kind="bool", default=False),
+    server("--disable-fastapi-docs", kind="bool"),
+    server("--enable-request-id-headers", kind="bool"),
+    server("--return-tokens-as-token-ids", kind="bool"),
+    server("--max-log-len", kind="int"),
+    server("--disable-log-requests", kind="bool"),
+    server("--disable-log-stats", kind="bool"),
+    server("--chat-template"),
+    server("--chat-template-content-format", choices=("auto", "string", "openai")),
+    server("--response-role"),
+    server("--enable-auto-tool-choice", kind="bool"),
+    server("--tool-call-parser"),
+    server("--tool-parser-plugin", repeat=True),
+    server("--plugin", "plugins", repeat=True, tokenloom_only=True, help=(
+        "An importable module to load as a tokenloom plugin, besides the installed entry points "
+        "(repeatable).")),
+    server("--enable-prompt-tokens-details", kind="bool"),
+    server("--enable-server-load-tracking", kind="bool"),
+    server("--disable-frontend-multiprocessing", kind="bool"),
+    server("--max-request-body-bytes", kind="size", tokenloom_only=True),
+    unimplemented("--lora-modules", "Frontend", "LoRA adapters to serve, as name=path or JSON.", nargs="+"),
+    unimplemented("--prompt-adapters", "Frontend", "Prompt adapters to serve, as name=path.", nargs="+"),
+    unimplemented("--headless", "Frontend", "Run engine cores only, without an API server (multi-node).",
+                  kind="bool", default=False),
+    # -- ModelConfig ---------------------------------------------------------------------------
+    implemented("--model", "ModelConfig"),
+    implemented("--task", "ModelConfig", choices=(
+        "auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription", "draft")),
+    implemented("--runner", "ModelConfig", choices=("auto", "generate", "pooling", "draft")),
+    implemented("--convert", "ModelConfig", choices=("auto", "none", "embed", "classify", "reward")),
+    implemented("--tokenizer", "ModelConfig"),
+    implemented("--tokenizer-mode", "ModelConfig", choices=("auto", "slow", "mistral", "custom")),
+    implemented("--revision", "ModelConfig"),
+    implemented("--tokenizer-revision", "ModelConfig"),
+    implemented("--dtype", "ModelConfig", choices=("auto", "half", "float16", "bfloat16", "float", "float32")),
+    implemented("--max-model-len", "ModelConfig", kind="size"),
+    implemented("--served-model-name", "ModelConfig", nargs="+"),
+    implemented("--seed", "ModelConfig", kind="int"),
+    implemented("--hf-overrides", "ModelConfig", kind="json"),
+    implemented("--rope-scaling", "ModelConfig", kind="json"),
+    implemented("--rope-theta", "ModelConfig", kind="float"),
+    implemented("--trust-remote-code", "ModelConfig", **_bool()),
+    implemented("--max-logprobs", "ModelConfig", kind="int"),
+    implemented("--logprobs-mode", "ModelConfig",
+                choices=("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")),
+    implemented("--skip-tokenizer-init", "ModelConfig", **_bool()),
+    implemented("--generation-config", "ModelConfig"),
+    implemented("--enforce-eager", "ModelConfig", **_bool()),
+    implemented("--override-pooler-config", "ModelConfig", kind="json"),
+    implemented("--pooler-config", "ModelConfig", "override_pooler_config", kind="json",
+                help="JSON dict configuring the pooler of pooling models (vLLM's newer name of "
+                     "--override-pooler-config)."),
+    implemented("--disable-sliding-window", "ModelConfig", **_bool()),
+    implemented("--quantization", "ModelConfig", aliases=("-q",)),
+    unimplemented("--hf-config-path", "ModelConfig", "Name or path of a Hugging Face config to use instead."),
+    unimplemented("--hf-token", "ModelConfig", "Token for Hugging Face downloads.", nargs="?",
+                  note="the Hugging Face source reads the HF_TOKEN environment variable; set that instead"),
+    noop("--code-revision", "ModelConfig", "tokenloom never runs model code shipped with a model",
+         "Revision of the model code on the Hugging Face Hub."),
+    unimplemented("--config-format", "ModelConfig", "Format of the model config: auto, hf or mistral.",
+                  default="auto", choices=("auto", "hf", "mistral")),
+    unimplemented("--model-impl", "ModelConfig", "Which implementation of the model to run.",
+                  default="auto", choices=("auto", "vllm", "transformers", "terratorch"),
+                  note="tokenloom always runs its own model plugins"),
+    unimplemented("--allowed-local-media-path", "ModelConfig", "Directory that requests may read local media from.",
+                  default=""),
+    unimplemented("--allowed-media-domains", "ModelConfig", "Domains that media URLs may come from.", nargs="+"),
+    unimplemented("--logits-processor-pattern", "ModelConfig",
+                  "Regex of logits-processor names that requests may name."),
+    unimplemented("--logits-processors", "ModelConfig", "Logits-processor classes to load.", nargs="+"),
+    unimplemented("--io-processor-plugin", "ModelConfig", "An IOProcessor plugin to load at start-up."),
+    unimplemented("--override-attention-dtype", "ModelConfig", "Run attention in another dtype."),
+    unimplemented("--override-generation-config", "ModelConfig",
+                  "JSON dict overriding the model's generation defaults.", kind="json"),
+    unimplemented("--enable-prompt-embeds", "ModelConfig", "Accept prompt embeddings instead of token ids.",
+                  **_bool()),
+    unimplemented("--quantization-param-path", "ModelConfig", "JSON file of KV-cache scaling factors (fp8)."),
+    cpu_noop("--disable-cascade-attn", "ModelConfig", GPU_ONLY, "Disable cascade attention.", **_bool()),
+    cpu_noop("--enable-sleep-mode", "ModelConfig", "sleep mode frees GPU memory and exists only on CUDA",
+             "Allow the engine to sleep and release device memory.", **_bool()),
+    cpu_noop("--max-seq-len-to-capture", "ModelConfig", GPU_ONLY,
+             "Longest sequence covered by CUDA graphs.", kind="int", default=8192),
+    cpu_noop("--max-context-len-to-capture", "ModelConfig", GPU_ONLY,
+             "Old name of --max-seq-len-to-capture.", kind="int"),
+    cpu_noop("--override-neuron-config", "ModelConfig", "it configures AWS Neuron devices",
+             "JSON dict of Neuron device settings.", kind="json"),
+    noop("--disable-async-output-proc", "ModelConfig", "tokenloom has no asynchronous output processor to disable",
+         "Disable asynchronous output processing.", kind="bool", default=False),
+    # -- LoadConfig ------------------------------------------------------------------------------
+    implemented("--load-format", "LoadConfig"),
+    implemented("--download-dir", "LoadConfig"),
+    implemented("--ignore-patterns", "LoadConfig", nargs="+"),
+    implemented("--use-tqdm-on-load", "LoadConfig", **_bool(default=True)),
+    implemented("--model-loader-extra-config", "LoadConfig", kind="json"),
+    unimplemented("--pt-load-map-location", "LoadConfig", "map_location for torch.load of .pt/.bin weights.",
+                  default="cpu", note="weights are always loaded to the CPU first"),
+    unimplemented("--safetensors-load-strategy", "LoadConfig", "lazy (memory-mapped) or eager safetensors reads."),
+    noop("--qlora-adapter-name-or-path", "LoadConfig", "vLLM ignores it too and is removing it",
+         "Name or path of a QLoRA adapter."),
+    # -- StructuredOutputsConfig -----------------------------------------------------------------
+    implemented("--guided-decoding-backend", "StructuredOutputsConfig"),
+    implemented("--guided-decoding-disable-fallback", "StructuredOutputsConfig", **_bool()),
+    implemented("--guided-decoding-disable-any-whitespace", "StructuredOutputsConfig", **_bool()),
+    implemented("--guided-decoding-disable-additional-properties", "StructuredOutputsConfig", **_bool()),
+    implemented("--reasoning-parser", "StructuredOutputsConfig"),
+    noop("--enable-reasoning", "StructuredOutputsConfig",
+         "reasoning is on whenever --reasoning-parser names a parser; vLLM deprecated it",
+         "Old switch for reasoning_content; needs --reasoning-parser.", **_bool()),
+    # -- ParallelConfig ---------------------------------------------------------------------------
+    implemented("--distributed-executor-backend", "ParallelConfig"),
+    implemented("--tensor-parallel-size", "ParallelConfig", kind="int", aliases=("-tp",)),
+    implemented("--pipeline-parallel-size", "ParallelConfig", kind="int", aliases=("-pp",)),
+    implemented("--data-parallel-size", "ParallelConfig", kind="int", aliases=("-dp",)),
+    implemented("--worker-use-ray", "ParallelConfig", "distributed_executor_backend", kind="bool", const="ray",
+                help="Old spelling of --distributed-executor-backend ray.",
+                note="deprecated by vLLM: use --distributed-executor-backend ray"),
+    unimplemented("--data-parallel-size-local", "ParallelConfig", "Data-parallel replicas on this node.",
+                  kind="int", aliases=("-dpl",)),
+    unimplemented("--data-parallel-address", "ParallelConfig", "Address of the data-parallel head node.",
+                  aliases=("-dpa",)),
+    unimplemented("--data-parallel-rpc-port", "ParallelConfig", "Port for data-parallel RPC.", kind="int",
+                  aliases=("-dpp",)),
+    unimplemented("--data-parallel-start-rank", "ParallelConfig", "First data-parallel rank of a secondary node.",
+                  kind="int", aliases=("-dpr",), default=0),
+    unimplemented("--data-parallel-rank", "ParallelConfig", "Data-parallel rank of this instance.", kind="int",
+                  aliases=("-dpn",)),
+    unimplemented("--data-parallel-backend", "ParallelConfig", "Data-parallel backend: mp or ray.",
+                  aliases=("-dpb",), default="mp"),
+    unimplemented("--data-parallel-hybrid-lb", "ParallelConfig", "Hybrid data-parallel load balancing.", **_bool()),
+    unimplemented("--decode-context-parallel-size", "ParallelConfig", "Decode context-parallel groups.",
+                  kind="int", aliases=("-dcp",), default=1),
+    unimplemented("--enable-expert-parallel", "ParallelConfig", "Expert parallelism for MoE layers.", **_bool()),
+    unimplemented("--enable-eplb", "ParallelConfig", "Expert-parallel load balancing.", **_bool()),
+    unimplemented("--eplb-config", "ParallelConfig", "JSON expert-parallel load-balancing settings.", kind="json"),
+    unimplemented("--eplb-log-balancedness", "ParallelConfig", "Log expert load balance.", **_bool()),
+    unimplemented("--eplb-step-interval", "ParallelConfig", "Steps between expert rebalancing.", kind="int"),
+    unimplemented("--eplb-window-size", "ParallelConfig", "Window of expert-load statistics.", kind="int"),
+    unimplemented("--num-redundant-experts", "ParallelConfig", "Redundant experts for load balancing.", kind="int"),
+    unimplemented("--expert-placement-strategy", "ParallelConfig", "How MoE experts are placed on ranks.",
+                  choices=("linear", "round_robin"), default="linear"),
+    unimplemented("--enable-dbo", "ParallelConfig", "Dual-batch overlap.", **_bool()),
+    unimplemented("--dbo-decode-token-threshold", "ParallelConfig", "Dual-batch-overlap threshold for decodes.",
+                  kind="int", default=32),
+    unimplemented("--dbo-prefill-token-threshold", "ParallelConfig", "Dual-batch-overlap threshold for prefills.",
+                  kind="int", default=512),
+    unimplemented("--enable-multimodal-encoder-data-parallel", "ParallelConfig",
+                  "Data-parallel multimodal encoders.", kind="bool", default=False),
+    unimplemented("--worker-cls", "ParallelConfig", "Worker class to run.", default="auto",
+                  note="executors are plugins: register one with register_executors"),
+    unimplemented("--worker-extension-cls", "ParallelConfig", "Class mixed into the worker.", default=""),
+    cpu_noop("--disable-custom-all-reduce", "ParallelConfig", GPU_ONLY,
+             "Use NCCL instead of the custom all-reduce kernel.", **_bool()),
+    cpu_noop("--ray-workers-use-nsight", "ParallelConfig", "Nsight profiles NVIDIA GPUs",
+             "Profile Ray workers with Nsight.", **_bool()),
+    noop("--max-parallel-loading-workers", "ParallelConfig",
+         "weights are streamed one tensor at a time, so loading needs no batching",
+         "Load weights in batches of this many workers.", kind="int"),
+    # -- CacheConfig ---------------------------------------------------------------------------
+    implemented("--block-size", "CacheConfig", kind="int"),
+    implemented("--gpu-memory-utilization", "CacheConfig", kind="float"),
+    implemented("--kv-cache-memory-bytes", "CacheConfig", kind="size"),
+    implemented("--num-gpu-blocks-override", "CacheConfig", kind="int"),
+    implemented("--enable-prefix-caching", "CacheConfig", **_bool(default=True)),
+    implemented("--prefix-caching-hash-algo", "CacheConfig", choices=("builtin", "sha256")),
+    implemented("--kv-cache-dtype", "CacheConfig", "cache_dtype",
+                choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")),
+    unimplemented("--calculate-kv-scales", "CacheConfig", "Compute fp8 KV-cache scales on the fly.", **_bool()),
+    unimplemented("--kv-sharing-fast-prefill", "CacheConfig", "Skip prefill tokens in KV-sharing layers.",
+                  **_bool()),
+    unimplemented("--mamba-cache-dtype", "CacheConfig", "Data type of Mamba state caches.",
+                  choices=("auto", "float32"), default="auto"),
+    unimplemented("--mamba-ssm-cache-dtype", "CacheConfig", "Data type of the Mamba SSM state.",
+                  choices=("auto", "float32"), default="auto"),
+    cpu_noop("--swap-space", "CacheConfig", "it is host memory for blocks swapped out of a GPU",
+             "CPU swap space per GPU, in GiB.", kind="float", default=4),
+    cpu_noop("--cpu-offload-gb", "CacheConfig", "the weights already live in CPU memory",
+             "GiB of weights to keep in CPU memory per GPU.", kind="float", default=0),
+    # -- SchedulerConfig -----------------------------------------------------------------------
+    implemented("--max-num-batched-tokens", "SchedulerConfig", kind="size"),
+    implemented("--max-num-seqs", "SchedulerConfig", kind="int"),
+    implemented("--enable-chunked-prefill", "SchedulerConfig", **_bool(default=True)),
+    implemented("--max-num-partial-prefills", "SchedulerConfig", kind="int"),
+    implemented("--long-prefill-token-threshold", "SchedulerConfig", kind="int"),
+    implemented("--scheduling-policy", "SchedulerConfig", choices=("fcfs", "priority")),
+    implemented("--max-waiting-requests", "SchedulerConfig", kind="int", tokenloom_only=True),
+    unimplemented("--max-long-partial-prefills", "SchedulerConfig",
+                  "Long prompts prefilled in chunks at once.", kind="int", default=1),
+    unimplemented("--num-lookahead-slots", "SchedulerConfig", "Extra KV slots per step for speculative tokens.",
+                  kind="int", default=0),
+    unimplemented("--scheduler-cls", "SchedulerConfig", "Scheduler class to use.",
+                  default="vllm.core.scheduler.Scheduler"),
+    unimplemented("--num-scheduler-steps", "SchedulerConfig", "Forward steps per scheduler call (multi-step).",
+                  kind="int", default=1),
+    unimplemented("--scheduler-delay-factor", "SchedulerConfig", "Delay before scheduling the next prompt.",
+                  kind="float", default=0.0),
+    unimplemented("--preemption-mode", "SchedulerConfig", "Preempt by recompute or swap.",
+                  choices=("recompute", "swap"), default="recompute",
+                  note="tokenloom preempts by recompute"),
+    unimplemented("--async-scheduling", "SchedulerConfig", "Schedule the next step while this one runs.",
+                  **_bool()),
+    unimplemented("--disable-chunked-mm-input", "SchedulerConfig", "Never split a multimodal item.", **_bool()),
+    unimplemented("--disable-hybrid-kv-cache-manager", "SchedulerConfig",
+                  "Same KV size for every attention type.", **_bool()),
+    cpu_noop("--cuda-graph-sizes", "SchedulerConfig", GPU_ONLY, "Batch sizes to capture CUDA graphs for.",
+             kind="int", nargs="+"),
+    noop("--multi-step-stream-outputs", "SchedulerConfig", "it only applies to multi-step scheduling",
+         "Stream outputs after every step of a multi-step call.", **_bool(default=True)),
+    noop("--use-v2-block-manager", "SchedulerConfig", "vLLM ignores it too: one block manager remains",
+         "Old switch for the v2 block manager.", kind="bool", default=False),
+    # -- DeviceConfig ---------------------------------------------------------------------------
+    implemented("--device", "DeviceConfig"),
+    # -- MultiModalConfig -----------------------------------------------------------------------
+    unimplemented("--limit-mm-per-prompt", "MultiModalConfig", "Maximum media items per prompt, per modality.",
+                  kind="json"),
+    unimplemented("--mm-processor-kwargs", "MultiModalConfig", "Overrides for the multimodal processor.",
+                  kind="json"),
+    unimplemented("--mm-processor-cache-gb", "MultiModalConfig", "Size of the multimodal processor cache.",
+                  kind="float", default=4),
+    unimplemented("--mm-processor-cache-type", "MultiModalConfig", "lru or shm processor cache.",
+                  choices=("lru", "shm"), default="lru"),
+    unimplemented("--mm-shm-cache-max-object-size-mb", "MultiModalConfig", "Largest object in the shm cache.",
+                  kind="int", default=128),
+    unimplemented("--mm-encoder-tp-mode", "MultiModalConfig", "How the vision encoder uses tensor parallelism.",
+                  choices=("data", "weights"), default="weights"),
+    unimplemented("--mm-cache-preprocessor", "MultiModalConfig", "Cache the multimodal preprocessor output.",
+                  kind="bool", default=False),
+    unimplemented("--disable-mm-preprocessor-cache", "MultiModalConfig", "Do not cache processed media.",
+                  **_bool()),
+    unimplemented("--interleave-mm-strings", "MultiModalConfig", "Interleave media and text in string content.",
+                  **_bool()),
+    unimplemented("--media-io-kwargs", "MultiModalConfig", "Options for decoding media, per modality.",
+                  kind="json"),
+    unimplemented("--skip-mm-profiling", "MultiModalConfig", "Skip memory profiling of multimodal encoders.",
+                  **_bool()),
+    unimplemented("--video-pruning-rate", "MultiModalConfig", "Fraction of video tokens to prune.", kind="float"),
+    # -- LoRAConfig ------------------------------------------------------------------------------
+    unimplemented("--enable-lora", "LoRAConfig", "Serve LoRA adapters.", **_bool()),
+    unimplemented("--enable-lora-bias", "LoRAConfig", "LoRA adapters with biases.", **_bool()),
+    unimplemented("--fully-sharded-loras", "LoRAConfig", "Shard all LoRA computation.", **_bool()),
+    unimplemented("--max-loras", "LoRAConfig", "LoRAs in one batch.", kind="int", default=1),
+    unimplemented("--max-lora-rank", "LoRAConfig", "Largest LoRA rank.", kind="int", default=16),
+    unimplemented("--lora-extra-vocab-size", "LoRAConfig", "Extra vocabulary a LoRA may add.", kind="int",
+                  default=256),
+    unimplemented("--lora-dtype", "LoRAConfig", "Data type of LoRA weights.",
+                  choices=("auto", "float16", "bfloat16", "float32"), default="auto"),
+    unimplemented("--long-lora-scaling-factors", "LoRAConfig", "Scaling factors of long-context LoRAs.",
+                  kind="float", nargs="+"),
+    unimplemented("--max-cpu-loras", "LoRAConfig", "LoRAs kept in CPU memory.", kind="int"),
+    unimplemented("--default-mm-loras", "LoRAConfig", "LoRA to apply per input modality.", kind="json"),
+    # -- PromptAdapterConfig ---------------------------------------------------------------------
+    unimplemented("--enable-prompt-adapter", "PromptAdapterConfig", "Serve prompt adapters.", **_bool()),
+    unimplemented("--max-prompt-adapters", "PromptAdapterConfig", "Prompt adapters in one batch.", kind="int",
+                  default=1),
+    unimplemented("--max-prompt-adapter-token", "PromptAdapterConfig", "Tokens per prompt adapter.", kind="int",
+                  default=0),
+    # -- SpeculativeConfig ------------------------------------------------------------------------
+    unimplemented("--speculative-model", "SpeculativeConfig", "Draft model for speculative decoding."),
+    unimplemented("--speculative-model-quantization", "SpeculativeConfig", "Quantization of the draft model."),
+    unimplemented("--num-speculative-tokens", "SpeculativeConfig", "Tokens the draft model proposes per step.",
+                  kind="int"),
+    unimplemented("--speculative-disable-mqa-scorer", "SpeculativeConfig", "Score drafts by batch expansion.",
+                  kind="bool", default=False),
+    unimplemented("--speculative-draft-tensor-parallel-size", "SpeculativeConfig",
+                  "Tensor-parallel size of the draft model.", kind="int", aliases=("-spec-draft-tp",)),
+    unimplemented("--speculative-max-model-len", "SpeculativeConfig", "Longest sequence the draft model sees.",
+                  kind="int"),
+    unimplemented("--speculative-disable-by-batch-size", "SpeculativeConfig",
+                  "Stop speculating above this many queued requests.", kind="int"),
+    unimplemented("--ngram-prompt-lookup-max", "SpeculativeConfig", "Largest n-gram for prompt lookup.",
+                  kind="int"),
+    unimplemented("--ngram-prompt-lookup-min", "SpeculativeConfig", "Smallest n-gram for prompt lookup.",
+                  kind="int"),
+    unimplemented("--spec-decoding-acceptance-method", "SpeculativeConfig", "How draft tokens are accepted.",
+                  choices=("rejection_sampler", "typical_acceptance_sampler"), default="rejection_sampler"),
+    unimplemented("--typical-acceptance-sampler-posterior-threshold", "SpeculativeConfig",
+                  "Posterior threshold of the typical acceptance sampler.", kind="float"),
+    unimplemented("--typical-acceptance-sampler-posterior-alpha", "SpeculativeConfig",
+                  "Entropy scaling of the typical acceptance sampler.", kind="float"),
+    unimplemented("--disable-logprobs-during-spec-decoding", "SpeculativeConfig",
+                  "Skip logprobs while speculating.", kind="bool", default=False),
+    # -- ObservabilityConfig ----------------------------------------------------------------------
+    unimplemented("--otlp-traces-endpoint", "ObservabilityConfig", "URL to send OpenTelemetry traces to."),
+    unimplemented("--collect-detailed-traces", "ObservabilityConfig", "Modules to trace in detail.", nargs="+",
+                  note="it needs --otlp-traces-endpoint, which is not implemented either"),
+    noop("--show-hidden-metrics-for-version", "ObservabilityConfig", "tokenloom hides no deprecated metrics",
+         "Show metrics deprecated since this version."),
+    # -- TokenizerPoolConfig (deprecated by vLLM: no effect) ------------------------------------------
+    noop("--tokenizer-pool-size", "TokenizerPoolConfig", "vLLM deprecated it and ignores it too",
+         "Size of an asynchronous tokenizer pool.", kind="int", default=0),
+    noop("--tokenizer-pool-type", "TokenizerPoolConfig", "vLLM deprecated it and ignores it too",
+         "Type of the tokenizer pool.", default="ray"),
+    noop("--tokenizer-pool-extra-config", "TokenizerPoolConfig", "vLLM deprecated it and ignores it too",
+         "Extra tokenizer pool settings.", kind="json"),
+    # -- VllmConfig: whole-engine JSON configs ------------------------------------------------------
+    implemented("--structured-outputs-config", "VllmConfig", to=CLI, kind="json", help=(
+        "JSON structured-outputs settings (vLLM's newer form of the --guided-decoding-* flags): "
+        "backend, disable_fallback, disable_any_whitespace, disable_additional_properties, "
+        "reasoning_parser.")),
+    unimplemented("--speculative-config", "VllmConfig", "JSON speculative-decoding settings.", kind="json"),
+    unimplemented("--kv-transfer-config", "VllmConfig", "JSON settings of distributed KV-cache transfer.",
+                  kind="json"),
+    unimplemented("--kv-events-config", "VllmConfig", "JSON settings of KV-cache event publishing.", kind="json"),
+    unimplemented("--additional-config", "VllmConfig", "JSON settings for the platform plugin.", kind="json"),
+    cpu_noop("--compilation-config", "VllmConfig",
+             "its levels and CUDA-graph sizes concern GPU compilation; --enforce-eager controls torch.compile",
+             "torch.compile and CUDA-graph settings, or an optimisation level (-O3).", aliases=("-O",),
+             kind="level_or_json"),
+)
+
+FLAG_BY_NAME: dict[str, Flag] = {}
+for _flag in FLAGS:
+    for _option in _flag.option_strings:
+        FLAG_BY_NAME[_option] = _flag
+FLAG_BY_KEY: dict[str, Flag] = {flag.key: flag for flag in FLAGS}
+
+# --structured-outputs-config keys -> the engine arguments they set
+STRUCTURED_OUTPUTS_KEYS = {
+    "backend": "guided_decoding_backend",
+    "disable_fallback": "guided_decoding_disable_fallback",
+    "disable_any_whitespace": "guided_decoding_disable_any_whitespace",
+    "disable_additional_properties": "guided_decoding_disable_additional_properties",
+    "reasoning_parser": "reasoning_parser",
+}
+
+
+def flags_in_group(group: str) -> list[Flag]:
+    return [flag for flag in FLAGS if flag.group == group]
+
+
+# -- help texts and defaults of implemented flags come from the config dataclasses ------------
+
+
+@cache
+def _field_docs() -> dict[str, dict[str, str]]:
+    """class name -> field -> attribute docstring, for the config dataclasses."""
+    from tokenloom.api import server_config
+    from tokenloom.core import config
+
+    docs: dict[str, dict[str, str]] = {}
+    for module in (config, server_config):
+        tree = ast.parse(inspect.getsource(module))
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            fields = docs.setdefault(node.name, {})
+            for statement, following in zip(node.body, node.body[1:]):
+                if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                        and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                        and isinstance(following.value.value, str)):
+                    fields[statement.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _config_class(flag: Flag) -> type | None:
+    from tokenloom.api.server_config import ServerConfig
+    from tokenloom.core import config
+
+    if flag.to == SERVER:
+        return ServerConfig
+    if flag.to != ENGINE or flag.dest is None:
+        return None
+    if flag.dest in config.STRUCTURED_OUTPUT_ARGS:
+        return config.StructuredOutputConfig
+    group = config.ENGINE_ARG_GROUPS.get(flag.dest)
+    return dict(config._GROUPS).get(group) if group else None
+
+
+def _config_field_name(flag: Flag) -> str | None:
+    from tokenloom.core.config import STRUCTURED_OUTPUT_ARGS
+
+    if flag.dest is None:
+        return None
+    return STRUCTURED_OUTPUT_ARGS.get(flag.dest, flag.dest) if flag.to == ENGINE else flag.dest
+
+
+def help_text(flag: Flag) -> str:
+    """The flag's help: its own text, else its config field's docstring."""
+    if flag.help:
+        return flag.help
+    cls = _config_class(flag)
+    if cls is None:
+        return ""
+    # the docstrings are reStructuredText: ``literal`` reads as literal on a terminal
+    return _field_docs().get(cls.__name__, {}).get(_config_field_name(flag) or "", "").replace("``", "")
+
+
+def default_value(flag: Flag) -> Any:
+    """What the flag's value is when it is not given."""
+    cls = _config_class(flag)
+    if cls is None or flag.const is not None:
+        return flag.default
+    for config_field in dataclasses.fields(cls):
+        if config_field.name == _config_field_name(flag):
+            if config_field.default_factory is not dataclasses.MISSING:
+                return config_field.default_factory()
+            return config_field.default
+    return flag.default
+
+
+def check_catalogue() -> None:
+    """Every implemented flag lands on a field that exists; raises ConfigError naming the flag."""
+    from tokenloom.api.server_config import ServerConfig
+    from tokenloom.core.config import ENGINE_ARG_GROUPS, STRUCTURED_OUTPUT_ARGS
+
+    server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    for flag in FLAGS:
+        if flag.group not in GROUPS or flag.status not in STATUSES:
+            raise ConfigError(f"{flag.name}: unknown group {flag.group!r} or status {flag.status!r}")
+        if flag.status != IMPLEMENTED or flag.to == CLI:
+            continue
+        fields = server_fields if flag.to == SERVER else set(ENGINE_ARG_GROUPS) | set(STRUCTURED_OUTPUT_ARGS)
+        if flag.dest not in fields:
+            raise ConfigError(f"{flag.name} maps to {flag.to} field {flag.dest!r}, which does not exist")
