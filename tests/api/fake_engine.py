@@ -1,0 +1,194 @@
+"""A deterministic stand-in for ``AsyncLLM`` (same interface) so the HTTP layer is tested
+without a model: each of the ``n`` outputs replays a fixed reply through the real
+tokenizer, one token per step, honouring max_tokens, stop strings, logprobs, prompt
+logprobs and the output kind. It records what it was asked and what was aborted."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from tokenloom.core.request import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
+from tokenloom.errors import ContextLengthError, InvalidRequestError
+
+DEFAULT_REPLIES = (
+    " The quick brown fox jumps over the lazy dog, and then it runs far away into the green forest.",
+    " Once upon a time there was a small robot who loved to read books about the sea and the stars.",
+    " Paris is the capital of France, and it is famous for its museums, its food and its long history.",
+)
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.25
+    prefix_cache_queries: int = 100
+    prefix_cache_hits: int = 40
+    num_preemptions: int = 2
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+@dataclass
+class RecordedRequest:
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+class FakeEngine:
+    def __init__(self, tokenizer, *, model_name: str = "smollm2", served_model_names: list[str] | None = None,
+                 max_model_len: int = 512, max_logprobs: int = 20, replies: tuple[str, ...] = DEFAULT_REPLIES,
+                 step_delay: float = 0.0, num_cached_tokens: int = 0):
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.served_model_names = served_model_names or [model_name]
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.replies = replies
+        self.step_delay = step_delay
+        self.num_cached_tokens = num_cached_tokens
+        self.is_running = True
+        self.errored = False
+        self.started = False
+        self.shut_down = False
+        self.fail_at_start: Exception | None = None
+        self.fail_after_steps: int | None = None
+        self.requests: list[RecordedRequest] = []
+        self.aborted: list[str] = []
+        self.abort_calls: list[str] = []
+        self.counters = FakeStats()
+        self.first_step_event = asyncio.Event()
+
+    async def start(self) -> None:
+        self.started = True
+        self.is_running = True
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+        self.is_running = False
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
+
+    def stats(self) -> FakeStats:
+        return self.counters
+
+    # -- generation -----------------------------------------------------------------------
+
+    def _logprob_entries(self, token_id: int, chosen_logprob: float, step: int, num_top: int) -> dict[int, Logprob]:
+        """Odd steps put the chosen token at rank 2 behind ``token_id + 1`` so that "chosen
+        outside the top N" is exercised."""
+        vocab = len(self.tokenizer)
+        chosen_rank = 2 if step % 2 else 1
+        entries = {token_id: Logprob(chosen_logprob, chosen_rank, self.tokenizer.decode([token_id]))}
+        rank, candidate = 1, token_id
+        while rank <= num_top:
+            if rank == chosen_rank:
+                rank += 1
+                continue
+            candidate = (candidate + 1) % vocab
+            logprob = chosen_logprob + 0.3 if rank < chosen_rank else chosen_logprob - rank
+            entries[candidate] = Logprob(logprob, rank, self.tokenizer.decode([candidate]))
+            rank += 1
+        return entries
+
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0):
+        params = sampling_params
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise ContextLengthError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) > {self.max_model_len}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise InvalidRequestError("too many logprobs", param="logprobs")
+        if self.fail_at_start is not None:
+            raise self.fail_at_start
+        self.requests.append(RecordedRequest(request_id, prompt, prompt_ids, params, priority))
+
+        plans = []
+        for index in range(params.n):
+            reply = self.replies[index % len(self.replies)]
+            plans.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"][:max_tokens])
+        emitted_text = [""] * params.n
+        emitted_tokens = [0] * params.n
+        logprobs_so_far: list[list] = [[] for _ in range(params.n)]
+        cumulative = [0.0] * params.n
+        finish = [None] * params.n
+        stop_reason = [None] * params.n
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [self._logprob_entries(token, -1.5, 0, params.prompt_logprobs)
+                                        for token in prompt_ids[1:]]
+        metrics = RequestMetrics(arrival_time=0.0, num_cached_tokens=self.num_cached_tokens)
+        self.counters.prompt_tokens_total += len(prompt_ids)
+        done = False
+        step = 0
+        try:
+            while not all(finish):
+                if self.fail_after_steps is not None and step >= self.fail_after_steps:
+                    raise RuntimeError("simulated engine failure")
+                await asyncio.sleep(self.step_delay)
+                step_outputs = []
+                for index in range(params.n):
+                    if finish[index]:
+                        continue
+                    plan = plans[index]
+                    count = emitted_tokens[index] + 1
+                    token_id = plan[count - 1]
+                    text = self.tokenizer.decode(plan[:count], skip_special_tokens=params.skip_special_tokens)
+                    chosen = -(0.5 + 0.1 * step) - 0.05 * ((index + 2) % 3)
+                    cumulative[index] += chosen
+                    if params.logprobs is not None:
+                        logprobs_so_far[index].append(self._logprob_entries(token_id, chosen, step, params.logprobs))
+                    for stop in params.stop:
+                        position = text.find(stop)
+                        if position >= 0:
+                            text = text[:position + (len(stop) if params.include_stop_str_in_output else 0)]
+                            finish[index], stop_reason[index] = "stop", stop
+                            break
+                    if finish[index] is None and count == len(plan):
+                        finish[index] = "length" if count == max_tokens else "stop"
+                    emitted_tokens[index] = count
+                    self.counters.generation_tokens_total += 1
+                    new_text = text[len(emitted_text[index]):]
+                    step_outputs.append((index, new_text, token_id, text))
+                    emitted_text[index] = text
+                step += 1
+                self.first_step_event.set()
+                if params.output_kind is RequestOutputKind.FINAL_ONLY and not all(finish):
+                    continue
+                outputs = []
+                if params.output_kind is RequestOutputKind.DELTA:
+                    for index, new_text, token_id, _ in step_outputs:
+                        out_logprobs = logprobs_so_far[index][-1:] if params.logprobs is not None else None
+                        outputs.append(CompletionOutput(index, new_text, [token_id], cumulative[index], out_logprobs,
+                                                        finish[index], stop_reason[index]))
+                else:
+                    for index in range(params.n):
+                        out_logprobs = list(logprobs_so_far[index]) if params.logprobs is not None else None
+                        outputs.append(CompletionOutput(index, emitted_text[index],
+                                                        plans[index][:emitted_tokens[index]], cumulative[index],
+                                                        out_logprobs, finish[index], stop_reason[index]))
+                first_output = step == 1 or params.output_kind is not RequestOutputKind.DELTA
+                done = all(finish)
+                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
+                                    prompt_logprobs if first_output else None, outputs, done, metrics,
+                                    num_cached_tokens=self.num_cached_tokens)
+        finally:
+            if not done:
+                self.aborted.append(request_id)

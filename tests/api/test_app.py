@@ -1,0 +1,261 @@
+"""The assembled app: the non-generation routes, error shapes for unknown routes and
+methods, docs and root_path options, plugin routes, the lifespan, Prometheus metrics, and
+the official ``openai`` client talking to the app."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import openai
+import pytest
+from fastapi import APIRouter
+from fastapi.testclient import TestClient
+
+from tests.api.conftest import client_for
+from tests.api.fake_engine import FakeStats
+from tokenloom import __version__
+from tokenloom.api.metrics import format_stats_line, log_stats_periodically
+from tokenloom.plugins.manager import PluginSet, new_registries
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_models_lists_every_served_name(client, engine):
+    body = (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    assert [card["id"] for card in body["data"]] == ["smollm2", "smol-alias"]
+    assert all(card["object"] == "model" and card["max_model_len"] == engine.max_model_len for card in body["data"])
+
+
+async def test_tokenize_prompt_and_chat(client, tokenizer):
+    response = await client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    body = response.json()
+    assert body["tokens"] == tokenizer("Hello world")["input_ids"]
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 512
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})).json()
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert (await client.post("/tokenize", json={})).status_code == 400
+
+
+async def test_detokenize(client, tokenizer):
+    ids = tokenizer("Hello world")["input_ids"]
+    assert (await client.post("/detokenize", json={"tokens": ids})).json() == {"prompt": "Hello world"}
+    bad = await client.post("/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    unknown_model = await client.post("/detokenize", json={"tokens": ids, "model": "nope"})
+    assert unknown_model.status_code == 404
+
+
+async def test_health_ping_version(client, engine):
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.get("/ping")).status_code == 200
+    assert (await client.post("/ping")).status_code == 200
+    assert (await client.get("/version")).json() == {"version": __version__}
+    engine.errored = True
+    dead = await client.get("/health")
+    assert dead.status_code == 503 and dead.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_unknown_routes_and_methods_use_the_error_shape(client):
+    missing = await client.get("/v1/nothing")
+    assert missing.status_code == 404
+    assert set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    wrong_method = await client.get("/v1/completions")
+    assert wrong_method.status_code == 405
+    assert "GET" in wrong_method.json()["error"]["message"]
+
+
+async def test_docs_can_be_disabled(make_app):
+    async with client_for(make_app()) as http_client:
+        assert (await http_client.get("/openapi.json")).status_code == 200
+    async with client_for(make_app(disable_fastapi_docs=True)) as http_client:
+        assert (await http_client.get("/openapi.json")).status_code == 404
+        assert (await http_client.get("/docs")).status_code == 404
+
+
+async def test_root_path_behind_a_proxy(make_app):
+    app = make_app(api_key=["k"])
+    # uvicorn's --root-path puts the prefix in the scope; the proxy may or may not strip it
+    transport = httpx.ASGITransport(app=app, root_path="/llm")
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http_client:
+        for path in ("/v1/models", "/llm/v1/models"):
+            assert (await http_client.get(path, headers={"Authorization": "Bearer k"})).status_code == 200
+        # a public route stays public behind the prefix
+        for path in ("/health", "/llm/health"):
+            assert (await http_client.get(path)).status_code == 200
+        assert (await http_client.get("/llm/v1/models")).status_code == 401
+
+
+def test_uvicorn_gets_the_server_options():
+    from tokenloom.api.server import uvicorn_config
+    from tokenloom.api.server_config import ServerConfig
+
+    options = ServerConfig(host="0.0.0.0", port=9001, root_path="/llm", ssl_keyfile="k.pem", ssl_certfile="c.pem",
+                           uvicorn_log_level="warning")
+    config = uvicorn_config(object(), options)
+    assert (config.host, config.port, config.root_path) == ("0.0.0.0", 9001, "/llm")
+    assert (config.ssl_keyfile, config.ssl_certfile, config.log_level) == ("k.pem", "c.pem", "warning")
+
+
+def add_echo_route(app, engine):
+    router = APIRouter()
+
+    @router.get("/plugin/model")
+    async def which_model():
+        return {"model": engine.model_name}
+
+    app.include_router(router)
+
+
+async def test_plugin_routes_from_the_registry(make_app):
+    registries = new_registries()
+    registries["api_route"].register("echo", add_echo_route, plugin_name="tests")
+    async with client_for(make_app(plugins=PluginSet(registries, [], []))) as http_client:
+        assert (await http_client.get("/plugin/model")).json() == {"model": "smollm2"}
+
+
+def test_lifespan_starts_and_shuts_down_the_engine(make_app, engine):
+    engine.is_running = False
+    with TestClient(make_app()) as test_client:
+        assert engine.started
+        assert test_client.get("/health").status_code == 200
+    assert engine.shut_down
+
+
+def test_health_is_503_before_the_engine_starts(make_app, engine):
+    engine.is_running = False
+    app = make_app()
+
+    async def check():
+        async with client_for(app) as http_client:
+            return await http_client.get("/health")
+
+    assert asyncio.run(check()).status_code == 503
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+METRIC_NAMES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_success_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+]
+
+
+def metric_value(text: str, prefix: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{prefix} not in metrics")
+
+
+async def test_metrics_names_and_values(client, engine):
+    engine.counters.num_running = 3
+    await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    await client.post("/v1/completions", json={"prompt": "Hi", "stop": [" quick"], "max_tokens": 9})
+    response = await client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in METRIC_NAMES:
+        assert name in text, name
+    assert metric_value(text, 'vllm:num_requests_running{model_name="smollm2"}') == 3
+    assert metric_value(text, 'vllm:kv_cache_usage_perc{model_name="smollm2"}') == 0.25
+    assert metric_value(text, 'vllm:request_success_total{finished_reason="length",model_name="smollm2"}') == 1
+    assert metric_value(text, 'vllm:request_success_total{finished_reason="stop",model_name="smollm2"}') == 1
+    assert metric_value(text, 'vllm:time_to_first_token_seconds_count{model_name="smollm2"}') == 2
+    # 4 + 2 tokens: an inter-token gap after each but the first
+    assert metric_value(text, 'vllm:inter_token_latency_seconds_count{model_name="smollm2"}') == 4
+    assert metric_value(text, 'vllm:generation_tokens_total{model_name="smollm2"}') == \
+        engine.counters.generation_tokens_total
+
+
+async def test_finish_reasons_of_choices_that_end_at_different_steps(client):
+    # with n=2, output 0 stops early on " quick" while output 1 runs to max_tokens
+    await client.post("/v1/completions", json={"prompt": "Hi", "n": 2, "stop": [" quick"], "max_tokens": 4})
+    text = (await client.get("/metrics")).text
+    assert metric_value(text, 'vllm:request_success_total{finished_reason="stop",model_name="smollm2"}') == 1
+    assert metric_value(text, 'vllm:request_success_total{finished_reason="length",model_name="smollm2"}') == 1
+
+
+async def test_each_app_has_its_own_registry(make_app, client):
+    await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    async with client_for(make_app()) as other:
+        text = (await other.get("/metrics")).text
+    assert metric_value(text, 'vllm:e2e_request_latency_seconds_count{model_name="smollm2"}') == 0
+
+
+async def test_metrics_survive_a_dead_engine(client, engine):
+    def broken():
+        raise RuntimeError("engine gone")
+
+    engine.stats = broken
+    response = await client.get("/metrics")
+    assert response.status_code == 200 and "vllm:time_to_first_token_seconds" in response.text
+
+
+def test_stats_line():
+    previous = (100, 50)
+    stats = FakeStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=10,
+                      prefix_cache_hits=4, prompt_tokens_total=300, generation_tokens_total=150)
+    line = format_stats_line(stats, previous, 10.0)
+    assert line == ("prompt throughput: 20.0 tokens/s, generation throughput: 10.0 tokens/s, running: 2 reqs, "
+                    "waiting: 1 reqs, KV cache usage: 50.0%, prefix cache hit rate: 40.0%")
+
+
+async def test_periodic_stats_log(engine, caplog):
+    caplog.set_level(logging.INFO, logger="tokenloom.api.metrics")
+    task = asyncio.ensure_future(log_stats_periodically(engine, interval_s=0.01))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert any("KV cache usage: 25.0%" in record.getMessage() for record in caplog.records)
+
+
+# -- the official client -------------------------------------------------------------------
+
+
+@pytest.fixture
+async def openai_client(make_app):
+    transport = httpx.ASGITransport(app=make_app(api_key=["sk-x"]))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http_client:
+        yield openai.AsyncOpenAI(base_url="http://test/v1", api_key="sk-x", http_client=http_client, max_retries=0)
+
+
+async def test_openai_client_completions_and_chat(openai_client):
+    models = await openai_client.models.list()
+    assert [model.id for model in models.data] == ["smollm2", "smol-alias"]
+    completion = await openai_client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, logprobs=1,
+                                                        extra_body={"top_k": 5})
+    assert completion.choices[0].text == " The quick"
+    assert completion.choices[0].logprobs.tokens == [" The", " quick"]
+    chat = await openai_client.chat.completions.create(model="smollm2", max_tokens=2, logprobs=True,
+                                                       top_logprobs=1,
+                                                       messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.content == " The quick"
+    assert chat.choices[0].logprobs.content[0].top_logprobs[0].token == " The"
+    assert chat.usage.completion_tokens == 2
+
+
+async def test_openai_client_streaming(openai_client):
+    stream = await openai_client.chat.completions.create(
+        model="smol-alias", max_tokens=3, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Hi"}])
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " The quick brown"
+    assert chunks[-1].usage.completion_tokens == 3
+
+
+async def test_openai_client_errors(openai_client):
+    with pytest.raises(openai.NotFoundError):
+        await openai_client.completions.create(model="gpt-9", prompt="Hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        await openai_client.completions.create(model="smollm2", prompt="Hi", suffix="x")
+    assert "suffix" in info.value.message

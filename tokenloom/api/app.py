@@ -1,0 +1,196 @@
+"""``build_app``: the FastAPI app assembled from the engine, the plugin registries and the
+server options: OpenAI routes, tokenize/detokenize, health, version, metrics, plugin routes,
+then middleware (see :mod:`tokenloom.api.middleware` for their order)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenloom import __version__
+from tokenloom.api.chat_template import ChatRenderer, load_chat_template
+from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, install_error_handlers, request_id_of
+from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
+from tokenloom.api.middleware import install_middleware
+from tokenloom.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from tokenloom.api.server_config import ServerConfig
+from tokenloom.api.serving_base import ServingContext
+from tokenloom.api.serving_chat import ChatHandler
+from tokenloom.api.serving_completions import CompletionsHandler
+from tokenloom.errors import ConfigError, InvalidRequestError, TokenloomError
+
+logger = logging.getLogger("tokenloom.api")
+
+API_KEY_ENV = "TOKENLOOM_API_KEY"
+
+
+def _api_keys(config: ServerConfig) -> list[str]:
+    if config.api_key:
+        return [config.api_key] if isinstance(config.api_key, str) else list(config.api_key)
+    from_env = os.environ.get(API_KEY_ENV)
+    return [from_env] if from_env else []
+
+
+def _parser_class(plugins: Any, kind: str, name: str | None) -> type | None:
+    """The parser class registered under ``name``; an unknown name fails start-up, listing the known ones."""
+    if not name:
+        return None
+    if plugins is None:
+        raise ConfigError(f"{name!r} was asked for as a {kind}, but no plugins were loaded", param=kind)
+    return plugins.registry(kind).get(name)
+
+
+async def _await_if_needed(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _lifespan(engine: Any, config: ServerConfig):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        start = getattr(engine, "start", None)
+        if start is not None:
+            await _await_if_needed(start())
+        stats_task = None if config.disable_log_stats else asyncio.create_task(log_stats_periodically(engine))
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_task
+            shutdown = getattr(engine, "shutdown", None)
+            if shutdown is not None:
+                await _await_if_needed(shutdown())
+
+    return lifespan
+
+
+async def _guarded(raw_request: Request, work) -> Response:
+    """Runs a route; an unexpected exception becomes a logged, generic 500 (Starlette would
+    re-raise it after answering, taking the traceback to the server's error log twice)."""
+    try:
+        return await work
+    except TokenloomError:
+        raise
+    except Exception:
+        request_id = request_id_of(raw_request)
+        logger.exception("request %s failed", request_id)
+        return error_json(500, INTERNAL_ERROR_MESSAGE.format(request_id=request_id))
+
+
+def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoning_parser: str | None = None) -> FastAPI:
+    """The app for ``engine``; ``plugins`` (a PluginSet) supplies parsers and extra routes.
+
+    :param reasoning_parser: the ``--reasoning-parser`` name (an engine argument, since the
+        structured-output layer needs it too).
+    """
+    config = server_config
+    if config.enable_auto_tool_choice and not config.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser", param="--tool-call-parser")
+    tool_parser_class = _parser_class(plugins, "tool_parser", config.tool_call_parser)
+    reasoning_parser_class = _parser_class(plugins, "reasoning_parser", reasoning_parser)
+
+    served_model_names = list(getattr(engine, "served_model_names", None) or [engine.model_name])
+    metrics = ServerMetrics(engine, served_model_names[0])
+    ctx = ServingContext(engine, config, metrics)
+    renderer = ChatRenderer(engine.tokenizer, load_chat_template(config.chat_template),
+                            config.chat_template_content_format)
+    completions = CompletionsHandler(ctx)
+    chat = ChatHandler(ctx, renderer, config.response_role, tool_parser_class, reasoning_parser_class)
+
+    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    # --root-path is given to uvicorn (run_server), which puts it in every request's scope
+    app = FastAPI(title="tokenloom", version=__version__, lifespan=_lifespan(engine, config), **docs)
+    app.state.engine = engine
+    app.state.serving = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(_routes(ctx, renderer, completions, chat, metrics))
+    if plugins is not None:
+        for entry in plugins.registry("api_route").entries():
+            logger.info("adding API routes %r from plugin %r", entry.name, entry.plugin_name)
+            entry.resolve()(app, engine)
+    install_middleware(app, config, _api_keys(config))
+    return app
+
+
+def _routes(ctx: ServingContext, renderer: ChatRenderer, completions: CompletionsHandler, chat: ChatHandler,
+            metrics: ServerMetrics) -> APIRouter:
+    router = APIRouter()
+    engine = ctx.engine
+
+    @router.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await _guarded(raw_request, completions.create(request, raw_request))
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await _guarded(raw_request, chat.create(request, raw_request))
+
+    @router.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=engine.model_name, max_model_len=ctx.max_model_len)
+                 for name in ctx.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @router.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        ctx.check_model(request.model)
+        ctx.warn_unknown_fields(request, "/tokenize")
+        if request.messages is not None:
+            text = renderer.render(request.messages, add_generation_prompt=request.add_generation_prompt,
+                                   continue_final_message=request.continue_final_message, tools=request.tools,
+                                   documents=request.documents, chat_template=request.chat_template,
+                                   chat_template_kwargs=request.chat_template_kwargs)
+            add_special_tokens = bool(request.add_special_tokens)
+        elif request.prompt is not None:
+            text = request.prompt
+            add_special_tokens = request.add_special_tokens is not False
+        else:
+            raise InvalidRequestError("send either \"prompt\" (a string) or \"messages\" (a chat)", param="prompt")
+        token_ids = ctx.tokenize(text, add_special_tokens)
+        token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+        body = TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids,
+                                token_strs=token_strs)
+        return JSONResponse(body.model_dump())
+
+    @router.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        ctx.check_model(request.model)
+        ctx.check_token_ids(request.tokens, "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens)).model_dump())
+
+    async def health() -> Response:
+        ctx.check_ready()
+        return Response(status_code=200)
+
+    router.add_api_route("/health", health, methods=["GET"], operation_id="health")
+    router.add_api_route("/ping", health, methods=["GET"], operation_id="ping")
+    router.add_api_route("/ping", health, methods=["POST"], operation_id="ping_post")
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router

@@ -1,0 +1,403 @@
+"""Pydantic models of the HTTP API: OpenAI's completions, chat completions, models and error
+bodies, plus vLLM's documented extra parameters, tokenize and detokenize.
+
+Request models accept unknown fields (OpenAI clients send new ones all the time); the server
+logs each unknown field name once and ignores it. Value checks beyond types are left to
+:class:`~tokenloom.core.request.SamplingParams`, whose errors name the parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+# -- requests --------------------------------------------------------------------------
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # many clients send "n": null, "stream": null, ... for "not set"
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        return data
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    """Send a last chunk (before [DONE]) with empty choices and the request's usage."""
+    continuous_usage_stats: bool = False
+    """Send the usage so far in every chunk."""
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingRequest(RequestModel):
+    """Fields that completions and chat share: OpenAI's sampling options and vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # guided decoding (vLLM's names), turned into SamplingParams.structured_outputs
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_output_constraint(self) -> dict[str, Any] | None:
+        """The constraint dict a structured-output backend compiles, or None."""
+        if self.structured_outputs:
+            return dict(self.structured_outputs)
+        if self.guided_json is not None:
+            return {"json": self.guided_json}
+        if self.guided_regex is not None:
+            return {"regex": self.guided_regex}
+        if self.guided_choice is not None:
+            return {"choice": list(self.guided_choice)}
+        if self.guided_grammar is not None:
+            return {"grammar": self.guided_grammar}
+        if self.response_format is not None:
+            if self.response_format.type == "json_object":
+                return {"json": {"type": "object"}}
+            if self.response_format.type == "json_schema":
+                schema = (self.response_format.json_schema or {}).get("schema")
+                return {"json": schema if schema is not None else {"type": "object"}}
+        return None
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: Any
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return prompt
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+                return prompt
+            if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                   for p in prompt):
+                return prompt
+        raise ValueError(
+            "prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "
+            "or a list of non-empty lists of token ids"
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: each string or token-id list is one prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(RequestModel):
+    """POST /tokenize: either ``prompt`` (completions style) or ``messages`` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses -------------------------------------------------------------------------
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
+
+
+class CompletionLogProbs(ResponseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatMessage(ResponseModel):
+    role: str
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaMessage(ResponseModel):
+    """A streamed piece of the message; only the fields it carries are sent."""
+
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatLogProb(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(ResponseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tokenloom"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
+
+
+def sse_event(chunk: BaseModel) -> str:
+    """One server-sent event; a chunk's ``usage`` is only sent when it has one."""
+    exclude = {"usage"} if getattr(chunk, "usage", 1) is None else None
+    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,116 @@
+"""``run_server(serve_args)``: what ``tokenloom serve`` runs. Configures logging, loads the
+plugins, builds the engine and the app, and serves them with uvicorn, logging each start-up
+phase with its duration and "ready" once the socket accepts requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any, Iterator
+
+logger = logging.getLogger("tokenloom.api.server")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOGGING_LEVEL_ENV = "TOKENLOOM_LOGGING_LEVEL"
+
+
+def configure_logging(uvicorn_log_level: str) -> None:
+    """tokenloom's loggers print to stderr (unless the host application configured logging
+    already) at INFO, DEBUG when uvicorn logs at debug/trace, or $TOKENLOOM_LOGGING_LEVEL:
+    start-up phases, "ready" and the stats line stay visible when uvicorn is quieter."""
+    default = "DEBUG" if uvicorn_log_level.lower() in ("debug", "trace") else "INFO"
+    level_name = os.environ.get(LOGGING_LEVEL_ENV, default).upper()
+    package_logger = logging.getLogger("tokenloom")
+    package_logger.setLevel(getattr(logging, level_name, logging.INFO))
+    if not logging.getLogger().handlers and not package_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        package_logger.addHandler(handler)
+        package_logger.propagate = False
+
+
+@contextlib.contextmanager
+def startup_phase(name: str) -> Iterator[None]:
+    logger.info("%s ...", name)
+    start = time.perf_counter()
+    yield
+    logger.info("%s: done in %.2f s", name, time.perf_counter() - start)
+
+
+def _reasoning_parser_name(engine_args: Any) -> str | None:
+    # an engine argument (the structured-output layer needs it too); EngineArgs raises
+    # AttributeError for a name that was not given
+    return getattr(engine_args, "reasoning_parser", None)
+
+
+def uvicorn_config(app: Any, server: Any):
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level=server.uvicorn_log_level,
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_certfile=server.ssl_certfile,
+        ssl_ca_certs=server.ssl_ca_certs,
+        ssl_cert_reqs=server.ssl_cert_reqs,
+        root_path=server.root_path or "",
+        timeout_keep_alive=5,
+    )
+
+
+def run_server(serve_args: Any) -> None:
+    """Blocks until the server stops (Ctrl-C or SIGTERM)."""
+    server = serve_args.server
+    configure_logging(server.uvicorn_log_level)
+    for warning in getattr(serve_args, "warnings", None) or []:
+        logger.warning(warning)
+    asyncio.run(_serve(serve_args))
+
+
+async def _serve(serve_args: Any) -> None:
+    # one event loop for the engine and uvicorn: the engine's asyncio objects belong to it
+    import uvicorn
+
+    from tokenloom.api.app import build_app
+    from tokenloom.core.engine import AsyncLLM
+    from tokenloom.plugins.manager import load_plugins
+
+    server = serve_args.server
+    with startup_phase("loading plugins"):
+        # the CLI may have loaded them already (to check flag choices); load_plugins is idempotent
+        plugins = getattr(serve_args, "plugins", None) or load_plugins(modules=server.plugins,
+                                                                       files=server.tool_parser_plugin)
+    for failure in plugins.failures:
+        logger.warning("plugin %r (%s) was not loaded: %s", failure.name, failure.origin, failure.cause)
+    with startup_phase("building the engine"):
+        engine = AsyncLLM.from_engine_args(serve_args.engine_args, plugins)
+        if asyncio.iscoroutine(engine):
+            engine = await engine
+    try:
+        with startup_phase("building the app"):
+            app = build_app(engine, plugins, server, reasoning_parser=_reasoning_parser_name(serve_args.engine_args))
+        scheme = "https" if server.ssl_certfile else "http"
+        address = f"{scheme}://{server.host}:{server.port}{server.root_path or ''}"
+
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                started_at = time.perf_counter()
+                await super().startup(sockets)
+                if self.started:
+                    logger.info("starting the engine and listening: done in %.2f s", time.perf_counter() - started_at)
+                    logger.info("ready: serving %s at %s", ", ".join(app.state.serving.served_model_names), address)
+
+        await _Server(uvicorn_config(app, server)).serve()
+    finally:
+        # the app's lifespan shuts the engine down; this covers a failure before it ran
+        if getattr(engine, "is_running", False):
+            shutdown = getattr(engine, "shutdown", None)
+            if shutdown is not None:
+                result = shutdown()
+                if asyncio.iscoroutine(result):
+                    await result

@@ -1,0 +1,363 @@
+"""What completions and chat share: model-name and readiness checks, request ids, prompt
+tokenization and length checks, SamplingParams from a request, logprob token strings,
+usage, request logging, and running prompts through the engine (merged, timed for the
+metrics, aborted when the client goes away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tokenloom.api.http_errors import request_id_of
+from tokenloom.api.metrics import RequestTimer, ServerMetrics
+from tokenloom.api.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from tokenloom.api.server_config import ServerConfig
+from tokenloom.core.request import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
+from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError, NotFoundError
+
+logger = logging.getLogger("tokenloom.api")
+
+# JSON has no -inf; OpenAI clients expect a number (vLLM sends the same floor)
+MIN_LOGPROB = -9999.0
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; there is no one to answer."""
+
+
+def clamp_logprob(value: float) -> float:
+    return max(float(value), MIN_LOGPROB) if value == value else MIN_LOGPROB
+
+
+@dataclass
+class ChoiceState:
+    """One choice (one engine output) accumulated from the engine's DELTA outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, output: CompletionOutput) -> None:
+        self.text += output.text
+        self.token_ids.extend(output.token_ids)
+        if output.logprobs:
+            self.logprobs.extend(output.logprobs)
+        if output.cumulative_logprob is not None:
+            self.cumulative_logprob = output.cumulative_logprob
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
+
+
+class ServingContext:
+    """Per-app state and the helpers both OpenAI endpoints use."""
+
+    def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics | None):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.served_model_names = list(getattr(engine, "served_model_names", None) or [engine.model_name])
+        self.max_model_len = int(engine.max_model_len)
+        self._warned_fields: set[str] = set()
+
+    # -- checks -----------------------------------------------------------------------
+
+    def check_ready(self) -> None:
+        if getattr(self.engine, "errored", False):
+            raise EngineDeadError("the engine has stopped after an error; see the server log and restart the server")
+        if not getattr(self.engine, "is_running", True):
+            raise EngineDeadError("the engine is not running yet (or is shutting down); retry shortly")
+
+    def check_model(self, requested: str | None) -> str:
+        """The model name for the response: the requested name when it is one we serve."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise NotFoundError(f"the model {requested!r} does not exist; this server serves "
+                                f"{', '.join(repr(name) for name in self.served_model_names)}", param="model")
+        return requested
+
+    def warn_unknown_fields(self, request: Any, endpoint: str) -> None:
+        for name in request.unknown_fields():
+            key = f"{endpoint}:{name}"
+            if key not in self._warned_fields:
+                self._warned_fields.add(key)
+                logger.warning("%s: ignoring unknown request field %r (logged once)", endpoint, name)
+
+    def check_logprobs(self, requested: int | None, param: str) -> None:
+        max_logprobs = getattr(self.engine, "max_logprobs", 20)
+        if requested is not None and requested > max_logprobs:
+            raise InvalidRequestError(f"{param} must be at most {max_logprobs} (the server's --max-logprobs), "
+                                      f"got {requested}", param=param)
+
+    def num_samples(self, request: SamplingRequest) -> int:
+        """How many samples to ask the engine for: ``best_of`` (we pick the best ``n``) or ``n``."""
+        if request.stream_options is not None and not request.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if request.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {request.n}", param="n")
+        if request.best_of is None:
+            return request.n
+        if request.best_of < request.n:
+            raise InvalidRequestError(f"best_of must be >= n ({request.n}), got {request.best_of}", param="best_of")
+        if request.stream and request.best_of > request.n:
+            raise InvalidRequestError("best_of > n cannot be streamed (the best samples are only known at the end); "
+                                      "set stream to false or best_of equal to n", param="best_of")
+        return request.best_of
+
+    # -- prompts ----------------------------------------------------------------------
+
+    def engine_request_id(self, raw_request: Request, request: SamplingRequest, prefix: str) -> str:
+        return f"{prefix}-{request.request_id or request_id_of(raw_request)}"
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = len(self.tokenizer)
+        bad = next((token for token in token_ids if token < 0 or token >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{param} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})",
+                                      param=param)
+
+    def prepare_prompt(self, prompt: str | list[int], add_special_tokens: bool,
+                       truncate_prompt_tokens: int | None) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenize(prompt, add_special_tokens)
+        else:
+            self.check_token_ids(prompt, "prompt")
+            token_ids = list(prompt)
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens < 1:
+                raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}",
+                                          param="truncate_prompt_tokens")
+            token_ids = token_ids[-truncate_prompt_tokens:]  # keep the end, like vLLM
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty (it has no tokens)", param="prompt")
+        return token_ids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str = "max_tokens") -> int:
+        """The requested max_tokens, or the rest of the context; both lengths in any error."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
+                "tokens; shorten the prompt (or set truncate_prompt_tokens)", param="prompt")
+        if requested is None:
+            return limit - num_prompt_tokens
+        if requested < 1:
+            raise InvalidRequestError(f"{param} must be at least 1, got {requested}", param=param)
+        if num_prompt_tokens + requested > limit:
+            raise ContextLengthError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
+                f"tokens and {param} asks for {requested} more ({num_prompt_tokens + requested} in total); lower "
+                f"{param} to at most {limit - num_prompt_tokens} or shorten the prompt", param=param)
+        return requested
+
+    def sampling_params(self, request: SamplingRequest, *, n: int, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None, structured_outputs: dict | None) -> SamplingParams:
+        def default(value, fallback):
+            return fallback if value is None else value
+
+        return SamplingParams(
+            n=n,
+            presence_penalty=default(request.presence_penalty, 0.0),
+            frequency_penalty=default(request.frequency_penalty, 0.0),
+            repetition_penalty=default(request.repetition_penalty, 1.0),
+            temperature=default(request.temperature, 1.0),
+            top_p=default(request.top_p, 1.0),
+            top_k=default(request.top_k, 0),
+            min_p=default(request.min_p, 0.0),
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            bad_words=request.bad_words,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logit_bias=request.logit_bias,
+            allowed_token_ids=request.allowed_token_ids,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+            # the API layer always accumulates deltas itself: streaming or not, one code path
+            output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs,
+        )
+
+    def log_request(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.config.disable_log_requests:
+            return
+        limit = self.config.max_log_len
+        shown_prompt = prompt[:limit] if (limit is not None and isinstance(prompt, str)) else prompt
+        shown_ids = prompt_token_ids[:limit] if limit is not None else prompt_token_ids
+        logger.info("received request %s: prompt: %r, prompt_token_ids: %s, params: %s", request_id,
+                    shown_prompt if isinstance(prompt, str) else None, shown_ids, params)
+
+    # -- outputs ----------------------------------------------------------------------
+
+    def return_token_ids(self, request: SamplingRequest) -> bool:
+        if request.return_tokens_as_token_ids is not None:
+            return request.return_tokens_as_token_ids
+        return self.config.return_tokens_as_token_ids
+
+    def token_text(self, token_id: int, logprob: Logprob | None, as_token_id: bool) -> str:
+        if as_token_id:
+            return f"token_id:{token_id}"
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+        details = (PromptTokensDetails(cached_tokens=num_cached_tokens)
+                   if self.config.enable_prompt_tokens_details else None)
+        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                         total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+
+    @staticmethod
+    def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
+        """vLLM's shape: per prompt position None or {token_id: {logprob, rank, decoded_token}}."""
+        if prompt_logprobs is None:
+            return None
+        return [None if position is None else {
+            str(token_id): {"logprob": clamp_logprob(entry.logprob), "rank": entry.rank,
+                            "decoded_token": entry.decoded_token}
+            for token_id, entry in position.items()} for position in prompt_logprobs]
+
+    # -- the engine -------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       priority: int) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt, observed for the metrics; leaving early
+        (an error, a cancelled task, a closed generator) aborts the request in the engine."""
+        timer = RequestTimer(self.metrics, len(prompt_token_ids))
+        stream = self.engine.generate(prompt_token_ids, params, request_id, priority=priority)
+        finished = False
+        # DELTA outputs only carry the choices that moved, so remember how each one ended
+        finish_reasons: dict[int, str] = {}
+        try:
+            async for output in stream:
+                timer.on_output(sum(len(choice.token_ids) for choice in output.outputs))
+                for choice in output.outputs:
+                    if choice.finish_reason is not None:
+                        finish_reasons[choice.index] = choice.finish_reason
+                if output.finished:
+                    finished = True
+                    timer.on_finish([finish_reasons.get(index, "abort") for index in range(params.n)])
+                yield output
+        finally:
+            if not finished:
+                # shielded: under a cancelled scope any unshielded await would be cancelled too
+                with anyio.CancelScope(shield=True):
+                    await self._abort(stream, request_id)
+
+    async def _abort(self, stream: Any, request_id: str) -> None:
+        try:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+            else:
+                await self.engine.abort(request_id)
+        except Exception as exc:  # aborting must never hide the original error
+            logger.warning("aborting request %s failed: %s", request_id, exc)
+
+    async def generate_all(self, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
+                           priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Several ``(prompt_token_ids, params)`` at once, as ``(prompt_index, output)`` in
+        arrival order."""
+        if len(prompts) == 1:
+            prompt_token_ids, params = prompts[0]
+            async for output in self.generate(prompt_token_ids, params, request_id, priority):
+                yield 0, output
+            return
+        streams = [self.generate(prompt_token_ids, params, f"{request_id}-{index}", priority)
+                   for index, (prompt_token_ids, params) in enumerate(prompts)]
+        async for item in merge_streams(streams):
+            yield item
+
+
+def pick_best(choices: list[ChoiceState], n: int) -> list[ChoiceState]:
+    """best_of: the ``n`` samples with the highest cumulative logprob, best first."""
+    ranked = sorted(choices, key=lambda choice: choice.cumulative_logprob
+                    if choice.cumulative_logprob is not None else float("-inf"), reverse=True)
+    return ranked[:n]
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, so a client that goes away
+    while a chunk is being sent still aborts the engine request at once (not at GC time)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with anyio.CancelScope(shield=True):
+                    await close()
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
+
+
+async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:
+    """Awaits ``work`` unless the client disconnects first, in which case ``work`` is
+    cancelled (aborting its engine requests) and ClientDisconnected is raised."""
+    outcome: dict[str, Any] = {}
+
+    async with anyio.create_task_group() as task_group:
+        async def run() -> None:
+            try:
+                outcome["value"] = await work
+            except Exception as exc:  # re-raised below, outside the task group
+                outcome["error"] = exc
+            task_group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while True:
+                message = await raw_request.receive()
+                if message["type"] == "http.disconnect":
+                    outcome["disconnected"] = True
+                    task_group.cancel_scope.cancel()
+                    return
+
+        task_group.start_soon(run)
+        task_group.start_soon(watch)
+    if "error" in outcome:
+        raise outcome["error"]
+    if "value" not in outcome:
+        raise ClientDisconnected()
+    return outcome["value"]

@@ -1,0 +1,377 @@
+"""POST /v1/chat/completions: messages through the chat template to the engine, and back
+as OpenAI chat responses or SSE chunks (role delta first), with chat logprobs, echo,
+named tool choice, and the ``--tool-call-parser`` / ``--reasoning-parser`` plugins."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenloom.api import parsers
+from tokenloom.api.chat_template import ChatRenderer, message_text
+from tokenloom.api.http_errors import sse_error_event
+from tokenloom.api.protocol import (
+    SSE_DONE,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    sse_event,
+)
+from tokenloom.api.serving_base import (
+    MIN_LOGPROB,
+    ChoiceState,
+    ClientDisconnected,
+    EngineStreamingResponse,
+    ServingContext,
+    cancel_on_disconnect,
+    clamp_logprob,
+    pick_best,
+)
+from tokenloom.api.serving_completions import check_output
+from tokenloom.core.request import Logprob, RequestOutput
+from tokenloom.errors import InvalidRequestError, TokenloomError
+
+logger = logging.getLogger("tokenloom.api")
+
+
+def new_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def chat_logprobs(ctx: ServingContext, token_ids: list[int], positions: list[dict[int, Logprob] | None],
+                  num_top: int, as_token_ids: bool) -> ChatLogProbs:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        position = position or {}
+        chosen = position.get(token_id)
+        token = ctx.token_text(token_id, chosen, as_token_ids)
+        ranked = sorted(((candidate_id, candidate) for candidate_id, candidate in position.items()
+                         if candidate.rank is not None and candidate.rank <= num_top), key=lambda item: item[1].rank)
+        top = []
+        for candidate_id, candidate in ranked[:num_top]:
+            text = ctx.token_text(candidate_id, candidate, as_token_ids)
+            top.append(ChatLogProb(token=text, logprob=clamp_logprob(candidate.logprob),
+                                   bytes=list(text.encode("utf-8"))))
+        content.append(ChatLogProbsContent(
+            token=token, logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+            bytes=list(token.encode("utf-8")), top_logprobs=top))
+    return ChatLogProbs(content=content)
+
+
+class _ChoiceParsers:
+    """One choice's parser instances: streaming parsers keep state between deltas."""
+
+    def __init__(self, tool_parser: parsers.ToolParser | None, reasoning_parser: parsers.ReasoningParser | None):
+        self.tool = tool_parser
+        self.reasoning = reasoning_parser
+        self.called_tools = False
+        self.named_call_started = False
+
+
+class ChatHandler:
+    def __init__(self, ctx: ServingContext, renderer: ChatRenderer, response_role: str,
+                 tool_parser_class: type | None = None, reasoning_parser_class: type | None = None):
+        self.ctx = ctx
+        self.renderer = renderer
+        self.response_role = response_role
+        self.tool_parser_class = tool_parser_class
+        self.reasoning_parser_class = reasoning_parser_class
+
+    def tool_mode(self, request: ChatCompletionRequest) -> str | dict | None:
+        """None (plain text), ``"parser"`` (the tool-call parser reads the output), or the
+        named function's definition (its arguments are generated under its JSON schema)."""
+        choice = request.tool_choice
+        if not request.tools or choice == "none":
+            return None
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            for tool in request.tools:
+                function = tool.get("function") or {}
+                if function.get("name") == name:
+                    return function
+            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools",
+                                      param="tool_choice")
+        if choice == "required":
+            raise InvalidRequestError("tool_choice 'required' is not supported yet; use 'auto' (with "
+                                      "--tool-call-parser) or name a function", param="tool_choice")
+        if choice not in (None, "auto"):
+            raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
+                                      f"{choice!r}", param="tool_choice")
+        if self.tool_parser_class is None or not self.ctx.config.enable_auto_tool_choice:
+            if choice == "auto":
+                raise InvalidRequestError("tool_choice 'auto' needs the server to be started with "
+                                          "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
+            return None
+        return "parser"
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        ctx = self.ctx
+        ctx.check_ready()
+        model_name = ctx.check_model(request.model)
+        ctx.warn_unknown_fields(request, "/v1/chat/completions")
+        num_samples = ctx.num_samples(request)
+        if request.top_logprobs is not None:
+            if request.top_logprobs < 0:
+                raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}",
+                                          param="top_logprobs")
+            if request.top_logprobs > 0 and not request.logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        ctx.check_logprobs(logprobs, "top_logprobs")
+        ctx.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        tool_mode = self.tool_mode(request)
+        if tool_mode == "parser":
+            # e.g. keep the special tokens that delimit tool calls in the output
+            request = self.tool_parser_class(ctx.tokenizer).adjust_request(request) or request
+
+        prompt_text = self.renderer.render(
+            request.messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, tools=request.tools,
+            documents=request.documents, chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs)
+        prompt_ids = ctx.prepare_prompt(prompt_text, request.add_special_tokens, request.truncate_prompt_tokens)
+        requested_max = request.max_completion_tokens if request.max_completion_tokens is not None \
+            else request.max_tokens
+        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max, "max_completion_tokens"
+                                            if request.max_completion_tokens is not None else "max_tokens")
+        structured = ({"json": tool_mode.get("parameters") or {"type": "object"}} if isinstance(tool_mode, dict)
+                      else request.structured_output_constraint())
+        engine_logprobs = logprobs if logprobs is not None else (0 if num_samples > request.n else None)
+        params = ctx.sampling_params(request, n=num_samples, max_tokens=max_tokens, logprobs=engine_logprobs,
+                                     prompt_logprobs=request.prompt_logprobs, structured_outputs=structured)
+        request_id = ctx.engine_request_id(raw_request, request, "chatcmpl")
+        ctx.log_request(request_id, prompt_text, prompt_ids, params)
+
+        run = _ChatRun(self, request, request_id, model_name, prompt_ids, tool_mode)
+        outputs = ctx.generate_all([(prompt_ids, params)], request_id, request.priority)
+        try:
+            if request.stream:
+                first = await cancel_on_disconnect(raw_request, anext(outputs))
+                return EngineStreamingResponse(run.stream(first, outputs), media_type="text/event-stream")
+            response = await cancel_on_disconnect(raw_request, run.collect(outputs))
+        except ClientDisconnected:
+            logger.info("request %s: the client disconnected; aborted", request_id)
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump(mode="json"))
+
+
+class _ChatRun:
+    """The state of one chat request while its outputs arrive."""
+
+    def __init__(self, handler: ChatHandler, request: ChatCompletionRequest, request_id: str, model_name: str,
+                 prompt_ids: list[int], tool_mode: str | dict | None):
+        self.ctx = handler.ctx
+        self.handler = handler
+        self.request = request
+        self.request_id = request_id
+        self.model_name = model_name
+        self.num_prompt_tokens = len(prompt_ids)
+        self.tool_mode = tool_mode
+        self.as_token_ids = self.ctx.return_token_ids(request)
+        self.created = int(time.time())
+        last_message = request.messages[-1]
+        self.role = handler.response_role if request.add_generation_prompt else last_message.get("role", "assistant")
+        self.echo_text = message_text(last_message) if request.echo and last_message.get("role") == self.role else ""
+        self._parsers: dict[int, _ChoiceParsers] = {}
+
+    def parsers_for(self, index: int) -> _ChoiceParsers:
+        if index not in self._parsers:
+            tokenizer = self.ctx.tokenizer
+            tool = self.handler.tool_parser_class(tokenizer) if self.tool_mode == "parser" else None
+            reasoning = self.handler.reasoning_parser_class(tokenizer) if self.handler.reasoning_parser_class else None
+            self._parsers[index] = _ChoiceParsers(tool, reasoning)
+        return self._parsers[index]
+
+    def logprobs_for(self, token_ids: list[int], positions: list) -> ChatLogProbs | None:
+        if not self.request.logprobs:
+            return None
+        return chat_logprobs(self.ctx, token_ids, positions, self.request.top_logprobs or 0, self.as_token_ids)
+
+    # -- whole responses --------------------------------------------------------------
+
+    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
+        states: dict[int, ChoiceState] = {}
+        prompt_logprobs = None
+        cached_tokens = 0
+        async for _, output in outputs:
+            check_output(output, self.request_id)
+            if output.prompt_logprobs is not None and prompt_logprobs is None:
+                prompt_logprobs = output.prompt_logprobs
+            cached_tokens = output.num_cached_tokens
+            for choice in output.outputs:
+                states.setdefault(choice.index, ChoiceState()).add(choice)
+        samples = [state for _, state in sorted(states.items())]
+        if len(samples) > self.request.n:
+            samples = pick_best(samples, self.request.n)
+        choices = [self.choice(index, state) for index, state in enumerate(samples)]
+        usage = self.ctx.usage(self.num_prompt_tokens, sum(len(state.token_ids) for state in states.values()),
+                               cached_tokens)
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage,
+            prompt_logprobs=self.ctx.prompt_logprobs_json(prompt_logprobs)
+            if self.request.prompt_logprobs is not None else None)
+
+    def choice(self, index: int, state: ChoiceState) -> ChatChoice:
+        content: str | None = state.text
+        reasoning = None
+        tool_calls: list[ToolCall] = []
+        finish_reason = state.finish_reason
+        parsers_ = self.parsers_for(index)
+        if parsers_.reasoning is not None:
+            reasoning, content = parsers_.reasoning.extract_reasoning(content, self.request)
+        if isinstance(self.tool_mode, dict):
+            tool_calls = [ToolCall(id=new_tool_call_id(),
+                                   function=FunctionCall(name=self.tool_mode["name"], arguments=content or ""))]
+            content = None
+        elif parsers_.tool is not None:
+            extracted = parsers_.tool.extract(content or "", self.request)
+            if extracted.tools_called:
+                tool_calls = [ToolCall(id=call.id or new_tool_call_id(),
+                                       function=FunctionCall(name=call.name, arguments=call.arguments))
+                              for call in extracted.tool_calls]
+                content = extracted.content
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
+        if self.echo_text:
+            content = self.echo_text + (content or "")
+        message = ChatMessage(role=self.role, content=content, reasoning_content=reasoning, tool_calls=tool_calls)
+        return ChatChoice(index=index, message=message, logprobs=self.logprobs_for(state.token_ids, state.logprobs),
+                          finish_reason=finish_reason, stop_reason=state.stop_reason)
+
+    # -- streaming --------------------------------------------------------------------
+
+    def chunk(self, index: int, delta: DeltaMessage, *, logprobs: ChatLogProbs | None = None,
+              finish_reason: str | None = None, stop_reason: Any = None, usage=None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                  stop_reason=stop_reason)
+        return sse_event(ChatCompletionStreamResponse(id=self.request_id, created=self.created,
+                                                      model=self.model_name, choices=[choice], usage=usage))
+
+    async def stream(self, first: tuple[int, RequestOutput],
+                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
+        states: dict[int, ChoiceState] = {}
+        cached = {"tokens": first[1].num_cached_tokens}
+
+        def usage():
+            return self.ctx.usage(self.num_prompt_tokens, sum(len(s.token_ids) for s in states.values()),
+                                  cached["tokens"])
+
+        try:
+            for index in range(self.request.n):
+                yield self.chunk(index, DeltaMessage(role=self.role), usage=usage() if continuous_usage else None)
+                if self.echo_text:
+                    yield self.chunk(index, DeltaMessage(content=self.echo_text),
+                                     usage=usage() if continuous_usage else None)
+            for event in self.chunks(first[1], states, cached, usage if continuous_usage else None):
+                yield event
+            async for _, output in outputs:
+                for event in self.chunks(output, states, cached, usage if continuous_usage else None):
+                    yield event
+            if include_usage:
+                yield sse_event(ChatCompletionStreamResponse(id=self.request_id, created=self.created,
+                                                             model=self.model_name, choices=[], usage=usage()))
+        except Exception as exc:
+            if not isinstance(exc, TokenloomError):
+                logger.exception("request %s failed while streaming", self.request_id)
+            yield sse_error_event(exc, self.request_id)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+        yield SSE_DONE
+
+    def chunks(self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict, usage) -> list[str]:
+        check_output(output, self.request_id)
+        cached["tokens"] = output.num_cached_tokens
+        events = []
+        for choice in output.outputs:
+            state = states.setdefault(choice.index, ChoiceState())
+            state.add(choice)
+            parsers_ = self.parsers_for(choice.index)
+            delta = self.parse_delta(parsers_, choice.text)
+            finish_reason = choice.finish_reason
+            if finish_reason is not None and parsers_.tool is not None:
+                delta = merge_deltas(delta, wire_delta(parsers_.tool.finish(self.request)))
+            if delta is not None and delta.tool_calls and parsers_.tool is not None:
+                parsers_.called_tools = True
+            if finish_reason == "stop" and parsers_.called_tools:
+                finish_reason = "tool_calls"
+            logprobs = self.logprobs_for(choice.token_ids, choice.logprobs or []) if choice.token_ids else None
+            if delta is None and finish_reason is None and logprobs is None:
+                continue
+            events.append(self.chunk(choice.index, delta or DeltaMessage(), logprobs=logprobs,
+                                     finish_reason=finish_reason, stop_reason=choice.stop_reason,
+                                     usage=usage() if usage else None))
+        return events
+
+    def parse_delta(self, parsers_: _ChoiceParsers, text: str) -> DeltaMessage | None:
+        if not text:
+            return None
+        if isinstance(self.tool_mode, dict):
+            # a named function: the whole output is its arguments
+            call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
+            if not parsers_.named_call_started:
+                parsers_.named_call_started = True
+                call = DeltaToolCall(index=0, id=new_tool_call_id(), type="function",
+                                     function=DeltaFunctionCall(name=self.tool_mode["name"], arguments=text))
+            return DeltaMessage(tool_calls=[call])
+        content, reasoning = text, None
+        if parsers_.reasoning is not None:
+            piece = parsers_.reasoning.extract_reasoning_delta(text, self.request)
+            content = piece.content if piece else None
+            reasoning = piece.reasoning_content if piece else None
+        if parsers_.tool is not None and content:
+            return merge_deltas(DeltaMessage(reasoning_content=reasoning) if reasoning else None,
+                                wire_delta(parsers_.tool.extract_delta(content, self.request)))
+        if content is None and reasoning is None:
+            return None
+        return DeltaMessage(content=content, reasoning_content=reasoning)
+
+
+def wire_delta(piece: parsers.DeltaMessage | None) -> DeltaMessage | None:
+    """A parser's DeltaMessage as the API's; None when it carries nothing."""
+    if piece is None:
+        return None
+    tool_calls = []
+    for call in piece.tool_calls:
+        function = None
+        if call.name is not None or call.arguments is not None:
+            function = DeltaFunctionCall(name=call.name, arguments=call.arguments)
+        call_id = call.id or (new_tool_call_id() if call.name is not None else None)
+        tool_calls.append(DeltaToolCall(index=call.index, id=call_id, type="function" if call_id else None,
+                                        function=function))
+    if piece.content is None and piece.reasoning_content is None and not tool_calls:
+        return None
+    return DeltaMessage(content=piece.content, reasoning_content=piece.reasoning_content, tool_calls=tool_calls or None)
+
+
+def merge_deltas(first: DeltaMessage | None, second: DeltaMessage | None) -> DeltaMessage | None:
+    if first is None or second is None:
+        return first or second
+
+    def join(a: str | None, b: str | None) -> str | None:
+        return None if a is None and b is None else (a or "") + (b or "")
+
+    tool_calls = (first.tool_calls or []) + (second.tool_calls or [])
+    return DeltaMessage(content=join(first.content, second.content),
+                        reasoning_content=join(first.reasoning_content, second.reasoning_content),
+                        tool_calls=tool_calls or None)
