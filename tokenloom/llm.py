@@ -59,15 +59,16 @@ class LLM:
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Render each conversation with the chat template and generate."""
-        from tokenloom.api.chat_template import render_chat_prompt
+        from tokenloom.api.chat_template import ChatRenderer
 
+        renderer = ChatRenderer(self.engine.tokenizer)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            prompt_text = render_chat_prompt(
-                self.engine.tokenizer, conversation, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                tools=tools, chat_template_kwargs=chat_template_kwargs or {},
+            prompt_text = renderer.render(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(prompt_text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,74 @@
+"""The real `tokenloom serve` process, started once per test module on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+API_KEY = "e2e-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, process: subprocess.Popen, base_url: str, log_path: str):
+        self.process = process
+        self.base_url = base_url
+        self.log_path = log_path
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as handle:
+            return handle.read()
+
+
+def start_server(args: list[str], log_path: str, timeout: float = 240.0) -> RunningServer:
+    port = free_port()
+    command = [sys.executable, "-m", "tokenloom", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = open(log_path, "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tokenloom serve exited with {process.returncode}:\n{server.log()[-4000:]}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"tokenloom serve was not ready after {timeout}s:\n{server.log()[-4000:]}")
+
+
+def stop_server(server: RunningServer) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
+    server = start_server(
+        ["smollm2", "--max-model-len", "1024", "--api-key", API_KEY,
+         "--middleware", "tests.e2e.header_middleware.add_served_by_header"],
+        log_path,
+    )
+    yield server
+    stop_server(server)

@@ -1,0 +1,181 @@
+"""The real `tokenloom serve smollm2` process driven with the official `openai` client and httpx:
+endpoints, streaming equal to non-streaming, usage, stops, logprobs, n > 1, the API key, a
+--middleware module, concurrency, disconnects freeing KV blocks, and error statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import API_KEY
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_server):
+    return openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def async_client(smollm2_server):
+    return openai.AsyncOpenAI(base_url=smollm2_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def test_models_lists_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_greedy_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, prompt="The three primary colours are", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs)
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs) if chunk.choices]
+    assert "".join(pieces) == full.choices[0].text
+    assert full.usage.completion_tokens == 24
+    assert full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 24
+    assert full.choices[0].finish_reason == "length"
+
+
+def test_chat_greedy_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert "Paris" in text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert full.choices[0].message.role == "assistant"
+
+
+def test_stop_string_truncates_output(client):
+    out = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0, stop=[" 8"])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text.endswith("7,")
+    assert " 8" not in out.choices[0].text
+
+
+def test_logprobs_shape(client):
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    # greedy: the chosen token is the most likely one
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob == pytest.approx(max(top.values()), abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_n_greater_than_one_with_seed(client):
+    out = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3,
+                                    temperature=1.0, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1
+    again = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3,
+                                      temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+
+
+def test_api_key_is_enforced(smollm2_server):
+    url = smollm2_server.base_url
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    missing = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert missing.status_code == 401
+    assert missing.json()["error"]["type"]
+    wrong = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}, timeout=30)
+    assert wrong.status_code == 401
+    assert httpx.post(url + "/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 401
+    for public in ("/health", "/ping", "/version", "/metrics"):
+        assert httpx.get(url + public, timeout=30).status_code == 200
+
+
+def test_middleware_module_adds_header(smollm2_server):
+    response = httpx.get(smollm2_server.base_url + "/health", timeout=30)
+    assert response.headers["X-Served-By"] == "tokenloom-e2e"
+
+
+def test_tokenize_detokenize_roundtrip(smollm2_server):
+    url = smollm2_server.base_url
+    tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}, headers=auth(), timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, headers=auth(), timeout=30).json()
+    assert text["prompt"].endswith("Hello world")
+
+
+def test_error_statuses(client, smollm2_server):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=MODEL, prompt="word " * 2000, max_tokens=2)
+    assert "1024" in str(too_long.value)
+    with pytest.raises(openai.BadRequestError) as bad_param:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
+    assert "temperature" in str(bad_param.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="!")
+    # the engine is still fine after all that
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_32_concurrent_streams_all_finish(async_client):
+    async def one(i: int) -> tuple[str, str | None]:
+        stream = await async_client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=16,
+                                                       temperature=0.8, seed=i, stream=True,
+                                                       extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def run_all():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    assert len(results) == 32
+    assert all(finish == "length" and text for text, finish in results)
+
+
+def test_disconnected_stream_frees_its_blocks(smollm2_server):
+    url = smollm2_server.base_url
+    body = {"model": MODEL, "prompt": "Count to a thousand: 1, 2,", "max_tokens": 900, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth(), timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert metric(smollm2_server, "vllm:num_requests_running") == 1
+        assert metric(smollm2_server, "vllm:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and metric(smollm2_server, "vllm:num_requests_running") != 0:
+        time.sleep(0.2)
+    assert metric(smollm2_server, "vllm:num_requests_running") == 0
+    assert metric(smollm2_server, "vllm:kv_cache_usage_perc") == 0

@@ -1,0 +1,7 @@
+"""``python -m tokenloom ...`` is the ``tokenloom`` command."""
+
+import sys
+
+from tokenloom.api.cli import main
+
+sys.exit(main())
