@@ -1,0 +1,93 @@
+"""The ``gguf`` quantization method: packed weights dequantized into a linear layer at load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from torch import nn
+
+from tokenloom.builtin_plugins.quantization import gguf as gguf_quantization
+from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
+from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
+from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.layers.quantization import QuantizationMethod
+from tokenloom.plugins.registry import resolve_target
+
+
+def q8_weight(rows: int, cols: int, seed: int, name: str = "blk.0.attn_q.weight") -> GGUFWeight:
+    values = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
+    packed = quantize(values, GGMLQuantizationType.Q8_0)
+    return GGUFWeight(torch.from_numpy(packed.copy()), int(GGMLQuantizationType.Q8_0), (rows, cols), name=name,
+                      path="/m/model.gguf")
+
+
+def make_layer(method: QuantizationMethod, input_size: int, output_size: int, dtype=torch.float32) -> nn.Module:
+    layer = nn.Module()
+    method.create_weights(layer, input_size, output_size, dtype)
+    return layer
+
+
+def test_loads_packed_shards_into_row_ranges_and_matmuls_with_the_dequantized_weight():
+    method = GGUFQuantizationMethod()
+    layer = make_layer(method, 64, 10)
+    first, second = q8_weight(6, 64, seed=1), q8_weight(4, 64, seed=2)
+    method.load_weight(layer, first, 0, 6)
+    method.load_weight(layer, second, 6, 4)
+    expected_weight = torch.cat([first.dequantize(), second.dequantize()])
+    assert torch.equal(layer.weight, expected_weight)
+    x = torch.randn(3, 64)
+    bias = torch.randn(10)
+    torch.testing.assert_close(method.apply(layer, x, bias), x @ expected_weight.T + bias)
+    method.process_weights_after_loading(layer)
+
+
+def test_dequantizes_into_the_model_dtype():
+    method = GGUFQuantizationMethod()
+    layer = make_layer(method, 64, 6, torch.bfloat16)
+    weight = q8_weight(6, 64, seed=3)
+    method.load_weight(layer, weight, 0, 6)
+    assert layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight, weight.dequantize().to(torch.bfloat16))
+
+
+def test_dense_checkpoint_tensors_still_load():
+    method = GGUFQuantizationMethod()
+    layer = make_layer(method, 8, 4)
+    dense = torch.randn(4, 8, dtype=torch.float16)
+    method.load_weight(layer, dense, 0, 4)
+    assert torch.equal(layer.weight, dense.float())
+
+
+def test_shape_mismatch_names_the_tensor():
+    method = GGUFQuantizationMethod()
+    layer = make_layer(method, 32, 6)
+    with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight"):
+        method.load_weight(layer, q8_weight(6, 64, seed=4), 0, 6)
+
+
+def test_unsupported_quant_type_names_tensor_file_and_type():
+    method = GGUFQuantizationMethod()
+    layer = make_layer(method, 32, 2)
+    weight = GGUFWeight(torch.zeros(2, 18, dtype=torch.uint8), int(GGMLQuantizationType.IQ4_NL), (2, 32),
+                        name="blk.7.ffn_down.weight", path="/m/model.gguf")
+    with pytest.raises(ModelLoadError) as error:
+        method.load_weight(layer, weight, 0, 2)
+    assert all(part in str(error.value) for part in ("blk.7.ffn_down.weight", "/m/model.gguf", "IQ4_NL"))
+
+
+def test_only_the_dequantize_mode_exists_for_now():
+    assert GGUFQuantizationMethod().mode == "dequantize"
+    with pytest.raises(ConfigError, match="packed"):
+        GGUFQuantizationMethod(mode="packed")
+
+
+@pytest.mark.hook("register_quantization_methods")
+def test_hook_registers_gguf_lazily_by_module_path():
+    registered = []
+    gguf_quantization.register_quantization_methods(register=lambda name, target, **o: registered.append((name, target)))
+    assert registered == [("gguf", "tokenloom.builtin_plugins.quantization.gguf:GGUFQuantizationMethod")]
+    method_class = resolve_target(registered[0][1])
+    assert issubclass(method_class, QuantizationMethod) and method_class.name == "gguf"

@@ -1,0 +1,170 @@
+"""The ``gguf`` load format: a llama.cpp ``.gguf`` file (or a directory holding exactly one).
+
+Config and tokenizer come from the file's metadata; weights are yielded under their Hugging
+Face names with llama.cpp's conversions undone (the Llama Q/K rotary row permutation, Gemma's
+``1 + w`` norms). Quantized tensors stay packed as :class:`GGUFWeight` views of the
+memory-mapped file; the ``gguf`` quantization method dequantizes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Iterator
+
+from tokenloom.builtin_plugins.loaders import hf_files
+from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, GGUFTensorInfo, find_gguf_file
+from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
+
+logger = logging.getLogger(__name__)
+
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_DECODER_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+}
+# per architecture: GGUF block tensor -> Hugging Face sub-module of model.layers.N
+BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "llama": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "qwen2": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        **_DECODER_BLOCK_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+}
+# tensors llama.cpp adds that have no Hugging Face parameter (precomputed rope factors)
+IGNORED_TENSORS = ("rope_freqs.weight",)
+# architectures whose llama.cpp converter permuted the Q/K rows for its rotary layout
+ROPE_PERMUTED_ARCHITECTURES = ("llama",)
+# architectures whose norms llama.cpp stores as ``1 + w`` (the HF modules compute ``x * (1 + w)``)
+OFFSET_NORM_ARCHITECTURES = ("gemma3",)
+
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def hf_tensor_name(architecture: str, gguf_name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None when it has none."""
+    match = _BLOCK_TENSOR.match(gguf_name)
+    if match:
+        layer, tensor, suffix = match.groups()
+        module = BLOCK_NAMES.get(architecture, {}).get(tensor)
+        return f"model.layers.{layer}.{module}.{suffix}" if module else None
+    match = _TOP_TENSOR.match(gguf_name)
+    if match and match.group(1) in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[match.group(1)]}.{match.group(2)}"
+    return None
+
+
+def rope_unpermute_order(num_rows: int, num_heads: int):
+    """Row order undoing llama.cpp's Q/K permutation: it interleaves each head's two rotary
+    halves (row ``2i`` <- ``i``, ``2i+1`` <- ``half + i``); ``new[j] = old[order[j]]``."""
+    import torch
+
+    head_dim = num_rows // num_heads
+    return torch.arange(num_rows).view(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def gguf_path(path: str) -> str:
+    """The .gguf file at ``path``, or a ModelLoadError saying why there is none."""
+    found = find_gguf_file(path)
+    if found is not None:
+        return found
+    if not os.path.exists(path):
+        raise ModelLoadError(f"GGUF model path {path} does not exist")
+    if os.path.isdir(path):
+        candidates = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+        if candidates:
+            raise ModelLoadError(
+                f"{path} holds several .gguf files ({', '.join(candidates)}); pass the path of the one to load"
+            )
+        raise ModelLoadError(f"{path} holds no .gguf file")
+    raise ModelLoadError(f"{path} is not a GGUF file")
+
+
+class GGUFLoadFormat(LoadFormat):
+    """Reads ``.gguf`` files; see the module docstring."""
+
+    def can_load(self, path: str) -> bool:
+        return find_gguf_file(path) is not None
+
+    def load_config(self, path: str, model_config: Any) -> Any:
+        from tokenloom.builtin_plugins.loaders.gguf_config import gguf_to_hf_config
+
+        file_path = gguf_path(path)
+        config = gguf_to_hf_config(GGUFFile(file_path))
+        config._name_or_path = file_path
+        return hf_files.apply_hf_overrides(config, getattr(model_config, "hf_overrides", None))
+
+    def load_tokenizer(self, path: str, model_config: Any) -> Any:
+        from tokenloom.builtin_plugins.loaders.gguf_tokenizer import STRING_ARRAYS, gguf_to_hf_tokenizer
+
+        tokenizer_path = getattr(model_config, "tokenizer", None)
+        if tokenizer_path and find_gguf_file(tokenizer_path) is None:
+            return hf_files.load_hf_tokenizer(path, model_config)
+        return gguf_to_hf_tokenizer(GGUFFile(gguf_path(tokenizer_path or path), string_arrays=STRING_ARRAYS))
+
+    def quantization(self, path: str) -> str | None:
+        from tokenloom.builtin_plugins.quantization.gguf_blocks import FLOAT_TYPES
+
+        gguf = GGUFFile(gguf_path(path))
+        return "gguf" if any(info.ggml_type not in FLOAT_TYPES for info in gguf.tensors.values()) else None
+
+    def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
+        gguf = GGUFFile(gguf_path(path))
+        architecture = gguf.architecture
+        if architecture not in BLOCK_NAMES:
+            raise ModelLoadError(
+                f"GGUF file {gguf.path} holds architecture {architecture or '(none)'!r}, whose tensor names "
+                f"tokenloom cannot map; supported architectures: {', '.join(sorted(BLOCK_NAMES))}"
+            )
+        num_heads = gguf.arch_get("attention.head_count")
+        num_kv_heads = gguf.arch_get("attention.head_count_kv", num_heads)
+        tensors = list(gguf.tensors.values())
+        for info in hf_files.with_progress(tensors, load_config, total=len(tensors), description="loading GGUF tensors"):
+            hf_name = hf_tensor_name(architecture, info.name)
+            if hf_name is None:
+                if info.name not in IGNORED_TENSORS:
+                    logger.warning("GGUF tensor %s of %s has no Hugging Face counterpart; skipped", info.name, gguf.path)
+                continue
+            weight = _tensor(gguf, info)
+            if architecture in ROPE_PERMUTED_ARCHITECTURES and info.name.endswith((".attn_q.weight", ".attn_k.weight")):
+                heads = num_heads if ".attn_q." in info.name else num_kv_heads
+                weight = _permute_rows(weight, rope_unpermute_order(info.shape[0], int(heads)))
+            elif architecture in OFFSET_NORM_ARCHITECTURES and info.name.endswith("norm.weight"):
+                weight = _materialize_float32(weight) - 1.0
+            yield hf_name, weight
+
+
+def _tensor(gguf: GGUFFile, info: GGUFTensorInfo):
+    """A float tensor as a torch view of the file, a quantized one as a packed GGUFWeight."""
+    import torch
+
+    from tokenloom.builtin_plugins.quantization.gguf_blocks import FLOAT_TYPES, GGUFWeight
+
+    raw = torch.from_numpy(gguf.tensor_data(info))
+    if info.ggml_type in FLOAT_TYPES:
+        return raw.view(FLOAT_TYPES[info.ggml_type]).view(info.shape)
+    rows = info.num_elements // info.shape[-1] if info.shape else 1
+    return GGUFWeight(raw.view(rows, -1), info.ggml_type, info.shape, name=info.name, path=gguf.path)
+
+
+def _permute_rows(weight, order):
+    if hasattr(weight, "permute_rows"):
+        return weight.permute_rows(order)
+    return weight.index_select(0, order)
+
+
+def _materialize_float32(weight):
+    return weight.dequantize() if hasattr(weight, "dequantize") else weight.float()
+
+
+@hookimpl
+def register_load_formats(register):
+    register("gguf", "tokenloom.builtin_plugins.loaders.gguf_format:GGUFLoadFormat")

@@ -1,0 +1,245 @@
+"""GGML block formats: sizes, vectorised torch dequantizers, and :class:`GGUFWeight`, the packed
+tensor the GGUF load format yields for quantized weights.
+
+Each dequantizer takes ``[num_blocks, bytes_per_block]`` uint8 and returns
+``[num_blocks, values_per_block]`` float32, computed in the same order of float operations
+as ggml's reference (and ``gguf.quants``), so results match bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Callable
+
+import torch
+
+from tokenloom.errors import ModelLoadError
+
+# ggml type ids (enum ggml_type in ggml.h)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+BF16 = 30
+
+FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+
+# every type a GGUF can hold: id -> (name, values per block, bytes per block); used to size tensors
+# even of types we cannot dequantize, so such a file still opens and the error names the tensor
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
+    28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+}
+
+# blocks dequantized per step: bounds the temporaries to a few tens of MB
+_BLOCKS_PER_CHUNK = 1 << 15
+
+
+def type_name(ggml_type: int) -> str:
+    return GGML_TYPES.get(ggml_type, (f"type {ggml_type}",))[0]
+
+
+def tensor_nbytes(ggml_type: int, shape: tuple[int, ...], *, tensor_name: str = "", path: str = "") -> int:
+    """Bytes a tensor of this type and shape occupies in a GGUF file."""
+    where = f"tensor {tensor_name!r} of {path}" if tensor_name else "a tensor"
+    if ggml_type not in GGML_TYPES:
+        raise ModelLoadError(f"{where} has unknown ggml type {ggml_type}; this GGUF needs a newer tokenloom")
+    _, block_values, block_bytes = GGML_TYPES[ggml_type]
+    row_length = shape[-1] if shape else 1
+    if row_length % block_values:
+        raise ModelLoadError(
+            f"{where}: rows of {row_length} values are not a whole number of {type_name(ggml_type)} "
+            f"blocks of {block_values}; the file is corrupt"
+        )
+    return prod(shape) // block_values * block_bytes
+
+
+# -- dequantizers ------------------------------------------------------------------------------
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 scalar at byte ``start`` of each block, as ``[num_blocks, 1]`` float32."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """ggml's 4-bit layout: a block's first half of values in the low nibbles, second half in the high."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+
+
+def _high_bits(qh: torch.Tensor, num_values: int) -> torch.Tensor:
+    """Bit i of the little-endian bytes ``qh`` for i in range(num_values), as uint8 0/1."""
+    bit = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> bit) & 1).reshape(qh.shape[0], -1)[:, :num_values]
+
+
+def _dequantize_q4_0(blocks):
+    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:18]).float() - 8)
+
+
+def _dequantize_q4_1(blocks):
+    return _f16(blocks, 0) * _nibbles(blocks[:, 4:20]).float() + _f16(blocks, 2)
+
+
+def _dequantize_q5_0(blocks):
+    q = _nibbles(blocks[:, 6:22]) | (_high_bits(blocks[:, 2:6], 32) << 4)
+    return _f16(blocks, 0) * (q.float() - 16)
+
+
+def _dequantize_q5_1(blocks):
+    q = _nibbles(blocks[:, 8:24]) | (_high_bits(blocks[:, 4:8], 32) << 4)
+    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+
+
+def _dequantize_q8_0(blocks):
+    return _f16(blocks, 0) * blocks[:, 2:34].contiguous().view(torch.int8).float()
+
+
+def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins packed in 12 bytes (Q4_K, Q5_K)."""
+    low_scales, low_mins, extra = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([low_scales & 63, (extra & 0x0F) | ((low_scales >> 6) << 4)], dim=1)
+    mins = torch.cat([low_mins & 63, (extra >> 4) | ((low_mins >> 6) << 4)], dim=1)
+    return scales.float(), mins.float()
+
+
+def _split_32s(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Fields of ``num_bits`` bits, read from successive 32-byte groups lowest bits first:
+    ``[nb, 32*k]`` -> ``[nb, k * (8 // num_bits) * 32]`` in ggml's value order."""
+    shifts = torch.arange(0, 8, num_bits, dtype=torch.uint8).view(1, 1, -1, 1)
+    grouped = packed.reshape(packed.shape[0], -1, 1, 32)
+    return ((grouped >> shifts) & ((1 << num_bits) - 1)).reshape(packed.shape[0], -1)
+
+
+def _dequantize_q4_k(blocks):
+    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
+    scale = (_f16(blocks, 0) * scales).unsqueeze(-1)
+    offset = (_f16(blocks, 2) * mins).unsqueeze(-1)
+    q = _split_32s(blocks[:, 16:144], 4).view(-1, 8, 32).float()
+    return (scale * q - offset).reshape(blocks.shape[0], 256)
+
+
+def _dequantize_q5_k(blocks):
+    scales, mins = _k_scales_and_mins(blocks[:, 4:16])
+    scale = (_f16(blocks, 0) * scales).unsqueeze(-1)
+    offset = (_f16(blocks, 2) * mins).unsqueeze(-1)
+    low = _split_32s(blocks[:, 48:176], 4)
+    high = _split_32s(blocks[:, 16:48], 1)
+    q = (low | (high << 4)).view(-1, 8, 32).float()
+    return (scale * q - offset).reshape(blocks.shape[0], 256)
+
+
+def _dequantize_q6_k(blocks):
+    num_blocks = blocks.shape[0]
+    # per half of 128 values: low nibbles of ql[0:32] and ql[32:64], then the high nibbles of both
+    low = _split_32s(blocks[:, 0:128], 4).view(num_blocks, 2, 2, 2, 32).transpose(2, 3).reshape(num_blocks, 256)
+    high = _split_32s(blocks[:, 128:192], 2)
+    q = ((low | (high << 4)).to(torch.int8) - 32).view(num_blocks, 16, 16).float()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    return ((_f16(blocks, 208) * scales).unsqueeze(-1) * q).reshape(num_blocks, 256)
+
+
+def _dequantize_q2_k(blocks):
+    scales = blocks[:, 0:16]
+    scale = (_f16(blocks, 80) * (scales & 0x0F).float()).unsqueeze(-1)
+    offset = (_f16(blocks, 82) * (scales >> 4).float()).unsqueeze(-1)
+    q = _split_32s(blocks[:, 16:80], 2).view(-1, 16, 16).float()
+    return (scale * q - offset).reshape(blocks.shape[0], 256)
+
+
+def _dequantize_q3_k(blocks):
+    num_blocks = blocks.shape[0]
+    packed_scales = blocks[:, 96:108]
+    low = torch.cat([packed_scales[:, 0:8] & 0x0F, packed_scales[:, 0:8] >> 4], dim=1)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(1, -1, 1)
+    high = ((packed_scales[:, 8:12].unsqueeze(1) >> shifts) & 3).reshape(num_blocks, 16)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    q_low = _split_32s(blocks[:, 32:96], 2).to(torch.int8)
+    # a value's high bit lives in hmask[l % 32] at bit l // 32; a clear bit subtracts 4
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, -1, 1)
+    high_bit = ((blocks[:, 0:32].unsqueeze(1) >> shifts) & 1).reshape(num_blocks, 256).to(torch.int8)
+    q = (q_low - ((high_bit ^ 1) << 2)).view(num_blocks, 16, 16).float()
+    return ((_f16(blocks, 108) * scales).unsqueeze(-1) * q).reshape(num_blocks, 256)
+
+
+DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q4_0: _dequantize_q4_0, Q4_1: _dequantize_q4_1, Q5_0: _dequantize_q5_0, Q5_1: _dequantize_q5_1,
+    Q8_0: _dequantize_q8_0, Q2_K: _dequantize_q2_k, Q3_K: _dequantize_q3_k, Q4_K: _dequantize_q4_k,
+    Q5_K: _dequantize_q5_k, Q6_K: _dequantize_q6_k,
+}
+
+SUPPORTED_TYPES = sorted(set(DEQUANTIZERS) | set(FLOAT_TYPES))
+
+
+def supported_type_names() -> str:
+    return ", ".join(type_name(t) for t in SUPPORTED_TYPES)
+
+
+def dequantize_blocks(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
+                      dtype: torch.dtype = torch.float32, *, tensor_name: str = "", path: str = "") -> torch.Tensor:
+    """Raw GGUF bytes of one tensor -> a dense ``shape`` tensor of ``dtype``."""
+    data = data.reshape(-1)
+    if ggml_type in FLOAT_TYPES:
+        return data.view(FLOAT_TYPES[ggml_type]).reshape(shape).to(dtype)
+    dequantizer = DEQUANTIZERS.get(ggml_type)
+    if dequantizer is None:
+        where = f"tensor {tensor_name!r}" + (f" of {path}" if path else "") if tensor_name else "a tensor"
+        raise ModelLoadError(
+            f"{where} is stored as GGML type {type_name(ggml_type)}, which the gguf quantization "
+            f"method cannot dequantize; supported types: {supported_type_names()}"
+        )
+    _, block_values, block_bytes = GGML_TYPES[ggml_type]
+    blocks = data.view(-1, block_bytes)
+    out = torch.empty(blocks.shape[0], block_values, dtype=dtype)
+    for start in range(0, blocks.shape[0], _BLOCKS_PER_CHUNK):
+        chunk = blocks[start:start + _BLOCKS_PER_CHUNK]
+        out[start:start + chunk.shape[0]] = dequantizer(chunk)
+    return out.view(shape)
+
+
+@dataclass
+class GGUFWeight:
+    """A quantized checkpoint tensor, still packed: what the GGUF load format yields.
+
+    ``data`` is ``[rows, bytes_per_row]`` uint8 (usually a view of the memory-mapped file);
+    ``shape`` is the logical ``[out, in]`` shape. Rows are whole blocks, so row slicing and
+    row permutation work on the packed bytes.
+    """
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: torch.Size
+    name: str = ""  # the GGUF tensor name, for error messages
+    path: str = ""  # the file it came from, for error messages
+
+    def __post_init__(self):
+        self.shape = torch.Size(self.shape)
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.ggml_type)
+
+    @property
+    def is_supported(self) -> bool:
+        return self.ggml_type in DEQUANTIZERS or self.ggml_type in FLOAT_TYPES
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_blocks(self.data, self.ggml_type, tuple(self.shape), dtype,
+                                 tensor_name=self.name, path=self.path)
+
+    def permute_rows(self, row_order: torch.Tensor) -> "GGUFWeight":
+        """Rows reordered (``new[i] = old[row_order[i]]``); copies the packed bytes once."""
+        return GGUFWeight(self.data.index_select(0, row_order), self.ggml_type, self.shape, self.name, self.path)
+
+    def narrow_rows(self, start: int, length: int) -> "GGUFWeight":
+        """Rows ``start:start+length`` (a tensor-parallel shard, or one part of a fused weight)."""
+        return GGUFWeight(self.data[start:start + length], self.ggml_type,
+                          torch.Size((length, *self.shape[1:])), self.name, self.path)
+
+    def __repr__(self) -> str:
+        return f"GGUFWeight(name={self.name!r}, type={self.type_name}, shape={tuple(self.shape)})"
