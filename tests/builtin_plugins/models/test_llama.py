@@ -1,0 +1,109 @@
+"""LlamaForCausalLM and MistralForCausalLM against transformers on tiny random models:
+every position's logits and greedy tokens through the paged cache, tied and untied
+embeddings, biases, scaled RoPE, a sliding window, and packed (dequantize-on-load) weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import MistralForCausalLM as HFMistralForCausalLM
+
+from helpers.model_parity import assert_close_to_float32, assert_matches_transformers, build_model, perturb_parameters
+from tokenloom.builtin_plugins.models.llama import register_models
+from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM, MistralForCausalLM
+from tokenloom.errors import ModelLoadError
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 8], [120, 4], [33, 61, 2, 90, 11, 150, 23, 8, 77, 5, 64]]
+
+TINY = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+)
+
+
+def hf_llama(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return perturb_parameters(HFLlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).eval(), seed)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tie_word_embeddings": False},
+        {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+        {"num_key_value_heads": 4, "head_dim": 8},
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    ],
+    ids=["untied", "tied-bias", "mha-head-dim", "llama3-rope"],
+)
+def test_llama_matches_transformers(overrides):
+    hf_model = hf_llama(**overrides)
+    model, loaded = build_model(LlamaForCausalLM, hf_model.config, hf_model.state_dict().items())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in loaded
+    assert ("lm_head.weight" in loaded) != hf_model.config.tie_word_embeddings
+    assert_matches_transformers(model, hf_model, PROMPTS)
+
+
+def test_mistral_sliding_window_matches_transformers():
+    torch.manual_seed(1)
+    config = MistralConfig(**TINY, sliding_window=5, tie_word_embeddings=False)
+    hf_model = perturb_parameters(HFMistralForCausalLM(config).eval(), 1)
+    model, _ = build_model(MistralForCausalLM, config, hf_model.state_dict().items())
+    assert model.kv_cache_spec.sliding_windows == [5, 5, 5]
+    assert_matches_transformers(model, hf_model, PROMPTS, num_new_tokens=8)
+
+
+def test_llama_in_bfloat16_stays_close_to_float32():
+    hf_model = hf_llama(seed=3)
+    model, _ = build_model(LlamaForCausalLM, hf_model.config, hf_model.state_dict().items(), dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert_close_to_float32(model, hf_model, PROMPTS)
+
+
+class PackedTensor:
+    """Stands in for a quantized checkpoint tensor: only ``dequantize()`` yields values."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def dequantize(self):
+        return self._tensor.clone()
+
+
+def test_packed_weights_are_dequantized_on_load():
+    hf_model = hf_llama(seed=2)
+    model, _ = build_model(
+        LlamaForCausalLM, hf_model.config, ((name, PackedTensor(tensor)) for name, tensor in hf_model.state_dict().items())
+    )
+    assert_matches_transformers(model, hf_model, PROMPTS[:2], num_new_tokens=3)
+
+
+def test_missing_weight_is_named():
+    hf_model = hf_llama()
+    weights = [(name, tensor) for name, tensor in hf_model.state_dict().items() if "layers.1.self_attn.v_proj" not in name]
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight \(shard v\)"):
+        build_model(LlamaForCausalLM, hf_model.config, weights)
+
+
+def test_wrong_shape_names_the_checkpoint_tensor():
+    hf_model = hf_llama()
+    weights = dict(hf_model.state_dict())
+    weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
+    with pytest.raises(ModelLoadError, match="up_proj"):
+        build_model(LlamaForCausalLM, hf_model.config, weights.items())
+
+
+def test_kv_cache_spec_and_registration():
+    hf_model = hf_llama()
+    model, _ = build_model(LlamaForCausalLM, hf_model.config, hf_model.state_dict().items())
+    spec = model.kv_cache_spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.sliding_windows) == (3, 2, 16, [None] * 3)
+    registered = {}
+    register_models(lambda name, target: registered.setdefault(name, target))
+    assert registered == {
+        "LlamaForCausalLM": "tokenloom.builtin_plugins.models.modeling_llama:LlamaForCausalLM",
+        "MistralForCausalLM": "tokenloom.builtin_plugins.models.modeling_llama:MistralForCausalLM",
+    }

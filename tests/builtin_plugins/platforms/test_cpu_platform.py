@@ -1,0 +1,94 @@
+"""The CPU platform: availability, dtype choice, memory from /proc/meminfo and cgroups,
+thread count, its attention backend and its registration."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from tokenloom.builtin_plugins.platforms import cpu
+from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform, read_meminfo, register_platforms
+
+MEMINFO = "MemTotal:       16000000 kB\nMemFree:         2000000 kB\nMemAvailable:    8000000 kB\nHugePages_Total:       0\n"
+
+
+@pytest.fixture
+def fake_host(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(MEMINFO)
+    monkeypatch.setattr(cpu, "read_meminfo", lambda path=str(meminfo): read_meminfo(path))
+    for name in ("_CGROUP_V2_LIMIT", "_CGROUP_V2_USAGE", "_CGROUP_V1_LIMIT", "_CGROUP_V1_USAGE"):
+        monkeypatch.setattr(cpu, name, str(tmp_path / name))
+    return tmp_path
+
+
+def test_read_meminfo_converts_kilobytes(fake_host):
+    fields = cpu.read_meminfo()
+    assert fields["MemTotal"] == 16000000 * 1024
+    assert fields["HugePages_Total"] == 0
+
+
+def test_memory_without_cgroup_limit(fake_host):
+    (fake_host / "_CGROUP_V2_LIMIT").write_text("max\n")
+    platform = CpuPlatform()
+    assert platform.total_memory_bytes() == 16000000 * 1024
+    assert platform.available_memory_bytes() == 8000000 * 1024
+
+
+def test_cgroup_limit_caps_memory(fake_host):
+    (fake_host / "_CGROUP_V2_LIMIT").write_text(str(4 * 2**30))
+    (fake_host / "_CGROUP_V2_USAGE").write_text(str(3 * 2**30))
+    platform = CpuPlatform()
+    assert platform.total_memory_bytes() == 4 * 2**30
+    assert platform.available_memory_bytes() == 2**30
+
+
+def test_cgroup_v1_limit(fake_host):
+    (fake_host / "_CGROUP_V1_LIMIT").write_text(str(6 * 2**30))
+    (fake_host / "_CGROUP_V1_USAGE").write_text(str(2**30))
+    assert CpuPlatform().available_memory_bytes() == 5 * 2**30
+
+
+def test_real_host_memory_is_plausible():
+    platform = CpuPlatform()
+    assert 0 < platform.available_memory_bytes() <= platform.total_memory_bytes()
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16, "float16", "torch.float32"])
+def test_non_bfloat16_models_run_in_float32(model_dtype):
+    assert CpuPlatform().default_dtype(model_dtype) == torch.float32
+
+
+def test_bfloat16_models_follow_onednn_support(monkeypatch):
+    platform = CpuPlatform()
+    monkeypatch.setattr(CpuPlatform, "supports_bfloat16", staticmethod(lambda: True))
+    assert platform.default_dtype(torch.bfloat16) == torch.bfloat16
+    assert platform.default_dtype("bfloat16") == torch.bfloat16
+    monkeypatch.setattr(CpuPlatform, "supports_bfloat16", staticmethod(lambda: False))
+    assert platform.default_dtype(torch.bfloat16) == torch.float32
+
+
+def test_configure_threads_uses_the_affinity_mask():
+    previous = torch.get_num_threads()
+    try:
+        CpuPlatform().configure_threads()
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_attention_backend_resolves_to_an_object_with_forward():
+    module_name, _, class_name = CpuPlatform().attention_backend().partition(":")
+    backend = getattr(importlib.import_module(module_name), class_name)()
+    assert callable(backend.forward)
+
+
+def test_platform_basics_and_registration():
+    assert CpuPlatform.is_available()
+    assert CpuPlatform().torch_device() == torch.device("cpu")
+    registered = {}
+    register_platforms(lambda name, target: registered.setdefault(name, target))
+    assert registered == {"cpu": "tokenloom.builtin_plugins.platforms.cpu:CpuPlatform"}

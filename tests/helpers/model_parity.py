@@ -1,0 +1,87 @@
+"""Checks a tokenloom model against its transformers twin: the same weights, a flat batch of
+prompts through the paged KV cache with one prompt prefilled in chunks while the others
+decode, every computed position's logits compared, and greedy tokens compared with
+``generate(do_sample=False)``."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.attention import PagedBatcher, allocate_kv_caches
+from tokenloom.core.model_interface import ModelContext
+from tokenloom.kernels.paged_attention import TorchPagedAttention
+
+
+def perturb_parameters(hf_model, seed: int = 0, scale: float = 0.05):
+    """Add noise to every parameter, so zero-initialised biases and norm weights carry
+    information a mis-loaded tensor would lose."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    return hf_model
+
+
+def build_model(model_class, hf_config, weights, dtype=torch.float32, model_config=None):
+    model = model_class(ModelContext(hf_config=hf_config, dtype=dtype, device=torch.device("cpu"), model_config=model_config))
+    loaded = model.load_weights(weights)
+    return model.eval(), loaded
+
+
+def run_paged_greedy(model, prompts: list[list[int]], num_new_tokens: int, *, block_size=4, chunk_size=3, backend=None):
+    """Greedy decoding of every prompt in shared steps: all prompts but the last are
+    prefilled in the first step; the last arrives in ``chunk_size`` chunks alongside the
+    others' decodes. Returns per prompt (generated tokens, logits of every position computed)."""
+    spec = model.kv_cache_spec
+    caches = allocate_kv_caches(spec.num_layers, 96, block_size, spec.num_kv_heads, spec.head_size, model.dtype)
+    batcher = PagedBatcher(caches, block_size, backend or TorchPagedAttention())
+    chunked = len(prompts) - 1
+    pending = {index: list(prompt) for index, prompt in enumerate(prompts)}
+    generated = {index: [] for index in range(len(prompts))}
+    logits_seen = {index: [] for index in range(len(prompts))}
+    while any(len(tokens) < num_new_tokens for tokens in generated.values()):
+        step = {}
+        for index in range(len(prompts)):
+            if len(generated[index]) >= num_new_tokens:
+                continue
+            if pending[index]:
+                take = chunk_size if index == chunked else len(pending[index])
+                step[index], pending[index] = pending[index][:take], pending[index][take:]
+            else:
+                step[index] = [generated[index][-1]]
+        input_ids, positions, metadata = batcher.step(step)
+        with torch.no_grad():
+            logits = model.compute_logits(model(input_ids, positions, metadata))
+        start = 0
+        for index, tokens in step.items():
+            seq_logits = logits[start:start + len(tokens)]
+            start += len(tokens)
+            logits_seen[index].append(seq_logits)
+            if not pending[index]:
+                generated[index].append(int(seq_logits[-1].argmax()))
+    return [(generated[index], torch.cat(logits_seen[index])) for index in range(len(prompts))]
+
+
+def assert_matches_transformers(model, hf_model, prompts, num_new_tokens=6, atol=1e-4, **paged_options):
+    results = run_paged_greedy(model, prompts, num_new_tokens, **paged_options)
+    for prompt, (tokens, logits) in zip(prompts, results):
+        with torch.no_grad():
+            expected_tokens = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=num_new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt):].tolist()
+            # every position our steps computed: the prompt and all generated tokens but the last
+            expected_logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+        assert len(expected_tokens) == num_new_tokens
+        torch.testing.assert_close(logits, expected_logits, atol=atol, rtol=1e-4)
+        assert tokens == expected_tokens
+
+
+def assert_close_to_float32(model, hf_model, prompts, num_new_tokens=4, atol=6e-2):
+    """For a model running in a lower precision: every computed position's logits stay
+    within ``atol`` of transformers in float32 (greedy tokens may legitimately differ)."""
+    for prompt, (tokens, logits) in zip(prompts, run_paged_greedy(model, prompts, num_new_tokens)):
+        assert logits.dtype == torch.float32
+        with torch.no_grad():
+            expected_logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+        torch.testing.assert_close(logits, expected_logits, atol=atol, rtol=0)

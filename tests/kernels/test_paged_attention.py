@@ -1,0 +1,242 @@
+"""Paged attention: the reference against dense attention over whole sequences (no paging),
+and the fast CPU backend against the reference, over mixed prefill / chunked-prefill /
+decode batches with GQA, sliding windows, logit soft-capping and scattered blocks."""
+
+from __future__ import annotations
+
+import math
+import random
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers.attention import allocate_kv_caches, build_attention_metadata
+from tokenloom.errors import ConfigError
+from tokenloom.kernels import paged_attention
+from tokenloom.kernels.paged_attention import (
+    ReferencePagedAttention,
+    TorchPagedAttention,
+    attention_allowed,
+    reference_paged_attention,
+    write_kv_cache,
+)
+
+BLOCK_SIZE = 4
+
+
+def dense_attention(query, keys, values, query_positions, *, scale, window, soft_cap, causal=True):
+    """Textbook attention of ``query [Q, Hq, D]`` at ``query_positions`` over a whole
+    sequence's ``keys/values [L, Hkv, D]``: nothing paged, explicit additive mask."""
+    group = query.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    bias = torch.zeros(len(query_positions), keys.shape[0])
+    for row, position in enumerate(query_positions):
+        for column in range(keys.shape[0]):
+            visible = column <= position if causal else True
+            if window is not None:
+                visible = visible and abs(position - column) < window
+            if not visible:
+                bias[row, column] = float("-inf")
+    return torch.einsum("hqk,khd->qhd", (scores + bias).softmax(-1), values)
+
+
+def make_step(seq_specs, num_q_heads, num_kv_heads, head_size, dtype, seed, num_blocks=64):
+    """``seq_specs``: per sequence (context_len, query_len). Returns the full per-sequence
+    tensors, a cache holding every sequence's context, and the metadata of the step that
+    computes the ``query_len`` new tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_cache = allocate_kv_caches(1, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype)[0]
+    free_blocks = list(range(num_blocks))
+    random.Random(seed).shuffle(free_blocks)
+    sequences, tables = [], []
+    for context_len, query_len in seq_specs:
+        seq_len = context_len + query_len
+        table = [free_blocks.pop() for _ in range(math.ceil(seq_len / BLOCK_SIZE))]
+        keys = torch.randn(seq_len, num_kv_heads, head_size, generator=generator).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, head_size, generator=generator).to(dtype)
+        queries = torch.randn(seq_len, num_q_heads, head_size, generator=generator).to(dtype)
+        if context_len:
+            context = build_attention_metadata([context_len], [context_len], [table], BLOCK_SIZE, [kv_cache])
+            write_kv_cache(keys[:context_len], values[:context_len], kv_cache, context.slot_mapping)
+        sequences.append((context_len, query_len, queries, keys, values))
+        tables.append(table)
+    metadata = build_attention_metadata(
+        [query_len for _, query_len in seq_specs],
+        [context_len + query_len for context_len, query_len in seq_specs],
+        tables, BLOCK_SIZE, [kv_cache],
+    )
+    query = torch.cat([queries[context_len:] for context_len, _, queries, _, _ in sequences])
+    key = torch.cat([keys[context_len:] for context_len, _, _, keys, _ in sequences])
+    value = torch.cat([values[context_len:] for context_len, _, _, _, values in sequences])
+    return sequences, kv_cache, metadata, (query, key, value)
+
+
+MIXED_BATCHES = [
+    [(0, 7), (0, 1), (5, 1), (9, 1)],  # prefill without context next to decodes
+    [(6, 5), (13, 1), (0, 9)],  # chunked prefill over a cached prefix
+    [(3, 1), (10, 1), (17, 1), (0, 1)],  # decode only, ragged lengths
+    [(12, 12)],  # one long chunk
+]
+
+
+@pytest.mark.parametrize("specs", MIXED_BATCHES)
+@pytest.mark.parametrize("window", [None, 3, 6])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)])
+def test_reference_matches_dense_attention(specs, window, heads):
+    num_q_heads, num_kv_heads = heads
+    sequences, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, 8, torch.float32, 0)
+    output = reference_paged_attention(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window)
+    start = 0
+    for context_len, query_len, queries, keys, values in sequences:
+        expected = dense_attention(
+            queries[context_len:], keys, values, list(range(context_len, context_len + query_len)),
+            scale=0.3, window=window, soft_cap=None,
+        )
+        torch.testing.assert_close(output[start:start + query_len], expected, atol=1e-5, rtol=1e-5)
+        start += query_len
+
+
+def test_reference_soft_cap_matches_dense_attention():
+    sequences, kv_cache, metadata, (query, key, value) = make_step([(5, 3), (0, 4)], 4, 2, 8, torch.float32, 1)
+    output = reference_paged_attention(query, key, value, kv_cache, metadata, scale=2.0, logits_soft_cap=1.5)
+    context_len, query_len, queries, keys, values = sequences[0]
+    expected = dense_attention(queries[5:], keys, values, [5, 6, 7], scale=2.0, window=None, soft_cap=1.5)
+    torch.testing.assert_close(output[:3], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("specs", MIXED_BATCHES)
+@pytest.mark.parametrize("window", [None, 2, 5, 64])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_fast_backend_matches_reference(specs, window, heads, soft_cap):
+    num_q_heads, num_kv_heads = heads
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, 16, torch.float32, 2)
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(
+        query, key, value, reference_cache, metadata, scale=0.25, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    output = TorchPagedAttention().forward(
+        query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    torch.testing.assert_close(output, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("specs", [MIXED_BATCHES[0], MIXED_BATCHES[2]])
+def test_fast_backend_bfloat16_close_to_reference(specs):
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 16, torch.bfloat16, 3)
+    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.25, sliding_window=5)
+    output = TorchPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.25, sliding_window=5)
+    assert output.dtype == torch.bfloat16
+    torch.testing.assert_close(output.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_plan_is_reused_per_step_and_per_window():
+    _, kv_cache, metadata, (query, key, value) = make_step(MIXED_BATCHES[0], 4, 2, 8, torch.float32, 4)
+    backend = TorchPagedAttention()
+    expected_full = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.5)
+    expected_window = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.5, sliding_window=2)
+    # alternate windows like Gemma's local/global layers within one step
+    for _ in range(2):
+        full = backend.forward(query, key, value, kv_cache, metadata, scale=0.5)
+        windowed = backend.forward(query, key, value, kv_cache, metadata, scale=0.5, sliding_window=2)
+        torch.testing.assert_close(full, expected_full, atol=2e-6, rtol=2e-5)
+        torch.testing.assert_close(windowed, expected_window, atol=2e-6, rtol=2e-5)
+    assert set(backend._plans) == {None, 2}
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_bidirectional_attends_both_ways_and_skips_the_cache(window):
+    generator = torch.Generator().manual_seed(5)
+    query_lens = [5, 3]
+    query = torch.randn(8, 4, 8, generator=generator)
+    key = torch.randn(8, 2, 8, generator=generator)
+    value = torch.randn(8, 2, 8, generator=generator)
+    kv_cache = allocate_kv_caches(1, 8, BLOCK_SIZE, 2, 8)[0]
+    untouched = kv_cache.clone()
+    metadata = build_attention_metadata(query_lens, query_lens, [[0, 1], [2]], BLOCK_SIZE, [kv_cache], bidirectional=True)
+    for attention in (reference_paged_attention, TorchPagedAttention().forward):
+        output = attention(query, key, value, kv_cache, metadata, scale=0.4, sliding_window=window)
+        start = 0
+        for query_len in query_lens:
+            tokens = slice(start, start + query_len)
+            expected = dense_attention(query[tokens], key[tokens], value[tokens], list(range(query_len)),
+                                       scale=0.4, window=window, soft_cap=None, causal=False)
+            torch.testing.assert_close(output[tokens], expected, atol=1e-5, rtol=1e-5)
+            start += query_len
+    torch.testing.assert_close(kv_cache, untouched, atol=0, rtol=0)
+
+
+def test_reference_backend_object_runs_a_model_like_the_fast_one():
+    from helpers.model_parity import build_model, run_paged_greedy
+    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
+
+    from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model, _ = build_model(LlamaForCausalLM, config, HFLlama(config).state_dict().items())
+    prompts = [[1, 5, 9, 3, 7], [2, 8]]
+    fast = run_paged_greedy(model, prompts, 4)
+    reference = run_paged_greedy(model, prompts, 4, backend=ReferencePagedAttention())
+    for (fast_tokens, fast_logits), (reference_tokens, reference_logits) in zip(fast, reference):
+        assert fast_tokens == reference_tokens
+        torch.testing.assert_close(fast_logits, reference_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_allowed_window_keeps_the_last_positions():
+    allowed = attention_allowed(torch.tensor([5]), torch.arange(8), causal=True, sliding_window=3)
+    assert allowed[0].tolist() == [False, False, False, True, True, True, False, False]
+
+
+def test_write_kv_cache_rejects_a_non_contiguous_cache():
+    cache = torch.zeros(4, 2, 4, 2, 8).transpose(0, 1)
+    with pytest.raises(ConfigError, match="contiguous"):
+        write_kv_cache(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), cache, torch.tensor([0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.integers(0, 14), st.integers(1, 9)), min_size=1, max_size=5),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    group_size=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+    group_overhead=st.sampled_from([0, 1 << 17]),
+)
+def test_fast_backend_matches_reference_on_random_batches(specs, window, group_size, seed, group_overhead):
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, 2 * group_size, 2, 8, torch.float32, seed, num_blocks=40)
+    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.3, sliding_window=window)
+    with mock.patch.object(paged_attention, "_GROUP_OVERHEAD_ELEMENTS", group_overhead):
+        output = TorchPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window)
+    torch.testing.assert_close(output, expected, atol=2e-6, rtol=2e-5)
+
+
+def test_group_by_length_keeps_similar_lengths_together():
+    blocks = {"a": 1, "b": 2, "c": 3, "d": 8, "e": 9, "f": 40}
+    assert paged_attention._group_by_length(list(blocks), blocks, elements_per_block=10**9) == [
+        ["a", "b"], ["c"], ["d", "e"], ["f"]
+    ]
+    # when padding is cheaper than another call, the groups fold into the longer ones
+    assert paged_attention._group_by_length(list(blocks), blocks, elements_per_block=1) == [list(blocks)]
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_ragged_decode_groups_match_reference(monkeypatch, window):
+    monkeypatch.setattr(paged_attention, "_GROUP_OVERHEAD_ELEMENTS", 0)
+    specs = [(30, 1), (2, 1), (0, 5), (13, 1), (3, 1), (29, 1)]
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 8, torch.float32, 7, num_blocks=48)
+    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.3, sliding_window=window)
+    backend = TorchPagedAttention()
+    output = backend.forward(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window)
+    torch.testing.assert_close(output, expected, atol=2e-6, rtol=2e-5)
+    # a window bounds every sequence's blocks, so windowed layers need fewer groups
+    # blocks per decode sequence: 8, 1, 4, 1, 8 -> groups {1, 1} and {4, 8, 8}
+    assert len(backend._plans[window].decode_groups) == (2 if window is None else 1)

@@ -1,0 +1,66 @@
+"""Vocabulary-parallel embedding and LM head: lookup, logits, tying, the vocabulary split
+of tensor parallelism (per-rank partial lookups sum to the full one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.layers import embedding as embedding_module
+from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_range
+
+
+def table(rows=10, dim=4):
+    return torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
+
+
+def test_lookup_and_tied_logits():
+    weights = table()
+    embedding = VocabParallelEmbedding(10, 4)
+    embedding.load_checkpoint_weight("weight", weights)
+    ids = torch.tensor([3, 0, 9])
+    torch.testing.assert_close(embedding(ids), weights[ids])
+    head = ParallelLMHead(10, 4)
+    head.tie_to(embedding)
+    assert head.weight is embedding.weight
+    hidden = torch.randn(2, 4)
+    logits = head.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden @ weights.T)
+
+
+def test_untied_head_with_bias_and_bfloat16_logits_are_float32():
+    head = ParallelLMHead(10, 4, bias=True, params_dtype=torch.bfloat16)
+    head.load_checkpoint_weight("weight", table())
+    head.load_checkpoint_weight("bias", torch.arange(10.0))
+    logits = head.compute_logits(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert logits.dtype == torch.float32 and logits.shape == (3, 10)
+
+
+def test_vocab_ranges_cover_the_vocabulary_once():
+    assert [vocab_range(10, rank, 3) for rank in range(3)] == [(0, 4), (4, 8), (8, 10)]
+    with pytest.raises(ConfigError):
+        vocab_range(10, 3, 3)
+
+
+def test_tensor_parallel_partial_lookups_sum_to_the_full_lookup(monkeypatch):
+    monkeypatch.setattr(embedding_module, "tensor_parallel_all_reduce", lambda tensor, tp_size: tensor)
+    weights = table(10)
+    ids = torch.tensor([0, 3, 4, 9, 7])
+    total = torch.zeros(5, 4)
+    for rank in range(3):
+        shard = VocabParallelEmbedding(10, 4, tp_rank=rank, tp_size=3)
+        assert shard.weight.shape == (4, 4)
+        shard.load_checkpoint_weight("weight", weights)
+        total += shard(ids)
+    torch.testing.assert_close(total, weights[ids])
+
+
+def test_load_errors():
+    with pytest.raises(ModelLoadError, match="does not fit"):
+        VocabParallelEmbedding(10, 4).load_checkpoint_weight("weight", torch.zeros(10, 5))
+    with pytest.raises(ConfigError, match="tie"):
+        ParallelLMHead(10, 4).tie_to(VocabParallelEmbedding(12, 4))
+    with pytest.raises(TypeError, match="compute_logits"):
+        ParallelLMHead(10, 4)(torch.tensor([1]))

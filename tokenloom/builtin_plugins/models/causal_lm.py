@@ -1,0 +1,179 @@
+"""What the built-in decoder-only models share: reading head size and per-layer sliding
+windows from a Hugging Face config, and :class:`DecoderForCausalLM`, the
+``model.embed_tokens -> model.layers -> model.norm -> lm_head`` skeleton with forward,
+logits, weight loading and the KV-cache spec. A model file adds only its decoder layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from tokenloom.core.model_interface import KVCacheSpec, ModelContext
+from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
+from tokenloom.layers.weight_loading import DECODER_STACKED_PARAMS, load_checkpoint_weights
+
+
+def head_size_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_types_of(config: Any) -> list[str]:
+    """Each layer's kind, ``"sliding_attention"`` or ``"full_attention"``.
+
+    In order of precedence: ``layer_types`` (transformers >= 4.53), Qwen2's
+    ``max_window_layers``, Gemma's ``sliding_window_pattern``, else every layer slides
+    when the config has a window (Mistral).
+    """
+    num_layers = config.num_hidden_layers
+    if not getattr(config, "sliding_window", None) or getattr(config, "use_sliding_window", True) is False:
+        return ["full_attention"] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return list(layer_types[:num_layers])
+    if getattr(config, "max_window_layers", None) is not None:
+        first_sliding = config.max_window_layers
+        return ["sliding_attention" if index >= first_sliding else "full_attention" for index in range(num_layers)]
+    pattern = getattr(config, "sliding_window_pattern", None)
+    if pattern:
+        return ["sliding_attention" if (index + 1) % pattern else "full_attention" for index in range(num_layers)]
+    return ["sliding_attention"] * num_layers
+
+
+def sliding_windows_of(config: Any, model_config: Any = None) -> list[int | None]:
+    """Each layer's sliding window in tokens (None: full attention); all None under
+    ``--disable-sliding-window``."""
+    if model_config is not None and getattr(model_config, "disable_sliding_window", False):
+        return [None] * config.num_hidden_layers
+    return [config.sliding_window if kind == "sliding_attention" else None for kind in layer_types_of(config)]
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` of a Hugging Face causal LM: embedding, decoder layers, final norm.
+
+    Each layer is called as ``layer(positions, hidden_states, residual, attn_metadata)`` and
+    returns ``(hidden_states, residual)``: the residual add is fused into the next norm.
+    """
+
+    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module, embedding_multiplier=None):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        if embedding_multiplier is not None:
+            self.register_buffer("embedding_multiplier", embedding_multiplier, persistent=False)
+        else:
+            self.embedding_multiplier = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            hidden_states = hidden_states * self.embedding_multiplier
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only language model honouring ``ModelProtocol``; subclasses implement
+    :meth:`make_layer` (and may override the class attributes below).
+
+    ``load_weights`` also runs every linear layer's ``process_weights_after_loading``: the
+    runner calls it once with the whole checkpoint, and nothing else is needed after it.
+    """
+
+    norm_class: type[nn.Module] = RMSNorm
+    stacked_params = DECODER_STACKED_PARAMS
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        config = self.text_config(ctx.hf_config)
+        self.config = config
+        self.ctx = ctx
+        self.dtype = ctx.dtype
+        self.quant_method = ctx.quantization
+        self.head_size = head_size_of(config)
+        self.sliding_windows = sliding_windows_of(config, ctx.model_config)
+        self._ropes: dict[str, RotaryEmbedding] = {}
+        hidden_size = config.hidden_size
+        embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden_size, params_dtype=self.dtype)
+        layers = [self.make_layer(index) for index in range(config.num_hidden_layers)]
+        norm = self.norm_class(hidden_size, config.rms_norm_eps, params_dtype=self.dtype)
+        self.model = DecoderStack(embed_tokens, layers, norm, self.embedding_multiplier())
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, hidden_size, params_dtype=self.dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(embed_tokens)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_size=self.head_size,
+            sliding_windows=list(self.sliding_windows),
+        )
+
+    # -- what subclasses customise -----------------------------------------------------
+
+    @staticmethod
+    def text_config(hf_config: Any) -> Any:
+        """The config of the language model (multimodal wrappers return their text part)."""
+        return hf_config
+
+    def make_layer(self, layer_index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def embedding_multiplier(self) -> torch.Tensor | None:
+        """A factor applied to the token embeddings, or None."""
+        return None
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The model's name for a checkpoint tensor (None: not part of this model)."""
+        return name
+
+    # -- shared pieces -----------------------------------------------------------------
+
+    def rope(self, layer_type: str | None = None) -> RotaryEmbedding:
+        """The rotary embedding for ``layer_type``'s RoPE settings, built once and shared."""
+        key = layer_type or "default"
+        if key not in self._ropes:
+            max_model_len = getattr(self.ctx.model_config, "max_model_len", None)
+            self._ropes[key] = get_rope(
+                self.head_size,
+                self.rope_parameters(layer_type),
+                self.config.max_position_embeddings,
+                max_position=max_model_len,
+                dtype=self.dtype,
+            )
+        return self._ropes[key]
+
+    def rope_parameters(self, layer_type: str | None) -> dict[str, Any]:
+        return rope_parameters_from_config(self.config, layer_type)
+
+    def linear_options(self) -> dict[str, Any]:
+        return {"quant_method": self.quant_method, "params_dtype": self.dtype}
+
+    # -- ModelProtocol -----------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden_states)
+        if self.final_logit_softcapping:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        return load_checkpoint_weights(
+            self,
+            weights,
+            stacked_params=self.stacked_params,
+            rename=self.checkpoint_name,
+            skip_prefixes=("lm_head.",) if self.tie_word_embeddings else (),
+        )

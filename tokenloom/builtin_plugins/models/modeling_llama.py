@@ -1,0 +1,60 @@
+"""Llama (and Mistral, the same network with a sliding window): pre-norm decoder layers of
+RMSNorm, rotary self-attention and a SwiGLU MLP (registered by
+:mod:`~tokenloom.builtin_plugins.models.llama`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
+from tokenloom.layers.decoder import GatedMLP, SelfAttention
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, model: DecoderForCausalLM, layer_index: int, *, qkv_bias: bool, output_bias: bool):
+        super().__init__()
+        config = model.config
+        norm_class, dtype = model.norm_class, model.dtype
+        self.input_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.self_attn = SelfAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            model.head_size,
+            layer_index=layer_index,
+            rotary_emb=model.rope(),
+            qkv_bias=qkv_bias,
+            output_bias=output_bias,
+            sliding_window=model.sliding_windows[layer_index],
+            **model.linear_options(),
+        )
+        self.post_attention_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            **model.linear_options(),
+        )
+
+    def forward(self, positions, hidden_states, residual, attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    def make_layer(self, layer_index: int) -> nn.Module:
+        attention_bias = bool(getattr(self.config, "attention_bias", False))
+        return LlamaDecoderLayer(self, layer_index, qkv_bias=attention_bias, output_bias=attention_bias)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with every layer attending over ``config.sliding_window`` (when set)."""
+

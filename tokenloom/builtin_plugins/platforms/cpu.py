@@ -1,0 +1,116 @@
+"""The CPU platform: always available, float32 by default (bfloat16 for bfloat16 models when
+oneDNN has fast bf16 kernels here), memory from /proc/meminfo capped by the cgroup limit,
+one torch thread per core this process may run on, and the SDPA paged-attention backend."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from tokenloom.core.platform import Platform
+from tokenloom.plugin_api import hookimpl
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKEND = "tokenloom.kernels.paged_attention:TorchPagedAttention"
+_CGROUP_V2_LIMIT = "/sys/fs/cgroup/memory.max"
+_CGROUP_V2_USAGE = "/sys/fs/cgroup/memory.current"
+_CGROUP_V1_LIMIT = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+_CGROUP_V1_USAGE = "/sys/fs/cgroup/memory/memory.usage_in_bytes"
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo`` as bytes per field (``MemTotal``, ``MemAvailable``, ...)."""
+    fields = {}
+    with open(path) as meminfo:
+        for line in meminfo:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return fields
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as file:
+            text = file.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) is not a number
+
+
+def cgroup_memory() -> tuple[int | None, int | None]:
+    """``(limit, usage)`` in bytes of this process's memory cgroup; None where unknown or
+    unlimited (v1 reports "unlimited" as a huge number, which the caller's min absorbs)."""
+    limit = _read_int(_CGROUP_V2_LIMIT)
+    if limit is not None:
+        return limit, _read_int(_CGROUP_V2_USAGE)
+    return _read_int(_CGROUP_V1_LIMIT), _read_int(_CGROUP_V1_USAGE)
+
+
+def _as_torch_dtype(dtype: Any):
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+             "fp16": torch.float16, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
+    return names.get(str(dtype).removeprefix("torch."), torch.float32)
+
+
+class CpuPlatform(Platform):
+    """Runs the model on the host CPU."""
+
+    device_type = "cpu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def default_dtype(self, model_dtype: Any) -> Any:
+        """bfloat16 models stay bfloat16 where oneDNN supports it; everything else (float16
+        has no fast CPU kernels) runs in float32."""
+        import torch
+
+        if _as_torch_dtype(model_dtype) == torch.bfloat16 and self.supports_bfloat16():
+            return torch.bfloat16
+        return torch.float32
+
+    @staticmethod
+    def supports_bfloat16() -> bool:
+        import torch
+
+        try:
+            return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+
+    def attention_backend(self) -> str:
+        return ATTENTION_BACKEND
+
+    def total_memory_bytes(self) -> int:
+        total = read_meminfo()["MemTotal"]
+        limit, _ = cgroup_memory()
+        return min(total, limit) if limit else total
+
+    def available_memory_bytes(self) -> int:
+        meminfo = read_meminfo()
+        available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
+        limit, usage = cgroup_memory()
+        if limit and usage is not None:
+            available = min(available, max(limit - usage, 0))
+        return available
+
+    def configure_threads(self) -> None:
+        import torch
+
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(num_cores)
+        logger.info("CPU platform: %d torch threads", num_cores)
+
+
+@hookimpl
+def register_platforms(register):
+    register("cpu", "tokenloom.builtin_plugins.platforms.cpu:CpuPlatform")

@@ -1,0 +1,468 @@
+"""Paged attention over the block-structured KV cache: the plain torch reference
+(:func:`reference_paged_attention`) and the fast CPU backend (:class:`TorchPagedAttention`)
+that platforms name as their attention backend.
+
+Cache layout (one tensor per layer): ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
+token ``p`` of a sequence lives at slot ``block_table[p // block_size] * block_size +
+p % block_size``. A query at position ``q`` attends to cached positions ``k`` with
+``k <= q`` and, under a sliding window ``w``, ``k > q - w`` (the last ``w`` positions,
+itself included), as in Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.errors import ConfigError
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's ``key``/``value`` (``[num_tokens, num_kv_heads, head_size]``) at
+    their flat slots (``block_id * block_size + offset``) in ``kv_cache``."""
+    if kv_cache is None:
+        raise ConfigError("no KV cache for this attention layer: the runner must allocate one per layer")
+    if not kv_cache.is_contiguous():
+        raise ConfigError(
+            "the KV cache tensor must be contiguous: allocate it as one [2, blocks, block_size, heads, dim] tensor"
+        )
+    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    slots = slot_mapping.to(torch.long)
+    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value.to(kv_cache.dtype))
+
+
+def attention_allowed(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    *,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """``[..., num_queries, num_keys]`` boolean: may the query at each position see each key.
+
+    Bidirectional attention under a window allows ``|q - k| < window``."""
+    distance = query_positions.unsqueeze(-1) - key_positions.unsqueeze(-2)
+    if causal:
+        allowed = distance >= 0
+        if sliding_window is not None:
+            allowed &= distance < sliding_window
+    else:
+        allowed = torch.ones_like(distance, dtype=torch.bool)
+        if sliding_window is not None:
+            allowed &= distance.abs() < sliding_window
+    return allowed
+
+
+def _soft_capped(scores: torch.Tensor, logits_soft_cap: float | None) -> torch.Tensor:
+    if logits_soft_cap is None:
+        return scores
+    return torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """The readable definition every fast path is tested against: one sequence at a time,
+    token-level slot lookup, float32 softmax."""
+    bidirectional = attn_metadata.bidirectional
+    if not bidirectional:
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+    num_q_heads, num_kv_heads, head_size = query.shape[1], key.shape[1], key.shape[2]
+    group_size = num_q_heads // num_kv_heads
+    block_size = attn_metadata.block_size
+    output = torch.empty_like(query)
+    query_start = 0
+    for seq_index, (query_len, seq_len) in enumerate(zip(attn_metadata.query_lens_cpu, attn_metadata.seq_lens_cpu)):
+        tokens = slice(query_start, query_start + query_len)
+        query_start += query_len
+        if bidirectional:
+            seq_keys, seq_values = key[tokens], value[tokens]
+            key_positions = torch.arange(query_len, device=query.device)
+            query_positions = key_positions
+        else:
+            key_positions = torch.arange(seq_len, device=query.device)
+            block_table = attn_metadata.block_tables[seq_index].to(torch.long)
+            slots = block_table[key_positions // block_size] * block_size + key_positions % block_size
+            seq_keys = kv_cache[0].reshape(-1, num_kv_heads, head_size)[slots]
+            seq_values = kv_cache[1].reshape(-1, num_kv_heads, head_size)[slots]
+            query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        seq_keys = seq_keys.float().repeat_interleave(group_size, dim=1)
+        seq_values = seq_values.float().repeat_interleave(group_size, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[tokens].float(), seq_keys) * scale
+        scores = _soft_capped(scores, logits_soft_cap)
+        allowed = attention_allowed(
+            query_positions, key_positions, causal=not bidirectional, sliding_window=sliding_window
+        )
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        output[tokens] = torch.einsum("hqk,khd->qhd", probs, seq_values).to(query.dtype)
+    return output
+
+
+class ReferencePagedAttention:
+    """:func:`reference_paged_attention` as a backend object (slow: for debugging a model
+    or checking a new backend end to end)."""
+
+    def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None, logits_soft_cap=None):
+        return reference_paged_attention(
+            query, key, value, kv_cache, attn_metadata,
+            scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )
+
+
+def _attend_folded(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """``query [..., Hkv, R, D]`` (each KV head's query rows) against ``key/value
+    [..., Hkv, K, D]``; ``mask`` is a boolean "allowed" mask broadcastable to the scores.
+    SDPA cannot soft-cap logits, so capped models take the math path."""
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    scores = _soft_capped(torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale, logits_soft_cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), value.float()).to(query.dtype)
+
+
+def _attend_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """One sequence: ``query [Q, Hq, D]`` over ``key/value [K, Hkv, D]`` -> ``[Q, Hq, D]``.
+    ``mask`` (``[Q, K]`` allowed) or ``is_causal`` (queries are the last ``Q`` keys)."""
+    num_queries, num_q_heads, _ = query.shape
+    num_kv_heads = key.shape[1]
+    if logits_soft_cap is None:
+        # SDPA's own GQA beats folding query heads for many query rows (and is_causal
+        # needs no mask at all)
+        output = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0),
+            key.transpose(0, 1).unsqueeze(0),
+            value.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=num_q_heads != num_kv_heads,
+        )
+        return output[0].transpose(0, 1)
+    if is_causal:
+        positions = torch.arange(key.shape[0] - num_queries, key.shape[0], device=query.device)
+        key_positions = torch.arange(key.shape[0], device=query.device)
+        mask = attention_allowed(positions, key_positions, causal=True, sliding_window=None)
+    group_size = num_q_heads // num_kv_heads
+    rows = _attend_folded(
+        _fold_query_heads(query, num_kv_heads),
+        key.transpose(0, 1),
+        value.transpose(0, 1),
+        scale=scale,
+        # folded rows are group-major, so the per-query mask repeats once per group member
+        mask=None if mask is None else mask.repeat(group_size, 1),
+        logits_soft_cap=logits_soft_cap,
+    )
+    return _unfold_query_heads(rows, num_queries)
+
+
+def _fold_query_heads(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[Q, Hq, D]`` -> ``[Hkv, G*Q, D]``: each KV head's query group as extra query rows,
+    so GQA needs no repeated K/V (rows are ordered group-major: row = g * Q + q)."""
+    num_queries, num_q_heads, head_size = query.shape
+    group_size = num_q_heads // num_kv_heads
+    return query.view(num_queries, num_kv_heads, group_size, head_size).permute(1, 2, 0, 3).reshape(
+        num_kv_heads, group_size * num_queries, head_size
+    )
+
+
+def _unfold_query_heads(folded: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """Inverse of :func:`_fold_query_heads`: ``[Hkv, G*Q, D]`` -> ``[Q, Hq, D]``."""
+    num_kv_heads, rows, head_size = folded.shape
+    group_size = rows // num_queries
+    return folded.view(num_kv_heads, group_size, num_queries, head_size).permute(2, 0, 1, 3).reshape(
+        num_queries, num_kv_heads * group_size, head_size
+    )
+
+
+@dataclass
+class _ContextGather:
+    """Which cache blocks to read for a set of sequences, and where their keys sit."""
+
+    # [num_seqs * blocks_per_seq] block ids, row-major per sequence
+    block_ids: torch.Tensor
+    # [num_seqs, blocks_per_seq * block_size] position of every gathered key slot
+    key_positions: torch.Tensor
+
+
+@dataclass
+class _DecodeGroup:
+    """Decode sequences of similar length, attended in one padded SDPA call."""
+
+    # [group size] flat token index of each query; None when the group is the whole batch
+    token_indices: torch.Tensor | None
+    gather: _ContextGather
+    # [group size, 1, 1, keys] allowed mask
+    mask: torch.Tensor
+
+
+@dataclass
+class _StepPlan:
+    """Index tensors derived from one step's metadata, shared by all layers with the same window."""
+
+    # first flat token index of each sequence
+    query_starts: list[int]
+    decode_groups: list[_DecodeGroup]
+    prefill_seq_indices: list[int]
+
+
+# Splitting decode sequences into another padded group costs about one extra gather + SDPA
+# call; it pays when it saves more padding than this many gathered elements (token x head x dim).
+_GROUP_OVERHEAD_ELEMENTS = 1 << 17
+
+
+def _group_by_length(seq_indices: list[int], num_blocks: dict[int, int], elements_per_block: int) -> list[list[int]]:
+    """Partition sequences so each group pads to a similar block count: sorted by length,
+    a group holds lengths within 2x of its shortest, and a group whose padding to the next
+    group's length would cost less than a call of overhead joins that group."""
+    groups: list[list[int]] = []
+    for index in sorted(seq_indices, key=num_blocks.__getitem__):
+        if groups and num_blocks[index] <= 2 * num_blocks[groups[-1][0]]:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    merged: list[list[int]] = []
+    for group in groups:
+        if merged:
+            shorter = merged[-1]
+            padding = len(shorter) * (num_blocks[group[-1]] - num_blocks[shorter[-1]]) * elements_per_block
+            if padding < _GROUP_OVERHEAD_ELEMENTS:
+                merged[-1] = shorter + group
+                continue
+        merged.append(group)
+    return merged
+
+
+def _plan_context_gather(
+    block_tables: torch.Tensor,
+    seq_indices: list[int],
+    first_positions: list[int],
+    seq_lens: list[int],
+    block_size: int,
+) -> _ContextGather:
+    """Blocks holding positions ``first_positions[i] .. seq_lens[i]-1`` of each sequence,
+    padded to the same count per sequence (padding reads block 0 and is masked out)."""
+    device = block_tables.device
+    first_blocks = [first // block_size for first in first_positions]
+    blocks_per_seq = max((seq_len - 1) // block_size - first + 1 for seq_len, first in zip(seq_lens, first_blocks))
+    columns = torch.tensor(first_blocks, device=device).unsqueeze(1) + torch.arange(blocks_per_seq, device=device)
+    table_rows = block_tables[torch.tensor(seq_indices, device=device)]
+    # padding columns past the table's width are clamped for the read and masked by position
+    block_ids = table_rows.gather(1, columns.clamp(max=table_rows.shape[1] - 1)).to(torch.long).flatten()
+    key_positions = (columns.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).flatten(1)
+    return _ContextGather(block_ids=block_ids, key_positions=key_positions)
+
+
+class TorchPagedAttention:
+    """The CPU attention backend: SDPA over K/V gathered block-wise from the paged cache.
+
+    Decode queries of a step are batched: one ``index_select`` per K and V reads every
+    sequence's blocks into a padded ``[B, Hkv, L, D]`` workspace and one SDPA call with a
+    key mask attends all of them (sequences of very different lengths are split into a few
+    groups of similar length, so short ones are not padded to the longest). Each prefill
+    (or chunked-prefill) sequence runs its own SDPA call: ``is_causal`` on the new tokens
+    when nothing is cached before them, else an explicit mask over the gathered context.
+
+    The cache must hold finite values in every slot (allocate it with ``torch.zeros``):
+    padded reads past a sequence's end are masked out, but a masked NaN would still turn
+    SDPA's output into NaN.
+
+    Index plans are computed once per step and reused by every layer: the backend keys them
+    on the ``AttentionMetadata`` object, so a runner builds a fresh metadata object per step.
+    """
+
+    def __init__(self) -> None:
+        self._planned_metadata = None
+        self._plans: dict[int | None, _StepPlan] = {}
+        # reused gather buffer: fresh multi-MB allocations per layer cost more than the copy
+        self._workspace: torch.Tensor | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``; writes K/V into
+        ``kv_cache`` at ``attn_metadata.slot_mapping`` first (not for bidirectional batches)."""
+        if attn_metadata.bidirectional:
+            return self._bidirectional(query, key, value, attn_metadata, scale, sliding_window, logits_soft_cap)
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        plan = self._plan(attn_metadata, sliding_window, kv_cache)
+        output = torch.empty_like(query)
+        for group in plan.decode_groups:
+            if group.token_indices is None:
+                output = self._decode(query, kv_cache, group, scale, logits_soft_cap)
+            else:
+                output[group.token_indices] = self._decode(
+                    query[group.token_indices], kv_cache, group, scale, logits_soft_cap
+                )
+        for seq_index in plan.prefill_seq_indices:
+            self._prefill_sequence(
+                query, key, value, kv_cache, attn_metadata, plan.query_starts[seq_index], seq_index, output,
+                scale, sliding_window, logits_soft_cap,
+            )
+        return output
+
+    __call__ = forward
+
+    # -- planning --------------------------------------------------------------------
+
+    def _plan(self, attn_metadata, sliding_window: int | None, kv_cache: torch.Tensor) -> _StepPlan:
+        if self._planned_metadata is not attn_metadata:
+            self._planned_metadata = attn_metadata
+            self._plans = {}
+        plan = self._plans.get(sliding_window)
+        if plan is None:
+            elements_per_block = kv_cache[0, 0].numel()
+            plan = self._plans[sliding_window] = self._make_plan(attn_metadata, sliding_window, elements_per_block)
+        return plan
+
+    def _make_plan(self, attn_metadata, sliding_window: int | None, elements_per_block: int) -> _StepPlan:
+        query_lens, seq_lens = attn_metadata.query_lens_cpu, attn_metadata.seq_lens_cpu
+        query_starts = [0]
+        for query_len in query_lens[:-1]:
+            query_starts.append(query_starts[-1] + query_len)
+        decode_seqs = [index for index, query_len in enumerate(query_lens) if query_len == 1]
+        prefill_seqs = [index for index, query_len in enumerate(query_lens) if query_len > 1]
+        if not decode_seqs:
+            return _StepPlan(query_starts, [], prefill_seqs)
+        block_size = attn_metadata.block_size
+        first_positions = {
+            index: 0 if sliding_window is None else max(0, seq_lens[index] - sliding_window) for index in decode_seqs
+        }
+        num_blocks = {
+            index: (seq_lens[index] - 1) // block_size - first_positions[index] // block_size + 1
+            for index in decode_seqs
+        }
+        groups = _group_by_length(decode_seqs, num_blocks, elements_per_block)
+        if len(groups) == 1:
+            groups = [decode_seqs]  # batch order: an all-decode step then needs no scatter
+        whole_batch = len(groups) == 1 and len(decode_seqs) == len(query_lens)
+        return _StepPlan(
+            query_starts,
+            [self._plan_decode_group(attn_metadata, group, first_positions, sliding_window, query_starts, whole_batch)
+             for group in groups],
+            prefill_seqs,
+        )
+
+    @staticmethod
+    def _plan_decode_group(attn_metadata, group, first_positions, sliding_window, query_starts, whole_batch):
+        device = attn_metadata.block_tables.device
+        seq_lens = [attn_metadata.seq_lens_cpu[index] for index in group]
+        gather = _plan_context_gather(
+            attn_metadata.block_tables, group, [first_positions[index] for index in group], seq_lens,
+            attn_metadata.block_size,
+        )
+        query_positions = torch.tensor(seq_lens, device=device).unsqueeze(1) - 1
+        mask = attention_allowed(query_positions, gather.key_positions, causal=True, sliding_window=sliding_window)
+        token_indices = None if whole_batch else torch.tensor([query_starts[index] for index in group], device=device)
+        return _DecodeGroup(token_indices, gather, mask.unsqueeze(1))
+
+    # -- compute ---------------------------------------------------------------------
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the listed blocks, ``[len(block_ids) * block_size, Hkv, D]`` each."""
+        block_shape = kv_cache.shape[2:]
+        numel = block_ids.numel() * block_shape.numel()
+        workspace = self._workspace
+        if workspace is None or workspace.numel() < 2 * numel or workspace.dtype != kv_cache.dtype:
+            workspace = self._workspace = torch.empty(2 * numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        keys = workspace[:numel].view(block_ids.numel(), *block_shape)
+        values = workspace[numel:2 * numel].view(block_ids.numel(), *block_shape)
+        torch.index_select(kv_cache[0], 0, block_ids, out=keys)
+        torch.index_select(kv_cache[1], 0, block_ids, out=values)
+        return keys.flatten(0, 1), values.flatten(0, 1)
+
+    def _decode(self, query, kv_cache, group: _DecodeGroup, scale, logits_soft_cap) -> torch.Tensor:
+        num_seqs, num_q_heads, head_size = query.shape
+        num_kv_heads = kv_cache.shape[-2]
+        keys, values = self._gather(kv_cache, group.gather.block_ids)
+        # [B*L, Hkv, D] -> [B, Hkv, L, D]
+        keys = keys.view(num_seqs, -1, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
+        values = values.view(num_seqs, -1, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
+        # one query per sequence: its head group as G query rows of the KV head (SDPA's
+        # enable_gqa is several times slower here in bfloat16)
+        folded_query = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_size)
+        output = _attend_folded(
+            folded_query, keys, values, scale=scale, mask=group.mask, logits_soft_cap=logits_soft_cap
+        )
+        return output.reshape(num_seqs, num_q_heads, head_size)
+
+    def _prefill_sequence(
+        self, query, key, value, kv_cache, attn_metadata, start, seq_index, output,
+        scale, sliding_window, logits_soft_cap,
+    ) -> None:
+        query_len, seq_len = attn_metadata.query_lens_cpu[seq_index], attn_metadata.seq_lens_cpu[seq_index]
+        tokens = slice(start, start + query_len)
+        context_len = seq_len - query_len
+        if context_len == 0 and (sliding_window is None or sliding_window >= query_len):
+            # nothing cached before these tokens and no window cut: plain causal attention
+            output[tokens] = _attend_sequence(
+                query[tokens], key[tokens], value[tokens],
+                scale=scale, mask=None, is_causal=True, logits_soft_cap=logits_soft_cap,
+            )
+            return
+        first_position = 0 if sliding_window is None else max(0, context_len - sliding_window + 1)
+        gather = _plan_context_gather(
+            attn_metadata.block_tables, [seq_index], [first_position], [seq_len], attn_metadata.block_size
+        )
+        seq_keys, seq_values = self._gather(kv_cache, gather.block_ids)
+        query_positions = torch.arange(context_len, seq_len, device=query.device)
+        allowed = attention_allowed(
+            query_positions, gather.key_positions[0], causal=True, sliding_window=sliding_window
+        )
+        output[tokens] = _attend_sequence(
+            query[tokens], seq_keys.to(query.dtype), seq_values.to(query.dtype),
+            scale=scale, mask=allowed, is_causal=False, logits_soft_cap=logits_soft_cap,
+        )
+
+    def _bidirectional(self, query, key, value, attn_metadata, scale, sliding_window, logits_soft_cap) -> torch.Tensor:
+        output = torch.empty_like(query)
+        start = 0
+        for query_len in attn_metadata.query_lens_cpu:
+            tokens = slice(start, start + query_len)
+            start += query_len
+            mask = None
+            if sliding_window is not None:
+                positions = torch.arange(query_len, device=query.device)
+                mask = attention_allowed(positions, positions, causal=False, sliding_window=sliding_window)
+            output[tokens] = _attend_sequence(
+                query[tokens], key[tokens], value[tokens],
+                scale=scale, mask=mask, is_causal=False, logits_soft_cap=logits_soft_cap,
+            )
+        return output

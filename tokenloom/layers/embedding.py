@@ -1,0 +1,110 @@
+"""The token embedding and the LM head, split over the vocabulary for tensor parallelism.
+
+Both keep dense weights in the model dtype (a packed checkpoint tensor is dequantized at
+load): the LM head's matmul is the largest of a small model, and a dense GEMM is the
+fastest form on the CPU. A tied LM head shares the embedding's parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.layers.linear import tensor_parallel_all_reduce
+from tokenloom.layers.quantization import materialize
+
+
+def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``[start, end)`` of the token ids rank ``tp_rank`` holds (the last rank may hold fewer)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tensor-parallel rank {tp_rank} is outside 0..{tp_size - 1}")
+    per_rank = math.ceil(vocab_size / tp_size)
+    start = min(tp_rank * per_rank, vocab_size)
+    return start, min(start + per_rank, vocab_size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``token id -> embedding row``; each rank holds a contiguous range of the vocabulary."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_rank, tp_size)
+        rows = math.ceil(num_embeddings / tp_size)  # equal shapes on every rank; tail rows stay zero
+        self.weight = nn.Parameter(
+            torch.zeros(rows, embedding_dim, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
+        return tensor_parallel_all_reduce(embeddings, self.tp_size)
+
+    def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
+        if param_name != "weight" or shard_id is not None:
+            raise ModelLoadError(f"{type(self).__name__} loads one 'weight' tensor, not {param_name!r}/{shard_id!r}")
+        tensor = materialize(loaded_weight, self.weight.dtype)
+        if tensor.dim() != 2 or tensor.shape[1] != self.embedding_dim or tensor.shape[0] < self.vocab_end:
+            raise ModelLoadError(
+                f"embedding of shape {tuple(tensor.shape)} does not fit "
+                f"vocab {self.num_embeddings} x {self.embedding_dim}"
+            )
+        local_rows = self.vocab_end - self.vocab_start
+        self.weight.data[:local_rows].copy_(tensor[self.vocab_start:self.vocab_end])
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows={self.vocab_start}:{self.vocab_end}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """``hidden -> logits`` over the vocabulary; ``tie_to(embedding)`` shares its weight."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, bias: bool = False, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.weight.shape[0], dtype=self.weight.dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        if embedding.weight.shape != self.weight.shape:
+            raise ConfigError(
+                f"cannot tie an LM head of shape {tuple(self.weight.shape)} to an embedding of shape "
+                f"{tuple(embedding.weight.shape)}"
+            )
+        self.weight = embedding.weight
+
+    def forward(self, input_ids):
+        raise TypeError("ParallelLMHead computes logits: call compute_logits(hidden_states)")
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.tp_size > 1:
+            raise NotImplementedError("gathering logits across tensor-parallel ranks is not implemented")
+        return logits[:, :self.num_embeddings].float()
+
+    def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
+        if param_name == "bias" and self.bias is not None:
+            tensor = materialize(loaded_weight, self.bias.dtype)
+            self.bias.data[:self.vocab_end - self.vocab_start].copy_(tensor[self.vocab_start:self.vocab_end])
+            return
+        super().load_checkpoint_weight(param_name, loaded_weight, shard_id)

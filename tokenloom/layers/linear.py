@@ -1,0 +1,250 @@
+"""Linear layers that carry a quantization method and know their tensor-parallel shard:
+replicated, column- and row-parallel, and the fused QKV and gate/up projections that load
+several checkpoint tensors into row ranges of one weight.
+
+Each layer's weight is created and multiplied by its ``quant_method``; checkpoint tensors go
+through :meth:`LinearBase.load_checkpoint_weight`, which cuts this rank's slice and hands
+the rows to ``quant_method.load_weight``. Collective communication is not implemented yet:
+layers accept ``tp_size > 1`` (the sharding arithmetic is in place and tested), but a
+row-parallel forward at ``tp_size > 1`` raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.layers.quantization import QuantizationMethod, UnquantizedMethod, materialize
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator // denominator``, raising when it does not divide evenly."""
+    if numerator % denominator:
+        raise ConfigError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def tensor_parallel_all_reduce(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum partial results across tensor-parallel ranks (identity for one rank)."""
+    if tp_size == 1:
+        return tensor
+    raise NotImplementedError("tensor-parallel all-reduce is not implemented: run with --tensor-parallel-size 1")
+
+
+def _is_packed(loaded_weight: Any) -> bool:
+    return hasattr(loaded_weight, "dequantize") and not isinstance(loaded_weight, torch.Tensor)
+
+
+class LinearBase(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` owned by ``quant_method``.
+
+    :param input_size: logical input features of this rank's weight.
+    :param output_size: logical output features of this rank's weight.
+    """
+
+    #: shard ids a fused layer loads (``None``: one unfused checkpoint tensor)
+    shard_ids: tuple[Any, ...] = (None,)
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        quant_method: QuantizationMethod | None = None,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tensor-parallel rank {tp_rank} is outside 0..{tp_size - 1}")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method = quant_method or UnquantizedMethod()
+        self.quant_method.create_weights(self, input_size, output_size, self.params_dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=self.params_dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    # -- loading ---------------------------------------------------------------------
+
+    def shard_rows(self, shard_id: Any) -> tuple[int, int, int]:
+        """``(output_offset, output_size, checkpoint_row_start)``: where ``shard_id``'s rows
+        sit in this rank's weight, and where this rank's slice starts in the checkpoint tensor."""
+        return 0, self.output_size, self.tp_rank * self.output_size
+
+    def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
+        """Load one checkpoint tensor (``param_name`` "weight" or "bias"), or one shard of a
+        fused layer, into this rank's parameter."""
+        if shard_id not in self.shard_ids:
+            raise ModelLoadError(f"{type(self).__name__} has no shard {shard_id!r} (it loads {self.shard_ids})")
+        offset, size, checkpoint_start = self.shard_rows(shard_id)
+        if param_name == "bias":
+            if self.bias is None:
+                raise ModelLoadError(f"the checkpoint has a bias for a {type(self).__name__} built without one")
+            tensor = self._slice_for_rank(materialize(loaded_weight, self.bias.dtype), checkpoint_start, size, dim=0)
+            self._check_rows(tensor, size, "bias")
+            self.bias.data[offset:offset + size].copy_(tensor)
+            return
+        if param_name != "weight":
+            raise ModelLoadError(f"{type(self).__name__} has no parameter {param_name!r}")
+        self.quant_method.load_weight(self, self._weight_for_rank(loaded_weight, checkpoint_start, size), offset, size)
+
+    def _weight_for_rank(self, loaded_weight: Any, checkpoint_start: int, size: int) -> Any:
+        """This rank's rows of a column-split weight; packed weights pass through whole
+        (they are only valid unsplit)."""
+        if self.tp_size == 1:
+            return loaded_weight
+        if _is_packed(loaded_weight):
+            raise ModelLoadError("packed (quantized) checkpoint weights cannot be split for tensor parallelism yet")
+        return self._slice_for_rank(torch.as_tensor(loaded_weight), checkpoint_start, size, dim=0)
+
+    @staticmethod
+    def _slice_for_rank(tensor: torch.Tensor, start: int, size: int, dim: int) -> torch.Tensor:
+        if tensor.shape[dim] == size and start == 0:
+            return tensor
+        if start + size > tensor.shape[dim]:
+            raise ModelLoadError(f"checkpoint tensor of shape {tuple(tensor.shape)} has no rows {start}:{start + size}")
+        return tensor.narrow(dim, start, size)
+
+    @staticmethod
+    def _check_rows(tensor: torch.Tensor, size: int, what: str) -> None:
+        if tensor.shape[0] != size:
+            raise ModelLoadError(f"{what} of shape {tuple(tensor.shape)} does not fit {size} rows")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"quant={self.quant_method.name}, tp={self.tp_rank}/{self.tp_size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, **kwargs):
+        super().__init__(input_size, output_size, **{**kwargs, "tp_rank": 0, "tp_size": 1})
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice of the output."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp_rank: int = 0, tp_size: int = 1, **kwargs):
+        self.total_output_size = output_size
+        super().__init__(
+            input_size, divide(output_size, tp_size, "output size"), tp_rank=tp_rank, tp_size=tp_size, **kwargs
+        )
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp_rank: int = 0, tp_size: int = 1, **kwargs):
+        self.total_input_size = input_size
+        super().__init__(
+            divide(input_size, tp_size, "input size"), output_size, tp_rank=tp_rank, tp_size=tp_size, **kwargs
+        )
+
+    def shard_rows(self, shard_id):
+        # rows are whole on every rank; the split is along the input columns
+        return 0, self.output_size, 0
+
+    def _weight_for_rank(self, loaded_weight, checkpoint_start, size):
+        if self.tp_size == 1:
+            return loaded_weight
+        if _is_packed(loaded_weight):
+            raise ModelLoadError("packed (quantized) checkpoint weights cannot be split for tensor parallelism yet")
+        column_start = self.tp_rank * self.input_size
+        return self._slice_for_rank(torch.as_tensor(loaded_weight), column_start, self.input_size, dim=1)
+
+    def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
+        if param_name == "bias" and self.tp_rank != 0:
+            return  # the bias is added once, on rank 0, before the sum across ranks
+        super().load_checkpoint_weight(param_name, loaded_weight, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return tensor_parallel_all_reduce(self.quant_method.apply(self, x, bias), self.tp_size)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one weight (e.g. gate and
+    up): checkpoint shard ``i`` fills rows ``sum(output_sizes[:i]) / tp_size`` onwards."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, tp_size: int = 1, **kwargs):
+        self.output_sizes = list(output_sizes)
+        self.shard_ids = tuple(range(len(output_sizes)))
+        for size in output_sizes:
+            divide(size, tp_size, "each merged output size")
+        super().__init__(input_size, sum(output_sizes), tp_size=tp_size, **kwargs)
+
+    def shard_rows(self, shard_id):
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        return offset, size, self.tp_rank * size
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one weight, split by heads across ranks. With
+    fewer KV heads than ranks, each KV head is replicated on ``tp_size / num_kv_heads`` ranks."""
+
+    shard_ids = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        **kwargs,
+    ):
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads, "tensor-parallel size over KV heads")
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_head_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
+        super().__init__(hidden_size, output_size, tp_rank=tp_rank, tp_size=tp_size, **kwargs)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    def shard_rows(self, shard_id):
+        if shard_id == "q":
+            return 0, self.q_size, self.tp_rank * self.q_size
+        first_kv_head = (self.tp_rank // self.num_kv_head_replicas) * self.num_kv_heads
+        offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        return offset, self.kv_size, first_kv_head * self.head_size
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every linear layer's quantization method repack its weights (call once, after
+    all weights are loaded)."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)

@@ -1,0 +1,185 @@
+"""Rotary position embeddings (neox / ``rotate_half`` layout, as Hugging Face checkpoints
+use): the RoPE parameters read from a config, the inverse frequencies of each scaling
+variant (default, linear, dynamic NTK, llama3, yarn), and :class:`RotaryEmbedding`, which
+precomputes its cos/sin table once and rotates queries and keys by position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.errors import ConfigError
+
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def rope_parameters_from_config(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE settings of ``config`` as one flat dict with ``rope_type`` and ``rope_theta``.
+
+    Reads transformers 5's ``rope_parameters`` (flat, or nested by ``layer_type`` such as
+    ``"sliding_attention"``) and falls back to the older ``rope_scaling`` + ``rope_theta``.
+    """
+    parameters = getattr(config, "rope_parameters", None)
+    if isinstance(parameters, dict) and layer_type is not None and isinstance(parameters.get(layer_type), dict):
+        parameters = parameters[layer_type]
+    if not parameters:
+        parameters = getattr(config, "rope_scaling", None) or {}
+    parameters = dict(parameters)
+    parameters["rope_type"] = parameters.get("rope_type") or parameters.pop("type", None) or "default"
+    # transformers 5 leaves rope_theta None when rope_scaling was assigned after construction
+    if parameters.get("rope_theta") is None:
+        parameters["rope_theta"] = getattr(config, "rope_theta", None) or DEFAULT_ROPE_THETA
+    if parameters.get("partial_rotary_factor") is None:
+        parameters["partial_rotary_factor"] = getattr(config, "partial_rotary_factor", None) or 1.0
+    return parameters
+
+
+def _base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (base ** exponents)
+
+
+def _yarn_inv_freq(parameters: dict, base: float, rotary_dim: int, max_position_embeddings: int):
+    original = parameters.get("original_max_position_embeddings") or max_position_embeddings
+    factor = parameters.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, coefficient: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+
+    attention_factor = parameters.get("attention_factor")
+    if attention_factor is None:
+        if parameters.get("mscale") and parameters.get("mscale_all_dim"):
+            attention_factor = mscale(factor, parameters["mscale"]) / mscale(factor, parameters["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = parameters.get("beta_fast") or 32
+    beta_slow = parameters.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # the dimension whose wavelength makes ``num_rotations`` turns over the original context
+        return rotary_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if parameters.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    position_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    inv_freq = (1.0 / (factor * position_freqs)) * ramp + (1.0 / position_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor), max(max_position_embeddings, int(original * factor))
+
+
+def _llama3_inv_freq(parameters: dict, base: float, rotary_dim: int) -> torch.Tensor:
+    inv_freq = _base_inv_freq(base, rotary_dim)
+    factor = parameters["factor"]
+    low_freq_factor, high_freq_factor = parameters["low_freq_factor"], parameters["high_freq_factor"]
+    old_context_len = parameters["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are interpolated by `factor`, short ones kept, the band between blended
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(
+    parameters: dict[str, Any], rotary_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float, int]:
+    """``(inv_freq [rotary_dim / 2], attention_scaling, positions the table must cover)``."""
+    rope_type = parameters.get("rope_type", "default")
+    base = float(parameters.get("rope_theta") or DEFAULT_ROPE_THETA)
+    if rope_type == "default":
+        return _base_inv_freq(base, rotary_dim), 1.0, max_position_embeddings
+    if rope_type == "linear":
+        factor = parameters["factor"]
+        return _base_inv_freq(base, rotary_dim) / factor, 1.0, int(max_position_embeddings * factor)
+    if rope_type == "dynamic":
+        # transformers rescales the base per forward from the batch's longest sequence; a
+        # serving batch mixes lengths, so the table is fixed at the longest supported one
+        factor = parameters["factor"]
+        scaled_len = max_position_embeddings * factor
+        base *= ((factor * scaled_len / max_position_embeddings) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        return _base_inv_freq(base, rotary_dim), 1.0, int(scaled_len)
+    if rope_type == "llama3":
+        return _llama3_inv_freq(parameters, base, rotary_dim), 1.0, max_position_embeddings
+    if rope_type == "yarn":
+        return _yarn_inv_freq(parameters, base, rotary_dim, max_position_embeddings)
+    raise ConfigError(
+        f"unsupported RoPE type {rope_type!r}; supported: default, linear, dynamic, llama3, yarn",
+        param="rope_scaling",
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` features of each head by position (``rotate_half``
+    layout); the rest pass through. The cos/sin table covers ``max_position`` positions."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        inv_freq: torch.Tensor,
+        max_position: int,
+        *,
+        attention_scaling: float = 1.0,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_size:
+            raise ConfigError(f"rotary dimension {rotary_dim} must be even and at most the head size {head_size}")
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+        dtype = dtype or torch.get_default_dtype()
+        self.register_buffer("cos_cache", (freqs.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (freqs.sin() * attention_scaling).to(dtype), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.rotary_dim < self.head_size:
+            parts.append(x[..., self.rotary_dim:])
+        return torch.cat(parts, dim=-1).view(shape)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query [T, Hq * D]`` (or ``[T, Hq, D]``) and ``key`` rotated to ``positions [T]``."""
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+
+
+def get_rope(
+    head_size: int,
+    rope_parameters: dict[str, Any],
+    max_position_embeddings: int,
+    *,
+    max_position: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> RotaryEmbedding:
+    """A :class:`RotaryEmbedding` for ``rope_parameters`` (see :func:`rope_parameters_from_config`);
+    the table covers the scaled context, or ``max_position`` if that is longer."""
+    rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor") or 1.0))
+    inv_freq, attention_scaling, table_len = compute_inv_freq(rope_parameters, rotary_dim, max_position_embeddings)
+    return RotaryEmbedding(
+        head_size, rotary_dim, inv_freq, max(table_len, max_position or 0),
+        attention_scaling=attention_scaling, dtype=dtype,
+    )
