@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from torch import nn
 
-from tokenloom.builtin_plugins.quantization import gguf as gguf_quantization
+from tokenloom.builtin_plugins import quantization as gguf_quantization
 from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
 from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
 from tokenloom.errors import ConfigError, ModelLoadError

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from tokenloom.builtin_plugins.quantization.gguf_blocks import tensor_nbytes
+from tokenloom.builtin_plugins.quantization.ggml_types import tensor_nbytes
 from tokenloom.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"

@@ -1,1 +1,9 @@
-"""quantization."""
+"""Quantization method plugins. This module is the entry point: it registers each method by a
+lazy "module:Class" string, so listing plugins imports no torch."""
+
+from tokenloom.plugin_api import hookimpl
+
+
+@hookimpl
+def register_quantization_methods(register):
+    register("gguf", "tokenloom.builtin_plugins.quantization.gguf:GGUFQuantizationMethod")

@@ -20,7 +20,6 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  
 )
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
-from tokenloom.plugin_api import hookimpl
 
 MODES = ("dequantize",)
 
@@ -61,8 +60,3 @@ def check_supported(weight: GGUFWeight) -> None:
 def dequantize_to(weight: Any, dtype: torch.dtype) -> torch.Tensor:
     """Any checkpoint tensor (packed or dense) as a dense tensor of ``dtype``."""
     return weight.dequantize(dtype) if isinstance(weight, GGUFWeight) else materialize(weight, dtype)
-
-
-@hookimpl
-def register_quantization_methods(register):
-    register("gguf", "tokenloom.builtin_plugins.quantization.gguf:GGUFQuantizationMethod")
