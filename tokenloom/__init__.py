@@ -14,6 +14,7 @@ _LAZY = {
     "RequestOutput": "tokenloom.core.request",
     "CompletionOutput": "tokenloom.core.request",
     "EngineArgs": "tokenloom.core.config",
+    "BeamSearchParams": "tokenloom.core.beam_search",
     "AsyncLLM": "tokenloom.core.engine",
     "LLMEngine": "tokenloom.core.engine",
 }

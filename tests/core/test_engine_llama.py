@@ -21,24 +21,6 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory, smollm2_gguf):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
-    tokenizer.save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(directory, safe_serialization=True)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
 def reference_tokens(tiny_llama_dir):
     """transformers' greedy continuation of each prompt (token ids)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
