@@ -1,5 +1,5 @@
 """The ``tokenloom`` command line: ``serve`` (vLLM's flag names, catalogued in
-:mod:`tokenloom.api.flags`), ``plugins`` and ``version``.
+:mod:`tokenloom.api.flags`), ``bench`` (:mod:`tokenloom.api.bench`), ``plugins`` and ``version``.
 
 A subcommand is one function registered with :func:`subcommand`. Nothing heavy (torch,
 transformers, plugin modules) is imported before a command needs it, so ``--help`` and
@@ -151,6 +151,13 @@ def _quiet_logger(name: str):
         yield
     finally:
         logger.setLevel(level)
+
+
+@subcommand("bench", "benchmark latency, throughput (offline) or a running server, like `vllm bench`")
+def bench_command(argv: list[str]) -> int:
+    from tokenloom.api.bench import run
+
+    return run(argv)
 
 
 # -- serve ----------------------------------------------------------------------------------
