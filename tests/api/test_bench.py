@@ -102,6 +102,15 @@ def test_latency_profile_writes_a_chrome_trace(tiny_llama_dir, tmp_path, capsys)
     assert "Self CPU" in out and "Avg latency" not in out  # profiling replaces the timed iterations
 
 
+def test_latency_times_beam_search(tiny_llama_dir, tmp_path, capsys):
+    output = tmp_path / "latency.json"
+    code, out, _ = run_cli(["bench", "latency", "--model", tiny_llama_dir, "--dtype", "float32", "--input-len", "8",
+                            "--output-len", "3", "--batch-size", "2", "--n", "2", "--use-beam-search",
+                            "--num-iters", "2", "--num-iters-warmup", "0", "--output-json", str(output)], capsys)
+    assert code == 0
+    assert len(json.loads(output.read_text())["latencies"]) == 2
+
+
 def test_latency_refuses_a_batch_longer_than_the_context(tiny_llama_dir, capsys):
     code, _, err = run_cli(["bench", "latency", "--model", tiny_llama_dir, "--input-len", "250",
                             "--output-len", "10"], capsys)
@@ -109,7 +118,6 @@ def test_latency_refuses_a_batch_longer_than_the_context(tiny_llama_dir, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--use-beam-search"], "tokenloom has no beam search"),
     (["--port", "8000"], "--port is a flag of the HTTP server"),
     (["--max-model-lenn", "64"], "did you mean --max-model-len?"),
     (["--num-iter", "3"], "did you mean --num-iters?"),

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from tokenloom.api.bench.common import (LATENCY_PERCENTAGES, BenchParser, help_request, mean, non_negative_int,
                                         percentile, positive_int, write_json)
 from tokenloom.api.bench.engine_flags import ENGINE_FLAGS_HELP, parse_engine_flags, print_help
-from tokenloom.errors import ConfigError, NotImplementedFlagError
+from tokenloom.errors import ConfigError
 
 COMMAND = "latency"
 RANDOM_TOKEN_ID_LIMIT = 10000  # vLLM draws latency prompts from the first 10,000 token ids
@@ -29,7 +29,8 @@ def build_parser() -> BenchParser:
     parser.add_argument("--output-len", type=positive_int, default=128, help="generated tokens per request")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="requests in the batch")
     parser.add_argument("--n", type=positive_int, default=1, help="number of generated sequences per prompt")
-    parser.add_argument("--use-beam-search", action="store_true", help="not supported: tokenloom has no beam search")
+    parser.add_argument("--use-beam-search", action="store_true",
+                        help="time beam search (width --n) instead of sampling")
     parser.add_argument("--num-iters-warmup", type=non_negative_int, default=10,
                         help="number of iterations to run for warmup")
     parser.add_argument("--num-iters", type=positive_int, default=30, help="number of iterations to run")
@@ -64,8 +65,6 @@ def run(argv: list[str]) -> int:
     if request is not None:
         return print_help(COMMAND, parser, request)
     options, rest = parser.parse_known_args(argv)
-    if options.use_beam_search:
-        raise NotImplementedFlagError("tokenloom has no beam search: remove --use-beam-search", param="use-beam-search")
     # repeated identical batches would otherwise be served from the prefix cache (vLLM does the same)
     engine = parse_engine_flags(rest, COMMAND, parser, defaults={"enable_prefix_caching": False})
     for warning in engine.warnings:
@@ -81,7 +80,7 @@ def run(argv: list[str]) -> int:
                           "--max-model-len", param="input-len")
     prompts = random_prompts(llm, options.batch_size, options.input_len, seed=engine.engine_kwargs.get("seed", 0))
     generate = batch_generator(llm, prompts, n=options.n, output_len=options.output_len,
-                               detokenize=not options.disable_detokenize)
+                               detokenize=not options.disable_detokenize, beam_search=options.use_beam_search)
     print(f"Benchmarking {llm.engine.model_name}: batch {options.batch_size}, {options.input_len} input and "
           f"{options.output_len} output tokens, n={options.n}")
 
@@ -117,9 +116,15 @@ def random_prompts(llm: Any, batch_size: int, input_len: int, seed: int | None) 
     return [{"prompt_token_ids": [int(token) for token in row]} for row in token_ids]
 
 
-def batch_generator(llm: Any, prompts: list, *, n: int, output_len: int, detokenize: bool) -> Callable[[], list]:
-    """A function generating the whole batch once, with vLLM's latency sampling settings."""
-    from tokenloom import SamplingParams
+def batch_generator(llm: Any, prompts: list, *, n: int, output_len: int, detokenize: bool,
+                    beam_search: bool = False) -> Callable[[], list]:
+    """A function generating the whole batch once, with vLLM's latency sampling settings (or beam
+    search of width ``n``, as vLLM's --use-beam-search)."""
+    from tokenloom import BeamSearchParams, SamplingParams
+
+    if beam_search:
+        beam_params = BeamSearchParams(beam_width=n, max_tokens=output_len, ignore_eos=True)
+        return lambda: llm.beam_search(prompts, beam_params)
 
     params = SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len,
                             detokenize=detokenize)
