@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -179,3 +181,24 @@ def test_disconnected_stream_frees_its_blocks(smollm2_server):
         time.sleep(0.2)
     assert metric(smollm2_server, "vllm:num_requests_running") == 0
     assert metric(smollm2_server, "vllm:kv_cache_usage_perc") == 0
+
+
+def run_client(server, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenloom", *args, "--url", server.base_url + "/v1",
+                           "--api-key", API_KEY, "--max-tokens", "12"],
+                          input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def test_chat_and_complete_clients(smollm2_server):
+    quick = run_client(smollm2_server, "chat", "--quick", "What is the capital of France?")
+    assert quick.returncode == 0, quick.stderr
+    assert quick.stdout.strip()
+    interactive = run_client(smollm2_server, "chat", "--model-name", MODEL, stdin="Hello!\nWhat did I just say?\n")
+    assert interactive.returncode == 0, interactive.stderr
+    assert len([line for line in interactive.stdout.splitlines() if line.strip()]) >= 2
+    completed = run_client(smollm2_server, "complete", "--quick", "1, 2, 3, 4,")
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip()
+    unreachable = subprocess.run([sys.executable, "-m", "tokenloom", "complete", "--url", "http://127.0.0.1:9/v1",
+                                  "--model-name", MODEL, "--quick", "hi"], capture_output=True, text=True, timeout=60)
+    assert unreachable.returncode == 1 and "cannot reach the server" in unreachable.stderr

@@ -160,6 +160,20 @@ def bench_command(argv: list[str]) -> int:
     return run(argv)
 
 
+@subcommand("chat", "chat with a running server (like `vllm chat`)")
+def chat_command(argv: list[str]) -> int:
+    from tokenloom.api.clients import chat
+
+    return chat(argv)
+
+
+@subcommand("complete", "complete prompts with a running server (like `vllm complete`)")
+def complete_command(argv: list[str]) -> int:
+    from tokenloom.api.clients import complete
+
+    return complete(argv)
+
+
 # -- serve ----------------------------------------------------------------------------------
 
 
