@@ -1,0 +1,114 @@
+"""AsyncLLM with a tiny random Llama: per-request streams, abort on close freeing blocks at once,
+validation before anything is queued, and every stream told when the engine dies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.core.config import EngineArgs
+from tokenloom.core.engine import AsyncLLM
+from tokenloom.core.request import RequestOutputKind
+from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
+
+PROMPT = "A short story about a robot:"
+
+
+@pytest.fixture
+def engine(tiny_llama_dir):
+    return AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_dir, dtype="float32", block_size=4))
+
+
+def delta_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+
+async def collect(engine: AsyncLLM, request_id: str, prompt, params) -> tuple[str, list[int], str | None]:
+    text, tokens, finish = "", [], None
+    async for output in engine.generate(prompt, params, request_id):
+        text += output.outputs[0].text
+        tokens += output.outputs[0].token_ids
+        finish = output.outputs[0].finish_reason
+    return text, tokens, finish
+
+
+def test_concurrent_streams_equal_offline_greedy(engine, tiny_llama_dir):
+    offline = LLM(model=tiny_llama_dir, dtype="float32", block_size=4).generate(
+        [PROMPT, "Numbers: 1, 2,"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+
+    async def run():
+        await engine.start()
+        try:
+            return await asyncio.gather(collect(engine, "a", PROMPT, delta_params(10)),
+                                        collect(engine, "b", "Numbers: 1, 2,", delta_params(10)))
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(run())
+    for (text, tokens, finish), expected in zip(results, offline):
+        assert tokens == expected.outputs[0].token_ids
+        assert text == expected.outputs[0].text
+        assert finish == "length"
+
+
+def test_closing_a_stream_aborts_and_frees_its_blocks(engine):
+    async def run():
+        await engine.start()
+        try:
+            stream = engine.generate(PROMPT, delta_params(200), "long")
+            await stream.__anext__()
+            await stream.__anext__()
+            assert engine.engine.scheduler.block_manager.num_free_blocks < engine.engine.num_blocks
+            await stream.aclose()
+            for _ in range(100):
+                if engine.engine.scheduler.block_manager.num_free_blocks == engine.engine.num_blocks:
+                    break
+                await asyncio.sleep(0.05)
+            return engine.engine.scheduler.block_manager.num_free_blocks, engine.engine.has_unfinished_requests()
+        finally:
+            await engine.shutdown()
+
+    free_blocks, unfinished = asyncio.run(run())
+    assert free_blocks == engine.engine.num_blocks
+    assert not unfinished
+
+
+def test_bad_input_fails_before_anything_is_queued(engine):
+    async def first(prompt, params, request_id="x"):
+        async for output in engine.generate(prompt, params, request_id):
+            return output
+
+    async def run():
+        await engine.start()
+        try:
+            with pytest.raises(ContextLengthError, match="256"):
+                await first([5] * 300, delta_params(4))
+            with pytest.raises(InvalidRequestError, match="vocabulary"):
+                await first([10**9], delta_params(4))
+            with pytest.raises(InvalidRequestError, match="empty"):
+                await first([], delta_params(4))
+            assert not engine.engine.has_unfinished_requests()
+            return await first(PROMPT, delta_params(2), "fine")
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()).outputs[0].token_ids
+
+
+def test_every_stream_learns_when_the_engine_dies(engine):
+    def broken_step():
+        raise RuntimeError("simulated worker crash")
+
+    engine.engine.step = broken_step
+
+    async def run():
+        await engine.start()
+        with pytest.raises(EngineDeadError, match="simulated worker crash"):
+            await collect(engine, "doomed", PROMPT, delta_params(4))
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "after", PROMPT, delta_params(4))
+        assert engine.errored and not engine.is_running
+
+    asyncio.run(run())
