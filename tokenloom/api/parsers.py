@@ -4,7 +4,8 @@ are plugins; the server makes one parser instance per request, in the main proce
 
 Streaming parsers feed on deltas: ``extract_delta(delta_text)`` returns what that delta
 completed, ``finish()`` what is left at the end; any split of the text into deltas must
-give the same result as ``extract`` on the whole text.
+give the same result as ``extract`` on the whole text. When both parsers run, the reasoning
+parser reads the output first and the tool parser reads only its ``content``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class ReasoningParser:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
+    def adjust_request(self, request: Any) -> Any:
+        """Change a chat request before generation (e.g. keep the special tokens that mark
+        reasoning); default: none."""
+        return request
+
     def extract_reasoning(self, model_output: str, request: Any) -> tuple[str | None, str | None]:
         """``(reasoning_content, content)`` of a complete model output."""
         raise NotImplementedError
@@ -86,6 +92,11 @@ class ReasoningParser:
         """What ``delta_text`` completes, split into reasoning and content."""
         raise NotImplementedError
 
+    def finish(self, request: Any) -> DeltaMessage | None:
+        """Whatever is still held back when the output ends (e.g. a partial end marker)."""
+        return None
+
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
-        """True once the reasoning section is over (constraints start after it)."""
+        """True once the reasoning section is over in the output whose token ids (generated
+        so far, prompt excluded) are ``token_ids``: constraints start after it."""
         raise NotImplementedError

@@ -1,1 +1,21 @@
-"""reasoning_parsers."""
+"""The built-in reasoning parsers (``--reasoning-parser NAME``), one model family per module,
+registered lazily: loading this plugin imports none of them."""
+
+from __future__ import annotations
+
+from tokenloom.plugin_api import hookimpl
+
+_PACKAGE = "tokenloom.builtin_plugins.reasoning_parsers"
+
+REASONING_PARSERS = {
+    "deepseek_r1": "deepseek_r1:DeepSeekR1ReasoningParser",
+    "qwen3": "qwen3:Qwen3ReasoningParser",
+    "granite": "granite:GraniteReasoningParser",
+    "mistral": "mistral:MistralReasoningParser",
+}
+
+
+@hookimpl
+def register_reasoning_parsers(register):
+    for name, target in REASONING_PARSERS.items():
+        register(name, f"{_PACKAGE}.{target}")

@@ -1,0 +1,110 @@
+"""The built-in reasoning parsers on their model families' real output formats: exact
+``(reasoning_content, content)`` for whole outputs, the same from every split into streamed
+deltas, ``is_reasoning_end`` on token ids, and ``adjust_request`` for special-token markers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenloom.builtin_plugins.reasoning_parsers import REASONING_PARSERS
+from tokenloom.plugins.registry import resolve_target
+
+
+def parser_for(name: str, tokenizer=None):
+    module, _, cls = REASONING_PARSERS[name].partition(":")
+    return resolve_target(f"tokenloom.builtin_plugins.reasoning_parsers.{module}:{cls}")(tokenizer)
+
+
+REASONING = "Two plus two is four; 2² = 4 — easy. {\"json\": [1]}"
+ANSWER = "The answer is 4. 答案是四。"
+
+CASES = [
+    # (parser, output, reasoning_content, content)
+    ("deepseek_r1", f"{REASONING}</think>{ANSWER}", REASONING, ANSWER),
+    ("deepseek_r1", f"<think>\n{REASONING}\n</think>\n\n{ANSWER}", REASONING, ANSWER),
+    ("deepseek_r1", f"\n{REASONING} and still thinking", f"{REASONING} and still thinking", None),
+    ("deepseek_r1", f"</think>\n\n{ANSWER}", None, ANSWER),
+    ("deepseek_r1", "", None, None),
+    ("qwen3", f"<think>\n{REASONING}\n</think>\n\n{ANSWER}", REASONING, ANSWER),
+    ("qwen3", f"<think>\n\n</think>\n\n{ANSWER}", None, ANSWER),
+    ("qwen3", f"  {ANSWER} ", None, f"  {ANSWER} "),
+    ("qwen3", f"{ANSWER} and a stray </think> tag", None, f"{ANSWER} and a stray </think> tag"),
+    ("qwen3", f"<think>{REASONING}", REASONING, None),
+    ("qwen3", "<thin", None, "<thin"),
+    ("granite", f"Here is my thought process:\n{REASONING}\nHere is my response:\n{ANSWER}", REASONING, ANSWER),
+    ("granite", f"Here's my thought process:\n{REASONING}\nHere's my response:\n{ANSWER}", REASONING, ANSWER),
+    ("granite", f"Here is the answer: {ANSWER}", None, f"Here is the answer: {ANSWER}"),
+    ("mistral", f"[THINK]{REASONING}[/THINK]{ANSWER}", REASONING, ANSWER),
+    ("mistral", f"{ANSWER}[THINK]", None, f"{ANSWER}[THINK]"),
+    ("mistral", f"[THINK]{REASONING}[/THINK]", REASONING, None),
+]
+IDS = [f"{name}-{index}" for index, (name, *_rest) in enumerate(CASES)]
+
+
+def streamed(parser, pieces: list[str]) -> tuple[str | None, str | None]:
+    messages = [parser.extract_reasoning_delta(piece, None) for piece in pieces] + [parser.finish(None)]
+    reasoning = "".join(m.reasoning_content or "" for m in messages if m is not None)
+    content = "".join(m.content or "" for m in messages if m is not None)
+    return reasoning or None, content or None
+
+
+def test_every_parser_has_cases():
+    assert {name for name, *_ in CASES} == set(REASONING_PARSERS)
+
+
+@pytest.mark.parametrize("name,output,reasoning,content", CASES, ids=IDS)
+def test_extract_reasoning_is_exact(name, output, reasoning, content):
+    assert parser_for(name).extract_reasoning(output, None) == (reasoning, content)
+
+
+@pytest.mark.parametrize("name,output,reasoning,content", CASES, ids=IDS)
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=100_000), max_size=30))
+def test_any_split_streams_the_non_streaming_result(name, output, reasoning, content, cuts):
+    points = sorted({cut % (len(output) + 1) for cut in cuts})
+    bounds = [0, *points, len(output)]
+    pieces = [output[start:end] for start, end in zip(bounds, bounds[1:])]
+    assert streamed(parser_for(name), pieces) == (reasoning, content)
+    assert streamed(parser_for(name), list(output)) == (reasoning, content)
+
+
+def test_reasoning_streams_before_the_end_marker_arrives():
+    parser = parser_for("deepseek_r1")
+    first = parser.extract_reasoning_delta("Let me think</th", None)
+    assert first.reasoning_content == "Let me think" and first.content is None  # "</th" waits
+    second = parser.extract_reasoning_delta("ink>Yes.", None)
+    assert second.reasoning_content is None and second.content == "Yes."
+
+
+class CharTokenizer:
+    """One token per character: enough to check is_reasoning_end on token ids."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(chr(token_id) for token_id in token_ids)
+
+
+def ids(text: str) -> list[int]:
+    return [ord(char) for char in text]
+
+
+@pytest.mark.parametrize("name,output,ended", [
+    ("deepseek_r1", "still thinking", False),
+    ("deepseek_r1", "done</think>", True),
+    ("qwen3", "<think>thinking", False),
+    ("qwen3", "<thi", False),
+    ("qwen3", "No thinking here", True),
+    ("granite", "Here is my thought process: hmm Here is my response:", True),
+    ("mistral", "[THINK]hmm", False),
+])
+def test_is_reasoning_end(name, output, ended):
+    assert parser_for(name, CharTokenizer()).is_reasoning_end(ids(output)) is ended
+
+
+def test_only_mistral_markers_need_special_tokens_kept():
+    from tokenloom.api.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert parser_for("mistral").adjust_request(request).skip_special_tokens is False
+    assert parser_for("qwen3").adjust_request(request) is request

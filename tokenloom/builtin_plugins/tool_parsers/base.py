@@ -1,0 +1,332 @@
+"""What every built-in tool parser shares: :class:`SectionToolParser` finds call sections in
+the output (a start marker anywhere, or a bare ``{``/``[`` opening the output), asks the
+format's :meth:`~SectionToolParser.parse_section` to turn each into calls, and streams with
+the very code that parses whole outputs, so any split into deltas gives the same result.
+
+A call is sent once its section is complete and valid: a section that turns out malformed
+(bad JSON, never closed) must come back as plain content, and a sent delta cannot be taken
+back. Content is sent as soon as it cannot be the start of a marker. Whitespace between a
+call and the start or end of the output, or another call, is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tokenloom.plugin_api import DeltaMessage, ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(frozen=True)
+class Section:
+    """A complete, valid call section: its calls and how many characters it spans."""
+
+    calls: list[ParsedCall]
+    length: int
+
+
+class _NeedMore:
+    def __repr__(self) -> str:
+        return "NEED_MORE"
+
+
+# parse_section's answer when the section may still become valid with more text
+NEED_MORE = _NeedMore()
+
+
+def keep_special_tokens(request: Any) -> Any:
+    """``request`` with special tokens decoded into the text, verbatim (no spaces around
+    them), so that markers made of special tokens reach the parser."""
+    if request is None or not hasattr(request, "model_copy"):
+        return request
+    return request.model_copy(update={"skip_special_tokens": False, "spaces_between_special_tokens": False})
+
+
+def partial_marker_length(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a marker: text
+    that must wait for the next delta before it can be called content."""
+    longest = max((len(marker) for marker in markers), default=1) - 1
+    for length in range(min(longest, len(text)), 0, -1):
+        suffix = text[-length:]
+        if any(marker.startswith(suffix) for marker in markers):
+            return length
+    return 0
+
+
+def find_first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
+    """``(index, marker)`` of the earliest marker in ``text`` (the longest on a tie), or ``(-1, None)``."""
+    best_index, best_marker = -1, None
+    for marker in markers:
+        index = text.find(marker)
+        if index < 0:
+            continue
+        if best_marker is None or index < best_index or (index == best_index and len(marker) > len(best_marker)):
+            best_index, best_marker = index, marker
+    return best_index, best_marker
+
+
+def skip_whitespace(text: str, position: int) -> int:
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
+
+
+# a JSON string, a lone quote (a string not closed yet), or a bracket
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|"|[{}\[\]]', re.DOTALL)
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """End (exclusive) of the JSON object or array opening at ``text[start]``, found by
+    matching brackets outside strings; None when it is not closed yet. Validity is left to
+    :func:`load_json`. (A streaming parser asks again at every delta: the scan runs in the
+    regex engine.)"""
+    depth = 0
+    for match in _JSON_TOKENS.finditer(text, start):
+        token = match.group()
+        if token[0] == '"':
+            if len(token) == 1:
+                return None
+            continue
+        depth += 1 if token in "{[" else -1
+        if depth == 0:
+            return match.end()
+    return None
+
+
+_INVALID = object()
+
+
+def load_json(text: str) -> Any:
+    """The JSON value of ``text``, or ``_INVALID``."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _INVALID
+
+
+def call_from_object(value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    """``{"name": ..., "arguments": {...}}`` (or another argument key) as a call; None
+    unless the name is a non-empty string and the arguments an object (or JSON text of one)."""
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    arguments: Any = {}
+    for key in argument_keys:
+        if key in value:
+            arguments = value[key]
+            break
+    if isinstance(arguments, str):
+        arguments = load_json(arguments)  # some models write the arguments as a JSON string
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(name.strip(), json.dumps(arguments, ensure_ascii=False))
+
+
+def calls_from_array(value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> list[ParsedCall] | None:
+    """A non-empty JSON array of call objects as calls; None if any element is not a call."""
+    if not isinstance(value, list) or not value:
+        return None
+    calls = [call_from_object(item, argument_keys) for item in value]
+    return None if any(call is None for call in calls) else calls
+
+
+def json_array_section(text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")):
+    """The section made of the JSON array of calls at ``text[start:]`` (whitespace allowed
+    before it): a :class:`Section`, None (malformed) or NEED_MORE."""
+    position = skip_whitespace(text, start)
+    if position == len(text):
+        return NEED_MORE
+    if text[position] != "[":
+        return None
+    end = json_value_end(text, position)
+    if end is None:
+        return NEED_MORE
+    calls = calls_from_array(load_json(text[position:end]), argument_keys)
+    return Section(calls, end) if calls else None
+
+
+def json_object_section(text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")):
+    """The section made of one JSON call object at ``text[start:]`` (whitespace allowed before it)."""
+    position = skip_whitespace(text, start)
+    if position == len(text):
+        return NEED_MORE
+    if text[position] != "{":
+        return None
+    end = json_value_end(text, position)
+    if end is None:
+        return NEED_MORE
+    call = call_from_object(load_json(text[position:end]), argument_keys)
+    return Section([call], end) if call else None
+
+
+class _ContentJoiner:
+    """Joins the content pieces around calls. Whitespace next to a call is held until it is
+    known to separate content from content (kept) or to border a call at the start or the
+    end of the output (dropped); content with no call around it passes unchanged."""
+
+    def __init__(self):
+        self.held_whitespace = ""
+        self.seen_content = False
+        self.call_since_content = False
+
+    def add_content(self, text: str) -> str:
+        combined = self.held_whitespace + text
+        core = combined.strip()
+        if not core:
+            self.held_whitespace = combined
+            return ""
+        leading = combined[:len(combined) - len(combined.lstrip())]
+        trailing = combined[len(combined.rstrip()):]
+        if self.call_since_content and not self.seen_content:
+            leading = ""  # calls opened the output
+        self.held_whitespace = trailing
+        self.seen_content = True
+        self.call_since_content = False
+        return leading + core
+
+    def add_call(self) -> None:
+        if not self.seen_content:
+            self.held_whitespace = ""
+        self.call_since_content = True
+
+    def finish(self) -> str:
+        held, self.held_whitespace = self.held_whitespace, ""
+        return "" if self.call_since_content else held
+
+
+class _Scan:
+    """One parse of one output, fed piece by piece: the state a streaming parser keeps."""
+
+    def __init__(self, parser: "SectionToolParser"):
+        self.parser = parser
+        self.buffer = ""
+        self.start_checked = parser.bare_start is None
+        self.joiner = _ContentJoiner()
+        self.num_calls = 0
+        # buffer length when an unfinished section last stopped the scan, or None
+        self.section_waiting_at: int | None = None
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[tuple[int, ParsedCall]]]:
+        """What ``text`` completes: (content, [(index, call)])."""
+        self.buffer += text
+        content: list[str] = []
+        calls: list[tuple[int, ParsedCall]] = []
+        waiting_at = self.section_waiting_at
+        if not final and waiting_at is not None and not any(
+                char in self.parser.section_closers for char in self.buffer[max(waiting_at - 1, 0):]):
+            # an unfinished section can only be decided once a closing character arrives:
+            # skip re-reading it (deciding later is always safe, deciding wrong never is)
+            return "", calls
+        self.section_waiting_at = None
+        while self.buffer:
+            step = self._step(final)
+            if step is None:
+                break
+            pieces, consumed = step
+            self.buffer = self.buffer[consumed:]
+            for piece in pieces:
+                if isinstance(piece, ParsedCall):
+                    self.joiner.add_call()
+                    calls.append((self.num_calls, piece))
+                    self.num_calls += 1
+                else:
+                    content.append(self.joiner.add_content(piece))
+        if final:
+            content.append(self.joiner.finish())
+        return "".join(content), calls
+
+    def _step(self, final: bool) -> tuple[list, int] | None:
+        """The pieces at the start of the buffer and how many characters they span, or None
+        when nothing can be decided before more text arrives."""
+        parser, buffer = self.parser, self.buffer
+        if not self.start_checked:
+            body = buffer.lstrip()
+            if not body and not final:
+                return None
+            self.start_checked = True
+            if body.startswith(parser.bare_start):
+                section = parser.parse_section(body, final)
+                if section is NEED_MORE and not final:
+                    self.start_checked = False
+                    self.section_waiting_at = len(buffer)
+                    return None
+                if isinstance(section, Section):
+                    leading = len(buffer) - len(body)
+                    return [buffer[:leading], *section.calls], leading + section.length
+        index, marker = find_first_marker(buffer, parser.start_markers)
+        if marker is None:
+            keep = 0 if final else partial_marker_length(buffer, parser.start_markers)
+            return ([buffer[:len(buffer) - keep]], len(buffer) - keep) if keep < len(buffer) else None
+        if index > 0:
+            return [buffer[:index]], index
+        section = parser.parse_section(buffer[len(marker):], final)
+        if section is NEED_MORE and not final:
+            self.section_waiting_at = len(buffer)
+            return None
+        if isinstance(section, Section):
+            return list(section.calls), len(marker) + section.length
+        return [marker], len(marker)  # not a call: the marker is plain text, and scanning goes on after it
+
+
+class SectionToolParser(ToolParser):
+    """A tool parser for one output format. Subclasses set :attr:`start_markers` (and
+    :attr:`bare_start`) and implement :meth:`parse_section`; one instance per request."""
+
+    # text that opens a call section anywhere in the output
+    start_markers: tuple[str, ...] = ()
+    # text that opens a call section only at the very start of the output (after
+    # whitespace); unlike a marker, it is part of the section parse_section reads
+    bare_start: str | None = None
+    # JSON keys a format may use for the arguments object
+    argument_keys: tuple[str, ...] = ("arguments", "parameters")
+    # the characters a section's text can end with (closing brackets, the ">" of an end
+    # marker): an unfinished section is read again only once one of them has arrived
+    section_closers: str = "}])>"
+
+    def __init__(self, tokenizer: Any = None):
+        super().__init__(tokenizer)
+        self._stream = _Scan(self)
+
+    def parse_section(self, text: str, final: bool):
+        """Read the section at the start of ``text`` (the text after a start marker, or from
+        :attr:`bare_start` on). Return a :class:`Section` (its calls and the characters of
+        ``text`` it spans), None when it is malformed, or NEED_MORE when more text could
+        still complete it (``final`` is True when no more text will come)."""
+        raise NotImplementedError
+
+    def new_call_id(self) -> str | None:
+        """The id of a new call; None lets the server assign its usual ``chatcmpl-tool-...``."""
+        return None
+
+    def adjust_request(self, request: Any) -> Any:
+        # markers such as <tool_call> or [TOOL_CALLS] are special tokens in their models
+        return keep_special_tokens(request)
+
+    def extract(self, model_output: str, request: Any = None) -> ExtractedToolCalls:
+        content, calls = _Scan(self).feed(model_output, final=True)
+        tool_calls = [ToolCall(name=call.name, arguments=call.arguments, id=self.new_call_id() or "")
+                      for _, call in calls]
+        return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
+
+    def extract_delta(self, delta_text: str, request: Any = None) -> DeltaMessage | None:
+        return self._message(*self._stream.feed(delta_text, final=False))
+
+    def finish(self, request: Any = None) -> DeltaMessage | None:
+        return self._message(*self._stream.feed("", final=True))
+
+    def _message(self, content: str, calls: list[tuple[int, ParsedCall]]) -> DeltaMessage | None:
+        if not content and not calls:
+            return None
+        deltas = [ToolCallDelta(index=index, id=self.new_call_id(), name=call.name, arguments=call.arguments)
+                  for index, call in calls]
+        return DeltaMessage(content=content or None, tool_calls=deltas)
