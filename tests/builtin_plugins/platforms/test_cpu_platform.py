@@ -58,17 +58,33 @@ def test_real_host_memory_is_plausible():
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16, "float16", "torch.float32"])
-def test_non_bfloat16_models_run_in_float32(model_dtype):
+def test_without_native_bfloat16_other_models_run_in_float32(model_dtype, monkeypatch):
+    monkeypatch.setattr(CpuPlatform, "native_bfloat16", staticmethod(lambda: False))
     assert CpuPlatform().default_dtype(model_dtype) == torch.float32
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_bfloat16_cpus_run_every_model_in_bfloat16(model_dtype, monkeypatch):
+    monkeypatch.setattr(CpuPlatform, "native_bfloat16", staticmethod(lambda: True))
+    assert CpuPlatform().default_dtype(model_dtype) == torch.bfloat16
 
 
 def test_bfloat16_models_follow_onednn_support(monkeypatch):
     platform = CpuPlatform()
+    monkeypatch.setattr(CpuPlatform, "native_bfloat16", staticmethod(lambda: False))
     monkeypatch.setattr(CpuPlatform, "supports_bfloat16", staticmethod(lambda: True))
     assert platform.default_dtype(torch.bfloat16) == torch.bfloat16
     assert platform.default_dtype("bfloat16") == torch.bfloat16
     monkeypatch.setattr(CpuPlatform, "supports_bfloat16", staticmethod(lambda: False))
     assert platform.default_dtype(torch.bfloat16) == torch.float32
+
+
+@pytest.mark.parametrize("flags, expected", [("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16", True),
+                                             ("fpu avx512f avx512bw", False)])
+def test_native_bfloat16_reads_the_cpu_flags(tmp_path, flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert CpuPlatform.native_bfloat16(str(cpuinfo)) is expected
 
 
 def test_configure_threads_uses_the_affinity_mask():

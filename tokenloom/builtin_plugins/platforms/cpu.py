@@ -70,13 +70,30 @@ class CpuPlatform(Platform):
         return True
 
     def default_dtype(self, model_dtype: Any) -> Any:
-        """bfloat16 models stay bfloat16 where oneDNN supports it; everything else (float16
-        has no fast CPU kernels) runs in float32."""
+        """``--dtype auto``: bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or
+        AMX: about 4x the float32 GEMM rate), as vLLM's CPU backend runs; otherwise bfloat16
+        models stay bfloat16 where oneDNN supports it, and everything else (float16 has no fast
+        CPU kernels) runs in float32."""
         import torch
 
+        if self.native_bfloat16():
+            return torch.bfloat16
         if _as_torch_dtype(model_dtype) == torch.bfloat16 and self.supports_bfloat16():
             return torch.bfloat16
         return torch.float32
+
+    @staticmethod
+    def native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+        """True when the CPU has bfloat16 dot-product instructions (avx512_bf16 or amx_bf16)."""
+        try:
+            with open(cpuinfo) as info:
+                for line in info:
+                    if line.startswith("flags"):
+                        flags = set(line.split(":", 1)[1].split())
+                        return bool(flags & {"avx512_bf16", "amx_bf16"})
+        except OSError:
+            pass
+        return False
 
     @staticmethod
     def supports_bfloat16() -> bool:
