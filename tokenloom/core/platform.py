@@ -42,5 +42,16 @@ class Platform:
         """Memory free right now, for sizing the KV cache."""
         raise NotImplementedError
 
+    def default_kv_cache_bytes(self) -> int | None:
+        """A cap on the KV cache when neither --kv-cache-memory-bytes nor
+        --num-gpu-blocks-override is given (None: --gpu-memory-utilization alone decides)."""
+        return None
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A zero-filled tensor on this device (the KV cache is allocated with it)."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, device=self.torch_device())
+
     def configure_threads(self) -> None:
         """Set thread counts that fit the machine (called once in the worker)."""

@@ -108,3 +108,16 @@ def test_platform_basics_and_registration():
     registered = {}
     register_platforms(lambda name, target: registered.setdefault(name, target))
     assert registered == {"cpu": "tokenloom.builtin_plugins.platforms.cpu:CpuPlatform"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zeros_are_zero_and_writable(dtype):
+    cache = CpuPlatform().zeros((2, 8, 4, 2, 16), dtype)
+    assert cache.dtype == dtype and cache.shape == (2, 8, 4, 2, 16) and cache.is_contiguous()
+    assert not cache.any()
+    cache[1, 3] = 1.5
+    assert cache.sum().item() == 1.5 * 4 * 2 * 16
+
+
+def test_default_kv_cache_is_capped_like_vllm_cpu():
+    assert CpuPlatform().default_kv_cache_bytes() == 4 * 1024**3
