@@ -13,6 +13,8 @@ _LAZY = {
     "SamplingParams": "tokenloom.core.request",
     "RequestOutput": "tokenloom.core.request",
     "CompletionOutput": "tokenloom.core.request",
+    "PoolingParams": "tokenloom.core.request",
+    "PoolingRequestOutput": "tokenloom.core.request",
     "EngineArgs": "tokenloom.core.config",
     "BeamSearchParams": "tokenloom.core.beam_search",
     "AsyncLLM": "tokenloom.core.engine",

@@ -8,7 +8,17 @@ from typing import Any, Sequence
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import LLMEngine
-from tokenloom.core.request import RequestOutput, RequestOutputKind, SamplingParams
+from tokenloom.core.pooling import cosine_similarity, score_inputs
+from tokenloom.core.request import (
+    EmbeddingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    ScoringOutput,
+)
+from tokenloom.errors import TokenloomError
 from tokenloom.plugins.manager import load_plugins
 
 
@@ -72,6 +82,69 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(prompt_text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Pool each prompt (pooling models: ``--runner pooling``); ``outputs.data`` is a tensor."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = params.clone(truncate_prompt_tokens=truncate_prompt_tokens)
+        # every prompt is checked before any is queued, so a bad one leaves nothing behind
+        prepared_prompts = [self.engine.prepare_pooling_prompt(prompt, params) for prompt in prompts]
+        request_ids = []
+        for prepared in prepared_prompts:
+            request_id = str(next(self._request_counter))
+            self.engine.add_pooling_request(request_id, None, params, prepared=prepared)
+            request_ids.append(request_id)
+        outputs = self._run(request_ids, use_tqdm)
+        failed = next((output for output in outputs if output.error), None)
+        if failed is not None:
+            raise TokenloomError(f"pooling request {failed.request_id} failed: {failed.error}")
+        return outputs
+
+    def embed(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Embed each prompt: ``outputs[i].outputs.embedding`` is a list of floats, as in vLLM."""
+        results = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        for result in results:
+            result.outputs = EmbeddingOutput(embedding=result.outputs.data.tolist())
+        return results
+
+    def score(self, text_1: Any, text_2: Any, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Cosine similarity of embeddings: one ``text_1`` against each ``text_2``, or two
+        lists pair by pair; ``outputs[i].outputs.score`` is a float, as in vLLM."""
+        first, second, pairs = score_inputs(text_1, text_2)
+        embedded = self.encode(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        first_vectors, second_vectors = embedded[:len(first)], embedded[len(first):]
+        results = []
+        for first_index, second_index in pairs:
+            first_output, second_output = first_vectors[first_index], second_vectors[second_index]
+            results.append(PoolingRequestOutput(
+                request_id=f"{first_output.request_id}-{second_output.request_id}",
+                outputs=ScoringOutput(score=cosine_similarity(first_output.outputs.data, second_output.outputs.data)),
+                prompt_token_ids=first_output.prompt_token_ids + second_output.prompt_token_ids,
+                finished=True,
+            ))
+        return results
+
+    def beam_search(self, prompts: Any, params: "BeamSearchParams") -> list["BeamSearchOutput"]:
+        """vLLM's ``LLM.beam_search``: the ``params.beam_width`` most likely continuations of each
+        prompt (text, token ids, or ``{"prompt_token_ids": [...]}``), best first."""
+        from tokenloom.core.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        probe = SamplingParams(max_tokens=1)
+        prompts_token_ids = [self.engine.prepare_prompt(prompt, probe).prompt_token_ids for prompt in prompts]
+        tokenizer = self.engine.tokenizer
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+        return beam_search(
+            lambda token_ids, step_params: self.generate([{"prompt_token_ids": ids} for ids in token_ids], step_params),
+            prompts_token_ids, params, set(self.engine.model_info.eos_token_ids), decode,
+        )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)

@@ -72,3 +72,11 @@ def smollm2_server(tmp_path_factory):
     )
     yield server
     stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def scripted_tokenizer(smollm2_gguf):
+    """SmolLM2's tokenizer, for the scripted model's directories (tests/e2e/scripted.py)."""
+    from tests.plugins.scripted_model.model_dir import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf)

@@ -34,11 +34,14 @@ from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.api.serving_completions import CompletionsHandler
+from tokenloom.api.serving_pooling import pooling_routes
 from tokenloom.errors import ConfigError, InvalidRequestError, TokenloomError
 
 logger = logging.getLogger("tokenloom.api")
 
 API_KEY_ENV = "TOKENLOOM_API_KEY"
+# routes only a generating model serves (a pooling model gets serving_pooling's instead)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _api_keys(config: ServerConfig) -> list[str]:
@@ -122,7 +125,12 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
     app.state.serving = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.include_router(_routes(ctx, renderer, completions, chat, metrics))
+    routes = _routes(ctx, renderer, completions, chat, metrics)
+    if getattr(engine, "runner", "generate") == "pooling":
+        # a pooling model serves embeddings and scores, never completions
+        routes.routes = [route for route in routes.routes if getattr(route, "path", None) not in GENERATION_PATHS]
+        routes.include_router(pooling_routes(ctx, _guarded))
+    app.include_router(routes)
     if plugins is not None:
         for entry in plugins.registry("api_route").entries():
             logger.info("adding API routes %r from plugin %r", entry.name, entry.plugin_name)

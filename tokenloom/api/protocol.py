@@ -8,10 +8,13 @@ logs each unknown field name once and ignores it. Value checks beyond types are 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from tokenloom.errors import InvalidRequestError
 
 # -- requests --------------------------------------------------------------------------
 
@@ -39,8 +42,9 @@ class StreamOptions(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
+    """OpenAI's ``{"name", "schema", "strict"}``; only ``schema`` matters here."""
 
 
 class SamplingRequest(RequestModel):
@@ -83,27 +87,58 @@ class SamplingRequest(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    """vLLM's newer form: ``{"json" | "regex" | "choice" | "grammar" | "json_object" |
+    "structural_tag": ..., "disable_any_whitespace", "disable_additional_properties",
+    "disable_fallback", "whitespace_pattern", "backend"}``."""
 
     def structured_output_constraint(self) -> dict[str, Any] | None:
-        """The constraint dict a structured-output backend compiles, or None."""
+        """The request's guided-decoding form, whichever it used, as one
+        ``SamplingParams.structured_outputs`` dict (None when unconstrained); the engine checks
+        the dict itself. Two forms in one request are a 400."""
+        forms: list[tuple[str, dict[str, Any]]] = []
         if self.structured_outputs:
-            return dict(self.structured_outputs)
+            forms.append(("structured_outputs", dict(self.structured_outputs)))
         if self.guided_json is not None:
-            return {"json": self.guided_json}
-        if self.guided_regex is not None:
-            return {"regex": self.guided_regex}
-        if self.guided_choice is not None:
-            return {"choice": list(self.guided_choice)}
-        if self.guided_grammar is not None:
-            return {"grammar": self.guided_grammar}
-        if self.response_format is not None:
-            if self.response_format.type == "json_object":
-                return {"json": {"type": "object"}}
-            if self.response_format.type == "json_schema":
-                schema = (self.response_format.json_schema or {}).get("schema")
-                return {"json": schema if schema is not None else {"type": "object"}}
-        return None
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise InvalidRequestError(f"guided_json is not valid JSON: {exc}", param="guided_json") from None
+            forms.append(("guided_json", {"json": schema}))
+        for param, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, param) is not None:
+                forms.append((param, {kind: getattr(self, param)}))
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            forms.append(("response_format", _response_format_constraint(response_format)))
+        if not forms:
+            return None
+        if len(forms) > 1:
+            raise InvalidRequestError("give one structured-output form, not " + " and ".join(p for p, _ in forms),
+                                      param=forms[1][0])
+        constraint = forms[0][1]
+        if self.guided_decoding_backend:
+            constraint.setdefault("backend", self.guided_decoding_backend)
+        if self.guided_whitespace_pattern is not None:
+            constraint.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        return constraint
+
+
+def _response_format_constraint(response_format: ResponseFormat) -> dict[str, Any]:
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    if response_format.type == "json_schema":
+        schema = (response_format.json_schema or {}).get("schema")
+        if schema is None:
+            raise InvalidRequestError('response_format json_schema needs "json_schema": {"name": ..., "schema": '
+                                      '{...}}', param="response_format")
+        return {"json": schema}
+    # structural_tag: the rest of the object is the tag (xgrammar's format or vLLM's structures/triggers)
+    return {"structural_tag": dict(response_format.model_extra or {}, type="structural_tag")}
 
 
 class CompletionRequest(SamplingRequest):

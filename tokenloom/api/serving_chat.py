@@ -1,9 +1,13 @@
 """POST /v1/chat/completions: messages through the chat template to the engine, and back
 as OpenAI chat responses or SSE chunks (role delta first), with chat logprobs, echo,
-named tool choice, and the ``--tool-call-parser`` / ``--reasoning-parser`` plugins."""
+named tool choice, and the ``--tool-call-parser`` / ``--reasoning-parser`` plugins (the reasoning
+parser reads the output first, the tool parser its content; ``parallel_tool_calls: false``
+keeps the first call)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -83,6 +87,7 @@ class _ChoiceParsers:
         self.reasoning = reasoning_parser
         self.called_tools = False
         self.named_call_started = False
+        self.required_calls_text = ""  # tool_choice "required": the JSON array of calls so far
 
 
 class ChatHandler:
@@ -95,8 +100,10 @@ class ChatHandler:
         self.reasoning_parser_class = reasoning_parser_class
 
     def tool_mode(self, request: ChatCompletionRequest) -> str | dict | None:
-        """None (plain text), ``"parser"`` (the tool-call parser reads the output), or the
-        named function's definition (its arguments are generated under its JSON schema)."""
+        """None (plain text), ``"parser"`` (the tool-call parser reads the output),
+        ``"required"`` (the output is a JSON array of calls, generated under
+        :func:`required_tool_calls_schema`), or the named function's definition (its arguments
+        are generated under its JSON schema)."""
         choice = request.tool_choice
         if not request.tools or choice == "none":
             return None
@@ -109,8 +116,7 @@ class ChatHandler:
             raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools",
                                       param="tool_choice")
         if choice == "required":
-            raise InvalidRequestError("tool_choice 'required' is not supported yet; use 'auto' (with "
-                                      "--tool-call-parser) or name a function", param="tool_choice")
+            return "required"
         if choice not in (None, "auto"):
             raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
                                       f"{choice!r}", param="tool_choice")
@@ -140,6 +146,9 @@ class ChatHandler:
         if tool_mode == "parser":
             # e.g. keep the special tokens that delimit tool calls in the output
             request = self.tool_parser_class(ctx.tokenizer).adjust_request(request) or request
+        if self.reasoning_parser_class is not None:
+            # e.g. keep the special tokens that mark the reasoning section
+            request = self.reasoning_parser_class(ctx.tokenizer).adjust_request(request) or request
 
         prompt_text = self.renderer.render(
             request.messages, add_generation_prompt=request.add_generation_prompt,
@@ -152,7 +161,8 @@ class ChatHandler:
         max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max, "max_completion_tokens"
                                             if request.max_completion_tokens is not None else "max_tokens")
         structured = ({"json": tool_mode.get("parameters") or {"type": "object"}} if isinstance(tool_mode, dict)
-                      else request.structured_output_constraint())
+                      else {"json": required_tool_calls_schema(request.tools, request.parallel_tool_calls)}
+                      if tool_mode == "required" else request.structured_output_constraint())
         engine_logprobs = logprobs if logprobs is not None else (0 if num_samples > request.n else None)
         params = ctx.sampling_params(request, n=num_samples, max_tokens=max_tokens, logprobs=engine_logprobs,
                                      prompt_logprobs=request.prompt_logprobs, structured_outputs=structured)
@@ -240,12 +250,19 @@ class _ChatRun:
             tool_calls = [ToolCall(id=new_tool_call_id(),
                                    function=FunctionCall(name=self.tool_mode["name"], arguments=content or ""))]
             content = None
+        elif self.tool_mode == "required":
+            tool_calls = parse_required_tool_calls(content or "")
+            if tool_calls:
+                content = None
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         elif parsers_.tool is not None:
             extracted = parsers_.tool.extract(content or "", self.request)
             if extracted.tools_called:
                 tool_calls = [ToolCall(id=call.id or new_tool_call_id(),
                                        function=FunctionCall(name=call.name, arguments=call.arguments))
                               for call in extracted.tool_calls]
+                if self.request.parallel_tool_calls is False:
+                    tool_calls = tool_calls[:1]
                 content = extracted.content
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
@@ -309,8 +326,8 @@ class _ChatRun:
             parsers_ = self.parsers_for(choice.index)
             delta = self.parse_delta(parsers_, choice.text)
             finish_reason = choice.finish_reason
-            if finish_reason is not None and parsers_.tool is not None:
-                delta = merge_deltas(delta, wire_delta(parsers_.tool.finish(self.request)))
+            if finish_reason is not None:
+                delta = merge_deltas(delta, self.finish_parsers(parsers_))
             if delta is not None and delta.tool_calls and parsers_.tool is not None:
                 parsers_.called_tools = True
             if finish_reason == "stop" and parsers_.called_tools:
@@ -339,12 +356,79 @@ class _ChatRun:
             piece = parsers_.reasoning.extract_reasoning_delta(text, self.request)
             content = piece.content if piece else None
             reasoning = piece.reasoning_content if piece else None
+        if self.tool_mode == "required":
+            parsers_.required_calls_text += content or ""
+            return DeltaMessage(reasoning_content=reasoning) if reasoning else None
         if parsers_.tool is not None and content:
             return merge_deltas(DeltaMessage(reasoning_content=reasoning) if reasoning else None,
-                                wire_delta(parsers_.tool.extract_delta(content, self.request)))
+                                self.tool_delta(parsers_.tool.extract_delta(content, self.request)))
         if content is None and reasoning is None:
             return None
         return DeltaMessage(content=content, reasoning_content=reasoning)
+
+    def finish_parsers(self, parsers_: _ChoiceParsers) -> DeltaMessage | None:
+        """What the parsers still hold when the output ends; the reasoning parser's rest goes
+        through the tool parser like any other content."""
+        if isinstance(self.tool_mode, dict):
+            return None
+        if self.tool_mode == "required":
+            # the calls are whole only when the array is: they are sent at the end
+            calls = parse_required_tool_calls(parsers_.required_calls_text)
+            parsers_.called_tools = bool(calls)
+            return DeltaMessage(tool_calls=[
+                DeltaToolCall(index=index, id=call.id, type="function",
+                              function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                for index, call in enumerate(calls)]) if calls else DeltaMessage(content=parsers_.required_calls_text)
+        delta = None
+        rest = parsers_.reasoning.finish(self.request) if parsers_.reasoning is not None else None
+        if rest is not None and rest.reasoning_content:
+            delta = DeltaMessage(reasoning_content=rest.reasoning_content)
+        if rest is not None and rest.content:
+            content_delta = (self.tool_delta(parsers_.tool.extract_delta(rest.content, self.request))
+                             if parsers_.tool is not None else DeltaMessage(content=rest.content))
+            delta = merge_deltas(delta, content_delta)
+        if parsers_.tool is not None:
+            delta = merge_deltas(delta, self.tool_delta(parsers_.tool.finish(self.request)))
+        return delta
+
+    def tool_delta(self, piece: parsers.DeltaMessage | None) -> DeltaMessage | None:
+        """A tool parser's delta on the wire; with parallel_tool_calls false, the first call only."""
+        if piece is not None and self.request.parallel_tool_calls is False:
+            piece = dataclasses.replace(piece, tool_calls=[call for call in piece.tool_calls if call.index == 0])
+        return wire_delta(piece)
+
+
+def required_tool_calls_schema(tools: list[dict[str, Any]], parallel_tool_calls: bool | None = None) -> dict:
+    """tool_choice "required": a JSON array of ``{"name", "parameters"}`` calls, at least one, each
+    valid for one of the tools; the tools' ``$defs`` move to the top, where their refs point."""
+    definitions: dict[str, Any] = {}
+    calls = []
+    for tool in tools:
+        function = tool.get("function") or {}
+        parameters = dict(function.get("parameters") or {"type": "object"})
+        for name, definition in (parameters.pop("$defs", None) or {}).items():
+            if definitions.setdefault(name, definition) != definition:
+                raise InvalidRequestError(f"two tools define $defs/{name} differently; rename one", param="tools")
+        calls.append({"type": "object", "properties": {"name": {"enum": [function.get("name")]},
+                                                       "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
+    return schema
+
+
+def parse_required_tool_calls(text: str) -> list[ToolCall]:
+    """The calls of a tool_choice "required" output; none when it is not a whole array (cut
+    short by max_tokens or a stop string)."""
+    try:
+        calls = json.loads(text)
+        return [ToolCall(id=new_tool_call_id(), function=FunctionCall(
+            name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False))) for call in calls]
+    except (ValueError, TypeError, KeyError):
+        return []
 
 
 def wire_delta(piece: parsers.DeltaMessage | None) -> DeltaMessage | None:

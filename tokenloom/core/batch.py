@@ -3,7 +3,8 @@ scheduler -> executor (:class:`SchedulerOutput`), executor -> engine
 (:class:`ModelRunnerOutput`), and model runner -> model (:class:`AttentionMetadata`).
 
 Executors may send :class:`SchedulerOutput` and :class:`ModelRunnerOutput` to other
-processes: they hold no tensors and no live objects.
+processes: they hold no live objects and no device tensors (only pooled outputs, as CPU
+tensors, which pickle).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # a pooling request's PoolingParams (None for generation): the worker pools, never samples
+    pooling_params: Any = None
 
 
 @dataclass
@@ -34,6 +37,15 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+
+
+@dataclass
+class StructuredOutputMasks:
+    """A step's guided-decoding masks: row ``i`` of ``bitmask`` (a numpy int32 array of shape
+    ``[len(req_ids), ceil(vocab_size / 32)]``, bit set = token allowed) is for ``req_ids[i]``."""
+
+    req_ids: list[str]
+    bitmask: Any
 
 
 @dataclass
@@ -49,6 +61,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # requests the worker must forget (finished, aborted or preempted since the last step)
     finished_req_ids: set[str] = field(default_factory=set)
+    # allowed-token masks of the constrained requests that sample this step (set by the engine)
+    structured_output: StructuredOutputMasks | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -6,6 +6,7 @@ and gives every request its own async output stream, aborting it when the stream
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -17,9 +18,13 @@ from tokenloom.core.batch import ModelRunnerOutput, TokenLogprobs
 from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.model_loader import resolve_model
+from tokenloom.core.pooling import POOLING, check_pooling_params, prepare_pooling_prompt
 from tokenloom.core.request import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
     Request,
     RequestMetrics,
     RequestOutput,
@@ -29,12 +34,15 @@ from tokenloom.core.request import (
 )
 from tokenloom.core.sampler import SamplingState, tokenize_bad_words
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_EXECUTOR = "uni"
+# how long an idle step waits for a grammar compile before looking at new commands again
+GRAMMAR_WAIT_SECONDS = 0.05
 
 
 @dataclass
@@ -64,6 +72,7 @@ class RequestState:
     logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
+    pooling_params: PoolingParams | None = None  # set for a pooling request
 
     @property
     def finished(self) -> bool:
@@ -98,6 +107,9 @@ class LLMEngine:
         self.executor = plugins.registry("executor").get(executor_name)(config)
         self.num_blocks = self.executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.structured_outputs = self._structured_output_manager()
+        # constrained requests whose grammar is still compiling: kept out of the scheduler
+        self._awaiting_grammar: list[tuple[RequestState, concurrent.futures.Future]] = []
         self.requests: dict[str, RequestState] = {}
         self._sequence_owner: dict[str, RequestState] = {}
         self._decoded_tokens: dict[int, str] = {}
@@ -115,6 +127,11 @@ class LLMEngine:
     def model_name(self) -> str:
         names = self.config.model.served_model_name
         return names[0] if names else self.config.model.model
+
+    @property
+    def runner(self) -> str:
+        """``generate`` or ``pooling``: which kind of request this engine serves."""
+        return self.model_info.runner
 
     # -- requests ---------------------------------------------------------------------
 
@@ -169,6 +186,9 @@ class LLMEngine:
                     arrival_time: float | None = None, prepared: PreparedPrompt | None = None) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if self.runner == POOLING:
+            raise InvalidRequestError(f"{self.model_name} is served as a pooling model (embeddings, scores): it "
+                                      "does not generate text", param="model")
         prepared = prepared or self.prepare_prompt(prompt, params)
         params = self._with_bad_words(params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -203,9 +223,49 @@ class LLMEngine:
             logprobs=[[] if params.logprobs is not None else None for _ in sequences],
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        grammar = self.submit_structured_output(params)
+        if grammar is not None and not grammar.done():
+            self._awaiting_grammar.append((state, grammar))  # the scheduler gets it once compiled
+        elif grammar is not None:
+            self._admit_constrained(state, grammar.result())  # a bad constraint raises here
+        else:
+            for seq in sequences:
+                self.scheduler.add_request(seq)
         for seq in sequences:
-            self.scheduler.add_request(seq)
             self._sequence_owner[seq.request_id] = state
+        self.requests[request_id] = state
+        self.prompt_tokens_total += len(prepared.prompt_token_ids)
+
+    def prepare_pooling_prompt(self, prompt: Any, params: PoolingParams) -> PreparedPrompt:
+        """Tokenize, truncate and validate a pooling prompt and its params."""
+        if self.runner != POOLING:
+            raise InvalidRequestError(f"{self.model_name} is served for generation: it does not pool (start it with "
+                                      "--runner pooling or --convert embed for embeddings)", param="model")
+        check_pooling_params(params, self.model_info.hf_config)
+        token_ids, text = prepare_pooling_prompt(prompt, params, self.tokenizer, self.model_info.vocab_size,
+                                                 self.max_model_len)
+        return PreparedPrompt(token_ids, text)
+
+    def add_pooling_request(self, request_id: str, prompt: Any, params: PoolingParams | None = None, *,
+                            priority: int = 0, arrival_time: float | None = None,
+                            prepared: PreparedPrompt | None = None) -> None:
+        """Queue a prefill-only request whose output is its pooled hidden states."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params = params or PoolingParams()
+        prepared = prepared or self.prepare_pooling_prompt(prompt, params)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # the sampling params are inert: the runner pools this request and never samples it
+        sampling_params = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        sequence = Request(request_id=request_id, prompt_token_ids=list(prepared.prompt_token_ids),
+                           sampling_params=sampling_params, arrival_time=arrival_time, priority=priority,
+                           parent_id=request_id, prompt=prepared.prompt, pooling_params=params)
+        state = RequestState(request_id=request_id, prompt=prepared.prompt, prompt_token_ids=prepared.prompt_token_ids,
+                             sampling_params=sampling_params, sequences=[sequence], detokenizers=[None],
+                             arrival_time=arrival_time, sent_text=[0], sent_tokens=[0], texts=[""],
+                             num_processed_tokens=[0], logprobs=[None], pooling_params=params)
+        self.scheduler.add_request(sequence)
+        self._sequence_owner[request_id] = state
         self.requests[request_id] = state
         self.prompt_tokens_total += len(prepared.prompt_token_ids)
 
@@ -232,26 +292,107 @@ class LLMEngine:
             self.scheduler.finish_requests([seq.request_id for seq in state.sequences], RequestStatus.FINISHED_ABORTED)
             for seq in state.sequences:
                 self._sequence_owner.pop(seq.request_id, None)
+            self._forget_constraint(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
+
+    # -- structured outputs -----------------------------------------------------------
+
+    def _structured_output_manager(self) -> StructuredOutputManager | None:
+        if self.tokenizer is None:
+            return None
+        reasoning_parser = self.config.structured_output.reasoning_parser
+        return StructuredOutputManager(
+            self.config.structured_output, self.plugins.registry("structured_output_backend"), self.tokenizer,
+            self.model_info.vocab_size, self.model_info.eos_token_ids,
+            self.plugins.registry("reasoning_parser").get(reasoning_parser) if reasoning_parser else None)
+
+    def submit_structured_output(self, params: SamplingParams) -> concurrent.futures.Future | None:
+        """Check the request's constraint and start compiling it (or find it in the cache): a
+        Future of the compiled constraint, None when unconstrained. Raises InvalidRequestError
+        for a constraint no backend can take; compile errors come out of the Future."""
+        if params.structured_outputs is None:
+            return None
+        if self.structured_outputs is None:
+            raise InvalidRequestError("structured outputs need the tokenizer, which this server skipped "
+                                      "(--skip-tokenizer-init)", param="structured_outputs")
+        return self.structured_outputs.submit(*self.structured_outputs.resolve(params.structured_outputs))
+
+    def _admit_constrained(self, state: RequestState, compiled: Any) -> None:
+        """Queue the sequences of a request whose grammar compiled, each with its own matcher
+        (n > 1: one per sequence); on an error nothing of it stays queued."""
+        queued = []
+        try:
+            for seq in state.sequences:
+                self.structured_outputs.add_sequence(seq, compiled)
+                self.scheduler.add_request(seq)
+                queued.append(seq.request_id)
+        except Exception:
+            self.scheduler.finish_requests(queued, RequestStatus.FINISHED_ABORTED)
+            self.structured_outputs.remove_sequences(seq.request_id for seq in state.sequences)
+            raise
+
+    def _admit_compiled_requests(self, touched: dict[str, RequestState]) -> None:
+        if not self.scheduler.has_unfinished_requests():
+            # nothing else to run: wait (briefly, so commands are still read) for a compile
+            concurrent.futures.wait([grammar for _, grammar in self._awaiting_grammar], timeout=GRAMMAR_WAIT_SECONDS,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        waiting = []
+        for state, grammar in self._awaiting_grammar:
+            if not grammar.done():
+                waiting.append((state, grammar))
+                continue
+            try:
+                self._admit_constrained(state, grammar.result())
+            except Exception as exc:  # e.g. the schema did not compile: this request fails alone
+                message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                for seq in state.sequences:
+                    seq.status = RequestStatus.FINISHED_ERROR
+                    seq.stop_reason = message
+                touched[state.request_id] = state
+        self._awaiting_grammar = waiting
+
+    def _advance_grammar(self, seq: Request) -> None:
+        """Feed the step's tokens to the sequence's matcher; a backend failure fails it alone."""
+        error = self.structured_outputs.advance(seq)
+        if error is None or seq.status is RequestStatus.FINISHED_ERROR:
+            return
+        seq.stop_reason = error
+        if seq.finished:
+            # it ended on the end-of-sequence token the failed row was limited to
+            seq.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_ERROR)
+
+    def _forget_constraint(self, state: RequestState) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.remove_sequences(seq.request_id for seq in state.sequences)
+            self._awaiting_grammar = [item for item in self._awaiting_grammar if item[0] is not state]
 
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        touched: dict[str, RequestState] = {}
+        if self._awaiting_grammar:
+            self._admit_compiled_requests(touched)
         scheduler_output = self.scheduler.schedule()
+        if self.structured_outputs is not None:
+            scheduler_output.structured_output = self.structured_outputs.grammar_bitmask(
+                scheduler_output, self.scheduler.get_request)
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
         else:
             runner_output = self.executor.execute(scheduler_output)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
-        touched: dict[str, RequestState] = {}
         for seq in changed:
             state = self._sequence_owner.get(seq.request_id)
             if state is None:
                 continue
             try:
+                if self.structured_outputs is not None:
+                    self._advance_grammar(seq)
                 self._process_sequence(state, seq, runner_output, now)
             except Exception as exc:  # one request's failure never stops the others
                 logger.exception("request %s failed while processing its output", state.request_id)
@@ -260,13 +401,17 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            output = self._make_output(state)
+            if state.pooling_params is not None:
+                output = self._make_pooling_output(state, runner_output)
+            else:
+                output = self._make_output(state)
             if output is not None:
                 outputs.append(output)
             if state.finished:
                 self.requests.pop(state.request_id, None)
                 for seq in state.sequences:
                     self._sequence_owner.pop(seq.request_id, None)
+                self._forget_constraint(state)
         return outputs
 
     def _process_sequence(self, state: RequestState, seq: Request, runner_output, now: float) -> None:
@@ -288,6 +433,11 @@ class LLMEngine:
         detokenizer = state.detokenizers[index]
         if detokenizer is None:
             return
+        if (new_token_ids and seq.status is RequestStatus.FINISHED_STOPPED and not isinstance(seq.stop_reason, str)
+                and not seq.sampling_params.include_stop_str_in_output):
+            # the EOS or stop_token_ids token that ended the output is not part of its text
+            # (it would show whenever special tokens are kept, e.g. for tool-call parsers)
+            new_token_ids = new_token_ids[:-1]
         if new_token_ids:
             detokenizer.update(new_token_ids)
             if detokenizer.stop_string is not None and not seq.finished:
@@ -369,6 +519,16 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
         )
 
+    def _make_pooling_output(self, state: RequestState, runner_output: ModelRunnerOutput) -> PoolingRequestOutput:
+        sequence = state.sequences[0]
+        error = None
+        if sequence.status is RequestStatus.FINISHED_ERROR:
+            error = str(sequence.stop_reason or "the request failed in the worker")
+        pooled = runner_output.pooled.get(sequence.request_id)
+        return PoolingRequestOutput(request_id=state.request_id, outputs=PoolingOutput(data=pooled),
+                                    prompt_token_ids=state.prompt_token_ids, finished=state.finished,
+                                    prompt=state.prompt, error=error)
+
     def stats(self) -> EngineStats:
         scheduler_stats = self.scheduler.stats()
         return EngineStats(
@@ -383,6 +543,8 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
         self.executor.shutdown()
 
 
@@ -435,6 +597,14 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def runner(self) -> str:
+        return self.engine.runner
+
+    @property
+    def hf_config(self) -> Any:
+        return self.engine.model_info.hf_config
+
+    @property
     def max_logprobs(self) -> int:
         return self.engine.config.model.max_logprobs
 
@@ -461,6 +631,10 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prepared = self.engine.prepare_prompt(prompt, sampling_params)
+        grammar = self.engine.submit_structured_output(sampling_params)
+        if grammar is not None:
+            # compiled off both loops; a bad constraint fails here, before anything is scheduled
+            await asyncio.wrap_future(grammar)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, sampling_params, priority, prepared, time.monotonic()))
@@ -475,6 +649,35 @@ class AsyncLLM:
                 yield item
                 if finished:
                     break
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+                self._wakeup.set()
+
+    async def encode(self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *,
+                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """The pooled output of one prompt (a single, final item); bad input raises here,
+        before anything is queued."""
+        if self.errored:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        if self._thread is None:
+            await self.start()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        pooling_params = pooling_params or PoolingParams()
+        prepared = self.engine.prepare_pooling_prompt(prompt, pooling_params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(("add_pooling", request_id, pooling_params, priority, prepared, time.monotonic()))
+        self._wakeup.set()
+        finished = False
+        try:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -507,6 +710,15 @@ class AsyncLLM:
                 try:
                     self.engine.add_request(request_id, None, params, priority=priority,
                                             arrival_time=arrival, prepared=prepared)
+                except Exception as exc:
+                    self._deliver([(request_id, exc)])
+            elif command[0] == "add_pooling":
+                _, request_id, params, priority, prepared, arrival = command
+                if request_id not in self._streams:
+                    continue
+                try:
+                    self.engine.add_pooling_request(request_id, None, params, priority=priority,
+                                                    arrival_time=arrival, prepared=prepared)
                 except Exception as exc:
                     self._deliver([(request_id, exc)])
             elif command[0] == "abort":

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Protocol
 @dataclass
 class KVCacheSpec:
     """The KV cache a model needs: one ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-    tensor per attention layer."""
+    tensor per attention layer. ``num_layers=0``: the model keeps none (a prefill-only encoder)."""
 
     num_layers: int
     num_kv_heads: int
@@ -35,6 +35,8 @@ class ModelContext:
     model_config: Any = None  # tokenloom.core.config.ModelConfig
     # "generate" or "pooling"; a pooling runner wants hidden states, not logits
     runner: str = "generate"
+    # for the pooling runner: the resolved tokenloom.core.pooling.PoolerConfig (None: defaults)
+    pooler_config: Any = None
 
 
 class ModelProtocol(Protocol):

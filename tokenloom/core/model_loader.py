@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.config import EngineConfig, ModelConfig
+from tokenloom.core.pooling import (
+    GENERATE,
+    POOLING,
+    resolve_pooler_config,
+    resolve_runner,
+    sentence_transformers_max_seq_length,
+)
 from tokenloom.errors import ConfigError, ContextLengthError, ModelLoadError, UnknownNameError
 from tokenloom.plugins.manager import PluginSet
 
@@ -41,6 +48,10 @@ class ModelInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     # the config object itself (picklable); workers may also re-read it from the files
     hf_config: Any = None
+    # "generate" or "pooling" (tokenloom.core.pooling.resolve_runner), and for pooling the
+    # resolved PoolerConfig
+    runner: str = "generate"
+    pooler_config: Any = None
 
 
 def resolve_source(model: str, plugins: PluginSet, model_config: ModelConfig, download_dir: str | None):
@@ -95,6 +106,14 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
         plugins.registry("quantization").entry(quantization)  # raises the unknown-name error
 
     max_model_len = derive_max_model_len(hf_config, model_config)
+    registered_runner = model_registry.entry(architecture).options.get("runner", GENERATE)
+    runner = resolve_runner(model_config, architecture, registered_runner)
+    pooler_config = None
+    if runner == POOLING:
+        pooler_config = resolve_pooler_config(resolved.path, model_config)
+        trained_length = sentence_transformers_max_seq_length(resolved.path)
+        if model_config.max_model_len is None and trained_length is not None:
+            max_model_len = min(max_model_len, trained_length)  # sentence-transformers truncates there too
     info = ModelInfo(
         path=resolved.path,
         name=resolved.name,
@@ -106,6 +125,8 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
         vocab_size=int(getattr(hf_config, "vocab_size", 0) or (len(tokenizer) if tokenizer is not None else 0)),
         eos_token_ids=eos_token_ids(hf_config, tokenizer),
         hf_config=hf_config,
+        runner=runner,
+        pooler_config=pooler_config,
     )
     return info, tokenizer
 
@@ -187,7 +208,7 @@ def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platf
     if info.quantization is not None:
         quantization = plugins.registry("quantization").get(info.quantization)()
     context = ModelContext(hf_config=info.hf_config, dtype=dtype, device=device, quantization=quantization,
-                           model_config=config.model, runner=runner)
+                           model_config=config.model, runner=runner, pooler_config=info.pooler_config)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

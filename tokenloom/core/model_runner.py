@@ -15,6 +15,8 @@ from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, NewReques
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.model_loader import ModelInfo, build_model
 from tokenloom.core.sampler import Sampler, SamplingMetadata, SamplingState, compute_prompt_logprobs
+from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tokenloom.errors import ConfigError
 from tokenloom.plugins.manager import PluginSet
 from tokenloom.plugins.registry import resolve_target
 
@@ -36,6 +38,7 @@ class CachedRequestState:
     sampling: SamplingState
     prompt_logprobs: int | None = None
     bad_words: list[list[int]] = field(default_factory=list)
+    pooling_params: Any = None  # set for a pooling request (PoolingParams)
 
 
 class ModelRunner:
@@ -58,7 +61,11 @@ class ModelRunner:
     # -- set-up -----------------------------------------------------------------------
 
     def load_model(self) -> None:
-        self.model, self.dtype = build_model(self.config, self.info, self.plugins, self.platform)
+        self.model, self.dtype = build_model(self.config, self.info, self.plugins, self.platform,
+                                             runner=self.info.runner)
+        if self.info.runner == "pooling" and getattr(self.model, "pooler", None) is None:
+            raise ConfigError(f"{self.info.architecture} has no pooler: it cannot run as a pooling model "
+                              "(--runner pooling, --task embed, --convert embed)", param="runner")
 
     def kv_cache_dtype(self) -> torch.dtype:
         names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -69,14 +76,22 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         spec = self.model.kv_cache_spec
+        if spec.num_layers == 0:
+            # an encoder keeps no KV cache: its blocks are only the scheduler's bookkeeping
+            return self._pooling_step_blocks()
         element_size = torch.empty((), dtype=self.kv_cache_dtype()).element_size()
         bytes_per_block = spec.bytes_per_block(self.block_size, element_size)
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         else:
             budget = int(cache.gpu_memory_utilization * self.platform.available_memory_bytes()) - KV_SAFETY_MARGIN_BYTES
+            default_cap = self.platform.default_kv_cache_bytes()
+            if default_cap is not None:
+                budget = min(budget, default_cap)
         max_useful_tokens = self.config.scheduler.max_num_seqs * self.info.max_model_len
         max_useful_blocks = -(-max_useful_tokens // self.block_size) + 1
+        if self.info.runner == "pooling":
+            max_useful_blocks = min(max_useful_blocks, self._pooling_step_blocks())
         num_blocks = min(budget // bytes_per_block, max_useful_blocks)
         if num_blocks < 1:
             raise MemoryError(
@@ -85,11 +100,17 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    def _pooling_step_blocks(self) -> int:
+        """Blocks one step of pooling requests can hold: they are freed in the step that
+        computed them, and a step holds the token budget (or one longer prompt)."""
+        scheduler = self.config.scheduler
+        step_tokens = max(scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, self.info.max_model_len)
+        return -(-step_tokens // self.block_size) + scheduler.max_num_seqs + 1
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
-                          for _ in range(spec.num_layers)]
+        self.kv_caches = [self.platform.zeros(shape, self.kv_cache_dtype()) for _ in range(spec.num_layers)]
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20)
 
@@ -113,6 +134,7 @@ class ModelRunner:
                 device=self.device,
             ),
             prompt_logprobs=params.prompt_logprobs,
+            pooling_params=new.pooling_params,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -135,6 +157,9 @@ class ModelRunner:
         states = [self.requests[req_id] for req_id in req_ids]
         batch = self._prepare_inputs(states, scheduler_output.num_scheduled_tokens)
         hidden_states = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if self.info.runner == "pooling":
+            self._pool(states, batch, hidden_states, output)
+            return output
 
         # rows whose known tokens are all computed after this step sample the next token
         sampling_rows = [i for i, state in enumerate(states)
@@ -143,7 +168,10 @@ class ModelRunner:
             last_token_index = torch.tensor([batch.query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)
             logits = self.model.compute_logits(hidden_states.index_select(0, last_token_index)).float()
             sampling_states = [states[i].sampling for i in sampling_rows]
-            metadata = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
+            grammar_rows, grammar_bitmask = self._grammar_bitmask(
+                scheduler_output.structured_output, [states[i].req_id for i in sampling_rows])
+            metadata = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device,
+                                              grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask)
             sampled = self.sampler(logits, metadata)
             for row, i in enumerate(sampling_rows):
                 state = states[i]
@@ -162,6 +190,37 @@ class ModelRunner:
                 self._prompt_logprobs(state, i, batch, hidden_states, output)
             state.num_computed_tokens = batch.seq_lens[i]
         return output
+
+    def _pool(self, states: list[CachedRequestState], batch: "PreparedBatch", hidden_states: torch.Tensor,
+              output: ModelRunnerOutput) -> None:
+        """Pool each request's prompt, which the scheduler schedules whole (never chunked)."""
+        query_lens = batch.attn_metadata.query_lens_cpu
+        for i, state in enumerate(states):
+            state.num_computed_tokens = batch.seq_lens[i]
+            if query_lens[i] != state.num_prompt_tokens:
+                output.errors[state.req_id] = (f"a pooling prompt must run whole in one step, but {query_lens[i]} "
+                                               f"of its {state.num_prompt_tokens} tokens were scheduled")
+        rows = [i for i, state in enumerate(states) if state.req_id not in output.errors]
+        if not rows:
+            return
+        if len(rows) < len(states):
+            hidden_states = torch.cat([hidden_states[batch.query_start_loc[i]:batch.query_start_loc[i + 1]]
+                                       for i in rows])
+        pooled = self.model.pooler(hidden_states, [query_lens[i] for i in rows],
+                                   [states[i].pooling_params for i in rows])
+        for i, vector in zip(rows, pooled):
+            output.pooled[states[i].req_id] = vector
+
+    def _grammar_bitmask(self, masks: Any, req_ids: list[str]) -> tuple[list[int] | None, torch.Tensor | None]:
+        """The sampling rows a structured-output mask applies to, and their mask rows in order."""
+        if masks is None:
+            return None, None
+        mask_row = {req_id: row for row, req_id in enumerate(masks.req_ids)}
+        rows = [row for row, req_id in enumerate(req_ids) if req_id in mask_row]
+        if not rows:
+            return None, None
+        order = torch.tensor([mask_row[req_ids[row]] for row in rows], dtype=torch.long)
+        return rows, torch.from_numpy(masks.bitmask).index_select(0, order).to(self.device)
 
     def _prompt_logprobs(self, state, row, batch, hidden_states, output) -> None:
         """Logprobs of the prompt tokens computed this step (each predicted by the one before)."""

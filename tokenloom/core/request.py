@@ -174,6 +174,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # set for a pooling request: prefill-only, finished once its prompt is computed
+    pooling_params: "PoolingParams | None" = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None:
@@ -246,4 +248,76 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
+
+
+# -- pooling (embeddings, scores) ------------------------------------------------------
+
+
+@dataclass
+class PoolingParams:
+    """How to pool one request of a pooling model (``--runner pooling``), like vLLM's.
+
+    ``None`` fields take the model's pooler settings (``--pooler-config`` or the model's
+    sentence-transformers files).
+    """
+
+    # keep only the first ``dimensions`` values (Matryoshka models), before normalizing
+    dimensions: int | None = None
+    normalize: bool | None = None
+    softmax: bool | None = None
+    # text: the tokenizer truncates to this many tokens; token ids: the last ones are kept
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise InvalidRequestError(f"dimensions must be a positive integer, got {self.dimensions!r}",
+                                      param="dimensions")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens!r}",
+                                      param="truncate_prompt_tokens")
+
+    def clone(self, **changes) -> "PoolingParams":
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled output of one prompt: a float32 CPU tensor (``[hidden_size]`` for embeddings)."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding as a list of floats (``LLM.embed``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    """The similarity score of one (text_1, text_2) pair (``LLM.score``)."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode/embed/score`` return and ``AsyncLLM.encode`` yields: ``outputs`` is a
+    :class:`PoolingOutput`, :class:`EmbeddingOutput` or :class:`ScoringOutput`."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
     error: str | None = None

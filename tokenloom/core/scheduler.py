@@ -142,7 +142,9 @@ class Scheduler:
         num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="prompt")
-        if num_prompt_tokens + 1 > self.max_model_len:
+        # a pooling prompt may fill the context: no output token follows it
+        num_output_slots = 0 if request.pooling_params is not None else 1
+        if num_prompt_tokens + num_output_slots > self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's maximum context length is "
                 f"{self.max_model_len} tokens (prompt plus at least one output token); shorten the prompt "
@@ -244,11 +246,14 @@ class Scheduler:
         while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_cached_tokens = None, 0
-            # a prefix hit would skip the prompt positions whose logprobs were asked for
-            if self.block_manager.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            # a prefix hit would skip the prompt positions whose logprobs were asked for (or
+            # the hidden states a pooling request pools)
+            if self.block_manager.enable_prefix_caching and request.sampling_params.prompt_logprobs is None \
+                    and request.pooling_params is None:
                 computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_uncomputed = request.num_tokens - num_cached_tokens
-            if self.enable_chunked_prefill:
+            # a pooling request pools its whole prompt in one step: never chunked
+            if self.enable_chunked_prefill and request.pooling_params is None:
                 num_new_tokens = min(num_uncomputed, token_budget)
                 if self.long_prefill_token_threshold:
                     num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
@@ -281,6 +286,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.block_manager.get_block_table(request.request_id),
                 num_computed_tokens=num_cached_tokens,
+                pooling_params=request.pooling_params,
             ))
         return new_reqs
 
@@ -304,6 +310,11 @@ class Scheduler:
                     request.prompt_logprobs = []
                 request.prompt_logprobs.extend(model_runner_output.prompt_logprobs[req_id])
             request.num_computed_tokens += num_tokens
+            if request.pooling_params is not None:
+                self._finish_pooled(request, model_runner_output)
+                any_finished = True
+                changed.append(request)
+                continue
             sampled_token_ids = model_runner_output.sampled_token_ids.get(req_id)
             # a chunk that leaves prompt tokens uncomputed samples nothing
             if not sampled_token_ids or request.num_computed_tokens < request.num_tokens:
@@ -385,6 +396,14 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._admission_seq[request.request_id]
         self._finished_req_ids.add(request.request_id)
+
+    def _finish_pooled(self, request: Request, model_runner_output: ModelRunnerOutput) -> None:
+        """A pooling request ends in the step that computed its prompt, freeing its blocks."""
+        if request.request_id in model_runner_output.pooled:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            return
+        request.stop_reason = "the model runner returned no pooled output for this prompt"
+        self._finish(request, RequestStatus.FINISHED_ERROR)
 
     def _finish_unfittable(self, request: Request) -> None:
         logger.warning("request %s needs more KV-cache blocks than the whole cache holds (%d blocks of %d "

@@ -1,46 +1,549 @@
-"""The guided-decoding interface: a :class:`StructuredOutputBackend` compiles a request's
-constraint into a :class:`Matcher`; each step the engine asks every constrained request's
-matcher for its allowed tokens, and advances it by the sampled token. Backends are plugins."""
+"""Guided decoding: the plugin interface (:class:`StructuredOutputBackend` compiles a
+:class:`Constraint`; a :class:`Matcher` tracks one sequence) and the engine's
+:class:`StructuredOutputManager`, which picks a backend per request, compiles in a thread
+pool behind an LRU cache, and each step fills the allowed-token bitmask of every constrained
+sequence that samples, then advances its matcher by the sampled token.
+
+Bitmasks are int32 tensors of shape ``[rows, ceil(vocab_size / 32)]``; bit ``t % 32`` of word
+``t // 32`` set means token ``t`` is allowed (xgrammar's layout).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import concurrent.futures
+import hashlib
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from tokenloom.core.batch import StructuredOutputMasks
+from tokenloom.errors import ConfigError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+CONSTRAINT_OPTIONS = ("backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                      "whitespace_pattern")
+# backend option words of vLLM's syntax, "xgrammar:disable-any-whitespace,no-fallback"
+BACKEND_OPTION_WORDS = {
+    "no-fallback": "disable_fallback",
+    "disable-fallback": "disable_fallback",
+    "disable-any-whitespace": "disable_any_whitespace",
+    "no-additional-properties": "disable_additional_properties",
+    "disable-additional-properties": "disable_additional_properties",
+}
+AUTO = "auto"
+COMPILE_CACHE_SIZE = 256
+COMPILE_THREADS = 2
+
+
+def num_bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int):
+    import torch
+
+    return torch.zeros((num_rows, num_bitmask_words(vocab_size)), dtype=torch.int32)
+
+
+def set_allowed_tokens(bitmask_row, token_ids: Iterable[int]) -> None:
+    """Overwrite one bitmask row (a 1-D int32 tensor) so exactly ``token_ids`` are allowed."""
+    import numpy as np
+    import torch
+
+    num_words = bitmask_row.shape[0]
+    ids = np.fromiter(token_ids, dtype=np.int64)
+    ids = ids[(ids >= 0) & (ids < num_words * 32)]
+    words = np.zeros(num_words, dtype=np.uint32)
+    np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    bitmask_row.copy_(torch.from_numpy(words.view(np.int32)))
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint, normalised. ``spec`` holds, by ``kind``: ``json`` a schema
+    dict, ``json_object`` None, ``regex`` and ``grammar`` a string, ``choice`` a tuple of
+    strings, ``structural_tag`` a dict (xgrammar's structural-tag format)."""
+
+    kind: str
+    spec: Any
+    any_whitespace: bool = True
+    # a regex for the whitespace between JSON tokens (outlines' guided_whitespace_pattern)
+    whitespace_pattern: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Canonical text: equal constraints have equal keys (the compile cache's key)."""
+        spec = list(self.spec) if isinstance(self.spec, tuple) else self.spec
+        return json.dumps([self.kind, spec, self.any_whitespace, self.whitespace_pattern], sort_keys=True)
+
+    def describe(self) -> str:
+        return {"json": "a JSON schema", "json_object": "any JSON object", "regex": "a regex",
+                "choice": "a choice", "grammar": "a grammar", "structural_tag": "a structural tag"}[self.kind]
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Settings from ``--guided-decoding-*`` (and the backend's option syntax)."""
+
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
 
 class Matcher:
-    """The state of one constrained sequence."""
+    """The grammar state of one sequence; used from the engine thread only.
+
+    Implement :meth:`fill_bitmask` (fast) or :meth:`allowed_token_ids` (simple). When the
+    constraint is complete the allowed tokens must include the end-of-sequence tokens the
+    backend was given.
+    """
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (overwrite the whole row)."""
+        set_allowed_tokens(bitmask[row], self.allowed_token_ids())
 
     def allowed_token_ids(self) -> list[int]:
-        """Tokens allowed at the next position."""
+        """Tokens allowed at the next position (used by the default :meth:`fill_bitmask`)."""
         raise NotImplementedError
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False when the token is not allowed."""
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by a sampled token; False (state unchanged) when the token is not allowed."""
+        raise NotImplementedError
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens. The default raises
+        NotImplementedError and the engine resets and replays instead."""
         raise NotImplementedError
 
     def is_terminated(self) -> bool:
-        """True when the constraint is complete (only EOS may follow)."""
+        """True once an end-of-sequence token was accepted: nothing may follow."""
         raise NotImplementedError
 
     def reset(self) -> None:
-        """Back to the start (a preempted request replays its tokens through ``accept``)."""
+        """Back to the start (the engine then replays the sequence's constrained tokens)."""
         raise NotImplementedError
 
 
 class StructuredOutputBackend:
     """Registered with ``register_structured_output_backends``; one instance per engine, in
-    the main process. ``compile`` may run in a thread pool, off the engine loop."""
+    the main process, constructed as ``Backend(tokenizer, vocab_size, eos_token_ids, options)``.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, config: Any):
+    Construction must be cheap (``supports`` runs on the server's event loop): do heavy set-up
+    (vocabulary tables) on the first ``compile``, which runs in a thread pool. ``compile`` may
+    run in several threads at once.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], options: BackendOptions):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.config = config
+        self.eos_token_ids = list(eos_token_ids)
+        self.options = options
 
-    def supports(self, constraint: dict[str, Any]) -> str | None:
-        """None when this backend can express ``constraint``, else the reason it cannot."""
+    def supports(self, constraint: Constraint) -> str | None:
+        """None when this backend can express ``constraint``, else why not (shown to the user)."""
         raise NotImplementedError
 
-    def compile(self, constraint: dict[str, Any]) -> Matcher:
-        """Compile a constraint (``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
-        ``{"grammar": ...}``); raise InvalidRequestError for an invalid one."""
+    def compile(self, constraint: Constraint) -> Any:
+        """Compile into an immutable object shared by every sequence with this constraint (and
+        cached); raise InvalidRequestError naming what is wrong with an invalid constraint."""
         raise NotImplementedError
+
+    def new_matcher(self, compiled: Any) -> Matcher:
+        """A fresh matcher at the start of ``compiled`` (one per sequence)."""
+        raise NotImplementedError
+
+
+# -- requests -> constraints ---------------------------------------------------------------
+
+
+def parse_backend_option(value: str) -> tuple[str, BackendOptions]:
+    """``"xgrammar:disable-any-whitespace,no-fallback"`` -> ("xgrammar", options)."""
+    name, _, words = (value or AUTO).partition(":")
+    settings: dict[str, bool] = {}
+    for word in filter(None, (w.strip() for w in words.split(","))):
+        if word not in BACKEND_OPTION_WORDS:
+            raise ConfigError(f"--guided-decoding-backend: unknown option {word!r} in {value!r}; known: "
+                              + ", ".join(BACKEND_OPTION_WORDS), param="guided-decoding-backend")
+        settings[BACKEND_OPTION_WORDS[word]] = True
+    return name.strip() or AUTO, BackendOptions(**settings)
+
+
+def _bad(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param="structured_outputs")
+
+
+def _json_schema(value: Any) -> dict:
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):
+        value = value.model_json_schema()  # a pydantic model class
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _bad(f"the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _bad(f"a JSON schema must be a JSON object, got {type(value).__name__}")
+    try:
+        import jsonschema
+    except ImportError:  # the backends still reject what they cannot compile
+        return value
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        raise _bad(f"invalid JSON schema{' at ' + where if where else ''}: {exc.message}") from None
+    return value
+
+
+def forbid_additional_properties(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema without ``additionalProperties`` gets
+    ``additionalProperties: false`` (``--guided-decoding-disable-additional-properties``)."""
+    if isinstance(schema, list):
+        return [forbid_additional_properties(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    copy = {key: forbid_additional_properties(value) if key not in ("enum", "const", "default", "examples") else value
+            for key, value in schema.items()}
+    if (copy.get("type") == "object" or "properties" in copy) and "additionalProperties" not in copy:
+        copy["additionalProperties"] = False
+    return copy
+
+
+def parse_constraint(request: dict[str, Any], defaults: BackendOptions) -> tuple[Constraint, str | None, bool]:
+    """A ``SamplingParams.structured_outputs`` dict -> (constraint, requested backend or None,
+    fallback disabled). Raises InvalidRequestError naming what to change."""
+    if not isinstance(request, dict):
+        raise _bad(f"structured_outputs must be an object, got {type(request).__name__}")
+    unknown = sorted(set(request) - set(CONSTRAINT_KINDS) - set(CONSTRAINT_OPTIONS))
+    if unknown:
+        raise _bad(f"unknown structured_outputs key(s) {', '.join(unknown)}; known: "
+                   + ", ".join(CONSTRAINT_KINDS + CONSTRAINT_OPTIONS))
+    given = [kind for kind in CONSTRAINT_KINDS if request.get(kind) not in (None, False)]
+    if len(given) != 1:
+        raise _bad("give exactly one constraint (" + " | ".join(CONSTRAINT_KINDS) + "), got "
+                   + (", ".join(given) if given else "none"))
+    kind = given[0]
+    value = request[kind]
+    whitespace_pattern = request.get("whitespace_pattern")
+    if whitespace_pattern is not None and not isinstance(whitespace_pattern, str):
+        raise _bad("whitespace_pattern must be a string (a regex)")
+    any_whitespace = not (request.get("disable_any_whitespace") or defaults.disable_any_whitespace)
+    if kind == "json":
+        value = _json_schema(value)
+        if request.get("disable_additional_properties") or defaults.disable_additional_properties:
+            value = forbid_additional_properties(value)
+    elif kind == "json_object":
+        value = None
+    elif kind in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise _bad(f"{kind} must be a non-empty string")
+    elif kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
+            raise _bad("choice must be a non-empty list of strings")
+        value = tuple(value)
+    elif kind == "structural_tag":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise _bad(f"structural_tag is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise _bad("structural_tag must be a JSON object")
+    if kind not in ("json", "json_object"):
+        whitespace_pattern = None  # only JSON has optional whitespace
+    backend = request.get("backend")
+    if backend is not None and not isinstance(backend, str):
+        raise _bad("backend must be a string")
+    constraint = Constraint(kind, value, any_whitespace=any_whitespace, whitespace_pattern=whitespace_pattern)
+    return constraint, backend or None, bool(request.get("disable_fallback"))
+
+
+# -- the engine side ---------------------------------------------------------------------
+
+
+@dataclass
+class CompiledConstraint:
+    """A compiled constraint and the backend that makes its matchers."""
+
+    backend_name: str
+    backend: StructuredOutputBackend
+    compiled: Any
+
+    def new_matcher(self) -> Matcher:
+        return self.backend.new_matcher(self.compiled)
+
+
+@dataclass
+class _SequenceGrammar:
+    """One constrained sequence: its matcher and how much of its output the matcher has seen."""
+
+    matcher: Matcher
+    backend_name: str
+    reasoning_parser: Any = None
+    reasoning_ended: bool = True
+    # output position where the constraint starts (after the reasoning section)
+    constraint_start: int = 0
+    # output tokens from constraint_start on that the matcher has consumed
+    num_processed: int = 0
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+@dataclass
+class StructuredOutputStats:
+    compiles: int = 0
+    cache_hits: int = 0
+    matcher_resets: int = 0
+    replayed_tokens: int = 0
+
+
+class StructuredOutputManager:
+    """The engine's guided-decoding state: backends, the compile cache and pool, and one
+    :class:`_SequenceGrammar` per constrained sequence. Thread-safe for ``resolve`` and
+    ``submit`` (the server's event loop calls them); the rest runs on the engine thread."""
+
+    def __init__(self, config: Any, registry: Any, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 reasoning_parser_class: type | None = None, cache_size: int = COMPILE_CACHE_SIZE):
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.reasoning_parser_class = reasoning_parser_class
+        name, options = parse_backend_option(config.backend)
+        self.default_backend = name
+        self.options = BackendOptions(
+            disable_fallback=options.disable_fallback or config.disable_fallback,
+            disable_any_whitespace=options.disable_any_whitespace or config.disable_any_whitespace,
+            disable_additional_properties=options.disable_additional_properties or config.disable_additional_properties,
+        )
+        if name != AUTO:
+            registry.entry(name)  # an unknown name fails at start-up, listing the known ones
+        self.cache_size = cache_size
+        self.stats = StructuredOutputStats()
+        self._tokenizer_key = _tokenizer_fingerprint(tokenizer)
+        self._backends: dict[str, StructuredOutputBackend] = {}
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="tokenloom-grammar")
+        self._sequences: dict[str, _SequenceGrammar] = {}
+
+    # -- choosing a backend and compiling (any thread) ---------------------------------------
+
+    def backend(self, name: str) -> StructuredOutputBackend:
+        with self._lock:
+            if name not in self._backends:
+                backend_class = self.registry.get(name)
+                self._backends[name] = backend_class(self.tokenizer, self.vocab_size, self.eos_token_ids, self.options)
+            return self._backends[name]
+
+    def resolve(self, request: dict[str, Any]) -> tuple[str, Constraint]:
+        """Check a request's constraint and choose its backend: (backend name, constraint).
+
+        A backend named in the request must express it (no fallback); the server's default
+        falls back to the other backends in registration order unless fallback is disabled.
+        """
+        constraint, requested, no_fallback = parse_constraint(request, self.options)
+        if requested is not None and requested not in self.registry:
+            raise InvalidRequestError(
+                f"unknown guided_decoding_backend {requested!r}; available: {', '.join(self.registry.names())}",
+                param="guided_decoding_backend")
+        names = self.registry.names()
+        if requested is not None:
+            candidates = [requested]
+        else:
+            first = names[0] if self.default_backend == AUTO and names else self.default_backend
+            candidates = [first]
+            if not (self.options.disable_fallback or no_fallback):
+                candidates += [name for name in names if name != first]
+        reasons = []
+        for name in candidates:
+            try:
+                reason = self.backend(name).supports(constraint)
+            except Exception as exc:  # e.g. the backend's library is not installed
+                reason = f"unavailable ({type(exc).__name__}: {exc})"
+            if reason is None:
+                return name, constraint
+            reasons.append(f"{name}: {reason}")
+        raise InvalidRequestError(f"no guided-decoding backend can express {constraint.describe()}: "
+                                  + "; ".join(reasons), param="structured_outputs")
+
+    def submit(self, backend_name: str, constraint: Constraint) -> concurrent.futures.Future:
+        """The compiled constraint, from the cache or compiled in the pool (a Future)."""
+        key = (backend_name, constraint.key, self._tokenizer_key)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._cache.move_to_end(key)
+                self.stats.cache_hits += 1
+                return future
+            future = self._pool.submit(self._compile, backend_name, constraint)
+            self._cache[key] = future
+            self.stats.compiles += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, backend_name: str, constraint: Constraint) -> CompiledConstraint:
+        backend = self.backend(backend_name)
+        try:
+            compiled = backend.compile(constraint)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:
+            raise InvalidRequestError(f"{backend_name} cannot compile {constraint.describe()}: "
+                                      f"{clean_error(exc)}", param="structured_outputs") from exc
+        return CompiledConstraint(backend_name, backend, compiled)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- sequences (engine thread) -----------------------------------------------------------
+
+    def add_sequence(self, request: Any, compiled: CompiledConstraint) -> None:
+        state = _SequenceGrammar(compiled.new_matcher(), compiled.backend_name,
+                                 num_preemptions=request.num_preemptions)
+        if self.reasoning_parser_class is not None:
+            # the parser judges generated tokens only (its contract): with none yet, a parser
+            # that knows the output has no reasoning section says so, and the constraint starts
+            # at the first token; otherwise it starts after the token that ends the section
+            state.reasoning_parser = self.reasoning_parser_class(self.tokenizer)
+            state.reasoning_ended = self._reasoning_ended(state, request.output_token_ids)
+            state.constraint_start = len(request.output_token_ids)
+        self._sequences[request.request_id] = state
+
+    def remove_sequences(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._sequences.pop(request_id, None)
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._sequences
+
+    def grammar_bitmask(self, scheduler_output: Any, get_request: Callable[[str], Any]) -> StructuredOutputMasks | None:
+        """The bitmask rows of the constrained sequences that sample this step."""
+        rows: list[tuple[str, _SequenceGrammar]] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self._sequences.get(req_id)
+            request = get_request(req_id) if state is not None else None
+            if request is None or request.num_computed_tokens + num_tokens < request.num_tokens:
+                continue  # unconstrained, or a prompt chunk that samples nothing
+            if state.error is None:
+                self._sync(request, state)
+            if state.reasoning_ended:
+                rows.append((req_id, state))
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        for row, (req_id, state) in enumerate(rows):
+            try:
+                if state.error is not None or state.matcher.is_terminated():
+                    set_allowed_tokens(bitmask[row], self.eos_token_ids)
+                else:
+                    state.matcher.fill_bitmask(bitmask, row)
+            except Exception as exc:  # fails this request only, after this step
+                logger.exception("structured output backend %s failed on request %s", state.backend_name, req_id)
+                state.error = f"{state.backend_name} failed computing the allowed tokens: {clean_error(exc)}"
+                set_allowed_tokens(bitmask[row], self.eos_token_ids)
+        return StructuredOutputMasks([req_id for req_id, _ in rows], bitmask.numpy())
+
+    def advance(self, request: Any) -> str | None:
+        """Feed a sequence's new output tokens to its matcher; the error message when the
+        backend failed or rejected a token (the engine then fails that request)."""
+        state = self._sequences.get(request.request_id)
+        if state is None:
+            return None
+        if state.error is None:
+            try:
+                self._sync(request, state)
+            except Exception as exc:
+                logger.exception("structured output backend %s failed on request %s", state.backend_name,
+                                 request.request_id)
+                state.error = f"{state.backend_name} failed: {clean_error(exc)}"
+        return state.error
+
+    def _sync(self, request: Any, state: _SequenceGrammar) -> None:
+        """Bring the matcher in line with the request's output tokens: rebuild it after a
+        preemption, notice the end of reasoning, accept new tokens."""
+        output = request.output_token_ids
+        if request.num_preemptions != state.num_preemptions:
+            # the worker rebuilt this request from scratch: rebuild the grammar state too, so it
+            # cannot drift from the tokens the request really holds
+            state.num_preemptions = request.num_preemptions
+            self._replay(state, output)
+        if not state.reasoning_ended:
+            if not self._reasoning_ended(state, output):
+                return
+            state.reasoning_ended = True
+            state.constraint_start = len(output)
+            state.num_processed = 0
+        constrained = output[state.constraint_start:]
+        if len(constrained) < state.num_processed:  # tokens were taken back
+            try:
+                state.matcher.rollback(state.num_processed - len(constrained))
+                state.num_processed = len(constrained)
+            except NotImplementedError:
+                self._replay(state, output)
+        matcher = state.matcher
+        for token_id in constrained[state.num_processed:]:
+            # after the end only end-of-sequence tokens were allowed (ignore_eos may keep going)
+            if not matcher.is_terminated() and not matcher.accept_token(token_id):
+                state.error = (f"the {state.backend_name} grammar rejected the sampled token {token_id} "
+                               f"({self._token_text(token_id)!r})")
+                return
+            state.num_processed += 1
+
+    def _replay(self, state: _SequenceGrammar, output: list[int]) -> None:
+        state.matcher.reset()
+        state.num_processed = 0
+        self.stats.matcher_resets += 1
+        if state.reasoning_ended:
+            self.stats.replayed_tokens += len(output) - state.constraint_start
+
+    def _reasoning_ended(self, state: _SequenceGrammar, token_ids: list[int]) -> bool:
+        try:
+            return bool(state.reasoning_parser.is_reasoning_end(list(token_ids)))
+        except NotImplementedError:
+            logger.warning("reasoning parser %s has no is_reasoning_end: constraining from the first token",
+                           type(state.reasoning_parser).__name__)
+            return True
+
+    def _token_text(self, token_id: int) -> str:
+        try:
+            return self.tokenizer.decode([token_id])
+        except Exception:
+            return "?"
+
+
+def clean_error(exc: BaseException) -> str:
+    """A backend's error message without native-code location prefixes (xgrammar prepends
+    ``[time] /path/file.cc:123: ``)."""
+    import re
+
+    text = str(exc).strip() or type(exc).__name__
+    text = re.sub(r"^\[[0-9:]+\]\s+\S+:\d+:\s*", "", text)
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Identifies a vocabulary: compiled grammars are only valid for the same token table."""
+    if tokenizer is None:
+        return "none"
+    digest = hashlib.sha1()
+    digest.update(str(getattr(tokenizer, "name_or_path", "")).encode())
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return digest.hexdigest() + f"-{id(tokenizer)}"
+    for token, token_id in sorted(vocab.items(), key=lambda item: item[1]):
+        digest.update(f"{token_id}\x00{token}\x01".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+__all__ = [
+    "BackendOptions", "CompiledConstraint", "Constraint", "Matcher", "StructuredOutputBackend",
+    "StructuredOutputManager", "StructuredOutputMasks", "allocate_bitmask",
+    "parse_backend_option", "parse_constraint", "set_allowed_tokens",
+]

@@ -14,6 +14,7 @@ from torch import nn
 from tokenloom.core.model_interface import KVCacheSpec, ModelContext
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.pooler import Pooler
 from tokenloom.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from tokenloom.layers.weight_loading import DECODER_STACKED_PARAMS, load_checkpoint_weights
 
@@ -111,6 +112,9 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.tie_to(embed_tokens)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        # --convert embed: the pooling runner pools the final hidden states (the last token's by default)
+        self.pooler = (Pooler.from_config(ctx.pooler_config, default_pooling_type="LAST")
+                       if ctx.runner == "pooling" else None)
         self.kv_cache_spec = KVCacheSpec(
             num_layers=config.num_hidden_layers,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,

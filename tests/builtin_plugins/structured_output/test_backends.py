@@ -1,0 +1,300 @@
+"""The built-in guided-decoding backends with SmolLM2's real tokenizer, no model: random walks
+over each backend's masks (any allowed token, ending when allowed) must give output that parses
+and validates, for every case a backend says it supports; what it refuses it refuses with a
+reason. Also grammars, whitespace options, rollback and reset, and the plugin registration."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from tests.builtin_plugins.structured_output.cases import (
+    CHOICES,
+    GRAMMAR_EBNF,
+    GRAMMAR_LARK,
+    REGEXES,
+    SCHEMAS,
+)
+from tokenloom.builtin_plugins.structured_output.common import (
+    JsonControlByteFilter,
+    choice_regex,
+    enumerate_integer_ranges,
+    escape_regex,
+    token_bytes,
+)
+from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_backend import LMFormatEnforcerBackend
+from tokenloom.builtin_plugins.structured_output.outlines_backend import OutlinesBackend
+from tokenloom.builtin_plugins.structured_output.xgrammar_backend import XGrammarBackend
+from tokenloom.core.sampler import unpack_bitmask
+from tokenloom.core.structured_output import BackendOptions, Constraint, allocate_bitmask, set_allowed_tokens
+
+BACKENDS = {"xgrammar": XGrammarBackend, "outlines": OutlinesBackend, "lm-format-enforcer": LMFormatEnforcerBackend}
+VOCAB_SIZE = 49152
+EOS = 2
+# the pure-Python backend is slow per token: fewer walks keep the suite quick
+WALKS = {"xgrammar": 3, "outlines": 3, "lm-format-enforcer": 2}
+CASES = ([("json", name) for name in SCHEMAS] + [("regex", name) for name in REGEXES]
+         + [("choice", name) for name in CHOICES])
+SPECS = {"json": SCHEMAS, "regex": REGEXES, "choice": CHOICES}
+
+# exactly what each backend refuses (anything else refused is a regression, anything here
+# accepted a claim it cannot keep)
+EXPECTED_REFUSALS = {
+    "xgrammar": set(),
+    "outlines": {"city_population", "probability", "many_types"},  # big integer ranges, number bounds
+    "lm-format-enforcer": {"city_population", "probability", "many_types", "mixed_enum", "optional_fields",
+                           "all_optional", "nullable_type_list", "string_length_bounds", "date_format",
+                           "max_length_text", "uuid_format", "one_of", "prefix_items"},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+
+
+@pytest.fixture(scope="module")
+def backends(tokenizer):
+    return {name: cls(tokenizer, VOCAB_SIZE, [EOS], BackendOptions()) for name, cls in BACKENDS.items()}
+
+
+def allowed_mask(matcher) -> np.ndarray:
+    bitmask = allocate_bitmask(1, VOCAB_SIZE)
+    matcher.fill_bitmask(bitmask, 0)
+    return unpack_bitmask(bitmask, VOCAB_SIZE)[0].numpy()
+
+
+def allowed_tokens(matcher) -> list[int]:
+    return np.flatnonzero(allowed_mask(matcher)).tolist()
+
+
+def random_walk(backend, compiled, rng: random.Random, max_tokens: int = 120) -> list[int] | None:
+    """Tokens of one walk to EOS (taken half the time it is allowed); None when it ran out."""
+    matcher = backend.new_matcher(compiled)
+    token_ids: list[int] = []
+    for _ in range(max_tokens):
+        mask = allowed_mask(matcher)
+        allowed = np.flatnonzero(mask)
+        assert allowed.size, f"dead end after {token_ids}"
+        if mask[EOS] and (allowed.size == 1 or rng.random() < 0.5):
+            assert matcher.accept_token(EOS) and matcher.is_terminated()
+            return token_ids
+        token_id = EOS
+        while token_id == EOS:
+            token_id = int(allowed[rng.randrange(allowed.size)])
+        assert matcher.accept_token(token_id)
+        token_ids.append(token_id)
+    return None
+
+
+def check_output(kind: str, spec, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), spec)
+    elif kind == "regex":
+        assert re.fullmatch(spec, text), f"{text!r} does not match {spec!r}"
+    else:
+        assert text in spec, f"{text!r} is not one of {spec}"
+
+
+def constraint_for(kind: str, spec, **options) -> Constraint:
+    return Constraint(kind, tuple(spec) if kind == "choice" else spec, **options)
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("kind, case", CASES)
+def test_random_walks_over_the_masks_satisfy_the_constraint(backends, tokenizer, backend_name, kind, case):
+    backend, spec = backends[backend_name], SPECS[kind][case]
+    constraint = constraint_for(kind, spec)
+    reason = backend.supports(constraint)
+    assert (reason is not None) == (case in EXPECTED_REFUSALS[backend_name]), reason
+    if reason is not None:
+        assert backend_name in reason and len(reason) > 30  # a reason the user can act on
+        return
+    compiled = backend.compile(constraint)
+    rng = random.Random(f"{backend_name}/{case}")
+    finished = 0
+    for _ in range(WALKS[backend_name]):
+        token_ids = random_walk(backend, compiled, rng)
+        if token_ids is not None:
+            finished += 1
+            check_output(kind, spec, tokenizer.decode(token_ids))
+    assert finished or kind == "json"  # regexes and choices here are short: a walk always ends
+
+
+def test_xgrammar_grammars_ebnf_and_lark(backends, tokenizer):
+    backend = backends["xgrammar"]
+    rng = random.Random(0)
+    sentence = re.compile(r"(The cat|A dog|My friend) (sees|likes|chases) (the ball|a bird|the moon)\.")
+    expression = re.compile(r"[1-9][0-9]?[+-][1-9][0-9]?=[1-9][0-9]?")
+    for grammar, pattern in ((GRAMMAR_EBNF, sentence), (GRAMMAR_LARK, expression)):
+        compiled = backend.compile(Constraint("grammar", grammar))
+        for _ in range(5):
+            token_ids = random_walk(backend, compiled, rng, max_tokens=400)
+            assert token_ids is not None and pattern.fullmatch(tokenizer.decode(token_ids))
+
+
+def test_xgrammar_structural_tags_constrain_only_inside_the_tag(backends, tokenizer):
+    backend = backends["xgrammar"]
+    tag = {"type": "structural_tag", "structures": [
+        {"begin": "<call>", "schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                                       "required": ["city"]}, "end": "</call>"}], "triggers": ["<call>"]}
+    matcher = backend.new_matcher(backend.compile(Constraint("structural_tag", tag)))
+    assert len(allowed_tokens(matcher)) > 40000  # free text before the trigger
+    for token_id in tokenizer.encode("Sure. <call>", add_special_tokens=False):
+        assert matcher.accept_token(token_id)
+    inside = {tokenizer.decode([t]) for t in allowed_tokens(matcher)}
+    assert inside and all(text.strip() == "" or text.lstrip().startswith("{") for text in inside)
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_compact_json_has_no_whitespace_between_tokens(backends, tokenizer, backend_name):
+    backend, spec = backends[backend_name], SCHEMAS["profile"]
+    compiled = backend.compile(Constraint("json", spec, any_whitespace=False))
+    rng = random.Random(1)
+    for _ in range(WALKS[backend_name]):
+        text = tokenizer.decode(random_walk(backend, compiled, rng))
+        assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+
+
+def test_outlines_takes_a_whitespace_pattern_and_the_others_refuse_it(backends, tokenizer):
+    constraint = Constraint("json", SCHEMAS["flags"], whitespace_pattern="[ ]{2}")
+    assert "whitespace pattern" in backends["xgrammar"].supports(constraint)
+    assert "whitespace pattern" in backends["lm-format-enforcer"].supports(constraint)
+    compiled = backends["outlines"].compile(constraint)
+    text = tokenizer.decode(random_walk(backends["outlines"], compiled, random.Random(2)))
+    assert re.fullmatch(r'\{  "read"  :  (true|false)  ,  "write"  :  (true|false)  ,  "exec"  :  (true|false)  \}',
+                        text), text
+
+
+def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
+    grammar = Constraint("grammar", GRAMMAR_EBNF)
+    assert backends["xgrammar"].supports(grammar) is None
+    assert "regular languages only" in backends["outlines"].supports(grammar)
+    assert "no grammars" in backends["lm-format-enforcer"].supports(grammar)
+    assert "maximum, minimum" in backends["outlines"].supports(Constraint("json", SCHEMAS["probability"]))
+    assert backends["outlines"].supports(Constraint("json", SCHEMAS["person"])) is None  # 0..120: an enum
+    assert "uniqueItems" in backends["xgrammar"].supports(
+        Constraint("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}))
+    assert "optional" in backends["lm-format-enforcer"].supports(Constraint("json", SCHEMAS["optional_fields"]))
+    unbounded = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert "number rule" in backends["lm-format-enforcer"].supports(Constraint("json", unbounded))
+    assert "no fixed properties" in backends["lm-format-enforcer"].supports(Constraint("json_object", None))
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_reset_and_rollback_return_to_earlier_masks(backends, tokenizer, backend_name):
+    backend = backends[backend_name]
+    matcher = backend.new_matcher(backend.compile(Constraint("regex", REGEXES["email"])))
+    start = allowed_tokens(matcher)
+    token_ids = tokenizer.encode("abc@xyz.c", add_special_tokens=False)
+    masks = []
+    for token_id in token_ids:
+        masks.append(allowed_tokens(matcher))
+        assert matcher.accept_token(token_id)
+    assert not matcher.accept_token(tokenizer.encode("@", add_special_tokens=False)[0])  # refused, state kept
+    try:
+        matcher.rollback(2)
+    except NotImplementedError:  # the engine resets and replays instead
+        assert backend_name == "outlines"
+    else:
+        assert allowed_tokens(matcher) == masks[-2]
+    matcher.reset()
+    assert allowed_tokens(matcher) == start and not matcher.is_terminated()
+
+
+def test_token_bytes_of_a_byte_level_vocabulary(tokenizer):
+    table = token_bytes(tokenizer, VOCAB_SIZE + 8)
+    assert table[EOS] is None and table[VOCAB_SIZE + 3] is None  # special, and past the tokenizer
+    for text in ("hello", " world", "é", "日本", "\n\n"):
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(table[t] for t in token_ids) == text.encode()
+
+
+def test_the_json_control_byte_filter_reads_where_a_row_is(tokenizer):
+    control_filter = JsonControlByteFilter(tokenizer, VOCAB_SIZE)
+    newline, tab_ish, letter = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("\n", "\t", "a"))
+    sentinel = next(t for t, b in enumerate(token_bytes(tokenizer, VOCAB_SIZE)) if b == b"\x01")
+    row = allocate_bitmask(1, VOCAB_SIZE)[0]
+    set_allowed_tokens(row, [newline, tab_ish, letter, sentinel])
+    between_tokens = row.clone()
+    set_allowed_tokens(between_tokens, [newline, tab_ish, letter])
+    control_filter.apply(between_tokens)  # no sentinel: outside a string, whitespace stays
+    assert unpack_bitmask(between_tokens[None], VOCAB_SIZE)[0].nonzero().flatten().tolist() == \
+        sorted([newline, tab_ish, letter])
+    control_filter.apply(row)  # the sentinel was allowed: inside a string, no control byte at all
+    assert unpack_bitmask(row[None], VOCAB_SIZE)[0].nonzero().flatten().tolist() == [letter]
+
+
+def test_small_integer_ranges_become_enums_for_backends_without_bounds():
+    schema = {"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 0, "maximum": 3, "description": "years"},
+        "odd": {"type": "integer", "exclusiveMinimum": 0.5, "exclusiveMaximum": 7, "multipleOf": 2},
+        "picked": {"type": "integer", "minimum": 1, "maximum": 9, "enum": [2, 5, 12]},
+        "huge": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "half_open": {"type": "integer", "minimum": 0},
+        "real": {"type": "number", "minimum": 0, "maximum": 1},
+        "values": {"enum": [{"type": "integer", "minimum": 0, "maximum": 1}]}}}
+    converted = enumerate_integer_ranges(schema)["properties"]
+    assert converted["age"] == {"type": "integer", "description": "years", "enum": [0, 1, 2, 3]}
+    assert converted["odd"]["enum"] == [2, 4, 6]
+    assert converted["picked"]["enum"] == [2, 5]
+    for unchanged in ("huge", "half_open", "real", "values"):
+        assert converted[unchanged] == schema["properties"][unchanged]
+
+
+def test_choice_regexes_escape_every_special_character():
+    tricky = ["C++", "a.b", "(x|y)", "[z]", "{1}", "^$", "back\\slash", "tab\there", "-&~#"]
+    pattern = choice_regex(tricky)
+    assert all(re.fullmatch(pattern, text) for text in tricky)
+    assert not re.fullmatch(pattern, "C") and not re.fullmatch(pattern, "axb")
+    assert escape_regex("new\nline") == "new\\nline"
+
+
+@pytest.mark.hook("register_structured_output_backends")
+def test_the_entry_point_module_registers_the_backends_lazily():
+    script = (
+        "import sys\n"
+        "import tokenloom.builtin_plugins.structured_output as plugin\n"
+        "registered = []\n"
+        "plugin.register_structured_output_backends(register=lambda name, target: registered.append((name, target)))\n"
+        "heavy = [m for m in ('torch', 'xgrammar', 'outlines_core', 'lmformatenforcer') if m in sys.modules]\n"
+        "print(registered, heavy)\n"
+    )
+    output = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    registered, heavy = output.strip().rsplit(" ", 1)[0], output.strip().rsplit(" ", 1)[1]
+    assert heavy == "[]", f"importing the entry point pulled in {heavy}"
+    assert registered.startswith("[('xgrammar', 'tokenloom.builtin_plugins.structured_output.xgrammar_backend:")
+    assert "('outlines', " in registered and "('lm-format-enforcer', " in registered
+
+
+@pytest.mark.hook("register_structured_output_backends")
+def test_the_installed_entry_point_fills_the_registry_in_preference_order():
+    from tokenloom.plugins.manager import load_plugins
+
+    registry = load_plugins().registry("structured_output_backend")
+    assert registry.names()[:3] == ["xgrammar", "outlines", "lm-format-enforcer"]
+    assert registry.get("outlines") is OutlinesBackend
+
+
+def test_bitmask_rows_do_not_bleed_between_rows(backends):
+    backend = backends["xgrammar"]
+    first = backend.new_matcher(backend.compile(Constraint("choice", ("yes",))))
+    second = backend.new_matcher(backend.compile(Constraint("choice", ("no",))))
+    bitmask = allocate_bitmask(2, VOCAB_SIZE)
+    bitmask.fill_(-1)
+    first.fill_bitmask(bitmask, 0)
+    second.fill_bitmask(bitmask, 1)
+    rows = unpack_bitmask(bitmask, VOCAB_SIZE)
+    assert not (rows[0] & rows[1]).any() and rows[0].any() and rows[1].any()
+    assert torch.equal(rows[0], unpack_bitmask(bitmask[:1], VOCAB_SIZE)[0])

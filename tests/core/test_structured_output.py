@@ -1,0 +1,439 @@
+"""The guided-decoding core without a model: constraint parsing, backend option syntax, bitmask
+packing, and the StructuredOutputManager with fake backends — backend choice and fallback,
+the compile cache, per-step masks, advancing matchers, failures, preemption (reset and
+replay) and reasoning sections."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+
+from tokenloom.core.batch import SchedulerOutput
+from tokenloom.core.config import StructuredOutputConfig
+from tokenloom.core.request import Request, SamplingParams
+from tokenloom.core.sampler import unpack_bitmask
+from tokenloom.core.structured_output import (
+    BackendOptions,
+    Matcher,
+    StructuredOutputBackend,
+    StructuredOutputManager,
+    allocate_bitmask,
+    clean_error,
+    forbid_additional_properties,
+    parse_backend_option,
+    parse_constraint,
+    set_allowed_tokens,
+)
+from tokenloom.errors import ConfigError, InvalidRequestError, UnknownNameError
+from tokenloom.plugins.registry import Registry
+
+VOCAB_SIZE = 40
+EOS = 2
+
+
+class FakeTokenizer:
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(VOCAB_SIZE)}
+
+    def decode(self, token_ids):
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+class SequenceMatcher(Matcher):
+    """Allows exactly ``target`` (token ids), then EOS; counts resets."""
+
+    def __init__(self, target: tuple[int, ...], fail_at: int | None = None):
+        self.target = target
+        self.position = 0
+        self.terminated = False
+        self.resets = 0
+        self.accepted: list[int] = []
+        self.fail_at = fail_at
+
+    def allowed_token_ids(self):
+        if self.fail_at is not None and self.position >= self.fail_at:
+            raise RuntimeError("the fake backend broke")
+        return [self.target[self.position]] if self.position < len(self.target) else [EOS]
+
+    def accept_token(self, token_id):
+        if self.position == len(self.target) and token_id == EOS:
+            self.terminated = True
+            return True
+        if self.position >= len(self.target) or token_id != self.target[self.position]:
+            return False
+        self.position += 1
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self):
+        return self.terminated
+
+    def reset(self):
+        self.resets += 1
+        self.position = 0
+        self.terminated = False
+        self.accepted = []
+
+
+class DigitsBackend(StructuredOutputBackend):
+    """Regexes of space-separated token ids ("5 6 7"); choices are not supported."""
+
+    instances: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compiled_specs: list[str] = []
+        self.matchers: list[SequenceMatcher] = []
+        self.fail_at: int | None = None
+        DigitsBackend.instances.append(self)
+
+    def supports(self, constraint):
+        return None if constraint.kind == "regex" else "digits takes regexes only"
+
+    def compile(self, constraint):
+        self.compiled_specs.append(constraint.spec)
+        try:
+            return tuple(int(part) for part in constraint.spec.split())
+        except ValueError:
+            raise InvalidRequestError(f"not token ids: {constraint.spec!r}") from None
+
+    def new_matcher(self, compiled):
+        matcher = SequenceMatcher(compiled, self.fail_at)
+        self.matchers.append(matcher)
+        return matcher
+
+
+class ChoiceBackend(DigitsBackend):
+    """Like DigitsBackend but for choices (each choice a token id)."""
+
+    def supports(self, constraint):
+        return None if constraint.kind in ("regex", "choice") else "choices and regexes only"
+
+    def compile(self, constraint):
+        if constraint.kind == "choice":
+            return tuple(int(constraint.spec[0]),)
+        return super().compile(constraint)
+
+
+class ThinkParser:
+    """Reasoning ends with token 30."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def is_reasoning_end(self, token_ids):
+        return 30 in token_ids
+
+
+def make_manager(backend="auto", reasoning_parser_class=None, **config) -> StructuredOutputManager:
+    registry = Registry("structured_output_backend", "--guided-decoding-backend")
+    registry.register("digits", DigitsBackend, plugin_name="test")
+    registry.register("choices", ChoiceBackend, plugin_name="test")
+    return StructuredOutputManager(StructuredOutputConfig(backend=backend, **config), registry, FakeTokenizer(),
+                                   VOCAB_SIZE, [EOS], reasoning_parser_class)
+
+
+def make_request(request_id="r", prompt=(1, 3), output=()) -> Request:
+    request = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
+    request.output_token_ids = list(output)
+    return request
+
+
+def allowed_ids(masks, row=0) -> list[int]:
+    bitmask = torch.from_numpy(masks.bitmask)
+    return unpack_bitmask(bitmask, VOCAB_SIZE)[row].nonzero().flatten().tolist()
+
+
+def decode_step(request: Request, num_scheduled: int = 1) -> SchedulerOutput:
+    return SchedulerOutput(num_scheduled_tokens={request.request_id: num_scheduled})
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def test_parse_constraint_forms_and_options():
+    constraint, backend, no_fallback = parse_constraint(
+        {"json": '{"type": "object"}', "backend": "xgrammar", "disable_fallback": True}, BackendOptions())
+    assert (constraint.kind, constraint.spec, backend, no_fallback) == ("json", {"type": "object"}, "xgrammar", True)
+    assert parse_constraint({"choice": ["a", "b"]}, BackendOptions())[0].spec == ("a", "b")
+    assert parse_constraint({"json_object": True}, BackendOptions())[0].kind == "json_object"
+    relaxed = parse_constraint({"json": {}, "whitespace_pattern": "[ ]?"}, BackendOptions())[0]
+    assert relaxed.any_whitespace and relaxed.whitespace_pattern == "[ ]?"
+    compact = parse_constraint({"json": {}}, BackendOptions(disable_any_whitespace=True))[0]
+    assert not compact.any_whitespace
+    # only JSON has optional whitespace: the pattern does not split the regex cache entries
+    assert parse_constraint({"regex": "a", "whitespace_pattern": " "}, BackendOptions())[0].whitespace_pattern is None
+
+
+def test_pydantic_model_class_is_a_schema():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Point(pydantic.BaseModel):
+        x: int
+
+    constraint = parse_constraint({"json": Point}, BackendOptions())[0]
+    assert constraint.spec["properties"]["x"]["type"] == "integer"
+
+
+@pytest.mark.parametrize("request_dict, message", [
+    ({"jsn": {}}, "unknown structured_outputs key(s) jsn"),
+    ({"json": {}, "regex": "a"}, "exactly one constraint"),
+    ({}, "got none"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"json": {"type": "foo"}}, "invalid JSON schema"),
+    ({"json": {"properties": {"a": {"minimum": "zero"}}}}, "invalid JSON schema at properties/a/minimum"),
+    ({"json": [1, 2]}, "must be a JSON object"),
+    ({"choice": []}, "non-empty list of strings"),
+    ({"choice": ["a", 1]}, "non-empty list of strings"),
+    ({"regex": ""}, "non-empty string"),
+    ({"structural_tag": "[oops"}, "not valid JSON"),
+])
+def test_bad_constraints_name_the_problem(request_dict, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
+        parse_constraint(request_dict, BackendOptions())
+    assert error.value.param == "structured_outputs"
+
+
+def test_disable_additional_properties_closes_every_object():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
+                                               "b": {"type": "object", "additionalProperties": True}},
+              "$defs": {"d": {"properties": {"x": {"enum": [{"type": "object"}]}}}}}
+    closed = forbid_additional_properties(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["b"]["additionalProperties"] is True  # an explicit choice stays
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["properties"]["x"]["enum"] == [{"type": "object"}]  # values are not schemas
+    assert "additionalProperties" not in schema  # the request's schema is not changed
+    constraint = parse_constraint({"json": schema, "disable_additional_properties": True}, BackendOptions())[0]
+    assert constraint.spec == closed
+
+
+def test_backend_option_syntax():
+    assert parse_backend_option("auto") == ("auto", BackendOptions())
+    assert parse_backend_option("xgrammar:disable-any-whitespace") == (
+        "xgrammar", BackendOptions(disable_any_whitespace=True))
+    assert parse_backend_option("outlines:no-fallback, no-additional-properties") == (
+        "outlines", BackendOptions(disable_fallback=True, disable_additional_properties=True))
+    with pytest.raises(ConfigError, match="unknown option 'fast'"):
+        parse_backend_option("xgrammar:fast")
+
+
+def test_clean_error_drops_native_location_prefixes():
+    assert clean_error(RuntimeError("[02:15:01] /project/cpp/regex.cc:83: Regex parsing error\nmore")) == \
+        "Regex parsing error"
+    assert clean_error(ValueError("")) == "ValueError"
+
+
+def test_bitmask_packing_round_trips_through_the_sampler_unpacker():
+    bitmask = allocate_bitmask(2, 70)
+    assert bitmask.shape == (2, 3) and bitmask.dtype == torch.int32
+    set_allowed_tokens(bitmask[0], [0, 31, 32, 63, 69, 500])  # 500 is out of range: ignored
+    set_allowed_tokens(bitmask[1], [])
+    unpacked = unpack_bitmask(bitmask, 70)
+    assert unpacked[0].nonzero().flatten().tolist() == [0, 31, 32, 63, 69]
+    assert not unpacked[1].any()
+    # a logits row wider than the mask: the extra tokens are not allowed
+    assert unpack_bitmask(bitmask, 100)[0].nonzero().flatten().tolist() == [0, 31, 32, 63, 69]
+
+
+# -- choosing a backend ----------------------------------------------------------------------
+
+
+def test_auto_picks_the_first_backend_that_can_express_the_constraint():
+    manager = make_manager()
+    assert manager.resolve({"regex": "5"})[0] == "digits"
+    assert manager.resolve({"choice": ["5"]})[0] == "choices"
+
+
+def test_a_backend_named_in_the_request_is_used_or_the_request_fails():
+    manager = make_manager()
+    with pytest.raises(InvalidRequestError, match="digits: digits takes regexes only"):
+        manager.resolve({"choice": ["5"], "backend": "digits"})
+    with pytest.raises(InvalidRequestError, match="unknown guided_decoding_backend 'nope'; available: digits, "
+                                                  "choices") as error:
+        manager.resolve({"regex": "5", "backend": "nope"})
+    assert error.value.param == "guided_decoding_backend"
+
+
+def test_the_server_default_falls_back_unless_fallback_is_disabled():
+    assert make_manager("digits").resolve({"choice": ["5"]})[0] == "choices"
+    with pytest.raises(InvalidRequestError, match="no guided-decoding backend can express a choice"):
+        make_manager("digits", disable_fallback=True).resolve({"choice": ["5"]})
+    with pytest.raises(InvalidRequestError):
+        make_manager("digits:no-fallback").resolve({"choice": ["5"]})
+    with pytest.raises(InvalidRequestError):
+        make_manager("digits").resolve({"choice": ["5"], "disable_fallback": True})
+    # auto without fallback: only the first backend
+    with pytest.raises(InvalidRequestError, match="digits takes regexes only"):
+        make_manager("auto", disable_fallback=True).resolve({"choice": ["5"]})
+
+
+def test_an_unknown_default_backend_fails_at_start_up():
+    with pytest.raises(UnknownNameError, match="unknown structured_output_backend 'xgrammer'"):
+        make_manager("xgrammer")
+
+
+# -- compiling -------------------------------------------------------------------------------
+
+
+def test_compiles_are_cached_by_backend_and_constraint():
+    manager = make_manager()
+    first = manager.submit(*manager.resolve({"regex": "5 6"}))
+    again = manager.submit(*manager.resolve({"regex": "5  6".replace("  ", " ")}))
+    other = manager.submit(*manager.resolve({"regex": "7"}))
+    assert first is again and first.result().compiled == (5, 6) and other.result().compiled == (7,)
+    assert (manager.stats.compiles, manager.stats.cache_hits) == (2, 1)
+    assert manager.backend("digits").compiled_specs == ["5 6", "7"]
+    manager.shutdown()
+
+
+def test_the_cache_is_bounded_and_least_recently_used_goes_first():
+    manager = make_manager()
+    manager.cache_size = 2
+    for spec in ("1", "3", "1", "4"):  # "3" is the least recently used when "4" arrives
+        manager.submit(*manager.resolve({"regex": spec})).result()
+    manager.submit(*manager.resolve({"regex": "1"})).result()
+    manager.submit(*manager.resolve({"regex": "3"})).result()
+    assert manager.backend("digits").compiled_specs == ["1", "3", "4", "3"]
+
+
+def test_compile_errors_come_out_of_the_future_and_are_not_cached():
+    manager = make_manager()
+    future = manager.submit(*manager.resolve({"regex": "five"}))
+    with pytest.raises(InvalidRequestError, match="not token ids: 'five'"):
+        future.result()
+    manager.submit(*manager.resolve({"regex": "five"})).exception()
+    assert manager.backend("digits").compiled_specs == ["five", "five"]
+
+
+def test_compile_runs_off_the_calling_thread():
+    manager = make_manager()
+    release = threading.Event()
+    backend = manager.backend("digits")
+    original = backend.compile
+
+    def slow_compile(constraint):
+        release.wait(5)
+        return original(constraint)
+
+    backend.compile = slow_compile
+    future = manager.submit(*manager.resolve({"regex": "9"}))
+    assert not future.done()  # submit did not wait for it
+    release.set()
+    assert future.result(5).compiled == (9,)
+
+
+# -- sequences -------------------------------------------------------------------------------
+
+
+def compiled_for(manager, spec="5 6 7", backend=None):
+    request = {"regex": spec} if backend is None else {"regex": spec, "backend": backend}
+    return manager.submit(*manager.resolve(request)).result()
+
+
+def test_masks_only_for_constrained_rows_that_sample_and_tokens_advance_the_matcher():
+    manager = make_manager()
+    constrained, free, chunking = make_request("c"), make_request("free"), make_request("chunk", prompt=(1, 3, 4, 8))
+    manager.add_sequence(constrained, compiled_for(manager))
+    manager.add_sequence(chunking, compiled_for(manager))
+    step = SchedulerOutput(num_scheduled_tokens={"c": 2, "free": 2, "chunk": 2})  # chunk: 2 of 4 prompt tokens
+    requests = {r.request_id: r for r in (constrained, free, chunking)}
+    masks = manager.grammar_bitmask(step, requests.get)
+    assert masks.req_ids == ["c"] and allowed_ids(masks) == [5]
+    constrained.num_computed_tokens = 2
+    for token in (5, 6, 7):
+        constrained.output_token_ids.append(token)
+        assert manager.advance(constrained) is None
+        masks = manager.grammar_bitmask(decode_step(constrained), requests.get)
+        constrained.num_computed_tokens += 1
+    assert allowed_ids(masks) == [EOS]  # the constraint is complete: only the end may follow
+    constrained.output_token_ids.append(EOS)
+    assert manager.advance(constrained) is None
+    # ignore_eos keeps sampling: still only EOS, and the matcher is not fed past its end
+    assert allowed_ids(manager.grammar_bitmask(decode_step(constrained), requests.get)) == [EOS]
+    constrained.output_token_ids.append(EOS)
+    assert manager.advance(constrained) is None
+    manager.remove_sequences(["c", "chunk"])
+    assert not manager.is_constrained("c") and manager.grammar_bitmask(step, requests.get) is None
+
+
+def test_a_rejected_token_or_a_backend_failure_fails_that_sequence_only():
+    manager = make_manager()
+    rejected, broken, healthy = make_request("rejected"), make_request("broken"), make_request("healthy")
+    manager.add_sequence(rejected, compiled_for(manager))
+    manager.add_sequence(healthy, compiled_for(manager))
+    manager.backend("digits").fail_at = 0
+    manager.add_sequence(broken, compiled_for(manager))
+    rejected.output_token_ids.append(9)
+    assert "the digits grammar rejected the sampled token 9 ('<9>')" in manager.advance(rejected)
+    step = SchedulerOutput(num_scheduled_tokens={"broken": 2, "healthy": 2})
+    masks = manager.grammar_bitmask(step, {"broken": broken, "healthy": healthy}.get)
+    assert allowed_ids(masks, 0) == [EOS]  # the broken row may only end
+    assert allowed_ids(masks, 1) == [5]
+    assert "digits failed computing the allowed tokens: the fake backend broke" in manager.advance(broken)
+    healthy.output_token_ids.append(5)
+    assert manager.advance(healthy) is None
+
+
+def test_preemption_resets_the_matcher_and_replays_the_kept_tokens():
+    manager = make_manager()
+    request = make_request()
+    manager.add_sequence(request, compiled_for(manager))
+    matcher = manager.backend("digits").matchers[-1]
+    request.output_token_ids += [5, 6]
+    manager.advance(request)
+    assert matcher.accepted == [5, 6]
+    # the scheduler preempted it: the worker recomputes prompt + the two kept tokens
+    request.num_preemptions += 1
+    request.num_computed_tokens = 0
+    masks = manager.grammar_bitmask(decode_step(request, num_scheduled=4), {"r": request}.get)
+    assert matcher.resets == 1 and matcher.accepted == [5, 6]
+    assert allowed_ids(masks) == [7]
+    assert (manager.stats.matcher_resets, manager.stats.replayed_tokens) == (1, 2)
+
+
+def test_tokens_taken_back_roll_the_matcher_back_or_replay():
+    manager = make_manager()
+    request = make_request()
+    manager.add_sequence(request, compiled_for(manager))
+    matcher = manager.backend("digits").matchers[-1]
+    request.output_token_ids += [5, 6]
+    manager.advance(request)
+    del request.output_token_ids[-1]  # SequenceMatcher cannot roll back: reset and replay
+    assert manager.advance(request) is None
+    assert matcher.resets == 1 and matcher.accepted == [5]
+
+
+def test_the_constraint_starts_after_the_reasoning_section():
+    manager = make_manager(reasoning_parser_class=ThinkParser)
+    thinking = make_request("thinking")
+    manager.add_sequence(thinking, compiled_for(manager))
+    assert manager.grammar_bitmask(decode_step(thinking, 2), {"thinking": thinking}.get) is None  # free text
+    thinking.output_token_ids += [11, 12, 30]  # 30 closes the reasoning section
+    thinking.num_computed_tokens = 4
+    assert manager.advance(thinking) is None
+    masks = manager.grammar_bitmask(decode_step(thinking), {"thinking": thinking}.get)
+    assert allowed_ids(masks) == [5]
+    thinking.output_token_ids += [5]
+    assert manager.advance(thinking) is None
+    assert manager.backend("digits").matchers[-1].accepted == [5]
+    # the parser judges generated tokens only: a 30 in the prompt does not end anything
+    prompted = make_request("prompted", prompt=(1, 30))
+    manager.add_sequence(prompted, compiled_for(manager))
+    assert manager.grammar_bitmask(decode_step(prompted, 2), {"prompted": prompted}.get) is None
+
+
+class NoReasoningParser(ThinkParser):
+    def is_reasoning_end(self, token_ids):
+        return True  # this model never reasons: the output is all answer
+
+
+def test_a_parser_that_sees_no_reasoning_section_constrains_from_the_first_token():
+    manager = make_manager(reasoning_parser_class=NoReasoningParser)
+    request = make_request()
+    manager.add_sequence(request, compiled_for(manager))
+    assert allowed_ids(manager.grammar_bitmask(decode_step(request, 2), {"r": request}.get)) == [5]
