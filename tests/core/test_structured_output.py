@@ -81,14 +81,11 @@ class SequenceMatcher(Matcher):
 class DigitsBackend(StructuredOutputBackend):
     """Regexes of space-separated token ids ("5 6 7"); choices are not supported."""
 
-    instances: list = []
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.compiled_specs: list[str] = []
         self.matchers: list[SequenceMatcher] = []
         self.fail_at: int | None = None
-        DigitsBackend.instances.append(self)
 
     def supports(self, constraint):
         return None if constraint.kind == "regex" else "digits takes regexes only"
@@ -114,7 +111,7 @@ class ChoiceBackend(DigitsBackend):
 
     def compile(self, constraint):
         if constraint.kind == "choice":
-            return tuple(int(constraint.spec[0]),)
+            return (int(constraint.spec[0]),)
         return super().compile(constraint)
 
 
