@@ -15,7 +15,6 @@ import textwrap
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from tests.e2e.conftest import start_server, stop_server
 from tokenloom.api.bench import serve_metrics
@@ -36,24 +35,6 @@ SHAREGPT = [
         {"from": "human", "value": "Explain how a bicycle stays upright when it is moving forward."},
         {"from": "gpt", "value": "Steering corrections and the geometry of the front fork keep it upright."}]},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory, smollm2_gguf):
-    """A tiny random Llama with SmolLM2's tokenizer, as tests/core/test_engine_llama.py builds it."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
-    tokenizer.save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
-    return str(directory)
 
 
 @pytest.fixture

@@ -6,12 +6,10 @@ seeds, compiles that do not stall other requests, and failures that stay with th
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import jsonschema
 import pytest
-import torch
 
 from tests.core import grammar_test_backends
 from tokenloom import LLM, SamplingParams
@@ -24,23 +22,6 @@ SCHEMA = {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]}, "f
 REGEX = r"[0-9]{3}-[a-z]{2}"
 CHOICES = ["apple", "banana split", "cherry"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away", "1, 2, 3,"]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory, smollm2_gguf):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("tiny-llama-guided")
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
-    tokenizer.save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
-    return str(directory)
 
 
 @pytest.fixture(scope="module")
