@@ -78,10 +78,55 @@ def test_unsupported_quant_type_names_tensor_file_and_type():
     assert all(part in str(error.value) for part in ("blk.7.ffn_down.weight", "/m/model.gguf", "IQ4_NL"))
 
 
-def test_only_the_dequantize_mode_exists_for_now():
-    assert GGUFQuantizationMethod().mode == "dequantize"
-    with pytest.raises(ConfigError, match="packed"):
+def test_modes_are_auto_by_default_and_unknown_ones_are_refused_by_name():
+    assert GGUFQuantizationMethod().mode == "auto"
+    with pytest.raises(ConfigError, match="packed.*auto, dequantize"):
         GGUFQuantizationMethod(mode="packed")
+
+
+def q4_weight(rows: int, cols: int, seed: int, quant_type=GGMLQuantizationType.Q4_1) -> GGUFWeight:
+    values = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
+    packed = quantize(values, quant_type)
+    return GGUFWeight(torch.from_numpy(packed.copy()), int(quant_type), (rows, cols), name="blk.0.ffn_up.weight")
+
+
+def test_a_bfloat16_layer_of_4_bit_shards_also_keeps_them_packed_for_small_batches():
+    method = GGUFQuantizationMethod()
+    layer = make_layer(method, 64, 32, torch.bfloat16)
+    first, second = q4_weight(16, 64, seed=1), q4_weight(16, 64, seed=2, quant_type=GGMLQuantizationType.Q4_0)
+    method.load_weight(layer, first, 0, 16)
+    method.load_weight(layer, second, 16, 16)
+    method.process_weights_after_loading(layer)
+    assert layer.int4_weight is not None
+    dense = torch.cat([first.dequantize(), second.dequantize()])
+    one_row = torch.randn(1, 64, dtype=torch.bfloat16)
+    # the int4 kernel runs for one row and matches the exact dequantized weight to bf16 precision
+    torch.testing.assert_close(method.apply(layer, one_row, None).float(), one_row.float() @ dense.T,
+                               atol=0.05, rtol=0.02)
+    many_rows = torch.randn(64, 64, dtype=torch.bfloat16)
+    assert torch.equal(method.apply(layer, many_rows, None),
+                       torch.nn.functional.linear(many_rows, dense.to(torch.bfloat16)))
+
+
+def test_int4_path_is_skipped_for_float32_for_mixed_shards_and_in_dequantize_mode():
+    float32_layer = make_layer(GGUFQuantizationMethod(), 64, 16, torch.float32)
+    float32_layer.quant = GGUFQuantizationMethod()
+    float32_layer.quant.load_weight(float32_layer, q4_weight(16, 64, seed=3), 0, 16)
+    float32_layer.quant.process_weights_after_loading(float32_layer)
+    assert float32_layer.int4_weight is None
+
+    mixed_method = GGUFQuantizationMethod()
+    mixed = make_layer(mixed_method, 64, 32, torch.bfloat16)
+    mixed_method.load_weight(mixed, q4_weight(16, 64, seed=4), 0, 16)
+    mixed_method.load_weight(mixed, q8_weight(16, 64, seed=5), 16, 16)
+    mixed_method.process_weights_after_loading(mixed)
+    assert mixed.int4_weight is None
+
+    dense_only = GGUFQuantizationMethod(mode="dequantize")
+    layer = make_layer(dense_only, 64, 16, torch.bfloat16)
+    dense_only.load_weight(layer, q4_weight(16, 64, seed=6), 0, 16)
+    dense_only.process_weights_after_loading(layer)
+    assert layer.int4_weight is None
 
 
 @pytest.mark.hook("register_quantization_methods")

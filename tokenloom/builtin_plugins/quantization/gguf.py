@@ -1,9 +1,12 @@
 """The ``gguf`` quantization method: linear layers whose checkpoint weights are GGML blocks
 (:class:`GGUFWeight`, yielded by the ``gguf`` load format).
 
-Mode ``"dequantize"`` (the only one so far) unpacks each weight once, at load, into a dense
-parameter of the model dtype, so the forward is a plain matmul. A ``"packed"`` mode (keep the
-blocks, dequantize on the fly in the matmul) fits the same interface later.
+Every weight is unpacked once, at load, into a dense parameter of the model dtype. In mode
+``"auto"`` (the default) a layer whose weight is all 4-bit blocks (Q4_0, Q4_1, Q4_K) also keeps
+those blocks, repacked for the CPU's int4 kernel, when the model runs in bfloat16 or float16:
+decode steps of a few rows then read a quarter of the bytes (:mod:`tokenloom.kernels.int4_matmul`
+says where the dense matmul takes over). Mode ``"dequantize"`` keeps only the dense weight;
+float32 models always do.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  
     GGUFWeight,
     supported_type_names,
 )
+from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int4_type
 from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.kernels.int4_matmul import INT4_DTYPES, can_pack, int4_linear, pack_int4, prefers_int4
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
 
-MODES = ("dequantize",)
+MODES = ("auto", "dequantize")
 
 
 class GGUFQuantizationMethod(UnquantizedMethod):
@@ -29,7 +34,7 @@ class GGUFQuantizationMethod(UnquantizedMethod):
 
     name = "gguf"
 
-    def __init__(self, mode: str = "dequantize"):
+    def __init__(self, mode: str = "auto"):
         if mode not in MODES:
             raise ConfigError(f"gguf quantization mode {mode!r} is not implemented; available: {', '.join(MODES)}")
         self.mode = mode
@@ -46,6 +51,37 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         else:
             tensor = materialize(loaded_weight, layer.weight.dtype)
         super().load_weight(layer, tensor, output_offset, output_size)
+        self._keep_int4_shard(layer, loaded_weight, output_offset)
+
+    def _keep_int4_shard(self, layer, loaded_weight: Any, output_offset: int) -> None:
+        """Remember this shard's 4-bit codes until the whole layer is loaded; one shard that
+        is not 4-bit blocks leaves the layer dense."""
+        shards = getattr(layer, "_int4_shards", {})
+        if shards is None:
+            return
+        if (self.mode == "auto" and layer.weight.dtype in INT4_DTYPES and isinstance(loaded_weight, GGUFWeight)
+                and is_int4_type(loaded_weight.ggml_type)):
+            shards[output_offset] = int4_groups(loaded_weight)
+            layer._int4_shards = shards
+        else:
+            layer._int4_shards = None
+
+    def process_weights_after_loading(self, layer) -> None:
+        shards = getattr(layer, "_int4_shards", None)
+        layer._int4_shards = None
+        layer.int4_weight = None
+        if not shards:
+            return
+        codes, scales, zeros = (torch.cat([shards[offset][part] for offset in sorted(shards)]) for part in range(3))
+        if codes.shape != layer.weight.shape or not can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
+            return
+        layer.int4_weight = pack_int4(codes, scales, zeros, layer.weight.dtype)
+
+    def apply(self, layer, x, bias):
+        int4_weight = getattr(layer, "int4_weight", None)
+        if int4_weight is not None and prefers_int4(x):
+            return int4_linear(x, int4_weight, bias)
+        return super().apply(layer, x, bias)
 
 
 def check_supported(weight: GGUFWeight) -> None:
