@@ -184,6 +184,31 @@ def _attend_sequence(
     return _unfold_query_heads(rows, num_queries)
 
 
+def _decode_all_heads(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence, ``query [B, Hq, D]`` over gathered ``keys/values [B, L, Hkv, D]``
+    with ``score_bias [B, 1, L]`` (0 or -inf) -> ``[B, Hq, D]``.
+
+    Each sequence's query heads are multiplied against *all* its KV heads in one batched
+    matmul straight from the gathered layout, and each head's own KV head is then picked out
+    as a diagonal view: the extra products are cheap (Hkv x a few MFLOP), while putting K/V
+    head-major first would copy every gathered key and value, and SDPA's CPU kernel is 2-3x
+    slower on a batch of single queries."""
+    num_seqs, num_q_heads, head_size = query.shape
+    num_keys, num_kv_heads = keys.shape[1], keys.shape[2]
+    group_size = num_q_heads // num_kv_heads
+    scores = torch.bmm(query, keys.view(num_seqs, num_keys * num_kv_heads, head_size).transpose(1, 2))
+    # [B, Hkv(query's), G, L, Hkv(key's)] -> the matching pairs, [B, G, L, Hkv]
+    scores = scores.view(num_seqs, num_kv_heads, group_size, num_keys, num_kv_heads).diagonal(dim1=1, dim2=4)
+    scores = scores.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, num_keys).float() * scale + score_bias
+    probs = scores.softmax(dim=-1).to(query.dtype)
+    output = torch.bmm(probs, values.view(num_seqs, num_keys, num_kv_heads * head_size))
+    # [B, Hkv(query's), G, Hkv(value's), D] -> the matching pairs
+    output = output.view(num_seqs, num_kv_heads, group_size, num_kv_heads, head_size).diagonal(dim1=1, dim2=3)
+    return output.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, head_size)
+
+
 def _fold_query_heads(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[Q, Hq, D]`` -> ``[Hkv, G*Q, D]``: each KV head's query group as extra query rows,
     so GQA needs no repeated K/V (rows are ordered group-major: row = g * Q + q)."""
@@ -215,13 +240,22 @@ class _ContextGather:
 
 @dataclass
 class _DecodeGroup:
-    """Decode sequences of similar length, attended in one padded SDPA call."""
+    """Decode sequences of similar length, attended in one padded call."""
 
     # [group size] flat token index of each query; None when the group is the whole batch
     token_indices: torch.Tensor | None
     gather: _ContextGather
     # [group size, 1, 1, keys] allowed mask
     mask: torch.Tensor
+    # [group size, 1, keys] float32: 0 where allowed, -inf elsewhere (built on first use)
+    additive_mask: torch.Tensor | None = None
+
+    def score_bias(self) -> torch.Tensor:
+        if self.additive_mask is None:
+            allowed = self.mask[:, 0]
+            self.additive_mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+                ~allowed, float("-inf"))
+        return self.additive_mask
 
 
 @dataclass
@@ -285,9 +319,10 @@ class TorchPagedAttention:
     """The CPU attention backend: SDPA over K/V gathered block-wise from the paged cache.
 
     Decode queries of a step are batched: one ``index_select`` per K and V reads every
-    sequence's blocks into a padded ``[B, Hkv, L, D]`` workspace and one SDPA call with a
-    key mask attends all of them (sequences of very different lengths are split into a few
-    groups of similar length, so short ones are not padded to the longest). Each prefill
+    sequence's blocks into a padded ``[B, L, Hkv, D]`` workspace and one masked attention
+    attends all of them (:func:`_decode_all_heads`; SDPA for a single sequence); sequences of
+    very different lengths are split into a few groups of similar length, so short ones are
+    not padded to the longest. Each prefill
     (or chunked-prefill) sequence runs its own SDPA call: ``is_causal`` on the new tokens
     when nothing is cached before them, else an explicit mask over the gathered context.
 
@@ -412,14 +447,17 @@ class TorchPagedAttention:
         num_seqs, num_q_heads, head_size = query.shape
         num_kv_heads = kv_cache.shape[-2]
         keys, values = self._gather(kv_cache, group.gather.block_ids)
-        # [B*L, Hkv, D] -> [B, Hkv, L, D]
-        keys = keys.view(num_seqs, -1, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
-        values = values.view(num_seqs, -1, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
+        # [B*L, Hkv, D] -> [B, L, Hkv, D]
+        keys = keys.view(num_seqs, -1, num_kv_heads, head_size).to(query.dtype)
+        values = values.view(num_seqs, -1, num_kv_heads, head_size).to(query.dtype)
+        if num_seqs > 1 and logits_soft_cap is None:
+            return _decode_all_heads(query, keys, values, group.score_bias(), scale)
         # one query per sequence: its head group as G query rows of the KV head (SDPA's
         # enable_gqa is several times slower here in bfloat16)
         folded_query = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_size)
         output = _attend_folded(
-            folded_query, keys, values, scale=scale, mask=group.mask, logits_soft_cap=logits_soft_cap
+            folded_query, keys.transpose(1, 2), values.transpose(1, 2),
+            scale=scale, mask=group.mask, logits_soft_cap=logits_soft_cap,
         )
         return output.reshape(num_seqs, num_q_heads, head_size)
 

@@ -43,7 +43,7 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata) -> torch.Tensor:
-        """``query [T, Hq * D]``, ``key/value [T, Hkv * D]`` -> ``[T, Hq * D]``."""
+        """``query [T, Hq * D]``, ``key/value [T, Hkv * D]`` (or split into heads) -> ``[T, Hq * D]``."""
         if attn_metadata.backend is None:
             raise ConfigError(
                 "AttentionMetadata.backend is not set: the model runner must attach the platform's backend"

@@ -144,24 +144,39 @@ class RotaryEmbedding(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         self.register_buffer("cos_cache", (freqs.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (freqs.sin() * attention_scaling).to(dtype), persistent=False)
+        self._table_positions: torch.Tensor | None = None
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_size)
+    def _step_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos [T, 1, rotary_dim]`` and signed ``sin`` for ``positions``, looked up once per
+        step: every layer of a step passes the same ``positions`` tensor."""
+        if positions is not self._table_positions:
+            cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+            self._tables = (torch.cat([cos, cos], dim=-1).unsqueeze(1), torch.cat([-sin, sin], dim=-1).unsqueeze(1))
+            self._table_positions = positions
+        return self._tables
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H * D]`` (or ``[T, H, D]``, any row stride) rotated to ``positions [T]``, as a
+        new ``[T, H, D]`` tensor. Queries and keys stored side by side rotate in one call."""
+        num_tokens = x.shape[0]
+        heads = x.view(num_tokens, -1, self.head_size)
+        cos, sin = self._step_tables(positions)
         half = self.rotary_dim // 2
-        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
-        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        rotary = heads[..., :self.rotary_dim]
+        # rotate_half(x) * sin == swapped halves * [-sin, sin]
+        swapped = rotary.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+        rotated = rotary * cos + swapped * sin
         if self.rotary_dim < self.head_size:
-            parts.append(x[..., self.rotary_dim:])
-        return torch.cat(parts, dim=-1).view(shape)
+            rotated = torch.cat([rotated, heads[..., self.rotary_dim:]], dim=-1)
+        return rotated
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query [T, Hq * D]`` (or ``[T, Hq, D]``) and ``key`` rotated to ``positions [T]``."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        """``query [T, Hq * D]`` (or ``[T, Hq, D]``) and ``key`` rotated to ``positions [T]``,
+        in their input shapes."""
+        return self.rotate(positions, query).view(query.shape), self.rotate(positions, key).view(key.shape)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
