@@ -112,3 +112,39 @@ def test_every_stream_learns_when_the_engine_dies(engine):
         assert engine.errored and not engine.is_running
 
     asyncio.run(run())
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread(tiny_llama_dir, monkeypatch):
+    # a second thread running torch ops would start a second OpenMP pool (slow steps)
+    import threading
+
+    from tokenloom.core.engine import LLMEngine
+
+    threads = {"main": threading.current_thread()}
+    build, step = LLMEngine.from_engine_args.__func__, LLMEngine.step
+
+    def recording_build(cls, *args, **kwargs):
+        threads["build"] = threading.current_thread()
+        return build(cls, *args, **kwargs)
+
+    def recording_step(self):
+        threads["step"] = threading.current_thread()
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(recording_build))
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_dir, dtype="float32", block_size=4))
+
+    async def run():
+        try:
+            return await collect(engine, "a", PROMPT, delta_params(3))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run())[2] == "length"
+    assert threads["build"] is threads["step"] is not threads["main"]
+
+
+def test_a_build_error_is_raised_by_from_engine_args(tmp_path):
+    with pytest.raises(Exception, match=str(tmp_path / "missing")):
+        AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path / "missing")))

@@ -561,9 +561,16 @@ def choose_platform(name: str, plugins: PluginSet) -> str:
 
 class AsyncLLM:
     """The engine for the server: a background thread runs ``LLMEngine.step()`` while there is
-    work; each request gets an asyncio queue of its outputs."""
+    work; each request gets an asyncio queue of its outputs.
 
-    def __init__(self, engine: LLMEngine):
+    :meth:`from_engine_args` builds the engine on that same thread. torch keeps one OpenMP
+    worker pool per thread that runs parallel ops; with a second pool (the one weight loading
+    made on the caller's thread) the process has more OpenMP threads than a 2-core machine has
+    cores, libgomp stops its workers spinning between ops, and every decode step runs about
+    twice as long.
+    """
+
+    def __init__(self, engine: LLMEngine | None):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -573,11 +580,15 @@ class AsyncLLM:
         self._stopping = False
         self.errored = False
         self._dead_reason: str | None = None
-        self._stats = engine.stats()
+        self._stats = engine.stats() if engine is not None else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> "AsyncLLM":
-        return cls(LLMEngine.from_engine_args(engine_args, plugins))
+        """Builds the engine on its own thread (see the class docstring) and returns once it
+        is built; a build error is raised here."""
+        async_llm = cls(None)
+        async_llm._start_thread(lambda: LLMEngine.from_engine_args(engine_args, plugins))
+        return async_llm
 
     # what the server reads
     @property
@@ -616,17 +627,39 @@ class AsyncLLM:
         return self._stats
 
     async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
+        """Bind outputs to the running event loop; start the engine thread if not yet running."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if self._thread is None:
+            self._start_thread(None)
+
+    def _start_thread(self, build_engine) -> None:
+        built: concurrent.futures.Future = concurrent.futures.Future()
+
+        def main() -> None:
+            try:
+                if build_engine is not None:
+                    self.engine = build_engine()
+                    self._stats = self.engine.stats()
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            built.set_result(None)
+            self._run()
+
+        self._thread = threading.Thread(target=main, name="tokenloom-engine", daemon=True)
         self._thread.start()
+        try:
+            built.result()
+        except BaseException:
+            self._thread = None
+            raise
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
-        if self._thread is None:
+        if self._loop is None or self._thread is None:
             await self.start()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -661,7 +694,7 @@ class AsyncLLM:
         before anything is queued."""
         if self.errored:
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
-        if self._thread is None:
+        if self._loop is None or self._thread is None:
             await self.start()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
