@@ -129,11 +129,14 @@ def test_fast_backend_matches_reference(specs, window, heads, soft_cap):
     torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("specs", [MIXED_BATCHES[0], MIXED_BATCHES[2]])
-def test_fast_backend_bfloat16_close_to_reference(specs):
+@pytest.mark.parametrize("window", [5, None])
+# the decode batch, and a causal prompt long enough for the batched-matmul path next to decodes
+@pytest.mark.parametrize("specs", [MIXED_BATCHES[0], MIXED_BATCHES[2], [(0, 70), (8, 1), (3, 1)]])
+def test_fast_backend_bfloat16_close_to_reference(specs, window):
     _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 16, torch.bfloat16, 3)
-    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.25, sliding_window=5)
-    output = TorchPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.25, sliding_window=5)
+    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.25,
+                                         sliding_window=window)
+    output = TorchPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window)
     assert output.dtype == torch.bfloat16
     torch.testing.assert_close(output.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
