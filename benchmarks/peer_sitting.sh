@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One side-by-side sitting: each server in turn serves SmolLM2-135M-Instruct alone on this
+# machine, is timed from start to ready, and is benchmarked with vLLM's own client through
+# ../shared/bench/peer.sh (random 256-token prompts, 128 output tokens, greedy, ignore_eos;
+# concurrency/prompts 1/8, 8/32, 32/64), while the peak resident set of its process tree is
+# sampled. Results land in OUT (default benchmarks/results/DATE).
+#
+#   benchmarks/peer_sitting.sh [SYSTEM...]     SYSTEM: tokenloom vllm vllm-1core llamacpp
+#
+# Needs `peer.sh setup` (and `peer.sh setup-llamacpp` for llamacpp) done once.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+peer=${PEER_SH:-$here/../../shared/bench/peer.sh}
+out=${OUT:-$here/results/$(date +%F)}
+mkdir -p "$out"
+systems=("$@")
+[ ${#systems[@]} -gt 0 ] || systems=(tokenloom vllm vllm-1core llamacpp)
+
+tree_rss_kib() {  # resident set of a process and all its descendants, in KiB
+  local pids
+  pids=$(pstree -p "$1" 2>/dev/null | grep -o '([0-9]*)' | tr -d '()' || echo "$1")
+  local total=0
+  for pid in $pids; do
+    total=$((total + $(awk '/^VmRSS/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)))
+  done
+  echo "$total"
+}
+
+run_one() {
+  local name=$1 port=$2 extra=$3; shift 3
+  echo "== $name: $*"
+  local started
+  started=$(date +%s.%N)
+  "$@" >"$out/$name.server.log" 2>&1 &
+  local pid=$!
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 \
+      || curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; do
+    kill -0 "$pid" 2>/dev/null || { echo "$name died: see $out/$name.server.log"; return 1; }
+    sleep 0.2
+  done
+  local ready
+  ready=$(echo "$(date +%s.%N) - $started" | bc)
+  echo "$name start to ready: ${ready} s" | tee "$out/$name.ready.txt"
+  local peak=0
+  echo 0 >"$out/$name.peak_rss_kib"
+  ( while kill -0 "$pid" 2>/dev/null; do
+      rss=$(tree_rss_kib "$pid"); [ "$rss" -gt "$peak" ] && peak=$rss && echo "$peak" >"$out/$name.peak_rss_kib"
+      sleep 0.5
+    done ) &
+  local sampler=$!
+  if [ -n "$extra" ]; then
+    "$peer" bench "http://127.0.0.1:$port" "$out/$name" --extra-body "$extra"
+  else
+    "$peer" bench "http://127.0.0.1:$port" "$out/$name"
+  fi
+  echo "$name peak RSS: $(( $(cat "$out/$name.peak_rss_kib") / 1024 )) MiB" | tee -a "$out/$name.ready.txt"
+  kill "$sampler" 2>/dev/null || true
+  pkill -TERM -P "$pid" 2>/dev/null || true
+  kill -TERM "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  sleep 3
+}
+
+for system in "${systems[@]}"; do
+  case "$system" in
+  tokenloom) run_one tokenloom 8000 "" "$here/../.venv/bin/tokenloom" serve smollm2 --host 127.0.0.1 --port 8000 ;;
+  vllm) run_one vllm 8100 "" env VLLM_CPU_OMP_THREADS_BIND=0-1 "$peer" serve-vllm 8100 ;;
+  vllm-1core) run_one vllm-1core 8100 "" env VLLM_CPU_OMP_THREADS_BIND=auto "$peer" serve-vllm 8100 ;;
+  llamacpp) run_one llamacpp 8200 '{"logit_bias": {"0": -1000, "2": -1000, "4": -1000}}' "$peer" serve-llamacpp 8200 ;;
+  *) echo "unknown system $system"; exit 2 ;;
+  esac
+done
