@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Awaitable
 
 import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenloom.api.http_errors import request_id_of
 from tokenloom.api.metrics import RequestTimer, ServerMetrics
@@ -331,6 +331,21 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
             await asyncio.gather(*pending, return_exceptions=True)
             for stream in streams:
                 await stream.aclose()
+
+
+async def respond(raw_request: Request, run: Any, outputs: AsyncIterator, request_id: str, stream: bool) -> Response:
+    """The HTTP response of one generation request: ``run.stream(first, outputs)`` as
+    server-sent events, or ``run.collect(outputs)`` as JSON; 499 when the client goes away
+    before the first output (or the whole response) is ready."""
+    try:
+        if stream:
+            first = await cancel_on_disconnect(raw_request, anext(outputs))
+            return EngineStreamingResponse(run.stream(first, outputs), media_type="text/event-stream")
+        response = await cancel_on_disconnect(raw_request, run.collect(outputs))
+    except ClientDisconnected:
+        logger.info("request %s: the client disconnected; aborted", request_id)
+        return Response(status_code=499)
+    return JSONResponse(response.model_dump(mode="json"))
 
 
 async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:

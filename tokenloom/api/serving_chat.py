@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.api import parsers
 from tokenloom.api.chat_template import ChatRenderer, message_text
@@ -41,12 +41,10 @@ from tokenloom.api.protocol import (
 from tokenloom.api.serving_base import (
     MIN_LOGPROB,
     ChoiceState,
-    ClientDisconnected,
-    EngineStreamingResponse,
     ServingContext,
-    cancel_on_disconnect,
     clamp_logprob,
     pick_best,
+    respond,
 )
 from tokenloom.api.serving_completions import check_output
 from tokenloom.core.request import Logprob, RequestOutput
@@ -171,15 +169,7 @@ class ChatHandler:
 
         run = _ChatRun(self, request, request_id, model_name, prompt_ids, tool_mode)
         outputs = ctx.generate_all([(prompt_ids, params)], request_id, request.priority)
-        try:
-            if request.stream:
-                first = await cancel_on_disconnect(raw_request, anext(outputs))
-                return EngineStreamingResponse(run.stream(first, outputs), media_type="text/event-stream")
-            response = await cancel_on_disconnect(raw_request, run.collect(outputs))
-        except ClientDisconnected:
-            logger.info("request %s: the client disconnected; aborted", request_id)
-            return Response(status_code=499)
-        return JSONResponse(response.model_dump(mode="json"))
+        return await respond(raw_request, run, outputs, request_id, request.stream)
 
 
 class _ChatRun:

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.api.http_errors import sse_error_event
 from tokenloom.api.protocol import (
@@ -24,12 +24,10 @@ from tokenloom.api.protocol import (
 )
 from tokenloom.api.serving_base import (
     ChoiceState,
-    ClientDisconnected,
-    EngineStreamingResponse,
     ServingContext,
-    cancel_on_disconnect,
     clamp_logprob,
     pick_best,
+    respond,
 )
 from tokenloom.core.request import Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
@@ -100,15 +98,7 @@ class CompletionsHandler:
             ctx.log_request(request_id if len(prompts) == 1 else f"{request_id}-{index}", prompts[index], ids, params)
         run = _CompletionRun(ctx, request, request_id, model_name, prompts, prompt_ids)
         outputs = ctx.generate_all(engine_inputs, request_id, request.priority)
-        try:
-            if request.stream:
-                first = await cancel_on_disconnect(raw_request, anext(outputs))
-                return EngineStreamingResponse(run.stream(first, outputs), media_type="text/event-stream")
-            response = await cancel_on_disconnect(raw_request, run.collect(outputs))
-        except ClientDisconnected:
-            logger.info("request %s: the client disconnected; aborted", request_id)
-            return Response(status_code=499)
-        return JSONResponse(response.model_dump(mode="json"))
+        return await respond(raw_request, run, outputs, request_id, request.stream)
 
 
 class _CompletionRun:
