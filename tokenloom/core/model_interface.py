@@ -27,7 +27,7 @@ class KVCacheSpec:
 class ModelContext:
     """Everything a model plugin's constructor receives."""
 
-    hf_config: Any  # transformers.PretrainedConfig (after --hf-overrides, --rope-*)
+    hf_config: Any  # a config with transformers' attributes (PretrainedConfig or GGUFModelConfig), after --hf-overrides, --rope-*
     dtype: Any  # torch.dtype of weights and activations
     device: Any  # torch.device
     # a QuantizationMethod instance, or None for unquantized weights

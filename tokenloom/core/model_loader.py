@@ -88,11 +88,15 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
     started = time.perf_counter()
     resolved = resolve_source(model_config.model, plugins, model_config, config.load.download_dir)
     format_name, load_format = choose_load_format(config.load.load_format, resolved.path, resolved.load_format, plugins)
+    config_started = time.perf_counter()
     hf_config = load_format.load_config(resolved.path, model_config)
     apply_rope_overrides(hf_config, model_config)
+    tokenizer_started = time.perf_counter()
     tokenizer = None if model_config.skip_tokenizer_init else load_format.load_tokenizer(resolved.path, model_config)
-    logger.info("resolved %s -> %s (%s, %s) in %.2fs", model_config.model, resolved.path, resolved.source,
-                format_name, time.perf_counter() - started)
+    finished = time.perf_counter()
+    logger.info("resolved %s -> %s (%s, %s) in %.2fs: files %.2fs, config %.2fs, tokenizer %.2fs",
+                model_config.model, resolved.path, resolved.source, format_name, finished - started,
+                config_started - started, tokenizer_started - config_started, finished - tokenizer_started)
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     model_registry = plugins.registry("model")
@@ -138,8 +142,9 @@ def apply_rope_overrides(hf_config: Any, model_config: ModelConfig) -> None:
     parameters = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     if model_config.rope_scaling:
         parameters.update(model_config.rope_scaling)
-        if "type" in parameters and "rope_type" not in parameters:
-            parameters["rope_type"] = parameters["type"]
+        # vLLM's older spelling, {"type": ...}, replaces the model's own rope_type too
+        if "type" in model_config.rope_scaling and "rope_type" not in model_config.rope_scaling:
+            parameters["rope_type"] = model_config.rope_scaling["type"]
     if model_config.rope_theta is not None:
         parameters["rope_theta"] = model_config.rope_theta
         hf_config.rope_theta = model_config.rope_theta
@@ -188,7 +193,8 @@ def resolve_dtype(name: str, hf_config: Any, platform: Any):
                 "float": torch.float32, "float32": torch.float32}
     if name in explicit:
         return explicit[name]
-    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5 configs warn on reading the deprecated ``torch_dtype``: only older ones lack ``dtype``
+    stored = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
     if isinstance(stored, str):
         stored = getattr(torch, stored, torch.float32)
     return platform.default_dtype(stored if isinstance(stored, torch.dtype) else torch.float32)

@@ -62,7 +62,7 @@ def test_config_equals_transformers_conversion(real_model):
                 "bos_token_id", "eos_token_id", "pad_token_id", "intermediate_size"):
         assert getattr(ours, key) == getattr(reference, key), key
     ours_dict, reference_dict = ours.to_dict(), reference.to_dict()
-    for key in ("_name_or_path", "_model_name_or_path", "architectures"):
+    for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version"):
         ours_dict.pop(key, None), reference_dict.pop(key, None)
     assert ours_dict == reference_dict
     expected = {"smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

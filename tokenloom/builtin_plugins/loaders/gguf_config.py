@@ -1,20 +1,78 @@
-"""GGUF metadata -> a transformers config (LlamaConfig, Qwen2Config, Gemma3TextConfig).
+"""GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
+attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config or Gemma3TextConfig.
 
-Built from llama.cpp's metadata keys directly instead of ``AutoConfig.from_pretrained(...,
-gguf_file=...)``, which parses the whole vocabulary and takes seconds; the result is checked
-against transformers' own conversion in the tests.
+Built from llama.cpp's metadata keys without transformers: ``AutoConfig.from_pretrained(...,
+gguf_file=...)`` parses the whole vocabulary, and merely importing a transformers config class
+costs 1.5-2 s (transformers.activations pulls in torch.distributed and torch._dynamo), most of
+a server's start-up. The tests compare every field with transformers' own conversion, so the
+defaults below track the installed transformers.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, SkippedStringArray
 from tokenloom.errors import ModelLoadError
 
+# transformers' RotaryEmbeddingConfigMixin.default_theta (Gemma 3 has its own pair, below)
+DEFAULT_ROPE_THETA = 10_000.0
+GEMMA3_GLOBAL_ROPE_THETA, GEMMA3_LOCAL_ROPE_THETA = 1_000_000.0, 10_000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer attends globally
+
+
+class GGUFModelConfig:
+    """A model config as plain attributes (``config.hidden_size``, ``config.rope_parameters``):
+    what transformers' config class of the same architecture would hold, picklable, and cheap."""
+
+    def __init__(self, **attributes: Any):
+        self.__dict__.update(attributes)
+
+    @property
+    def rope_scaling(self) -> Any:
+        # transformers 5 keeps one RoPE dict, rope_parameters; rope_scaling is its old name
+        return self.rope_parameters
+
+    @rope_scaling.setter
+    def rope_scaling(self, value: Any) -> None:
+        self.rope_parameters = value
+
+    @property
+    def name_or_path(self) -> str:
+        return self._name_or_path
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> "GGUFModelConfig":
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.__dict__)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{key}={value!r}" for key, value in self.__dict__.items())
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GGUFModelConfig) and self.__dict__ == other.__dict__
+
+
+def _pretrained_config_defaults() -> dict[str, Any]:
+    """What transformers' PreTrainedConfig sets on every config."""
+    return {
+        "architectures": None, "output_hidden_states": False, "return_dict": True, "dtype": None,
+        "chunk_size_feed_forward": 0, "is_encoder_decoder": False,
+        "id2label": {0: "LABEL_0", 1: "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+        "problem_type": None, "_name_or_path": "", "output_attentions": False,
+    }
+
 
 def _common(gguf: GGUFFile) -> dict[str, Any]:
-    """Keys every supported architecture states the same way."""
+    """Keys every supported architecture states the same way (absent optional keys are left out,
+    so the architecture's default applies)."""
 
     def required(key: str) -> Any:
         value = gguf.arch_get(key)
@@ -28,7 +86,7 @@ def _common(gguf: GGUFFile) -> dict[str, Any]:
     vocab_size = gguf.arch_get("vocab_size")
     if vocab_size is None and tokens is not None:
         vocab_size = tokens.count if isinstance(tokens, SkippedStringArray) else len(tokens)
-    kwargs: dict[str, Any] = {
+    fields: dict[str, Any] = {
         "hidden_size": int(required("embedding_length")),
         "intermediate_size": int(required("feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
@@ -40,60 +98,88 @@ def _common(gguf: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
     }
     if vocab_size is not None:
-        kwargs["vocab_size"] = int(vocab_size)
-    rope_theta = gguf.arch_get("rope.freq_base")
-    if rope_theta is not None:
-        kwargs["rope_theta"] = float(rope_theta)
+        fields["vocab_size"] = int(vocab_size)
     for config_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                                  ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         token_id = gguf.get(f"tokenizer.ggml.{gguf_key}")
         if token_id is not None:
-            kwargs[config_key] = int(token_id)
-    return kwargs
+            fields[config_key] = int(token_id)
+    return fields
 
 
-def _llama_config(gguf: GGUFFile):
-    from transformers import LlamaConfig
+def _rope_theta(gguf: GGUFFile, default: float) -> float:
+    rope_theta = gguf.arch_get("rope.freq_base")
+    return float(rope_theta) if rope_theta is not None else default
 
-    kwargs = _common(gguf)
+
+def _llama_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 32000, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
+        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        **_common(gguf),
+    }
+    fields["rope_parameters"] = {"rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA), "rope_type": "default"}
     head_dim = gguf.arch_get("rope.dimension_count")
-    if head_dim is not None:
-        kwargs["head_dim"] = int(head_dim)
-    return LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
+    fields["head_dim"] = int(head_dim) if head_dim is not None else fields["hidden_size"] // fields["num_attention_heads"]
+    return GGUFModelConfig(**fields)
 
 
-def _qwen2_config(gguf: GGUFFile):
-    from transformers import Qwen2Config
+def _qwen2_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": 151936, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
+        # llama.cpp states no sliding window for Qwen2, and transformers' default is off
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28,
+        "attention_dropout": 0.0, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+        **_common(gguf),
+    }
+    fields["rope_parameters"] = {"rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA), "rope_type": "default"}
+    fields["layer_types"] = ["full_attention"] * fields["num_hidden_layers"]
+    return GGUFModelConfig(**fields)
 
-    return Qwen2Config(architectures=["Qwen2ForCausalLM"], **_common(gguf))
 
-
-def _gemma3_config(gguf: GGUFFile):
-    from transformers import Gemma3TextConfig
-
-    kwargs = _common(gguf)
-    head_dim = int(gguf.arch_get("attention.key_length", kwargs["hidden_size"] // kwargs["num_attention_heads"]))
-    kwargs["head_dim"] = head_dim
+def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": 262_208, "hidden_activation": "gelu_pytorch_tanh", "initializer_range": 0.02,
+        "use_cache": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "attention_bias": False,
+        "attention_dropout": 0.0, "sliding_window": 4096, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        "_sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
+        **_common(gguf),
+    }
+    head_dim = int(gguf.arch_get("attention.key_length", fields["hidden_size"] // fields["num_attention_heads"]))
+    fields["head_dim"] = head_dim
     # llama.cpp scales queries by 1/sqrt(head_dim) for every Gemma 3 size but the 27B (62 layers),
     # which uses hidden_size / num_heads; the Hugging Face configs agree
-    kwargs["query_pre_attn_scalar"] = (
-        kwargs["hidden_size"] // kwargs["num_attention_heads"] if kwargs["num_hidden_layers"] == 62 else head_dim
+    fields["query_pre_attn_scalar"] = (
+        fields["hidden_size"] // fields["num_attention_heads"] if fields["num_hidden_layers"] == 62 else head_dim
     )
     sliding_window = gguf.arch_get("attention.sliding_window")
     if sliding_window is not None:
-        kwargs["sliding_window"] = int(sliding_window)
-    return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **kwargs)
+        fields["sliding_window"] = int(sliding_window)
+    fields["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA},
+        "full_attention": {"rope_type": "default", "rope_theta": _rope_theta(gguf, GEMMA3_GLOBAL_ROPE_THETA)},
+    }
+    fields["layer_types"] = [
+        "full_attention" if (index + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
+        for index in range(fields["num_hidden_layers"])
+    ]
+    return GGUFModelConfig(**fields)
 
 
-GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], Any]] = {
+GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
     "gemma3": _gemma3_config,
 }
 
 
-def gguf_to_hf_config(gguf: GGUFFile):
-    """The transformers config of the model in ``gguf``; ModelLoadError for other architectures."""
+def gguf_to_hf_config(gguf: GGUFFile) -> GGUFModelConfig:
+    """The model config of the model in ``gguf``; ModelLoadError for other architectures."""
     builder = GGUF_CONFIG_BUILDERS.get(gguf.architecture)
     if builder is None:
         raise ModelLoadError(
