@@ -63,6 +63,21 @@ def test_large_tensors_are_dequantized_in_chunks_with_the_same_result(monkeypatc
     assert torch.equal(whole, chunked)
 
 
+@pytest.mark.parametrize("ggml_type", sorted(gguf_blocks.DEQUANTIZERS), ids=gguf_blocks.type_name)
+def test_blocks_at_an_odd_byte_offset_or_strided_dequantize_the_same(ggml_type):
+    # the dequantizers read fp16 scales through a view when the bytes allow it, and copy otherwise
+    _, block_values, block_bytes = gguf_blocks.GGML_TYPES[ggml_type]
+    blocks = torch.from_numpy(random_blocks(ggml_type, num_blocks=12, seed=7))
+    expected = gguf_blocks.DEQUANTIZERS[ggml_type](blocks.clone())
+    shifted = torch.empty(blocks.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = blocks.reshape(-1)
+    wide = torch.zeros(12, block_bytes + 2, dtype=torch.uint8)
+    wide[:, :block_bytes] = blocks
+    for layout in (shifted[1:].view(12, block_bytes), wide[:, :block_bytes]):
+        assert torch.equal(gguf_blocks.DEQUANTIZERS[ggml_type](layout), expected)
+    assert expected.shape == (12, block_values)
+
+
 def test_float_types_pass_through_and_convert_to_the_requested_dtype():
     values = torch.randn(4, 8)
     for ggml_type, dtype in gguf_blocks.FLOAT_TYPES.items():

@@ -31,12 +31,27 @@ _BLOCKS_PER_CHUNK = 1 << 15
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 scalar at byte ``start`` of each block, as ``[num_blocks, 1]`` float32."""
+    if (start % 2 == 0 and blocks.shape[1] % 2 == 0 and blocks.storage_offset() % 2 == 0
+            and blocks.stride() == (blocks.shape[1], 1)):
+        # read in place through a float16 view of whole blocks rather than copying the two bytes out
+        return blocks.view(torch.float16)[:, start // 2:start // 2 + 1].float()
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """ggml's 4-bit layout: a block's first half of values in the low nibbles, second half in the high."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+    num_blocks, half = packed.shape
+    values = torch.empty(num_blocks, 2 * half, dtype=torch.uint8)
+    torch.bitwise_and(packed, 0x0F, out=values[:, :half])
+    torch.bitwise_right_shift(packed, 4, out=values[:, half:])
+    return values
+
+
+def _int8(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes ``start:stop`` of each block read as int8 (a view when the blocks are contiguous)."""
+    if blocks.stride() == (blocks.shape[1], 1):
+        return blocks.view(torch.int8)[:, start:stop]
+    return blocks[:, start:stop].contiguous().view(torch.int8)
 
 
 def _high_bits(qh: torch.Tensor, num_values: int) -> torch.Tensor:
@@ -45,12 +60,16 @@ def _high_bits(qh: torch.Tensor, num_values: int) -> torch.Tensor:
     return ((qh.unsqueeze(-1) >> bit) & 1).reshape(qh.shape[0], -1)[:, :num_values]
 
 
+# The dequantizers below update their largest temporary in place (``q.mul_(d)`` is ``d * q``
+# bit for bit): the float operations, and their order, stay ggml's.
+
+
 def _dequantize_q4_0(blocks):
-    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:18]).float() - 8)
+    return _nibbles(blocks[:, 2:18]).float().sub_(8).mul_(_f16(blocks, 0))
 
 
 def _dequantize_q4_1(blocks):
-    return _f16(blocks, 0) * _nibbles(blocks[:, 4:20]).float() + _f16(blocks, 2)
+    return _nibbles(blocks[:, 4:20]).float().mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
 
 
 def _dequantize_q5_0(blocks):
@@ -64,7 +83,7 @@ def _dequantize_q5_1(blocks):
 
 
 def _dequantize_q8_0(blocks):
-    return _f16(blocks, 0) * blocks[:, 2:34].contiguous().view(torch.int8).float()
+    return _int8(blocks, 2, 34).float().mul_(_f16(blocks, 0))
 
 
 def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
