@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -90,6 +92,39 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
     assert engine.started and engine.shut_down
     messages = [record.getMessage() for record in caplog.records]
     assert "--foo is deprecated" in messages
-    for phase in ("loading plugins: done in", "building the engine: done in", "building the app: done in"):
+    for phase in ("importing the server and the engine (fastapi, torch): done in", "loading plugins: done in",
+                  "building the engine: done in", "building the app: done in"):
         assert any(message.startswith(phase) for message in messages), phase
-    assert any(message.startswith(f"ready: serving smollm2 at http://127.0.0.1:{port}") for message in messages)
+    ready = [message for message in messages if message.startswith(f"ready: serving smollm2 at http://127.0.0.1:{port}")]
+    assert len(ready) == 1 and ready[0].endswith("since the process started)")
+
+
+def test_seconds_since_process_start_counts_from_the_process_start():
+    code = ("import time; time.sleep(0.5); from tokenloom.api.server import seconds_since_process_start; "
+            "print(seconds_since_process_start())")
+    started = time.monotonic()
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    elapsed = time.monotonic() - started
+    # /proc counts in clock ticks (10 ms)
+    assert 0.5 <= float(output) <= elapsed + 0.02
+
+
+def test_plugins_the_cli_loaded_are_reported_with_the_time_it_took(monkeypatch, caplog, restore_tokenloom_logger):
+    import tokenloom.core.engine as engine_module
+
+    class Stop(Exception):
+        pass
+
+    def refuse(cls, engine_args, plugins):
+        raise Stop
+
+    monkeypatch.setattr(engine_module.AsyncLLM, "from_engine_args", classmethod(refuse))
+    caplog.set_level(logging.INFO, logger="tokenloom")
+    serve_args = SimpleNamespace(engine_args=SimpleNamespace(), server=ServerConfig(uvicorn_log_level="warning"),
+                                 plugins=PluginSet(new_registries(), [], []), plugins_load_seconds=0.25)
+    with pytest.raises(Stop):
+        server_module.run_server(serve_args)
+    messages = [record.getMessage() for record in caplog.records]
+    assert "loading plugins: done in 0.25 s, before the flags were checked" in messages
+    assert messages[0].startswith("before the server: ") and messages[0].endswith(
+        "since the process started (interpreter, command line, plugins)")

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -187,6 +188,7 @@ class ServeArgs:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the EngineArgs keyword arguments
     warnings: list[str] = field(default_factory=list)
     plugins: Any = None  # the PluginSet, once the serve command has loaded plugins
+    plugins_load_seconds: float | None = None  # how long that took (run_server logs it)
 
 
 @subcommand("serve", "start the OpenAI-compatible server (vLLM's `serve` flags)")
@@ -202,9 +204,11 @@ def serve_command(argv: list[str]) -> int:
     from tokenloom.plugins.manager import load_plugins
 
     # run_server logs the failures (and serve_args.warnings) once its logging is set up
+    started = time.perf_counter()
     with _quiet_logger("tokenloom.plugins.manager"):
         serve_args.plugins = load_plugins(modules=serve_args.server.plugins,
                                           files=serve_args.server.tool_parser_plugin)
+    serve_args.plugins_load_seconds = time.perf_counter() - started
     check_plugin_choices(serve_args)
     try:
         from tokenloom.api.server import run_server

@@ -1,6 +1,7 @@
 """``run_server(serve_args)``: what ``tokenloom serve`` runs. Configures logging, loads the
 plugins, builds the engine and the app, and serves them with uvicorn, logging each start-up
-phase with its duration and "ready" once the socket accepts requests."""
+phase with its duration and "ready" once the socket accepts requests, with the time since the
+process started (what a user waits for)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,25 @@ def startup_phase(name: str) -> Iterator[None]:
     logger.info("%s: done in %.2f s", name, time.perf_counter() - start)
 
 
+def seconds_since_process_start() -> float | None:
+    """How long this process has been running (to 10 ms), from Linux's /proc; None elsewhere."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            # the command name, field 2, may hold spaces; field 22 (start time in clock ticks
+            # after boot) is the 20th after its closing parenthesis
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as uptime:
+            seconds_since_boot = float(uptime.read().split()[0])
+        return max(0.0, seconds_since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _since_start() -> str:
+    seconds = seconds_since_process_start()
+    return "" if seconds is None else f" ({seconds:.2f} s since the process started)"
+
+
 def _reasoning_parser_name(engine_args: Any) -> str | None:
     # an engine argument (the structured-output layer needs it too); EngineArgs raises
     # AttributeError for a name that was not given
@@ -67,6 +87,10 @@ def run_server(serve_args: Any) -> None:
     """Blocks until the server stops (Ctrl-C or SIGTERM)."""
     server = serve_args.server
     configure_logging(server.uvicorn_log_level)
+    started = seconds_since_process_start()
+    if started is not None:
+        logger.info("before the server: %.2f s since the process started (interpreter, command line, plugins)",
+                    started)
     for warning in getattr(serve_args, "warnings", None) or []:
         logger.warning(warning)
     asyncio.run(_serve(serve_args))
@@ -74,17 +98,22 @@ def run_server(serve_args: Any) -> None:
 
 async def _serve(serve_args: Any) -> None:
     # one event loop for the engine and uvicorn: the engine's asyncio objects belong to it
-    import uvicorn
+    with startup_phase("importing the server and the engine (fastapi, torch)"):
+        import uvicorn
 
-    from tokenloom.api.app import build_app
-    from tokenloom.core.engine import AsyncLLM
-    from tokenloom.plugins.manager import load_plugins
+        from tokenloom.api.app import build_app
+        from tokenloom.core.engine import AsyncLLM
+        from tokenloom.plugins.manager import load_plugins
 
     server = serve_args.server
-    with startup_phase("loading plugins"):
-        # the CLI may have loaded them already (to check flag choices); load_plugins is idempotent
-        plugins = getattr(serve_args, "plugins", None) or load_plugins(modules=server.plugins,
-                                                                       files=server.tool_parser_plugin)
+    plugins = getattr(serve_args, "plugins", None)
+    if plugins is not None:  # the CLI loaded them, to check the flags' choices
+        seconds = getattr(serve_args, "plugins_load_seconds", None)
+        logger.info("loading plugins: done %s", "before the flags were checked" if seconds is None
+                    else f"in {seconds:.2f} s, before the flags were checked")
+    else:
+        with startup_phase("loading plugins"):
+            plugins = load_plugins(modules=server.plugins, files=server.tool_parser_plugin)
     for failure in plugins.failures:
         logger.warning("plugin %r (%s) was not loaded: %s", failure.name, failure.origin, failure.cause)
     with startup_phase("building the engine"):
@@ -103,7 +132,8 @@ async def _serve(serve_args: Any) -> None:
                 await super().startup(sockets)
                 if self.started:
                     logger.info("starting the engine and listening: done in %.2f s", time.perf_counter() - started_at)
-                    logger.info("ready: serving %s at %s", ", ".join(app.state.serving.served_model_names), address)
+                    logger.info("ready: serving %s at %s%s", ", ".join(app.state.serving.served_model_names), address,
+                                _since_start())
 
         await _Server(uvicorn_config(app, server)).serve()
     finally:
