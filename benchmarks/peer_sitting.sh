@@ -16,12 +16,11 @@ mkdir -p "$out"
 systems=("$@")
 [ ${#systems[@]} -gt 0 ] || systems=(tokenloom vllm vllm-1core llamacpp)
 
-tree_rss_kib() {  # resident set of a process and all its descendants, in KiB
-  local pids
-  pids=$(pstree -p "$1" 2>/dev/null | grep -o '([0-9]*)' | tr -d '()' || echo "$1")
-  local total=0
-  for pid in $pids; do
-    total=$((total + $(awk '/^VmRSS/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)))
+tree_rss_kib() {  # resident set of a process and all its child processes (not threads), in KiB
+  local total=0 rss
+  for pid in $(pstree -p -T "$1" 2>/dev/null | grep -o '([0-9]*)' | tr -d '()'); do
+    rss=$(awk '/^VmRSS/ {print $2}' "/proc/$pid/status" 2>/dev/null)
+    total=$((total + ${rss:-0}))
   done
   echo "$total"
 }
