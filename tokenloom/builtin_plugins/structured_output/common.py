@@ -39,6 +39,19 @@ def schema_keywords(schema: Any) -> set[str]:
     return found
 
 
+# JSON-schema keywords that no built-in backend enforces (xgrammar ignores exactly these)
+KEYWORDS_NO_BACKEND_ENFORCES = frozenset({
+    "multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+    "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
+})
+# ...and what schema-to-regex/parser enforcement (outlines, lm-format-enforcer) ignores too;
+# small integer ranges are enforced anyway, as enums
+KEYWORDS_REGEX_BACKENDS_IGNORE = KEYWORDS_NO_BACKEND_ENFORCES | {
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "patternProperties", "minProperties",
+    "maxProperties", "allOf",
+}
+
+
 def unsupported_keywords_reason(backend: str, schema: Any, unsupported: set[str]) -> str | None:
     used = sorted(schema_keywords(schema) & unsupported)
     if not used:

@@ -18,17 +18,15 @@ from tokenloom.builtin_plugins.structured_output.common import (
     JsonControlByteFilter,
     subschemas,
     token_bytes,
+    KEYWORDS_REGEX_BACKENDS_IGNORE,
     unsupported_keywords_reason,
 )
 from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend, allocate_bitmask
 
 # what lm-format-enforcer's JSON parser does not enforce: outputs could break these (small
 # integer ranges are enforced anyway, as enums)
-UNSUPPORTED_JSON_KEYWORDS = {
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
-    "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-    "unevaluatedProperties", "unevaluatedItems", "propertyNames", "patternProperties", "minProperties",
-    "maxProperties", "allOf", "oneOf", "prefixItems", "format",
+UNSUPPORTED_JSON_KEYWORDS = KEYWORDS_REGEX_BACKENDS_IGNORE | {
+    "oneOf", "prefixItems", "format",
     # leading whitespace inside a string is not counted, so strings can exceed it
     "maxLength",
 }

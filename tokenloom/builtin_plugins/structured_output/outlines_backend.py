@@ -13,18 +13,13 @@ from tokenloom.builtin_plugins.structured_output.common import (
     enumerate_integer_ranges,
     choice_regex,
     token_bytes,
+    KEYWORDS_REGEX_BACKENDS_IGNORE,
     unsupported_keywords_reason,
 )
 from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
 
-# what build_regex_from_schema ignores (numeric bounds among them): outputs could break these;
-# small integer ranges are enforced anyway, as enums
-UNSUPPORTED_JSON_KEYWORDS = {
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
-    "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-    "unevaluatedProperties", "unevaluatedItems", "propertyNames", "patternProperties", "minProperties",
-    "maxProperties", "allOf",
-}
+# what build_regex_from_schema ignores (numeric bounds among them): outputs could break these
+UNSUPPORTED_JSON_KEYWORDS = KEYWORDS_REGEX_BACKENDS_IGNORE
 
 
 class OutlinesMatcher(Matcher):

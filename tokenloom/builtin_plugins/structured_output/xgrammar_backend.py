@@ -15,6 +15,7 @@ from typing import Any
 from tokenloom.builtin_plugins.structured_output.common import (
     ebnf_string,
     JsonControlByteFilter,
+    KEYWORDS_NO_BACKEND_ENFORCES,
     unsupported_keywords_reason,
 )
 from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
@@ -26,10 +27,7 @@ MAX_JSON_WHITESPACE = 32
 COMPACT = (",", ":")
 
 # JSON-schema keywords xgrammar ignores: outputs could break them, so such schemas go elsewhere
-UNSUPPORTED_JSON_KEYWORDS = {
-    "multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
-    "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
-}
+UNSUPPORTED_JSON_KEYWORDS = KEYWORDS_NO_BACKEND_ENFORCES
 
 
 class XGrammarMatcher(Matcher):
