@@ -80,8 +80,9 @@ def gguf_to_hf_tokenizer(gguf: GGUFFile):
 
 
 @functools.lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (byte-level BPE vocabularies spell
+    tokens in it)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     characters = printable[:]
     extra = 0
@@ -96,7 +97,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {}
     for index, token in enumerate(tokens):
@@ -180,7 +181,7 @@ def _add_special_tokens(backend, gguf: GGUFFile, tokens: list[str], *, byte_leve
     token_types = gguf.get("tokenizer.ggml.token_type")
     if token_types is None:
         return
-    alphabet = set(_bytes_to_unicode().values()) if byte_level else None
+    alphabet = set(bytes_to_unicode().values()) if byte_level else None
     control, user_defined = [], []
     for token, token_type in zip(tokens, token_types.tolist()):
         if token_type == CONTROL_TOKEN and (alphabet is None or alphabet.issuperset(token)):

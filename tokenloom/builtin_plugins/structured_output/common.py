@@ -9,6 +9,8 @@ import math
 import re
 from typing import Any
 
+from tokenloom.builtin_plugins.loaders.gguf_tokenizer import bytes_to_unicode
+
 # keywords whose values are subschemas (or maps / lists of them)
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -153,16 +155,8 @@ def ebnf_string(text: str) -> str:
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(char): byte for byte, char in zip(printable, chars)}
+    """GPT-2's byte-level alphabet, reversed: the byte each printable character stands for."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
