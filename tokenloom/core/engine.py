@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -657,60 +658,54 @@ class AsyncLLM:
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        if self.errored:
-            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
-        if self._loop is None or self._thread is None:
-            await self.start()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        await self._admit(request_id)
         prepared = self.engine.prepare_prompt(prompt, sampling_params)
         grammar = self.engine.submit_structured_output(sampling_params)
         if grammar is not None:
             # compiled off both loops; a bad constraint fails here, before anything is scheduled
             await asyncio.wrap_future(grammar)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, sampling_params, priority, prepared, time.monotonic()))
-        self._wakeup.set()
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+        command = ("add", request_id, sampling_params, priority, prepared, time.monotonic())
+        async with contextlib.aclosing(self._outputs(command)) as outputs:
+            async for item in outputs:
                 yield item
-                if finished:
-                    break
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
-                self._wakeup.set()
 
     async def encode(self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *,
                      priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
         """The pooled output of one prompt (a single, final item); bad input raises here,
         before anything is queued."""
+        await self._admit(request_id)
+        pooling_params = pooling_params or PoolingParams()
+        prepared = self.engine.prepare_pooling_prompt(prompt, pooling_params)
+        command = ("add_pooling", request_id, pooling_params, priority, prepared, time.monotonic())
+        async with contextlib.aclosing(self._outputs(command)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _admit(self, request_id: str) -> None:
+        """Raise unless a new request with this id can be taken; start the engine thread if needed."""
         if self.errored:
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
         if self._loop is None or self._thread is None:
             await self.start()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        pooling_params = pooling_params or PoolingParams()
-        prepared = self.engine.prepare_pooling_prompt(prompt, pooling_params)
+
+    async def _outputs(self, command: tuple) -> AsyncIterator[Any]:
+        """Queue ``command`` (an add) and yield the request's outputs until the finished one;
+        closing this early aborts the request."""
+        request_id = command[1]
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add_pooling", request_id, pooling_params, priority, prepared, time.monotonic()))
+        self._commands.put(command)
         self._wakeup.set()
         finished = False
         try:
-            item = await stream.get()
-            if isinstance(item, BaseException):
-                raise item
-            finished = item.finished
-            yield item
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:
