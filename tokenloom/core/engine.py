@@ -32,6 +32,7 @@ from tokenloom.core.request import (
     RequestOutputKind,
     RequestStatus,
     SamplingParams,
+    unwrap_prompt,
 )
 from tokenloom.core.sampler import SamplingState, tokenize_bad_words
 from tokenloom.core.scheduler import Scheduler
@@ -139,13 +140,7 @@ class LLMEngine:
     def prepare_prompt(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
         """Tokenize and validate a prompt: text, token ids, or vLLM's dict forms."""
         text: str | None = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        prompt = unwrap_prompt(prompt, "prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("the tokenizer was skipped (--skip-tokenizer-init): send token ids", param="prompt")

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tokenloom.core.request import PoolingParams
+from tokenloom.core.request import PoolingParams, unwrap_prompt
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -209,13 +209,7 @@ def prepare_pooling_prompt(prompt: Any, params: PoolingParams, tokenizer: Any, v
     """``(token_ids, text)`` of a pooling prompt (text, token ids, or vLLM's dict forms),
     truncated as ``params`` asks and checked against the context length (a pooling prompt
     may fill it: nothing is generated after it)."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
-        elif "prompt" in prompt:
-            prompt = prompt["prompt"]
-        else:
-            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="input")
+    prompt = unwrap_prompt(prompt, "input")
     truncate = params.truncate_prompt_tokens
     text = None
     if isinstance(prompt, str):

@@ -16,6 +16,18 @@ SampleLogprobs = list[dict[int, "Logprob"]]
 PromptLogprobs = list[dict[int, "Logprob"] | None]
 
 
+def unwrap_prompt(prompt: Any, param: str) -> Any:
+    """vLLM's dict prompt forms (``{"prompt_token_ids": [...]}``, ``{"prompt": "..."}``) as the
+    text or token ids inside; other prompts unchanged."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param=param)
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries all text so far
     DELTA = 1  # every output carries only what is new
