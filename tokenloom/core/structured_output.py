@@ -177,16 +177,22 @@ def _bad(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param="structured_outputs")
 
 
-def _json_schema(value: Any) -> dict:
-    if isinstance(value, type) and hasattr(value, "model_json_schema"):
-        value = value.model_json_schema()  # a pydantic model class
+def _json_object(value: Any, what: str) -> dict:
+    """``value`` (a dict, or a string of JSON) as a dict; a 400 naming ``what`` otherwise."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise _bad(f"the JSON schema is not valid JSON: {exc}") from None
+            raise _bad(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise _bad(f"a JSON schema must be a JSON object, got {type(value).__name__}")
+        raise _bad(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _json_schema(value: Any) -> dict:
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):
+        value = value.model_json_schema()  # a pydantic model class
+    value = _json_object(value, "the JSON schema")
     try:
         import jsonschema
     except ImportError:  # the backends still reject what they cannot compile
@@ -246,13 +252,7 @@ def parse_constraint(request: dict[str, Any], defaults: BackendOptions) -> tuple
             raise _bad("choice must be a non-empty list of strings")
         value = tuple(value)
     elif kind == "structural_tag":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise _bad(f"structural_tag is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise _bad("structural_tag must be a JSON object")
+        value = _json_object(value, "structural_tag")
     if kind not in ("json", "json_object"):
         whitespace_pattern = None  # only JSON has optional whitespace
     backend = request.get("backend")
