@@ -13,6 +13,7 @@ from tokenloom.builtin_plugins import quantization as gguf_quantization
 from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
 from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
 from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.kernels.int4_matmul import int4_linear
 from tokenloom.layers.quantization import QuantizationMethod
 from tokenloom.plugins.registry import resolve_target
 
@@ -103,16 +104,17 @@ def test_a_bfloat16_layer_of_4_bit_shards_also_keeps_them_packed_for_small_batch
     # the int4 kernel runs for one row and matches the exact dequantized weight to bf16 precision
     torch.testing.assert_close(method.apply(layer, one_row, None).float(), one_row.float() @ dense.T,
                                atol=0.05, rtol=0.02)
+    assert torch.equal(method.apply(layer, one_row, None), int4_linear(one_row, layer.int4_weight))
     many_rows = torch.randn(64, 64, dtype=torch.bfloat16)
     assert torch.equal(method.apply(layer, many_rows, None),
                        torch.nn.functional.linear(many_rows, dense.to(torch.bfloat16)))
 
 
 def test_int4_path_is_skipped_for_float32_for_mixed_shards_and_in_dequantize_mode():
-    float32_layer = make_layer(GGUFQuantizationMethod(), 64, 16, torch.float32)
-    float32_layer.quant = GGUFQuantizationMethod()
-    float32_layer.quant.load_weight(float32_layer, q4_weight(16, 64, seed=3), 0, 16)
-    float32_layer.quant.process_weights_after_loading(float32_layer)
+    float32_method = GGUFQuantizationMethod()
+    float32_layer = make_layer(float32_method, 64, 16, torch.float32)
+    float32_method.load_weight(float32_layer, q4_weight(16, 64, seed=3), 0, 16)
+    float32_method.process_weights_after_loading(float32_layer)
     assert float32_layer.int4_weight is None
 
     mixed_method = GGUFQuantizationMethod()
