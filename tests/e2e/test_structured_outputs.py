@@ -255,6 +255,8 @@ async def test_named_and_required_tool_calls_validate(client):
         check_calls(calls)
         if index < len(named):
             assert [call.function.name for call in calls] == [list(TOOL_SCHEMAS)[index // len(SEEDS)]]
+            arguments = calls[0].function.arguments  # generated compact: no whitespace to spend tokens on
+            assert arguments == json.dumps(json.loads(arguments), separators=(",", ":"))
         else:
             assert response.choices[0].finish_reason == "tool_calls"
     stream = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, seed=9,
