@@ -50,7 +50,24 @@ def test_shapes_the_kernel_cannot_take_are_refused():
         pack_int4(codes, scales, zeros, torch.bfloat16)
 
 
-def test_small_16_bit_batches_prefer_int4_and_float32_never_does():
-    assert prefers_int4(torch.zeros(INT4_MAX_ROWS, 64, dtype=torch.bfloat16))
-    assert not prefers_int4(torch.zeros(INT4_MAX_ROWS + 1, 64, dtype=torch.bfloat16))
-    assert not prefers_int4(torch.zeros(1, 64, dtype=torch.float32))
+def test_small_batches_prefer_int4_up_to_the_row_limit_of_their_dtype():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        limit = INT4_MAX_ROWS[dtype]
+        assert prefers_int4(torch.zeros(limit, 64, dtype=dtype))
+        assert prefers_int4(torch.zeros(2, limit // 2, 64, dtype=dtype))
+        assert not prefers_int4(torch.zeros(limit + 1, 64, dtype=dtype))
+    assert not prefers_int4(torch.zeros(1, 64, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_float32_rows_on_a_bfloat16_weight_are_rounded_in_and_widened_out(rows):
+    codes, scales, zeros = random_int4(32, 64, 32, seed=3)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(rows, 64)
+    bias = torch.randn(32)
+    out = int4_linear(x, weight, bias)
+    assert out.dtype == torch.float32
+    # exactly the bfloat16 computation, widened, plus the float32 bias
+    assert torch.equal(out, int4_linear(x.to(torch.bfloat16), weight).float() + bias)
+    expected = x @ dequantize_int4(codes, scales, zeros).T + bias
+    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.02)

@@ -213,6 +213,7 @@ def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platf
     quantization = None
     if info.quantization is not None:
         quantization = plugins.registry("quantization").get(info.quantization)()
+        quantization.exact_dtype = config.model.dtype != "auto"
     context = ModelContext(hf_config=info.hf_config, dtype=dtype, device=device, quantization=quantization,
                            model_config=config.model, runner=runner, pooler_config=info.pooler_config)
     previous_dtype = torch.get_default_dtype()

@@ -5,8 +5,14 @@
 A weight value is ``(code - 8) * scale + zero`` with ``code`` in ``0..15``: the convention of
 torch's kernel, which covers ggml's Q4_0, Q4_1 and Q4_K blocks exactly (their per-group scale
 and minimum map onto ``scale`` and ``zero``). At one to a few rows per step the kernel reads a
-quarter of the bytes of a bfloat16 weight and beats its dense matmul 2-4x; from about a dozen
-rows on the dense matmul wins, so layers keep both and choose per call (:func:`prefers_int4`).
+quarter of the bytes of a bfloat16 weight (an eighth of a float32 one) and beats the dense
+matmul 2-4x; from about a dozen rows on the dense matmul wins, so layers keep both and choose
+per call (:func:`prefers_int4`).
+
+The kernel is vectorised for 16-bit activations only (with float32 ones it is 5-40x slower
+than a dense float32 matmul), so a weight packed for bfloat16 also serves float32 layers: their
+rows are rounded to bfloat16 on the way in and the result widened on the way out, as ggml's
+own CPU kernels round activations to 8 bits.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ CODE_OFFSET = 8
 # the packing kernel wants output features in multiples of 16
 _ROW_MULTIPLE = 16
 
-# batches up to this many rows run the int4 kernel; larger ones the dense matmul (measured on
-# a 2-core AVX512-BF16 CPU: int4 2.5-4x faster at 1-4 rows, even at 8, 1.5-2x slower from 16)
-INT4_MAX_ROWS = 8
+# per activation dtype, batches up to this many rows run the int4 kernel, larger ones the dense
+# matmul. 16-bit, measured on a 2-core AVX512-BF16 CPU: int4 2.5-4x faster at 1-4 rows, even
+# at 8, 1.5-2x slower from 16. float32 (bfloat16 inside the kernel), measured on a 2-core AVX2
+# CPU against the dense float32 matmul: FP32_NOTE
+INT4_MAX_ROWS = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 16}
 
-# activation dtypes the kernel is used for: float32 layers keep the exact dense matmul
+# the activation dtypes the kernel is fast for (a weight packed for one of them)
 INT4_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -64,11 +72,12 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ W.T + bias`` with ``W`` the int4 weight."""
-    rows = x.reshape(-1, x.shape[-1])
+    """``x [..., K] @ W.T + bias`` with ``W`` the int4 weight; ``x`` is cast to the dtype the
+    weight was packed for, and the result back to ``x``'s."""
+    rows = x.reshape(-1, x.shape[-1]).to(weight.scales_and_zeros.dtype)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
         rows.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
-    )
+    ).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.out_features)
@@ -76,7 +85,7 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
 
 def prefers_int4(x: torch.Tensor) -> bool:
     """Whether a batch of these activations runs faster on the int4 kernel than dense."""
-    return x.dtype in INT4_DTYPES and x.numel() <= INT4_MAX_ROWS * x.shape[-1]
+    return x.numel() <= INT4_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]
 
 
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,11 @@ class QuantizationMethod:
 
     name: str = "none"
 
+    # set by the loader before any layer is built: True when the user named the model dtype
+    # (``--dtype float32``, ...) instead of leaving it to the platform (``auto``); a method
+    # must then not compute in a lower precision than that dtype
+    exact_dtype: bool = False
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Create ``layer.weight`` (``[output_size, input_size]`` logical shape)."""
         raise NotImplementedError

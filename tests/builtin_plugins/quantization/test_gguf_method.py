@@ -110,12 +110,29 @@ def test_a_bfloat16_layer_of_4_bit_shards_also_keeps_them_packed_for_small_batch
                        torch.nn.functional.linear(many_rows, dense.to(torch.bfloat16)))
 
 
-def test_int4_path_is_skipped_for_float32_for_mixed_shards_and_in_dequantize_mode():
-    float32_method = GGUFQuantizationMethod()
-    float32_layer = make_layer(float32_method, 64, 16, torch.float32)
-    float32_method.load_weight(float32_layer, q4_weight(16, 64, seed=3), 0, 16)
-    float32_method.process_weights_after_loading(float32_layer)
+def test_a_float32_layer_runs_small_batches_on_the_bfloat16_kernel_unless_float32_was_asked_for():
+    method = GGUFQuantizationMethod()  # exact_dtype False: the platform chose float32 (--dtype auto)
+    layer = make_layer(method, 64, 16, torch.float32)
+    weight = q4_weight(16, 64, seed=3)
+    method.load_weight(layer, weight, 0, 16)
+    method.process_weights_after_loading(layer)
+    assert layer.int4_weight is not None and layer.int4_weight.scales_and_zeros.dtype == torch.bfloat16
+    one_row = torch.randn(1, 64)
+    out = method.apply(layer, one_row, None)
+    assert out.dtype == torch.float32 and torch.equal(out, int4_linear(one_row, layer.int4_weight))
+    torch.testing.assert_close(out, one_row @ weight.dequantize().T, atol=0.05, rtol=0.02)
+    many_rows = torch.randn(64, 64)
+    assert torch.equal(method.apply(layer, many_rows, None), torch.nn.functional.linear(many_rows, weight.dequantize()))
+
+    exact = GGUFQuantizationMethod()
+    exact.exact_dtype = True  # --dtype float32
+    float32_layer = make_layer(exact, 64, 16, torch.float32)
+    exact.load_weight(float32_layer, q4_weight(16, 64, seed=3), 0, 16)
+    exact.process_weights_after_loading(float32_layer)
     assert float32_layer.int4_weight is None
+
+
+def test_int4_path_is_skipped_for_mixed_shards_and_in_dequantize_mode():
 
     mixed_method = GGUFQuantizationMethod()
     mixed = make_layer(mixed_method, 64, 32, torch.bfloat16)

@@ -3,10 +3,12 @@
 
 Every weight is unpacked once, at load, into a dense parameter of the model dtype. In mode
 ``"auto"`` (the default) a layer whose weight is all 4-bit blocks (Q4_0, Q4_1, Q4_K) also keeps
-those blocks, repacked for the CPU's int4 kernel, when the model runs in bfloat16 or float16:
-decode steps of a few rows then read a quarter of the bytes (:mod:`tokenloom.kernels.int4_matmul`
-says where the dense matmul takes over). Mode ``"dequantize"`` keeps only the dense weight;
-float32 models always do.
+those blocks, repacked for the CPU's int4 kernel: decode steps of a few rows then read a
+quarter (bfloat16, float16) or an eighth (float32) of the bytes, and
+:mod:`tokenloom.kernels.int4_matmul` says where the dense matmul takes over. The kernel works
+in bfloat16, so a float32 model uses it only when the platform chose float32 (``--dtype auto``
+on a CPU without native bfloat16); ``--dtype float32`` keeps float32 exact. Mode
+``"dequantize"`` keeps only the dense weight.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         shards = getattr(layer, "_int4_shards", {})
         if shards is None:
             return
-        if (self.mode == "auto" and layer.weight.dtype in INT4_DTYPES and isinstance(loaded_weight, GGUFWeight)
-                and is_int4_type(loaded_weight.ggml_type)):
+        if (self.mode == "auto" and self._int4_dtype(layer.weight.dtype) is not None
+                and isinstance(loaded_weight, GGUFWeight) and is_int4_type(loaded_weight.ggml_type)):
             shards[output_offset] = int4_groups(loaded_weight)
             layer._int4_shards = shards
         else:
@@ -75,7 +77,14 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         codes, scales, zeros = (torch.cat([shards[offset][part] for offset in sorted(shards)]) for part in range(3))
         if codes.shape != layer.weight.shape or not can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
             return
-        layer.int4_weight = pack_int4(codes, scales, zeros, layer.weight.dtype)
+        layer.int4_weight = pack_int4(codes, scales, zeros, self._int4_dtype(layer.weight.dtype))
+
+    def _int4_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The activation dtype the int4 kernel runs in for a layer of ``dtype``; None when
+        the layer must stay dense (float32 the user asked for by name)."""
+        if dtype in INT4_DTYPES:
+            return dtype
+        return torch.bfloat16 if dtype == torch.float32 and not self.exact_dtype else None
 
     def apply(self, layer, x, bias):
         int4_weight = getattr(layer, "int4_weight", None)
