@@ -38,6 +38,36 @@ def test_untied_head_with_bias_and_bfloat16_logits_are_float32():
     assert logits.dtype == torch.float32 and logits.shape == (3, 10)
 
 
+def test_a_float32_head_answers_small_batches_from_its_float16_copy_after_loading():
+    weights = table(rows=40, dim=8)
+    embedding = VocabParallelEmbedding(40, 8)
+    embedding.load_checkpoint_weight("weight", weights)
+    head = ParallelLMHead(40, 8, small_batch_dtype=torch.float16)
+    head.tie_to(embedding)
+    few = torch.randn(embedding_module.SMALL_BATCH_ROWS, 8)
+    assert torch.equal(head.compute_logits(few), torch.nn.functional.linear(few, weights))  # no copy yet
+    head.process_weights_after_loading()
+    assert head.small_batch_weight.dtype == torch.float16 and torch.equal(head.small_batch_weight, weights.half())
+    logits = head.compute_logits(few)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(few.half(), weights.half()).float())
+    torch.testing.assert_close(logits, few @ weights.T, atol=0.02, rtol=0.01)
+    many = torch.randn(embedding_module.SMALL_BATCH_ROWS + 1, 8)
+    assert torch.equal(head.compute_logits(many), torch.nn.functional.linear(many, weights))
+
+
+def test_heads_keep_no_copy_by_default_or_in_their_own_dtype():
+    for head in (ParallelLMHead(10, 4), ParallelLMHead(10, 4, small_batch_dtype=torch.float32)):
+        head.load_checkpoint_weight("weight", table())
+        head.process_weights_after_loading()
+        assert head.small_batch_weight is None
+
+
+def test_the_padded_tail_of_a_split_vocabulary_starts_at_zero():
+    # 10 tokens over 3 ranks: 4 rows each, the last rank holds 2 tokens and 2 zero rows
+    assert torch.equal(VocabParallelEmbedding(10, 4, tp_rank=2, tp_size=3).weight[2:], torch.zeros(2, 4))
+
+
 def test_vocab_ranges_cover_the_vocabulary_once():
     assert [vocab_range(10, rank, 3) for rank in range(3)] == [(0, 4), (4, 8), (8, 10)]
     with pytest.raises(ConfigError):

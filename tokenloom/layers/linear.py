@@ -243,8 +243,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every linear layer's quantization method repack its weights (call once, after
-    all weights are loaded)."""
+    """Let every linear layer's quantization method, and every other layer with a
+    ``process_weights_after_loading()`` of its own, repack its weights (call once, after all
+    weights are loaded)."""
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.quant_method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
