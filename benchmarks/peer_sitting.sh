@@ -5,7 +5,7 @@
 # concurrency/prompts 1/8, 8/32, 32/64), while the peak resident set of its process tree is
 # sampled. Results land in OUT (default benchmarks/results/DATE).
 #
-#   benchmarks/peer_sitting.sh [SYSTEM...]     SYSTEM: tokenloom vllm vllm-1core llamacpp
+#   benchmarks/peer_sitting.sh [SYSTEM...]     SYSTEM: tokenloom vllm vllm-1core vllm-float32 llamacpp
 #
 # Needs `peer.sh setup` (and `peer.sh setup-llamacpp` for llamacpp) done once.
 set -euo pipefail
@@ -65,6 +65,12 @@ for system in "${systems[@]}"; do
   tokenloom) run_one tokenloom 8000 "" "$here/../.venv/bin/tokenloom" serve smollm2 --host 127.0.0.1 --port 8000 ;;
   vllm) run_one vllm 8100 "" env VLLM_CPU_OMP_THREADS_BIND=0-1 "$peer" serve-vllm 8100 ;;
   vllm-1core) run_one vllm-1core 8100 "" env VLLM_CPU_OMP_THREADS_BIND=auto "$peer" serve-vllm 8100 ;;
+  # peer.sh serves bfloat16; on a CPU without native bfloat16 (AVX2) vLLM falls back to torch's
+  # slow bfloat16 matmul, and float32 is its better setting there
+  vllm-float32) run_one vllm-float32 8100 "" env VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 \
+    HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 "${PEER_DIR:-/tmp/peer}/venv-vllm/bin/vllm" serve \
+    "${PEER_DIR:-/tmp/peer}/smollm2-135m-instruct-hf" --served-model-name smollm2 --dtype float32 \
+    --max-model-len 2048 --host 127.0.0.1 --port 8100 ;;
   llamacpp) run_one llamacpp 8200 '{"logit_bias": {"0": -1000, "2": -1000, "4": -1000}}' "$peer" serve-llamacpp 8200 ;;
   *) echo "unknown system $system"; exit 2 ;;
   esac

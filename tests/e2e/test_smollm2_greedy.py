@@ -57,3 +57,24 @@ def test_text_matches_tokenizer_decode(llm):
     params = SamplingParams(temperature=0.0, max_tokens=24)
     output = llm.generate(["Write a haiku about the sea."], params)[0].outputs[0]
     assert output.text == llm.get_tokenizer().decode(output.token_ids, skip_special_tokens=True)
+
+
+def narrowed_layers(llm) -> tuple[int, torch.dtype | None]:
+    """(how many projections keep int4 weights, the LM head's small-batch copy dtype)."""
+    model = llm.engine.executor.worker.runner.model
+    int4 = sum(getattr(module, "int4_weight", None) is not None for module in model.modules())
+    copy = model.lm_head.small_batch_weight
+    return int4, None if copy is None else copy.dtype
+
+
+def test_float32_named_stays_dense_and_auto_narrows_small_batches_only_where_the_platform_chose(llm):
+    assert narrowed_layers(llm) == (0, None)  # --dtype float32: the exact path the parity test checks
+    auto = LLM(model=llm.engine.model_info.path, max_model_len=512)
+    runner = auto.engine.executor.worker.runner
+    # every q/k/v, o, gate/up and down projection of the 30 layers is Q4_1: all keep int4 codes;
+    # a float32 the platform chose (no native bfloat16) also gets a float16 head for decode
+    expected_copy = torch.float16 if runner.dtype == torch.float32 else None
+    assert narrowed_layers(auto) == (4 * 30, expected_copy)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    text = auto.generate(["The capital of France is"], params)[0].outputs[0].text
+    assert "Paris" in text

@@ -32,9 +32,9 @@ class ModelContext:
     device: Any  # torch.device
     # a QuantizationMethod instance, or None for unquantized weights
     quantization: Any = None
-    # True when the user named --dtype; False when the platform chose it (--dtype auto), and
-    # layers may then run small batches in a narrower dtype where that is faster
-    exact_dtype: bool = False
+    # False when the platform chose the dtype (--dtype auto): layers may then run small batches
+    # in a narrower dtype where that is faster; True (the default) keeps every layer in ``dtype``
+    exact_dtype: bool = True
     model_config: Any = None  # tokenloom.core.config.ModelConfig
     # "generate" or "pooling"; a pooling runner wants hidden states, not logits
     runner: str = "generate"

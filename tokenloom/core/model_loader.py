@@ -209,13 +209,15 @@ def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platf
     started = time.perf_counter()
     device = platform.torch_device()
     dtype = resolve_dtype(config.model.dtype, info.hf_config, platform)
+    exact_dtype = config.model.dtype != "auto"  # else the platform chose it
     model_class = plugins.registry("model").get(info.architecture)
     quantization = None
     if info.quantization is not None:
         quantization = plugins.registry("quantization").get(info.quantization)()
-        quantization.exact_dtype = config.model.dtype != "auto"
+        quantization.exact_dtype = exact_dtype
     context = ModelContext(hf_config=info.hf_config, dtype=dtype, device=device, quantization=quantization,
-                           model_config=config.model, runner=runner, pooler_config=info.pooler_config)
+                           exact_dtype=exact_dtype, model_config=config.model, runner=runner,
+                           pooler_config=info.pooler_config)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -29,7 +29,8 @@ _ROW_MULTIPLE = 16
 # per activation dtype, batches up to this many rows run the int4 kernel, larger ones the dense
 # matmul. 16-bit, measured on a 2-core AVX512-BF16 CPU: int4 2.5-4x faster at 1-4 rows, even
 # at 8, 1.5-2x slower from 16. float32 (bfloat16 inside the kernel), measured on a 2-core AVX2
-# CPU against the dense float32 matmul: FP32_NOTE
+# CPU against the dense float32 matmul over SmolLM2's 30 layers: 2.5x faster at 1 row, 1.7x at
+# 8, 1.1x at 16, 7% slower at 24
 INT4_MAX_ROWS = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 16}
 
 # the activation dtypes the kernel is fast for (a weight packed for one of them)

@@ -32,10 +32,11 @@ class QuantizationMethod:
 
     name: str = "none"
 
-    # set by the loader before any layer is built: True when the user named the model dtype
-    # (``--dtype float32``, ...) instead of leaving it to the platform (``auto``); a method
-    # must then not compute in a lower precision than that dtype
-    exact_dtype: bool = False
+    # set by the loader before any layer is built: False when the platform chose the model
+    # dtype (``--dtype auto``), and the method may then compute small batches in a narrower
+    # dtype where that is faster; True (the default, and whenever the user named ``--dtype``)
+    # means no lower precision than that dtype
+    exact_dtype: bool = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Create ``layer.weight`` (``[output_size, input_size]`` logical shape)."""

@@ -111,7 +111,8 @@ def test_a_bfloat16_layer_of_4_bit_shards_also_keeps_them_packed_for_small_batch
 
 
 def test_a_float32_layer_runs_small_batches_on_the_bfloat16_kernel_unless_float32_was_asked_for():
-    method = GGUFQuantizationMethod()  # exact_dtype False: the platform chose float32 (--dtype auto)
+    method = GGUFQuantizationMethod()
+    method.exact_dtype = False  # the platform chose float32 (--dtype auto)
     layer = make_layer(method, 64, 16, torch.float32)
     weight = q4_weight(16, 64, seed=3)
     method.load_weight(layer, weight, 0, 16)
@@ -124,8 +125,7 @@ def test_a_float32_layer_runs_small_batches_on_the_bfloat16_kernel_unless_float3
     many_rows = torch.randn(64, 64)
     assert torch.equal(method.apply(layer, many_rows, None), torch.nn.functional.linear(many_rows, weight.dequantize()))
 
-    exact = GGUFQuantizationMethod()
-    exact.exact_dtype = True  # --dtype float32
+    exact = GGUFQuantizationMethod()  # exact_dtype True by default, as for --dtype float32
     float32_layer = make_layer(exact, 64, 16, torch.float32)
     exact.load_weight(float32_layer, q4_weight(16, 64, seed=3), 0, 16)
     exact.process_weights_after_loading(float32_layer)
