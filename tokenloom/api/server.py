@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 from typing import Any, Iterator
 
@@ -83,8 +84,16 @@ def uvicorn_config(app: Any, server: Any):
     )
 
 
+# The engine thread and the event loop share the GIL: each torch op releases it, and getting
+# it back waits up to this long while the loop runs Python (default 5 ms). Measured on a 2-core
+# AVX2 CPU with vLLM's client, concurrency 1: TPOT 43.9 ms at 5 ms, 38.3 at 1 ms, 35.2 at 0.5 ms,
+# 42.9 at 0.1 ms (switching too often); concurrency 8 unchanged.
+GIL_SWITCH_INTERVAL_SECONDS = 0.0005
+
+
 def run_server(serve_args: Any) -> None:
     """Blocks until the server stops (Ctrl-C or SIGTERM)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     server = serve_args.server
     configure_logging(server.uvicorn_log_level)
     started = seconds_since_process_start()
