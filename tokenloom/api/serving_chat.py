@@ -158,13 +158,14 @@ class ChatHandler:
             else request.max_tokens
         max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max, "max_completion_tokens"
                                             if request.max_completion_tokens is not None else "max_tokens")
-        structured = request.structured_output_constraint()
         if isinstance(tool_mode, dict) or tool_mode == "required":
             # Calls are compact JSON: whitespace carries nothing in arguments, and a small model
             # sampling at high temperature can spend max_tokens on it and leave no whole call.
             schema = (required_tool_calls_schema(request.tools, request.parallel_tool_calls) if tool_mode == "required"
                       else tool_mode.get("parameters") or {"type": "object"})
             structured = {"json": schema, "disable_any_whitespace": True}
+        else:
+            structured = request.structured_output_constraint()
         engine_logprobs = logprobs if logprobs is not None else (0 if num_samples > request.n else None)
         params = ctx.sampling_params(request, n=num_samples, max_tokens=max_tokens, logprobs=engine_logprobs,
                                      prompt_logprobs=request.prompt_logprobs, structured_outputs=structured)

@@ -133,7 +133,6 @@ def test_a_float32_layer_runs_small_batches_on_the_bfloat16_kernel_unless_float3
 
 
 def test_int4_path_is_skipped_for_mixed_shards_and_in_dequantize_mode():
-
     mixed_method = GGUFQuantizationMethod()
     mixed = make_layer(mixed_method, 64, 32, torch.bfloat16)
     mixed_method.load_weight(mixed, q4_weight(16, 64, seed=4), 0, 16)
