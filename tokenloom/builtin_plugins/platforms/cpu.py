@@ -1,6 +1,7 @@
 """The CPU platform: always available, float32 by default (bfloat16 for bfloat16 models when
 oneDNN has fast bf16 kernels here), memory from /proc/meminfo capped by the cgroup limit,
-one torch thread per core this process may run on, and the SDPA paged-attention backend."""
+one torch thread per core this process may run on, and paged attention by tokenloom's CPU
+kernels (the torch/SDPA backend where they cannot be built)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tokenloom.plugin_api import hookimpl
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKEND = "tokenloom.kernels.paged_attention:TorchPagedAttention"
+NATIVE_ATTENTION_BACKEND = "tokenloom.kernels.paged_attention:NativeCpuPagedAttention"
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
 _CGROUP_V2_LIMIT = "/sys/fs/cgroup/memory.max"
 _CGROUP_V2_USAGE = "/sys/fs/cgroup/memory.current"
@@ -123,7 +125,11 @@ class CpuPlatform(Platform):
         return torch.from_numpy(np.zeros(shape, dtype=storage_dtype)).view(dtype)
 
     def attention_backend(self) -> str:
-        return ATTENTION_BACKEND
+        """The native-kernel backend when tokenloom's CPU operators load (built once, cached;
+        ``TOKENLOOM_CPU_KERNELS=0`` turns them off), else the torch one."""
+        from tokenloom.kernels import cpu_native
+
+        return NATIVE_ATTENTION_BACKEND if cpu_native.load() is not None else ATTENTION_BACKEND
 
     def total_memory_bytes(self) -> int:
         total = read_meminfo()["MemTotal"]
