@@ -13,6 +13,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,25 +63,164 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < size; ++i) y[i] += alpha * x[i];
 }
 
-// Calls visit(t, slot) for the positions first .. seq_len - 1 (t counting from 0), walking the
-// block table block by block rather than dividing per position.
-template <typename Visit>
-inline void for_each_slot(const int64_t* table, int64_t block_size, int64_t first, int64_t seq_len, Visit visit) {
-  int64_t t = 0;
-  for (int64_t pos = first; pos < seq_len;) {
+#if defined(__AVX512F__)
+// 16 float32 lanes of cached keys/values at src (bfloat16 widened by a shift)
+template <typename scalar_t>
+inline __m512 load16(const scalar_t* src) {
+  alignas(64) float buffer[16];
+  load_row(src, buffer, 16);
+  return _mm512_load_ps(buffer);
+}
+template <>
+inline __m512 load16<float>(const float* src) { return _mm512_loadu_ps(src); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// lane j of the result = the sum of v[j]'s 16 lanes (a shuffle tree: ~45 instructions for 16
+// sums instead of 16 horizontal reductions)
+inline __m512 transpose_sum16(__m512 v[16]) {
+  __m512 halves[8], quads[4];
+  for (int i = 0; i < 8; ++i) {
+    // [a.q0 + a.q2, a.q1 + a.q3, b.q0 + b.q2, b.q1 + b.q3]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i) {
+    // quad k holds the 4-lane partial sums of source 4 * i + k
+    quads[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(quads[0], quads[1]), _mm512_unpackhi_ps(quads[0], quads[1]));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(quads[2], quads[3]), _mm512_unpackhi_ps(quads[2], quads[3]));
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+  const __m512 sums = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+  // lane 4 * q + k now holds source 4 * k + q
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// Scores of a KV head's G query rows against the keys at `slots` (n <= 16 of them):
+// scores[r * num_keys + t0 + j] for j < n.
+template <typename scalar_t, int kHead>
+inline void score_chunk(const float* q_rows, int64_t group_size, const scalar_t* k_cache, const int64_t* slots,
+                        int64_t n, int64_t slot_stride, int64_t head_offset, float scale, float* scores,
+                        int64_t num_keys, int64_t t0) {
+  constexpr int kVecs = kHead / 16;
+  __m512 keys[16][kVecs];
+  for (int64_t j = 0; j < 16; ++j) {
+    for (int c = 0; c < kVecs; ++c) {
+      keys[j][c] = j < n ? load16(k_cache + slots[j] * slot_stride + head_offset + 16 * c) : _mm512_setzero_ps();
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t r = 0; r < group_size; ++r) {
+    __m512 query[kVecs];
+    for (int c = 0; c < kVecs; ++c) query[c] = _mm512_loadu_ps(q_rows + r * kHead + 16 * c);
+    __m512 partial[16];
+    for (int j = 0; j < 16; ++j) {
+      __m512 acc = _mm512_mul_ps(query[0], keys[j][0]);
+      for (int c = 1; c < kVecs; ++c) acc = _mm512_fmadd_ps(query[c], keys[j][c], acc);
+      partial[j] = acc;
+    }
+    _mm512_mask_storeu_ps(scores + r * num_keys + t0, valid,
+                          _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale)));
+  }
+}
+
+// out rows += the weighted values at `slots` for a KV head's G query rows
+template <typename scalar_t, int kHead>
+inline void accumulate_chunk(const float* scores, int64_t num_keys, int64_t t0, int64_t group_size,
+                             const scalar_t* v_cache, const int64_t* slots, int64_t n, int64_t slot_stride,
+                             int64_t head_offset, float* acc) {
+  constexpr int kVecs = kHead / 16;
+  constexpr int kTile = kHead <= 64 ? 4 : (kHead <= 128 ? 2 : 1);
+  for (int64_t r0 = 0; r0 < group_size; r0 += kTile) {
+    const int64_t tile = std::min<int64_t>(kTile, group_size - r0);
+    __m512 sums[kTile][kVecs];
+    for (int i = 0; i < kTile; ++i)
+      for (int c = 0; c < kVecs; ++c) sums[i][c] = i < tile ? _mm512_loadu_ps(acc + (r0 + i) * kHead + 16 * c)
+                                                           : _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* value = v_cache + slots[j] * slot_stride + head_offset;
+      __m512 row[kVecs];
+      for (int c = 0; c < kVecs; ++c) row[c] = load16(value + 16 * c);
+      for (int i = 0; i < kTile; ++i) {
+        if (i >= tile) break;
+        const __m512 weight = _mm512_set1_ps(scores[(r0 + i) * num_keys + t0 + j]);
+        for (int c = 0; c < kVecs; ++c) sums[i][c] = _mm512_fmadd_ps(weight, row[c], sums[i][c]);
+      }
+    }
+    for (int i = 0; i < kTile; ++i)
+      for (int c = 0; c < kVecs; ++c)
+        if (i < tile) _mm512_storeu_ps(acc + (r0 + i) * kHead + 16 * c, sums[i][c]);
+  }
+}
+#endif
+
+// Calls visit(t0, slots, n) for runs of up to 16 consecutive positions of one block (t0: the
+// run's first key index counted from `first`; slots: their cache slots), after asking the CPU
+// to prefetch the next run's rows (`row_len` elements from `row_offset` of each slot): blocks
+// are scattered, so the hardware prefetcher cannot see the next one coming.
+template <typename scalar_t, typename Visit>
+inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t first, int64_t seq_len,
+                           const scalar_t* cache, int64_t slot_stride, int64_t row_offset, int64_t row_len,
+                           Visit visit) {
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(scalar_t));
+  int64_t slots[16], next_slots[16];
+  auto fill = [&](int64_t pos, int64_t* out) -> int64_t {
     const int64_t offset = pos % block_size;
-    const int64_t base = table[pos / block_size] * block_size;
-    const int64_t run = std::min(block_size - offset, seq_len - pos);
-    for (int64_t j = 0; j < run; ++j) visit(t + j, base + offset + j);
+    const int64_t base = table[pos / block_size] * block_size + offset;
+    const int64_t run = std::min<int64_t>({block_size - offset, seq_len - pos, 16});
+    for (int64_t j = 0; j < run; ++j) out[j] = base + j;
+    return run;
+  };
+  int64_t t = 0;
+  int64_t run = first < seq_len ? fill(first, slots) : 0;
+  for (int64_t pos = first; pos < seq_len;) {
+    const int64_t next_pos = pos + run;
+    const int64_t next_run = next_pos < seq_len ? fill(next_pos, next_slots) : 0;
+    for (int64_t j = 0; j < next_run; ++j) {
+      const char* row = reinterpret_cast<const char*>(cache + next_slots[j] * slot_stride + row_offset);
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte);
+    }
+    visit(t, slots, run);
     t += run;
-    pos += run;
+    pos = next_pos;
+    run = next_run;
+    std::copy(next_slots, next_slots + next_run, slots);
+  }
+}
+
+// Softmax of each score row in place (the first score seeds the maximum: every value stays
+// finite, as the -ffast-math build assumes), after the optional soft cap.
+inline void softmax_rows(float* score_rows, int64_t rows, int64_t num_keys, float cap) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = score_rows + r * num_keys;
+    if (cap > 0.f) {
+      for (int64_t t = 0; t < num_keys; ++t) s[t] = std::tanh(s[t] / cap) * cap;
+    }
+    float max_score = s[0];
+    for (int64_t t = 1; t < num_keys; ++t) max_score = std::max(max_score, s[t]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < num_keys; ++t) {
+      s[t] = std::exp(s[t] - max_score);
+      total += s[t];
+    }
+    const float inv_total = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < num_keys; ++t) s[t] *= inv_total;
   }
 }
 
 // One query token per sequence. A work item is a sequence and a range of its KV heads (all of
-// them once there are enough sequences to share out): each cached token's row of those heads
-// is read once, sequentially within a block, for all their query heads. Scores live in a
-// per-thread scratch buffer, [query head][key].
+// them once there are enough sequences to share out): keys, then values, are read in runs of
+// up to 16 tokens of one block, each KV head's for all of its query heads at once. Scores
+// live in a per-thread scratch buffer, [query head][key].
 template <typename scalar_t, int kHead>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -108,7 +251,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows = heads_per_item * group_size;  // query heads of one item
-    std::vector<float> q_rows(rows * head_size), kv_row(heads_per_item * head_size), acc(rows * head_size), scores;
+    std::vector<float> q_rows(rows * head_size), acc(rows * head_size), row(head_size), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;
       const int64_t first_kv_head = (item % items_per_seq) * heads_per_item;
@@ -124,42 +267,51 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       }
       scores.resize(rows * num_keys);
       float* score_rows = scores.data();
-      const float* q_data = q_rows.data();
-      float* row_data = kv_row.data();
+      float* acc_data = acc.data();
+      std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t row_offset = first_kv_head * head_size, row_len = heads_per_item * head_size;
-      // a token's keys of these heads are adjacent: widened once for all their query heads
-      for_each_slot(table, block_size, first, seq_len, [&](int64_t t, int64_t slot) {
-        load_row(k_cache + slot * slot_stride + row_offset, row_data, row_len);
-        for (int64_t r = 0; r < rows; ++r) {
-          score_rows[r * num_keys + t] =
-              dot<kHead>(q_data + r * head_size, row_data + (r / group_size) * head_size, head_size) * fscale;
+      // each run's rows of all the item's heads are adjacent in memory: one pass over the blocks
+      for_each_run16(table, block_size, first, seq_len, k_cache, slot_stride, row_offset, row_len,
+                     [&](int64_t t0, const int64_t* slots, int64_t n) {
+        for (int64_t h = 0; h < heads_per_item; ++h) {
+          const int64_t head_offset = (first_kv_head + h) * head_size;
+          const float* head_q = q_rows.data() + h * group_size * head_size;
+          float* head_scores = score_rows + h * group_size * num_keys;
+#if defined(__AVX512F__)
+          if constexpr (kHead > 0 && kHead % 16 == 0) {
+            score_chunk<scalar_t, kHead>(head_q, group_size, k_cache, slots, n, slot_stride, head_offset, fscale,
+                                         head_scores, num_keys, t0);
+            continue;
+          }
+#endif
+          for (int64_t j = 0; j < n; ++j) {
+            load_row(k_cache + slots[j] * slot_stride + head_offset, row.data(), head_size);
+            for (int64_t g = 0; g < group_size; ++g) {
+              head_scores[g * num_keys + t0 + j] = dot<kHead>(head_q + g * head_size, row.data(), head_size) * fscale;
+            }
+          }
         }
       });
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = score_rows + r * num_keys;
-        if (cap > 0.f) {
-          for (int64_t t = 0; t < num_keys; ++t) s[t] = std::tanh(s[t] / cap) * cap;
-        }
-        // the first score seeds the maximum: every value stays finite (the build is -ffast-math)
-        float max_score = s[0];
-        for (int64_t t = 1; t < num_keys; ++t) max_score = std::max(max_score, s[t]);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < num_keys; ++t) {
-          s[t] = std::exp(s[t] - max_score);
-          total += s[t];
-        }
-        const float inv_total = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < num_keys; ++t) s[t] *= inv_total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float* acc_data = acc.data();
-      for_each_slot(table, block_size, first, seq_len, [&](int64_t t, int64_t slot) {
-        load_row(v_cache + slot * slot_stride + row_offset, row_data, row_len);
-        for (int64_t r = 0; r < rows; ++r) {
-          axpy<kHead>(score_rows[r * num_keys + t], row_data + (r / group_size) * head_size, acc_data + r * head_size,
-                      head_size);
+      softmax_rows(score_rows, rows, num_keys, cap);
+      for_each_run16(table, block_size, first, seq_len, v_cache, slot_stride, row_offset, row_len,
+                     [&](int64_t t0, const int64_t* slots, int64_t n) {
+        for (int64_t h = 0; h < heads_per_item; ++h) {
+          const int64_t head_offset = (first_kv_head + h) * head_size;
+          const float* head_scores = score_rows + h * group_size * num_keys;
+          float* head_acc = acc_data + h * group_size * head_size;
+#if defined(__AVX512F__)
+          if constexpr (kHead > 0 && kHead % 16 == 0) {
+            accumulate_chunk<scalar_t, kHead>(head_scores, num_keys, t0, group_size, v_cache, slots, n, slot_stride,
+                                              head_offset, head_acc);
+            continue;
+          }
+#endif
+          for (int64_t j = 0; j < n; ++j) {
+            load_row(v_cache + slots[j] * slot_stride + head_offset, row.data(), head_size);
+            for (int64_t g = 0; g < group_size; ++g) {
+              axpy<kHead>(head_scores[g * num_keys + t0 + j], row.data(), head_acc + g * head_size, head_size);
+            }
+          }
         }
       });
       for (int64_t r = 0; r < rows; ++r) {
