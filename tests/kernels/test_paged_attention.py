@@ -287,3 +287,54 @@ def test_native_decode_rejects_mismatched_dtypes():
     with pytest.raises(RuntimeError, match="share a dtype"):
         ops.paged_decode_attention(torch.empty_like(query), query, cache, torch.zeros(1, 1, dtype=torch.long),
                                    torch.tensor([1]), 0.5, 0, 0.0)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256, 48])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (5, 5), (16, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_decode_head_sizes_groups_and_dtypes(head_size, heads, dtype):
+    """Head sizes of 64/128/256 take the kernel's vectorised path (its register tiles of query
+    rows leave remainders for groups of 1, 5 and 8), others the generic one; runs of keys are cut
+    at 16 positions and at block ends, whatever the sequence length."""
+    num_q_heads, num_kv_heads = heads
+    specs = [(40, 1), (0, 1), (15, 1), (16, 1), (33, 1)]
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, head_size, dtype, 9,
+                                                           num_blocks=48)
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size ** -0.5,
+                                         sliding_window=None, logits_soft_cap=None)
+    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size ** -0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("window", [None, 1, 17])
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+def test_native_decode_block_sizes_windows_and_soft_cap(block_size, window, soft_cap):
+    from helpers.attention import allocate_kv_caches, build_attention_metadata
+
+    generator = torch.Generator().manual_seed(11)
+    seq_lens = [1, 17, 50, 64]
+    num_blocks = sum(-(-seq_len // block_size) for seq_len in seq_lens) + 3
+    kv_cache = allocate_kv_caches(1, num_blocks, block_size, 2, 64, torch.bfloat16)[0]
+    free_blocks = list(range(num_blocks))
+    random.Random(3).shuffle(free_blocks)
+    tables = [[free_blocks.pop() for _ in range(-(-seq_len // block_size))] for seq_len in seq_lens]
+    context = build_attention_metadata([seq_len - 1 for seq_len in seq_lens if seq_len > 1],
+                                       [seq_len - 1 for seq_len in seq_lens if seq_len > 1],
+                                       [table for table, seq_len in zip(tables, seq_lens) if seq_len > 1],
+                                       block_size, [kv_cache])
+    num_context = sum(seq_len - 1 for seq_len in seq_lens)
+    write_kv_cache(torch.randn(num_context, 2, 64, generator=generator).bfloat16(),
+                   torch.randn(num_context, 2, 64, generator=generator).bfloat16(), kv_cache, context.slot_mapping)
+    metadata = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size, [kv_cache])
+    query = torch.randn(len(seq_lens), 6, 64, generator=generator).bfloat16()
+    key = torch.randn(len(seq_lens), 2, 64, generator=generator).bfloat16()
+    value = torch.randn(len(seq_lens), 2, 64, generator=generator).bfloat16()
+    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.125,
+                                         sliding_window=window, logits_soft_cap=soft_cap)
+    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.125,
+                                               sliding_window=window, logits_soft_cap=soft_cap)
+    torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
