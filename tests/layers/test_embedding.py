@@ -44,7 +44,7 @@ def test_a_float32_head_answers_small_batches_from_its_float16_copy_after_loadin
     embedding.load_checkpoint_weight("weight", weights)
     head = ParallelLMHead(40, 8, small_batch_dtype=torch.float16)
     head.tie_to(embedding)
-    few = torch.randn(embedding_module.SMALL_BATCH_ROWS, 8)
+    few = torch.randn(embedding_module.SMALL_BATCH_ROWS[torch.float32], 8)
     assert torch.equal(head.compute_logits(few), torch.nn.functional.linear(few, weights))  # no copy yet
     head.process_weights_after_loading()
     assert head.small_batch_weight.dtype == torch.float16 and torch.equal(head.small_batch_weight, weights.half())
@@ -52,8 +52,31 @@ def test_a_float32_head_answers_small_batches_from_its_float16_copy_after_loadin
     assert logits.dtype == torch.float32
     assert torch.equal(logits, torch.nn.functional.linear(few.half(), weights.half()).float())
     torch.testing.assert_close(logits, few @ weights.T, atol=0.02, rtol=0.01)
-    many = torch.randn(embedding_module.SMALL_BATCH_ROWS + 1, 8)
+    many = torch.randn(embedding_module.SMALL_BATCH_ROWS[torch.float32] + 1, 8)
     assert torch.equal(head.compute_logits(many), torch.nn.functional.linear(many, weights))
+
+
+def test_a_bfloat16_head_answers_one_row_from_its_float16_copy_with_the_same_values():
+    weights = table(rows=40, dim=8).bfloat16()
+    head = ParallelLMHead(40, 8, params_dtype=torch.bfloat16, small_batch_dtype=torch.float16)
+    head.load_checkpoint_weight("weight", weights)
+    head.process_weights_after_loading()
+    assert torch.equal(head.small_batch_weight.to(torch.bfloat16), weights)  # bfloat16 values are exact in float16
+    one = torch.randn(1, 8).bfloat16()
+    assert torch.equal(head.compute_logits(one), torch.nn.functional.linear(one.half(), weights.half()).float())
+    two = torch.randn(2, 8).bfloat16()
+    assert torch.equal(head.compute_logits(two), torch.nn.functional.linear(two, weights).float())
+
+
+def test_hidden_states_beyond_float16_range_take_the_wide_path():
+    weights = table(rows=40, dim=8)
+    head = ParallelLMHead(40, 8, small_batch_dtype=torch.float16)
+    head.load_checkpoint_weight("weight", weights)
+    head.process_weights_after_loading()
+    huge = torch.full((1, 8), 1e5)
+    logits = head.compute_logits(huge)
+    assert torch.isfinite(logits).all()
+    assert torch.equal(logits, torch.nn.functional.linear(huge, weights))
 
 
 def test_heads_keep_no_copy_by_default_or_in_their_own_dtype():

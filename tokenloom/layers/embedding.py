@@ -78,15 +78,19 @@ class VocabParallelEmbedding(nn.Module):
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows={self.vocab_start}:{self.vocab_end}"
 
 
-# batches up to this many rows use the head's narrower copy (see the module docstring)
-SMALL_BATCH_ROWS = 4
+# per head dtype, batches up to this many rows use the head's float16 copy (see the module
+# docstring)
+SMALL_BATCH_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+# the largest finite float16
+_FLOAT16_MAX = 65504.0
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """``hidden -> logits`` over the vocabulary; ``tie_to(embedding)`` shares its weight.
 
     :param small_batch_dtype: keep a copy of the weight in this dtype (made by
-        :meth:`process_weights_after_loading`) for batches of up to ``SMALL_BATCH_ROWS`` rows.
+        :meth:`process_weights_after_loading`) for batches of up to ``SMALL_BATCH_ROWS`` rows
+        (per the weight's dtype).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, bias: bool = False,
@@ -114,9 +118,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.small_batch_dtype is not None and self.small_batch_dtype != self.weight.dtype:
             self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
 
+    def _use_small_batch_copy(self, hidden_states: torch.Tensor) -> bool:
+        return (self.small_batch_weight is not None
+                and hidden_states.shape[0] <= SMALL_BATCH_ROWS.get(self.weight.dtype, 0)
+                and bool(hidden_states.abs().max() < _FLOAT16_MAX))
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
-        if self.small_batch_weight is not None and hidden_states.shape[0] <= SMALL_BATCH_ROWS:
+        if self._use_small_batch_copy(hidden_states):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()
             if self.bias is not None:
                 logits = logits + self.bias
