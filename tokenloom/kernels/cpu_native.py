@@ -22,7 +22,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "tokenloom_cpu"
-SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",)
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp", Path(__file__).parent / "csrc" / "cpu_layers.cpp")
 # -march=native: the library is built on (and keyed to) the CPU that runs it; -ffast-math
 # vectorises exp and the reductions (the kernels keep every value finite); -fopenmp makes
 # at::parallel_for parallel, on torch's own OpenMP pool (the same libgomp.so.1, already loaded)
@@ -84,6 +84,18 @@ def load(build: bool = True) -> Any:
         if ops is not None or build:
             _loaded["ops"] = ops
         return ops
+
+
+def ops_for(tensor: Any) -> Any:
+    """The operators when they can run on ``tensor`` (a CPU tensor, operators loaded), else None:
+    the layers' switch between a fused operator and their torch code."""
+    ops = _loaded.get("ops", _UNSET)
+    if ops is _UNSET:
+        ops = load()
+    return ops if ops is not None and tensor.device.type == "cpu" else None
+
+
+_UNSET = object()
 
 
 def _load_or_build(build: bool) -> Any:

@@ -1,4 +1,5 @@
-"""Gated activations of fused gate/up projections: ``act(x[..., :d]) * x[..., d:]``."""
+"""Gated activations of fused gate/up projections: ``act(x[..., :d]) * x[..., d:]``; on the
+CPU a ``[tokens, 2d]`` input takes one fused operator (``tokenloom_cpu.act_and_mul``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,21 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenloom.errors import ConfigError
+from tokenloom.kernels.cpu_native import ops_for
+
+
+def _fused(x: torch.Tensor, activation: str) -> torch.Tensor | None:
+    ops = ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+    return None if ops is None else ops.act_and_mul(x, activation)
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU: ``silu(gate) * up`` over a ``[..., 2 * d]`` input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = _fused(x, "silu")
+        if fused is not None:
+            return fused
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -27,6 +37,9 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = _fused(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
+        if fused is not None:
+            return fused
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 

@@ -2,7 +2,9 @@
 add that precedes it: ``norm(x, residual) -> (normed(x + residual), x + residual)``.
 
 The normalisation runs in float32 whatever the activation dtype, as in transformers: the
-variants differ in where they round back (Llama before the weight, Gemma after it).
+variants differ in where they round back (Llama before the weight, Gemma after it). On the CPU a
+``[tokens, features]`` input takes one fused operator (``tokenloom_cpu.rms_norm``, same
+roundings) instead of the chain of torch operators below, which stays the reference.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ import torch
 from torch import nn
 
 from tokenloom.errors import ModelLoadError
+from tokenloom.kernels.cpu_native import ops_for
 from tokenloom.layers.quantization import materialize
 
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` (weights initialised to one)."""
+
+    #: the fused operator's variant: weight applied after rounding (Llama) or ``(1 + weight)`` in float32 (Gemma)
+    fused_gemma_variant = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None):
         super().__init__()
@@ -43,6 +49,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+        ops = ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype else None
+        if ops is not None and (residual is None or residual.stride(-1) == 1):
+            normed, summed = ops.rms_norm(x, residual, self.weight, self.eps, self.fused_gemma_variant)
+            return normed if residual is None else (normed, summed)
         if residual is not None:
             x = x + residual
             return self._scaled(self._normalized(x), x.dtype), x
@@ -64,6 +74,8 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's ``x / rms(x) * (1 + weight)``, computed in float32 and rounded once at the end
     (checkpoints store ``weight`` centred on zero)."""
+
+    fused_gemma_variant = True
 
     @staticmethod
     def _initial_weight() -> float:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenloom.errors import ConfigError
+from tokenloom.kernels.cpu_native import ops_for
 
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -158,9 +159,14 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H * D]`` (or ``[T, H, D]``, any row stride) rotated to ``positions [T]``, as a
-        new ``[T, H, D]`` tensor. Queries and keys stored side by side rotate in one call."""
+        ``[T, H, D]`` tensor: on the CPU ``x`` itself, rotated in place by one fused operator;
+        elsewhere a new tensor. Queries and keys stored side by side rotate in one call."""
         num_tokens = x.shape[0]
         heads = x.view(num_tokens, -1, self.head_size)
+        ops = ops_for(x) if x.dtype == self.cos_cache.dtype and positions.dtype == torch.long else None
+        if ops is not None:
+            ops.rotary_embedding_(heads, positions, self.cos_cache, self.sin_cache)
+            return heads
         cos, sin = self._step_tables(positions)
         half = self.rotary_dim // 2
         rotary = heads[..., :self.rotary_dim]

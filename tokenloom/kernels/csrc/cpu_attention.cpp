@@ -13,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -26,25 +28,8 @@
 
 namespace {
 
-template <typename scalar_t>
-inline void load_row(const scalar_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// bfloat16 widens by a shift: written out so the compiler vectorises it
-template <>
-inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-}
-
-template <typename scalar_t>
-inline void store_row(const float* src, scalar_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
-}
+using tokenloom_cpu::load_row;
+using tokenloom_cpu::store_row;
 
 // kHead > 0: the head size known at compile time (the loops unroll into registers); 0: any
 template <int kHead>

@@ -1,0 +1,102 @@
+"""The fused CPU operators of a decoder layer (``tokenloom_cpu.rms_norm``, ``rotary_embedding_``,
+``act_and_mul``) against the layers' torch code, which stays the reference: the same layer is
+run with the operators and with them switched off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.kernels import cpu_native
+from tokenloom.layers import activation, layernorm, rotary
+from tokenloom.layers.activation import GeluAndMul, SiluAndMul
+from tokenloom.layers.layernorm import GemmaRMSNorm, RMSNorm
+from tokenloom.layers.rotary import get_rope
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def tolerance(dtype):
+    # the fused operators round once where the torch chain rounds after every operator
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Run a layer's torch code: every layer module sees no native operators."""
+    def switch_off():
+        for module in (layernorm, activation, rotary):
+            monkeypatch.setattr(module, "ops_for", lambda tensor: None)
+    return switch_off
+
+
+def test_the_operators_load_here():
+    # `make install` builds them; a missing compiler would make every fused path silently torch
+    assert cpu_native.load() is not None
+    assert cpu_native.ops_for(torch.zeros(1)) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_class", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_chain(dtype, norm_class, with_residual, torch_only):
+    generator = torch.Generator().manual_seed(0)
+    norm = norm_class(40, eps=1e-5, params_dtype=dtype)
+    norm.weight.data.copy_(torch.randn(40, generator=generator))
+    x = (torch.randn(37, 40, generator=generator) * 3).to(dtype)
+    residual = torch.randn(37, 40, generator=generator).to(dtype) if with_residual else None
+    fused = norm(x, residual)
+    torch_only()
+    expected = norm(x, residual)
+    if with_residual:
+        torch.testing.assert_close(fused[0], expected[0], **tolerance(dtype))
+        # the new residual is x + residual rounded to the dtype, exactly as torch adds them
+        assert torch.equal(fused[1], expected[1])
+    else:
+        torch.testing.assert_close(fused, expected, **tolerance(dtype))
+
+
+def test_rms_norm_reads_strided_rows():
+    x = torch.randn(6, 64)[:, :32]
+    norm = RMSNorm(32)
+    torch.testing.assert_close(norm(x), norm(x.contiguous()), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rotary_in_place_matches_the_torch_rotation(dtype, rotary_fraction, torch_only):
+    rope = get_rope(16, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary_fraction},
+                    64, dtype=dtype)
+    generator = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=generator).to(dtype)
+    positions = torch.tensor([0, 3, 17, 63, 8])
+    query_and_key = qkv[:, :96]  # strided rows: values sit beside them
+    values_before = qkv[:, 96:].clone()
+    unrotated = query_and_key.clone()
+    fused = rope.rotate(positions, query_and_key)
+    assert fused.data_ptr() == query_and_key.data_ptr()  # in place
+    assert torch.equal(qkv[:, 96:], values_before)
+    torch_only()
+    expected = rope.rotate(positions, unrotated)
+    torch.testing.assert_close(fused, expected, **tolerance(dtype))
+
+
+def test_rotary_rejects_a_position_beyond_its_table():
+    rope = get_rope(8, {"rope_type": "default", "rope_theta": 10000.0}, 16)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        rope.rotate(torch.tensor([16]), torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layer", [SiluAndMul(), GeluAndMul("tanh"), GeluAndMul("none")], ids=["silu", "gelu_tanh", "gelu"])
+def test_gated_activations_match_torch(dtype, layer, torch_only):
+    x = (torch.randn(9, 2 * 24, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    x[0, 0], x[1, 1] = -200.0, 200.0  # far tails of the activation
+    fused = layer(x)
+    torch_only()
+    torch.testing.assert_close(fused, layer(x), **tolerance(dtype))
+
+
+def test_act_and_mul_rejects_an_unknown_activation():
+    with pytest.raises(RuntimeError, match="unknown activation"):
+        cpu_native.load().act_and_mul(torch.zeros(2, 4), "relu")

@@ -1,0 +1,51 @@
+// Row loads and stores shared by tokenloom's CPU operators: any float dtype widened to float32
+// and rounded back, written so that the compiler vectorises them (bfloat16 by bit shifts).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace tokenloom_cpu {
+
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bfloat16 widens by a shift
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+template <typename scalar_t>
+inline void store_row(const float* src, scalar_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
+}
+
+template <>
+inline void store_row<float>(const float* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+// float32 -> bfloat16 rounded to nearest even (NaN stays a quiet NaN), as c10 rounds
+template <>
+inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t value = bits[i];
+    const uint32_t rounded = (value + 0x7FFFu + ((value >> 16) & 1u)) >> 16;
+    out[i] = static_cast<uint16_t>((value & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  }
+}
+
+}  // namespace tokenloom_cpu

@@ -1,0 +1,227 @@
+// Fused per-token operators of a decoder layer for the CPU, registered in the namespace
+// `tokenloom_cpu`: RMSNorm with the residual add before it, rotary embedding in place, and the
+// gated activations. Each replaces a chain of 3-9 torch operators whose dispatch costs more than
+// their arithmetic at decode sizes. Arithmetic is float32; the result is rounded once to the
+// activations' dtype. The torch references are in tokenloom/layers (layernorm.py, rotary.py,
+// activation.py), and tests/kernels/test_cpu_layers.py holds them to each other.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using tokenloom_cpu::load_row;
+using tokenloom_cpu::store_row;
+
+// rows per parallel task: small batches stay on the calling thread
+constexpr int64_t kRowGrain = 16;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, features] with contiguous features");
+}
+
+template <typename scalar_t>
+void rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                   double eps, bool gemma, at::Tensor& out, at::Tensor& residual_out) {
+  const int64_t rows = x.size(0), features = x.size(1);
+  const scalar_t* x_ptr = x.data_ptr<scalar_t>();
+  const scalar_t* r_ptr = residual ? residual->data_ptr<scalar_t>() : nullptr;
+  const int64_t x_stride = x.stride(0), r_stride = residual ? residual->stride(0) : 0;
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  scalar_t* sum_ptr = residual ? residual_out.data_ptr<scalar_t>() : nullptr;
+  const float feps = static_cast<float>(eps);
+  // the weight as float32, with Gemma's 1 + w folded in
+  std::vector<float> scale(features);
+  load_row(weight.data_ptr<scalar_t>(), scale.data(), features);
+  if (gemma) {
+    for (int64_t j = 0; j < features; ++j) scale[j] += 1.f;
+  }
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(features), other(features);
+    float* row_data = row.data();
+    const float* scale_data = scale.data();
+    for (int64_t i = begin; i < end; ++i) {
+      load_row(x_ptr + i * x_stride, row_data, features);
+      if (r_ptr != nullptr) {
+        // x + residual is rounded to the activations' dtype first: it is the next residual
+        load_row(r_ptr + i * r_stride, other.data(), features);
+        const float* other_data = other.data();
+#pragma omp simd
+        for (int64_t j = 0; j < features; ++j) row_data[j] += other_data[j];
+        store_row(row_data, sum_ptr + i * features, features);
+        load_row(sum_ptr + i * features, row_data, features);
+      }
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t j = 0; j < features; ++j) squares += row_data[j] * row_data[j];
+      const float inv_rms = 1.f / std::sqrt(squares / static_cast<float>(features) + feps);
+#pragma omp simd
+      for (int64_t j = 0; j < features; ++j) row_data[j] *= inv_rms;
+      if (!gemma) {
+        // Llama rounds the normalised value to the dtype before the weight multiplies it
+        store_row(row_data, out_ptr + i * features, features);
+        load_row(out_ptr + i * features, row_data, features);
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < features; ++j) row_data[j] *= scale_data[j];
+      store_row(row_data, out_ptr + i * features, features);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps, bool gemma) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [features] tensor of x's dtype");
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor residual_out = residual ? at::empty(x.sizes(), x.options()) : x;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x, residual, weight, eps, gemma, out, residual_out);
+  });
+  return {out, residual_out};
+}
+
+// x: [tokens, heads, head_size] (any token and head strides, contiguous features), rotated in
+// place to `positions` in the rotate-half layout over its first rotary_dim features; cos/sin
+// caches: [max_position, rotary_dim / 2].
+template <typename scalar_t>
+void rotary_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  const int64_t tokens = x.size(0), heads = x.size(1);
+  const int64_t half = cos_cache.size(1);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  scalar_t* x_ptr = x.data_ptr<scalar_t>();
+  const int64_t* pos_ptr = positions.data_ptr<int64_t>();
+  const scalar_t* cos_ptr = cos_cache.data_ptr<scalar_t>();
+  const scalar_t* sin_ptr = sin_cache.data_ptr<scalar_t>();
+  const int64_t max_position = cos_cache.size(0);
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> cos_row(half), sin_row(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t position = pos_ptr[t];
+      TORCH_CHECK(position >= 0 && position < max_position, "position ", position, " is outside the rotary table's ",
+                  max_position, " positions");
+      for (int64_t j = 0; j < half; ++j) {
+        cos_row[j] = static_cast<float>(cos_ptr[position * half + j]);
+        sin_row[j] = static_cast<float>(sin_ptr[position * half + j]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* head = x_ptr + t * token_stride + h * head_stride;
+        for (int64_t j = 0; j < half; ++j) {
+          const float first = static_cast<float>(head[j]), second = static_cast<float>(head[j + half]);
+          head[j] = static_cast<scalar_t>(first * cos_row[j] - second * sin_row[j]);
+          head[j + half] = static_cast<scalar_t>(second * cos_row[j] + first * sin_row[j]);
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_cache,
+                       const at::Tensor& sin_cache) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_size] with contiguous features");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be a contiguous int64 [tokens] tensor");
+  TORCH_CHECK(cos_cache.dim() == 2 && cos_cache.is_contiguous() && sin_cache.sizes() == cos_cache.sizes() &&
+                  sin_cache.is_contiguous() && cos_cache.scalar_type() == x.scalar_type() &&
+                  sin_cache.scalar_type() == x.scalar_type(),
+              "cos/sin caches must be contiguous [positions, rotary_dim / 2] tensors of x's dtype");
+  TORCH_CHECK(2 * cos_cache.size(1) <= x.size(2), "the rotary dimension exceeds the head size");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_embedding_", [&] {
+    rotary_impl<scalar_t>(x, positions, cos_cache, sin_cache);
+  });
+}
+
+// out[:, j] = act(x[:, j]) * x[:, d + j] for x: [rows, 2d]; act maps a float32 row in place
+template <typename scalar_t, typename Act>
+void act_and_mul_impl(const at::Tensor& x, at::Tensor& out, Act act) {
+  const int64_t rows = x.size(0), width = x.size(1) / 2;
+  const scalar_t* x_ptr = x.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(width), up(width);
+    float* gate_data = gate.data();
+    const float* up_data = up.data();
+    for (int64_t i = begin; i < end; ++i) {
+      load_row(x_ptr + i * x_stride, gate_data, width);
+      load_row(x_ptr + i * x_stride + width, up.data(), width);
+      act(gate_data, width);
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) gate_data[j] *= up_data[j];
+      store_row(gate_data, out_ptr + i * width, width);
+    }
+  });
+}
+
+// the activations, each mapping a float32 row in place (outside the dispatch macro: a
+// #pragma cannot stand in a macro's argument)
+void silu_rows(float* v, int64_t n) {
+  // the exponent is clamped: the build assumes finite values
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) v[j] = v[j] / (1.f + std::exp(std::min(-v[j], 80.f)));
+}
+
+void gelu_tanh_rows(float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float inner = 0.7978845608028654f * (v[j] + 0.044715f * v[j] * v[j] * v[j]);
+    v[j] = 0.5f * v[j] * (1.f + std::tanh(inner));
+  }
+}
+
+void gelu_rows(float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) v[j] = 0.5f * v[j] * (1.f + std::erf(v[j] * 0.7071067811865476f));
+}
+
+at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves of equal width");
+  void (*act)(float*, int64_t) = nullptr;
+  if (activation == "silu") {
+    act = silu_rows;
+  } else if (activation == "gelu_tanh") {
+    act = gelu_tanh_rows;
+  } else if (activation == "gelu") {
+    act = gelu_rows;
+  }
+  TORCH_CHECK(act != nullptr, "unknown activation ", activation, "; known: silu, gelu_tanh, gelu");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
+    act_and_mul_impl<scalar_t>(x, out, act);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
+  m.def("rotary_embedding_(Tensor(a!) x, Tensor positions, Tensor cos_cache, Tensor sin_cache) -> ()");
+  m.def("act_and_mul(Tensor x, str activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("act_and_mul", &act_and_mul);
+}
