@@ -44,7 +44,7 @@ def test_a_float32_head_answers_small_batches_from_its_float16_copy_after_loadin
     embedding.load_checkpoint_weight("weight", weights)
     head = ParallelLMHead(40, 8, small_batch_dtype=torch.float16)
     head.tie_to(embedding)
-    few = torch.randn(embedding_module.SMALL_BATCH_ROWS[torch.float32], 8)
+    few = torch.randn(embedding_module.SMALL_BATCH_ROWS, 8)
     assert torch.equal(head.compute_logits(few), torch.nn.functional.linear(few, weights))  # no copy yet
     head.process_weights_after_loading()
     assert head.small_batch_weight.dtype == torch.float16 and torch.equal(head.small_batch_weight, weights.half())
@@ -52,20 +52,25 @@ def test_a_float32_head_answers_small_batches_from_its_float16_copy_after_loadin
     assert logits.dtype == torch.float32
     assert torch.equal(logits, torch.nn.functional.linear(few.half(), weights.half()).float())
     torch.testing.assert_close(logits, few @ weights.T, atol=0.02, rtol=0.01)
-    many = torch.randn(embedding_module.SMALL_BATCH_ROWS[torch.float32] + 1, 8)
-    assert torch.equal(head.compute_logits(many), torch.nn.functional.linear(many, weights))
+    many = torch.randn(embedding_module.SMALL_BATCH_ROWS + 1, 8)
+    # the float32 head itself (oneDNN-packed: float32 up to summation order)
+    torch.testing.assert_close(head.compute_logits(many), torch.nn.functional.linear(many, weights),
+                               atol=1e-6, rtol=1e-6)
 
 
-def test_a_bfloat16_head_answers_one_row_from_its_float16_copy_with_the_same_values():
+def test_a_head_multiplies_its_packed_copy_and_keeps_the_embedding_dense():
     weights = table(rows=40, dim=8).bfloat16()
-    head = ParallelLMHead(40, 8, params_dtype=torch.bfloat16, small_batch_dtype=torch.float16)
-    head.load_checkpoint_weight("weight", weights)
+    embedding = VocabParallelEmbedding(40, 8, params_dtype=torch.bfloat16)
+    embedding.load_checkpoint_weight("weight", weights)
+    head = ParallelLMHead(40, 8, params_dtype=torch.bfloat16)
+    head.tie_to(embedding)
     head.process_weights_after_loading()
-    assert torch.equal(head.small_batch_weight.to(torch.bfloat16), weights)  # bfloat16 values are exact in float16
-    one = torch.randn(1, 8).bfloat16()
-    assert torch.equal(head.compute_logits(one), torch.nn.functional.linear(one.half(), weights.half()).float())
-    two = torch.randn(2, 8).bfloat16()
-    assert torch.equal(head.compute_logits(two), torch.nn.functional.linear(two, weights).float())
+    assert head.packed_weight.is_mkldnn and torch.equal(head.packed_weight.to_dense(), weights)
+    assert not embedding.weight.is_mkldnn  # the lookup still reads the dense table
+    for rows in (1, 5):
+        hidden = torch.randn(rows, 8).bfloat16()
+        torch.testing.assert_close(head.compute_logits(hidden), torch.nn.functional.linear(hidden, weights).float(),
+                                   atol=0, rtol=0)
 
 
 def test_hidden_states_beyond_float16_range_take_the_wide_path():
@@ -76,7 +81,7 @@ def test_hidden_states_beyond_float16_range_take_the_wide_path():
     huge = torch.full((1, 8), 1e5)
     logits = head.compute_logits(huge)
     assert torch.isfinite(logits).all()
-    assert torch.equal(logits, torch.nn.functional.linear(huge, weights))
+    torch.testing.assert_close(logits, torch.nn.functional.linear(huge, weights), atol=0, rtol=1e-6)
 
 
 def test_heads_keep_no_copy_by_default_or_in_their_own_dtype():

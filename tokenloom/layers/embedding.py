@@ -2,10 +2,13 @@
 
 Both keep dense weights in the model dtype (a packed checkpoint tensor is dequantized at
 load): the LM head's matmul is the largest of a small model, and a dense GEMM is the
-fastest form on the CPU. A tied LM head shares the embedding's parameter. A float32 head may
-also keep a float16 copy for decode steps of a few rows, which read the whole weight for a few
-rows of output (on a 2-core AVX2 CPU, SmolLM2's 49152 x 576 head: 9.0 ms per row in float32,
-3.3 ms in float16, equal from 8 rows on).
+fastest form on the CPU. A tied LM head shares the embedding's parameter, which the lookup
+needs dense; the head multiplies a oneDNN-packed copy of it where oneDNN runs its dtype
+natively (:mod:`tokenloom.kernels.onednn_linear`; SmolLM2's 49152 x 576 bfloat16 head on 2
+cores: 3.2 -> 1.7 ms at 1 row, 8.9 -> 5.2 ms at 32). A float32 head the platform chose (no
+native bfloat16) also keeps a float16 copy for decode steps of a few rows, which read the whole
+weight for a few rows of output (on a 2-core AVX2 CPU: 9.0 ms per row in float32, 3.3 ms in
+float16, equal from 8 rows on); hidden states beyond float16's range take the wide path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
 from tokenloom.layers.linear import tensor_parallel_all_reduce
 from tokenloom.layers.quantization import materialize
 
@@ -78,9 +82,8 @@ class VocabParallelEmbedding(nn.Module):
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows={self.vocab_start}:{self.vocab_end}"
 
 
-# per head dtype, batches up to this many rows use the head's float16 copy (see the module
-# docstring)
-SMALL_BATCH_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+# batches up to this many rows use the head's narrower copy (see the module docstring)
+SMALL_BATCH_ROWS = 4
 # the largest finite float16
 _FLOAT16_MAX = 65504.0
 
@@ -89,8 +92,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """``hidden -> logits`` over the vocabulary; ``tie_to(embedding)`` shares its weight.
 
     :param small_batch_dtype: keep a copy of the weight in this dtype (made by
-        :meth:`process_weights_after_loading`) for batches of up to ``SMALL_BATCH_ROWS`` rows
-        (per the weight's dtype).
+        :meth:`process_weights_after_loading`) for batches of up to ``SMALL_BATCH_ROWS`` rows.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, bias: bool = False,
@@ -98,6 +100,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.small_batch_dtype = small_batch_dtype
         self.small_batch_weight: torch.Tensor | None = None
+        self.packed_weight: torch.Tensor | None = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.weight.shape[0], dtype=self.weight.dtype), requires_grad=False)
         else:
@@ -117,10 +120,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         if self.small_batch_dtype is not None and self.small_batch_dtype != self.weight.dtype:
             self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
+        self.packed_weight = pack_weight(self.weight) if packable(self.weight) else None
 
     def _use_small_batch_copy(self, hidden_states: torch.Tensor) -> bool:
         return (self.small_batch_weight is not None
-                and hidden_states.shape[0] <= SMALL_BATCH_ROWS.get(self.weight.dtype, 0)
+                and hidden_states.shape[0] <= SMALL_BATCH_ROWS
                 and bool(hidden_states.abs().max() < _FLOAT16_MAX))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -129,6 +133,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()
             if self.bias is not None:
                 logits = logits + self.bias
+        elif self.packed_weight is not None and hidden_states.dtype == self.packed_weight.dtype:
+            logits = packed_linear(hidden_states, self.packed_weight, self.bias)
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:

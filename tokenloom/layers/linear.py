@@ -77,6 +77,13 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # a weight packed for the CPU matmul (UnquantizedMethod) is saved as the plain tensor
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, tensor in list(destination.items()):
+            if name.startswith(prefix) and isinstance(tensor, torch.Tensor) and tensor.is_mkldnn:
+                destination[name] = tensor.to_dense()
+
     # -- loading ---------------------------------------------------------------------
 
     def shard_rows(self, shard_id: Any) -> tuple[int, int, int]:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
+
 
 def materialize(loaded_weight: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A checkpoint tensor as a dense torch tensor (packed weights are dequantized)."""
@@ -56,7 +58,9 @@ class QuantizationMethod:
 
 
 class UnquantizedMethod(QuantizationMethod):
-    """Dense weights in the model dtype."""
+    """Dense weights in the model dtype. Once loaded, a CPU weight oneDNN multiplies natively
+    is replaced by its oneDNN-packed form (:mod:`tokenloom.kernels.onednn_linear`): the same
+    values in the matmul's own layout (``layer.weight.to_dense()`` reads them back)."""
 
     name = "none"
 
@@ -72,5 +76,11 @@ class UnquantizedMethod(QuantizationMethod):
             )
         layer.weight.data[output_offset:output_offset + output_size].copy_(tensor)
 
+    def process_weights_after_loading(self, layer):
+        if packable(layer.weight):
+            layer.weight = nn.Parameter(pack_weight(layer.weight), requires_grad=False)
+
     def apply(self, layer, x, bias):
+        if layer.weight.is_mkldnn:
+            return packed_linear(x, layer.weight, bias)
         return torch.nn.functional.linear(x, layer.weight, bias)

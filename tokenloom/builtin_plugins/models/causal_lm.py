@@ -108,11 +108,9 @@ class DecoderForCausalLM(nn.Module):
         norm = self.norm_class(hidden_size, config.rms_norm_eps, params_dtype=self.dtype)
         self.model = DecoderStack(embed_tokens, layers, norm, self.embedding_multiplier())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # a float16 copy of the head for decode steps of a few rows (see ParallelLMHead): for
-        # bfloat16 (same values), and for float32 the platform chose (a CPU without native
-        # bfloat16; --dtype float32 named by the user stays exact)
-        small_batch_dtype = (torch.float16 if self.dtype == torch.bfloat16
-                             or (self.dtype == torch.float32 and not ctx.exact_dtype) else None)
+        # float32 the platform chose (a CPU without native bfloat16): a float16 copy of the
+        # head for decode steps reads half the bytes
+        small_batch_dtype = torch.float16 if self.dtype == torch.float32 and not ctx.exact_dtype else None
         self.lm_head = ParallelLMHead(config.vocab_size, hidden_size, params_dtype=self.dtype,
                                       small_batch_dtype=small_batch_dtype)
         if self.tie_word_embeddings:

@@ -1,7 +1,8 @@
 """The ``gguf`` quantization method: linear layers whose checkpoint weights are GGML blocks
 (:class:`GGUFWeight`, yielded by the ``gguf`` load format).
 
-Every weight is unpacked once, at load, into a dense parameter of the model dtype. In mode
+Every weight is unpacked once, at load, into a dense parameter of the model dtype (then packed
+for oneDNN's CPU matmul, as :class:`UnquantizedMethod` does). In mode
 ``"auto"`` (the default) a layer whose weight is all 4-bit blocks (Q4_0, Q4_1, Q4_K) also keeps
 those blocks, repacked for the CPU's int4 kernel: decode steps of a few rows then read a
 quarter (bfloat16, float16) or an eighth (float32) of the bytes, and
@@ -72,12 +73,11 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         shards = getattr(layer, "_int4_shards", None)
         layer._int4_shards = None
         layer.int4_weight = None
-        if not shards:
-            return
-        codes, scales, zeros = (torch.cat([shards[offset][part] for offset in sorted(shards)]) for part in range(3))
-        if codes.shape != layer.weight.shape or not can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
-            return
-        layer.int4_weight = pack_int4(codes, scales, zeros, self._int4_dtype(layer.weight.dtype))
+        if shards:
+            codes, scales, zeros = (torch.cat([shards[offset][part] for offset in sorted(shards)]) for part in range(3))
+            if codes.shape == layer.weight.shape and can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
+                layer.int4_weight = pack_int4(codes, scales, zeros, self._int4_dtype(layer.weight.dtype))
+        super().process_weights_after_loading(layer)  # the dense weight, packed for larger batches
 
     def _int4_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The activation dtype the int4 kernel runs in for a layer of ``dtype``; None when
