@@ -148,8 +148,10 @@ inline void accumulate_chunk(const float* scores, int64_t num_keys, int64_t t0, 
 
 // Calls visit(t0, slots, n) for runs of up to 16 consecutive positions of one block (t0: the
 // run's first key index counted from `first`; slots: their cache slots), after asking the CPU
-// to prefetch the next run's rows (`row_len` elements from `row_offset` of each slot): blocks
-// are scattered, so the hardware prefetcher cannot see the next one coming.
+// to bring the next run's rows (`row_len` elements from `row_offset` of each slot) into L2:
+// blocks are scattered, so the hardware prefetcher cannot see the next one coming (measured,
+// 30 layers' K/V of 32 sequences from memory: 22 ms with no hint or into L1, 16 ms into L2;
+// two runs ahead was slower).
 template <typename scalar_t, typename Visit>
 inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t first, int64_t seq_len,
                            const scalar_t* cache, int64_t slot_stride, int64_t row_offset, int64_t row_len,
@@ -170,7 +172,7 @@ inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t fir
     const int64_t next_run = next_pos < seq_len ? fill(next_pos, next_slots) : 0;
     for (int64_t j = 0; j < next_run; ++j) {
       const char* row = reinterpret_cast<const char*>(cache + next_slots[j] * slot_stride + row_offset);
-      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte);
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 1);
     }
     visit(t, slots, run);
     t += run;
