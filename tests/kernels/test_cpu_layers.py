@@ -100,3 +100,16 @@ def test_gated_activations_match_torch(dtype, layer, torch_only):
 def test_act_and_mul_rejects_an_unknown_activation():
     with pytest.raises(RuntimeError, match="unknown activation"):
         cpu_native.load().act_and_mul(torch.zeros(2, 4), "relu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("queries, keys", [(1, 1), (5, 5), (4, 9), (70, 70)])
+def test_causal_softmax_matches_masked_softmax(dtype, queries, keys):
+    scores = (torch.randn(3, queries, keys, generator=torch.Generator().manual_seed(4)) * 5).to(dtype)
+    query_positions = torch.arange(keys - queries, keys).unsqueeze(1)
+    allowed = torch.arange(keys).unsqueeze(0) <= query_positions
+    expected = (scores.float() * 0.3).masked_fill(~allowed, float("-inf")).softmax(-1).to(dtype)
+    fused = scores.clone()
+    cpu_native.load().causal_softmax_(fused, 0.3)
+    torch.testing.assert_close(fused, expected, **tolerance(dtype))
+    assert (fused.float()[:, ~allowed] == 0).all()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.errors import ConfigError
+from tokenloom.kernels.cpu_native import ops_for
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -222,6 +223,12 @@ def _causal_attention_bmm(query: torch.Tensor, key: torch.Tensor, value: torch.T
     with each KV head's query group folded into rows (no repeated K/V)."""
     num_tokens, num_kv_heads = key.shape[0], key.shape[1]
     folded = _fold_query_heads(query, num_kv_heads)  # [Hkv, G*T, D]
+    ops = ops_for(query)
+    if ops is not None:
+        # one fused operator for scale, mask, float32 softmax and the rounding back
+        probs = torch.bmm(folded, key.permute(1, 2, 0))
+        ops.causal_softmax_(probs.view(-1, num_tokens, num_tokens), scale)
+        return _unfold_query_heads(torch.bmm(probs, value.transpose(0, 1)), num_tokens)
     scores = torch.bmm(folded, key.permute(1, 2, 0)).float() * scale
     future = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=query.device).triu(1)
     scores = scores.view(num_kv_heads, -1, num_tokens, num_tokens).masked_fill_(future, float("-inf"))

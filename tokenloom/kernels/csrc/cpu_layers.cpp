@@ -1,6 +1,6 @@
 // Fused per-token operators of a decoder layer for the CPU, registered in the namespace
-// `tokenloom_cpu`: RMSNorm with the residual add before it, rotary embedding in place, and the
-// gated activations. Each replaces a chain of 3-9 torch operators whose dispatch costs more than
+// `tokenloom_cpu`: RMSNorm with the residual add before it, rotary embedding in place, the
+// gated activations, and the causal softmax between a prompt's two attention matmuls. Each replaces a chain of 3-9 torch operators whose dispatch costs more than
 // their arithmetic at decode sizes. Arithmetic is float32; the result is rounded once to the
 // activations' dtype. The torch references are in tokenloom/layers (layernorm.py, rotary.py,
 // activation.py), and tests/kernels/test_cpu_layers.py holds them to each other.
@@ -212,16 +212,62 @@ at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation) {
   return out;
 }
 
+// Causal softmax of attention scores in place, for a prompt attending to itself after
+// `K - Q` earlier keys: scores [batch, Q, K]; row q keeps keys 0 .. K - Q + q (scaled, softmaxed
+// in float32) and zeroes the rest. Replaces scale, mask, softmax and the dtype round trip.
+template <typename scalar_t>
+void causal_softmax_impl(at::Tensor& scores, double scale) {
+  const int64_t batch = scores.size(0), queries = scores.size(1), keys = scores.size(2);
+  const int64_t context = keys - queries;
+  scalar_t* base = scores.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, batch * queries, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(keys);
+    float* values = row.data();
+    for (int64_t index = begin; index < end; ++index) {
+      scalar_t* scores_row = base + index * keys;
+      const int64_t visible = context + index % queries + 1;
+      load_row(scores_row, values, visible);
+      // the first score seeds the maximum: every value stays finite (the build is -ffast-math)
+      float max_score = values[0];
+      for (int64_t k = 1; k < visible; ++k) max_score = std::max(max_score, values[k]);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t k = 0; k < visible; ++k) {
+        values[k] = std::exp((values[k] - max_score) * fscale);
+        total += values[k];
+      }
+      const float inv_total = 1.f / total;
+#pragma omp simd
+      for (int64_t k = 0; k < visible; ++k) values[k] *= inv_total;
+#pragma omp simd
+      for (int64_t k = visible; k < keys; ++k) values[k] = 0.f;
+      store_row(values, scores_row, keys);
+    }
+  });
+}
+
+void causal_softmax_(at::Tensor scores, double scale) {
+  TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous() && scores.size(2) >= scores.size(1),
+              "scores must be a contiguous [batch, queries, keys] tensor with keys >= queries");
+  TORCH_CHECK(scale > 0, "the softmax scale must be positive");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scores.scalar_type(), "causal_softmax_", [&] {
+    causal_softmax_impl<scalar_t>(scores, scale);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
   m.def("rotary_embedding_(Tensor(a!) x, Tensor positions, Tensor cos_cache, Tensor sin_cache) -> ()");
   m.def("act_and_mul(Tensor x, str activation) -> Tensor");
+  m.def("causal_softmax_(Tensor(a!) scores, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("act_and_mul", &act_and_mul);
+  m.impl("causal_softmax_", &causal_softmax_);
 }
