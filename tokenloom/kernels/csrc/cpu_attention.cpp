@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -115,6 +116,38 @@ inline void score_chunk(const float* q_rows, int64_t group_size, const scalar_t*
                           _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale)));
   }
 }
+
+#if defined(__AVX512BF16__)
+// score_chunk for bfloat16 keys and queries on CPUs with bfloat16 dot products: 32 products
+// per instruction (vdpbf16ps, exact products summed in float32) and no widening of the keys.
+// q_rows: the G query rows as bfloat16, kHead each.
+template <int kHead>
+inline void score_chunk_bf16(const uint16_t* q_rows, int64_t group_size, const c10::BFloat16* k_cache,
+                             const int64_t* slots, int64_t n, int64_t slot_stride, int64_t head_offset, float scale,
+                             float* scores, int64_t num_keys, int64_t t0) {
+  constexpr int kPairs = kHead / 32;
+  __m512bh keys[16][kPairs];
+  for (int64_t j = 0; j < 16; ++j) {
+    for (int c = 0; c < kPairs; ++c) {
+      keys[j][c] = j < n ? (__m512bh)_mm512_loadu_si512(k_cache + slots[j] * slot_stride + head_offset + 32 * c)
+                         : (__m512bh)_mm512_setzero_si512();
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t r = 0; r < group_size; ++r) {
+    __m512bh query[kPairs];
+    for (int c = 0; c < kPairs; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q_rows + r * kHead + 32 * c);
+    __m512 partial[16];
+    for (int j = 0; j < 16; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < kPairs; ++c) acc = _mm512_dpbf16_ps(acc, query[c], keys[j][c]);
+      partial[j] = acc;
+    }
+    _mm512_mask_storeu_ps(scores + r * num_keys + t0, valid,
+                          _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale)));
+  }
+}
+#endif
 
 // out rows += the weighted values at `slots` for a KV head's G query rows
 template <typename scalar_t, int kHead>
@@ -239,6 +272,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows = heads_per_item * group_size;  // query heads of one item
     std::vector<float> q_rows(rows * head_size), acc(rows * head_size), row(head_size), scores;
+    std::vector<uint16_t> q_bf16(std::is_same_v<scalar_t, c10::BFloat16> ? rows * head_size : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;
       const int64_t first_kv_head = (item % items_per_seq) * heads_per_item;
@@ -251,6 +285,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       for (int64_t r = 0; r < rows; ++r) {
         load_row(q_ptr + seq * q_seq_stride + (first_q_head + r) * q_head_stride, q_rows.data() + r * head_size,
                  head_size);
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          std::memcpy(q_bf16.data() + r * head_size, q_ptr + seq * q_seq_stride + (first_q_head + r) * q_head_stride,
+                      head_size * sizeof(uint16_t));
+        }
       }
       scores.resize(rows * num_keys);
       float* score_rows = scores.data();
@@ -264,6 +302,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           const int64_t head_offset = (first_kv_head + h) * head_size;
           const float* head_q = q_rows.data() + h * group_size * head_size;
           float* head_scores = score_rows + h * group_size * num_keys;
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHead > 0 && kHead % 32 == 0) {
+            score_chunk_bf16<kHead>(q_bf16.data() + h * group_size * head_size, group_size, k_cache, slots, n,
+                                    slot_stride, head_offset, fscale, head_scores, num_keys, t0);
+            continue;
+          }
+#endif
 #if defined(__AVX512F__)
           if constexpr (kHead > 0 && kHead % 16 == 0) {
             score_chunk<scalar_t, kHead>(head_q, group_size, k_cache, slots, n, slot_stride, head_offset, fscale,
