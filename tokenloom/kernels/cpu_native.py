@@ -22,6 +22,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "tokenloom_cpu"
+LIBRARY_NAME = "tokenloom_cpu_ops"
 SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp", Path(__file__).parent / "csrc" / "cpu_layers.cpp")
 # -march=native: the library is built on (and keyed to) the CPU that runs it; -ffast-math
 # vectorises exp and the reductions (the kernels keep every value finite); -fopenmp makes
@@ -63,27 +64,21 @@ def build_directory() -> Path:
     return root / "kernels" / digest.hexdigest()[:16]
 
 
-def _library_name() -> str:
-    return "tokenloom_cpu_ops"
-
-
-def load(build: bool = True) -> Any:
-    """The ``torch.ops.tokenloom_cpu`` namespace, building the library first if ``build`` and it
-    is not cached; None when disabled or unavailable (the reason is logged once)."""
+def load() -> Any:
+    """The ``torch.ops.tokenloom_cpu`` namespace, building the library first when it is not
+    cached; None when disabled or unavailable (the reason is logged once)."""
     if not enabled():
         return None
     with _lock:
-        if "ops" in _loaded:
-            return _loaded["ops"]
-        ops = None
-        try:
-            ops = _load_or_build(build)
-        except Exception as error:  # noqa: BLE001 - any build failure means "use the torch path"
-            logger.warning("tokenloom CPU kernels unavailable (%s: %s); using the torch paths",
-                           type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
-        if ops is not None or build:
-            _loaded["ops"] = ops
-        return ops
+        if "ops" not in _loaded:
+            try:
+                _loaded["ops"] = _load_or_build()
+            except Exception as error:  # noqa: BLE001 - any build failure means "use the torch path"
+                reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+                logger.warning("tokenloom CPU kernels unavailable (%s: %s); using the torch paths",
+                               type(error).__name__, reason)
+                _loaded["ops"] = None
+        return _loaded["ops"]
 
 
 def ops_for(tensor: Any) -> Any:
@@ -98,14 +93,12 @@ def ops_for(tensor: Any) -> Any:
 _UNSET = object()
 
 
-def _load_or_build(build: bool) -> Any:
+def _load_or_build() -> Any:
     import torch
 
     directory = build_directory()
-    library = directory / f"{_library_name()}.so"
+    library = directory / f"{LIBRARY_NAME}.so"
     if not library.exists():
-        if not build:
-            return None
         _build(directory)
     torch.ops.load_library(str(library))
     return getattr(torch.ops, NAMESPACE)
@@ -120,7 +113,7 @@ def _build(directory: Path) -> None:
     logger.info("building tokenloom CPU kernels in %s (once per source, torch and CPU)", directory)
     started = time.perf_counter()
     cpp_extension.load(
-        name=_library_name(),
+        name=LIBRARY_NAME,
         sources=[str(source) for source in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"],

@@ -80,9 +80,9 @@ class LinearBase(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # a weight packed for the CPU matmul (UnquantizedMethod) is saved as the plain tensor
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, tensor in list(destination.items()):
-            if name.startswith(prefix) and isinstance(tensor, torch.Tensor) and tensor.is_mkldnn:
-                destination[name] = tensor.to_dense()
+        weight = destination.get(prefix + "weight")
+        if isinstance(weight, torch.Tensor) and weight.is_mkldnn:
+            destination[prefix + "weight"] = weight.to_dense()
 
     # -- loading ---------------------------------------------------------------------
 

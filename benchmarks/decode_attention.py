@@ -1,0 +1,63 @@
+"""Decode attention of SmolLM2's shape (9 query / 3 KV heads of 64, bfloat16, blocks of 16) over
+30 layers' caches, as in a decode step (each layer's cache read from memory, not from the CPU
+caches): the native kernel against the torch backend, for 1, 8 and 32 sequences of 257-384
+cached tokens in scattered blocks; and the memory's own read speed (a sum over the caches).
+
+  python benchmarks/decode_attention.py
+"""
+import random
+import time
+
+import torch
+
+from tokenloom.core.batch import AttentionMetadata
+from tokenloom.kernels import cpu_native
+from tokenloom.kernels.paged_attention import TorchPagedAttention
+
+ops = cpu_native.load()
+random.seed(0)
+torch.manual_seed(0)
+num_q_heads, num_kv_heads, head_size, block_size = 9, 3, 64, 16
+
+
+def per_30_layers(function, caches, repeats=5):
+    for cache in caches:
+        function(cache)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for cache in caches:
+            function(cache)
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+for batch in (1, 8, 32):
+    num_blocks = batch * 25 + 50
+    caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).bfloat16() for _ in range(30)]
+    seq_lens = [random.randint(257, 384) for _ in range(batch)]
+    order = torch.randperm(num_blocks)
+    max_blocks = max(-(-length // block_size) for length in seq_lens)
+    block_tables = torch.zeros(batch, max_blocks, dtype=torch.long)
+    next_block = 0
+    for row, length in enumerate(seq_lens):
+        count = -(-length // block_size)
+        block_tables[row, :count] = order[next_block:next_block + count]
+        next_block += count
+    query = torch.randn(batch, num_q_heads, head_size).bfloat16()
+    new_kv = torch.randn(batch, num_kv_heads, head_size).bfloat16()
+    lens = torch.tensor(seq_lens)
+    output = torch.empty_like(query)
+    slots = torch.tensor([int(block_tables[row, (length - 1) // block_size]) * block_size + (length - 1) % block_size
+                          for row, length in enumerate(seq_lens)])
+    metadata = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.arange(batch + 1), seq_lens=lens, block_tables=block_tables,
+        query_lens_cpu=[1] * batch, seq_lens_cpu=seq_lens, max_query_len=1, max_seq_len=max(seq_lens),
+        block_size=block_size, kv_caches=caches)
+    torch_backend = TorchPagedAttention()
+    native = per_30_layers(lambda cache: ops.paged_decode_attention(output, query, cache, block_tables, lens,
+                                                                    head_size ** -0.5, 0, 0.0), caches)
+    reference = per_30_layers(lambda cache: torch_backend.forward(query, new_kv, new_kv, cache, metadata,
+                                                                  scale=head_size ** -0.5), caches)
+    read = per_30_layers(lambda cache: cache.sum(), caches)
+    read_bytes = sum(seq_lens) * num_kv_heads * head_size * 2 * 2 * 30
+    print(f"{batch:2d} sequences, {read_bytes / 1e6:.0f} MB of K/V: native {native:.2f} ms, torch {reference:.2f} ms "
+          f"per 30 layers; memory reads {caches[0].numel() * 2 * 30 / read / 1e6:.1f} GB/s")
