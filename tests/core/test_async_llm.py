@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.config import EngineArgs
@@ -148,3 +149,47 @@ def test_the_engine_is_built_and_stepped_on_one_thread(tiny_llama_dir, monkeypat
 def test_a_build_error_is_raised_by_from_engine_args(tmp_path):
     with pytest.raises(Exception, match=str(tmp_path / "missing")):
         AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path / "missing")))
+
+
+def test_an_idle_engine_maps_unused_kv_blocks_without_touching_used_ones(engine, tiny_llama_dir):
+    """Prefaulting writes zeros only above the high-water mark of blocks ever handed out: a
+    request's KV survives it, and greedy output after it equals the offline engine's."""
+    offline = LLM(model=tiny_llama_dir, dtype="float32", block_size=4).generate(
+        [PROMPT, PROMPT + " It"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+
+    async def run():
+        await engine.start()
+        try:
+            first = await collect(engine, "a", PROMPT, delta_params(6))
+            runner = engine.engine.executor.worker.runner
+            used = runner._kv_high_water
+            snapshot = [cache[:, :used].clone() for cache in runner.kv_caches]
+            for _ in range(200):  # the idle loop maps chunk after chunk
+                if runner._kv_prefaulted > used:
+                    break
+                await asyncio.sleep(0.01)
+            assert runner._kv_prefaulted > used
+            for cache, before in zip(runner.kv_caches, snapshot):
+                assert torch.equal(cache[:, :used], before)
+            second = await collect(engine, "b", PROMPT + " It", delta_params(6))
+            return first, second
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(run())
+    for (_, tokens, _), expected in zip(results, offline):
+        assert tokens == expected.outputs[0].token_ids
+
+
+def test_prefault_stops_at_the_end_of_the_pool_and_never_goes_below_the_high_water_mark():
+    from tokenloom.core.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.kv_caches = [torch.full((2, 6, 4, 1, 2), 7.0) for _ in range(2)]
+    runner._kv_high_water, runner._kv_prefaulted = 3, 0
+    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)  # two layers of K and V for one block, float32
+    assert runner.prefault_kv_cache(2 * block_bytes) == 2 * block_bytes
+    for cache in runner.kv_caches:
+        assert (cache[:, :3] == 7).all() and (cache[:, 3:5] == 0).all() and (cache[:, 5:] == 7).all()
+    assert runner.prefault_kv_cache(10 * block_bytes) == block_bytes  # only block 5 is left
+    assert runner.prefault_kv_cache(10 * block_bytes) == 0

@@ -27,6 +27,16 @@ class Executor:
         """Run one step on the workers; called by the engine loop, one step at a time."""
         raise NotImplementedError
 
+    def prefault_kv_cache(self, max_bytes: int) -> int:
+        """Optional: while the engine is idle, make the workers map up to ``max_bytes`` more of
+        KV-cache memory that no request has used yet (a lazily zeroed cache otherwise pays a
+        page fault per page on a request's critical path). Called on the engine's thread,
+        between steps, never concurrently with :meth:`execute`.
+
+        :returns: the bytes mapped; 0 when there is nothing left to do (the default).
+        """
+        return 0
+
     def check_health(self) -> None:
         """Raise when a worker has died."""
 

@@ -57,6 +57,10 @@ class ModelRunner:
         self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode)
         self.model = None
         self.dtype = None
+        # blocks at or above this id have never been in a block table: nothing was written there
+        self._kv_high_water = 0
+        # blocks below this id have been mapped by prefault_kv_cache (or used)
+        self._kv_prefaulted = 0
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -142,10 +146,33 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
+            if new.block_ids:
+                self._kv_high_water = max(self._kv_high_water, max(new.block_ids) + 1)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_block_ids:
+                self._kv_high_water = max(self._kv_high_water, max(cached.new_block_ids) + 1)
+
+    def prefault_kv_cache(self, max_bytes: int) -> int:
+        """Write zeros over the next never-used blocks (ids from the high-water mark up), up to
+        ``max_bytes`` over all layers: the platform's lazily zeroed cache then pays its page
+        faults now rather than in a request's step. Blocks at or above the high-water mark were
+        never in a block table, so they hold zeros already and nothing is lost; called between
+        steps on the thread that runs them. Returns the bytes written (0: nothing left)."""
+        if not self.kv_caches:
+            return 0
+        num_blocks = self.kv_caches[0].shape[1]
+        first = max(self._kv_high_water, self._kv_prefaulted)
+        bytes_per_block = sum(cache[:, 0].numel() * cache.element_size() for cache in self.kv_caches)
+        count = min(num_blocks - first, max_bytes // max(bytes_per_block, 1))
+        if count <= 0:
+            return 0
+        for cache in self.kv_caches:
+            cache[:, first:first + count].zero_()
+        self._kv_prefaulted = first + count
+        return count * bytes_per_block
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

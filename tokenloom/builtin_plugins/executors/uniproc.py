@@ -20,6 +20,9 @@ class UniProcExecutor(Executor):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(scheduler_output)
 
+    def prefault_kv_cache(self, max_bytes: int) -> int:
+        return self.worker.runner.prefault_kv_cache(max_bytes)
+
     def shutdown(self) -> None:
         self.worker = None
 
