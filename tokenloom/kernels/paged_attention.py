@@ -322,6 +322,14 @@ def _group_by_length(seq_indices: list[int], num_blocks: dict[int, int], element
     return merged
 
 
+def _query_starts(query_lens: list[int]) -> list[int]:
+    """The first flat token index of each sequence."""
+    starts = [0]
+    for query_len in query_lens[:-1]:
+        starts.append(starts[-1] + query_len)
+    return starts
+
+
 def _plan_context_gather(
     block_tables: torch.Tensor,
     seq_indices: list[int],
@@ -393,14 +401,19 @@ class TorchPagedAttention:
                 output[group.token_indices] = self._decode(
                     query[group.token_indices], kv_cache, group, scale, logits_soft_cap
                 )
+        self._attend_prefills(query, key, value, kv_cache, attn_metadata, plan, output, scale, sliding_window,
+                              logits_soft_cap)
+        return output
+
+    __call__ = forward
+
+    def _attend_prefills(self, query, key, value, kv_cache, attn_metadata, plan: _StepPlan, output,
+                         scale, sliding_window, logits_soft_cap) -> None:
         for seq_index in plan.prefill_seq_indices:
             self._prefill_sequence(
                 query, key, value, kv_cache, attn_metadata, plan.query_starts[seq_index], seq_index, output,
                 scale, sliding_window, logits_soft_cap,
             )
-        return output
-
-    __call__ = forward
 
     # -- planning --------------------------------------------------------------------
 
@@ -416,9 +429,7 @@ class TorchPagedAttention:
 
     def _make_plan(self, attn_metadata, sliding_window: int | None, elements_per_block: int) -> _StepPlan:
         query_lens, seq_lens = attn_metadata.query_lens_cpu, attn_metadata.seq_lens_cpu
-        query_starts = [0]
-        for query_len in query_lens[:-1]:
-            query_starts.append(query_starts[-1] + query_len)
+        query_starts = _query_starts(query_lens)
         decode_seqs = [index for index, query_len in enumerate(query_lens) if query_len == 1]
         prefill_seqs = [index for index, query_len in enumerate(query_lens) if query_len > 1]
         if not decode_seqs:
@@ -568,26 +579,19 @@ class NativeCpuPagedAttention(TorchPagedAttention):
             return super().forward(query, key, value, kv_cache, attn_metadata, scale=scale,
                                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         self._ops.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         decode = self._decode_plan(attn_metadata)
-        if decode is not None and decode.token_indices is None:
-            output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            self._ops.paged_decode_attention(output, query, kv_cache, decode.block_tables, decode.seq_lens, scale,
-                                             sliding_window or 0, logits_soft_cap or 0.0)
-            return output
-        output = torch.empty_like(query)
         if decode is not None:
-            decode_output = torch.empty((decode.token_indices.numel(), *query.shape[1:]), dtype=query.dtype,
-                                        device=query.device)
-            self._ops.paged_decode_attention(decode_output, query[decode.token_indices], kv_cache,
-                                             decode.block_tables, decode.seq_lens, scale, sliding_window or 0,
-                                             logits_soft_cap or 0.0)
+            whole_batch = decode.token_indices is None
+            rows = query if whole_batch else query[decode.token_indices]
+            decode_output = output if whole_batch else torch.empty_like(rows)
+            self._ops.paged_decode_attention(decode_output, rows, kv_cache, decode.block_tables, decode.seq_lens,
+                                             scale, sliding_window or 0, logits_soft_cap or 0.0)
+            if whole_batch:
+                return output
             output[decode.token_indices] = decode_output
-        plan = self._plan(attn_metadata, sliding_window, kv_cache)
-        for seq_index in plan.prefill_seq_indices:
-            self._prefill_sequence(
-                query, key, value, kv_cache, attn_metadata, plan.query_starts[seq_index], seq_index, output,
-                scale, sliding_window, logits_soft_cap,
-            )
+        self._attend_prefills(query, key, value, kv_cache, attn_metadata, self._plan(attn_metadata, sliding_window,
+                              kv_cache), output, scale, sliding_window, logits_soft_cap)
         return output
 
     __call__ = forward
@@ -595,10 +599,8 @@ class NativeCpuPagedAttention(TorchPagedAttention):
     def _make_plan(self, attn_metadata, sliding_window, elements_per_block) -> _StepPlan:
         # decodes are the native kernel's: the torch plan keeps only the prefills
         query_lens = attn_metadata.query_lens_cpu
-        query_starts = [0]
-        for query_len in query_lens[:-1]:
-            query_starts.append(query_starts[-1] + query_len)
-        return _StepPlan(query_starts, [], [index for index, query_len in enumerate(query_lens) if query_len > 1])
+        return _StepPlan(_query_starts(query_lens), [],
+                         [index for index, query_len in enumerate(query_lens) if query_len > 1])
 
     def _decode_plan(self, attn_metadata) -> _NativeDecodePlan | None:
         if self._native_metadata is not attn_metadata:
