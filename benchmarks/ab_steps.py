@@ -2,11 +2,12 @@
 serve the same BATCH random 256-token prompts and are stepped alternately, so both see the same
 machine; prints the median decode step of each (and their first, prefill, steps).
 
-  python benchmarks/ab_steps.py packed|attention|layer-ops 1,8,32
+  python benchmarks/ab_steps.py packed|attention|layer-ops|int4 1,8,32
 
 packed: linear weights and LM head oneDNN-packed (default) vs dense F.linear; attention: the
 native decode-attention backend vs the torch one; layer-ops: the fused RMSNorm / rotary /
-gated-activation operators vs their torch code (both engines on native attention).
+gated-activation operators vs their torch code (both engines on native attention); int4: the
+4-bit layers on tokenloom's int4 kernel vs torch's.
 """
 import contextlib
 import random
@@ -16,6 +17,7 @@ import time
 from unittest import mock
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.kernels import int4_matmul
 from tokenloom.kernels.paged_attention import TorchPagedAttention
 from tokenloom.layers import activation, embedding, layernorm, quantization, rotary
 
@@ -31,8 +33,10 @@ elif variant == "layer-ops":
         for module in (layernorm, activation, rotary):
             stack.enter_context(mock.patch.object(module, "ops_for", lambda tensor: None))
         return stack
+elif variant == "int4":
+    construction = mock.patch.object(int4_matmul, "_native_kernel", lambda: None)
 elif variant != "attention":
-    raise SystemExit(f"unknown variant {variant!r}: packed, attention or layer-ops")
+    raise SystemExit(f"unknown variant {variant!r}: packed, attention, layer-ops or int4")
 
 optimised = LLM(model="smollm2", max_model_len=1024).engine
 with construction:

@@ -1,6 +1,8 @@
 """Weight-only 4-bit matmul on the CPU: weights stored as 4-bit codes with one affine
-``(scale, zero)`` pair per group of input features, multiplied by torch's packed CPU kernel
-(``aten._weight_int4pack_mm_for_cpu``) without ever materialising the dense weight.
+``(scale, zero)`` pair per group of input features, multiplied without ever materialising the
+dense weight: by tokenloom's own kernel (``tokenloom_cpu::int4_linear``, csrc/cpu_int4.cpp)
+where the CPU has AVX512-BF16 and the weight's shape suits it (groups of 32, bfloat16
+activations), else by torch's packed CPU kernel (``aten._weight_int4pack_mm_for_cpu``).
 
 A weight value is ``(code - 8) * scale + zero`` with ``code`` in ``0..15``: the convention of
 torch's kernel, which covers ggml's Q4_0, Q4_1 and Q4_K blocks exactly (their per-group scale
@@ -18,8 +20,11 @@ own CPU kernels round activations to 8 bits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from tokenloom.kernels import cpu_native
 
 CODE_OFFSET = 8
 
@@ -37,13 +42,26 @@ INT4_MAX_ROWS = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 16}
 INT4_DTYPES = (torch.bfloat16, torch.float16)
 
 
+# tokenloom's kernel: groups of this many features, taken in pairs, a few rows per call
+NATIVE_GROUP_SIZE = 32
+NATIVE_MAX_ROWS = 8
+
+
 @dataclass
 class Int4Weight:
-    """A ``[out_features, in_features]`` weight packed for the CPU kernel."""
+    """A ``[out_features, in_features]`` weight packed for one of the CPU kernels."""
 
-    packed: torch.Tensor  # [out_features, in_features / 2] uint8 in the kernel's layout
-    scales_and_zeros: torch.Tensor  # [in_features / group_size, out_features, 2], activation dtype
+    # torch's kernel: [out_features, in_features / 2] uint8 in its layout;
+    # tokenloom's: [out_features / 8, groups / 2, 8, 32] (see csrc/cpu_int4.cpp), byte j of a row's
+    # pair of groups (g, g+1) = code g*32+j | code (g+1)*32+j << 4
+    packed: torch.Tensor
+    # torch's kernel: [in_features / group_size, out_features, 2];
+    # tokenloom's: [2, out_features, in_features / group_size] (scales, then zeros); activation dtype
+    scales_and_zeros: torch.Tensor
     group_size: int
+    kernel: Any = None  # tokenloom's kernel when packed for it; it reads these two views
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -67,21 +85,46 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
             f"cannot pack a {tuple(codes.shape)} int4 weight with {tuple(scales.shape)} group scales: out features "
             f"must be a multiple of {_ROW_MULTIPLE} and in features a multiple of an even group size"
         )
+    kernel = _native_kernel()
+    if kernel is not None and dtype == torch.bfloat16 and group_size == NATIVE_GROUP_SIZE \
+            and in_features % (2 * NATIVE_GROUP_SIZE) == 0:
+        pairs = codes.to(torch.uint8).view(out_features // 8, 8, in_features // (2 * group_size), 2, group_size)
+        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(1, 2).reshape(out_features, in_features // 2)
+        scales_and_zeros = torch.stack([scales, zeros]).to(dtype).contiguous()
+        return Int4Weight(packed=packed, scales_and_zeros=scales_and_zeros, group_size=group_size, kernel=kernel,
+                          scales=scales_and_zeros[0], zeros=scales_and_zeros[1])
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
     return Int4Weight(packed=packed, scales_and_zeros=scales_and_zeros, group_size=group_size)
 
 
+def _native_kernel():
+    """``tokenloom_cpu::int4_linear`` when built (only where the CPU has AVX512-BF16), else None."""
+    ops = cpu_native.load()
+    return getattr(ops, "int4_linear", None) if ops is not None else None
+
+
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` with ``W`` the int4 weight; ``x`` is cast to the dtype the
-    weight was packed for, and the result back to ``x``'s."""
-    rows = x.reshape(-1, x.shape[-1]).to(weight.scales_and_zeros.dtype)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        rows.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
-    ).to(x.dtype)
+    weight was packed for, and the result back to ``x``'s. (Called per layer per decode step:
+    every torch call it saves is a microsecond of the step.)"""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.dtype != weight.scales_and_zeros.dtype:
+        rows = rows.to(weight.scales_and_zeros.dtype)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    if weight.kernel is not None:
+        out = weight.kernel(rows, weight.packed, weight.scales, weight.zeros) if rows.shape[0] <= NATIVE_MAX_ROWS \
+            else torch.cat([weight.kernel(rows[start:start + NATIVE_MAX_ROWS], weight.packed, weight.scales,
+                                          weight.zeros) for start in range(0, rows.shape[0], NATIVE_MAX_ROWS)])
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group_size,
+                                                         weight.scales_and_zeros)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], weight.out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
 def prefers_int4(x: torch.Tensor) -> bool:
