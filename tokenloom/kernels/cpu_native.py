@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "tokenloom_cpu"
 LIBRARY_NAME = "tokenloom_cpu_ops"
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_int4.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
+    "cpu_attention.cpp", "cpu_layers.cpp", "cpu_int4.cpp", "cpu_decoder.cpp"))
 # -march=native: the library is built on (and keyed to) the CPU that runs it; -ffast-math
 # vectorises exp and the reductions (the kernels keep every value finite); -fopenmp makes
 # at::parallel_for parallel, on torch's own OpenMP pool (the same libgomp.so.1, already loaded)
@@ -56,8 +57,8 @@ def build_directory() -> Path:
     import torch
 
     digest = hashlib.sha256()
-    for source in SOURCES:
-        digest.update(source.read_bytes())
+    for source in sorted(SOURCES[0].parent.iterdir()):  # the sources and the headers they share
+        digest.update(source.name.encode() + source.read_bytes())
     for part in (torch.__version__, sys.version, _cpu_flags(), " ".join(CFLAGS)):
         digest.update(part.encode())
     root = Path(os.environ.get("TOKENLOOM_CACHE_DIR") or Path.home() / ".cache" / "tokenloom")

@@ -602,6 +602,12 @@ class NativeCpuPagedAttention(TorchPagedAttention):
         return _StepPlan(_query_starts(query_lens), [],
                          [index for index, query_len in enumerate(query_lens) if query_len > 1])
 
+    def whole_decode_plan(self, attn_metadata) -> _NativeDecodePlan | None:
+        """The step's decode plan (``block_tables``, ``seq_lens`` as the kernel takes them) when
+        every row of the step is a decode, else None; made once per step."""
+        plan = self._decode_plan(attn_metadata)
+        return plan if plan is not None and plan.token_indices is None else None
+
     def _decode_plan(self, attn_metadata) -> _NativeDecodePlan | None:
         if self._native_metadata is not attn_metadata:
             self._native_metadata = attn_metadata

@@ -9,6 +9,7 @@ from torch import nn
 
 from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
 from tokenloom.layers.decoder import GatedMLP, SelfAttention
+from tokenloom.layers.fused_decode import FusedDecodeLayer
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -37,8 +38,14 @@ class LlamaDecoderLayer(nn.Module):
             bias=bool(getattr(config, "mlp_bias", False)),
             **model.linear_options(),
         )
+        # the whole layer as one CPU operator for decode steps it can take (else None)
+        self.fused_decode = FusedDecodeLayer(self.input_layernorm, self.self_attn, self.post_attention_layernorm,
+                                             self.mlp)
 
     def forward(self, positions, hidden_states, residual, attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.fused_decode(positions, hidden_states, residual, attn_metadata)
+        if fused is not None:
+            return fused
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

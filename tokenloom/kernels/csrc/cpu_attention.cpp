@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -27,10 +28,8 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace tokenloom_cpu {
 
-using tokenloom_cpu::load_row;
-using tokenloom_cpu::store_row;
 
 // kHead > 0: the head size known at compile time (the loops unroll into registers); 0: any
 template <int kHead>
@@ -436,7 +435,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   });
 }
 
-}  // namespace
+}  // namespace tokenloom_cpu
 
 TORCH_LIBRARY(tokenloom_cpu, m) {
   m.def(
@@ -446,6 +445,6 @@ TORCH_LIBRARY(tokenloom_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("paged_decode_attention", &tokenloom_cpu::paged_decode_attention);
+  m.impl("write_kv_cache", &tokenloom_cpu::write_kv_cache);
 }

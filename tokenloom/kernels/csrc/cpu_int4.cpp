@@ -21,6 +21,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -28,7 +30,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-namespace {
+namespace tokenloom_cpu {
 
 constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 8;
@@ -155,14 +157,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return out;
 }
 
-}  // namespace
+}  // namespace tokenloom_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
-  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_linear", &tokenloom_cpu::int4_linear);
 }
 
 #endif  // __AVX512BF16__

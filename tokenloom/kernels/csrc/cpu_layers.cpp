@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -20,10 +21,8 @@
 #include <tuple>
 #include <vector>
 
-namespace {
+namespace tokenloom_cpu {
 
-using tokenloom_cpu::load_row;
-using tokenloom_cpu::store_row;
 
 // rows per parallel task: small batches stay on the calling thread
 constexpr int64_t kRowGrain = 16;
@@ -256,7 +255,7 @@ void causal_softmax_(at::Tensor scores, double scale) {
   });
 }
 
-}  // namespace
+}  // namespace tokenloom_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
@@ -266,8 +265,8 @@ TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary_embedding_", &rotary_embedding_);
-  m.impl("act_and_mul", &act_and_mul);
-  m.impl("causal_softmax_", &causal_softmax_);
+  m.impl("rms_norm", &tokenloom_cpu::rms_norm);
+  m.impl("rotary_embedding_", &tokenloom_cpu::rotary_embedding_);
+  m.impl("act_and_mul", &tokenloom_cpu::act_and_mul);
+  m.impl("causal_softmax_", &tokenloom_cpu::causal_softmax_);
 }

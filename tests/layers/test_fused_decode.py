@@ -1,0 +1,98 @@
+"""The fused decode layer (``tokenloom_cpu::decode_layer``) against the layer's own Python path,
+on tiny random Llama GGUFs with Q4_1 projections (int4 weights for tokenloom's kernel)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from helpers.gguf_files import tiny_model_state_dict, write_model_gguf
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.kernels import int4_matmul
+from tokenloom.layers.fused_decode import FusedDecodeLayer
+
+pytestmark = pytest.mark.skipif(int4_matmul._native_kernel() is None,
+                                reason="the fused decode layer needs tokenloom's int4 kernel (AVX512-BF16)")
+
+PROMPTS = [[5 + (7 * index + 3 * position) % 80 for position in range(9 + 5 * index)] for index in range(5)]
+
+
+def tiny_gguf(tmp_path_factory, architecture: str) -> str:
+    config, state_dict = tiny_model_state_dict(architecture, seed=3)
+    directory = tmp_path_factory.mktemp(architecture)
+    return write_model_gguf(str(directory / "model.gguf"), architecture, config, state_dict,
+                            quant_type=GGMLQuantizationType.Q4_1)
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tmp_path_factory):
+    # bfloat16 (the dtype the int4 kernel runs); no prefix cache, so a repeated prompt is
+    # computed the same way twice
+    return LLM(model=tiny_gguf(tmp_path_factory, "llama"), dtype="bfloat16", max_model_len=128,
+               enable_prefix_caching=False, skip_tokenizer_init=True)
+
+
+def generate(llm, max_tokens=12, **params):
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **params)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], sampling)
+    return [(output.outputs[0].token_ids, [{token: entry.logprob for token, entry in step.items()}
+                                           for step in output.outputs[0].logprobs]) for output in outputs]
+
+
+def count_fused_calls():
+    """Patch FusedDecodeLayer.__call__ to count the calls it took and declined, and the row
+    counts of the ones it took; returns (patch, counter)."""
+    taken = {"fused": 0, "declined": 0, "fused_rows": set(), "declined_rows": set()}
+    original = FusedDecodeLayer.__call__
+
+    def counting(self, positions, hidden_states, *args):
+        result = original(self, positions, hidden_states, *args)
+        taken["fused" if result is not None else "declined"] += 1
+        taken["fused_rows" if result is not None else "declined_rows"].add(hidden_states.shape[0])
+        return result
+
+    return mock.patch.object(FusedDecodeLayer, "__call__", counting), taken
+
+
+def test_decode_steps_take_the_fused_layer_and_give_the_same_bits(llama_llm):
+    patch, taken = count_fused_calls()
+    with patch:
+        fused = generate(llama_llm)
+    assert taken["fused"] > 0 and taken["declined"] > 0  # decode steps fused; prompt steps not
+    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
+        unfused = generate(llama_llm)
+    assert fused == unfused
+
+
+def test_more_rows_than_the_int4_kernel_takes_stay_on_the_python_path(llama_llm):
+    patch, taken = count_fused_calls()
+    with patch:
+        llama_llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=3, n=9, temperature=1.0,
+                                                                             seed=1))
+    # the 9 sequences decode together in 9-row steps, which the layers run in Python
+    assert 9 in taken["declined_rows"] and max(taken["fused_rows"], default=0) <= 8
+
+
+def test_a_layer_with_biases_is_not_fused(tmp_path_factory):
+    # Qwen2 is the Llama layer with qkv biases: the operator has no bias terms
+    llm = LLM(model=tiny_gguf(tmp_path_factory, "qwen2"), dtype="bfloat16", max_model_len=128,
+              skip_tokenizer_init=True)
+    patch, taken = count_fused_calls()
+    with patch:
+        generate(llm, max_tokens=4)
+    assert taken["fused"] == 0 and taken["declined"] > 0
+    layer = llm.engine.executor.worker.runner.model.model.layers[0]
+    assert layer.fused_decode._arguments is None
+
+
+def test_float32_models_are_not_fused(tmp_path_factory):
+    llm = LLM(model=tiny_gguf(tmp_path_factory, "llama"), dtype="float32", max_model_len=128,
+              skip_tokenizer_init=True)
+    patch, taken = count_fused_calls()
+    with patch:
+        outputs = generate(llm, max_tokens=4)
+    assert taken["fused"] == 0 and all(len(tokens) == 4 for tokens, _ in outputs)
+    assert torch.float32 == llm.engine.executor.worker.runner.dtype

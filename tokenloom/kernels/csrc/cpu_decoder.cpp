@@ -1,0 +1,60 @@
+// A whole pre-norm decoder layer of the Llama family (RMSNorm, rotary self-attention over the
+// paged KV cache, SwiGLU MLP) for a decode step of a few rows, chained in C++ from tokenloom's
+// own operators: in Python the same layer is about a dozen module calls and two dozen torch
+// calls, each a few microseconds, which at decode sizes cost as much as the arithmetic.
+// Registered as `tokenloom_cpu::decode_layer` where the int4 kernel is built (AVX512-BF16);
+// tokenloom/layers/fused_decode.py decides when a layer may take it. Every step is the operator
+// the Python path calls, in the same order on the same inputs, so both give the same bits.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+#if defined(__AVX512BF16__)
+
+namespace tokenloom_cpu {
+
+// weights: the int4 (codes, scales, zeros) of qkv, o, gate_up and down, in that order.
+// Returns (the MLP's output, the residual stream), as the Python layer does.
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& positions, const at::Tensor& input_norm,
+                                                const at::Tensor& post_norm, double eps, at::TensorList weights,
+                                                const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                                at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(weights.size() == 12, "decode_layer: weights must be 4 x (codes, scales, zeros), got ", weights.size());
+  TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be [2, num_blocks, block_size, kv_heads, head_size]");
+  const int64_t tokens = hidden.size(0), head_size = kv_cache.size(4);
+  auto [normed, residual_out] = rms_norm(hidden, residual, input_norm, eps, false);
+  const at::Tensor qkv = int4_linear(normed, weights[0], weights[1], weights[2]);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_size,
+              "decode_layer: the qkv projection's width does not match the heads");
+  const at::Tensor heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_size});
+  rotary_embedding_(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos_cache, sin_cache);
+  write_kv_cache(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+                 kv_cache, slot_mapping);
+  at::Tensor attention = at::empty({tokens, num_heads, head_size}, hidden.options());
+  paged_decode_attention(attention, heads.narrow(1, 0, num_heads), kv_cache, block_tables, seq_lens, scale, 0, 0.0);
+  const at::Tensor projected = int4_linear(attention.view({tokens, num_heads * head_size}), weights[3], weights[4],
+                                           weights[5]);
+  auto [mlp_input, residual_next] = rms_norm(projected, residual_out, post_norm, eps, false);
+  const at::Tensor activated = act_and_mul(int4_linear(mlp_input, weights[6], weights[7], weights[8]), "silu");
+  return {int4_linear(activated, weights[9], weights[10], weights[11]), residual_next};
+}
+
+}  // namespace tokenloom_cpu
+
+TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+  m.def(
+      "decode_layer(Tensor hidden, Tensor? residual, Tensor positions, Tensor input_norm, Tensor post_norm, "
+      "float eps, Tensor[] weights, Tensor cos_cache, Tensor sin_cache, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
+  m.impl("decode_layer", &tokenloom_cpu::decode_layer);
+}
+
+#endif  // __AVX512BF16__

@@ -1,0 +1,30 @@
+// The entry points of tokenloom's CPU operators (each also registered in torch's `tokenloom_cpu`
+// namespace), declared for operators that chain them without going back through Python.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <tuple>
+
+namespace tokenloom_cpu {
+
+// cpu_layers.cpp
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps, bool gemma);
+void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_cache,
+                       const at::Tensor& sin_cache);
+at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation);
+
+// cpu_attention.cpp
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            int64_t sliding_window, double soft_cap);
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                    const at::Tensor& slot_mapping);
+
+// cpu_int4.cpp (built where the CPU has AVX512-BF16)
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& zeros);
+
+}  // namespace tokenloom_cpu

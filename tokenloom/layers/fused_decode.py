@@ -1,0 +1,81 @@
+"""One operator for a whole decoder layer in a decode step on the CPU.
+
+A pre-norm layer of the Llama family (:class:`~tokenloom.layers.layernorm.RMSNorm`,
+:class:`~tokenloom.layers.decoder.SelfAttention` with rotary embedding, :class:`GatedMLP` with
+SwiGLU) whose four projections hold int4 weights packed for tokenloom's kernel
+(``layer.int4_weight``, which the ``gguf`` quantization method keeps) runs a decode step of up
+to ``INT4_MAX_ROWS`` rows as ``tokenloom_cpu::decode_layer``: the operators the Python path
+calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
+calls per layer. Anything else (prefill rows in the step, more rows, other dtypes, biases,
+q/k norms, sliding windows, soft caps, tensor parallelism, another attention backend) takes
+the layer's own Python path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenloom.kernels import cpu_native
+from tokenloom.kernels.int4_matmul import INT4_MAX_ROWS
+from tokenloom.kernels.paged_attention import NativeCpuPagedAttention
+from tokenloom.layers.activation import SiluAndMul
+from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.rotary import RotaryEmbedding
+
+_UNCHECKED = object()
+
+
+class FusedDecodeLayer:
+    """Built in the layer's constructor; the weights are checked on the first call (they are
+    packed only after loading). ``__call__`` returns the layer's ``(output, residual)``, or None
+    when this step or this layer is not one the operator takes."""
+
+    def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp):
+        self.modules = (input_layernorm, self_attn, post_attention_layernorm, mlp)
+        self._arguments: Any = _UNCHECKED  # the operator and its per-layer arguments, or None
+
+    def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                 attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._arguments is _UNCHECKED:
+            self._arguments = self._check_layer(hidden_states)
+        if self._arguments is None or hidden_states.dtype != torch.bfloat16 or hidden_states.dim() != 2 \
+                or hidden_states.shape[0] > INT4_MAX_ROWS[torch.bfloat16] or attn_metadata.bidirectional:
+            return None
+        backend = attn_metadata.backend
+        decode = backend.whole_decode_plan(attn_metadata) if isinstance(backend, NativeCpuPagedAttention) else None
+        if decode is None or positions.dtype != torch.long:
+            return None
+        operator, input_norm, post_norm, eps, weights, cos_cache, sin_cache, layer_index, heads, kv_heads, scale = \
+            self._arguments
+        kv_cache = attn_metadata.kv_caches[layer_index]
+        if kv_cache.dtype != torch.bfloat16:
+            return None
+        return operator(hidden_states, residual, positions, input_norm, post_norm, eps, weights, cos_cache, sin_cache,
+                        kv_cache, attn_metadata.slot_mapping, decode.block_tables, decode.seq_lens, heads, kv_heads,
+                        scale)
+
+    def _check_layer(self, hidden_states: torch.Tensor) -> tuple | None:
+        """The operator's per-layer arguments when the layer is one it computes exactly."""
+        input_layernorm, self_attn, post_attention_layernorm, mlp = self.modules
+        ops = cpu_native.ops_for(hidden_states)
+        operator = getattr(ops, "decode_layer", None) if ops is not None else None
+        norms = (input_layernorm, post_attention_layernorm)
+        projections = (self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        int4 = [getattr(projection, "int4_weight", None) for projection in projections]
+        attention, rotary = self_attn.attn, self_attn.rotary_emb
+        if (operator is None
+                or any(type(norm) is not RMSNorm or norm.weight.dtype != torch.bfloat16 or norm.eps != input_layernorm.eps
+                       for norm in norms)
+                or any(weight is None or weight.kernel is None for weight in int4)
+                or any(projection.bias is not None or projection.tp_size != 1 for projection in projections)
+                or getattr(self_attn, "q_norm", None) is not None
+                or type(rotary) is not RotaryEmbedding or rotary.cos_cache.dtype != torch.bfloat16
+                or attention.sliding_window or attention.logits_soft_cap
+                or type(mlp.act_fn) is not SiluAndMul):
+            return None
+        weights = [part for weight in int4 for part in (weight.packed, weight.scales, weight.zeros)]
+        return (operator, input_layernorm.weight, post_attention_layernorm.weight, input_layernorm.eps, weights,
+                rotary.cos_cache, rotary.sin_cache, attention.layer_index, self_attn.num_heads, self_attn.num_kv_heads,
+                attention.scale)
