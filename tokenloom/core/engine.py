@@ -556,9 +556,12 @@ def choose_platform(name: str, plugins: PluginSet) -> str:
 
 
 # KV-cache memory the idle server maps ahead of use (page faults of a lazily zeroed cache cost
-# ~1 ms per MB on the CPU, in the first step that writes there), in chunks of a few ms
+# ~1 ms per MB on the CPU, in the first step that writes there), in chunks of about a
+# millisecond, once the engine has been idle a while: one client's requests arrive back to
+# back, and each would otherwise wait for the chunk that started as the previous one finished
 PREFAULT_MAX_BYTES = 1 << 30
-PREFAULT_CHUNK_BYTES = 8 << 20
+PREFAULT_CHUNK_BYTES = 1 << 20
+PREFAULT_AFTER_IDLE_SECONDS = 0.05
 
 
 class AsyncLLM:
@@ -587,6 +590,7 @@ class AsyncLLM:
         self._dead_reason: str | None = None
         self._stats = engine.stats() if engine is not None else None
         self._prefault_budget = PREFAULT_MAX_BYTES
+        self._last_step_time = 0.0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> "AsyncLLM":
@@ -769,6 +773,7 @@ class AsyncLLM:
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
+                self._last_step_time = time.monotonic()
                 self._stats = self.engine.stats()
                 if outputs:
                     self._deliver([(output.request_id, output) for output in outputs])
@@ -780,11 +785,16 @@ class AsyncLLM:
             self._deliver([(request_id, error) for request_id in list(self._streams)])
 
     def _prefault_idle(self) -> bool:
-        """While idle, map the next slice of never-used KV-cache memory (see
-        ``Executor.prefault_kv_cache``), a chunk at a time so a new request waits at most one
-        chunk; True when a chunk was mapped."""
+        """Once idle for ``PREFAULT_AFTER_IDLE_SECONDS``, map the next slice of never-used
+        KV-cache memory (see ``Executor.prefault_kv_cache``), a chunk at a time so a new request
+        waits at most one chunk; True when a chunk was mapped or the idle wait is not over."""
         if self._prefault_budget <= 0 or not self._commands.empty():
             return False
+        idle_for = time.monotonic() - self._last_step_time
+        if idle_for < PREFAULT_AFTER_IDLE_SECONDS:
+            self._wakeup.wait(timeout=PREFAULT_AFTER_IDLE_SECONDS - idle_for)
+            self._wakeup.clear()
+            return True
         mapped = self.engine.executor.prefault_kv_cache(min(PREFAULT_CHUNK_BYTES, self._prefault_budget))
         self._prefault_budget = self._prefault_budget - mapped if mapped else 0
         return mapped > 0

@@ -9,6 +9,9 @@ cores: 3.2 -> 1.7 ms at 1 row, 8.9 -> 5.2 ms at 32). A float32 head the platform
 native bfloat16) also keeps a float16 copy for decode steps of a few rows, which read the whole
 weight for a few rows of output (on a 2-core AVX2 CPU: 9.0 ms per row in float32, 3.3 ms in
 float16, equal from 8 rows on); hidden states beyond float16's range take the wide path.
+A bfloat16 head whose checkpoint tensor is int8 groups (GGUF Q8_0, SmolLM2's tied embedding)
+also keeps them for decode steps of up to 4 rows (:mod:`tokenloom.kernels.int8_matmul`): half
+the bytes of the bfloat16 copy, and the file's exact values rather than their rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.kernels.int8_matmul import MAX_ROWS as INT8_MAX_ROWS
+from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
 from tokenloom.layers.linear import tensor_parallel_all_reduce
 from tokenloom.layers.quantization import materialize
@@ -57,6 +62,8 @@ class VocabParallelEmbedding(nn.Module):
         weight = torch.empty(rows, embedding_dim, dtype=params_dtype or torch.get_default_dtype())
         weight[self.vocab_end - self.vocab_start:].zero_()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.int8_groups: tuple[torch.Tensor, torch.Tensor] | None = None  # see load_checkpoint_weight
+        self.keeps_int8_groups = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -77,6 +84,11 @@ class VocabParallelEmbedding(nn.Module):
             )
         local_rows = self.vocab_end - self.vocab_start
         self.weight.data[:local_rows].copy_(tensor[self.vocab_start:self.vocab_end])
+        # an LM head (or the embedding tied to one) keeps a checkpoint tensor of int8 groups
+        # (GGUF Q8_0) as such, for ParallelLMHead.process_weights_after_loading to pack
+        int8_groups = getattr(loaded_weight, "int8_groups", None)
+        if self.keeps_int8_groups and callable(int8_groups) and self.tp_size == 1:
+            self.int8_groups = int8_groups()
 
     def extra_repr(self) -> str:
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows={self.vocab_start}:{self.vocab_end}"
@@ -101,6 +113,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.small_batch_dtype = small_batch_dtype
         self.small_batch_weight: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
+        self.int8_weight: Int8Weight | None = None
+        self._tied_to: VocabParallelEmbedding | None = None
+        self.keeps_int8_groups = True
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.weight.shape[0], dtype=self.weight.dtype), requires_grad=False)
         else:
@@ -113,6 +128,8 @@ class ParallelLMHead(VocabParallelEmbedding):
                 f"{tuple(embedding.weight.shape)}"
             )
         self.weight = embedding.weight
+        self._tied_to = embedding
+        embedding.keeps_int8_groups = True
 
     def forward(self, input_ids):
         raise TypeError("ParallelLMHead computes logits: call compute_logits(hidden_states)")
@@ -121,6 +138,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.small_batch_dtype is not None and self.small_batch_dtype != self.weight.dtype:
             self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
         self.packed_weight = pack_weight(self.weight) if packable(self.weight) else None
+        source = self._tied_to if self._tied_to is not None else self
+        if source.int8_groups is not None and self.weight.dtype == torch.bfloat16 and self.bias is None:
+            codes, scales = source.int8_groups
+            self.int8_weight = pack_int8(codes, scales) if codes.shape[0] == self.weight.shape[0] else None
+        source.int8_groups = None  # packed (or not needed): not kept twice
 
     def _use_small_batch_copy(self, hidden_states: torch.Tensor) -> bool:
         return (self.small_batch_weight is not None
@@ -129,6 +151,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
+        if self.int8_weight is not None and hidden_states.shape[0] <= INT8_MAX_ROWS \
+                and hidden_states.dtype == torch.bfloat16:
+            return int8_linear(hidden_states, self.int8_weight)[:, :self.num_embeddings]
         if self._use_small_batch_copy(hidden_states):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()
             if self.bias is not None:

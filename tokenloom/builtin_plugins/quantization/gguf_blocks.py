@@ -218,6 +218,16 @@ class GGUFWeight:
         return dequantize_blocks(self.data, self.ggml_type, tuple(self.shape), dtype,
                                  tensor_name=self.name, path=self.path)
 
+    def int8_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Q8_0 only: the int8 codes ``[rows, cols]`` and the float32 scale of each 32 of them
+        ``[rows, cols / 32]``, exactly as stored (for :mod:`tokenloom.kernels.int8_matmul`);
+        None for any other type."""
+        if self.ggml_type != Q8_0:
+            return None
+        rows, cols = self.shape
+        blocks = self.data.reshape(-1, 34)
+        return _int8(blocks, 2, 34).reshape(rows, cols), _f16(blocks, 0).reshape(rows, cols // 32)
+
     def permute_rows(self, row_order: torch.Tensor) -> "GGUFWeight":
         """Rows reordered (``new[i] = old[row_order[i]]``); copies the packed bytes once."""
         return GGUFWeight(self.data.index_select(0, row_order), self.ggml_type, self.shape, self.name, self.path)

@@ -1,0 +1,87 @@
+"""The weight-only int8 matmul (GGML Q8_0 groups) against its dense reference, and the LM head
+that keeps a Q8_0 checkpoint tensor for decode steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
+from tokenloom.kernels import int8_matmul
+from tokenloom.kernels.int8_matmul import dequantize_int8, int8_linear, pack_int8
+from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+pytestmark = pytest.mark.skipif(int8_matmul._kernel() is None, reason="the int8 kernel needs a CPU with AVX-512")
+
+
+def random_int8(out_features: int, in_features: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.01
+    return codes, scales
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(8, 32), (64, 576), (40, 96)])
+def test_matches_the_dequantized_weight_in_float32(rows, shape):
+    codes, scales = random_int8(*shape, seed=rows)
+    weight = pack_int8(codes, scales)
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rows))
+    out = int8_linear(x, weight)
+    exact = x.double() @ dequantize_int8(codes, scales).double().T
+    assert out.dtype == torch.float32 and out.shape == (rows, shape[0])
+    # exact weights and float32 sums: float32 rounding only
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
+
+
+def test_shapes_the_kernel_cannot_take_are_not_packed():
+    assert pack_int8(*random_int8(12, 64)) is None  # rows not in blocks of 8
+    codes, _ = random_int8(16, 64)
+    assert pack_int8(codes, torch.rand(16, 3)) is None  # not one scale per 32 codes
+
+
+def q8_0(rows: int, cols: int, seed: int = 0) -> GGUFWeight:
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    packed = quantize(values, GGMLQuantizationType.Q8_0)
+    return GGUFWeight(torch.from_numpy(packed.copy()), int(GGMLQuantizationType.Q8_0), (rows, cols),
+                      name="token_embd.weight")
+
+
+def test_q8_0_groups_are_the_stored_values():
+    weight = q8_0(16, 64)
+    codes, scales = weight.int8_groups()
+    assert codes.dtype == torch.int8 and codes.shape == (16, 64) and scales.shape == (16, 2)
+    assert torch.equal(dequantize_int8(codes, scales), weight.dequantize(torch.float32))
+    other = GGUFWeight(torch.from_numpy(quantize(np.ones((16, 64), np.float32), GGMLQuantizationType.Q4_1).copy()),
+                       int(GGMLQuantizationType.Q4_1), (16, 64))
+    assert other.int8_groups() is None
+
+
+def test_a_tied_bfloat16_head_multiplies_the_q8_0_values_for_small_batches():
+    weight = q8_0(48, 64, seed=1)
+    embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.bfloat16)
+    head = ParallelLMHead(48, 64, params_dtype=torch.bfloat16)
+    head.tie_to(embedding)
+    embedding.load_checkpoint_weight("weight", weight)
+    head.process_weights_after_loading()
+    assert head.int8_weight is not None and embedding.int8_groups is None  # packed once, not kept twice
+    exact = weight.dequantize(torch.float32)
+    hidden = torch.randn(3, 64, dtype=torch.bfloat16)
+    logits = head.compute_logits(hidden)
+    torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=1e-5, atol=1e-4)
+    # more rows: the bfloat16 copy of the same weight
+    many = torch.randn(9, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(head.compute_logits(many), many.float() @ exact.T, rtol=0.02, atol=0.05)
+
+
+def test_float32_heads_and_untied_embeddings_keep_no_int8_copy():
+    head = ParallelLMHead(48, 64, params_dtype=torch.float32)
+    head.load_checkpoint_weight("weight", q8_0(48, 64))
+    head.process_weights_after_loading()
+    assert head.int8_weight is None and head.int8_groups is None
+    embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.bfloat16)
+    embedding.load_checkpoint_weight("weight", q8_0(48, 64))
+    assert embedding.int8_groups is None
