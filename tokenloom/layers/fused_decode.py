@@ -45,12 +45,12 @@ class FusedDecodeLayer:
             return None
         backend = attn_metadata.backend
         decode = backend.whole_decode_plan(attn_metadata) if isinstance(backend, NativeCpuPagedAttention) else None
-        if decode is None or positions.dtype != torch.long:
+        if decode is None or positions.dtype != torch.long or not attn_metadata.kv_caches:
             return None
         operator, input_norm, post_norm, eps, weights, cos_cache, sin_cache, layer_index, heads, kv_heads, scale = \
             self._arguments
         kv_cache = attn_metadata.kv_caches[layer_index]
-        if kv_cache.dtype != torch.bfloat16:
+        if kv_cache is None or kv_cache.dtype != torch.bfloat16:
             return None
         return operator(hidden_states, residual, positions, input_norm, post_norm, eps, weights, cos_cache, sin_cache,
                         kv_cache, attn_metadata.slot_mapping, decode.block_tables, decode.seq_lens, heads, kv_heads,
