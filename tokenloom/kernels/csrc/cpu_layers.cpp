@@ -19,13 +19,99 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace tokenloom_cpu {
 
 
 // rows per parallel task: small batches stay on the calling thread
 constexpr int64_t kRowGrain = 16;
+
+#if defined(__AVX512BF16__)
+// bfloat16 rows with AVX512-BF16: 16 values a register, widened by a shift and rounded back
+// to nearest even by vcvtneps2bf16, the rounding store_row does (finite values)
+inline __m512 widen16(const c10::BFloat16* src, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(src))), 16));
+}
+
+inline void store16(c10::BFloat16* dst, __m512 value, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(dst), mask, (__m256i)_mm512_cvtneps_pbh(value));
+}
+
+inline __m512 round16(__m512 value) {  // to bfloat16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(value)), 16));
+}
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+// RMSNorm of one bfloat16 row (Llama's: the normalised value rounded before the weight), with
+// the residual added (and stored, rounded) first when there is one
+void rms_norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* residual, const float* scale, float eps,
+                       int64_t features, c10::BFloat16* out, c10::BFloat16* residual_out) {
+  __m512 squares = _mm512_setzero_ps();
+  const c10::BFloat16* summed = residual != nullptr ? residual_out : x;
+  for (int64_t j = 0; j < features; j += 16) {
+    const __mmask16 mask = tail_mask(features - j);
+    __m512 value = widen16(x + j, mask);
+    if (residual != nullptr) {
+      value = round16(_mm512_add_ps(value, widen16(residual + j, mask)));
+      store16(residual_out + j, value, mask);
+    }
+    squares = _mm512_fmadd_ps(value, value, squares);
+  }
+  const __m512 inv_rms = _mm512_set1_ps(
+      1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(features) + eps));
+  for (int64_t j = 0; j < features; j += 16) {
+    const __mmask16 mask = tail_mask(features - j);
+    const __m512 normed = round16(_mm512_mul_ps(widen16(summed + j, mask), inv_rms));
+    store16(out + j, _mm512_mul_ps(normed, _mm512_maskz_loadu_ps(mask, scale + j)), mask);
+  }
+}
+
+// e^x for x <= 0 (silu's use): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(gate) * up for one bfloat16 row: silu(v) = v / (1 + e^-v), with e^-|v| so the
+// exponential never overflows
+void silu_and_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t width, c10::BFloat16* out) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 mask = tail_mask(width - j);
+    const __m512 v = widen16(gate + j, mask);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)));  // e^-|v|
+    // v >= 0: v / (1 + e^-v); v < 0: v e^v / (1 + e^v)
+    const __mmask16 negative = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 numerator = _mm512_mask_mul_ps(v, negative, v, e);
+    const __m512 denominator = _mm512_add_ps(one, e);  // in [1, 2]: rcp14 and one Newton step
+    __m512 reciprocal = _mm512_rcp14_ps(denominator);
+    reciprocal = _mm512_mul_ps(reciprocal, _mm512_fnmadd_ps(denominator, reciprocal, _mm512_set1_ps(2.f)));
+    const __m512 silu = _mm512_mul_ps(numerator, reciprocal);
+    store16(out + j, _mm512_mul_ps(silu, widen16(up + j, mask)), mask);
+  }
+}
+#endif
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, features] with contiguous features");
@@ -47,6 +133,19 @@ void rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residua
   if (gemma) {
     for (int64_t j = 0; j < features; ++j) scale[j] += 1.f;
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (!gemma) {
+      at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+          rms_norm_row_bf16(x_ptr + i * x_stride, r_ptr != nullptr ? r_ptr + i * r_stride : nullptr, scale.data(),
+                            feps, features, out_ptr + i * features,
+                            sum_ptr != nullptr ? sum_ptr + i * features : nullptr);
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(features), other(features);
     float* row_data = row.data();
@@ -205,6 +304,18 @@ at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation) {
   }
   TORCH_CHECK(act != nullptr, "unknown activation ", activation, "; known: silu, gelu_tanh, gelu");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+#if defined(__AVX512BF16__)
+  if (act == silu_rows && x.scalar_type() == at::kBFloat16) {
+    const int64_t width = x.size(1) / 2, x_stride = x.stride(0);
+    const auto* x_ptr = x.data_ptr<c10::BFloat16>();
+    auto* out_ptr = out.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        silu_and_mul_row_bf16(x_ptr + i * x_stride, x_ptr + i * x_stride + width, width, out_ptr + i * width);
+    });
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
     act_and_mul_impl<scalar_t>(x, out, act);
   });
