@@ -111,6 +111,32 @@ void silu_and_mul_row_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, i
     store16(out + j, _mm512_mul_ps(silu, widen16(up + j, mask)), mask);
   }
 }
+
+// softmax over the first `visible` scores of a bfloat16 row (scaled), zeros after them, in place
+void causal_softmax_row_bf16(c10::BFloat16* row, int64_t visible, int64_t keys, float scale, float* values) {
+  __m512 maximum = _mm512_set1_ps(-3.0e38f);
+  for (int64_t k = 0; k < visible; k += 16) {
+    const __mmask16 mask = tail_mask(visible - k);
+    maximum = _mm512_mask_max_ps(maximum, mask, maximum, widen16(row + k, mask));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(maximum));
+  const __m512 factor = _mm512_set1_ps(scale);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t k = 0; k < visible; k += 16) {
+    const __mmask16 mask = tail_mask(visible - k);
+    const __m512 e = _mm512_maskz_mov_ps(
+        mask, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(widen16(row + k, mask), shift), factor)));
+    _mm512_mask_storeu_ps(values + k, mask, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  for (int64_t k = 0; k < keys; k += 16) {
+    const __mmask16 mask = tail_mask(keys - k);
+    const __m512 value = k < visible ? _mm512_maskz_loadu_ps(tail_mask(visible - k) & mask, values + k)
+                                     : _mm512_setzero_ps();
+    store16(row + k, _mm512_mul_ps(value, inverse), mask);
+  }
+}
 #endif
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -331,6 +357,16 @@ void causal_softmax_impl(at::Tensor& scores, double scale) {
   const int64_t context = keys - queries;
   scalar_t* base = scores.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    at::parallel_for(0, batch * queries, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(keys);
+      for (int64_t index = begin; index < end; ++index)
+        causal_softmax_row_bf16(base + index * keys, context + index % queries + 1, keys, fscale, row.data());
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, batch * queries, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(keys);
     float* values = row.data();
