@@ -68,7 +68,8 @@ def test_tokenloom_kernel_is_exact_up_to_the_rounding_of_its_output(rows, shape)
     torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-4 * exact.abs().max().item())
 
 
-def test_the_two_kernels_agree(kernel):
+@needs_native
+def test_the_two_kernels_agree():
     codes, scales, zeros = random_int4(32, 128, 32, seed=7)
     x = torch.randn(5, 128, dtype=torch.bfloat16)
     with mock.patch.object(int4_matmul, "_native_kernel", lambda: None):

@@ -7,6 +7,10 @@
 
 #include <cstdint>
 
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 namespace tokenloom_cpu {
 
 template <typename scalar_t>
@@ -47,5 +51,18 @@ inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64
     out[i] = static_cast<uint16_t>((value & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
   }
 }
+
+#if defined(__AVX512BW__)
+// 16 lanes at a time: the mask of the lanes left in a row, and bfloat16 values widened to
+// float32 (by a shift) from the lanes a mask keeps (the others read as zero, never touched)
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+inline __m512 load_bf16x16(const void* src, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(src))), 16));
+}
+#endif
 
 }  // namespace tokenloom_cpu

@@ -21,6 +21,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
 #include "cpu_ops.h"
 
 #include <cstdint>
@@ -43,10 +44,6 @@ inline float bf16_to_float(uint16_t bits) {
   float value;
   std::memcpy(&value, &widened, sizeof value);
   return value;
-}
-
-inline __m512 widen_bf16(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // kRows activation rows times kTile output rows at a time: kRows * kTile accumulators
@@ -90,10 +87,9 @@ void int4_tiles(const uint16_t* x, const float* sums, const uint8_t* codes, cons
     for (int t = 0; t < kTile; ++t) {
       const int64_t n = n0 + t;
       for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 mask = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                                : static_cast<__mmask16>((1u << (groups - g)) - 1);
-        const __m512 scale = widen_bf16(_mm256_maskz_loadu_epi16(mask, scales + n * groups + g));
-        const __m512 zero = _mm512_fnmadd_ps(offset, scale, widen_bf16(_mm256_maskz_loadu_epi16(mask, zeros + n * groups + g)));
+        const __mmask16 mask = tail_mask(groups - g);
+        const __m512 scale = load_bf16x16(scales + n * groups + g, mask);
+        const __m512 zero = _mm512_fnmadd_ps(offset, scale, load_bf16x16(zeros + n * groups + g, mask));
         for (int m = 0; m < kRows; ++m)
           acc[t][m] = _mm512_fmadd_ps(zero, _mm512_maskz_loadu_ps(mask, sums + m * groups + g), acc[t][m]);
       }

@@ -35,10 +35,7 @@ constexpr int64_t kRowGrain = 16;
 #if defined(__AVX512BF16__)
 // bfloat16 rows with AVX512-BF16: 16 values a register, widened by a shift and rounded back
 // to nearest even by vcvtneps2bf16, the rounding store_row does (finite values)
-inline __m512 widen16(const c10::BFloat16* src, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(src))), 16));
-}
+inline __m512 widen16(const c10::BFloat16* src, __mmask16 mask) { return load_bf16x16(src, mask); }
 
 inline void store16(c10::BFloat16* dst, __m512 value, __mmask16 mask) {
   _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(dst), mask, (__m256i)_mm512_cvtneps_pbh(value));
@@ -46,10 +43,6 @@ inline void store16(c10::BFloat16* dst, __m512 value, __mmask16 mask) {
 
 inline __m512 round16(__m512 value) {  // to bfloat16 and back
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(value)), 16));
-}
-
-inline __mmask16 tail_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
 // RMSNorm of one bfloat16 row (Llama's: the normalised value rounded before the weight), with
