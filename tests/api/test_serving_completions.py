@@ -4,6 +4,7 @@ every form, echo, logprobs, best_of, usage, errors, and aborts on disconnect."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -181,6 +182,33 @@ async def test_streaming_logprobs_and_echo(client):
     assert events[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
     assert events[1]["choices"][0]["logprobs"]["tokens"] == [" quick"]
     assert events[1]["choices"][0]["logprobs"]["text_offset"] == [len("Hello The")]
+
+
+async def test_streaming_echo_logprobs_of_a_choice_that_starts_late(make_app, engine):
+    """The engine sends prompt logprobs once, with a request's first output; a choice whose
+    first token comes in a later output still echoes them."""
+    inner_generate = engine.generate
+
+    async def staggered(prompt, sampling_params, request_id, **kwargs):
+        first = True
+        async for output in inner_generate(prompt, sampling_params, request_id, **kwargs):
+            if first and len(output.outputs) > 1:  # choice 1 starts in the next output
+                yield dataclasses.replace(output, outputs=output.outputs[:1])
+                output = dataclasses.replace(output, outputs=output.outputs[1:], prompt_logprobs=None)
+            first = False
+            yield output
+
+    engine.generate = staggered
+    async with client_for(make_app()) as http_client:
+        response = await http_client.post("/v1/completions", json={
+            "prompt": "Hello there", "max_tokens": 2, "n": 2, "stream": True, "logprobs": 0, "echo": True})
+    events = sse_events(response.text)
+    for index in (0, 1):
+        first = next(event["choices"][0] for event in events if event["choices"][0]["index"] == index)
+        assert first["text"].startswith("Hello there")
+        token_logprobs = first["logprobs"]["token_logprobs"]
+        assert token_logprobs[0] is None
+        assert token_logprobs[1] == pytest.approx(-1.5)  # the fake engine's prompt logprob
 
 
 async def test_stop_string_reported(client):

@@ -116,6 +116,9 @@ class _CompletionRun:
         self.as_token_ids = ctx.return_token_ids(request)
         self.created = int(time.time())
         self.num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        # per prompt: its prompt logprobs, which come once (with its first output), for the
+        # echo of every choice, however late that choice's first token comes
+        self.prompt_logprobs: dict[int, list] = {}
 
     def choice_index(self, prompt_index: int, output_index: int) -> int:
         return prompt_index * self.request.n + output_index
@@ -201,6 +204,8 @@ class _CompletionRun:
                cached_tokens: dict[int, int], continuous_usage: bool) -> list[str]:
         check_output(output, self.request_id)
         cached_tokens[prompt_index] = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs.setdefault(prompt_index, output.prompt_logprobs)
         events = []
         for choice in output.outputs:
             index = self.choice_index(prompt_index, choice.index)
@@ -215,7 +220,7 @@ class _CompletionRun:
             if not text and choice.finish_reason is None and not has_logprobs:
                 continue
             logprobs = self.logprobs_for(prompt_index, choice.token_ids, choice.logprobs or [], echo_now,
-                                         output.prompt_logprobs, offset)
+                                         self.prompt_logprobs.get(prompt_index), offset)
             chunk = CompletionStreamResponse(
                 id=self.request_id, created=self.created, model=self.model_name,
                 choices=[CompletionStreamChoice(index=index, text=text, logprobs=logprobs,

@@ -72,7 +72,9 @@ class RequestState:
     texts: list[str] = field(default_factory=list)
     num_processed_tokens: list[int] = field(default_factory=list)
     logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
+    # set once, when the first sequence has computed its whole prompt (None until then)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
     first_token_time: float | None = None
     pooling_params: PoolingParams | None = None  # set for a pooling request
 
@@ -217,7 +219,6 @@ class LLMEngine:
             texts=[""] * params.n,
             num_processed_tokens=[0] * params.n,
             logprobs=[[] if params.logprobs is not None else None for _ in sequences],
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         grammar = self.submit_structured_output(params)
         if grammar is not None and not grammar.done():
@@ -419,9 +420,10 @@ class LLMEngine:
         self.generation_tokens_total += len(new_token_ids)
         if new_token_ids and state.first_token_time is None:
             state.first_token_time = now
-        if state.prompt_logprobs is not None and seq.index == 0:
-            for entry in runner_output.prompt_logprobs.get(seq.request_id, []):
-                state.prompt_logprobs.append(self._logprob_dict(entry))
+        if state.sampling_params.prompt_logprobs is not None and state.prompt_logprobs is None and new_token_ids:
+            # the prompt is computed: the scheduler kept the entries of each of its chunks (a
+            # chunk that samples nothing is not reported here); the first position has none
+            state.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in seq.prompt_logprobs or []]
         if state.logprobs[index] is not None:
             for entry in runner_output.logprobs.get(seq.request_id, []):
                 state.logprobs[index].append(self._logprob_dict(entry))
@@ -496,12 +498,15 @@ class LLMEngine:
             ))
         if delta and not completions:
             return None
+        prompt_logprobs = None if delta and state.sent_prompt_logprobs else state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            state.sent_prompt_logprobs = True
         first = state.sequences[0]
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
             metrics=RequestMetrics(
