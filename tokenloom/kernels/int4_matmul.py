@@ -1,20 +1,21 @@
-"""Weight-only 4-bit matmul on the CPU: weights stored as 4-bit codes with one affine
-``(scale, zero)`` pair per group of input features, multiplied without ever materialising the
-dense weight: by tokenloom's own kernel (``tokenloom_cpu::int4_linear``, csrc/cpu_int4.cpp)
-where the CPU has AVX512-BF16 and the weight's shape suits it (groups of 32, bfloat16
-activations), else by torch's packed CPU kernel (``aten._weight_int4pack_mm_for_cpu``).
+"""4-bit weight matmul on the CPU: weights stored as 4-bit codes with one affine pair per group
+of input features, multiplied without ever materialising the dense weight.
+
+- tokenloom's own kernel (``tokenloom_cpu::int4_linear``, csrc/cpu_int4.cpp), where the CPU has
+  AVX512-VNNI and the weight has groups of 32: GGML's Q4 x Q8 arithmetic, as llama.cpp runs a
+  4-bit GGUF on the CPU. Each row of activations is quantized to 8 bits per group of 32
+  (:func:`quantize_activations`), and the integer dot products of codes run 64 to an
+  instruction. Faster than the dense bfloat16 matmul at every batch size (2-3x at decode sizes,
+  ~1.5x for a prompt of hundreds of rows, measured on a 2-core AVX512 CPU), so a layer holding
+  such a weight needs no dense copy at all.
+- else torch's weight-only kernel (``aten._weight_int4pack_mm_for_cpu``, 16-bit activations), which
+  beats the dense matmul only for a few rows: layers keep both and choose per call
+  (:func:`prefers_int4`).
 
 A weight value is ``(code - 8) * scale + zero`` with ``code`` in ``0..15``: the convention of
 torch's kernel, which covers ggml's Q4_0, Q4_1 and Q4_K blocks exactly (their per-group scale
-and minimum map onto ``scale`` and ``zero``). At one to a few rows per step the kernel reads a
-quarter of the bytes of a bfloat16 weight (an eighth of a float32 one) and beats the dense
-matmul 2-4x; from about a dozen rows on the dense matmul wins, so layers keep both and choose
-per call (:func:`prefers_int4`).
-
-The kernel is vectorised for 16-bit activations only (with float32 ones it is 5-40x slower
-than a dense float32 matmul), so a weight packed for bfloat16 also serves float32 layers: their
-rows are rounded to bfloat16 on the way in and the result widened on the way out, as ggml's
-own CPU kernels round activations to 8 bits.
+and minimum map onto ``scale`` and ``zero``). tokenloom's kernel stores ``scale`` and
+``zero - 8 * scale`` (ggml's d and m) as float16, which is exact for Q4_0 and Q4_1.
 """
 
 from __future__ import annotations
@@ -28,44 +29,45 @@ from tokenloom.kernels import cpu_native
 
 CODE_OFFSET = 8
 
-# the packing kernel wants output features in multiples of 16
+# the packing kernels want output features in multiples of 16
 _ROW_MULTIPLE = 16
 
-# per activation dtype, batches up to this many rows run the int4 kernel, larger ones the dense
-# matmul. 16-bit, measured on a 2-core AVX512-BF16 CPU: int4 2.5-4x faster at 1-4 rows, even
-# at 8, 1.5-2x slower from 16. float32 (bfloat16 inside the kernel), measured on a 2-core AVX2
-# CPU against the dense float32 matmul over SmolLM2's 30 layers: 2.5x faster at 1 row, 1.7x at
-# 8, 1.1x at 16, 7% slower at 24
+# torch's kernel, per activation dtype: batches up to this many rows run the int4 kernel, larger
+# ones the dense matmul. 16-bit, measured on a 2-core AVX512-BF16 CPU: int4 2.5-4x faster at 1-4
+# rows, even at 8, 1.5-2x slower from 16. float32 (bfloat16 inside the kernel), measured on a
+# 2-core AVX2 CPU against the dense float32 matmul over SmolLM2's 30 layers: 2.5x faster at 1
+# row, 1.7x at 8, 1.1x at 16, 7% slower at 24
 INT4_MAX_ROWS = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 16}
 
-# the activation dtypes the kernel is fast for (a weight packed for one of them)
+# the activation dtypes torch's kernel is fast for (a weight packed for one of them)
 INT4_DTYPES = (torch.bfloat16, torch.float16)
 
-
-# tokenloom's kernel: groups of this many features, taken in pairs, a few rows per call
+# tokenloom's kernel: groups of this many features; the row dtypes it takes as they are (others
+# are widened to float32 on the way in)
 NATIVE_GROUP_SIZE = 32
-NATIVE_MAX_ROWS = 8
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+# its layout per block of 16 output rows and group: 16 x 32 codes in nibbles, then 16 d and 16 m
+_NATIVE_GROUP_BYTES = 16 * NATIVE_GROUP_SIZE // 2 + 2 * 16 * 2
+
+# activations are quantized to 8 bits per group of this many features
+ACTIVATION_GROUP_SIZE = 32
+_INVERSE_127 = torch.tensor(1 / 127, dtype=torch.float32)
 
 
 @dataclass
 class Int4Weight:
     """A ``[out_features, in_features]`` weight packed for one of the CPU kernels."""
 
-    # torch's kernel: [out_features, in_features / 2] uint8 in its layout;
-    # tokenloom's: [out_features / 8, groups / 2, 8, 32] (see csrc/cpu_int4.cpp), byte j of a row's
-    # pair of groups (g, g+1) = code g*32+j | code (g+1)*32+j << 4
+    # tokenloom's kernel: [out_features / 16, in_features / 32 * 320] uint8 (csrc/cpu_int4.cpp);
+    # torch's: [out_features, in_features / 2] uint8 in its layout
     packed: torch.Tensor
-    # torch's kernel: [in_features / group_size, out_features, 2];
-    # tokenloom's: [2, out_features, in_features / group_size] (scales, then zeros); activation dtype
-    scales_and_zeros: torch.Tensor
+    out_features: int
     group_size: int
-    kernel: Any = None  # tokenloom's kernel when packed for it; it reads these two views
-    scales: torch.Tensor | None = None
-    zeros: torch.Tensor | None = None
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[0]
+    # torch's kernel: the activation dtype it runs in, and [in_features / group_size, out_features, 2]
+    # (scale, zero) of that dtype
+    dtype: torch.dtype
+    scales_and_zeros: torch.Tensor | None = None
+    kernel: Any = None  # tokenloom's kernel when packed for it
 
 
 def can_pack(out_features: int, in_features: int, group_size: int) -> bool:
@@ -76,7 +78,8 @@ def can_pack(out_features: int, in_features: int, group_size: int) -> bool:
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
     """``codes [N, K]`` (integers 0..15), ``scales``/``zeros [N, K / group_size]`` -> an
-    :class:`Int4Weight` whose matmul takes activations of ``dtype``."""
+    :class:`Int4Weight` whose matmul takes activations of ``dtype``: packed for tokenloom's
+    kernel when it is built and takes the grouping, else for torch's."""
     out_features, in_features = codes.shape
     group_size = in_features // scales.shape[1]
     if scales.shape != zeros.shape or scales.shape[0] != out_features or not can_pack(out_features, in_features,
@@ -86,40 +89,49 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
             f"must be a multiple of {_ROW_MULTIPLE} and in features a multiple of an even group size"
         )
     kernel = _native_kernel()
-    if kernel is not None and dtype == torch.bfloat16 and group_size == NATIVE_GROUP_SIZE \
-            and in_features % (2 * NATIVE_GROUP_SIZE) == 0:
-        pairs = codes.to(torch.uint8).view(out_features // 8, 8, in_features // (2 * group_size), 2, group_size)
-        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(1, 2).reshape(out_features, in_features // 2)
-        scales_and_zeros = torch.stack([scales, zeros]).to(dtype).contiguous()
-        return Int4Weight(packed=packed, scales_and_zeros=scales_and_zeros, group_size=group_size, kernel=kernel,
-                          scales=scales_and_zeros[0], zeros=scales_and_zeros[1])
+    if kernel is not None and group_size == NATIVE_GROUP_SIZE:
+        return Int4Weight(packed=_pack_native(codes, scales.float(), zeros.float()), out_features=out_features,
+                          group_size=group_size, dtype=dtype, kernel=kernel)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return Int4Weight(packed=packed, scales_and_zeros=scales_and_zeros, group_size=group_size)
+    return Int4Weight(packed=packed, out_features=out_features, group_size=group_size, dtype=dtype,
+                      scales_and_zeros=scales_and_zeros)
+
+
+def _pack_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The layout of csrc/cpu_int4.cpp: per block of 16 rows and group of 32 features, 4 steps of
+    [16 rows, 4 bytes] whose byte j of step t holds features 8t+j (low nibble) and 8t+4+j (high),
+    then the 16 rows' d and m as float16."""
+    rows, features = codes.shape
+    blocks, groups = rows // 16, features // NATIVE_GROUP_SIZE
+    # [block, lane, group, step, half, j] -> [block, group, step, lane, j]
+    nibbles = codes.to(torch.uint8).view(blocks, 16, groups, 4, 2, 4)
+    code_bytes = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
+    d_and_m = torch.stack([scales, zeros - CODE_OFFSET * scales]).to(torch.float16)  # [2, rows, groups]
+    d_and_m = d_and_m.view(2, blocks, 16, groups).permute(1, 3, 0, 2).contiguous().view(torch.uint8)
+    packed = torch.cat([code_bytes.reshape(blocks, groups, -1), d_and_m.reshape(blocks, groups, -1)], dim=2)
+    return packed.reshape(blocks, groups * _NATIVE_GROUP_BYTES).contiguous()
 
 
 def _native_kernel():
-    """``tokenloom_cpu::int4_linear`` when built (only where the CPU has AVX512-BF16), else None."""
+    """``tokenloom_cpu::int4_linear`` when built (only where the CPU has AVX512-VNNI), else None."""
     ops = cpu_native.load()
     return getattr(ops, "int4_linear", None) if ops is not None else None
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ W.T + bias`` with ``W`` the int4 weight; ``x`` is cast to the dtype the
-    weight was packed for, and the result back to ``x``'s. (Called per layer per decode step:
-    every torch call it saves is a microsecond of the step.)"""
+    """``x [..., K] @ W.T + bias`` with ``W`` the int4 weight; the result has ``x``'s dtype.
+    (Called per layer per decode step: every torch call it saves is a microsecond of the step.)"""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if rows.dtype != weight.scales_and_zeros.dtype:
-        rows = rows.to(weight.scales_and_zeros.dtype)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
     if weight.kernel is not None:
-        out = weight.kernel(rows, weight.packed, weight.scales, weight.zeros) if rows.shape[0] <= NATIVE_MAX_ROWS \
-            else torch.cat([weight.kernel(rows[start:start + NATIVE_MAX_ROWS], weight.packed, weight.scales,
-                                          weight.zeros) for start in range(0, rows.shape[0], NATIVE_MAX_ROWS)])
+        if rows.dtype not in NATIVE_DTYPES:
+            rows = rows.float()
+        out = weight.kernel(rows if rows.is_contiguous() else rows.contiguous(), weight.packed)
     else:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group_size,
-                                                         weight.scales_and_zeros)
+        if rows.dtype != weight.dtype:
+            rows = rows.to(weight.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows if rows.is_contiguous() else rows.contiguous(),
+                                                         weight.packed, weight.group_size, weight.scales_and_zeros)
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     if bias is not None:
@@ -127,9 +139,10 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
-def prefers_int4(x: torch.Tensor) -> bool:
-    """Whether a batch of these activations runs faster on the int4 kernel than dense."""
-    return x.numel() <= INT4_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]
+def prefers_int4(x: torch.Tensor, weight: Int4Weight) -> bool:
+    """Whether a batch of these activations runs faster on the int4 kernel than dense (always on
+    tokenloom's kernel)."""
+    return weight.kernel is not None or x.numel() <= INT4_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]
 
 
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -138,3 +151,17 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     groups = scales.shape[1]
     grouped = (codes.float() - CODE_OFFSET).view(out_features, groups, in_features // groups)
     return (grouped * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).view(out_features, in_features)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [M, K]`` as tokenloom's kernel quantizes them: ``(codes [M, K]`` float32 integers
+    in -127..127, ``scales [M, K / 32])``, per group of 32 ``scale = max|x| / 127`` and ``codes =
+    round(x * (127 / max|x|))`` to nearest even (zeros for a zero group), in float32. The
+    reference the kernel is tested against; ``codes * scale`` is the value the kernel multiplies."""
+    rows, features = x.shape
+    groups = x.float().view(rows, features // ACTIVATION_GROUP_SIZE, ACTIVATION_GROUP_SIZE)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    # (a tensor over a tensor: ``127 / amax`` would be torch's reciprocal times 127, rounded twice)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(groups * inverse).view(rows, features)
+    return codes, (amax * _INVERSE_127).squeeze(-1)

@@ -3,12 +3,11 @@
 A pre-norm layer of the Llama family (:class:`~tokenloom.layers.layernorm.RMSNorm`,
 :class:`~tokenloom.layers.decoder.SelfAttention` with rotary embedding, :class:`GatedMLP` with
 SwiGLU) whose four projections hold int4 weights packed for tokenloom's kernel
-(``layer.int4_weight``, which the ``gguf`` quantization method keeps) runs a decode step of up
-to ``INT4_MAX_ROWS`` rows as ``tokenloom_cpu::decode_layer``: the operators the Python path
-calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
-calls per layer. Anything else (prefill rows in the step, more rows, other dtypes, biases,
-q/k norms, sliding windows, soft caps, tensor parallelism, another attention backend) takes
-the layer's own Python path.
+(``layer.int4_weight``, which the ``gguf`` quantization method keeps) runs a decode step as
+``tokenloom_cpu::decode_layer``: the operators the Python path calls, chained in C++, giving
+the same bits without a dozen module calls and two dozen torch calls per layer. Anything else
+(prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps, tensor
+parallelism, another attention backend) takes the layer's own Python path.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from typing import Any
 import torch
 
 from tokenloom.kernels import cpu_native
-from tokenloom.kernels.int4_matmul import INT4_MAX_ROWS
 from tokenloom.kernels.paged_attention import NativeCpuPagedAttention
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.layernorm import RMSNorm
@@ -41,7 +39,7 @@ class FusedDecodeLayer:
         if self._arguments is _UNCHECKED:
             self._arguments = self._check_layer(hidden_states)
         if self._arguments is None or hidden_states.dtype != torch.bfloat16 or hidden_states.dim() != 2 \
-                or hidden_states.shape[0] > INT4_MAX_ROWS[torch.bfloat16] or attn_metadata.bidirectional:
+                or attn_metadata.bidirectional:
             return None
         backend = attn_metadata.backend
         decode = backend.whole_decode_plan(attn_metadata) if isinstance(backend, NativeCpuPagedAttention) else None
@@ -75,7 +73,7 @@ class FusedDecodeLayer:
                 or attention.sliding_window or attention.logits_soft_cap
                 or type(mlp.act_fn) is not SiluAndMul):
             return None
-        weights = [part for weight in int4 for part in (weight.packed, weight.scales, weight.zeros)]
+        weights = [weight.packed for weight in int4]
         return (operator, input_layernorm.weight, post_attention_layernorm.weight, input_layernorm.eps, weights,
                 rotary.cos_cache, rotary.sin_cache, attention.layer_index, self_attn.num_heads, self_attn.num_kv_heads,
                 attention.scale)

@@ -1,15 +1,16 @@
 """The ``gguf`` quantization method: linear layers whose checkpoint weights are GGML blocks
 (:class:`GGUFWeight`, yielded by the ``gguf`` load format).
 
-Every weight is unpacked once, at load, into a dense parameter of the model dtype (then packed
-for oneDNN's CPU matmul, as :class:`UnquantizedMethod` does). In mode
-``"auto"`` (the default) a layer whose weight is all 4-bit blocks (Q4_0, Q4_1, Q4_K) also keeps
-those blocks, repacked for the CPU's int4 kernel: decode steps of a few rows then read a
-quarter (bfloat16, float16) or an eighth (float32) of the bytes, and
-:mod:`tokenloom.kernels.int4_matmul` says where the dense matmul takes over. The kernel works
-in bfloat16, so a float32 model uses it only when the platform chose float32 (``--dtype auto``
-on a CPU without native bfloat16); ``--dtype float32`` keeps float32 exact. Mode
-``"dequantize"`` keeps only the dense weight.
+In mode ``"auto"`` (the default) a layer whose weight is all 4-bit blocks (Q4_0, Q4_1, Q4_K)
+keeps those blocks, repacked for the CPU's int4 matmul (:mod:`tokenloom.kernels.int4_matmul`).
+Where tokenloom's own kernel is built (AVX512-VNNI) it computes every batch, in llama.cpp's
+Q4 x Q8 arithmetic, and the layer holds no dense weight at all. Elsewhere torch's kernel serves
+small batches and the layer also keeps the weight dequantized into the model dtype (packed for
+oneDNN's matmul, as :class:`UnquantizedMethod` does) for large ones. The int4 kernels work in
+bfloat16 or better, so a float32 model uses them only when the platform chose float32
+(``--dtype auto`` on a CPU without native bfloat16); ``--dtype float32`` keeps float32 exact.
+Every other weight, and every weight in mode ``"dequantize"``, is dequantized at load into a
+dense weight of the model dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  (GGUFWeight re-exported)
     DEQUANTIZERS,
@@ -50,34 +52,31 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                     f"GGUF tensor {loaded_weight.name!r} of {loaded_weight.path} has shape {tuple(loaded_weight.shape)}, "
                     f"but the layer expects {output_size} rows of {tuple(layer.weight.shape[1:])}"
                 )
-            tensor = loaded_weight.dequantize(layer.weight.dtype)
-        else:
-            tensor = materialize(loaded_weight, layer.weight.dtype)
-        super().load_weight(layer, tensor, output_offset, output_size)
-        self._keep_int4_shard(layer, loaded_weight, output_offset)
-
-    def _keep_int4_shard(self, layer, loaded_weight: Any, output_offset: int) -> None:
-        """Remember this shard's 4-bit codes until the whole layer is loaded; one shard that
-        is not 4-bit blocks leaves the layer dense."""
-        shards = getattr(layer, "_int4_shards", {})
-        if shards is None:
-            return
-        if (self.mode == "auto" and self._int4_dtype(layer.weight.dtype) is not None
-                and isinstance(loaded_weight, GGUFWeight) and is_int4_type(loaded_weight.ggml_type)):
-            shards[output_offset] = int4_groups(loaded_weight)
-            layer._int4_shards = shards
-        else:
-            layer._int4_shards = None
+            if (self.mode == "auto" and is_int4_type(loaded_weight.ggml_type)
+                    and self._int4_dtype(layer.weight.dtype) is not None):
+                # kept as blocks until the whole layer is loaded: packed, and dequantized only if needed
+                layer._int4_shards = {**getattr(layer, "_int4_shards", {}), output_offset: loaded_weight}
+                return
+        super().load_weight(layer, dequantize_to(loaded_weight, layer.weight.dtype), output_offset, output_size)
+        layer._dense_shards = True
 
     def process_weights_after_loading(self, layer) -> None:
-        shards = getattr(layer, "_int4_shards", None)
-        layer._int4_shards = None
+        shards = getattr(layer, "_int4_shards", {})
+        layer._int4_shards = {}
         layer.int4_weight = None
-        if shards:
-            codes, scales, zeros = (torch.cat([shards[offset][part] for offset in sorted(shards)]) for part in range(3))
-            if codes.shape == layer.weight.shape and can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
+        rows = sum(shard.shape[0] for shard in shards.values())
+        if shards and rows == layer.weight.shape[0] and not getattr(layer, "_dense_shards", False):
+            codes, scales, zeros = (torch.cat([int4_groups(shards[offset])[part] for offset in sorted(shards)])
+                                    for part in range(3))
+            if can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
                 layer.int4_weight = pack_int4(codes, scales, zeros, self._int4_dtype(layer.weight.dtype))
-        super().process_weights_after_loading(layer)  # the dense weight, packed for larger batches
+                if layer.int4_weight.kernel is not None:  # it takes every batch: no dense weight
+                    layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype,
+                                                            device="meta"), requires_grad=False)
+                    return
+        for offset, shard in shards.items():  # the dense weight, for batches the int4 kernel does not take
+            super().load_weight(layer, shard.dequantize(layer.weight.dtype), offset, shard.shape[0])
+        super().process_weights_after_loading(layer)
 
     def _int4_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The activation dtype the int4 kernel runs in for a layer of ``dtype``; None when
@@ -88,7 +87,7 @@ class GGUFQuantizationMethod(UnquantizedMethod):
 
     def apply(self, layer, x, bias):
         int4_weight = getattr(layer, "int4_weight", None)
-        if int4_weight is not None and prefers_int4(x):
+        if int4_weight is not None and prefers_int4(x, int4_weight):
             return int4_linear(x, int4_weight, bias)
         return super().apply(layer, x, bias)
 

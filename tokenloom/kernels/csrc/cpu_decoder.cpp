@@ -2,7 +2,7 @@
 // paged KV cache, SwiGLU MLP) for a decode step of a few rows, chained in C++ from tokenloom's
 // own operators: in Python the same layer is about a dozen module calls and two dozen torch
 // calls, each a few microseconds, which at decode sizes cost as much as the arithmetic.
-// Registered as `tokenloom_cpu::decode_layer` where the int4 kernel is built (AVX512-BF16);
+// Registered as `tokenloom_cpu::decode_layer` where the CPU has AVX512-BF16 and AVX512-VNNI;
 // tokenloom/layers/fused_decode.py decides when a layer may take it. Every step is the operator
 // the Python path calls, in the same order on the same inputs, so both give the same bits.
 
@@ -11,11 +11,11 @@
 
 #include "cpu_ops.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 
 namespace tokenloom_cpu {
 
-// weights: the int4 (codes, scales, zeros) of qkv, o, gate_up and down, in that order.
+// weights: the packed int4 weights of qkv, o, gate_up and down, in that order.
 // Returns (the MLP's output, the residual stream), as the Python layer does.
 std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& positions, const at::Tensor& input_norm,
@@ -24,11 +24,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
                                                 at::Tensor kv_cache, const at::Tensor& slot_mapping,
                                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                                 int64_t num_heads, int64_t num_kv_heads, double scale) {
-  TORCH_CHECK(weights.size() == 12, "decode_layer: weights must be 4 x (codes, scales, zeros), got ", weights.size());
+  TORCH_CHECK(weights.size() == 4, "decode_layer: weights must be the 4 packed int4 weights, got ", weights.size());
   TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be [2, num_blocks, block_size, kv_heads, head_size]");
   const int64_t tokens = hidden.size(0), head_size = kv_cache.size(4);
   auto [normed, residual_out] = rms_norm(hidden, residual, input_norm, eps, false);
-  const at::Tensor qkv = int4_linear(normed, weights[0], weights[1], weights[2]);
+  const at::Tensor qkv = int4_linear(normed, weights[0]);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_size,
               "decode_layer: the qkv projection's width does not match the heads");
   const at::Tensor heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_size});
@@ -37,11 +37,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
                  kv_cache, slot_mapping);
   at::Tensor attention = at::empty({tokens, num_heads, head_size}, hidden.options());
   paged_decode_attention(attention, heads.narrow(1, 0, num_heads), kv_cache, block_tables, seq_lens, scale, 0, 0.0);
-  const at::Tensor projected = int4_linear(attention.view({tokens, num_heads * head_size}), weights[3], weights[4],
-                                           weights[5]);
+  const at::Tensor projected = int4_linear(attention.view({tokens, num_heads * head_size}), weights[1]);
   auto [mlp_input, residual_next] = rms_norm(projected, residual_out, post_norm, eps, false);
-  const at::Tensor activated = act_and_mul(int4_linear(mlp_input, weights[6], weights[7], weights[8]), "silu");
-  return {int4_linear(activated, weights[9], weights[10], weights[11]), residual_next};
+  const at::Tensor activated = act_and_mul(int4_linear(mlp_input, weights[2]), "silu");
+  return {int4_linear(activated, weights[3]), residual_next};
 }
 
 }  // namespace tokenloom_cpu
@@ -57,4 +56,4 @@ TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("decode_layer", &tokenloom_cpu::decode_layer);
 }
 
-#endif  // __AVX512BF16__
+#endif  // __AVX512BF16__ && __AVX512VNNI__
