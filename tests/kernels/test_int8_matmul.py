@@ -1,5 +1,5 @@
-"""The weight-only int8 matmul (GGML Q8_0 groups) against its dense reference, and the LM head
-that keeps a Q8_0 checkpoint tensor for decode steps."""
+"""The int8 matmul (GGML Q8_0 weights times 8-bit activations) against its exact reference, and
+the LM head that keeps a Q8_0 checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from gguf.quants import quantize
 
 from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
 from tokenloom.kernels import int8_matmul
+from tokenloom.kernels.int4_matmul import quantize_activations
 from tokenloom.kernels.int8_matmul import dequantize_int8, int8_linear, pack_int8
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
-pytestmark = pytest.mark.skipif(int8_matmul._kernel() is None, reason="the int8 kernel needs a CPU with AVX-512")
+pytestmark = pytest.mark.skipif(int8_matmul._kernel() is None, reason="the int8 kernel needs a CPU with AVX512-VNNI")
 
 
 def random_int8(out_features: int, in_features: int, seed: int = 0):
@@ -24,21 +25,38 @@ def random_int8(out_features: int, in_features: int, seed: int = 0):
     return codes, scales
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("shape", [(8, 32), (64, 576), (40, 96)])
-def test_matches_the_dequantized_weight_in_float32(rows, shape):
+def exact_product(x: torch.Tensor, codes, scales) -> torch.Tensor:
+    """What the kernel computes, in float64: the 8-bit activations times the Q8_0 weight."""
+    activation_codes, activation_scales = quantize_activations(x)
+    rows, features = x.shape
+    activations = activation_codes.view(rows, -1, 32).double() * activation_scales.double().unsqueeze(-1)
+    return activations.view(rows, features) @ dequantize_int8(codes, scales).double().T
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 131])
+@pytest.mark.parametrize("shape", [(16, 32), (64, 576), (48, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_is_exact_up_to_float32_summation(rows, shape, dtype):
     codes, scales = random_int8(*shape, seed=rows)
     weight = pack_int8(codes, scales)
-    x = torch.randn(rows, shape[1], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
     out = int8_linear(x, weight)
-    exact = x.double() @ dequantize_int8(codes, scales).double().T
     assert out.dtype == torch.float32 and out.shape == (rows, shape[0])
-    # exact weights and float32 sums: float32 rounding only
-    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
+    exact = exact_product(x, codes, scales)
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())
+
+
+def test_extreme_codes_are_exact():
+    """-128 and 127 (the unsigned codes 0 and 255), against activations of both signs."""
+    codes = torch.tensor([[-128, 127] * 16] * 16, dtype=torch.int8)
+    scales = torch.ones(16, 1)
+    x = torch.tensor([[1.0, -1.0] * 16, [-1.0, 1.0] * 16])
+    torch.testing.assert_close(int8_linear(x, pack_int8(codes, scales)), torch.full((2, 16), 1.0) * torch.tensor(
+        [[-255.0 * 16], [255.0 * 16]]), rtol=0, atol=0)
 
 
 def test_shapes_the_kernel_cannot_take_are_not_packed():
-    assert pack_int8(*random_int8(12, 64)) is None  # rows not in blocks of 8
+    assert pack_int8(*random_int8(24, 64)) is None  # rows not in blocks of 16
     codes, _ = random_int8(16, 64)
     assert pack_int8(codes, torch.rand(16, 3)) is None  # not one scale per 32 codes
 
@@ -60,7 +78,7 @@ def test_q8_0_groups_are_the_stored_values():
     assert other.int8_groups() is None
 
 
-def test_a_tied_bfloat16_head_multiplies_the_q8_0_values_for_small_batches():
+def test_a_tied_bfloat16_head_multiplies_the_q8_0_values_at_every_batch():
     weight = q8_0(48, 64, seed=1)
     embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.bfloat16)
     head = ParallelLMHead(48, 64, params_dtype=torch.bfloat16)
@@ -68,13 +86,15 @@ def test_a_tied_bfloat16_head_multiplies_the_q8_0_values_for_small_batches():
     embedding.load_checkpoint_weight("weight", weight)
     head.process_weights_after_loading()
     assert head.int8_weight is not None and embedding.int8_groups is None  # packed once, not kept twice
+    assert head.packed_weight is None  # no bfloat16 copy beside it
     exact = weight.dequantize(torch.float32)
-    hidden = torch.randn(3, 64, dtype=torch.bfloat16)
-    logits = head.compute_logits(hidden)
-    torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=1e-5, atol=1e-4)
-    # more rows: the bfloat16 copy of the same weight
-    many = torch.randn(9, 64, dtype=torch.bfloat16)
-    torch.testing.assert_close(head.compute_logits(many), many.float() @ exact.T, rtol=0.02, atol=0.05)
+    for rows in (3, 40):
+        hidden = torch.randn(rows, 64, dtype=torch.bfloat16)
+        logits = head.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, 48)
+        torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=0,
+                                   atol=0.02 * logits.abs().max().item())
+        assert torch.equal(logits, int8_linear(hidden, head.int8_weight))
 
 
 def test_float32_heads_and_untied_embeddings_keep_no_int8_copy():

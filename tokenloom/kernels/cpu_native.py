@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "tokenloom_cpu"
 LIBRARY_NAME = "tokenloom_cpu_ops"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
-    "cpu_attention.cpp", "cpu_layers.cpp", "cpu_int4.cpp", "cpu_int8.cpp", "cpu_decoder.cpp"))
+    "cpu_attention.cpp", "cpu_layers.cpp", "cpu_qlinear.cpp", "cpu_decoder.cpp"))
 # -march=native: the library is built on (and keyed to) the CPU that runs it; -ffast-math
 # vectorises exp and the reductions (the kernels keep every value finite); -fopenmp makes
 # at::parallel_for parallel, on torch's own OpenMP pool (the same libgomp.so.1, already loaded)

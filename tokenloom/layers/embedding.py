@@ -10,8 +10,9 @@ native bfloat16) also keeps a float16 copy for decode steps of a few rows, which
 weight for a few rows of output (on a 2-core AVX2 CPU: 9.0 ms per row in float32, 3.3 ms in
 float16, equal from 8 rows on); hidden states beyond float16's range take the wide path.
 A bfloat16 head whose checkpoint tensor is int8 groups (GGUF Q8_0, SmolLM2's tied embedding)
-also keeps them for decode steps of up to 4 rows (:mod:`tokenloom.kernels.int8_matmul`): half
-the bytes of the bfloat16 copy, and the file's exact values rather than their rounding.
+keeps them instead of the packed copy where tokenloom's int8 kernel is built
+(:mod:`tokenloom.kernels.int8_matmul`, GGML's Q8 x Q8 arithmetic), for every batch: half the
+bytes of the bfloat16 copy, the file's exact weight values, and ~2x its rate.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenloom.errors import ConfigError, ModelLoadError
-from tokenloom.kernels.int8_matmul import MAX_ROWS as INT8_MAX_ROWS
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
 from tokenloom.layers.linear import tensor_parallel_all_reduce
@@ -137,12 +137,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         if self.small_batch_dtype is not None and self.small_batch_dtype != self.weight.dtype:
             self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
-        self.packed_weight = pack_weight(self.weight) if packable(self.weight) else None
         source = self._tied_to if self._tied_to is not None else self
         if source.int8_groups is not None and self.weight.dtype == torch.bfloat16 and self.bias is None:
             codes, scales = source.int8_groups
             self.int8_weight = pack_int8(codes, scales) if codes.shape[0] == self.weight.shape[0] else None
         source.int8_groups = None  # packed (or not needed): not kept twice
+        if self.int8_weight is None and packable(self.weight):
+            self.packed_weight = pack_weight(self.weight)
 
     def _use_small_batch_copy(self, hidden_states: torch.Tensor) -> bool:
         return (self.small_batch_weight is not None
@@ -151,8 +152,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
-        if self.int8_weight is not None and hidden_states.shape[0] <= INT8_MAX_ROWS \
-                and hidden_states.dtype == torch.bfloat16:
+        if self.int8_weight is not None:
             return int8_linear(hidden_states, self.int8_weight)[:, :self.num_embeddings]
         if self._use_small_batch_copy(hidden_states):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()

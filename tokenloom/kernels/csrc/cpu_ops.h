@@ -23,7 +23,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
                     const at::Tensor& slot_mapping);
 
-// cpu_int4.cpp (built where the CPU has AVX512-VNNI)
+// cpu_qlinear.cpp (built where the CPU has AVX512-VNNI)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight);
 
 }  // namespace tokenloom_cpu
