@@ -110,7 +110,16 @@ def _pack_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
     d_and_m = torch.stack([scales, zeros - CODE_OFFSET * scales]).to(torch.float16)  # [2, rows, groups]
     d_and_m = d_and_m.view(2, blocks, 16, groups).permute(1, 3, 0, 2).contiguous().view(torch.uint8)
     packed = torch.cat([code_bytes.reshape(blocks, groups, -1), d_and_m.reshape(blocks, groups, -1)], dim=2)
-    return packed.reshape(blocks, groups * _NATIVE_GROUP_BYTES).contiguous()
+    return interleave_block_pairs(packed)
+
+
+def interleave_block_pairs(blocks: torch.Tensor) -> torch.Tensor:
+    """``[blocks, groups, group_bytes]`` -> the kernels' ``[blocks, groups * group_bytes]`` buffer,
+    blocks stored in pairs group by group (``[pair, groups, 2, group_bytes]``; an odd last block
+    alone), so a tile of two blocks reads one stream."""
+    count, groups, group_bytes = blocks.shape
+    paired = blocks[:count - count % 2].view(count // 2, 2, groups, group_bytes).transpose(1, 2)
+    return torch.cat([paired.reshape(-1), blocks[count - count % 2:].reshape(-1)]).view(count, -1)
 
 
 def _native_kernel():

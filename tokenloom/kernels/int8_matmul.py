@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tokenloom.kernels import cpu_native
+from tokenloom.kernels.int4_matmul import interleave_block_pairs
 
 GROUP_SIZE = 32
 _BLOCK_ROWS = 16
@@ -54,7 +55,7 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weight | None:
     # [block, lane, group, step, 4] -> [block, group, step, lane, 4]: per group 8 steps of 16 rows x 4 codes
     steps = unsigned.view(blocks, _BLOCK_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, -1)
     block_scales = scales.float().view(blocks, _BLOCK_ROWS, groups).transpose(1, 2).contiguous().view(torch.uint8)
-    packed = torch.cat([steps, block_scales.reshape(blocks, groups, -1)], dim=2).reshape(blocks, -1).contiguous()
+    packed = interleave_block_pairs(torch.cat([steps, block_scales.reshape(blocks, groups, -1)], dim=2))
     return Int8Weight(packed=packed, out_features=out_features, kernel=kernel)
 
 

@@ -15,15 +15,16 @@
 // signed-activation products each). For 8-bit weights the m term is taken in integers
 // (sum_k code_k q_k - 128 sum_k q_k), so their result is exact up to float32 summation.
 //
-// Layout, for out_features N (a multiple of 16), in_features K, G = K / 32 groups:
-// [N / 16, G, group bytes]. Block b (output rows 16b..16b+15), group g holds the codes in 8
+// Layout, for out_features N (a multiple of 16), in_features K, G = K / 32 groups: block b
+// (output rows 16b..16b+15) has G groups of bytes; its group g holds the codes in 8
 // steps of [16 rows, 4 features] (64 bytes each: bytes 4l..4l+3 of a step are row 16b+l's
 // features 4t..4t+3), then the scales:
 //   4-bit, 320 bytes: the steps in nibbles, step 2t in the low and 2t+1 in the high nibbles of
 //          64 bytes t = 0..3; then d[16] and m[16] as float16
 //   8-bit, 576 bytes: 8 x 64 bytes of codes; then d[16] as float32
-// So a block is one stream read front to back, and each 64-byte load (masked and shifted, for
-// 4 bits) gives the codes of 16 rows times 4 features.
+// Blocks are stored in pairs, group by group: [pair, G, 2, group bytes] (an odd last block
+// [G, group bytes]), so a tile of a pair reads one stream front to back; each 64-byte load
+// (masked and shifted, for 4 bits) gives the codes of 16 rows times 4 features.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -125,7 +126,11 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
     for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) group[b] = weight + ((b0 + b) * groups + g) * kGroupBytes<kBits>;
+    // blocks are stored in pairs, group by group (the pair's two groups g side by side: one
+    // stream for a tile of the pair), an odd last block alone
+    const uint8_t* pair_start = weight + b0 / 2 * 2 * groups * kGroupBytes<kBits>;
+    const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+    for (int b = 0; b < kBlocks; ++b) group[b] = pair_start + (g * width + b) * kGroupBytes<kBits>;
     __m512i sums[kRows][kBlocks];
     for (int r = 0; r < kRows; ++r)
       for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_setzero_si512();
