@@ -1,7 +1,7 @@
 """4-bit weight matmul on the CPU: weights stored as 4-bit codes with one affine pair per group
 of input features, multiplied without ever materialising the dense weight.
 
-- tokenloom's own kernel (``tokenloom_cpu::int4_linear``, csrc/cpu_int4.cpp), where the CPU has
+- tokenloom's own kernel (``tokenloom_cpu::int4_linear``, csrc/cpu_qlinear.cpp), where the CPU has
   AVX512-VNNI and the weight has groups of 32: GGML's Q4 x Q8 arithmetic, as llama.cpp runs a
   4-bit GGUF on the CPU. Each row of activations is quantized to 8 bits per group of 32
   (:func:`quantize_activations`), and the integer dot products of codes run 64 to an
@@ -58,7 +58,7 @@ _INVERSE_127 = torch.tensor(1 / 127, dtype=torch.float32)
 class Int4Weight:
     """A ``[out_features, in_features]`` weight packed for one of the CPU kernels."""
 
-    # tokenloom's kernel: [out_features / 16, in_features / 32 * 320] uint8 (csrc/cpu_int4.cpp);
+    # tokenloom's kernel: [out_features / 16, in_features / 32 * 320] uint8 (csrc/cpu_qlinear.cpp);
     # torch's: [out_features, in_features / 2] uint8 in its layout
     packed: torch.Tensor
     out_features: int
@@ -99,7 +99,7 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
 
 
 def _pack_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The layout of csrc/cpu_int4.cpp: per block of 16 rows and group of 32 features, 4 steps of
+    """The layout of csrc/cpu_qlinear.cpp: per block of 16 rows and group of 32 features, 4 steps of
     [16 rows, 4 bytes] whose byte j of step t holds features 8t+j (low nibble) and 8t+4+j (high),
     then the 16 rows' d and m as float16."""
     rows, features = codes.shape

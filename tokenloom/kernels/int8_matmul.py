@@ -17,14 +17,12 @@ from typing import Any
 import torch
 
 from tokenloom.kernels import cpu_native
-from tokenloom.kernels.int4_matmul import interleave_block_pairs
+from tokenloom.kernels.int4_matmul import NATIVE_DTYPES, interleave_block_pairs
 
 GROUP_SIZE = 32
 _BLOCK_ROWS = 16
 # the kernel's codes are unsigned: a Q8_0 code plus this
 _CODE_OFFSET = 128
-# the kernel takes rows of these dtypes (others are widened to float32 on the way in)
-_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -61,7 +59,7 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weight | None:
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """``x [rows, K] @ W.T`` as float32."""
-    if x.dtype not in _DTYPES:
+    if x.dtype not in NATIVE_DTYPES:  # the row dtypes the kernel takes, as for int4
         x = x.float()
     return weight.kernel(x if x.is_contiguous() else x.contiguous(), weight.packed)
 

@@ -58,14 +58,13 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                 layer._int4_shards = {**getattr(layer, "_int4_shards", {}), output_offset: loaded_weight}
                 return
         super().load_weight(layer, dequantize_to(loaded_weight, layer.weight.dtype), output_offset, output_size)
-        layer._dense_shards = True
 
     def process_weights_after_loading(self, layer) -> None:
         shards = getattr(layer, "_int4_shards", {})
         layer._int4_shards = {}
         layer.int4_weight = None
-        rows = sum(shard.shape[0] for shard in shards.values())
-        if shards and rows == layer.weight.shape[0] and not getattr(layer, "_dense_shards", False):
+        # all rows from 4-bit shards: no shard of another type was loaded
+        if shards and sum(shard.shape[0] for shard in shards.values()) == layer.weight.shape[0]:
             codes, scales, zeros = (torch.cat([int4_groups(shards[offset])[part] for offset in sorted(shards)])
                                     for part in range(3))
             if can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):

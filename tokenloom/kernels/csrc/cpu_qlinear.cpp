@@ -124,12 +124,12 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
   __m512 acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
     for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
+  // blocks are stored in pairs (b0 is even), group by group (the pair's two groups g side by
+  // side: one stream for a tile of the pair), an odd last block alone
+  const uint8_t* pair_start = weight + b0 * groups * kGroupBytes<kBits>;
+  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group[kBlocks];
-    // blocks are stored in pairs, group by group (the pair's two groups g side by side: one
-    // stream for a tile of the pair), an odd last block alone
-    const uint8_t* pair_start = weight + b0 / 2 * 2 * groups * kGroupBytes<kBits>;
-    const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
     for (int b = 0; b < kBlocks; ++b) group[b] = pair_start + (g * width + b) * kGroupBytes<kBits>;
     __m512i sums[kRows][kBlocks];
     for (int r = 0; r < kRows; ++r)
