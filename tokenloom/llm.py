@@ -69,7 +69,7 @@ class LLM:
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Render each conversation with the chat template and generate."""
-        from tokenloom.api.chat_template import ChatRenderer
+        from tokenloom.chat_template import ChatRenderer
 
         renderer = ChatRenderer(self.engine.tokenizer)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloom.api.chat_template import (
+from tokenloom.chat_template import (
     ChatRenderer,
     detect_content_format,
     load_chat_template,
@@ -117,7 +117,7 @@ def test_tool_call_arguments_are_parsed_for_templates():
                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}
     [normalized] = normalize_messages([message], "string")
     assert normalized["tool_calls"][0]["function"]["arguments"] == {"a": 1}
-    assert normalized["content"] is None
+    assert normalized["content"] == ""
 
 
 def test_template_sources(tokenizer, tmp_path):

@@ -111,7 +111,7 @@ async def test_chat_template_override_changes_the_prompt(make_app, engine, token
     template_file = tmp_path / "custom.jinja"
     template_file.write_text("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
                              "{% if add_generation_prompt %}<<{{ 'bot' }}>>{% endif %}")
-    async with client_for(make_app(chat_template=str(template_file))) as http_client:
+    async with client_for(make_app(chat_template=str(template_file), trust_request_chat_template=True)) as http_client:
         response = await http_client.post("/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 1})
         assert response.status_code == 200
         assert tokenizer.decode(engine.requests[0].prompt) == "<<user>>Hi<<bot>>"
@@ -120,10 +120,11 @@ async def test_chat_template_override_changes_the_prompt(make_app, engine, token
         assert tokenizer.decode(engine.requests[1].prompt) == "[Hi]"
 
 
-async def test_chat_template_kwargs_reach_the_template(client, engine, tokenizer):
-    await client.post("/v1/chat/completions", json={
-        "messages": USER_HI, "max_tokens": 1, "chat_template": "{{ greeting }} {{ messages[0].content }}",
-        "chat_template_kwargs": {"greeting": "Bonjour"}})
+async def test_chat_template_kwargs_reach_the_template(make_app, engine, tokenizer):
+    async with client_for(make_app(trust_request_chat_template=True)) as client:
+        await client.post("/v1/chat/completions", json={
+            "messages": USER_HI, "max_tokens": 1, "chat_template": "{{ greeting }} {{ messages[0].content }}",
+            "chat_template_kwargs": {"greeting": "Bonjour"}})
     assert tokenizer.decode(engine.requests[0].prompt) == "Bonjour Hi"
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenloom import __version__
-from tokenloom.api.chat_template import ChatRenderer, load_chat_template
+from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, install_error_handlers, request_id_of
 from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
 from tokenloom.api.middleware import install_middleware
@@ -32,7 +32,7 @@ from tokenloom.api.protocol import (
 )
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
-from tokenloom.api.serving_chat import ChatHandler
+from tokenloom.api.serving_chat import ChatHandler, tokenize_off_loop_if_large
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_pooling import pooling_routes
 from tokenloom.errors import ConfigError, InvalidRequestError, TokenloomError
@@ -114,7 +114,8 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
     metrics = ServerMetrics(engine, served_model_names[0])
     ctx = ServingContext(engine, config, metrics)
     renderer = ChatRenderer(engine.tokenizer, load_chat_template(config.chat_template),
-                            config.chat_template_content_format)
+                            config.chat_template_content_format,
+                            trust_request_chat_template=config.trust_request_chat_template)
     completions = CompletionsHandler(ctx)
     chat = ChatHandler(ctx, renderer, config.response_role, tool_parser_class, reasoning_parser_class)
 
@@ -163,17 +164,18 @@ def _routes(ctx: ServingContext, renderer: ChatRenderer, completions: Completion
         ctx.check_model(request.model)
         ctx.warn_unknown_fields(request, "/tokenize")
         if request.messages is not None:
-            text = renderer.render(request.messages, add_generation_prompt=request.add_generation_prompt,
-                                   continue_final_message=request.continue_final_message, tools=request.tools,
-                                   documents=request.documents, chat_template=request.chat_template,
-                                   chat_template_kwargs=request.chat_template_kwargs)
+            text = await renderer.render_async(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, tools=request.tools,
+                documents=request.documents, chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs)
             add_special_tokens = bool(request.add_special_tokens)
         elif request.prompt is not None:
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
         else:
             raise InvalidRequestError("send either \"prompt\" (a string) or \"messages\" (a chat)", param="prompt")
-        token_ids = ctx.tokenize(text, add_special_tokens)
+        token_ids = await tokenize_off_loop_if_large(ctx.tokenize, text, add_special_tokens)
         token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
         body = TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids,
                                 token_strs=token_strs)

@@ -222,6 +222,7 @@ FLAGS: tuple[Flag, ...] = (
     server("--disable-log-stats", kind="bool"),
     server("--chat-template"),
     server("--chat-template-content-format", choices=("auto", "string", "openai")),
+    server("--trust-request-chat-template", kind="bool"),
     server("--response-role"),
     server("--enable-auto-tool-choice", kind="bool"),
     server("--tool-call-parser"),

@@ -60,6 +60,10 @@ class ServerConfig:
     """A chat template file path or the template itself; overrides the model's."""
     chat_template_content_format: str = "auto"
     """How message content is given to the template: auto, string or openai."""
+    trust_request_chat_template: bool = False
+    """Accept a chat template sent in a request (``chat_template`` in chat and /tokenize);
+    off by default, since a template is code the server runs. Every template renders under a
+    time and size limit either way."""
     response_role: str = "assistant"
     """The role of generated chat messages when add_generation_prompt is true."""
     enable_auto_tool_choice: bool = False
