@@ -254,8 +254,6 @@ def _check_str_method(method: Any, args: tuple, kwargs: dict) -> tuple:
         _check_size(len(text) * max(len(items) - 1, 0)
                     + sum(len(item) for item in items if isinstance(item, str)))
         args = (items, *args[1:])
-    elif name in ("format", "format_map"):
-        _check_str_format(text)
     return args
 
 
@@ -307,6 +305,13 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         if isinstance(getattr(callable_object, "__self__", None), str):
             args = _check_str_method(callable_object, args, kwargs)
         return _sized(super().call(context, callable_object, *args, **kwargs))
+
+    def wrap_str_format(self, value):
+        # str.format reaches templates as this wrapper, never through call()
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:
+            _check_str_format(value.__self__)
+        return wrapped
 
     def getattr(self, obj, attribute):
         self._note_message(obj)

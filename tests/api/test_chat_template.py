@@ -1,13 +1,22 @@
 """The chat-template renderer: identical strings to transformers' apply_chat_template,
-content-format detection, transformers' template globals and filters, and where a
-template comes from."""
+content-format detection, transformers' template globals and filters, where a template
+comes from, message normalisation for tool conversations, who is at fault when a template
+fails, and the trust flag and time/size limits that bound templates."""
 
 from __future__ import annotations
 
+import re
+import time
+from pathlib import Path
+
+import anyio
 import pytest
 
+from tokenloom import chat_template
 from tokenloom.chat_template import (
     ChatRenderer,
+    ChatTemplateError,
+    RenderLimits,
     detect_content_format,
     load_chat_template,
     normalize_messages,
@@ -153,3 +162,226 @@ def test_reserved_kwargs_and_conflicting_flags(tokenizer):
 def test_unknown_content_format_is_a_config_error(tokenizer):
     with pytest.raises(ConfigError, match="content-format"):
         ChatRenderer(tokenizer, content_format="xml")
+
+
+# -- the second turn of a tool conversation (issue 16) ---------------------------------------------
+
+WEATHER_CALL = {"id": "call-1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+TOOL_HISTORY = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    # what the OpenAI API returns for a tool call, and what every client sends back
+    {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL], "refusal": None, "function_call": None},
+    {"role": "tool", "tool_call_id": "call-1", "content": [{"type": "text", "text": "{\"temperature\": 21}"}]},
+]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("content_format, empty", [("string", ""), ("openai", [])])
+@pytest.mark.parametrize("role", ["system", "user", "assistant", "tool"])
+def test_null_and_missing_content_are_empty_in_either_format(role, content_format, empty):
+    for message in ({"role": role, "content": None}, {"role": role}):
+        assert normalize_messages([message], content_format)[0]["content"] == empty
+
+
+@pytest.mark.parametrize("content_format, expected", [
+    ("string", "{\"temperature\": 21}"),
+    ("openai", [{"type": "text", "text": "{\"temperature\": 21}"}]),
+])
+def test_tool_history_is_normalized_for_templates(content_format, expected):
+    user, assistant, tool = normalize_messages(TOOL_HISTORY, content_format)
+    assert assistant["content"] == ("" if content_format == "string" else [])
+    assert assistant["tool_calls"] == [{**WEATHER_CALL, "function": {"name": "get_weather",
+                                                                     "arguments": {"city": "Paris"}}}]
+    assert "refusal" not in assistant and "function_call" not in assistant  # null fields read as absent
+    assert tool == {"role": "tool", "tool_call_id": "call-1", "content": expected}
+    assert TOOL_HISTORY[1]["content"] is None and TOOL_HISTORY[1]["tool_calls"][0] is WEATHER_CALL  # not mutated
+
+
+@pytest.mark.parametrize("arguments, parsed", [("", {}), (None, {}), ("{\"a\": [1]}", {"a": [1]}),
+                                               ("not json", "not json"), ({"a": 1}, {"a": 1})])
+def test_tool_call_arguments_as_templates_expect_them(arguments, parsed):
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    [message] = normalize_messages([{"role": "assistant", "tool_calls": [call]}], "string")
+    assert message["tool_calls"][0]["function"]["arguments"] == parsed
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "assistant", "tool_calls": {"id": "1"}}, "messages[0].tool_calls"),
+    ({"role": "assistant", "tool_calls": [{"id": "1", "function": {"arguments": "{}"}}]}, "messages[0].tool_calls[0]"),
+    ({"role": "tool", "tool_call_id": 7, "content": "x"}, "messages[0].tool_call_id"),
+    ({"role": "tool", "content": {"temperature": 21}}, "messages[0].content"),
+])
+def test_malformed_tool_messages_are_400s_naming_the_field(message, param):
+    with pytest.raises(InvalidRequestError) as info:
+        normalize_messages([message], "string")
+    assert info.value.param == param
+
+
+def test_smollm2_template_renders_the_second_turn_like_transformers(tokenizer):
+    # transformers cannot render null content with this template at all; vLLM's (and our)
+    # normalisation gives it "", which is what transformers renders for an empty turn
+    as_transformers_needs = [TOOL_HISTORY[0], {"role": "assistant", "content": ""},
+                             {"role": "tool", "content": "{\"temperature\": 21}"}]
+    expected = tokenizer.apply_chat_template(as_transformers_needs, tokenize=False, add_generation_prompt=True)
+    for tools in (None, [WEATHER_TOOL]):
+        assert ChatRenderer(tokenizer).render(TOOL_HISTORY, tools=tools) == expected
+
+
+@pytest.mark.parametrize("template_name, written_call, written_result", [
+    ("tool_chat_template_hermes.jinja",
+     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+     "<|im_start|>user\n<tool_response>\n{\"temperature\": 21}\n</tool_response><|im_end|>"),
+    ("tool_chat_template_llama3_json.jinja",
+     "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|>",
+     "<|start_header_id|>ipython<|end_header_id|>\n\n{\"temperature\": 21}<|eot_id|>"),
+])
+def test_example_tool_templates_write_the_call_and_result_back(tokenizer, template_name, written_call,
+                                                               written_result):
+    renderer = ChatRenderer(tokenizer, server_template=load_chat_template(str(EXAMPLES / template_name)))
+    for tools in (None, [WEATHER_TOOL]):
+        rendered = renderer.render(TOOL_HISTORY, tools=tools)
+        assert written_call in rendered and written_result in rendered
+        assert ("Current weather" in rendered) == bool(tools)
+
+
+# -- who is at fault when a template fails -----------------------------------------------------------
+
+FAILS_ON_TOOL_MESSAGES = (
+    "{% for m in messages %}\n"
+    "{{ m.role }}\n"
+    "{% if m.role == 'tool' %}{{ m.content + 1 }}{% endif %}\n"
+    "{% endfor %}"
+)
+
+
+def test_a_server_template_failing_on_a_well_formed_request_is_a_500_saying_where(tokenizer):
+    renderer = ChatRenderer(tokenizer, server_template=FAILS_ON_TOOL_MESSAGES)
+    with pytest.raises(ChatTemplateError) as info:
+        renderer.render(TOOL_HISTORY)
+    assert info.value.status_code == 500
+    assert "messages[2]" in info.value.message and "template line 3" in info.value.message
+    assert "TypeError" in info.value.message
+
+
+def test_a_request_template_failing_is_the_requests_400_saying_where(tokenizer):
+    with pytest.raises(InvalidRequestError) as info:
+        ChatRenderer(tokenizer).render(TOOL_HISTORY, chat_template=FAILS_ON_TOOL_MESSAGES)
+    assert info.value.param == "chat_template"
+    assert "messages[2]" in info.value.message and "template line 3" in info.value.message
+
+
+def test_a_server_template_that_is_not_jinja_fails_the_start(tokenizer):
+    with pytest.raises(ConfigError, match="--chat-template is not valid Jinja"):
+        ChatRenderer(tokenizer, server_template="{% for %}")
+
+
+# -- request templates are code: refused unless trusted, and bounded always (issue 20 item 1) --------
+
+
+def test_request_templates_need_the_trust_flag(tokenizer):
+    renderer = ChatRenderer(tokenizer, trust_request_chat_template=False)
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(InvalidRequestError, match="--trust-request-chat-template") as info:
+        renderer.render(messages, chat_template="{{ messages[0].content }}")
+    assert info.value.param == "chat_template"
+    assert renderer.render(messages) == ChatRenderer(tokenizer).render(messages)  # the model's own still works
+
+
+def test_a_model_template_named_in_the_request_is_not_request_code(tokenizer):
+    renderer = ChatRenderer(tokenizer, trust_request_chat_template=False)
+    renderer.model_template = {"default": "D{{ messages[0].content }}", "tool_use": "T{{ messages[0].content }}"}
+    assert renderer.render([{"role": "user", "content": "x"}], chat_template="tool_use") == "Tx"
+
+
+HOSTILE_TEMPLATES = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "nested loops over a list": "{% set l = range(100000) | list %}{% for i in l %}{% for j in l %}{% endfor %}"
+                                "{% endfor %}",
+    "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "string repetition": "{{ 'x' * 10**10 }}",
+    "list repetition": "{% set l = [1] * 10**10 %}",
+    "doubling by concatenation": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                                 "{% endfor %}{{ ns.s | length }}",
+    "doubling by +": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                     "{% endfor %}",
+    "huge integer": "{{ 10 ** (10 ** 9) }}",
+    "squaring integers": "{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}"
+                         "{% endfor %}",
+    "center method": "{{ 'x'.center(10**10) }}",
+    "center filter": "{{ 'x' | center(9999999999) }}",
+    "ljust method": "{{ 'x'.ljust(10**10) }}",
+    "printf width": "{{ '%9999999999d' % 1 }}",
+    "format filter width": "{{ '%9999999999d' | format(1) }}",
+    "str.format width": "{{ '{:>9999999999}'.format(1) }}",
+    "str.format nested width": "{{ '{:{}}'.format(1, 10**10) }}",
+    "replace": "{% set s = 'x' * 1000 %}{{ s.replace('x', s).replace('x', s) }}",
+    "replace filter": "{% set s = 'x' * 1000 %}{{ s | replace('x', s) | replace('x', s) }}",
+    "join": "{% set s = 'x' * 100000 %}{{ s.join(range(100000) | map('string')) }}",
+    "join filter": "{% set s = 'x' * 100000 %}{{ range(100000) | join(s) }}",
+    "indent": "{% set s = '\\n' * 100000 %}{{ s | indent(100000) }}",
+    "tojson indent": "{{ messages | tojson(indent=10**9) }}",
+    "batch": "{{ [1] | batch(10**10, 'x') | list }}",
+    "lipsum": "{{ lipsum(10**8) }}",
+    "output": "{% for i in range(100000) %}{% for j in range(100) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_hostile_request_templates_are_quick_400s(tokenizer, monkeypatch, name):
+    monkeypatch.setattr(chat_template, "DEFAULT_LIMITS", RenderLimits(seconds=1.0))
+    started = time.monotonic()
+    with pytest.raises(InvalidRequestError) as info:
+        ChatRenderer(tokenizer).render([{"role": "user", "content": "x"}], chat_template=HOSTILE_TEMPLATES[name])
+    assert time.monotonic() - started < 5
+    assert info.value.param == "chat_template"
+    # the budget's own refusal, or Python's recursion limit reported as the template's failure
+    assert re.search(r"simplify the request's chat_template$|RecursionError", info.value.message), info.value.message
+
+
+def test_a_hostile_server_template_is_the_servers_500(tokenizer):
+    renderer = ChatRenderer(tokenizer, server_template=HOSTILE_TEMPLATES["string repetition"])
+    with pytest.raises(ChatTemplateError, match="limit"):
+        renderer.render([{"role": "user", "content": "x"}])
+
+
+def test_the_size_limit_grows_with_the_input(tokenizer):
+    # a legitimate template may write its (large) input out several times
+    renderer = ChatRenderer(tokenizer, limits=RenderLimits(base_chars=1000, chars_per_input_char=4))
+    long_text = "y" * 5000
+    template = "{% for m in messages %}{{ m.content }}{{ m.content }}{{ m.content }}{% endfor %}"
+    assert renderer.render([{"role": "user", "content": long_text}], chat_template=template) == long_text * 3
+    with pytest.raises(InvalidRequestError, match="limit"):
+        renderer.render([{"role": "user", "content": long_text}],
+                        chat_template="{% for i in range(6) %}" + template + "{% endfor %}")
+
+
+def test_templates_loops_still_see_loop_variables(tokenizer):
+    template = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '!' if loop.last }}"
+                "{{ loop.nextitem.role if loop.nextitem is defined }};{% endfor %}")
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert ChatRenderer(tokenizer).render(messages, chat_template=template) == "1/2assistant;2/2!;"
+
+
+@pytest.mark.anyio
+async def test_render_async_answers_by_the_deadline_and_keeps_the_loop_free(tokenizer, monkeypatch):
+    monkeypatch.setattr(chat_template, "DEFAULT_LIMITS", RenderLimits(seconds=1.0))
+    renderer = ChatRenderer(tokenizer)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.05)
+            ticks += 1
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(ticker)
+        with pytest.raises(InvalidRequestError, match="longer than"):
+            await renderer.render_async([{"role": "user", "content": "x"}],
+                                        chat_template=HOSTILE_TEMPLATES["nested loops"])
+        group.cancel_scope.cancel()
+    assert ticks >= 10  # the event loop kept running while the template spun
