@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.api.conftest import client_for
 from tokenloom import chat_template
 from tokenloom.chat_template import (
     ChatRenderer,
@@ -385,3 +386,66 @@ async def test_render_async_answers_by_the_deadline_and_keeps_the_loop_free(toke
                                         chat_template=HOSTILE_TEMPLATES["nested loops"])
         group.cancel_scope.cancel()
     assert ticks >= 10  # the event loop kept running while the template spun
+
+
+# -- over HTTP (the real app, a fake engine) --------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+async def test_request_templates_are_refused_over_http_naming_the_flag(make_app, engine, path):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "chat_template": "{{ messages[0].content }}"}
+    async with client_for(make_app()) as client:
+        response = await client.post(path, json=body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert "--trust-request-chat-template" in error["message"] and error["param"] == "chat_template"
+        assert not engine.requests
+    async with client_for(make_app(trust_request_chat_template=True)) as client:
+        assert (await client.post(path, json=body)).status_code == 200
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+async def test_health_answers_while_a_hostile_template_is_refused(make_app, engine, monkeypatch, path):
+    monkeypatch.setattr(chat_template, "DEFAULT_LIMITS", RenderLimits(seconds=2.0))
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "chat_template": HOSTILE_TEMPLATES["nested loops"]}
+    outcome = {}
+    async with client_for(make_app(trust_request_chat_template=True)) as client:
+        async def hostile():
+            outcome["response"] = await client.post(path, json=body)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(hostile)
+            await anyio.sleep(0.3)
+            for _ in range(3):
+                started = time.monotonic()
+                health = await client.get("/health")
+                assert health.status_code == 200 and time.monotonic() - started < 0.5
+                assert "response" not in outcome  # still being refused
+                await anyio.sleep(0.2)
+    response = outcome["response"]
+    assert response.status_code == 400
+    assert "longer than 2 s" in response.json()["error"]["message"]
+    assert not engine.requests
+
+
+@pytest.mark.anyio
+async def test_a_server_template_failing_is_a_500_over_http(make_app, engine):
+    async with client_for(make_app(chat_template=FAILS_ON_TOOL_MESSAGES)) as client:
+        response = await client.post("/v1/chat/completions", json={"messages": TOOL_HISTORY, "max_tokens": 1})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "InternalServerError"
+    assert "messages[2]" in error["message"] and "template line 3" in error["message"]
+
+
+@pytest.mark.anyio
+async def test_the_tool_history_renders_and_tokenizes_over_http(client, engine, tokenizer):
+    response = await client.post("/v1/chat/completions", json={"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL],
+                                                                "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    tokenized = await client.post("/tokenize", json={"messages": TOOL_HISTORY})
+    assert tokenized.json()["tokens"] == engine.requests[0].prompt
