@@ -6,6 +6,8 @@ fails, and the trust flag and time/size limits that bound templates."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -247,6 +249,24 @@ def test_example_tool_templates_write_the_call_and_result_back(tokenizer, templa
         rendered = renderer.render(TOOL_HISTORY, tools=tools)
         assert written_call in rendered and written_result in rendered
         assert ("Current weather" in rendered) == bool(tools)
+
+
+def test_an_openai_format_template_renders_the_tool_history(tokenizer):
+    # auto-detected: the template loops over each message's content parts
+    template = ("{% for m in messages %}{{ m.role }}:{% for part in m.content %}[{{ part.text }}]{% endfor %}"
+                "{% for call in m.tool_calls or [] %}<{{ call.function.name }} {{ call.function.arguments.city }}>"
+                "{% endfor %}|{% endfor %}")
+    rendered = ChatRenderer(tokenizer, server_template=template).render(TOOL_HISTORY, add_generation_prompt=False)
+    assert rendered == "user:[What is the weather in Paris?]|assistant:<get_weather Paris>|tool:[{\"temperature\": 21}]|"
+
+
+def test_the_offline_api_renders_without_the_server_package():
+    # llm.py imports the chat template; neither may pull in tokenloom.api (the server)
+    code = ("import sys, tokenloom.llm, tokenloom.chat_template; "
+            "print([name for name in sys.modules if name.startswith('tokenloom.api')])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.strip() == "[]"
 
 
 # -- who is at fault when a template fails -----------------------------------------------------------
