@@ -44,7 +44,8 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 _CONTINUE_TAG = "TOKENLOOM_CONTINUE_FINAL_MESSAGE "
 NO_TEMPLATE_MESSAGE = (
     "this model has no chat template, so /v1/chat/completions cannot build a prompt; start the server "
-    "with --chat-template FILE_OR_TEMPLATE, pass \"chat_template\" in the request, or use /v1/completions"
+    "with --chat-template FILE_OR_TEMPLATE, pass \"chat_template\" in the request (the server needs "
+    "--trust-request-chat-template for that), or use /v1/completions"
 )
 
 
@@ -121,7 +122,7 @@ class RenderLimits:
     for each character of the request's messages, tools and documents."""
     chars_per_input_char: int = 4
     max_int_bits: int = 1 << 16
-    """Size of the integers a template may compute (``10 ** 10 ** 9`` takes minutes)."""
+    """Size of the integers a template may compute (``10 ** (10 ** 9)`` takes minutes)."""
 
     def max_chars(self, input_chars: int) -> int:
         return self.base_chars + self.chars_per_input_char * input_chars

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenloom import __version__
-from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, install_error_handlers, request_id_of
 from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
 from tokenloom.api.middleware import install_middleware
@@ -35,6 +34,7 @@ from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler, tokenize_off_loop_if_large
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_pooling import pooling_routes
+from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.errors import ConfigError, InvalidRequestError, TokenloomError
 
 logger = logging.getLogger("tokenloom.api")

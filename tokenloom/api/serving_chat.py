@@ -18,7 +18,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenloom.api import parsers
-from tokenloom.chat_template import ChatRenderer, message_text
 from tokenloom.api.http_errors import sse_error_event
 from tokenloom.api.protocol import (
     SSE_DONE,
@@ -47,6 +46,7 @@ from tokenloom.api.serving_base import (
     respond,
 )
 from tokenloom.api.serving_completions import check_output
+from tokenloom.chat_template import ChatRenderer, message_text
 from tokenloom.core.request import Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
