@@ -469,3 +469,24 @@ async def test_the_tool_history_renders_and_tokenizes_over_http(client, engine, 
     assert response.status_code == 200, response.text
     tokenized = await client.post("/tokenize", json={"messages": TOOL_HISTORY})
     assert tokenized.json()["tokens"] == engine.requests[0].prompt
+
+
+@pytest.mark.anyio
+async def test_large_inputs_tokenize_off_the_loop_with_the_same_result(client, tokenizer, monkeypatch):
+    from tokenloom.api import serving_chat
+
+    calls = []
+    real_run_sync = anyio.to_thread.run_sync
+
+    async def recording_run_sync(function, *args, **kwargs):
+        calls.append(getattr(function, "__name__", repr(function)))
+        return await real_run_sync(function, *args, **kwargs)
+
+    monkeypatch.setattr(serving_chat.anyio.to_thread, "run_sync", recording_run_sync)
+    text = "tokenize me " * (serving_chat.OFF_LOOP_TOKENIZE_CHARS // 12 + 1)
+    response = await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+    assert response.json()["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert "tokenize" in calls
+    calls.clear()
+    await client.post("/tokenize", json={"prompt": "short", "add_special_tokens": False})
+    assert "tokenize" not in calls
