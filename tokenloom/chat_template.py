@@ -15,7 +15,6 @@ import contextvars
 import functools
 import json
 import logging
-import math
 import os
 import re
 import string
