@@ -4,6 +4,7 @@ tokenizer metadata (and only it); two processes starting at once are safe."""
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 
@@ -19,6 +20,7 @@ from tokenloom.builtin_plugins.loaders.gguf_tokenizer import (
     TOKENIZER_CACHE_KIND,
     gguf_to_hf_tokenizer,
     load_gguf_tokenizer,
+    serialized_backend,
     tokenizer_cache_key,
 )
 from tokenloom.core.config import ModelConfig
@@ -75,7 +77,8 @@ def _vocabulary_gguf(directory, vocabulary: str, name: str = "tok.gguf", chat_te
 
 
 def assert_same_behaviour(ours, reference) -> None:
-    """Same ids, decodes, special tokens, vocabulary and chat rendering."""
+    """The same backend, and the same ids, decodes, special tokens, vocabulary and chat rendering."""
+    assert json.loads(ours._tokenizer.to_str()) == json.loads(reference._tokenizer.to_str())
     for text in TEXTS:
         for add_special_tokens in (True, False):
             ids = ours(text, add_special_tokens=add_special_tokens).input_ids
@@ -203,3 +206,17 @@ def test_two_processes_building_the_same_entry_at_once_both_get_the_tokenizer(tm
     assert [entry.name for entry in directory.iterdir()] == [f"{tokenizer_cache_key(GGUFFile(path))}.entry"]
     assert DerivedCache(TOKENIZER_CACHE_KIND, root=tmp_path / "cache").read(
         tokenizer_cache_key(GGUFFile(path))) is not None
+
+
+def test_merges_are_stored_space_joined_unless_a_piece_holds_a_space():
+    from tokenizers import Tokenizer, models
+
+    def stored_merges(merges):
+        vocab = {piece: index for index, piece in enumerate(["a", "b", "ab", "a b", "c", "a bc"])}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        stored = serialized_backend(backend)
+        assert json.loads(Tokenizer.from_str(stored.decode()).to_str()) == json.loads(backend.to_str())
+        return json.loads(stored)["model"]["merges"]
+
+    assert stored_merges([("a", "b")]) == ["a b"]
+    assert stored_merges([("a", "b"), ("a b", "c")]) == [["a", "b"], ["a b", "c"]]
