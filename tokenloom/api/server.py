@@ -107,10 +107,7 @@ def run_server(serve_args: Any) -> None:
 
 async def _serve(serve_args: Any) -> None:
     # one event loop for the engine and uvicorn: the engine's asyncio objects belong to it
-    with startup_phase("importing the server and the engine (fastapi, torch)"):
-        import uvicorn
-
-        from tokenloom.api.app import build_app
+    with startup_phase("importing the engine (torch)"):
         from tokenloom.core.engine import AsyncLLM
         from tokenloom.plugins.manager import load_plugins
 
@@ -126,7 +123,17 @@ async def _serve(serve_args: Any) -> None:
     for failure in plugins.failures:
         logger.warning("plugin %r (%s) was not loaded: %s", failure.name, failure.origin, failure.cause)
     with startup_phase("building the engine"):
-        engine = AsyncLLM.from_engine_args(serve_args.engine_args, plugins)
+        # the engine builds on its own thread, mostly in torch ops that release the GIL: this
+        # thread imports the server (fastapi, the protocol models) meanwhile instead of before
+        building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args,
+                                                              serve_args.engine_args, plugins)
+        try:
+            with startup_phase("importing the server (fastapi), while the engine builds"):
+                import uvicorn
+
+                from tokenloom.api.app import build_app
+        finally:
+            engine = await building  # a build error is raised here, before an import error
         if asyncio.iscoroutine(engine):
             engine = await engine
     try:

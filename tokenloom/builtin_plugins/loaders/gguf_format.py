@@ -103,12 +103,12 @@ class GGUFLoadFormat(LoadFormat):
         return hf_files.apply_hf_overrides(config, getattr(model_config, "hf_overrides", None))
 
     def load_tokenizer(self, path: str, model_config: Any) -> Any:
-        from tokenloom.builtin_plugins.loaders.gguf_tokenizer import STRING_ARRAYS, gguf_to_hf_tokenizer
+        from tokenloom.builtin_plugins.loaders.gguf_tokenizer import load_gguf_tokenizer
 
         tokenizer_path = getattr(model_config, "tokenizer", None)
         if tokenizer_path and find_gguf_file(tokenizer_path) is None:
             return hf_files.load_hf_tokenizer(path, model_config)
-        return gguf_to_hf_tokenizer(GGUFFile(gguf_path(tokenizer_path or path), string_arrays=STRING_ARRAYS))
+        return load_gguf_tokenizer(gguf_path(tokenizer_path or path))
 
     def quantization(self, path: str) -> str | None:
         from tokenloom.builtin_plugins.quantization.gguf_blocks import FLOAT_TYPES

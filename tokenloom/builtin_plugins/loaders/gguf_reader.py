@@ -93,6 +93,12 @@ class GGUFFile:
         """``{architecture}.{key}``, e.g. ``arch_get("block_count")``."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
+    def raw_metadata(self, key: str) -> np.ndarray:
+        """The bytes of one key-value entry as stored in the file (key, type and value; a
+        skipped string array too), as a uint8 view of the mapping: what a cache keys on."""
+        start, end = self.metadata_spans[key]
+        return self._mapped[start:end]
+
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's raw bytes as a uint8 view of the mapping (no copy)."""
         return self._mapped[info.offset:info.offset + info.nbytes]
@@ -112,10 +118,13 @@ class GGUFFile:
         self.version = version
         position = 24
         self.metadata: dict[str, Any] = {}
+        self.metadata_spans: dict[str, tuple[int, int]] = {}
         for _ in range(kv_count):
+            start = position
             key, position = self._read_string(position)
             (value_type,) = struct.unpack_from("<I", buffer, position)
             self.metadata[key], position = self._read_value(position + 4, value_type, key)
+            self.metadata_spans[key] = (start, position)
 
         entries = []
         for _ in range(tensor_count):
