@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tokenloom.api.protocol import ChatMessage, RequestModel, ResponseModel
+from tokenloom.api.protocol import ChatMessage, RequestModel, ResponseFormat, ResponseModel
 from tokenloom.errors import InvalidRequestError
 
 # Anthropic's error "type" for each HTTP status it uses
@@ -164,9 +164,29 @@ class MessagesRequest(MessagesInput):
     top_k: int | None = None
     top_p: float | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    """``{"format": {"type": "json_schema", "schema": {...}}, "effort": ...}``: structured output."""
     # vLLM-style extras the chat path has
     seed: int | None = None
     priority: int = 0
+
+
+    def response_format(self) -> ResponseFormat | None:
+        """``output_config.format`` as chat's ``response_format`` (structured outputs)."""
+        output_format = (self.output_config or {}).get("format")
+        if not output_format:
+            return None
+        if output_format.get("type") != "json_schema" or not isinstance(output_format.get("schema"), dict):
+            raise InvalidRequestError('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                                      param="output_config.format")
+        return ResponseFormat(type="json_schema", json_schema={"name": "output", "schema": output_format["schema"]})
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        kwargs = super().template_kwargs() or {}
+        effort = (self.output_config or {}).get("effort")
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
+        return kwargs or None
 
 
 class CountTokensRequest(MessagesInput):

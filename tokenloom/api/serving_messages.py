@@ -38,7 +38,8 @@ from tokenloom.errors import InvalidRequestError, TokenloomError
 
 logger = logging.getLogger("tokenloom.api")
 
-_MESSAGES_NAMES = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"), ("messages", "messages"))
+_MESSAGES_NAMES = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
+                   ("response_format", "output_config.format"))
 
 
 def anthropic_error(status: int, message: str) -> JSONResponse:
@@ -81,7 +82,7 @@ class MessagesHandler:
         fields.update({name: value for name, value in dict(
             max_completion_tokens=request.max_tokens, stop=request.stop_sequences, temperature=request.temperature,
             top_k=request.top_k, top_p=request.top_p, seed=request.seed, priority=request.priority,
-            stream=request.stream).items() if value is not None})
+            stream=request.stream, response_format=request.response_format()).items() if value is not None})
         try:
             chat_run, outputs = self.chat.start(ChatCompletionRequest(**fields), raw_request, id_prefix="msg")
         except TokenloomError as exc:
