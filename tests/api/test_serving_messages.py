@@ -242,3 +242,22 @@ async def test_x_api_key_is_accepted_and_a_missing_key_is_an_anthropic_401(make_
         # the OpenAI routes take x-api-key too, and keep their own error shape
         assert (await http_client.get("/v1/models", headers={"x-api-key": "sekret"})).status_code == 200
         assert (await http_client.get("/v1/models")).json()["error"]["type"] == "AuthenticationError"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tool_choice, reply", [
+    ({"type": "tool", "name": "get_weather"}, json.dumps(WEATHER[1])),
+    ({"type": "any"}, json.dumps([{"name": WEATHER[0], "parameters": WEATHER[1]}])),
+], ids=["tool", "any"])
+async def test_forced_tool_choice_gives_tool_use_whole_and_streamed(make_app, tokenizer, tool_choice, reply):
+    engine, app = app_with(make_app, tokenizer, reply)
+    body = {"max_tokens": 100, "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+            "tool_choice": tool_choice}
+    async with client_for(app) as http_client:
+        whole = (await http_client.post("/v1/messages", json=body)).json()
+        events = sse_blocks((await http_client.post("/v1/messages", json={**body, "stream": True})).text)
+    assert [(block["type"], block["name"], block["input"]) for block in whole["content"]] == \
+        [("tool_use", *WEATHER)]
+    assert whole["stop_reason"] == "tool_use" and events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert blocks_without_ids(streamed_blocks(events)) == blocks_without_ids(whole["content"])
+    assert engine.requests[0].params.structured_outputs is not None

@@ -350,3 +350,21 @@ def test_message_items_put_reasoning_first_and_calls_last():
     items = message_items(message, "incomplete")
     assert [item.type for item in items] == ["reasoning", "message", "function_call"]
     assert all(item.status == "incomplete" for item in items) and isinstance(items[1], MessageItem)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tool_choice, reply", [
+    ({"type": "function", "name": "get_weather"}, json.dumps(WEATHER[1])),
+    ("required", json.dumps([{"name": WEATHER[0], "parameters": WEATHER[1]}])),
+], ids=["named", "required"])
+async def test_forced_tool_choice_gives_function_calls_whole_and_streamed(make_app, tokenizer, tool_choice, reply):
+    engine, app = app_with(make_app, tokenizer, reply)
+    body = {"input": "Weather?", "tools": TOOLS, "tool_choice": tool_choice}
+    async with client_for(app) as http_client:
+        whole = (await http_client.post("/v1/responses", json=body)).json()
+        events = sse_blocks((await http_client.post("/v1/responses", json={**body, "stream": True})).text)
+    assert [(item["type"], item["name"], json.loads(item["arguments"])) for item in whole["output"]] == \
+        [("function_call", *WEATHER)]
+    assert items_without_ids(events[-1]["response"]["output"]) == items_without_ids(whole["output"])
+    # the arguments were generated under the tool's schema, as in chat
+    assert engine.requests[0].params.structured_outputs is not None
