@@ -11,7 +11,11 @@ import pytest
 
 from tests.api.conftest import client_for
 from tests.api.fake_engine import FakeEngine
-from tests.api.test_serving_chat_tools import CALLS_REPLY, HERMES_TEMPLATE, THINKING_REPLY
+from tests.api.test_serving_chat_tools import (
+    CALLS_REPLY,
+    HERMES_TEMPLATE,
+    THINKING_REPLY,
+)
 from tests.api.test_serving_responses import chat_handler, output_of, random_splits  # noqa: F401 (a fixture)
 from tests.builtin_plugins.tool_parsers.formats import TIME, WEATHER
 from tokenloom.api.messages_protocol import (
@@ -28,7 +32,8 @@ from tokenloom.errors import InvalidRequestError
 from tokenloom.plugins.manager import load_plugins
 
 TOOLS = [{"name": name, "description": f"{name} of a place", "input_schema": {
-    "type": "object", "properties": {key: {"type": "string"} for key in arguments}}} for name, arguments in (WEATHER, TIME)]
+    "type": "object", "properties": {key: {"type": "string"} for key in arguments}}}
+    for name, arguments in (WEATHER, TIME)]
 
 
 def sse_blocks(body: str) -> list[dict]:

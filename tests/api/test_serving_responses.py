@@ -14,7 +14,11 @@ import pytest
 
 from tests.api.conftest import client_for
 from tests.api.fake_engine import FakeEngine
-from tests.api.test_serving_chat_tools import CALLS_REPLY, HERMES_TEMPLATE, THINKING_REPLY
+from tests.api.test_serving_chat_tools import (
+    CALLS_REPLY,
+    HERMES_TEMPLATE,
+    THINKING_REPLY,
+)
 from tests.builtin_plugins.tool_parsers.formats import TIME, WEATHER
 from tokenloom.api.chat_template import ChatRenderer, load_chat_template
 from tokenloom.api.protocol import ChatCompletionRequest
@@ -28,13 +32,18 @@ from tokenloom.api.responses_protocol import (
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler
-from tokenloom.api.serving_responses import ResponsesEventWriter, ResponseStore, StoredResponse
+from tokenloom.api.serving_responses import (
+    ResponsesEventWriter,
+    ResponseStore,
+    StoredResponse,
+)
 from tokenloom.core.request import CompletionOutput, RequestOutput
 from tokenloom.errors import InvalidRequestError, NotFoundError
 from tokenloom.plugins.manager import load_plugins
 
 TOOLS = [{"type": "function", "name": name, "description": f"{name} of a place", "parameters": {
-    "type": "object", "properties": {key: {"type": "string"} for key in arguments}}} for name, arguments in (WEATHER, TIME)]
+    "type": "object", "properties": {key: {"type": "string"} for key in arguments}}}
+    for name, arguments in (WEATHER, TIME)]
 
 
 def sse_blocks(body: str) -> list[dict]:
@@ -216,7 +225,8 @@ async def test_whole_and_streamed_responses_agree_in_openai_shapes(make_app, tok
         assert whole["object"] == "response" and whole["status"] == "completed" and whole["metadata"] == {"k": "v"}
         assert [item["type"] for item in whole["output"]] == ["reasoning", "function_call"]
         reasoning, call = whole["output"]
-        assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user wants the weather: call the tool."}]
+        thought = "The user wants the weather: call the tool."
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": thought}]
         assert (call["name"], json.loads(call["arguments"])) == WEATHER and call["status"] == "completed"
         assert whole["usage"]["output_tokens"] == len(tokenizer(THINKING_REPLY, add_special_tokens=False)
                                                       ["input_ids"])

@@ -73,7 +73,7 @@ def calls_in(response) -> list[tuple[str, dict]]:
 
 
 def test_responses_function_calls_whole_and_streamed(oai):
-    ask = dict(model=MODEL, input=f"{marker('calls')} weather and time in Paris?", tools=RESPONSES_TOOLS)
+    ask = {"model": MODEL, "input": f"{marker('calls')} weather and time in Paris?", "tools": RESPONSES_TOOLS}
     whole = oai.responses.create(**ask)
     assert whole.status == "completed" and whole.object == "response"
     assert [item.type for item in whole.output] == ["message", "function_call", "function_call"]
@@ -104,7 +104,7 @@ def test_responses_unicode_arguments_survive(oai):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_responses_reasoning_items(oai, stream):
-    ask = dict(model=MODEL, input=f"{marker('think_then_answer')} weather?")
+    ask = {"model": MODEL, "input": f"{marker('think_then_answer')} weather?"}
     if stream:
         with oai.responses.stream(**ask) as events:
             kinds = [event.type for event in events]
@@ -174,8 +174,8 @@ def test_responses_errors_are_openai_shaped(oai):
 
 
 def test_messages_tool_use_whole_and_streamed(claude):
-    ask = dict(model=MODEL, max_tokens=300, tools=MESSAGES_TOOLS,
-               messages=[{"role": "user", "content": f"{marker('calls')} weather and time in Paris?"}])
+    ask = {"model": MODEL, "max_tokens": 300, "tools": MESSAGES_TOOLS,
+               "messages": [{"role": "user", "content": f"{marker('calls')} weather and time in Paris?"}]}
     message = claude.messages.create(**ask)
     assert message.stop_reason == "tool_use" and message.role == "assistant"
     assert [block.type for block in message.content] == ["text", "tool_use", "tool_use"]
@@ -207,9 +207,9 @@ def test_messages_tool_result_round_trip(claude):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_messages_thinking_blocks(claude, stream):
-    ask = dict(model=MODEL, max_tokens=300, thinking={"type": "enabled", "budget_tokens": 1024},
-               messages=[{"role": "user", "content": f"{marker('think_then_call')} weather and time?"}],
-               tools=MESSAGES_TOOLS)
+    ask = {"model": MODEL, "max_tokens": 300, "thinking": {"type": "enabled", "budget_tokens": 1024},
+               "messages": [{"role": "user", "content": f"{marker('think_then_call')} weather and time?"}],
+               "tools": MESSAGES_TOOLS}
     if stream:
         with claude.messages.stream(**ask) as events:
             message = events.get_final_message()

@@ -38,7 +38,7 @@ def claude(smollm2_server):
 
 def request_success_total(server) -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    return sum(float(value) for value in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.M))
+    return sum(float(value) for value in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
 
 
 def test_responses_text_matches_chat_and_streams_in_openai_order(oai):
@@ -99,8 +99,8 @@ def test_messages_text_matches_chat_whole_and_streamed(claude, oai):
                                                               {"role": "user", "content": QUESTION}],
                                        max_tokens=24, temperature=0)
     # temperature is a Messages API field the newest anthropic client no longer lists: sent as extra_body
-    ask = dict(model=MODEL, system="Be brief.", max_tokens=24, extra_body={"temperature": 0},
-               messages=[{"role": "user", "content": QUESTION}])
+    ask = {"model": MODEL, "system": "Be brief.", "max_tokens": 24, "extra_body": {"temperature": 0},
+               "messages": [{"role": "user", "content": QUESTION}]}
     message = claude.messages.create(**ask)
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].text == chat.choices[0].message.content

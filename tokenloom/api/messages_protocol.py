@@ -11,7 +11,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tokenloom.api.protocol import ChatMessage, RequestModel, ResponseFormat, ResponseModel
+from tokenloom.api.protocol import (
+    ChatMessage,
+    RequestModel,
+    ResponseFormat,
+    ResponseModel,
+)
 from tokenloom.errors import InvalidRequestError
 
 # Anthropic's error "type" for each HTTP status it uses

@@ -11,7 +11,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_serializer
 
-from tokenloom.api.protocol import ChatMessage, RequestModel, ResponseFormat, ResponseModel
+from tokenloom.api.protocol import (
+    ChatMessage,
+    RequestModel,
+    ResponseFormat,
+    ResponseModel,
+)
 from tokenloom.errors import InvalidRequestError
 
 # what OpenAI's input items may say for the model's own turn and the system's

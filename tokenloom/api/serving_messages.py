@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, describe_validation_errors, request_id_of
+from tokenloom.api.http_errors import (
+    INTERNAL_ERROR_MESSAGE,
+    describe_validation_errors,
+    request_id_of,
+)
 from tokenloom.api.messages_protocol import (
     CountTokensRequest,
     MessageObject,
@@ -69,9 +74,9 @@ class MessagesHandler:
 
     def chat_fields(self, request: MessagesInput) -> dict[str, Any]:
         tool_choice, parallel_tool_calls = request.chat_tool_choice()
-        fields = dict(model=request.model, messages=request.chat_messages(), tools=request.chat_tools(),
-                      tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                      chat_template_kwargs=request.template_kwargs())
+        fields = {"model": request.model, "messages": request.chat_messages(), "tools": request.chat_tools(),
+                  "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+                  "chat_template_kwargs": request.template_kwargs()}
         return {name: value for name, value in fields.items() if value is not None}
 
     async def create(self, request: MessagesRequest, raw_request: Request) -> Response:
@@ -79,10 +84,11 @@ class MessagesHandler:
         ctx.check_ready()
         ctx.warn_unknown_fields(request, "/v1/messages")
         fields = self.chat_fields(request)
-        fields.update({name: value for name, value in dict(
-            max_completion_tokens=request.max_tokens, stop=request.stop_sequences, temperature=request.temperature,
-            top_k=request.top_k, top_p=request.top_p, seed=request.seed, priority=request.priority,
-            stream=request.stream, response_format=request.response_format()).items() if value is not None})
+        sampling = {"max_completion_tokens": request.max_tokens, "stop": request.stop_sequences,
+                    "temperature": request.temperature, "top_k": request.top_k, "top_p": request.top_p,
+                    "seed": request.seed, "priority": request.priority, "stream": request.stream,
+                    "response_format": request.response_format()}
+        fields.update({name: value for name, value in sampling.items() if value is not None})
         try:
             chat_run, outputs = self.chat.start(ChatCompletionRequest(**fields), raw_request, id_prefix="msg")
         except TokenloomError as exc:

@@ -13,8 +13,9 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
@@ -147,14 +148,15 @@ class ResponsesHandler:
         messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + history
         if not messages:
             raise InvalidRequestError("there is nothing to answer: input is empty", param="input")
-        fields: dict[str, Any] = dict(
-            model=request.model, messages=messages, tools=request.chat_tools(),
-            tool_choice=request.chat_tool_choice(), parallel_tool_calls=request.parallel_tool_calls,
-            response_format=request.response_format(), max_completion_tokens=request.max_output_tokens,
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
-            seed=request.seed, repetition_penalty=request.repetition_penalty, stream=request.stream,
-            priority=request.priority, request_id=request.request_id, user=request.user,
-            chat_template_kwargs=request.template_kwargs())
+        fields: dict[str, Any] = {
+            "model": request.model, "messages": messages, "tools": request.chat_tools(),
+            "tool_choice": request.chat_tool_choice(), "parallel_tool_calls": request.parallel_tool_calls,
+            "response_format": request.response_format(), "max_completion_tokens": request.max_output_tokens,
+            "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
+            "min_p": request.min_p, "seed": request.seed, "repetition_penalty": request.repetition_penalty,
+            "stream": request.stream,
+            "priority": request.priority, "request_id": request.request_id, "user": request.user,
+            "chat_template_kwargs": request.template_kwargs()}
         return ChatCompletionRequest(**{name: value for name, value in fields.items() if value is not None})
 
     async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
