@@ -266,3 +266,12 @@ async def test_forced_tool_choice_gives_tool_use_whole_and_streamed(make_app, to
     assert whole["stop_reason"] == "tool_use" and events[-2]["delta"]["stop_reason"] == "tool_use"
     assert blocks_without_ids(streamed_blocks(events)) == blocks_without_ids(whole["content"])
     assert engine.requests[0].params.structured_outputs is not None
+
+
+@pytest.mark.anyio
+async def test_the_openapi_document_describes_both_apis(client):
+    paths = (await client.get("/openapi.json")).json()["paths"]
+    body = paths["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"max_tokens", "messages", "system", "tools"} <= set(body["properties"])
+    assert "requestBody" in paths["/v1/messages/count_tokens"]["post"]
+    assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"} <= set(paths)

@@ -241,14 +241,19 @@ def messages_routes(handler: MessagesHandler) -> APIRouter:
             logger.exception("request %s failed", request_id)
             return anthropic_error(500, INTERNAL_ERROR_MESSAGE.format(request_id=request_id))
 
-    @router.post("/v1/messages")
+    def body_schema(model_class: type[BaseModel]) -> dict[str, Any]:
+        # the routes read their bodies themselves (for Anthropic-shaped errors): document them here
+        return {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": model_class.model_json_schema()}}}}
+
+    @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def create_message(raw_request: Request) -> Response:
         async def work() -> Response:
             return await handler.create(await parse_body(raw_request, MessagesRequest), raw_request)
 
         return await anthropic_guarded(raw_request, work)
 
-    @router.post("/v1/messages/count_tokens")
+    @router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
     async def count_message_tokens(raw_request: Request) -> Response:
         async def work() -> Response:
             return handler.count_tokens(await parse_body(raw_request, CountTokensRequest))
