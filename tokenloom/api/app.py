@@ -33,7 +33,9 @@ from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler, tokenize_off_loop_if_large
 from tokenloom.api.serving_completions import CompletionsHandler
+from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_pooling import pooling_routes
+from tokenloom.api.serving_responses import ResponsesHandler, ResponseStore, responses_routes, store_size_from_env
 from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.errors import ConfigError, InvalidRequestError, TokenloomError
 
@@ -127,6 +129,12 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
     app.state.metrics = metrics
     install_error_handlers(app)
     routes = _routes(ctx, renderer, completions, chat, metrics)
+    if getattr(engine, "runner", "generate") != "pooling":
+        # the agent APIs are layers over chat, which a pooling model does not serve
+        keys_in_use = bool(_api_keys(config))
+        routes.include_router(responses_routes(ResponsesHandler(chat, ResponseStore(store_size_from_env()),
+                                                                keys_in_use), _guarded))
+        routes.include_router(messages_routes(MessagesHandler(chat)))
     if getattr(engine, "runner", "generate") == "pooling":
         # a pooling model serves embeddings and scores, never completions
         routes.routes = [route for route in routes.routes if getattr(route, "path", None) not in GENERATION_PATHS]

@@ -32,6 +32,8 @@ REQUEST_ID_SCOPE_KEY = "tokenloom.request_id"
 REQUEST_ID_HEADER = b"x-request-id"
 # reachable without the API key (load balancers and probes have no key)
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
+# Anthropic's Messages routes, whose clients expect Anthropic's error shape
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 
 def route_path(scope: Scope) -> str:
@@ -59,7 +61,8 @@ async def send_error(send: Send, status: int, message: str, extra_headers: list[
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer KEY`` on every route but the public ones."""
+    """Requires ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on every
+    route but the public ones; Anthropic's routes get Anthropic's error shape."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str], metrics_require_key: bool = False):
         self.app = app
@@ -76,15 +79,25 @@ class ApiKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                         [(b"www-authenticate", b"Bearer")])
+        message = "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+        if route_path(scope).startswith(ANTHROPIC_PATH_PREFIX):
+            body = json.dumps({"type": "error", "error": {"type": "authentication_error", "message": message}})
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body.encode()})
+            return
+        await send_error(send, 401, message, [(b"www-authenticate", b"Bearer")])
 
     def _authorized(self, scope: Scope) -> bool:
         header = header_value(scope, b"authorization") or b""
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
+        if scheme.lower() == b"bearer":
+            token = token.strip()
+        else:
+            # Anthropic's clients send the key in x-api-key
+            token = (header_value(scope, b"x-api-key") or b"").strip()
+            if not token:
+                return False
         # compare against every key so the timing does not say which one nearly matched
         matches = [secrets.compare_digest(token, key) for key in self.api_keys]
         return any(matches)

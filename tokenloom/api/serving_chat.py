@@ -89,6 +89,17 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], positions: list[dic
     return ChatLogProbs(content=content)
 
 
+@dataclasses.dataclass
+class ChoiceDelta:
+    """What one engine output added to one choice, parsed: the streaming path's unit."""
+
+    index: int
+    delta: DeltaMessage | None
+    finish_reason: str | None
+    stop_reason: Any
+    logprobs: ChatLogProbs | None
+
+
 class _ChoiceParsers:
     """One choice's parser instances: streaming parsers keep state between deltas."""
 
@@ -138,6 +149,13 @@ class ChatHandler:
         return "parser"
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        run, outputs = self.start(request, raw_request)
+        return await respond(raw_request, run, outputs, run.request_id, request.stream)
+
+    def start(self, request: ChatCompletionRequest, raw_request: Request,
+              id_prefix: str = "chatcmpl") -> tuple[_ChatRun, AsyncIterator[tuple[int, RequestOutput]]]:
+        """Checks and renders ``request`` and submits it: the run that reads its outputs, and the
+        outputs. The Responses and Messages endpoints start their converted requests here too."""
         ctx = self.ctx
         ctx.check_ready()
         model_name = ctx.check_model(request.model)
@@ -182,12 +200,11 @@ class ChatHandler:
         engine_logprobs = logprobs if logprobs is not None else (0 if num_samples > request.n else None)
         params = ctx.sampling_params(request, n=num_samples, max_tokens=max_tokens, logprobs=engine_logprobs,
                                      prompt_logprobs=request.prompt_logprobs, structured_outputs=structured)
-        request_id = ctx.engine_request_id(raw_request, request, "chatcmpl")
+        request_id = ctx.engine_request_id(raw_request, request, id_prefix)
         ctx.log_request(request_id, prompt_text, prompt_ids, params)
 
         run = _ChatRun(self, request, request_id, model_name, prompt_ids, tool_mode)
-        outputs = ctx.generate_all([(prompt_ids, params)], request_id, request.priority)
-        return await respond(raw_request, run, outputs, request_id, request.stream)
+        return run, ctx.generate_all([(prompt_ids, params)], request_id, request.priority)
 
 
 class _ChatRun:
@@ -325,9 +342,17 @@ class _ChatRun:
         yield SSE_DONE
 
     def chunks(self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict, usage) -> list[str]:
+        return [self.chunk(piece.index, piece.delta or DeltaMessage(), logprobs=piece.logprobs,
+                           finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+                           usage=usage() if usage else None)
+                for piece in self.deltas(output, states, cached)]
+
+    def deltas(self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict) -> list[ChoiceDelta]:
+        """What one engine output adds to each choice, through the parsers; ``states``
+        accumulates the choices, ``cached["tokens"]`` the prompt's cached-token count."""
         check_output(output, self.request_id)
         cached["tokens"] = output.num_cached_tokens
-        events = []
+        pieces = []
         for choice in output.outputs:
             state = states.setdefault(choice.index, ChoiceState())
             state.add(choice)
@@ -343,10 +368,8 @@ class _ChatRun:
             logprobs = self.logprobs_for(choice.token_ids, choice.logprobs or []) if choice.token_ids else None
             if delta is None and finish_reason is None and logprobs is None:
                 continue
-            events.append(self.chunk(choice.index, delta or DeltaMessage(), logprobs=logprobs,
-                                     finish_reason=finish_reason, stop_reason=choice.stop_reason,
-                                     usage=usage() if usage else None))
-        return events
+            pieces.append(ChoiceDelta(choice.index, delta, finish_reason, choice.stop_reason, logprobs))
+        return pieces
 
     def parse_delta(self, parsers_: _ChoiceParsers, text: str) -> DeltaMessage | None:
         if not text:

@@ -1,0 +1,457 @@
+"""POST /v1/responses (OpenAI's Responses API) as a layer over the chat path: the input items
+become chat messages, the chat path renders, runs and parses them (same tool and reasoning
+parsers, same structured outputs), and its message or streamed deltas come back as output
+items and Responses events. Stored responses (``store``, ``previous_response_id``, GET,
+DELETE, cancel of ``background`` ones) live in memory, LRU-bounded, and are lost on restart."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenloom.api.http_errors import exception_body
+from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
+from tokenloom.api.responses_protocol import (
+    FunctionCallItem,
+    InputTokensDetails,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    event_json,
+    input_messages,
+    message_items,
+    new_item_id,
+    output_messages,
+)
+from tokenloom.api.serving_base import ChoiceState, respond
+from tokenloom.api.serving_chat import ChatHandler
+from tokenloom.core.request import RequestOutput
+from tokenloom.errors import InvalidRequestError, NotFoundError, TokenloomError
+
+logger = logging.getLogger("tokenloom.api")
+
+STORE_SIZE_ENV = "TOKENLOOM_RESPONSES_STORE_SIZE"
+DEFAULT_STORE_SIZE = 1000
+# the chat path's names for what the Responses API calls otherwise, for error messages and params
+_RESPONSES_NAMES = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+                    ("messages", "input"), ("response_format", "text.format"))
+
+
+def store_size_from_env() -> int:
+    raw = os.environ.get(STORE_SIZE_ENV)
+    if not raw:
+        return DEFAULT_STORE_SIZE
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if size < 0:
+        from tokenloom.errors import ConfigError
+
+        raise ConfigError(f"{STORE_SIZE_ENV} must be a whole number >= 0 (0 stores nothing), got {raw!r}",
+                          param=STORE_SIZE_ENV)
+    return size
+
+
+def renamed_error(exc: TokenloomError, names: tuple[tuple[str, str], ...]) -> TokenloomError:
+    """``exc`` with the chat path's parameter names replaced by the endpoint's own."""
+    for chat_name, own_name in names:
+        if exc.param == chat_name or (exc.param or "").startswith(chat_name + "."):
+            exc.param = own_name + (exc.param or "")[len(chat_name):]
+        if "_" in chat_name:  # plain words ("messages") also occur in prose; only rename identifiers
+            exc.message = exc.message.replace(chat_name, own_name)
+    exc.args = (exc.message,)
+    return exc
+
+
+def owner_of(raw_request: Request, keys_in_use: bool) -> str | None:
+    """Whose stored responses a request may see: a digest of its API key, when keys are in use
+    (the middleware has checked the key already)."""
+    if not keys_in_use:
+        return None
+    header = raw_request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" else raw_request.headers.get("x-api-key", "")
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class StoredResponse:
+    response: ResponseObject
+    # the conversation so far without the instructions (which do not carry over), this output included
+    messages: list[dict[str, Any]]
+    owner: str | None
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+
+class ResponseStore:
+    """Stored responses by id, least recently used dropped first beyond ``max_entries``."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: StoredResponse) -> None:
+        self._entries[entry.response.id] = entry
+        self._entries.move_to_end(entry.response.id)
+        while len(self._entries) > self.max_entries:
+            _, dropped = self._entries.popitem(last=False)
+            if dropped.task is not None and not dropped.task.done():
+                dropped.task.cancel()
+
+    def get(self, response_id: str, owner: str | None, param: str = "response_id") -> StoredResponse:
+        entry = self._entries.get(response_id)
+        # another key's response is as absent as a missing one: its existence is not shown
+        if entry is None or entry.owner != owner:
+            raise NotFoundError(f"no stored response {response_id!r} (responses live in this server's memory: a "
+                                "restart, store: false or the store's size limit loses them)", param=param)
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str, owner: str | None) -> StoredResponse:
+        entry = self.get(response_id, owner)
+        del self._entries[response_id]
+        if entry.task is not None and not entry.task.done():
+            entry.task.cancel()
+        return entry
+
+
+class ResponsesHandler:
+    def __init__(self, chat: ChatHandler, store: ResponseStore, keys_in_use: bool):
+        self.chat = chat
+        self.ctx = chat.ctx
+        self.store = store
+        self.keys_in_use = keys_in_use
+
+    def chat_request(self, request: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+        messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + history
+        if not messages:
+            raise InvalidRequestError("there is nothing to answer: input is empty", param="input")
+        fields: dict[str, Any] = {
+            "model": request.model, "messages": messages, "tools": request.chat_tools(),
+            "tool_choice": request.chat_tool_choice(), "parallel_tool_calls": request.parallel_tool_calls,
+            "response_format": request.response_format(), "max_completion_tokens": request.max_output_tokens,
+            "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
+            "min_p": request.min_p, "seed": request.seed, "repetition_penalty": request.repetition_penalty,
+            "stream": request.stream,
+            "priority": request.priority, "request_id": request.request_id, "user": request.user,
+            "chat_template_kwargs": request.template_kwargs()}
+        return ChatCompletionRequest(**{name: value for name, value in fields.items() if value is not None})
+
+    async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
+        ctx = self.ctx
+        ctx.check_ready()
+        ctx.warn_unknown_fields(request, "/v1/responses")
+        request.check()
+        owner = owner_of(raw_request, self.keys_in_use)
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id:
+            previous = self.store.get(request.previous_response_id, owner, "previous_response_id")
+            if previous.response.status in ("queued", "in_progress"):
+                raise InvalidRequestError(f"response {request.previous_response_id!r} is still "
+                                          f"{previous.response.status}; wait for it to finish",
+                                          param="previous_response_id")
+            history = [dict(message) for message in previous.messages]
+        history += input_messages(request.input)
+        try:
+            chat_request = self.chat_request(request, history)
+            chat_run, outputs = self.chat.start(chat_request, raw_request, id_prefix="resp")
+        except TokenloomError as exc:
+            raise renamed_error(exc, _RESPONSES_NAMES) from None
+        response = ResponseObject(
+            id=new_item_id("resp"), model=chat_run.model_name, status="in_progress", background=request.background,
+            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+            metadata=request.metadata or {}, parallel_tool_calls=request.parallel_tool_calls,
+            previous_response_id=request.previous_response_id, reasoning=request.reasoning, store=request.store,
+            temperature=request.temperature, text={"format": (request.text or {}).get("format") or {"type": "text"}},
+            tool_choice=request.tool_choice, tools=request.tools, top_p=request.top_p, user=request.user,
+            truncation=request.truncation or "disabled")
+        run = _ResponsesRun(self, chat_run, response, history, owner)
+        if request.background:
+            response.status = "queued"
+            entry = StoredResponse(response, history, owner)
+            self.store.put(entry)
+            entry.task = asyncio.create_task(run.run_in_background(entry, outputs))
+            return JSONResponse(response.model_dump(mode="json"))
+        return await respond(raw_request, run, outputs, chat_run.request_id, request.stream)
+
+    def retrieve(self, response_id: str, raw_request: Request) -> JSONResponse:
+        entry = self.store.get(response_id, owner_of(raw_request, self.keys_in_use))
+        return JSONResponse(entry.response.model_dump(mode="json"))
+
+    def delete(self, response_id: str, raw_request: Request) -> JSONResponse:
+        entry = self.store.delete(response_id, owner_of(raw_request, self.keys_in_use))
+        return JSONResponse({"id": entry.response.id, "object": "response.deleted", "deleted": True})
+
+    async def cancel(self, response_id: str, raw_request: Request) -> JSONResponse:
+        entry = self.store.get(response_id, owner_of(raw_request, self.keys_in_use))
+        if not entry.response.background:
+            raise InvalidRequestError("only background responses can be cancelled", param="response_id")
+        if entry.task is not None and not entry.task.done():
+            entry.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await entry.task
+        return JSONResponse(entry.response.model_dump(mode="json"))
+
+
+class _ResponsesRun:
+    """One response while its outputs arrive: the chat run parses them, this turns the result
+    into output items (whole, or as events) and stores the response when asked to."""
+
+    def __init__(self, handler: ResponsesHandler, chat_run: Any, response: ResponseObject,
+                 history: list[dict[str, Any]], owner: str | None):
+        self.handler = handler
+        self.ctx = handler.ctx
+        self.chat_run = chat_run
+        self.response = response
+        self.history = history
+        self.owner = owner
+
+    def usage(self, num_output_tokens: int, num_cached_tokens: int, output: list[OutputItem]) -> ResponseUsage:
+        # the reasoning's token count is its text re-tokenized: the parser splits text, not token ids
+        reasoning_text = "".join(part.text for item in output if isinstance(item, ReasoningItem)
+                                 for part in item.content)
+        num_reasoning = len(self.ctx.tokenize(reasoning_text, False)) if reasoning_text else 0
+        num_input = self.chat_run.num_prompt_tokens
+        return ResponseUsage(input_tokens=num_input, input_tokens_details=InputTokensDetails(
+            cached_tokens=num_cached_tokens), output_tokens=num_output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=min(num_reasoning, num_output_tokens)),
+            total_tokens=num_input + num_output_tokens)
+
+    def finish(self, output: list[OutputItem], finish_reason: str | None, usage: ResponseUsage) -> ResponseObject:
+        response = self.response
+        response.output = output
+        response.usage = usage
+        response.completed_at = int(time.time())
+        if finish_reason == "length":
+            response.status = "incomplete"
+            response.incomplete_details = {"reason": "max_output_tokens"}
+        else:
+            response.status = "completed"
+        if response.store:
+            self.handler.store.put(StoredResponse(response, self.history + output_messages(output), self.owner))
+        return response
+
+    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ResponseObject:
+        chat_response = await self.chat_run.collect(outputs)
+        choice = chat_response.choices[0]
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        output = message_items(choice.message, status)
+        usage = chat_response.usage
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        return self.finish(output, choice.finish_reason, self.usage(usage.completion_tokens, cached, output))
+
+    async def run_in_background(self, entry: StoredResponse, outputs: AsyncIterator) -> None:
+        entry.response.status = "in_progress"
+        try:
+            await self.collect(outputs)
+        except asyncio.CancelledError:
+            entry.response.status = "cancelled"
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+        except Exception as exc:
+            if not isinstance(exc, TokenloomError):
+                logger.exception("background response %s failed", entry.response.id)
+                exc = TokenloomError("internal server error; the server log has the details")
+            entry.response.status = "failed"
+            entry.response.error = {"code": "server_error", "message": exc.message}
+        finally:
+            entry.task = None
+
+    async def stream(self, first: tuple[int, RequestOutput],
+                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        writer = ResponsesEventWriter(self.response)
+        states: dict[int, ChoiceState] = {}
+        cached = {"tokens": first[1].num_cached_tokens}
+        finish_reason = None
+        try:
+            for event in writer.start():
+                yield event
+
+            def events_of(output: RequestOutput) -> list[str]:
+                nonlocal finish_reason
+                events = []
+                for piece in self.chat_run.deltas(output, states, cached):
+                    finish_reason = piece.finish_reason or finish_reason
+                    events += writer.add(piece.delta)
+                return events
+
+            for event in events_of(first[1]):
+                yield event
+            async for _, output in outputs:
+                for event in events_of(output):
+                    yield event
+            items_status = "incomplete" if finish_reason == "length" else "completed"
+            for event in writer.close_current(items_status):
+                yield event
+            state = states.get(0, ChoiceState())
+            self.finish(writer.items, finish_reason, self.usage(len(state.token_ids), cached["tokens"],
+                                                                writer.items))
+            for event in writer.end():
+                yield event
+        except Exception as exc:
+            if not isinstance(exc, TokenloomError):
+                logger.exception("response %s failed while streaming", self.response.id)
+            self.response.status = "failed"
+            yield writer.error(exc)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+
+
+class ResponsesEventWriter:
+    """Streamed chat deltas as Responses events in OpenAI's order: created, in_progress, then
+    per output item added / its parts and deltas / done, and completed (or incomplete) last."""
+
+    def __init__(self, response: ResponseObject):
+        self.response = response
+        self.sequence_number = 0
+        self.items: list[OutputItem] = []
+        self.current: OutputItem | None = None
+        self.calls_by_index: dict[int, FunctionCallItem] = {}
+
+    def event(self, event_type: str, **fields: Any) -> str:
+        event = {"type": event_type, **fields, "sequence_number": self.sequence_number}
+        self.sequence_number += 1
+        return event_json(event)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.response.model_dump(mode="json")
+
+    def start(self) -> list[str]:
+        return [self.event("response.created", response=self.snapshot()),
+                self.event("response.in_progress", response=self.snapshot())]
+
+    def _open(self, item: OutputItem) -> list[str]:
+        events = self.close_current()
+        self.items.append(item)
+        self.current = item
+        output_index = len(self.items) - 1
+        added = item.model_copy(deep=True)
+        added.status = "in_progress"
+        if isinstance(added, (MessageItem, ReasoningItem)):
+            added.content = []
+        events.append(self.event("response.output_item.added", output_index=output_index,
+                                 item=added.model_dump(mode="json")))
+        if isinstance(item, MessageItem):
+            events.append(self.event("response.content_part.added", item_id=item.id, output_index=output_index,
+                                     content_index=0, part=OutputText(text="").model_dump(mode="json")))
+        elif isinstance(item, ReasoningItem):
+            events.append(self.event("response.content_part.added", item_id=item.id, output_index=output_index,
+                                     content_index=0, part=ReasoningText(text="").model_dump(mode="json")))
+        return events
+
+    def close_current(self, status: str = "completed") -> list[str]:
+        item = self.current
+        if item is None:
+            return []
+        self.current = None
+        item.status = status
+        output_index = self.items.index(item)
+        events = []
+        if isinstance(item, MessageItem):
+            part = item.content[0]
+            events.append(self.event("response.output_text.done", item_id=item.id, output_index=output_index,
+                                     content_index=0, text=part.text, logprobs=[]))
+            events.append(self.event("response.content_part.done", item_id=item.id, output_index=output_index,
+                                     content_index=0, part=part.model_dump(mode="json")))
+        elif isinstance(item, ReasoningItem):
+            part = item.content[0]
+            events.append(self.event("response.reasoning_text.done", item_id=item.id, output_index=output_index,
+                                     content_index=0, text=part.text))
+            events.append(self.event("response.content_part.done", item_id=item.id, output_index=output_index,
+                                     content_index=0, part=part.model_dump(mode="json")))
+        else:
+            events.append(self.event("response.function_call_arguments.done", item_id=item.id,
+                                     output_index=output_index, name=item.name, arguments=item.arguments))
+        events.append(self.event("response.output_item.done", output_index=output_index,
+                                 item=item.model_dump(mode="json")))
+        return events
+
+    def add(self, delta: DeltaMessage | None) -> list[str]:
+        if delta is None:
+            return []
+        events: list[str] = []
+        if delta.reasoning_content:
+            if not isinstance(self.current, ReasoningItem):
+                events += self._open(ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text="")]))
+            self.current.content[0].text += delta.reasoning_content
+            events.append(self.event("response.reasoning_text.delta", item_id=self.current.id,
+                                     output_index=len(self.items) - 1, content_index=0,
+                                     delta=delta.reasoning_content))
+        if delta.content:
+            if not isinstance(self.current, MessageItem):
+                events += self._open(MessageItem(id=new_item_id("msg"), content=[OutputText(text="")]))
+            self.current.content[0].text += delta.content
+            events.append(self.event("response.output_text.delta", item_id=self.current.id,
+                                     output_index=len(self.items) - 1, content_index=0, delta=delta.content,
+                                     logprobs=[]))
+        for call in delta.tool_calls or []:
+            item = self.calls_by_index.get(call.index)
+            if item is None:
+                name = call.function.name if call.function is not None else None
+                item = FunctionCallItem(id=new_item_id("fc"), call_id=new_item_id("call"), name=name or "",
+                                        arguments="")
+                self.calls_by_index[call.index] = item
+                events += self._open(item)
+            arguments = call.function.arguments if call.function is not None else None
+            if arguments:
+                item.arguments += arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
+                                         output_index=self.items.index(item), delta=arguments))
+        return events
+
+    def end(self) -> list[str]:
+        final = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
+        return [self.event(final, response=self.snapshot())]
+
+    def error(self, exc: BaseException) -> str:
+        if isinstance(exc, TokenloomError):
+            info = exception_body(exc)["error"]
+            return self.event("error", code=str(info.get("code")), message=info["message"], param=info.get("param"))
+        return self.event("error", code="server_error", param=None,
+                          message="internal server error; the server log has the details")
+
+
+def responses_routes(handler: ResponsesHandler, guarded: Any) -> APIRouter:
+    """POST /v1/responses, and GET / DELETE / POST cancel of a stored response."""
+    router = APIRouter()
+
+    @router.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await guarded(raw_request, handler.create(request, raw_request))
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+        return handler.retrieve(response_id, raw_request)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw_request: Request) -> Response:
+        return handler.delete(response_id, raw_request)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, raw_request: Request) -> Response:
+        return await guarded(raw_request, handler.cancel(response_id, raw_request))
+
+    return router
