@@ -152,13 +152,13 @@ async def test_any_split_of_the_output_gives_the_whole_outputs_blocks(chat_handl
     chat_request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], request_id="r",
                                          tools=[{"type": "function", "function": {"name": name}}
                                                 for name, _ in (WEATHER, TIME)], tool_choice="auto")
-    run, outputs = chat_handler.start(chat_request, None)
+    run, outputs = await chat_handler.start(chat_request, None)
     await outputs.aclose()
     state = ChoiceState()
     state.add(CompletionOutput(0, reply, [0], None, None, "stop", None))
     expected = blocks_without_ids(content_blocks(run.choice(0, state).message))
     for pieces in [list(reply)] + [random_splits(reply, seed) for seed in range(20)]:
-        run, outputs = chat_handler.start(chat_request, None)
+        run, outputs = await chat_handler.start(chat_request, None)
         await outputs.aclose()
         writer, states, cached, events = MessagesEventWriter(), {}, {"tokens": 0}, []
         for index, piece in enumerate(pieces):

@@ -20,7 +20,7 @@ from tests.api.test_serving_chat_tools import (
     THINKING_REPLY,
 )
 from tests.builtin_plugins.tool_parsers.formats import TIME, WEATHER
-from tokenloom.api.chat_template import ChatRenderer, load_chat_template
+from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.api.protocol import ChatCompletionRequest
 from tokenloom.api.responses_protocol import (
     MessageItem,
@@ -187,13 +187,13 @@ async def test_any_split_of_the_output_gives_the_whole_outputs_items(chat_handle
     chat_request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], request_id="r",
                                          tools=[{"type": "function", "function": {"name": name}}
                                                 for name, _ in (WEATHER, TIME)], tool_choice="auto")
-    run, outputs = chat_handler.start(chat_request, None)
+    run, outputs = await chat_handler.start(chat_request, None)
     await outputs.aclose()
     state_message = run.choice(0, _state(reply)).message
     expected = [item.model_dump(exclude={"id", "call_id"}) for item in message_items(state_message)]
     splits = [list(reply)] + [random_splits(reply, seed) for seed in range(20)]
     for pieces in splits:
-        run, outputs = chat_handler.start(chat_request, None)
+        run, outputs = await chat_handler.start(chat_request, None)
         await outputs.aclose()
         writer = ResponsesEventWriter(ResponseObject(id="resp_x", model="m"))
         states, cached = {}, {"tokens": 0}

@@ -149,10 +149,10 @@ class ChatHandler:
         return "parser"
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        run, outputs = self.start(request, raw_request)
+        run, outputs = await self.start(request, raw_request)
         return await respond(raw_request, run, outputs, run.request_id, request.stream)
 
-    def start(self, request: ChatCompletionRequest, raw_request: Request,
+    async def start(self, request: ChatCompletionRequest, raw_request: Request,
               id_prefix: str = "chatcmpl") -> tuple[_ChatRun, AsyncIterator[tuple[int, RequestOutput]]]:
         """Checks and renders ``request`` and submits it: the run that reads its outputs, and the
         outputs. The Responses and Messages endpoints start their converted requests here too."""

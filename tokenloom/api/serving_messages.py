@@ -36,7 +36,7 @@ from tokenloom.api.messages_protocol import (
 )
 from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
 from tokenloom.api.serving_base import ChoiceState, respond
-from tokenloom.api.serving_chat import ChatHandler
+from tokenloom.api.serving_chat import ChatHandler, tokenize_off_loop_if_large
 from tokenloom.api.serving_responses import renamed_error
 from tokenloom.core.request import RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
@@ -90,19 +90,21 @@ class MessagesHandler:
                     "response_format": request.response_format()}
         fields.update({name: value for name, value in sampling.items() if value is not None})
         try:
-            chat_run, outputs = self.chat.start(ChatCompletionRequest(**fields), raw_request, id_prefix="msg")
+            chat_run, outputs = await self.chat.start(ChatCompletionRequest(**fields), raw_request, id_prefix="msg")
         except TokenloomError as exc:
             raise renamed_error(exc, _MESSAGES_NAMES) from None
         run = _MessagesRun(chat_run)
         return await respond(raw_request, run, outputs, chat_run.request_id, request.stream)
 
-    def count_tokens(self, request: CountTokensRequest) -> JSONResponse:
+    async def count_tokens(self, request: CountTokensRequest) -> JSONResponse:
         """The prompt's token count as POST /v1/messages would render it."""
         self.ctx.check_model(request.model)
         fields = self.chat_fields(request)
-        text = self.chat.renderer.render(fields["messages"], add_generation_prompt=True, tools=fields.get("tools"),
-                                         chat_template_kwargs=fields.get("chat_template_kwargs"))
-        return JSONResponse({"input_tokens": len(self.ctx.tokenize(text, False))})
+        text = await self.chat.renderer.render_async(fields["messages"], add_generation_prompt=True,
+                                                     tools=fields.get("tools"),
+                                                     chat_template_kwargs=fields.get("chat_template_kwargs"))
+        token_ids = await tokenize_off_loop_if_large(self.ctx.tokenize, text, False)
+        return JSONResponse({"input_tokens": len(token_ids)})
 
 
 class _MessagesRun:
@@ -256,7 +258,7 @@ def messages_routes(handler: MessagesHandler) -> APIRouter:
     @router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
     async def count_message_tokens(raw_request: Request) -> Response:
         async def work() -> Response:
-            return handler.count_tokens(await parse_body(raw_request, CountTokensRequest))
+            return await handler.count_tokens(await parse_body(raw_request, CountTokensRequest))
 
         return await anthropic_guarded(raw_request, work)
 

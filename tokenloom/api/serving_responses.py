@@ -176,7 +176,7 @@ class ResponsesHandler:
         history += input_messages(request.input)
         try:
             chat_request = self.chat_request(request, history)
-            chat_run, outputs = self.chat.start(chat_request, raw_request, id_prefix="resp")
+            chat_run, outputs = await self.chat.start(chat_request, raw_request, id_prefix="resp")
         except TokenloomError as exc:
             raise renamed_error(exc, _RESPONSES_NAMES) from None
         response = ResponseObject(
