@@ -17,7 +17,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenloom.api import parsers
+from tokenloom.core import parsers
 from tokenloom.api.chat_template import ChatRenderer, message_text
 from tokenloom.api.http_errors import sse_error_event
 from tokenloom.api.protocol import (

@@ -19,9 +19,9 @@ from typing import Iterable
 import importlib_metadata
 import pluggy
 
-from tokenloom.errors import PluginError
+from tokenloom.errors import PluginError, closest_match
 from tokenloom.plugins import hookspecs
-from tokenloom.plugins.registry import Registry, closest_match, import_file
+from tokenloom.plugins.registry import Registry, import_file
 
 logger = logging.getLogger(__name__)
 

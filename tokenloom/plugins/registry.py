@@ -7,7 +7,6 @@ and the closest match; a duplicate name is an error naming both plugins.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 import sys
@@ -15,7 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenloom.errors import PluginError, UnknownNameError
+from tokenloom.errors import PluginError, UnknownNameError, closest_match
+
+# ``closest_match`` lives in tokenloom.errors (which imports nothing of tokenloom's); kept
+# importable from here for the modules that look it up here
+__all__ = ["Registry", "RegistryEntry", "closest_match", "import_file", "resolve_target"]
 
 
 @dataclass
@@ -156,11 +159,3 @@ class Registry:
         for name, target in table.items():  # the order is kept: `auto` choices depend on it
             registry.register(name, target, plugin_name="<resolved in main process>")
         return registry
-
-
-def closest_match(name: str, known: list[str]) -> str | None:
-    matches = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    if not matches:
-        lowered = {k.lower(): k for k in known}
-        matches = [lowered[name.lower()]] if name.lower() in lowered else []
-    return matches[0] if matches else None

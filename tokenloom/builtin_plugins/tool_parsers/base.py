@@ -14,9 +14,18 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenloom.plugin_api import DeltaMessage, ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser
+from tokenloom.plugin_api import (DeltaMessage, ExtractedToolCalls, ParserTokenizer, ToolCall, ToolCallDelta, ToolParser,
+                                  find_first_marker, keep_special_tokens, partial_marker_length)
+
+if TYPE_CHECKING:
+    from tokenloom.plugin_api import ChatCompletionRequest, RequestT
+
+# the formats' modules import these from here too
+__all__ = ["NEED_MORE", "ParsedCall", "Section", "SectionToolParser", "call_from_object", "calls_from_array",
+           "find_first_marker", "json_array_section", "json_object_section", "json_value_end", "keep_special_tokens",
+           "load_json", "partial_marker_length", "skip_whitespace"]
 
 
 @dataclass(frozen=True)
@@ -40,37 +49,6 @@ class _NeedMore:
 
 # parse_section's answer when the section may still become valid with more text
 NEED_MORE = _NeedMore()
-
-
-def keep_special_tokens(request: Any) -> Any:
-    """``request`` with special tokens decoded into the text, verbatim (no spaces around
-    them), so that markers made of special tokens reach the parser."""
-    if request is None or not hasattr(request, "model_copy"):
-        return request
-    return request.model_copy(update={"skip_special_tokens": False, "spaces_between_special_tokens": False})
-
-
-def partial_marker_length(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a marker: text
-    that must wait for the next delta before it can be called content."""
-    longest = max((len(marker) for marker in markers), default=1) - 1
-    for length in range(min(longest, len(text)), 0, -1):
-        suffix = text[-length:]
-        if any(marker.startswith(suffix) for marker in markers):
-            return length
-    return 0
-
-
-def find_first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
-    """``(index, marker)`` of the earliest marker in ``text`` (the longest on a tie), or ``(-1, None)``."""
-    best_index, best_marker = -1, None
-    for marker in markers:
-        index = text.find(marker)
-        if index < 0:
-            continue
-        if best_marker is None or index < best_index or (index == best_index and len(marker) > len(best_marker)):
-            best_index, best_marker = index, marker
-    return best_index, best_marker
 
 
 def skip_whitespace(text: str, position: int) -> int:
@@ -293,7 +271,7 @@ class SectionToolParser(ToolParser):
     # marker): an unfinished section is read again only once one of them has arrived
     section_closers: str = "}])>"
 
-    def __init__(self, tokenizer: Any = None):
+    def __init__(self, tokenizer: ParserTokenizer | None = None) -> None:
         super().__init__(tokenizer)
         self._stream = _Scan(self)
 
@@ -308,20 +286,20 @@ class SectionToolParser(ToolParser):
         """The id of a new call; None lets the server assign its usual ``chatcmpl-tool-...``."""
         return None
 
-    def adjust_request(self, request: Any) -> Any:
+    def adjust_request(self, request: RequestT) -> RequestT:
         # markers such as <tool_call> or [TOOL_CALLS] are special tokens in their models
         return keep_special_tokens(request)
 
-    def extract(self, model_output: str, request: Any = None) -> ExtractedToolCalls:
+    def extract(self, model_output: str, request: ChatCompletionRequest | None = None) -> ExtractedToolCalls:
         content, calls = _Scan(self).feed(model_output, final=True)
         tool_calls = [ToolCall(name=call.name, arguments=call.arguments, id=self.new_call_id() or "")
                       for _, call in calls]
         return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
-    def extract_delta(self, delta_text: str, request: Any = None) -> DeltaMessage | None:
+    def extract_delta(self, delta_text: str, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed(delta_text, final=False))
 
-    def finish(self, request: Any = None) -> DeltaMessage | None:
+    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed("", final=True))
 
     def _message(self, content: str, calls: list[tuple[int, ParsedCall]]) -> DeltaMessage | None:
