@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.api.protocol import ChatCompletionRequest
     from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
     from tokenloom.builtin_plugins.tool_parsers.base import (NEED_MORE, ParsedCall, Section, SectionToolParser,
-                                                             call_from_object, calls_from_array, json_array_section,
+                                                             arguments_json, call_from_object, calls_from_array, json_array_section,
                                                              json_object_section, json_value_end)
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
     from tokenloom.core.executor import Executor
@@ -64,6 +64,7 @@ _LAZY = {
     "ParsedCall": "tokenloom.builtin_plugins.tool_parsers.base",
     "NEED_MORE": "tokenloom.builtin_plugins.tool_parsers.base",
     "json_value_end": "tokenloom.builtin_plugins.tool_parsers.base",
+    "arguments_json": "tokenloom.builtin_plugins.tool_parsers.base",
     "json_object_section": "tokenloom.builtin_plugins.tool_parsers.base",
     "json_array_section": "tokenloom.builtin_plugins.tool_parsers.base",
     "call_from_object": "tokenloom.builtin_plugins.tool_parsers.base",

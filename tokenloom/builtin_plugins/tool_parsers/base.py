@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from tokenloom.plugin_api import ChatCompletionRequest, RequestT
 
 # the formats' modules import these from here too
-__all__ = ["NEED_MORE", "ParsedCall", "Section", "SectionToolParser", "call_from_object", "calls_from_array",
+__all__ = ["NEED_MORE", "ParsedCall", "arguments_json", "Section", "SectionToolParser", "call_from_object", "calls_from_array",
            "find_first_marker", "json_array_section", "json_object_section", "json_value_end", "keep_special_tokens",
            "load_json", "partial_marker_length", "skip_whitespace"]
 
@@ -88,6 +88,12 @@ def load_json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return _INVALID
+
+
+def arguments_json(text: str) -> str | None:
+    """``text`` as compact JSON text when it is a JSON object (a call's arguments), else None."""
+    value = load_json(text)
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
 def call_from_object(value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
