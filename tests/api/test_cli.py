@@ -63,10 +63,12 @@ def fake_server(monkeypatch):
     registries["tool_parser"].register("hermes", "json:JSONDecoder", plugin_name="builtins")
     plugin_set = PluginSet(registries, [], [])
 
-    def fake_load_plugins(modules=(), files=(), **_):
+    def fake_load_plugins(modules=(), files=(), strict=False, **_):
         calls["load_plugins"] = (list(modules), list(files))
+        calls["strict"] = strict
         return plugin_set
 
+    calls["real_load_plugins"] = manager.load_plugins
     monkeypatch.setattr(manager, "load_plugins", fake_load_plugins)
     return calls
 
@@ -78,6 +80,25 @@ def test_serve_loads_the_named_plugins_and_hands_over_serve_args(fake_server):
     serve_args = fake_server["serve_args"]
     assert serve_args.engine_kwargs["model"] == "qwen" and serve_args.server.port == 8123
     assert serve_args.plugins.registry("tool_parser").names() == ["hermes"]
+
+
+def test_serve_passes_strict_plugins_on(fake_server):
+    assert main(["serve", "--strict-plugins"]) == 0 and fake_server["strict"] is True
+    assert main(["serve"]) == 0 and fake_server["strict"] is False
+
+
+def test_serve_refuses_to_start_when_a_named_plugin_module_fails(fake_server, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(manager, "load_plugins", fake_server["real_load_plugins"])
+    monkeypatch.setattr(manager, "_cache", {})
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    (tmp_path / "half_written_plugin.py").write_text("import json\nfrom tokenloom.plugin_api import hookimpl, nope\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["serve", "--plugin", "half_written_plugin"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenloom serve: error: --plugin half_written_plugin: ImportError: "
+                          "cannot import name 'nope' from 'tokenloom.plugin_api'")
+    assert err.endswith(f"(at {tmp_path / 'half_written_plugin.py'}:2)\n")
+    assert "serve_args" not in fake_server  # the server never started
 
 
 def test_serve_rejects_a_parser_no_plugin_registered(fake_server, capsys):

@@ -187,7 +187,8 @@ def serve_command(argv: list[str]) -> int:
     started = time.perf_counter()
     with _quiet_logger("tokenloom.plugins.manager"):
         serve_args.plugins = load_plugins(modules=serve_args.server.plugins,
-                                          files=serve_args.server.tool_parser_plugin)
+                                          files=serve_args.server.tool_parser_plugin,
+                                          strict=serve_args.server.strict_plugins)
     serve_args.plugins_load_seconds = time.perf_counter() - started
     check_plugin_choices(serve_args)
     from tokenloom.api.server import run_server

@@ -4,17 +4,26 @@
 their hooks with an attributed ``register`` callback and returns a :class:`PluginSet`:
 a registry per kind, what each plugin registered, and the plugins that failed to load.
 Nothing here runs at import time.
+
+A plugin the operator named (``--plugin``, ``--tool-parser-plugin``) that fails is fatal: a
+:class:`PluginError` with the cause and the file and line it came from. An installed
+entry-point plugin that fails is a warning (listed by ``tokenloom plugins``), fatal too with
+``strict`` (``--strict-plugins``).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import logging
 import os
 import threading
+import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterable
+from types import ModuleType
 
 import importlib_metadata
 import pluggy
@@ -119,13 +128,17 @@ def load_plugins(
     files: Iterable[str] = (),
     *,
     entry_points: bool = True,
+    strict: bool = False,
 ) -> PluginSet:
     """Discover and load plugins; the same arguments (and environment) give the same PluginSet.
 
-    :param modules: importable module names given with ``--plugin``.
-    :param files: ``.py`` paths given with ``--tool-parser-plugin``; an error in one is raised
-        (naming the path), since the user asked for that file explicitly.
+    :param modules: importable module names given with ``--plugin``; one that fails to load
+        raises :class:`PluginError` (naming the module, the cause, its file and line), since
+        the operator asked for it by name.
+    :param files: ``.py`` paths given with ``--tool-parser-plugin``; likewise.
     :param entry_points: load the ``tokenloom.plugins`` entry-point group (the built-ins too).
+    :param strict: an entry-point plugin that fails raises too (``--strict-plugins``), instead
+        of being left out with a warning.
     """
     # materialised once: a generator would be empty the second time it is read
     modules = list(modules)
@@ -136,7 +149,33 @@ def load_plugins(
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _load(modules, files, entry_points, enabled)
-        return _cache[key]
+        plugin_set = _cache[key]
+    if strict and plugin_set.failures:
+        raise PluginError("--strict-plugins: " + "; ".join(
+            f"plugin {failure.name!r} ({failure.origin}) failed to load: {failure.cause}"
+            for failure in plugin_set.failures))
+    return plugin_set
+
+
+# frames of the code that imports plugins and registers their classes, not the plugins'
+_LOADING_MACHINERY = ("<frozen", os.path.dirname(__file__) + os.sep, os.path.dirname(importlib_metadata.__file__) + os.sep,
+                      os.path.join(os.path.dirname(os.path.dirname(__file__)), "plugin_api.py"))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message (at FILE:LINE)``: the line of the plugin's own code that failed (the
+    outermost frame outside importlib's machinery and this module), and where the error was
+    finally raised when that is elsewhere (a library the plugin called). A SyntaxError names
+    its own line."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        places = [f"{exc.filename}:{exc.lineno}"]
+    else:
+        places = [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)
+                  if not frame.filename.startswith(_LOADING_MACHINERY) and "/importlib/" not in frame.filename]
+    where = ""
+    if places:
+        where = f" (at {places[0]}" + (f", raised in {places[-1]}" if len(places) > 1 else "") + ")"
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set[str] | None) -> PluginSet:
@@ -150,18 +189,18 @@ def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set
         logger.warning("plugin %r (%s) failed to load: %s", name, origin, cause)
         failures.append(PluginFailure(name, origin, cause))
 
-    def add(name: str, origin: str, load) -> None:
+    def add(name: str, origin: str, load: Callable[[], ModuleType]) -> None:
         try:
             module = load()
         except Exception as exc:
-            fail(name, origin, f"{type(exc).__name__}: {exc}")
+            fail(name, origin, describe_exception(exc))
             return
         if manager.is_registered(module):
             return  # e.g. --plugin naming a module an entry point already loaded
         if manager.has_plugin(name):
             fail(name, origin, f"another plugin is already loaded under the name {name!r}; rename one of them")
             return
-        unknown = _unknown_hooks(manager, module)
+        unknown = _unknown_hooks(manager, module) or _unmarked_hooks(manager, module)
         if unknown:
             fail(name, origin, unknown)
             return
@@ -195,11 +234,13 @@ def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set
             add(entry_point.name, origin, entry_point.load)
     for module_name in modules:
         add(module_name, f"module {module_name}", partial(importlib.import_module, module_name))
+        if failures and failures[-1].origin == f"module {module_name}":
+            raise PluginError(f"--plugin {module_name}: {failures[-1].cause}")
     for path in files:
         try:
             module = import_file(path)
         except Exception as exc:
-            raise PluginError(f"--tool-parser-plugin {path}: {type(exc).__name__}: {exc}") from exc
+            raise PluginError(f"--tool-parser-plugin {path}: {describe_exception(exc)}") from exc
         add(os.path.basename(path), f"file {os.path.abspath(path)}", lambda module=module: module)
         if failures and failures[-1].origin == f"file {os.path.abspath(path)}":
             raise PluginError(f"--tool-parser-plugin {path}: {failures[-1].cause}")
@@ -224,6 +265,25 @@ def _unknown_hooks(manager, module) -> str | None:
     return None
 
 
+def _unmarked_hooks(manager: pluggy.PluginManager, module: ModuleType) -> str | None:
+    """A hook function without ``@hookimpl`` is never called, and the plugin would register
+    nothing without a word: name it instead."""
+    known = [kind.hook for kind in PLUGIN_KINDS]
+    for attr, value in vars(module).items():
+        if not inspect.isfunction(value) or value.__module__ != module.__name__:
+            continue
+        if manager.parse_hookimpl_opts(module, attr) is not None:
+            continue
+        # the exact name, or a near miss (register_tool_parser); not any helper named register_*
+        near = difflib.get_close_matches(attr, known, n=1, cutoff=0.85)
+        hook = attr if attr in known else near[0] if near else None
+        if hook is not None:
+            return (f"{attr!r} looks like the {hook} hook but is not marked: decorate it with @hookimpl "
+                    "(from tokenloom.plugin_api import hookimpl)"
+                    + (f" and name it {hook!r}" if attr != hook else ""))
+    return None
+
+
 def _call_hooks(manager, module, info: PluginInfo, registries) -> str | None:
     """Call the plugin's hooks (and register its marked classes) into ``registries``; the
     cause of the first failure, or None."""
@@ -241,7 +301,7 @@ def _call_hooks(manager, module, info: PluginInfo, registries) -> str | None:
             try:
                 impl.function(register=register)
             except Exception as exc:
-                return f"{kind.hook} raised {type(exc).__name__}: {exc}"
+                return f"{kind.hook} raised {describe_exception(exc)}"
     for value in list(vars(module).values()):
         # the class's own marks only: a subclass of a marked class is not registered again
         marks = vars(value).get(REGISTRATION_MARK, ()) if isinstance(value, type) else ()
