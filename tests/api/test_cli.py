@@ -196,3 +196,26 @@ def test_plugins_command_imports_no_heavy_module():
         if check.returncode == 0 and check.stdout.split()[-1] == "True":
             offenders.append(f"{entry_point.name} ({entry_point.value})")
     pytest.fail(f"`tokenloom plugins` imports torch; entry-point modules that import it: {offenders}")
+
+
+def test_plugins_check_imports_every_target_and_names_the_broken_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(manager, "_cache", {})
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    plugin_file = tmp_path / "typo_targets.py"
+    plugin_file.write_text(textwrap.dedent("""
+        from tokenloom.plugin_api import hookimpl
+
+        @hookimpl
+        def register_tool_parsers(register):
+            register("fine", "json:JSONDecoder")
+            register("typo", "json:JSONDecodr")
+    """))
+    assert main(["plugins", "--check", "--tool-parser-plugin", str(plugin_file)]) == 1
+    out = capsys.readouterr().out
+    assert "check: 2 of 3 registered targets import" in out  # the executor, 'fine' and not 'typo'
+    assert ("  tool_parser 'typo': tool_parser 'typo' (registered by plugin 'typo_targets.py'): plugin target "
+            "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'") in out
+
+    assert main(["plugins", "--check", "--json", "--tool-parser-plugin", str(plugin_file)]) == 1
+    assert [item["name"] for item in json.loads(capsys.readouterr().out)["unresolved"]] == ["typo"]
+    assert main(["plugins", "--tool-parser-plugin", str(plugin_file)]) == 0  # listing alone imports nothing

@@ -16,7 +16,7 @@ from tokenloom.api.flags import CPU_NOOP, FLAG_BY_NAME, FLAGS, IMPLEMENTED, NOOP
 from tokenloom.api.serve_args import DEFAULT_MODEL, ServeArgs, check_plugin_choices, parse_serve_args
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.core.config import EngineArgs
-from tokenloom.errors import ConfigError, NotImplementedFlagError, UnknownNameError
+from tokenloom.errors import ConfigError, NotImplementedFlagError, PluginError, UnknownNameError
 from tokenloom.plugins import manager
 
 HERE = Path(__file__).resolve().parent
@@ -336,4 +336,31 @@ def test_check_plugin_choices_skips_auto_and_reads_backend_options(hermes_only_p
     serve_args = parse("--guided-decoding-backend", "xgrammar:disable-any-whitespace")
     serve_args.plugins = manager.load_plugins()
     with pytest.raises(UnknownNameError, match="unknown structured_output_backend 'xgrammar'"):
+        check_plugin_choices(serve_args)
+
+
+def test_check_plugin_choices_imports_the_chosen_targets_naming_plugin_and_name(hermes_only_plugins):
+    hermes_only_plugins.registry("tool_parser").register("typo", "json:JSONDecodr", plugin_name="my_plugin")
+    serve_args = parse("--tool-call-parser", "typo")
+    serve_args.plugins = manager.load_plugins()
+    with pytest.raises(PluginError) as caught:
+        check_plugin_choices(serve_args)
+    assert str(caught.value) == ("tool_parser 'typo' (registered by plugin 'my_plugin'): plugin target "
+                                 "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'")
+    serve_args = parse("--tool-call-parser", "hermes")  # a parser left unchosen is not imported
+    serve_args.plugins = manager.load_plugins()
+    check_plugin_choices(serve_args)
+
+
+def test_check_plugin_choices_imports_every_api_route_and_middleware(hermes_only_plugins):
+    hermes_only_plugins.registry("api_route").register("routes", "no_such_module_xyz:add", plugin_name="web")
+    serve_args = parse()
+    serve_args.plugins = manager.load_plugins()
+    with pytest.raises(PluginError, match=r"^api_route 'routes' \(registered by plugin 'web'\): cannot import "
+                                          r"plugin target 'no_such_module_xyz:add': ModuleNotFoundError"):
+        check_plugin_choices(serve_args)
+    hermes_only_plugins.registry("api_route").register("routes", "json:dumps", plugin_name="web", override=True)
+    serve_args = parse("--middleware", "json:no_such_middleware")
+    serve_args.plugins = manager.load_plugins()
+    with pytest.raises(ConfigError, match="--middleware 'json:no_such_middleware'"):
         check_plugin_choices(serve_args)

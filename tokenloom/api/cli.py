@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.api.serve_args import (API_KEY_ENV, DEFAULT_MODEL, ConfigErrorParser, ServeArgs, check_plugin_choices,
                                       parse_serve_args)
@@ -109,6 +110,9 @@ def plugins_command(argv: list[str]) -> int:
                         help="also load this importable module as a plugin (repeatable)")
     parser.add_argument("--tool-parser-plugin", action="append", default=[], metavar="FILE",
                         help="also load this .py file as a plugin (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="also import every registered target ('module:Class' strings are otherwise imported "
+                             "on first use); exit 1 if a plugin or a target fails")
     if any(token in ("-h", "--help") for token in argv):
         print(parser.format_help())
         return 0
@@ -118,26 +122,49 @@ def plugins_command(argv: list[str]) -> int:
     # failures are printed below, in full: the manager's log line would say it twice
     with _quiet_logger("tokenloom.plugins.manager"):
         plugin_set = load_plugins(modules=options.plugin, files=options.tool_parser_plugin)
+    unresolved = _resolve_every_target(plugin_set) if options.check else []
+    failed = bool(plugin_set.failures or unresolved)
     if options.json:
-        print(json.dumps({
+        listing: dict[str, object] = {
             "plugins": [{"name": info.name, "origin": info.origin, "registered": info.registered}
                         for info in plugin_set.plugins],
             "failures": [{"name": failure.name, "origin": failure.origin, "cause": failure.cause}
                          for failure in plugin_set.failures],
-        }, indent=2))
-        return 0
+        }
+        if options.check:
+            listing["unresolved"] = [{"kind": kind, "name": name, "cause": cause} for kind, name, cause in unresolved]
+        print(json.dumps(listing, indent=2))
+        return 1 if options.check and failed else 0
     print(f"{len(plugin_set.plugins)} plugins loaded, {len(plugin_set.failures)} failed")
     for info in plugin_set.plugins:
         print(f"\n{info.name}  ({info.origin})")
         for kind, names in info.registered.items():
             print(f"  {kind}: {', '.join(names)}")
         if not info.registered:
-            print("  (registered nothing)")
+            print("  (registered nothing: its hooks ran and called register for nothing)")
     if plugin_set.failures:
         print("\nfailed:")
         for failure in plugin_set.failures:
             print(f"  {failure.name}  ({failure.origin}): {failure.cause}")
+    if options.check:
+        total = sum(len(registry) for registry in plugin_set.registries.values())
+        print(f"\ncheck: {total - len(unresolved)} of {total} registered targets import")
+        for kind, name, cause in unresolved:
+            print(f"  {kind} {name!r}: {cause}")
+        return 1 if failed else 0
     return 0
+
+
+def _resolve_every_target(plugin_set: Any) -> list[tuple[str, str, str]]:
+    """Import every registered target: ``(kind, name, cause)`` of those that fail."""
+    unresolved = []
+    for kind, registry in plugin_set.registries.items():
+        for entry in registry.entries():
+            try:
+                entry.resolve()
+            except Exception as exc:  # a target's module may raise anything at import
+                unresolved.append((kind, entry.name, str(exc)))
+    return unresolved
 
 
 @contextlib.contextmanager

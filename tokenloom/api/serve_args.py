@@ -81,7 +81,11 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str] | None = No
 
 
 def check_plugin_choices(serve_args: ServeArgs) -> None:
-    """Names chosen by flags exist in the loaded registries (UnknownNameError lists the known ones)."""
+    """Before the model loads: the names the flags choose exist in the loaded registries
+    (UnknownNameError lists the known ones), and every target the server will use -- those
+    names, every API route and model source, every ``--middleware`` -- imports (a PluginError
+    or ConfigError naming the plugin and the name), so that a typo in a ``"module:Class"``
+    string fails the start at once rather than a minute in, once the model has loaded."""
     engine, server = serve_args.engine_kwargs, serve_args.server
     backend = engine.get("guided_decoding_backend")
     chosen = [
@@ -94,9 +98,17 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
         # vLLM's option syntax, "xgrammar:disable-any-whitespace", names the backend first
         ("structured_output_backend", backend.split(":")[0] if backend else None, "auto"),
     ]
-    for kind, name, automatic in chosen:
-        if name is not None and name != automatic:
-            serve_args.plugins.registry(kind).entry(name)
+    entries = [serve_args.plugins.registry(kind).entry(name) for kind, name, automatic in chosen
+               if name is not None and name != automatic]
+    for kind in ("api_route", "model_source"):  # every one of these is used
+        entries += serve_args.plugins.registry(kind).entries()
+    for entry in entries:
+        entry.resolve()
+    if server.middleware:
+        from tokenloom.api.middleware import import_object
+
+        for path in server.middleware:
+            import_object(path, "--middleware")
 
 
 def _check_combinations(given: dict[str, Any], engine: dict[str, Any], server: dict[str, Any]) -> None:

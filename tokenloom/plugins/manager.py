@@ -19,7 +19,6 @@ import inspect
 import logging
 import os
 import threading
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,7 +29,7 @@ import pluggy
 
 from tokenloom.errors import PluginError, closest_match
 from tokenloom.plugins import hookspecs
-from tokenloom.plugins.registry import Registry, import_file
+from tokenloom.plugins.registry import Registry, describe_exception, import_file
 
 logger = logging.getLogger(__name__)
 
@@ -155,27 +154,6 @@ def load_plugins(
             f"plugin {failure.name!r} ({failure.origin}) failed to load: {failure.cause}"
             for failure in plugin_set.failures))
     return plugin_set
-
-
-# frames of the code that imports plugins and registers their classes, not the plugins'
-_LOADING_MACHINERY = ("<frozen", os.path.dirname(__file__) + os.sep, os.path.dirname(importlib_metadata.__file__) + os.sep,
-                      os.path.join(os.path.dirname(os.path.dirname(__file__)), "plugin_api.py"))
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``Type: message (at FILE:LINE)``: the line of the plugin's own code that failed (the
-    outermost frame outside importlib's machinery and this module), and where the error was
-    finally raised when that is elsewhere (a library the plugin called). A SyntaxError names
-    its own line."""
-    if isinstance(exc, SyntaxError) and exc.filename:
-        places = [f"{exc.filename}:{exc.lineno}"]
-    else:
-        places = [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)
-                  if not frame.filename.startswith(_LOADING_MACHINERY) and "/importlib/" not in frame.filename]
-    where = ""
-    if places:
-        where = f" (at {places[0]}" + (f", raised in {places[-1]}" if len(places) > 1 else "") + ")"
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set[str] | None) -> PluginSet:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from tokenloom.errors import PluginError, UnknownNameError, closest_match
 
 # ``closest_match`` lives in tokenloom.errors (which imports nothing of tokenloom's); kept
 # importable from here for the modules that look it up here
-__all__ = ["Registry", "RegistryEntry", "closest_match", "import_file", "resolve_target"]
+__all__ = ["Registry", "RegistryEntry", "closest_match", "describe_exception", "import_file", "resolve_target"]
 
 
 @dataclass
@@ -29,6 +31,7 @@ class RegistryEntry:
     target: Any
     plugin_name: str
     options: dict = field(default_factory=dict)
+    kind: str = ""  # the registry's kind, named in errors
     _resolved: Any = None
 
     @property
@@ -44,9 +47,37 @@ class RegistryEntry:
         return f"{module}:{qualname}"
 
     def resolve(self) -> Any:
+        """The target, imported on first use; a PluginError names the kind, the name and the
+        plugin that registered it."""
         if self._resolved is None:
-            self._resolved = resolve_target(self.target) if isinstance(self.target, str) else self.target
+            try:
+                self._resolved = resolve_target(self.target) if isinstance(self.target, str) else self.target
+            except PluginError as exc:
+                raise PluginError(f"{self.kind or 'plugin'} {self.name!r} (registered by plugin "
+                                  f"{self.plugin_name!r}): {exc}") from exc
         return self._resolved
+
+
+# frames of the code that imports plugins and registers their classes, not the plugins'
+_LOADING_MACHINERY = ("<frozen", os.path.dirname(__file__) + os.sep,
+                      os.path.join(os.path.dirname(os.path.dirname(__file__)), "plugin_api.py"))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message (at FILE:LINE)``: the line of the plugin's own code that failed (the
+    outermost frame outside importlib's machinery and this module), and where the error was
+    finally raised when that is elsewhere (a library the plugin called). A SyntaxError names
+    its own line."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        places = [f"{exc.filename}:{exc.lineno}"]
+    else:
+        places = [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)
+                  if not frame.filename.startswith(_LOADING_MACHINERY)
+                  and "/importlib/" not in frame.filename and "/importlib_metadata/" not in frame.filename]
+    where = ""
+    if places:
+        where = f" (at {places[0]}" + (f", raised in {places[-1]}" if len(places) > 1 else "") + ")"
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def resolve_target(path: str) -> Any:
@@ -66,7 +97,7 @@ def resolve_target(path: str) -> Any:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:  # report which target failed, and why
-        raise PluginError(f"cannot import plugin target {path!r}: {type(exc).__name__}: {exc}") from exc
+        raise PluginError(f"cannot import plugin target {path!r}: {describe_exception(exc)}") from exc
     obj: Any = module
     for part in attr_path.split("."):
         try:
@@ -118,7 +149,7 @@ class Registry:
                 f"{self.kind} {name!r} is registered twice: by plugin {existing.plugin_name!r} and by "
                 f"plugin {plugin_name!r}; rename one, or pass override=True to replace it deliberately"
             )
-        self._entries[name] = RegistryEntry(name, target, plugin_name, options)
+        self._entries[name] = RegistryEntry(name, target, plugin_name, options, kind=self.kind)
 
     def copy(self) -> "Registry":
         """A shallow copy: the manager registers a plugin into a copy and keeps it only when
