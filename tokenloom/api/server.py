@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Iterator
 
-logger = logging.getLogger("tokenloom.api.server")
+logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOGGING_LEVEL_ENV = "TOKENLOOM_LOGGING_LEVEL"

@@ -50,7 +50,7 @@ from tokenloom.api.serving_completions import check_output
 from tokenloom.core.request import Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
-logger = logging.getLogger("tokenloom.api")
+logger = logging.getLogger(__name__)
 
 
 def new_tool_call_id() -> str:
