@@ -19,8 +19,15 @@ from __future__ import annotations
 
 import re
 
-from tokenloom.plugin_api import (NEED_MORE, ParsedCall, Section, SectionToolParser, arguments_json, json_value_end,
-                                  register_tool_parser)
+from tokenloom.plugin_api import (
+    NEED_MORE,
+    ParsedCall,
+    Section,
+    SectionToolParser,
+    arguments_json,
+    json_value_end,
+    register_tool_parser,
+)
 
 CLOSE_TAG = "</function>"
 _NAME = re.compile(r"([A-Za-z0-9_.\-]+)>")

@@ -12,9 +12,14 @@ import pytest
 from tokenloom.builtin_plugins.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 from tokenloom.errors import PluginError
 from tokenloom.plugin_api import DeltaMessage, ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser
+from tokenloom.plugin_testing import (
+    assert_reasoning_parser_streams_like_extract,
+    assert_registers,
+    assert_tool_parser_streams_like_extract,
+    load_plugin,
+    splits,
+)
 from tokenloom.plugins.manager import load_plugins
-from tokenloom.plugin_testing import (assert_reasoning_parser_streams_like_extract, assert_registers,
-                                      assert_tool_parser_streams_like_extract, load_plugin, splits)
 
 EXAMPLE_FILE = Path(__file__).resolve().parents[1] / "examples" / "my_tool_parser.py"
 CALLS = 'Sure. <function=get_weather>{"city": "Paris"}</function><function=now>{}</function>'

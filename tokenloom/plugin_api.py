@@ -16,18 +16,43 @@ from tokenloom.plugins.manager import REGISTRATION_MARK
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editors
     from tokenloom.api.protocol import ChatCompletionRequest
     from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
-    from tokenloom.builtin_plugins.tool_parsers.base import (NEED_MORE, ParsedCall, Section, SectionToolParser,
-                                                             arguments_json, call_from_object, calls_from_array, json_array_section,
-                                                             json_object_section, json_value_end)
+    from tokenloom.builtin_plugins.tool_parsers.base import (
+        NEED_MORE,
+        ParsedCall,
+        Section,
+        SectionToolParser,
+        arguments_json,
+        call_from_object,
+        calls_from_array,
+        json_array_section,
+        json_object_section,
+        json_value_end,
+    )
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
     from tokenloom.core.executor import Executor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import KVCacheSpec, ModelContext, ModelProtocol
-    from tokenloom.core.parsers import (DeltaMessage, ExtractedToolCalls, ParserTokenizer, ReasoningParser, RequestT,
-                                        ToolCall, ToolCallDelta, ToolParser, find_first_marker, keep_special_tokens,
-                                        partial_marker_length)
+    from tokenloom.core.parsers import (
+        DeltaMessage,
+        ExtractedToolCalls,
+        ParserTokenizer,
+        ReasoningParser,
+        RequestT,
+        ToolCall,
+        ToolCallDelta,
+        ToolParser,
+        find_first_marker,
+        keep_special_tokens,
+        partial_marker_length,
+    )
     from tokenloom.core.platform import Platform
-    from tokenloom.core.request import CompletionOutput, PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+    from tokenloom.core.request import (
+        CompletionOutput,
+        PoolingParams,
+        PoolingRequestOutput,
+        RequestOutput,
+        SamplingParams,
+    )
     from tokenloom.core.structured_output import BackendOptions, Constraint, Matcher, StructuredOutputBackend
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
@@ -86,7 +111,19 @@ _LAZY = {
     "PluginError": "tokenloom.errors",
 }
 
-__all__ = ["Register", "hookimpl", "register_tool_parser", "register_reasoning_parser", *_LAZY]
+# every name below, spelled out so that linters and type checkers see the re-exports
+__all__ = [
+    "Register", "hookimpl", "register_reasoning_parser", "register_tool_parser", "Platform", "Executor",
+    "ModelSource", "ResolvedModel", "LoadFormat", "ModelProtocol", "ModelContext", "KVCacheSpec",
+    "QuantizationMethod", "StructuredOutputBackend", "Matcher", "Constraint", "BackendOptions", "ToolParser",
+    "ReasoningParser", "ParserTokenizer", "ToolCall", "ToolCallDelta", "ExtractedToolCalls", "DeltaMessage",
+    "RequestT", "partial_marker_length", "find_first_marker", "keep_special_tokens", "SectionToolParser",
+    "Section", "ParsedCall", "NEED_MORE", "json_value_end", "arguments_json", "json_object_section",
+    "json_array_section", "call_from_object", "calls_from_array", "MarkedReasoningParser",
+    "ChatCompletionRequest", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
+    "PoolingRequestOutput", "SchedulerOutput", "ModelRunnerOutput", "AttentionMetadata", "InvalidRequestError",
+    "ModelLoadError", "PluginError"
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ needed; nothing here runs at import.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -62,8 +63,8 @@ def assert_tool_parser_streams_like_extract(parser_factory: Callable[[], ToolPar
     expected_calls = [(call.name, json.loads(call.arguments)) for call in expected.tool_calls]
     for pieces in splits(output, max_three_way=max_three_way):
         parser = parser_factory()
-        messages = _messages(lambda piece: parser.extract_delta(piece, request), lambda: parser.finish(request),
-                             pieces)
+        messages = _messages(functools.partial(parser.extract_delta, request=request),
+                             functools.partial(parser.finish, request), pieces)
         content = "".join(message.content or "" for message in messages) or None
         calls: dict[int, list[str]] = {}
         opened: list[int] = []
@@ -88,9 +89,9 @@ def assert_reasoning_parser_streams_like_extract(parser_factory: Callable[[], Re
     :meth:`~tokenloom.plugin_api.ReasoningParser.extract_reasoning` gives on the whole text."""
     expected = parser_factory().extract_reasoning(output, request)
     for pieces in splits(output, max_three_way=max_three_way):
-        parser = parser_factory()
-        messages = _messages(lambda piece: parser.extract_reasoning_delta(piece, request),
-                             lambda: parser.finish(request), pieces)
+        reasoning_parser = parser_factory()
+        messages = _messages(functools.partial(reasoning_parser.extract_reasoning_delta, request=request),
+                             functools.partial(reasoning_parser.finish, request), pieces)
         streamed = ("".join(message.reasoning_content or "" for message in messages) or None,
                     "".join(message.content or "" for message in messages) or None)
         assert streamed == expected, (

@@ -18,7 +18,6 @@ import pytest
 from tokenloom.api.cli import main
 from tokenloom.plugins import manager
 
-
 # -- main: exit codes and messages --------------------------------------------------------------------------
 
 

@@ -16,12 +16,18 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.api.serve_args import (API_KEY_ENV, DEFAULT_MODEL, ConfigErrorParser, ServeArgs, check_plugin_choices,
-                                      parse_serve_args)
+from tokenloom.api.serve_args import (
+    API_KEY_ENV,
+    DEFAULT_MODEL,
+    ConfigErrorParser,
+    ServeArgs,
+    check_plugin_choices,
+    parse_serve_args,
+)
 from tokenloom.api.serve_help import help_request, render_serve_help
 from tokenloom.errors import ConfigError, PluginError
 

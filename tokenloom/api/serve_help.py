@@ -13,7 +13,6 @@ from tokenloom.api.flags import CLI, CPU_NOOP, FLAG_BY_NAME, FLAGS, GROUPS, NOOP
 from tokenloom.api.serve_args import DEFAULT_MODEL, format_value
 
 
-
 def help_request(argv: Sequence[str]) -> str | None:
     """"" for plain --help, the part after ``--help=`` otherwise, None without a help flag."""
     for token in argv:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
+from typing import Any
 
 import importlib_metadata
 import pluggy
@@ -99,7 +100,7 @@ class PluginSet:
         return {kind: registry.to_plain() for kind, registry in self.registries.items()}
 
     @classmethod
-    def from_plain(cls, tables: dict[str, dict[str, str]]) -> "PluginSet":
+    def from_plain(cls, tables: dict[str, dict[str, str]]) -> PluginSet:
         registries = {kind.name: Registry.from_plain(kind.name, tables.get(kind.name, {})) for kind in PLUGIN_KINDS}
         for kind in PLUGIN_KINDS:
             registries[kind.name].flag = kind.flag
@@ -118,7 +119,8 @@ def enabled_entry_point_names() -> set[str] | None:
     return {name.strip() for name in value.split(",") if name.strip()}
 
 
-_cache: dict[tuple, PluginSet] = {}
+# (modules, files, entry_points, enabled) -> the PluginSet they load
+_cache: dict[tuple[object, ...], PluginSet] = {}
 _cache_lock = threading.Lock()
 
 
@@ -219,19 +221,23 @@ def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set
             module = import_file(path)
         except Exception as exc:
             raise PluginError(f"--tool-parser-plugin {path}: {describe_exception(exc)}") from exc
-        add(os.path.basename(path), f"file {os.path.abspath(path)}", lambda module=module: module)
+        add(os.path.basename(path), f"file {os.path.abspath(path)}", partial(_loaded, module))
         if failures and failures[-1].origin == f"file {os.path.abspath(path)}":
             raise PluginError(f"--tool-parser-plugin {path}: {failures[-1].cause}")
     return PluginSet(registries, plugins, failures)
 
 
-def _builtin_first(entry_point) -> tuple[int, str]:
+def _loaded(module: ModuleType) -> ModuleType:
+    return module
+
+
+def _builtin_first(entry_point: importlib_metadata.EntryPoint) -> tuple[int, str]:
     # Built-ins register first so that `auto` choices (load format, model source, platform)
     # try them in a fixed order; a third-party plugin replaces one with override=True.
     return (0 if entry_point.value.startswith("tokenloom.") else 1, entry_point.name)
 
 
-def _unknown_hooks(manager, module) -> str | None:
+def _unknown_hooks(manager: pluggy.PluginManager, module: ModuleType) -> str | None:
     """A misspelt hook (``register_model``) would silently never be called: name it instead."""
     known = [kind.hook for kind in PLUGIN_KINDS]
     for attr in dir(module):
@@ -262,13 +268,15 @@ def _unmarked_hooks(manager: pluggy.PluginManager, module: ModuleType) -> str | 
     return None
 
 
-def _call_hooks(manager, module, info: PluginInfo, registries) -> str | None:
+def _call_hooks(manager: pluggy.PluginManager, module: ModuleType, info: PluginInfo,
+                registries: dict[str, Registry]) -> str | None:
     """Call the plugin's hooks (and register its marked classes) into ``registries``; the
     cause of the first failure, or None."""
     for kind in PLUGIN_KINDS:
         registry = registries[kind.name]
 
-        def register(name, target, *, override=False, _registry=registry, _kind=kind.name, **options):
+        def register(name: str, target: Any, *, override: bool = False, _registry: Registry = registry,
+                     _kind: str = kind.name, **options: Any) -> None:
             _registry.register(name, target, plugin_name=info.name, override=override, **options)
             info.registered.setdefault(_kind, []).append(name)
 

@@ -14,6 +14,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from tokenloom.errors import PluginError, UnknownNameError, closest_match
@@ -30,7 +31,7 @@ class RegistryEntry:
     name: str
     target: Any
     plugin_name: str
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     kind: str = ""  # the registry's kind, named in errors
     _resolved: Any = None
 
@@ -107,7 +108,7 @@ def resolve_target(path: str) -> Any:
     return obj
 
 
-def import_file(path: str):
+def import_file(path: str) -> ModuleType:
     """Import a .py file by path under a private module name (once per path)."""
     resolved = Path(path).resolve()
     module_name = "_tokenloom_file_plugin_" + "".join(c if c.isalnum() else "_" for c in str(resolved))
@@ -116,6 +117,8 @@ def import_file(path: str):
     if not resolved.is_file():
         raise FileNotFoundError(f"no such plugin file: {path}")
     spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path} as a Python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
@@ -135,7 +138,7 @@ class Registry:
         self.flag = flag
         self._entries: dict[str, RegistryEntry] = {}
 
-    def register(self, name: str, target: Any, *, plugin_name: str, override: bool = False, **options) -> None:
+    def register(self, name: str, target: Any, *, plugin_name: str, override: bool = False, **options: Any) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin_name!r} registered a {self.kind} with an invalid name {name!r}")
         if not (isinstance(target, str) or callable(target)):
@@ -151,7 +154,7 @@ class Registry:
             )
         self._entries[name] = RegistryEntry(name, target, plugin_name, options, kind=self.kind)
 
-    def copy(self) -> "Registry":
+    def copy(self) -> Registry:
         """A shallow copy: the manager registers a plugin into a copy and keeps it only when
         every hook of that plugin succeeded, so a failed plugin leaves nothing behind."""
         duplicate = Registry(self.kind, self.flag)
@@ -185,7 +188,7 @@ class Registry:
         return {name: entry.target_path for name, entry in self._entries.items()}
 
     @classmethod
-    def from_plain(cls, kind: str, table: dict[str, str]) -> "Registry":
+    def from_plain(cls, kind: str, table: dict[str, str]) -> Registry:
         registry = cls(kind)
         for name, target in table.items():  # the order is kept: `auto` choices depend on it
             registry.register(name, target, plugin_name="<resolved in main process>")

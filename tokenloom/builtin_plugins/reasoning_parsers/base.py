@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenloom.plugin_api import (DeltaMessage, ParserTokenizer, ReasoningParser, find_first_marker, keep_special_tokens,
-                                  partial_marker_length)
+from tokenloom.plugin_api import (
+    DeltaMessage,
+    ParserTokenizer,
+    ReasoningParser,
+    find_first_marker,
+    keep_special_tokens,
+    partial_marker_length,
+)
 
 if TYPE_CHECKING:
     from tokenloom.plugin_api import ChatCompletionRequest, RequestT
@@ -48,7 +54,7 @@ class _TrimmedText:
 class _Split:
     """One split of one output, fed piece by piece: the state a streaming parser keeps."""
 
-    def __init__(self, parser: "MarkedReasoningParser"):
+    def __init__(self, parser: MarkedReasoningParser):
         self.parser = parser
         self.state = _START
         self.buffer = ""
@@ -121,6 +127,8 @@ class MarkedReasoningParser(ReasoningParser):
         return self._message(*self._stream.feed("", final=True))
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        if self.tokenizer is None:
+            raise TypeError(f"{type(self).__name__}.is_reasoning_end needs the tokenizer it was constructed with")
         split = _Split(self)
         split.feed(self.tokenizer.decode(token_ids, skip_special_tokens=False), final=False)
         return split.state == _CONTENT

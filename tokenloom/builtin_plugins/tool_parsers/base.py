@@ -16,8 +16,17 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.plugin_api import (DeltaMessage, ExtractedToolCalls, ParserTokenizer, ToolCall, ToolCallDelta, ToolParser,
-                                  find_first_marker, keep_special_tokens, partial_marker_length)
+from tokenloom.plugin_api import (
+    DeltaMessage,
+    ExtractedToolCalls,
+    ParserTokenizer,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    find_first_marker,
+    keep_special_tokens,
+    partial_marker_length,
+)
 
 if TYPE_CHECKING:
     from tokenloom.plugin_api import ChatCompletionRequest, RequestT
@@ -49,6 +58,9 @@ class _NeedMore:
 
 # parse_section's answer when the section may still become valid with more text
 NEED_MORE = _NeedMore()
+
+# what parse_section returns: a complete, valid section; None (malformed: the text is content); NEED_MORE
+SectionResult = Section | None | _NeedMore
 
 
 def skip_whitespace(text: str, position: int) -> int:
@@ -121,10 +133,12 @@ def calls_from_array(value: Any, argument_keys: tuple[str, ...] = ("arguments", 
     if not isinstance(value, list) or not value:
         return None
     calls = [call_from_object(item, argument_keys) for item in value]
-    return None if any(call is None for call in calls) else calls
+    parsed = [call for call in calls if call is not None]
+    return parsed if len(parsed) == len(calls) else None
 
 
-def json_array_section(text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")):
+def json_array_section(text: str, start: int,
+                       argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> SectionResult:
     """The section made of the JSON array of calls at ``text[start:]`` (whitespace allowed
     before it): a :class:`Section`, None (malformed) or NEED_MORE."""
     position = skip_whitespace(text, start)
@@ -139,7 +153,8 @@ def json_array_section(text: str, start: int, argument_keys: tuple[str, ...] = (
     return Section(calls, end) if calls else None
 
 
-def json_object_section(text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")):
+def json_object_section(text: str, start: int,
+                        argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> SectionResult:
     """The section made of one JSON call object at ``text[start:]`` (whitespace allowed before it)."""
     position = skip_whitespace(text, start)
     if position == len(text):
@@ -158,7 +173,7 @@ class _ContentJoiner:
     known to separate content from content (kept) or to border a call at the start or the
     end of the output (dropped); content with no call around it passes unchanged."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.held_whitespace = ""
         self.seen_content = False
         self.call_since_content = False
@@ -191,7 +206,7 @@ class _ContentJoiner:
 class _Scan:
     """One parse of one output, fed piece by piece: the state a streaming parser keeps."""
 
-    def __init__(self, parser: "SectionToolParser"):
+    def __init__(self, parser: SectionToolParser):
         self.parser = parser
         self.buffer = ""
         self.start_checked = parser.bare_start is None
@@ -229,7 +244,7 @@ class _Scan:
             content.append(self.joiner.finish())
         return "".join(content), calls
 
-    def _step(self, final: bool) -> tuple[list, int] | None:
+    def _step(self, final: bool) -> tuple[list[str | ParsedCall], int] | None:
         """The pieces at the start of the buffer and how many characters they span, or None
         when nothing can be decided before more text arrives."""
         parser, buffer = self.parser, self.buffer
@@ -238,7 +253,7 @@ class _Scan:
             if not body and not final:
                 return None
             self.start_checked = True
-            if body.startswith(parser.bare_start):
+            if parser.bare_start is not None and body.startswith(parser.bare_start):
                 section = parser.parse_section(body, final)
                 if section is NEED_MORE and not final:
                     self.start_checked = False
@@ -281,7 +296,7 @@ class SectionToolParser(ToolParser):
         super().__init__(tokenizer)
         self._stream = _Scan(self)
 
-    def parse_section(self, text: str, final: bool):
+    def parse_section(self, text: str, final: bool) -> SectionResult:
         """Read the section at the start of ``text`` (the text after a start marker, or from
         :attr:`bare_start` on). Return a :class:`Section` (its calls and the characters of
         ``text`` it spans), None when it is malformed, or NEED_MORE when more text could
