@@ -218,3 +218,27 @@ def test_plugins_check_imports_every_target_and_names_the_broken_ones(tmp_path, 
     assert main(["plugins", "--check", "--json", "--tool-parser-plugin", str(plugin_file)]) == 1
     assert [item["name"] for item in json.loads(capsys.readouterr().out)["unresolved"]] == ["typo"]
     assert main(["plugins", "--tool-parser-plugin", str(plugin_file)]) == 0  # listing alone imports nothing
+
+
+def test_the_real_command_refuses_a_broken_named_plugin_and_with_strict_a_broken_installed_one(tmp_path):
+    """As an operator meets it: `tokenloom serve` in a subprocess exits 2 before loading a model."""
+    (tmp_path / "dummy_broken_ep.py").write_text("import json\njson.loads('{')\n")
+    info = tmp_path / "dummy_broken_ep-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dummy-broken-ep\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[tokenloom.plugins]\nbroken_ep = dummy_broken_ep\n")
+    env = {key: value for key, value in os.environ.items() if key != manager.ENABLED_PLUGINS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+
+    def serve(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tokenloom", "serve", *argv], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    result = serve("--plugin", "no_such_plugin_module")
+    assert result.returncode == 2, result.stderr
+    assert ("tokenloom serve: error: --plugin no_such_plugin_module: ModuleNotFoundError: "
+            "No module named 'no_such_plugin_module'") in result.stderr
+    result = serve("--strict-plugins")
+    assert result.returncode == 2, result.stderr
+    assert "--strict-plugins: plugin 'broken_ep' (dummy-broken-ep 0.1) failed to load: JSONDecodeError" in result.stderr
+    assert f"(at {tmp_path / 'dummy_broken_ep.py'}:2, raised in " in result.stderr
