@@ -242,3 +242,24 @@ def test_the_real_command_refuses_a_broken_named_plugin_and_with_strict_a_broken
     assert result.returncode == 2, result.stderr
     assert "--strict-plugins: plugin 'broken_ep' (dummy-broken-ep 0.1) failed to load: JSONDecodeError" in result.stderr
     assert f"(at {tmp_path / 'dummy_broken_ep.py'}:2, raised in " in result.stderr
+
+
+def test_plugins_says_why_a_plugin_registered_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(manager, "_cache", {})
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    idle_hooks = tmp_path / "idle_hooks.py"
+    idle_hooks.write_text(textwrap.dedent("""
+        from tokenloom.plugin_api import hookimpl
+
+        @hookimpl
+        def register_tool_parsers(register):
+            pass  # registers only when some condition holds
+    """))
+    no_hooks = tmp_path / "no_hooks.py"
+    no_hooks.write_text("class Parser:\n    pass\n")
+    assert main(["plugins", "--tool-parser-plugin", str(idle_hooks), "--tool-parser-plugin", str(no_hooks)]) == 0
+    out = capsys.readouterr().out
+    assert (f"idle_hooks.py  (file {idle_hooks})\n  (registered nothing: its hooks (register_tool_parsers) ran and called "
+            "register for nothing)") in out
+    assert (f"no_hooks.py  (file {no_hooks})\n  (registered nothing: it implements no hook (functions marked @hookimpl) "
+            "and marks no class (@register_tool_parser(\"name\")))") in out

@@ -147,7 +147,7 @@ def plugins_command(argv: list[str]) -> int:
         for kind, names in info.registered.items():
             print(f"  {kind}: {', '.join(names)}")
         if not info.registered:
-            print("  (registered nothing: its hooks ran and called register for nothing)")
+            print(f"  (registered nothing: {info.nothing_registered_reason()})")
     if plugin_set.failures:
         print("\nfailed:")
         for failure in plugin_set.failures:

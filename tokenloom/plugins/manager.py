@@ -73,6 +73,14 @@ class PluginInfo:
     name: str
     origin: str  # "package 1.2.3", "module foo.bar" or "file /path/x.py"
     registered: dict[str, list[str]] = field(default_factory=dict)
+    hooks: list[str] = field(default_factory=list)  # the hooks it implements, in call order
+
+    def nothing_registered_reason(self) -> str:
+        """Why a plugin that loaded registered nothing, for ``tokenloom plugins``."""
+        if self.hooks:
+            return f"its hooks ({', '.join(self.hooks)}) ran and called register for nothing"
+        return ("it implements no hook (functions marked @hookimpl) and marks no class "
+                "(@register_tool_parser(\"name\"))")
 
 
 @dataclass
@@ -284,6 +292,7 @@ def _call_hooks(manager: pluggy.PluginManager, module: ModuleType, info: PluginI
         for impl in hook.get_hookimpls():
             if impl.plugin is not module:
                 continue
+            info.hooks.append(kind.hook)
             try:
                 impl.function(register=register)
             except Exception as exc:
