@@ -65,9 +65,8 @@ class ApiKeyMiddleware:
                  plugin_public_paths: frozenset[str] = frozenset()):
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
-        self.public_paths = PUBLIC_PATHS if metrics_require_key else PUBLIC_PATHS | {"/metrics"}
-        # paths plugins declared public when registering their routes (``public_paths=[...]``)
-        self.public_paths = self.public_paths | plugin_public_paths
+        # with the paths plugins declared public when registering their routes (``public_paths=[...]``)
+        self.public_paths = (PUBLIC_PATHS if metrics_require_key else PUBLIC_PATHS | {"/metrics"}) | plugin_public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":

@@ -17,7 +17,6 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenloom.core import parsers
 from tokenloom.api.chat_template import ChatRenderer, message_text
 from tokenloom.api.http_errors import sse_error_event
 from tokenloom.api.protocol import (
@@ -47,6 +46,7 @@ from tokenloom.api.serving_base import (
     respond,
 )
 from tokenloom.api.serving_completions import check_output
+from tokenloom.core import parsers
 from tokenloom.core.request import Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
