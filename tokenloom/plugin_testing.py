@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenloom.core.parsers import DeltaMessage, ReasoningParser, ToolParser
-    from tokenloom.plugins.manager import PluginInfo
+    from tokenloom.plugins.manager import PluginInfo, PluginSet
 
 __all__ = ["assert_reasoning_parser_streams_like_extract", "assert_registers", "assert_tool_parser_streams_like_extract",
            "load_plugin", "splits"]
@@ -75,11 +75,18 @@ def assert_tool_parser_streams_like_extract(parser_factory: Callable[[], ToolPar
                 calls[delta.index] = [delta.name, ""]
             calls[delta.index][1] += delta.arguments or ""
         assert opened == list(range(len(opened))), f"split {pieces!r}: calls indexed {opened}, not 0, 1, ..."
-        streamed_calls = [(name, json.loads(arguments or "{}")) for name, arguments in calls.values()]
+        streamed_calls = [(name, _json_object(arguments, pieces)) for name, arguments in calls.values()]
         assert content == expected.content, (
             f"split {pieces!r}: streamed content {content!r} but extract() gives {expected.content!r}")
         assert streamed_calls == expected_calls, (
             f"split {pieces!r}: streamed calls {streamed_calls!r} but extract() gives {expected_calls!r}")
+
+
+def _json_object(arguments: str, pieces: list[str]) -> Any:
+    try:
+        return json.loads(arguments or "{}")
+    except ValueError:
+        raise AssertionError(f"split {pieces!r}: a call's streamed arguments are not JSON: {arguments!r}") from None
 
 
 def assert_reasoning_parser_streams_like_extract(parser_factory: Callable[[], ReasoningParser], output: str,
@@ -98,20 +105,23 @@ def assert_reasoning_parser_streams_like_extract(parser_factory: Callable[[], Re
             f"split {pieces!r}: streamed (reasoning, content) {streamed!r} but extract_reasoning() gives {expected!r}")
 
 
+def _load_alone(module: str | None, file: str | None) -> tuple[PluginSet, PluginInfo]:
+    from tokenloom.plugins.manager import load_plugins
+
+    if (module is None) == (file is None):
+        raise TypeError("give a module name or file=PATH, one of the two")
+    plugin_set = load_plugins(modules=[module] if module else [], files=[file] if file else [], entry_points=False)
+    [info] = plugin_set.plugins
+    assert info.registered, f"plugin {info.name!r} registered nothing: {info.nothing_registered_reason()}"
+    return plugin_set, info
+
+
 def load_plugin(module: str | None = None, *, file: str | None = None) -> PluginInfo:
     """Load one plugin the way ``--plugin MODULE`` (or ``--tool-parser-plugin FILE``) does,
     without the installed entry points, and return what it registered. Raises
     :class:`~tokenloom.plugin_api.PluginError` with the cause (and the file and line) if it
-    fails to load, or ``AssertionError`` if it registered nothing."""
-    from tokenloom.plugins.manager import load_plugins
-
-    if (module is None) == (file is None):
-        raise TypeError("load_plugin takes a module name or file=PATH, one of the two")
-    plugin_set = load_plugins(modules=[module] if module else [], files=[file] if file else [], entry_points=False)
-    [info] = plugin_set.plugins
-    assert info.registered, (f"plugin {info.name!r} registered nothing: are its hook functions marked @hookimpl, "
-                             "and its classes decorated with a name, e.g. @register_tool_parser('my_format')?")
-    return info
+    fails to load, or ``AssertionError`` saying why if it registered nothing."""
+    return _load_alone(module, file)[1]
 
 
 def assert_registers(module: str | None = None, expected: Mapping[str, Sequence[str]] | None = None, *,
@@ -119,16 +129,12 @@ def assert_registers(module: str | None = None, expected: Mapping[str, Sequence[
     """The plugin loads, registers exactly ``expected`` (``{kind: [names]}``, kinds as
     ``tokenloom plugins`` lists them: ``tool_parser``, ``api_route``, ...), and every target
     it registered imports (``resolve=False`` skips that)."""
-    from tokenloom.plugins.manager import load_plugins
-
-    info = load_plugin(module, file=file)
+    plugin_set, info = _load_alone(module, file)
     registered = {kind: sorted(names) for kind, names in info.registered.items()}
     if expected is not None:
         wanted = {kind: sorted(names) for kind, names in expected.items()}
         assert registered == wanted, f"plugin {info.name!r} registered {registered}, expected {wanted}"
     if resolve:
-        plugin_set = load_plugins(modules=[module] if module else [], files=[file] if file else [],
-                                  entry_points=False)
         for kind, names in info.registered.items():
             for name in names:
                 plugin_set.registry(kind).entry(name).resolve()  # a PluginError names what failed
