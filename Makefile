@@ -12,7 +12,7 @@ PORT ?= 8000
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: serve test install clean
+.PHONY: serve test lint install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ serve: $(KERNELS)
 
 test: $(KERNELS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff (format and lint) and mypy, configured in pyproject.toml; CI runs it before the tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV)

@@ -6,6 +6,8 @@ tokenloom uses ``assert`` to check input.
 
 from __future__ import annotations
 
+import difflib
+
 
 class TokenloomError(Exception):
     """Base of every error tokenloom raises on purpose."""
@@ -78,8 +80,6 @@ class UnknownNameError(ConfigError, LookupError):
     """A name that no plugin registered (model architecture, parser, load format, ...)."""
 
     def __init__(self, kind: str, name: str, known: list[str], *, flag: str | None = None, hint: str = ""):
-        from tokenloom.plugins.registry import closest_match
-
         suggestion = closest_match(name, known)
         parts = [f"unknown {kind} {name!r}" + (f" (for {flag})" if flag else "")]
         parts.append("registered: " + (", ".join(sorted(known)) if known else "none"))
@@ -96,3 +96,12 @@ class UnknownNameError(ConfigError, LookupError):
 
 class ModelLoadError(TokenloomError):
     """Model files are missing, corrupt or of a kind no plugin loads; the message names the file."""
+
+
+def closest_match(name: str, known: list[str]) -> str | None:
+    """The known name ``name`` most likely misspells (or differs from only in case), or None."""
+    matches = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    if not matches:
+        lowered = {k.lower(): k for k in known}
+        matches = [lowered[name.lower()]] if name.lower() in lowered else []
+    return matches[0] if matches else None

@@ -7,10 +7,55 @@ Importing this module is cheap: interfaces that need torch are imported on first
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from tokenloom.plugins.hookspecs import hookimpl
+from tokenloom.plugins.hookspecs import Register, hookimpl
 from tokenloom.plugins.manager import REGISTRATION_MARK
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editors
+    from tokenloom.api.protocol import ChatCompletionRequest
+    from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+    from tokenloom.builtin_plugins.tool_parsers.base import (
+        NEED_MORE,
+        ParsedCall,
+        Section,
+        SectionToolParser,
+        arguments_json,
+        call_from_object,
+        calls_from_array,
+        json_array_section,
+        json_object_section,
+        json_value_end,
+    )
+    from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
+    from tokenloom.core.executor import Executor
+    from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
+    from tokenloom.core.model_interface import KVCacheSpec, ModelContext, ModelProtocol
+    from tokenloom.core.parsers import (
+        DeltaMessage,
+        ExtractedToolCalls,
+        ParserTokenizer,
+        ReasoningParser,
+        RequestT,
+        ToolCall,
+        ToolCallDelta,
+        ToolParser,
+        find_first_marker,
+        keep_special_tokens,
+        partial_marker_length,
+    )
+    from tokenloom.core.platform import Platform
+    from tokenloom.core.request import (
+        CompletionOutput,
+        PoolingParams,
+        PoolingRequestOutput,
+        RequestOutput,
+        SamplingParams,
+    )
+    from tokenloom.core.structured_output import BackendOptions, Constraint, Matcher, StructuredOutputBackend
+    from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
+    from tokenloom.layers.quantization import QuantizationMethod
 
 _LAZY = {
     # interfaces
@@ -27,12 +72,30 @@ _LAZY = {
     "Matcher": "tokenloom.core.structured_output",
     "Constraint": "tokenloom.core.structured_output",
     "BackendOptions": "tokenloom.core.structured_output",
-    "ToolParser": "tokenloom.api.parsers",
-    "ReasoningParser": "tokenloom.api.parsers",
-    "ToolCall": "tokenloom.api.parsers",
-    "ToolCallDelta": "tokenloom.api.parsers",
-    "ExtractedToolCalls": "tokenloom.api.parsers",
-    "DeltaMessage": "tokenloom.api.parsers",
+    "ToolParser": "tokenloom.core.parsers",
+    "ReasoningParser": "tokenloom.core.parsers",
+    "ParserTokenizer": "tokenloom.core.parsers",
+    "ToolCall": "tokenloom.core.parsers",
+    "ToolCallDelta": "tokenloom.core.parsers",
+    "ExtractedToolCalls": "tokenloom.core.parsers",
+    "DeltaMessage": "tokenloom.core.parsers",
+    "RequestT": "tokenloom.core.parsers",
+    # what the built-in parsers are made of: streaming text helpers and their base classes
+    "partial_marker_length": "tokenloom.core.parsers",
+    "find_first_marker": "tokenloom.core.parsers",
+    "keep_special_tokens": "tokenloom.core.parsers",
+    "SectionToolParser": "tokenloom.builtin_plugins.tool_parsers.base",
+    "Section": "tokenloom.builtin_plugins.tool_parsers.base",
+    "ParsedCall": "tokenloom.builtin_plugins.tool_parsers.base",
+    "NEED_MORE": "tokenloom.builtin_plugins.tool_parsers.base",
+    "json_value_end": "tokenloom.builtin_plugins.tool_parsers.base",
+    "arguments_json": "tokenloom.builtin_plugins.tool_parsers.base",
+    "json_object_section": "tokenloom.builtin_plugins.tool_parsers.base",
+    "json_array_section": "tokenloom.builtin_plugins.tool_parsers.base",
+    "call_from_object": "tokenloom.builtin_plugins.tool_parsers.base",
+    "calls_from_array": "tokenloom.builtin_plugins.tool_parsers.base",
+    "MarkedReasoningParser": "tokenloom.builtin_plugins.reasoning_parsers.base",
+    "ChatCompletionRequest": "tokenloom.api.protocol",
     # data that crosses boundaries
     "SamplingParams": "tokenloom.core.request",
     "RequestOutput": "tokenloom.core.request",
@@ -48,7 +111,19 @@ _LAZY = {
     "PluginError": "tokenloom.errors",
 }
 
-__all__ = ["hookimpl", "register_tool_parser", "register_reasoning_parser", *_LAZY]
+# every name below, spelled out so that linters and type checkers see the re-exports
+__all__ = [
+    "Register", "hookimpl", "register_reasoning_parser", "register_tool_parser", "Platform", "Executor",
+    "ModelSource", "ResolvedModel", "LoadFormat", "ModelProtocol", "ModelContext", "KVCacheSpec",
+    "QuantizationMethod", "StructuredOutputBackend", "Matcher", "Constraint", "BackendOptions", "ToolParser",
+    "ReasoningParser", "ParserTokenizer", "ToolCall", "ToolCallDelta", "ExtractedToolCalls", "DeltaMessage",
+    "RequestT", "partial_marker_length", "find_first_marker", "keep_special_tokens", "SectionToolParser",
+    "Section", "ParsedCall", "NEED_MORE", "json_value_end", "arguments_json", "json_object_section",
+    "json_array_section", "call_from_object", "calls_from_array", "MarkedReasoningParser",
+    "ChatCompletionRequest", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
+    "PoolingRequestOutput", "SchedulerOutput", "ModelRunnerOutput", "AttentionMetadata", "InvalidRequestError",
+    "ModelLoadError", "PluginError"
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -57,8 +132,17 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tokenloom.plugin_api' has no attribute {name!r}")
 
 
-def _mark(kind: str, name: str, **options):
-    def decorate(cls):
+ClassT = TypeVar("ClassT", bound=type)
+
+
+def _mark(kind: str, name: str, **options: Any) -> Callable[[ClassT], ClassT]:
+    if not isinstance(name, str) or not name:
+        # the likely slip: ``@register_tool_parser`` with no parentheses passes the class as the name
+        what = f"the class {name.__qualname__}" if isinstance(name, type) else repr(name)
+        raise TypeError(f"@register_{kind}(name) needs the name the flag will choose, e.g. "
+                        f"@register_{kind}(\"my_{kind}\"); it got {what}")
+
+    def decorate(cls: ClassT) -> ClassT:
         # the class's own marks only, never a base class's (vars, not getattr)
         marks = list(vars(cls).get(REGISTRATION_MARK, ()))
         marks.append((kind, name, options))
@@ -68,13 +152,13 @@ def _mark(kind: str, name: str, **options):
     return decorate
 
 
-def register_tool_parser(name: str, **options):
+def register_tool_parser(name: str, **options: Any) -> Callable[[ClassT], ClassT]:
     """Class decorator for a ``--tool-parser-plugin`` file: registers the parser under ``name``
     when the file is loaded as a plugin (marking only: nothing happens at import)."""
     return _mark("tool_parser", name, **options)
 
 
-def register_reasoning_parser(name: str, **options):
+def register_reasoning_parser(name: str, **options: Any) -> Callable[[ClassT], ClassT]:
     """Class decorator: registers a reasoning parser under ``name`` when its file or module is
     loaded as a plugin."""
     return _mark("reasoning_parser", name, **options)

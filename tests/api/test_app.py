@@ -17,6 +17,7 @@ from tests.api.conftest import client_for
 from tests.api.fake_engine import FakeStats
 from tokenloom import __version__
 from tokenloom.api.metrics import format_stats_line, log_stats_periodically
+from tokenloom.errors import PluginError
 from tokenloom.plugins.manager import PluginSet, new_registries
 
 pytestmark = pytest.mark.anyio
@@ -117,6 +118,48 @@ async def test_plugin_routes_from_the_registry(make_app):
     registries["api_route"].register("echo", add_echo_route, plugin_name="tests")
     async with client_for(make_app(plugins=PluginSet(registries, [], []))) as http_client:
         assert (await http_client.get("/plugin/model")).json() == {"model": "smollm2"}
+
+
+def add_status_routes(app, engine):
+    router = APIRouter()
+
+    @router.get("/plugin/status")
+    async def status():
+        return {"ok": True}
+
+    @router.get("/plugin/private")
+    async def private():
+        return {"secret": True}
+
+    @router.get("/v1/models")  # taken by the built-in route: never reached
+    async def shadowed_models():
+        return {"plugin": True}
+
+    app.include_router(router)
+
+
+async def test_plugin_routes_need_the_api_key_unless_declared_public_and_shadowing_is_warned(make_app, caplog):
+    registries = new_registries()
+    registries["api_route"].register("status", add_status_routes, plugin_name="status_plugin",
+                                     public_paths=["/plugin/status"])
+    with caplog.at_level("WARNING", logger="tokenloom.api.app"):
+        app = make_app(plugins=PluginSet(registries, [], []), api_key=["sekret"])
+    [warning] = [record.getMessage() for record in caplog.records if "unreachable" in record.getMessage()]
+    assert warning.startswith("plugin 'status_plugin' (API routes 'status') adds GET /v1/models, which is already served")
+    async with client_for(app) as http_client:
+        assert (await http_client.get("/plugin/status")).json() == {"ok": True}
+        assert (await http_client.get("/plugin/private")).status_code == 401
+        authorized = {"Authorization": "Bearer sekret"}
+        assert (await http_client.get("/plugin/private", headers=authorized)).json() == {"secret": True}
+        assert "plugin" not in (await http_client.get("/v1/models", headers=authorized)).json()
+
+
+def test_public_paths_must_be_a_list_of_paths(make_app):
+    registries = new_registries()
+    registries["api_route"].register("status", add_status_routes, plugin_name="status_plugin",
+                                     public_paths="/plugin/status")
+    with pytest.raises(PluginError, match="public_paths='/plugin/status': expected a list of paths"):
+        make_app(plugins=PluginSet(registries, [], []))
 
 
 def test_lifespan_starts_and_shuts_down_the_engine(make_app, engine):

@@ -1,6 +1,6 @@
-"""The command line: every vLLM serve flag of the seed documents is known and handled by its
-status, --config precedence, --help=..., `tokenloom plugins` / `version`, the hand-over to
-the server, and that --help and version import nothing heavy."""
+"""The ``tokenloom`` command: subcommands, exit codes and messages, the hand-over from ``serve``
+to the server, `tokenloom plugins` / `version`, and that --help and version import nothing
+heavy. (Serve's flags: test_serve_args.py; its help: test_serve_help.py.)"""
 
 from __future__ import annotations
 
@@ -12,308 +12,11 @@ import sys
 import textwrap
 import types
 from importlib.machinery import ModuleSpec
-from pathlib import Path
 
 import pytest
 
-from tokenloom.api import cli, flags
-from tokenloom.api.cli import DEFAULT_MODEL, main, parse_serve_args
-from tokenloom.api.flags import CPU_NOOP, FLAG_BY_NAME, FLAGS, IMPLEMENTED, NOOP, UNIMPLEMENTED
-from tokenloom.api.server_config import ServerConfig
-from tokenloom.core.config import EngineArgs
-from tokenloom.errors import ConfigError, NotImplementedFlagError, UnknownNameError
+from tokenloom.api.cli import main
 from tokenloom.plugins import manager
-
-HERE = Path(__file__).resolve().parent
-SEEDS = Path("/work/shared/seeds")
-SEED_FLAGS = (HERE / "vllm_seed_flags.txt").read_text().split()
-
-# What the seed documents contain that is not a `serve` flag, and why.
-SEED_EXCLUSIONS = {
-    # `vllm bench latency` options (004): they belong to a later `tokenloom bench`
-    "--batch-size", "--disable-detokenize", "--input-len", "--n", "--num-iters", "--num-iters-warmup",
-    "--output-json", "--output-len", "--profile", "--use-beam-search",
-    "--help", "-h",
-    # vLLM's placeholder in its explanation of JSON flags
-    "--json-arg", "--json-arg.key1", "--json-arg.key2.key3", "--json-arg.key4", "-json-arg", "-json-arg.key1",
-    # typos and words run together in the rendered pages (001, 002, 003)
-    "--enforce.-eager", "--ignore.-patterns", "--max-num.-partial-prefills", "--collects-detailed-traces",
-    "--models", "--chat-templateoptional", "--enable-auto-tool-choicemandatory", "-tokenizer-pool-size0",
-    # -O with its value attached (-O3, -O.level=3): tested below
-    "-O3", "-O.level",
-}
-
-
-def extract_seed_flags(text: str) -> set[str]:
-    short_aliases = {alias for flag in FLAGS for alias in flag.aliases}
-    found = set()
-    for token in re.findall(r"(?<![\w.\-/])(--?[A-Za-z][\w.\-]*)", text):
-        if token.endswith("-"):
-            continue  # a flag hyphenated across a line break
-        token = token.rstrip(".")
-        if token in SEED_EXCLUSIONS:
-            continue
-        if not token.startswith("--") and token not in short_aliases:
-            token = "-" + token  # 002 renders --flag as -flag
-        found.add(token)
-    return found
-
-
-def parse(*argv, **environ) -> cli.ServeArgs:
-    return parse_serve_args(list(argv), environ)
-
-
-# -- the catalogue covers vLLM ----------------------------------------------------------------------
-
-
-@pytest.mark.skipif(not SEEDS.is_dir(), reason="the seed documents live outside the repository")
-def test_the_recorded_seed_flags_are_every_flag_in_the_seed_documents():
-    text = "".join(path.read_text(encoding="utf-8") for path in sorted(SEEDS.glob("0*.txt")))
-    assert extract_seed_flags(text) == set(SEED_FLAGS)
-
-
-def test_every_seed_flag_is_in_the_catalogue():
-    assert len(SEED_FLAGS) > 250
-    missing = [name for name in SEED_FLAGS if name not in FLAG_BY_NAME]
-    assert not missing, f"vLLM flags tokenloom does not know: {missing}"
-
-
-def test_catalogue_is_consistent():
-    flags.check_catalogue()  # implemented flags land on fields that exist
-    options = [option for flag in FLAGS for option in flag.option_strings]
-    assert len(options) == len(set(options)), "an option string belongs to two flags"
-    assert len({flag.key for flag in FLAGS}) == len(FLAGS)
-    for flag in FLAGS:
-        assert flags.help_text(flag), f"{flag.name} has no help text"
-        if flag.status in (CPU_NOOP, NOOP):
-            assert flag.note, f"{flag.name} must say why it is ignored"
-    for name in ("-tp", "-pp", "-q", "-O", "--no-enable-prefix-caching", "--no-trust-remote-code"):
-        assert name in FLAG_BY_NAME
-
-
-def sample_value(flag: flags.Flag) -> list[str]:
-    """Tokens that give ``flag`` a value different from its default."""
-    if flag.kind == "bool":
-        return [flag.name]
-    if flag.choices:
-        return [flag.name, next(str(choice) for choice in flag.choices if choice != flags.default_value(flag))]
-    value = {"int": "7", "float": "0.25", "size": "1k", "json": '{"a": 1}', "level_or_json": "3"}.get(flag.kind, "x")
-    return [flag.name, value]
-
-
-SAMPLES = {
-    "--structured-outputs-config": ["--structured-outputs-config", '{"backend": "outlines"}'],
-    "--enable-auto-tool-choice": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-    "--enable-reasoning": ["--enable-reasoning", "--reasoning-parser", "qwen3"],
-    "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.5"],
-    "--block-size": ["--block-size", "32"],
-    "--config": None,  # a file: tested on its own
-}
-
-
-@pytest.mark.parametrize("flag", [flag for flag in FLAGS if SAMPLES.get(flag.name, ()) is not None],
-                         ids=lambda flag: flag.name)
-def test_every_flag_is_handled_by_its_status(flag):
-    argv = SAMPLES.get(flag.name) or sample_value(flag)
-    if flag.status == UNIMPLEMENTED:
-        with pytest.raises(NotImplementedFlagError) as caught:
-            parse(*argv)
-        assert str(caught.value).startswith(f"tokenloom does not implement {flag.name} yet")
-        return
-    serve_args = parse(*argv)
-    if flag.status in (CPU_NOOP, NOOP):
-        assert any(warning.startswith(flag.name) for warning in serve_args.warnings)
-        without_flag = parse(*argv[1 if flag.kind == "bool" else 2:])  # the flag itself changes nothing
-        assert (serve_args.engine_kwargs, serve_args.server) == (without_flag.engine_kwargs, without_flag.server)
-    else:
-        assert flag.status == IMPLEMENTED
-        assert serve_args.engine_kwargs != {"model": DEFAULT_MODEL} or serve_args.server != ServerConfig()
-
-
-# -- parsing ------------------------------------------------------------------------------------------------
-
-
-def test_defaults_serve_smollm2():
-    serve_args = parse()
-    assert serve_args.engine_kwargs == {"model": "smollm2"}
-    assert isinstance(serve_args.engine_args, EngineArgs) and serve_args.engine_args.model == "smollm2"
-    assert serve_args.server == ServerConfig() and serve_args.warnings == []
-
-
-def test_engine_and_server_flags_land_on_their_fields():
-    serve_args = parse("qwen", "--max-model-len", "4096", "-tp", "1", "--pipeline-parallel-size", "1",
-                       "--kv-cache-dtype", "auto", "--served-model-name", "a", "b", "--port", "9001",
-                       "--host", "0.0.0.0", "--uvicorn-log-level", "debug", "--max-num-seqs", "8",
-                       "--hf-overrides", '{"rope_theta": 1000}', "--tool-call-parser", "hermes",
-                       "--enable-auto-tool-choice", "--chat-template", "t.jinja", "--reasoning-parser", "qwen3")
-    assert serve_args.engine_kwargs == {
-        "model": "qwen", "max_model_len": 4096, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-        "cache_dtype": "auto", "served_model_name": ["a", "b"], "max_num_seqs": 8,
-        "hf_overrides": {"rope_theta": 1000}, "reasoning_parser": "qwen3",
-    }
-    server = serve_args.server
-    assert (server.port, server.host, server.uvicorn_log_level) == (9001, "0.0.0.0", "debug")
-    assert (server.tool_call_parser, server.enable_auto_tool_choice, server.chat_template) == ("hermes", True, "t.jinja")
-    config = serve_args.engine_args.create_engine_config()
-    assert config.model.max_model_len == 4096 and config.structured_output.reasoning_parser == "qwen3"
-
-
-def test_boolean_flags_take_no_forms_and_explicit_values():
-    kwargs = parse("--no-enable-prefix-caching", "--enforce-eager", "--enable-chunked-prefill", "false",
-                   "--trust-remote-code=true", "--guided-decoding-disable-fallback", "True").engine_kwargs
-    assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
-    assert kwargs["enable_chunked_prefill"] is False and kwargs["trust_remote_code"] is True
-    assert kwargs["guided_decoding_disable_fallback"] is True
-    assert parse("--enforce-eager", "smollm2").engine_kwargs["model"] == "smollm2"  # never eats the model
-    with pytest.raises(ConfigError, match="expected true or false"):
-        parse("--enforce-eager=maybe")
-
-
-def test_human_readable_sizes_and_underscored_flag_names():
-    kwargs = parse("--max-model-len", "2K", "--max_num_batched_tokens=1.5k", "--kv-cache-memory-bytes", "1G").engine_kwargs
-    assert kwargs == {"model": DEFAULT_MODEL, "max_model_len": 2048, "max_num_batched_tokens": 1500,
-                      "kv_cache_memory_bytes": 1024 ** 3}
-    with pytest.raises(ConfigError, match="'2.5' is not a whole number|not an integer"):
-        parse("--max-model-len", "2.5")
-
-
-def test_json_flags_take_vllm_dotted_form_and_merge():
-    kwargs = parse("--hf-overrides", '{"a": {"b": 1}}', "--hf-overrides.a.c", "x", "--hf-overrides.rope_theta=5e5",
-                   "--model-loader-extra-config.items+", "p", "--model-loader-extra-config.items+=q,r").engine_kwargs
-    assert kwargs["hf_overrides"] == {"a": {"b": 1, "c": "x"}, "rope_theta": 500000.0}
-    assert kwargs["model_loader_extra_config"] == {"items": ["p", "q", "r"]}
-    with pytest.raises(ConfigError, match="expected a JSON object"):
-        parse("--rope-scaling", "[1, 2]")
-
-
-def test_old_and_new_names_of_the_same_setting():
-    assert parse("--guided-decoding-backend", "xgrammar").engine_kwargs["guided_decoding_backend"] == "xgrammar"
-    kwargs = parse("--structured-outputs-config", '{"backend": "outlines", "disable_any_whitespace": true}').engine_kwargs
-    assert kwargs["guided_decoding_backend"] == "outlines" and kwargs["guided_decoding_disable_any_whitespace"] is True
-    assert parse("--structured-outputs-config.backend", "xgrammar").engine_kwargs["guided_decoding_backend"] == "xgrammar"
-    with pytest.raises(ConfigError, match="set guided_decoding_backend to different values"):
-        parse("--guided-decoding-backend", "xgrammar", "--structured-outputs-config.backend", "outlines")
-    with pytest.raises(ConfigError, match="unknown key 'colour'"):
-        parse("--structured-outputs-config", '{"colour": "red"}')
-    assert parse("--pooler-config", '{"pooling_type": "MEAN"}').engine_kwargs["override_pooler_config"] == {
-        "pooling_type": "MEAN"}
-    serve_args = parse("--worker-use-ray")
-    assert serve_args.engine_kwargs["distributed_executor_backend"] == "ray"
-    assert "use --distributed-executor-backend ray" in serve_args.warnings[0]
-
-
-def test_enable_reasoning_is_accepted_with_a_reasoning_parser_only():
-    serve_args = parse("--enable-reasoning", "--reasoning-parser", "deepseek_r1")
-    assert serve_args.engine_kwargs["reasoning_parser"] == "deepseek_r1"
-    assert serve_args.warnings[0].startswith("--enable-reasoning has no effect")
-    with pytest.raises(ConfigError, match="--enable-reasoning needs --reasoning-parser"):
-        parse("--enable-reasoning")
-
-
-def test_unimplemented_flags_are_refused_by_name_unless_given_their_default():
-    with pytest.raises(NotImplementedFlagError, match=r"^tokenloom does not implement --speculative-config yet"):
-        parse("--speculative-config", '{"num_speculative_tokens": 3}')
-    with pytest.raises(NotImplementedFlagError, match=r"only its default, --num-scheduler-steps 1, is accepted"):
-        parse("--num-scheduler-steps", "8")
-    with pytest.raises(NotImplementedFlagError, match="HF_TOKEN"):
-        parse("--hf-token")
-    # the value that changes nothing passes silently: configs copied from vLLM keep working
-    assert parse("--num-scheduler-steps", "1", "--no-enable-lora", "--preemption-mode", "recompute",
-                 "--model-impl", "auto").warnings == []
-
-
-def test_cpu_noop_flags_are_accepted_with_one_warning_each():
-    serve_args = parse("--swap-space", "8", "--cuda-graph-sizes", "1", "2", "4", "-O3", "--disable-custom-all-reduce")
-    assert serve_args.engine_kwargs == {"model": DEFAULT_MODEL}
-    assert [warning.split()[0] for warning in serve_args.warnings] == [
-        "--swap-space", "--cuda-graph-sizes", "--compilation-config", "--disable-custom-all-reduce"]
-    assert all("no meaning on the CPU" in warning for warning in serve_args.warnings)
-    assert parse("-O", '{"level": 3}').warnings and parse("-O.level=3").warnings
-
-
-def test_unknown_flags_get_the_closest_match():
-    with pytest.raises(ConfigError, match=r"unrecognized argument: --max-model-lenght; did you mean --max-model-len\?"):
-        parse("--max-model-lenght", "10")
-    with pytest.raises(ConfigError, match="unrecognized argument: --frobnicate"):
-        parse("--frobnicate")
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--dtype", "int3"], "invalid choice: 'int3'"),
-    (["--block-size", "24"], "--block-size: must be a positive power of two"),
-    (["--port", "70000"], "--port: must be in 0..65535"),
-    (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value"),
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-    (["a", "b"], "unexpected arguments: b"),
-    (["a", "--model", "b"], "the model is given twice"),
-])
-def test_bad_values_are_config_errors(argv, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        parse(*argv)
-
-
-def test_model_positional_or_flag():
-    assert parse("--model", "qwen").engine_kwargs["model"] == "qwen"
-    assert parse("qwen", "--model", "qwen").engine_kwargs["model"] == "qwen"
-    assert parse("--port", "8001", "gemma3-270m").engine_kwargs["model"] == "gemma3-270m"
-
-
-def test_api_key_from_the_environment_when_the_flag_is_absent():
-    assert parse(TOKENLOOM_API_KEY="secret").server.api_key == ["secret"]
-    assert parse("--api-key", "flag-key", TOKENLOOM_API_KEY="secret").server.api_key == ["flag-key"]
-    assert parse("--api-key", "a", "--api-key", "b").server.api_key == ["a", "b"]
-    assert parse().server.api_key is None
-
-
-def test_plugin_flags_are_collected_for_load_plugins():
-    server = parse("--plugin", "pkg_a", "--plugin", "pkg_b", "--tool-parser-plugin", "p.py",
-                   "--middleware", "m:one", "--allowed-origins", '["http://a", "http://b"]').server
-    assert server.plugins == ["pkg_a", "pkg_b"] and server.tool_parser_plugin == ["p.py"]
-    assert server.middleware == ["m:one"] and server.allowed_origins == ["http://a", "http://b"]
-
-
-# -- --config FILE.yaml ------------------------------------------------------------------------------------
-
-
-def write_config(tmp_path, text: str) -> str:
-    path = tmp_path / "serve.yaml"
-    path.write_text(textwrap.dedent(text))
-    return str(path)
-
-
-def test_config_file_precedence_command_line_over_file_over_defaults(tmp_path):
-    path = write_config(tmp_path, """
-        model: qwen
-        max_model_len: 2048
-        max-num-seqs: 16
-        port: 9000
-        enable-prefix-caching: false
-        served-model-name: [alpha, beta]
-        middleware: ["m:one", "m:two"]
-        hf-overrides: {rope_theta: 10000}
-    """)
-    serve_args = parse("--config", path, "--max-model-len", "4096", "--port", "9100")
-    assert serve_args.engine_kwargs == {
-        "model": "qwen", "max_model_len": 4096, "max_num_seqs": 16, "enable_prefix_caching": False,
-        "served_model_name": ["alpha", "beta"], "hf_overrides": {"rope_theta": 10000}}
-    assert serve_args.server.port == 9100 and serve_args.server.middleware == ["m:one", "m:two"]
-    assert serve_args.server.host == ServerConfig().host  # neither: the default
-    assert parse("smollm2", "--config", path).engine_kwargs["model"] == "smollm2"
-
-
-def test_config_file_values_go_through_the_same_checks(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown key 'max_model_lenght'; did you mean 'max-model-len'\?"):
-        parse("--config", write_config(tmp_path, "max_model_lenght: 5\n"))
-    with pytest.raises(ConfigError, match="invalid int value"):
-        parse("--config", write_config(tmp_path, "max-num-seqs: lots\n"))
-    with pytest.raises(NotImplementedFlagError, match="does not implement --enable-lora"):
-        parse("--config", write_config(tmp_path, "enable-lora: true\n"))
-    with pytest.raises(ConfigError, match="expected a mapping"):
-        parse("--config", write_config(tmp_path, "- a\n- b\n"))
-    with pytest.raises(ConfigError, match="No such file"):
-        parse("--config", str(tmp_path / "missing.yaml"))
-    assert "--swap-space" in parse("--config", write_config(tmp_path, "swap_space: 8\n")).warnings[0]
-
 
 # -- main: exit codes and messages --------------------------------------------------------------------------
 
@@ -340,15 +43,6 @@ def test_version(capsys):
     assert main(["--version"]) == 0
 
 
-def test_serve_without_an_engine_exits_3(capsys, monkeypatch):
-    real_find_spec = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tokenloom.api.server" else real_find_spec(name, *a))
-    assert main(["serve", "--swap-space", "1"]) == 3
-    err = capsys.readouterr().err
-    assert "tokenloom: the engine is not built yet" in err and "--swap-space has no meaning" in err
-
-
 @pytest.fixture
 def fake_server(monkeypatch):
     """A stand-in tokenloom.api.server and plugin set: what serve hands over, and with what."""
@@ -368,10 +62,12 @@ def fake_server(monkeypatch):
     registries["tool_parser"].register("hermes", "json:JSONDecoder", plugin_name="builtins")
     plugin_set = PluginSet(registries, [], [])
 
-    def fake_load_plugins(modules=(), files=(), **_):
+    def fake_load_plugins(modules=(), files=(), strict=False, **_):
         calls["load_plugins"] = (list(modules), list(files))
+        calls["strict"] = strict
         return plugin_set
 
+    calls["real_load_plugins"] = manager.load_plugins
     monkeypatch.setattr(manager, "load_plugins", fake_load_plugins)
     return calls
 
@@ -385,57 +81,31 @@ def test_serve_loads_the_named_plugins_and_hands_over_serve_args(fake_server):
     assert serve_args.plugins.registry("tool_parser").names() == ["hermes"]
 
 
+def test_serve_passes_strict_plugins_on(fake_server):
+    assert main(["serve", "--strict-plugins"]) == 0 and fake_server["strict"] is True
+    assert main(["serve"]) == 0 and fake_server["strict"] is False
+
+
+def test_serve_refuses_to_start_when_a_named_plugin_module_fails(fake_server, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(manager, "load_plugins", fake_server["real_load_plugins"])
+    monkeypatch.setattr(manager, "_cache", {})
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    (tmp_path / "half_written_plugin.py").write_text("import json\nfrom tokenloom.plugin_api import hookimpl, nope\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["serve", "--plugin", "half_written_plugin"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenloom serve: error: --plugin half_written_plugin: ImportError: "
+                          "cannot import name 'nope' from 'tokenloom.plugin_api'")
+    assert err.endswith(f"(at {tmp_path / 'half_written_plugin.py'}:2)\n")
+    assert "serve_args" not in fake_server  # the server never started
+
+
 def test_serve_rejects_a_parser_no_plugin_registered(fake_server, capsys):
     assert main(["serve", "--tool-call-parser", "hermez"]) == 2
     err = capsys.readouterr().err
     assert "unknown tool_parser 'hermez' (for --tool-call-parser)" in err and "did you mean 'hermes'?" in err
     assert "serve_args" not in fake_server
 
-
-def test_check_plugin_choices_skips_auto_and_reads_backend_options(fake_server):
-    serve_args = parse("--guided-decoding-backend", "auto", "--load-format", "auto", "--device", "auto")
-    serve_args.plugins = manager.load_plugins()
-    cli.check_plugin_choices(serve_args)  # nothing to look up
-    serve_args = parse("--guided-decoding-backend", "xgrammar:disable-any-whitespace")
-    serve_args.plugins = manager.load_plugins()
-    with pytest.raises(UnknownNameError, match="unknown structured_output_backend 'xgrammar'"):
-        cli.check_plugin_choices(serve_args)
-
-
-# -- --help ---------------------------------------------------------------------------------------------------
-
-
-def help_output(capsys, *argv) -> tuple[int, str]:
-    code = main(["serve", *argv])
-    return code, capsys.readouterr().out
-
-
-def test_plain_help_lists_the_groups(capsys):
-    code, out = help_output(capsys, "--help")
-    assert code == 0 and "usage: tokenloom serve [MODEL] [flags]" in out
-    for group in flags.GROUPS:
-        assert group in out
-    assert "--help=listgroup" in out
-
-
-def test_help_for_a_group_a_flag_a_keyword_and_the_group_list(capsys):
-    code, out = help_output(capsys, "--help=ModelConfig")
-    assert code == 0 and "--max-model-len MAX_MODEL_LEN" in out and "--port" not in out
-    code, out = help_output(capsys, "--help=cacheconfig")
-    assert "--block-size" in out and "[ignored on the CPU]" in out  # --swap-space
-    code, out = help_output(capsys, "--help=max-model-len")
-    assert out.strip().startswith("--max-model-len MAX_MODEL_LEN") and "Model context length" in out
-    assert "(default: None)" in out
-    code, out = help_output(capsys, "--help=-tp")
-    assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp" in out
-    code, out = help_output(capsys, "--help=PREFIX")
-    assert "--enable-prefix-caching, --no-enable-prefix-caching" in out and "--prefix-caching-hash-algo" in out
-    code, out = help_output(capsys, "--help=listgroup")
-    assert out.splitlines()[0].startswith("Frontend:") and len(out.splitlines()) == len(flags.GROUPS)
-    code, out = help_output(capsys, "--help=speculative-config")
-    assert "[not implemented]" in out
-    code, out = help_output(capsys, "--help=zzzzzz")
-    assert code == 2 and "no flag, group or keyword matches 'zzzzzz'" in out
 
 
 def test_top_level_help_lists_the_subcommands(capsys):
@@ -525,3 +195,71 @@ def test_plugins_command_imports_no_heavy_module():
         if check.returncode == 0 and check.stdout.split()[-1] == "True":
             offenders.append(f"{entry_point.name} ({entry_point.value})")
     pytest.fail(f"`tokenloom plugins` imports torch; entry-point modules that import it: {offenders}")
+
+
+def test_plugins_check_imports_every_target_and_names_the_broken_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(manager, "_cache", {})
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    plugin_file = tmp_path / "typo_targets.py"
+    plugin_file.write_text(textwrap.dedent("""
+        from tokenloom.plugin_api import hookimpl
+
+        @hookimpl
+        def register_tool_parsers(register):
+            register("fine", "json:JSONDecoder")
+            register("typo", "json:JSONDecodr")
+    """))
+    assert main(["plugins", "--check", "--tool-parser-plugin", str(plugin_file)]) == 1
+    out = capsys.readouterr().out
+    assert "check: 2 of 3 registered targets import" in out  # the executor, 'fine' and not 'typo'
+    assert ("  tool_parser 'typo': tool_parser 'typo' (registered by plugin 'typo_targets.py'): plugin target "
+            "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'") in out
+
+    assert main(["plugins", "--check", "--json", "--tool-parser-plugin", str(plugin_file)]) == 1
+    assert [item["name"] for item in json.loads(capsys.readouterr().out)["unresolved"]] == ["typo"]
+    assert main(["plugins", "--tool-parser-plugin", str(plugin_file)]) == 0  # listing alone imports nothing
+
+
+def test_the_real_command_refuses_a_broken_named_plugin_and_with_strict_a_broken_installed_one(tmp_path):
+    """As an operator meets it: `tokenloom serve` in a subprocess exits 2 before loading a model."""
+    (tmp_path / "dummy_broken_ep.py").write_text("import json\njson.loads('{')\n")
+    info = tmp_path / "dummy_broken_ep-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dummy-broken-ep\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[tokenloom.plugins]\nbroken_ep = dummy_broken_ep\n")
+    env = {key: value for key, value in os.environ.items() if key != manager.ENABLED_PLUGINS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+
+    def serve(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tokenloom", "serve", *argv], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    result = serve("--plugin", "no_such_plugin_module")
+    assert result.returncode == 2, result.stderr
+    assert ("tokenloom serve: error: --plugin no_such_plugin_module: ModuleNotFoundError: "
+            "No module named 'no_such_plugin_module'") in result.stderr
+    result = serve("--strict-plugins")
+    assert result.returncode == 2, result.stderr
+    assert "--strict-plugins: plugin 'broken_ep' (dummy-broken-ep 0.1) failed to load: JSONDecodeError" in result.stderr
+    assert f"(at {tmp_path / 'dummy_broken_ep.py'}:2, raised in " in result.stderr
+
+
+def test_plugins_says_why_a_plugin_registered_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(manager, "_cache", {})
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    idle_hooks = tmp_path / "idle_hooks.py"
+    idle_hooks.write_text(textwrap.dedent("""
+        from tokenloom.plugin_api import hookimpl
+
+        @hookimpl
+        def register_tool_parsers(register):
+            pass  # registers only when some condition holds
+    """))
+    no_hooks = tmp_path / "no_hooks.py"
+    no_hooks.write_text("class Parser:\n    pass\n")
+    assert main(["plugins", "--tool-parser-plugin", str(idle_hooks), "--tool-parser-plugin", str(no_hooks)]) == 0
+    out = capsys.readouterr().out
+    assert (f"idle_hooks.py  (file {idle_hooks})\n  (registered nothing: its hooks (register_tool_parsers) ran and called "
+            "register for nothing)") in out
+    assert (f"no_hooks.py  (file {no_hooks})\n  (registered nothing: it implements no hook (functions marked @hookimpl) "
+            "and marks no class (@register_tool_parser(\"name\")))") in out

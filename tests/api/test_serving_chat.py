@@ -9,7 +9,7 @@ import pytest
 
 from tests.api.conftest import client_for, sse_events
 from tests.api.fake_engine import FakeEngine
-from tokenloom.api.parsers import DeltaMessage, ExtractedToolCalls, ReasoningParser, ToolCall, ToolCallDelta, ToolParser
+from tokenloom.core.parsers import DeltaMessage, ExtractedToolCalls, ReasoningParser, ToolCall, ToolCallDelta, ToolParser
 from tokenloom.errors import UnknownNameError
 from tokenloom.plugins.manager import PluginSet, new_registries
 

@@ -38,6 +38,7 @@ def plugin_dir(tmp_path, monkeypatch):
             "[tokenloom.plugins]\n" + "".join(f"{name} = {module}\n" for name, module in entry_points.items()))
 
     write_module.distribution = write_distribution
+    write_module.directory = tmp_path
     return write_module
 
 
@@ -149,7 +150,67 @@ def test_a_plugin_that_fails_to_import_is_reported_and_the_others_load(plugin_di
     assert [info.name for info in plugin_set.plugins] == ["alpha"]
     [failure] = plugin_set.failures
     assert (failure.name, failure.origin) == ("broken", "dummy-broken 0.1")
-    assert failure.cause == "ImportError: dummy_broken needs libfoo, which is not installed"
+    # the cause says where: the file and line of the plugin's own code that raised
+    assert failure.cause == ("ImportError: dummy_broken needs libfoo, which is not installed "
+                             f"(at {plugin_dir.directory / 'dummy_broken.py'}:2)")
+
+
+def test_strict_makes_a_failing_entry_point_plugin_fatal(plugin_dir, monkeypatch):
+    plugin_dir("dummy_alpha", ALPHA)
+    plugin_dir("dummy_broken", """
+        import json
+        json.loads("{")
+    """)
+    plugin_dir.distribution("dummy-alpha", "1.0", {"alpha": "dummy_alpha"})
+    plugin_dir.distribution("dummy-broken", "0.1", {"broken": "dummy_broken"})
+    only_entry_points(monkeypatch, "alpha", "broken")
+    assert [failure.name for failure in load_plugins().failures] == ["broken"]  # a warning by default
+    with pytest.raises(PluginError) as caught:
+        load_plugins(strict=True)
+    message = str(caught.value)
+    assert message.startswith("--strict-plugins: plugin 'broken' (dummy-broken 0.1) failed to load: JSONDecodeError")
+    # the plugin's line first, then where the library it called raised
+    assert f"(at {plugin_dir.directory / 'dummy_broken.py'}:3, raised in " in message
+    assert message.endswith("json/decoder.py:" + message.rsplit(":", 1)[1])
+
+
+def test_a_hook_without_hookimpl_fails_saying_what_was_meant(plugin_dir, monkeypatch):
+    plugin_dir("dummy_unmarked", """
+        def register_tool_parsers(register):
+            register("never", "json:JSONDecoder")
+
+        def register_everything_else():  # a helper, not a hook
+            pass
+    """)
+    plugin_dir("dummy_unmarked_typo", """
+        def register_tool_parser(register):
+            register("never", "json:JSONDecoder")
+    """)
+    plugin_dir.distribution("dummy-unmarked", "1.0", {"unmarked": "dummy_unmarked", "typo": "dummy_unmarked_typo"})
+    only_entry_points(monkeypatch, "unmarked", "typo")
+    plugin_set = load_plugins()
+    assert plugin_set.plugins == []
+    causes = {failure.name: failure.cause for failure in plugin_set.failures}
+    assert causes["unmarked"] == ("'register_tool_parsers' looks like the register_tool_parsers hook but is not marked: "
+                                  "decorate it with @hookimpl (from tokenloom.plugin_api import hookimpl)")
+    assert causes["typo"].endswith("@hookimpl (from tokenloom.plugin_api import hookimpl) "
+                                   "and name it 'register_tool_parsers'")
+
+
+def test_register_tool_parser_without_a_name_fails_saying_so(plugin_dir, tmp_path):
+    path = tmp_path / "nameless_parser.py"
+    path.write_text(textwrap.dedent("""
+        from tokenloom.plugin_api import ToolParser, register_tool_parser
+
+        @register_tool_parser
+        class NamelessParser(ToolParser):
+            pass
+    """))
+    with pytest.raises(PluginError) as caught:
+        load_plugins(files=[str(path)], entry_points=False)
+    assert ('TypeError: @register_tool_parser(name) needs the name the flag will choose, e.g. '
+            '@register_tool_parser("my_tool_parser"); it got the class NamelessParser') in str(caught.value)
+    assert f"(at {path}:4)" in str(caught.value)
 
 
 def test_a_hook_that_raises_fails_its_plugin_and_rolls_back_its_registrations(plugin_dir, monkeypatch):
@@ -169,7 +230,7 @@ def test_a_hook_that_raises_fails_its_plugin_and_rolls_back_its_registrations(pl
     plugin_set = load_plugins()
     assert plugin_set.plugins == []
     [failure] = plugin_set.failures
-    assert failure.cause == "register_tool_parsers raised RuntimeError: boom"
+    assert failure.cause == f"register_tool_parsers raised RuntimeError: boom (at {plugin_dir.directory / 'dummy_raising.py'}:10)"
     assert "HalfDoneForCausalLM" not in plugin_set.registry("model")
 
 
@@ -216,10 +277,22 @@ def test_plugin_module_option_loads_an_importable_module(plugin_dir):
     assert "dummy_cli_format" in plugin_set.registry("load_format")
 
 
-def test_plugin_module_that_does_not_exist_is_reported_by_name(plugin_dir):
-    [failure] = load_plugins(modules=["no_such_plugin_module"], entry_points=False).failures
-    assert failure.name == "no_such_plugin_module"
-    assert failure.cause == "ModuleNotFoundError: No module named 'no_such_plugin_module'"
+def test_a_plugin_module_that_does_not_exist_is_fatal_naming_it(plugin_dir):
+    # the operator named it: starting without it would be a surprise (issue 20)
+    with pytest.raises(PluginError) as caught:
+        load_plugins(modules=["no_such_plugin_module"], entry_points=False)
+    assert str(caught.value) == "--plugin no_such_plugin_module: ModuleNotFoundError: No module named 'no_such_plugin_module'"
+
+
+def test_a_plugin_module_that_fails_to_import_is_fatal_with_its_file_and_line(plugin_dir):
+    path = plugin_dir("dummy_bad_module", """
+        from tokenloom.plugin_api import hookimpl
+        import no_such_dependency_of_the_plugin
+    """)
+    with pytest.raises(PluginError) as caught:
+        load_plugins(modules=["dummy_bad_module"], entry_points=False)
+    assert str(caught.value) == ("--plugin dummy_bad_module: ModuleNotFoundError: No module named "
+                                 f"'no_such_dependency_of_the_plugin' (at {path}:3)")
 
 
 def test_plugin_module_already_loaded_by_its_entry_point_is_not_loaded_twice(plugin_dir, monkeypatch):

@@ -62,3 +62,39 @@ def test_the_engine_runs_the_scripted_model(tmp_path, smollm2_gguf):
     kept = llm.generate([prompt], SamplingParams(max_tokens=50, skip_special_tokens=False))[0].outputs[0]
     assert kept.text == "Hello, <b>world</b>! Grüße 👋"  # the EOS that ended it is not part of the text
     assert kept.finish_reason == "stop"
+
+
+NAMED_SOURCE = '''
+import os
+
+from tokenloom.plugin_api import ModelSource, ResolvedModel, hookimpl
+
+
+class NamedSource(ModelSource):
+    def matches(self, model):
+        return model.startswith("named:")
+
+    def resolve(self, model, *, revision=None, download_dir=None):
+        return ResolvedModel(path=os.environ["NAMED_SOURCE_DIR"], name="a-display-name", source="named")
+
+
+@hookimpl
+def register_model_sources(register):
+    register("named", NamedSource)
+'''
+
+
+@pytest.mark.hook("register_model_sources")
+def test_resolved_model_name_is_not_the_served_name(tmp_path, smollm2_gguf, monkeypatch):
+    """PLUGINS.md: clients name the model as the operator's tag (or --served-model-name),
+    whatever ``ResolvedModel.name`` a source returns."""
+    from tests.plugins.scripted_model.model_dir import load_tokenizer, write_model_dir
+    from tokenloom import LLM
+
+    model_dir = write_model_dir(str(tmp_path / "model"), load_tokenizer(smollm2_gguf), {"hello": "Hi"})
+    (tmp_path / "named_source_plugin.py").write_text(NAMED_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("NAMED_SOURCE_DIR", model_dir)
+    llm = LLM(model="named:scripted", plugins=["tests.plugins.scripted_model", "named_source_plugin"],
+              max_model_len=512)
+    assert llm.engine.model_name == "named:scripted"

@@ -37,9 +37,9 @@ from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_pooling import pooling_routes
 from tokenloom.api.serving_responses import ResponsesHandler, ResponseStore, responses_routes, store_size_from_env
 from tokenloom.chat_template import ChatRenderer, load_chat_template
-from tokenloom.errors import ConfigError, InvalidRequestError, TokenloomError
+from tokenloom.errors import ConfigError, InvalidRequestError, PluginError, TokenloomError
 
-logger = logging.getLogger("tokenloom.api")
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "TOKENLOOM_API_KEY"
 # routes only a generating model serves (a pooling model gets serving_pooling's instead)
@@ -140,12 +140,48 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
         routes.routes = [route for route in routes.routes if getattr(route, "path", None) not in GENERATION_PATHS]
         routes.include_router(pooling_routes(ctx, _guarded))
     app.include_router(routes)
+    public_paths: set[str] = set()
     if plugins is not None:
         for entry in plugins.registry("api_route").entries():
             logger.info("adding API routes %r from plugin %r", entry.name, entry.plugin_name)
+            num_routes = len(app.router.routes)
             entry.resolve()(app, engine)
-    install_middleware(app, config, _api_keys(config))
+            _warn_of_shadowed_routes(app.router.routes[:num_routes], app.router.routes[num_routes:], entry)
+            public_paths |= _declared_public_paths(entry)
+    install_middleware(app, config, _api_keys(config), public_paths=frozenset(public_paths))
     return app
+
+
+def _route_keys(routes: list[Any], prefix: str = "") -> set[tuple[str, str]]:
+    """``(path, method)`` of every endpoint among ``routes``, through included routers (newer
+    FastAPI keeps an included router whole, with its prefix, instead of copying its routes)."""
+    keys: set[tuple[str, str]] = set()
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            keys |= _route_keys(included.routes, prefix + getattr(getattr(route, "include_context", None), "prefix", ""))
+        elif hasattr(route, "path"):
+            keys |= {(prefix + route.path, method) for method in (getattr(route, "methods", None) or {"*"})}
+    return keys
+
+
+def _warn_of_shadowed_routes(earlier: list[Any], added: list[Any], entry: Any) -> None:
+    """The router answers with the first route that matches: a plugin route on a path and
+    method taken before it is never reached, so say so rather than let it fail silently."""
+    taken = _route_keys(earlier)
+    for path, method in sorted(_route_keys(added) & taken):
+        logger.warning("plugin %r (API routes %r) adds %s %s, which is already served (a built-in route or an "
+                       "earlier plugin's); the earlier route answers and the plugin's is unreachable: give it "
+                       "another path", entry.plugin_name, entry.name, method, path)
+
+
+def _declared_public_paths(entry: Any) -> set[str]:
+    """``register(name, target, public_paths=["/my/status"])``: paths served without the API key."""
+    paths = entry.options.get("public_paths", ())
+    if isinstance(paths, str) or not all(isinstance(path, str) and path.startswith("/") for path in paths):
+        raise PluginError(f"plugin {entry.plugin_name!r} registered API routes {entry.name!r} with "
+                          f"public_paths={paths!r}: expected a list of paths such as ['/my-plugin/status']")
+    return set(paths)
 
 
 def _routes(ctx: ServingContext, renderer: ChatRenderer, completions: CompletionsHandler, chat: ChatHandler,

@@ -230,6 +230,9 @@ FLAGS: tuple[Flag, ...] = (
     server("--plugin", "plugins", repeat=True, tokenloom_only=True, help=(
         "An importable module to load as a tokenloom plugin, besides the installed entry points "
         "(repeatable).")),
+    server("--strict-plugins", kind="bool", tokenloom_only=True, help=(
+        "Refuse to start when an installed (entry-point) plugin fails to load, instead of starting "
+        "without it and a warning. A --plugin or --tool-parser-plugin that fails is always fatal.")),
     server("--enable-prompt-tokens-details", kind="bool"),
     server("--enable-server-load-tracking", kind="bool"),
     server("--disable-frontend-multiprocessing", kind="bool"),

@@ -64,10 +64,12 @@ class ApiKeyMiddleware:
     """Requires ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on every
     route but the public ones; Anthropic's routes get Anthropic's error shape."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], metrics_require_key: bool = False):
+    def __init__(self, app: ASGIApp, api_keys: list[str], metrics_require_key: bool = False,
+                 plugin_public_paths: frozenset[str] = frozenset()):
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
-        self.public_paths = PUBLIC_PATHS if metrics_require_key else PUBLIC_PATHS | {"/metrics"}
+        # with the paths plugins declared public when registering their routes (``public_paths=[...]``)
+        self.public_paths = (PUBLIC_PATHS if metrics_require_key else PUBLIC_PATHS | {"/metrics"}) | plugin_public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
@@ -213,12 +215,14 @@ def add_user_middleware(app: FastAPI, import_paths: list[str]) -> None:
                               f"(request, call_next), got {type(target).__name__}", param="--middleware")
 
 
-def install_middleware(app: FastAPI, config: ServerConfig, api_keys: list[str]) -> None:
+def install_middleware(app: FastAPI, config: ServerConfig, api_keys: list[str],
+                       public_paths: frozenset[str] = frozenset()) -> None:
     """Adds tokenloom's middleware in the documented order; Starlette wraps each added one
     around the previous ones, so the first added is the innermost."""
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, metrics_require_key=config.metrics_require_key)
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, metrics_require_key=config.metrics_require_key,
+                           plugin_public_paths=public_paths)
     app.add_middleware(RequestIdMiddleware, add_header=config.enable_request_id_headers)
     app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
                        allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Iterator
 
-logger = logging.getLogger("tokenloom.api.server")
+logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOGGING_LEVEL_ENV = "TOKENLOOM_LOGGING_LEVEL"
@@ -119,7 +119,8 @@ async def _serve(serve_args: Any) -> None:
                     else f"in {seconds:.2f} s, before the flags were checked")
     else:
         with startup_phase("loading plugins"):
-            plugins = load_plugins(modules=server.plugins, files=server.tool_parser_plugin)
+            plugins = load_plugins(modules=server.plugins, files=server.tool_parser_plugin,
+                                   strict=server.strict_plugins)
     for failure in plugins.failures:
         logger.warning("plugin %r (%s) was not loaded: %s", failure.name, failure.origin, failure.cause)
     with startup_phase("building the engine"):

@@ -74,6 +74,8 @@ class ServerConfig:
     """.py files that define and register tool parsers."""
     plugins: list[str] = field(default_factory=list)
     """Importable modules to load as tokenloom plugins (besides the installed entry points)."""
+    strict_plugins: bool = False
+    """Refuse to start when an installed plugin fails to load (named plugins always do)."""
     enable_prompt_tokens_details: bool = False
     """Report cached prompt tokens in usage.prompt_tokens_details."""
     enable_server_load_tracking: bool = False

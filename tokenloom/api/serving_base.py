@@ -22,7 +22,7 @@ from tokenloom.api.server_config import ServerConfig
 from tokenloom.core.request import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError, NotFoundError
 
-logger = logging.getLogger("tokenloom.api")
+logger = logging.getLogger(__name__)
 
 # JSON has no -inf; OpenAI clients expect a number (vLLM sends the same floor)
 MIN_LOGPROB = -9999.0

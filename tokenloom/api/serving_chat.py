@@ -17,7 +17,6 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenloom.api import parsers
 from tokenloom.api.http_errors import sse_error_event
 from tokenloom.api.protocol import (
     SSE_DONE,
@@ -47,10 +46,11 @@ from tokenloom.api.serving_base import (
 )
 from tokenloom.api.serving_completions import check_output
 from tokenloom.chat_template import ChatRenderer, message_text
+from tokenloom.core import parsers
 from tokenloom.core.request import Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
-logger = logging.getLogger("tokenloom.api")
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

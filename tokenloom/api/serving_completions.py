@@ -32,7 +32,7 @@ from tokenloom.api.serving_base import (
 from tokenloom.core.request import Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
-logger = logging.getLogger("tokenloom.api")
+logger = logging.getLogger(__name__)
 
 
 def completion_logprobs(ctx: ServingContext, token_ids: list[int], positions: list[dict[int, Logprob] | None],

@@ -42,7 +42,7 @@ from tokenloom.core.pooling import check_pooling_params, cosine_similarity, scor
 from tokenloom.core.request import PoolingParams
 from tokenloom.errors import ContextLengthError, InvalidRequestError, TokenloomError
 
-logger = logging.getLogger("tokenloom.api")
+logger = logging.getLogger(__name__)
 
 POOLING_PATHS = ("/v1/embeddings", "/pooling", "/v1/score", "/v1/rerank", "/v2/rerank")
 # status nginx uses for "client closed request"; nobody reads it

@@ -13,7 +13,7 @@ class ResolvedModel:
     """A model tag resolved to local files."""
 
     path: str  # a directory or a single file (e.g. a .gguf)
-    name: str  # the name to show and serve under by default
+    name: str  # a display name for these files (logs); not the served name (--served-model-name, else the tag)
     source: str  # the model source plugin that resolved it
     load_format: str | None = None  # a hint, e.g. "gguf" for a .gguf file
 

@@ -12,6 +12,8 @@ receive the resolved registries as plain data (name -> ``"module:attr"``).
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import pluggy
 
 PROJECT_NAME = "tokenloom"
@@ -20,11 +22,24 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+class Register(Protocol):
+    """The callback every hook receives: ``register(name, target, *, override=False, **options)``.
+
+    ``name`` is what flags and requests choose by; ``target`` is a class, a factory or a lazy
+    ``"module:attr"`` string (imported on first use, and checked before the model loads when
+    a flag selects it). ``override=True`` replaces a name another plugin registered, on
+    purpose; otherwise a duplicate name is an error that names both plugins. ``options`` are
+    kept with the entry for the kind's consumer (e.g. ``public_paths`` for API routes).
+    """
+
+    def __call__(self, name: str, target: Any, *, override: bool = False, **options: Any) -> None: ...
+
+
 # -- what runs the model ---------------------------------------------------------------
 
 
 @hookspec
-def register_platforms(register):
+def register_platforms(register: Register) -> None:
     """Register device platforms (where tensors live and which attention backend runs).
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -37,7 +52,7 @@ def register_platforms(register):
 
 
 @hookspec
-def register_executors(register):
+def register_executors(register: Register) -> None:
     """Register executors: what owns the workers that run the model.
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -54,7 +69,7 @@ def register_executors(register):
 
 
 @hookspec
-def register_models(register):
+def register_models(register: Register) -> None:
     """Register model implementations by Hugging Face architecture name.
 
     :param register: ``register(architecture, target)``, e.g.
@@ -69,7 +84,7 @@ def register_models(register):
 
 
 @hookspec
-def register_load_formats(register):
+def register_load_formats(register: Register) -> None:
     """Register weight load formats (``--load-format``).
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -82,7 +97,7 @@ def register_load_formats(register):
 
 
 @hookspec
-def register_quantization_methods(register):
+def register_quantization_methods(register: Register) -> None:
     """Register quantization methods (``--quantization``).
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -95,7 +110,7 @@ def register_quantization_methods(register):
 
 
 @hookspec
-def register_model_sources(register):
+def register_model_sources(register: Register) -> None:
     """Register model sources: turn a model tag into local files.
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -113,7 +128,7 @@ def register_model_sources(register):
 
 
 @hookspec
-def register_tool_parsers(register):
+def register_tool_parsers(register: Register) -> None:
     """Register tool-call parsers (``--tool-call-parser``).
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -126,7 +141,7 @@ def register_tool_parsers(register):
 
 
 @hookspec
-def register_reasoning_parsers(register):
+def register_reasoning_parsers(register: Register) -> None:
     """Register reasoning parsers (``--reasoning-parser``).
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -139,7 +154,7 @@ def register_reasoning_parsers(register):
 
 
 @hookspec
-def register_structured_output_backends(register):
+def register_structured_output_backends(register: Register) -> None:
     """Register guided-decoding backends (``--guided-decoding-backend``).
 
     :param register: ``register(name, target)``; ``target`` resolves to a
@@ -152,7 +167,7 @@ def register_structured_output_backends(register):
 
 
 @hookspec
-def register_api_routes(register):
+def register_api_routes(register: Register) -> None:
     """Register extra HTTP routes on the OpenAI-compatible server.
 
     :param register: ``register(name, target)``; ``target`` resolves to a callable

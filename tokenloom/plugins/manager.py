@@ -4,24 +4,33 @@
 their hooks with an attributed ``register`` callback and returns a :class:`PluginSet`:
 a registry per kind, what each plugin registered, and the plugins that failed to load.
 Nothing here runs at import time.
+
+A plugin the operator named (``--plugin``, ``--tool-parser-plugin``) that fails is fatal: a
+:class:`PluginError` with the cause and the file and line it came from. An installed
+entry-point plugin that fails is a warning (listed by ``tokenloom plugins``), fatal too with
+``strict`` (``--strict-plugins``).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterable
+from types import ModuleType
+from typing import Any
 
 import importlib_metadata
 import pluggy
 
-from tokenloom.errors import PluginError
+from tokenloom.errors import PluginError, closest_match
 from tokenloom.plugins import hookspecs
-from tokenloom.plugins.registry import Registry, closest_match, import_file
+from tokenloom.plugins.registry import Registry, describe_exception, import_file
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +73,14 @@ class PluginInfo:
     name: str
     origin: str  # "package 1.2.3", "module foo.bar" or "file /path/x.py"
     registered: dict[str, list[str]] = field(default_factory=dict)
+    hooks: list[str] = field(default_factory=list)  # the hooks it implements, in call order
+
+    def nothing_registered_reason(self) -> str:
+        """Why a plugin that loaded registered nothing, for ``tokenloom plugins``."""
+        if self.hooks:
+            return f"its hooks ({', '.join(self.hooks)}) ran and called register for nothing"
+        return ("it implements no hook (functions marked @hookimpl) and marks no class "
+                "(@register_tool_parser(\"name\"))")
 
 
 @dataclass
@@ -91,7 +108,7 @@ class PluginSet:
         return {kind: registry.to_plain() for kind, registry in self.registries.items()}
 
     @classmethod
-    def from_plain(cls, tables: dict[str, dict[str, str]]) -> "PluginSet":
+    def from_plain(cls, tables: dict[str, dict[str, str]]) -> PluginSet:
         registries = {kind.name: Registry.from_plain(kind.name, tables.get(kind.name, {})) for kind in PLUGIN_KINDS}
         for kind in PLUGIN_KINDS:
             registries[kind.name].flag = kind.flag
@@ -110,7 +127,8 @@ def enabled_entry_point_names() -> set[str] | None:
     return {name.strip() for name in value.split(",") if name.strip()}
 
 
-_cache: dict[tuple, PluginSet] = {}
+# (modules, files, entry_points, enabled) -> the PluginSet they load
+_cache: dict[tuple[object, ...], PluginSet] = {}
 _cache_lock = threading.Lock()
 
 
@@ -119,13 +137,17 @@ def load_plugins(
     files: Iterable[str] = (),
     *,
     entry_points: bool = True,
+    strict: bool = False,
 ) -> PluginSet:
     """Discover and load plugins; the same arguments (and environment) give the same PluginSet.
 
-    :param modules: importable module names given with ``--plugin``.
-    :param files: ``.py`` paths given with ``--tool-parser-plugin``; an error in one is raised
-        (naming the path), since the user asked for that file explicitly.
+    :param modules: importable module names given with ``--plugin``; one that fails to load
+        raises :class:`PluginError` (naming the module, the cause, its file and line), since
+        the operator asked for it by name.
+    :param files: ``.py`` paths given with ``--tool-parser-plugin``; likewise.
     :param entry_points: load the ``tokenloom.plugins`` entry-point group (the built-ins too).
+    :param strict: an entry-point plugin that fails raises too (``--strict-plugins``), instead
+        of being left out with a warning.
     """
     # materialised once: a generator would be empty the second time it is read
     modules = list(modules)
@@ -136,7 +158,12 @@ def load_plugins(
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _load(modules, files, entry_points, enabled)
-        return _cache[key]
+        plugin_set = _cache[key]
+    if strict and plugin_set.failures:
+        raise PluginError("--strict-plugins: " + "; ".join(
+            f"plugin {failure.name!r} ({failure.origin}) failed to load: {failure.cause}"
+            for failure in plugin_set.failures))
+    return plugin_set
 
 
 def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set[str] | None) -> PluginSet:
@@ -150,18 +177,18 @@ def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set
         logger.warning("plugin %r (%s) failed to load: %s", name, origin, cause)
         failures.append(PluginFailure(name, origin, cause))
 
-    def add(name: str, origin: str, load) -> None:
+    def add(name: str, origin: str, load: Callable[[], ModuleType]) -> None:
         try:
             module = load()
         except Exception as exc:
-            fail(name, origin, f"{type(exc).__name__}: {exc}")
+            fail(name, origin, describe_exception(exc))
             return
         if manager.is_registered(module):
             return  # e.g. --plugin naming a module an entry point already loaded
         if manager.has_plugin(name):
             fail(name, origin, f"another plugin is already loaded under the name {name!r}; rename one of them")
             return
-        unknown = _unknown_hooks(manager, module)
+        unknown = _unknown_hooks(manager, module) or _unmarked_hooks(manager, module)
         if unknown:
             fail(name, origin, unknown)
             return
@@ -195,24 +222,30 @@ def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set
             add(entry_point.name, origin, entry_point.load)
     for module_name in modules:
         add(module_name, f"module {module_name}", partial(importlib.import_module, module_name))
+        if failures and failures[-1].origin == f"module {module_name}":
+            raise PluginError(f"--plugin {module_name}: {failures[-1].cause}")
     for path in files:
         try:
             module = import_file(path)
         except Exception as exc:
-            raise PluginError(f"--tool-parser-plugin {path}: {type(exc).__name__}: {exc}") from exc
-        add(os.path.basename(path), f"file {os.path.abspath(path)}", lambda module=module: module)
+            raise PluginError(f"--tool-parser-plugin {path}: {describe_exception(exc)}") from exc
+        add(os.path.basename(path), f"file {os.path.abspath(path)}", partial(_loaded, module))
         if failures and failures[-1].origin == f"file {os.path.abspath(path)}":
             raise PluginError(f"--tool-parser-plugin {path}: {failures[-1].cause}")
     return PluginSet(registries, plugins, failures)
 
 
-def _builtin_first(entry_point) -> tuple[int, str]:
+def _loaded(module: ModuleType) -> ModuleType:
+    return module
+
+
+def _builtin_first(entry_point: importlib_metadata.EntryPoint) -> tuple[int, str]:
     # Built-ins register first so that `auto` choices (load format, model source, platform)
     # try them in a fixed order; a third-party plugin replaces one with override=True.
     return (0 if entry_point.value.startswith("tokenloom.") else 1, entry_point.name)
 
 
-def _unknown_hooks(manager, module) -> str | None:
+def _unknown_hooks(manager: pluggy.PluginManager, module: ModuleType) -> str | None:
     """A misspelt hook (``register_model``) would silently never be called: name it instead."""
     known = [kind.hook for kind in PLUGIN_KINDS]
     for attr in dir(module):
@@ -224,13 +257,34 @@ def _unknown_hooks(manager, module) -> str | None:
     return None
 
 
-def _call_hooks(manager, module, info: PluginInfo, registries) -> str | None:
+def _unmarked_hooks(manager: pluggy.PluginManager, module: ModuleType) -> str | None:
+    """A hook function without ``@hookimpl`` is never called, and the plugin would register
+    nothing without a word: name it instead."""
+    known = [kind.hook for kind in PLUGIN_KINDS]
+    for attr, value in vars(module).items():
+        if not inspect.isfunction(value) or value.__module__ != module.__name__:
+            continue
+        if manager.parse_hookimpl_opts(module, attr) is not None:
+            continue
+        # the exact name, or a near miss (register_tool_parser); not any helper named register_*
+        near = difflib.get_close_matches(attr, known, n=1, cutoff=0.85)
+        hook = attr if attr in known else near[0] if near else None
+        if hook is not None:
+            return (f"{attr!r} looks like the {hook} hook but is not marked: decorate it with @hookimpl "
+                    "(from tokenloom.plugin_api import hookimpl)"
+                    + (f" and name it {hook!r}" if attr != hook else ""))
+    return None
+
+
+def _call_hooks(manager: pluggy.PluginManager, module: ModuleType, info: PluginInfo,
+                registries: dict[str, Registry]) -> str | None:
     """Call the plugin's hooks (and register its marked classes) into ``registries``; the
     cause of the first failure, or None."""
     for kind in PLUGIN_KINDS:
         registry = registries[kind.name]
 
-        def register(name, target, *, override=False, _registry=registry, _kind=kind.name, **options):
+        def register(name: str, target: Any, *, override: bool = False, _registry: Registry = registry,
+                     _kind: str = kind.name, **options: Any) -> None:
             _registry.register(name, target, plugin_name=info.name, override=override, **options)
             info.registered.setdefault(_kind, []).append(name)
 
@@ -238,10 +292,11 @@ def _call_hooks(manager, module, info: PluginInfo, registries) -> str | None:
         for impl in hook.get_hookimpls():
             if impl.plugin is not module:
                 continue
+            info.hooks.append(kind.hook)
             try:
                 impl.function(register=register)
             except Exception as exc:
-                return f"{kind.hook} raised {type(exc).__name__}: {exc}"
+                return f"{kind.hook} raised {describe_exception(exc)}"
     for value in list(vars(module).values()):
         # the class's own marks only: a subclass of a marked class is not registered again
         marks = vars(value).get(REGISTRATION_MARK, ()) if isinstance(value, type) else ()

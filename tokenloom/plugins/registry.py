@@ -7,15 +7,21 @@ and the closest match; a duplicate name is an error naming both plugins.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
+import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from tokenloom.errors import PluginError, UnknownNameError
+from tokenloom.errors import PluginError, UnknownNameError, closest_match
+
+# ``closest_match`` lives in tokenloom.errors (which imports nothing of tokenloom's); kept
+# importable from here for the modules that look it up here
+__all__ = ["Registry", "RegistryEntry", "closest_match", "describe_exception", "import_file", "resolve_target"]
 
 
 @dataclass
@@ -25,7 +31,8 @@ class RegistryEntry:
     name: str
     target: Any
     plugin_name: str
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    kind: str = ""  # the registry's kind, named in errors
     _resolved: Any = None
 
     @property
@@ -41,9 +48,37 @@ class RegistryEntry:
         return f"{module}:{qualname}"
 
     def resolve(self) -> Any:
+        """The target, imported on first use; a PluginError names the kind, the name and the
+        plugin that registered it."""
         if self._resolved is None:
-            self._resolved = resolve_target(self.target) if isinstance(self.target, str) else self.target
+            try:
+                self._resolved = resolve_target(self.target) if isinstance(self.target, str) else self.target
+            except PluginError as exc:
+                raise PluginError(f"{self.kind or 'plugin'} {self.name!r} (registered by plugin "
+                                  f"{self.plugin_name!r}): {exc}") from exc
         return self._resolved
+
+
+# frames of the code that imports plugins and registers their classes, not the plugins'
+_LOADING_MACHINERY = ("<frozen", os.path.dirname(__file__) + os.sep,
+                      os.path.join(os.path.dirname(os.path.dirname(__file__)), "plugin_api.py"))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message (at FILE:LINE)``: the line of the plugin's own code that failed (the
+    outermost frame outside importlib's machinery and this module), and where the error was
+    finally raised when that is elsewhere (a library the plugin called). A SyntaxError names
+    its own line."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        places = [f"{exc.filename}:{exc.lineno}"]
+    else:
+        places = [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)
+                  if not frame.filename.startswith(_LOADING_MACHINERY)
+                  and "/importlib/" not in frame.filename and "/importlib_metadata/" not in frame.filename]
+    where = ""
+    if places:
+        where = f" (at {places[0]}" + (f", raised in {places[-1]}" if len(places) > 1 else "") + ")"
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def resolve_target(path: str) -> Any:
@@ -63,7 +98,7 @@ def resolve_target(path: str) -> Any:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:  # report which target failed, and why
-        raise PluginError(f"cannot import plugin target {path!r}: {type(exc).__name__}: {exc}") from exc
+        raise PluginError(f"cannot import plugin target {path!r}: {describe_exception(exc)}") from exc
     obj: Any = module
     for part in attr_path.split("."):
         try:
@@ -73,7 +108,7 @@ def resolve_target(path: str) -> Any:
     return obj
 
 
-def import_file(path: str):
+def import_file(path: str) -> ModuleType:
     """Import a .py file by path under a private module name (once per path)."""
     resolved = Path(path).resolve()
     module_name = "_tokenloom_file_plugin_" + "".join(c if c.isalnum() else "_" for c in str(resolved))
@@ -82,6 +117,8 @@ def import_file(path: str):
     if not resolved.is_file():
         raise FileNotFoundError(f"no such plugin file: {path}")
     spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path} as a Python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
@@ -101,7 +138,7 @@ class Registry:
         self.flag = flag
         self._entries: dict[str, RegistryEntry] = {}
 
-    def register(self, name: str, target: Any, *, plugin_name: str, override: bool = False, **options) -> None:
+    def register(self, name: str, target: Any, *, plugin_name: str, override: bool = False, **options: Any) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin_name!r} registered a {self.kind} with an invalid name {name!r}")
         if not (isinstance(target, str) or callable(target)):
@@ -115,9 +152,9 @@ class Registry:
                 f"{self.kind} {name!r} is registered twice: by plugin {existing.plugin_name!r} and by "
                 f"plugin {plugin_name!r}; rename one, or pass override=True to replace it deliberately"
             )
-        self._entries[name] = RegistryEntry(name, target, plugin_name, options)
+        self._entries[name] = RegistryEntry(name, target, plugin_name, options, kind=self.kind)
 
-    def copy(self) -> "Registry":
+    def copy(self) -> Registry:
         """A shallow copy: the manager registers a plugin into a copy and keeps it only when
         every hook of that plugin succeeded, so a failed plugin leaves nothing behind."""
         duplicate = Registry(self.kind, self.flag)
@@ -151,16 +188,8 @@ class Registry:
         return {name: entry.target_path for name, entry in self._entries.items()}
 
     @classmethod
-    def from_plain(cls, kind: str, table: dict[str, str]) -> "Registry":
+    def from_plain(cls, kind: str, table: dict[str, str]) -> Registry:
         registry = cls(kind)
         for name, target in table.items():  # the order is kept: `auto` choices depend on it
             registry.register(name, target, plugin_name="<resolved in main process>")
         return registry
-
-
-def closest_match(name: str, known: list[str]) -> str | None:
-    matches = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    if not matches:
-        lowered = {k.lower(): k for k in known}
-        matches = [lowered[name.lower()]] if name.lower() in lowered else []
-    return matches[0] if matches else None

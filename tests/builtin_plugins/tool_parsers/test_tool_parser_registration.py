@@ -56,7 +56,7 @@ def test_builtin_reasoning_parsers_are_registered_lazily_by_one_entry_point(regi
 
 
 def test_every_registered_name_resolves_to_a_parser():
-    from tokenloom.api.parsers import ReasoningParser, ToolParser
+    from tokenloom.core.parsers import ReasoningParser, ToolParser
     from tokenloom.plugins.registry import resolve_target
 
     for table, package, interface in ((TOOL_PARSERS, "tool_parsers", ToolParser),

@@ -25,6 +25,7 @@ from typing import Any
 
 from tokenloom.builtin_plugins.loaders.derived_cache import DerivedCache
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
+from tokenloom.core.byte_level import bytes_to_unicode
 from tokenloom.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -176,21 +177,6 @@ def _wrap(backend, init_kwargs: dict[str, Any]):
     tokenizer._tokenizer = backend
     tokenizer.__init__(**init_kwargs)
     return tokenizer
-
-
-@functools.lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (byte-level BPE vocabularies spell
-    tokens in it)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    characters = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            characters.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, characters)))
 
 
 def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]):

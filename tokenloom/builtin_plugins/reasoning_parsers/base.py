@@ -9,10 +9,19 @@ no reasoning section is all content, unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tokenloom.builtin_plugins.tool_parsers.base import find_first_marker, keep_special_tokens, partial_marker_length
-from tokenloom.plugin_api import DeltaMessage, ReasoningParser
+from tokenloom.plugin_api import (
+    DeltaMessage,
+    ParserTokenizer,
+    ReasoningParser,
+    find_first_marker,
+    keep_special_tokens,
+    partial_marker_length,
+)
+
+if TYPE_CHECKING:
+    from tokenloom.plugin_api import ChatCompletionRequest, RequestT
 
 # where the split is: deciding whether the output opens with reasoning, inside it, after it
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
@@ -45,7 +54,7 @@ class _TrimmedText:
 class _Split:
     """One split of one output, fed piece by piece: the state a streaming parser keeps."""
 
-    def __init__(self, parser: "MarkedReasoningParser"):
+    def __init__(self, parser: MarkedReasoningParser):
         self.parser = parser
         self.state = _START
         self.buffer = ""
@@ -100,24 +109,26 @@ class MarkedReasoningParser(ReasoningParser):
     # True when the markers are special tokens, which must be kept in the decoded text
     markers_are_special_tokens = False
 
-    def __init__(self, tokenizer: Any = None):
+    def __init__(self, tokenizer: ParserTokenizer | None = None) -> None:
         super().__init__(tokenizer)
         self._stream = _Split(self)
 
-    def adjust_request(self, request: Any) -> Any:
+    def adjust_request(self, request: RequestT) -> RequestT:
         return keep_special_tokens(request) if self.markers_are_special_tokens else request
 
-    def extract_reasoning(self, model_output: str, request: Any = None) -> tuple[str | None, str | None]:
+    def extract_reasoning(self, model_output: str, request: ChatCompletionRequest | None = None) -> tuple[str | None, str | None]:
         reasoning, content = _Split(self).feed(model_output, final=True)
         return reasoning or None, content or None
 
-    def extract_reasoning_delta(self, delta_text: str, request: Any = None) -> DeltaMessage | None:
+    def extract_reasoning_delta(self, delta_text: str, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed(delta_text, final=False))
 
-    def finish(self, request: Any = None) -> DeltaMessage | None:
+    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed("", final=True))
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        if self.tokenizer is None:
+            raise TypeError(f"{type(self).__name__}.is_reasoning_end needs the tokenizer it was constructed with")
         split = _Split(self)
         split.feed(self.tokenizer.decode(token_ids, skip_special_tokens=False), final=False)
         return split.state == _CONTENT

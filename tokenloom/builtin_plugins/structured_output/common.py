@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from tokenloom.builtin_plugins.loaders.gguf_tokenizer import bytes_to_unicode
+from tokenloom.core.byte_level import bytes_to_unicode
 
 # keywords whose values are subschemas (or maps / lists of them)
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -14,9 +14,27 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenloom.plugin_api import DeltaMessage, ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser
+from tokenloom.plugin_api import (
+    DeltaMessage,
+    ExtractedToolCalls,
+    ParserTokenizer,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    find_first_marker,
+    keep_special_tokens,
+    partial_marker_length,
+)
+
+if TYPE_CHECKING:
+    from tokenloom.plugin_api import ChatCompletionRequest, RequestT
+
+# the formats' modules import these from here too
+__all__ = ["NEED_MORE", "ParsedCall", "arguments_json", "Section", "SectionToolParser", "call_from_object", "calls_from_array",
+           "find_first_marker", "json_array_section", "json_object_section", "json_value_end", "keep_special_tokens",
+           "load_json", "partial_marker_length", "skip_whitespace"]
 
 
 @dataclass(frozen=True)
@@ -41,36 +59,8 @@ class _NeedMore:
 # parse_section's answer when the section may still become valid with more text
 NEED_MORE = _NeedMore()
 
-
-def keep_special_tokens(request: Any) -> Any:
-    """``request`` with special tokens decoded into the text, verbatim (no spaces around
-    them), so that markers made of special tokens reach the parser."""
-    if request is None or not hasattr(request, "model_copy"):
-        return request
-    return request.model_copy(update={"skip_special_tokens": False, "spaces_between_special_tokens": False})
-
-
-def partial_marker_length(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a marker: text
-    that must wait for the next delta before it can be called content."""
-    longest = max((len(marker) for marker in markers), default=1) - 1
-    for length in range(min(longest, len(text)), 0, -1):
-        suffix = text[-length:]
-        if any(marker.startswith(suffix) for marker in markers):
-            return length
-    return 0
-
-
-def find_first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
-    """``(index, marker)`` of the earliest marker in ``text`` (the longest on a tie), or ``(-1, None)``."""
-    best_index, best_marker = -1, None
-    for marker in markers:
-        index = text.find(marker)
-        if index < 0:
-            continue
-        if best_marker is None or index < best_index or (index == best_index and len(marker) > len(best_marker)):
-            best_index, best_marker = index, marker
-    return best_index, best_marker
+# what parse_section returns: a complete, valid section; None (malformed: the text is content); NEED_MORE
+SectionResult = Section | None | _NeedMore
 
 
 def skip_whitespace(text: str, position: int) -> int:
@@ -112,6 +102,12 @@ def load_json(text: str) -> Any:
         return _INVALID
 
 
+def arguments_json(text: str) -> str | None:
+    """``text`` as compact JSON text when it is a JSON object (a call's arguments), else None."""
+    value = load_json(text)
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
 def call_from_object(value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
     """``{"name": ..., "arguments": {...}}`` (or another argument key) as a call; None
     unless the name is a non-empty string and the arguments an object (or JSON text of one)."""
@@ -137,10 +133,12 @@ def calls_from_array(value: Any, argument_keys: tuple[str, ...] = ("arguments", 
     if not isinstance(value, list) or not value:
         return None
     calls = [call_from_object(item, argument_keys) for item in value]
-    return None if any(call is None for call in calls) else calls
+    parsed = [call for call in calls if call is not None]
+    return parsed if len(parsed) == len(calls) else None
 
 
-def json_array_section(text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")):
+def json_array_section(text: str, start: int,
+                       argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> SectionResult:
     """The section made of the JSON array of calls at ``text[start:]`` (whitespace allowed
     before it): a :class:`Section`, None (malformed) or NEED_MORE."""
     position = skip_whitespace(text, start)
@@ -155,7 +153,8 @@ def json_array_section(text: str, start: int, argument_keys: tuple[str, ...] = (
     return Section(calls, end) if calls else None
 
 
-def json_object_section(text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")):
+def json_object_section(text: str, start: int,
+                        argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> SectionResult:
     """The section made of one JSON call object at ``text[start:]`` (whitespace allowed before it)."""
     position = skip_whitespace(text, start)
     if position == len(text):
@@ -174,7 +173,7 @@ class _ContentJoiner:
     known to separate content from content (kept) or to border a call at the start or the
     end of the output (dropped); content with no call around it passes unchanged."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.held_whitespace = ""
         self.seen_content = False
         self.call_since_content = False
@@ -207,7 +206,7 @@ class _ContentJoiner:
 class _Scan:
     """One parse of one output, fed piece by piece: the state a streaming parser keeps."""
 
-    def __init__(self, parser: "SectionToolParser"):
+    def __init__(self, parser: SectionToolParser):
         self.parser = parser
         self.buffer = ""
         self.start_checked = parser.bare_start is None
@@ -245,7 +244,7 @@ class _Scan:
             content.append(self.joiner.finish())
         return "".join(content), calls
 
-    def _step(self, final: bool) -> tuple[list, int] | None:
+    def _step(self, final: bool) -> tuple[list[str | ParsedCall], int] | None:
         """The pieces at the start of the buffer and how many characters they span, or None
         when nothing can be decided before more text arrives."""
         parser, buffer = self.parser, self.buffer
@@ -254,7 +253,7 @@ class _Scan:
             if not body and not final:
                 return None
             self.start_checked = True
-            if body.startswith(parser.bare_start):
+            if parser.bare_start is not None and body.startswith(parser.bare_start):
                 section = parser.parse_section(body, final)
                 if section is NEED_MORE and not final:
                     self.start_checked = False
@@ -293,11 +292,11 @@ class SectionToolParser(ToolParser):
     # marker): an unfinished section is read again only once one of them has arrived
     section_closers: str = "}])>"
 
-    def __init__(self, tokenizer: Any = None):
+    def __init__(self, tokenizer: ParserTokenizer | None = None) -> None:
         super().__init__(tokenizer)
         self._stream = _Scan(self)
 
-    def parse_section(self, text: str, final: bool):
+    def parse_section(self, text: str, final: bool) -> SectionResult:
         """Read the section at the start of ``text`` (the text after a start marker, or from
         :attr:`bare_start` on). Return a :class:`Section` (its calls and the characters of
         ``text`` it spans), None when it is malformed, or NEED_MORE when more text could
@@ -308,20 +307,20 @@ class SectionToolParser(ToolParser):
         """The id of a new call; None lets the server assign its usual ``chatcmpl-tool-...``."""
         return None
 
-    def adjust_request(self, request: Any) -> Any:
+    def adjust_request(self, request: RequestT) -> RequestT:
         # markers such as <tool_call> or [TOOL_CALLS] are special tokens in their models
         return keep_special_tokens(request)
 
-    def extract(self, model_output: str, request: Any = None) -> ExtractedToolCalls:
+    def extract(self, model_output: str, request: ChatCompletionRequest | None = None) -> ExtractedToolCalls:
         content, calls = _Scan(self).feed(model_output, final=True)
         tool_calls = [ToolCall(name=call.name, arguments=call.arguments, id=self.new_call_id() or "")
                       for _, call in calls]
         return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
-    def extract_delta(self, delta_text: str, request: Any = None) -> DeltaMessage | None:
+    def extract_delta(self, delta_text: str, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed(delta_text, final=False))
 
-    def finish(self, request: Any = None) -> DeltaMessage | None:
+    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed("", final=True))
 
     def _message(self, content: str, calls: list[tuple[int, ParsedCall]]) -> DeltaMessage | None:

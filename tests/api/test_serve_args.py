@@ -1,0 +1,366 @@
+"""``tokenloom serve``'s arguments: every vLLM serve flag of the seed documents is known and
+handled by its status, the flags land on their fields, --config precedence, and the plugin
+names the flags choose are checked against the registries."""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tokenloom.api import flags
+from tokenloom.api.flags import CPU_NOOP, FLAG_BY_NAME, FLAGS, IMPLEMENTED, NOOP, UNIMPLEMENTED
+from tokenloom.api.serve_args import DEFAULT_MODEL, ServeArgs, check_plugin_choices, parse_serve_args
+from tokenloom.api.server_config import ServerConfig
+from tokenloom.core.config import EngineArgs
+from tokenloom.errors import ConfigError, NotImplementedFlagError, PluginError, UnknownNameError
+from tokenloom.plugins import manager
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+# vLLM's reference documents sit next to the checkout, in ../shared/seeds (not in the repository)
+SEEDS = Path(os.environ.get("TOKENLOOM_SEEDS_DIR", REPO_ROOT.parent / "shared" / "seeds"))
+
+SEED_FLAGS = (HERE / "vllm_seed_flags.txt").read_text().split()
+
+# What the seed documents contain that is not a `serve` flag, and why.
+SEED_EXCLUSIONS = {
+    # `vllm bench latency` options (004): they belong to a later `tokenloom bench`
+    "--batch-size", "--disable-detokenize", "--input-len", "--n", "--num-iters", "--num-iters-warmup",
+    "--output-json", "--output-len", "--profile", "--use-beam-search",
+    "--help", "-h",
+    # vLLM's placeholder in its explanation of JSON flags
+    "--json-arg", "--json-arg.key1", "--json-arg.key2.key3", "--json-arg.key4", "-json-arg", "-json-arg.key1",
+    # typos and words run together in the rendered pages (001, 002, 003)
+    "--enforce.-eager", "--ignore.-patterns", "--max-num.-partial-prefills", "--collects-detailed-traces",
+    "--models", "--chat-templateoptional", "--enable-auto-tool-choicemandatory", "-tokenizer-pool-size0",
+    # -O with its value attached (-O3, -O.level=3): tested below
+    "-O3", "-O.level",
+}
+
+
+def extract_seed_flags(text: str) -> set[str]:
+    short_aliases = {alias for flag in FLAGS for alias in flag.aliases}
+    found = set()
+    for token in re.findall(r"(?<![\w.\-/])(--?[A-Za-z][\w.\-]*)", text):
+        if token.endswith("-"):
+            continue  # a flag hyphenated across a line break
+        token = token.rstrip(".")
+        if token in SEED_EXCLUSIONS:
+            continue
+        if not token.startswith("--") and token not in short_aliases:
+            token = "-" + token  # 002 renders --flag as -flag
+        found.add(token)
+    return found
+
+
+def parse(*argv, **environ) -> ServeArgs:
+    return parse_serve_args(list(argv), environ)
+
+
+# -- the catalogue covers vLLM ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason=f"vLLM's seed documents are not at {SEEDS} (../shared/seeds next to the checkout; set TOKENLOOM_SEEDS_DIR to point elsewhere)")
+def test_the_recorded_seed_flags_are_every_flag_in_the_seed_documents():
+    text = "".join(path.read_text(encoding="utf-8") for path in sorted(SEEDS.glob("0*.txt")))
+    assert extract_seed_flags(text) == set(SEED_FLAGS)
+
+
+def test_every_seed_flag_is_in_the_catalogue():
+    assert len(SEED_FLAGS) > 250
+    missing = [name for name in SEED_FLAGS if name not in FLAG_BY_NAME]
+    assert not missing, f"vLLM flags tokenloom does not know: {missing}"
+
+
+def test_catalogue_is_consistent():
+    flags.check_catalogue()  # implemented flags land on fields that exist
+    options = [option for flag in FLAGS for option in flag.option_strings]
+    assert len(options) == len(set(options)), "an option string belongs to two flags"
+    assert len({flag.key for flag in FLAGS}) == len(FLAGS)
+    for flag in FLAGS:
+        assert flags.help_text(flag), f"{flag.name} has no help text"
+        if flag.status in (CPU_NOOP, NOOP):
+            assert flag.note, f"{flag.name} must say why it is ignored"
+    for name in ("-tp", "-pp", "-q", "-O", "--no-enable-prefix-caching", "--no-trust-remote-code"):
+        assert name in FLAG_BY_NAME
+
+
+def sample_value(flag: flags.Flag) -> list[str]:
+    """Tokens that give ``flag`` a value different from its default."""
+    if flag.kind == "bool":
+        return [flag.name]
+    if flag.choices:
+        return [flag.name, next(str(choice) for choice in flag.choices if choice != flags.default_value(flag))]
+    value = {"int": "7", "float": "0.25", "size": "1k", "json": '{"a": 1}', "level_or_json": "3"}.get(flag.kind, "x")
+    return [flag.name, value]
+
+
+SAMPLES = {
+    "--structured-outputs-config": ["--structured-outputs-config", '{"backend": "outlines"}'],
+    "--enable-auto-tool-choice": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    "--enable-reasoning": ["--enable-reasoning", "--reasoning-parser", "qwen3"],
+    "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.5"],
+    "--block-size": ["--block-size", "32"],
+    "--config": None,  # a file: tested on its own
+}
+
+
+@pytest.mark.parametrize("flag", [flag for flag in FLAGS if SAMPLES.get(flag.name, ()) is not None],
+                         ids=lambda flag: flag.name)
+def test_every_flag_is_handled_by_its_status(flag):
+    argv = SAMPLES.get(flag.name) or sample_value(flag)
+    if flag.status == UNIMPLEMENTED:
+        with pytest.raises(NotImplementedFlagError) as caught:
+            parse(*argv)
+        assert str(caught.value).startswith(f"tokenloom does not implement {flag.name} yet")
+        return
+    serve_args = parse(*argv)
+    if flag.status in (CPU_NOOP, NOOP):
+        assert any(warning.startswith(flag.name) for warning in serve_args.warnings)
+        without_flag = parse(*argv[1 if flag.kind == "bool" else 2:])  # the flag itself changes nothing
+        assert (serve_args.engine_kwargs, serve_args.server) == (without_flag.engine_kwargs, without_flag.server)
+    else:
+        assert flag.status == IMPLEMENTED
+        assert serve_args.engine_kwargs != {"model": DEFAULT_MODEL} or serve_args.server != ServerConfig()
+
+
+# -- parsing ------------------------------------------------------------------------------------------------
+
+
+def test_defaults_serve_smollm2():
+    serve_args = parse()
+    assert serve_args.engine_kwargs == {"model": "smollm2"}
+    assert isinstance(serve_args.engine_args, EngineArgs) and serve_args.engine_args.model == "smollm2"
+    assert serve_args.server == ServerConfig() and serve_args.warnings == []
+
+
+def test_engine_and_server_flags_land_on_their_fields():
+    serve_args = parse("qwen", "--max-model-len", "4096", "-tp", "1", "--pipeline-parallel-size", "1",
+                       "--kv-cache-dtype", "auto", "--served-model-name", "a", "b", "--port", "9001",
+                       "--host", "0.0.0.0", "--uvicorn-log-level", "debug", "--max-num-seqs", "8",
+                       "--hf-overrides", '{"rope_theta": 1000}', "--tool-call-parser", "hermes",
+                       "--enable-auto-tool-choice", "--chat-template", "t.jinja", "--reasoning-parser", "qwen3")
+    assert serve_args.engine_kwargs == {
+        "model": "qwen", "max_model_len": 4096, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+        "cache_dtype": "auto", "served_model_name": ["a", "b"], "max_num_seqs": 8,
+        "hf_overrides": {"rope_theta": 1000}, "reasoning_parser": "qwen3",
+    }
+    server = serve_args.server
+    assert (server.port, server.host, server.uvicorn_log_level) == (9001, "0.0.0.0", "debug")
+    assert (server.tool_call_parser, server.enable_auto_tool_choice, server.chat_template) == ("hermes", True, "t.jinja")
+    config = serve_args.engine_args.create_engine_config()
+    assert config.model.max_model_len == 4096 and config.structured_output.reasoning_parser == "qwen3"
+
+
+def test_boolean_flags_take_no_forms_and_explicit_values():
+    kwargs = parse("--no-enable-prefix-caching", "--enforce-eager", "--enable-chunked-prefill", "false",
+                   "--trust-remote-code=true", "--guided-decoding-disable-fallback", "True").engine_kwargs
+    assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["trust_remote_code"] is True
+    assert kwargs["guided_decoding_disable_fallback"] is True
+    assert parse("--enforce-eager", "smollm2").engine_kwargs["model"] == "smollm2"  # never eats the model
+    with pytest.raises(ConfigError, match="expected true or false"):
+        parse("--enforce-eager=maybe")
+
+
+def test_human_readable_sizes_and_underscored_flag_names():
+    kwargs = parse("--max-model-len", "2K", "--max_num_batched_tokens=1.5k", "--kv-cache-memory-bytes", "1G").engine_kwargs
+    assert kwargs == {"model": DEFAULT_MODEL, "max_model_len": 2048, "max_num_batched_tokens": 1500,
+                      "kv_cache_memory_bytes": 1024 ** 3}
+    with pytest.raises(ConfigError, match="'2.5' is not a whole number|not an integer"):
+        parse("--max-model-len", "2.5")
+
+
+def test_json_flags_take_vllm_dotted_form_and_merge():
+    kwargs = parse("--hf-overrides", '{"a": {"b": 1}}', "--hf-overrides.a.c", "x", "--hf-overrides.rope_theta=5e5",
+                   "--model-loader-extra-config.items+", "p", "--model-loader-extra-config.items+=q,r").engine_kwargs
+    assert kwargs["hf_overrides"] == {"a": {"b": 1, "c": "x"}, "rope_theta": 500000.0}
+    assert kwargs["model_loader_extra_config"] == {"items": ["p", "q", "r"]}
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        parse("--rope-scaling", "[1, 2]")
+
+
+def test_old_and_new_names_of_the_same_setting():
+    assert parse("--guided-decoding-backend", "xgrammar").engine_kwargs["guided_decoding_backend"] == "xgrammar"
+    kwargs = parse("--structured-outputs-config", '{"backend": "outlines", "disable_any_whitespace": true}').engine_kwargs
+    assert kwargs["guided_decoding_backend"] == "outlines" and kwargs["guided_decoding_disable_any_whitespace"] is True
+    assert parse("--structured-outputs-config.backend", "xgrammar").engine_kwargs["guided_decoding_backend"] == "xgrammar"
+    with pytest.raises(ConfigError, match="set guided_decoding_backend to different values"):
+        parse("--guided-decoding-backend", "xgrammar", "--structured-outputs-config.backend", "outlines")
+    with pytest.raises(ConfigError, match="unknown key 'colour'"):
+        parse("--structured-outputs-config", '{"colour": "red"}')
+    assert parse("--pooler-config", '{"pooling_type": "MEAN"}').engine_kwargs["override_pooler_config"] == {
+        "pooling_type": "MEAN"}
+    serve_args = parse("--worker-use-ray")
+    assert serve_args.engine_kwargs["distributed_executor_backend"] == "ray"
+    assert "use --distributed-executor-backend ray" in serve_args.warnings[0]
+
+
+def test_enable_reasoning_is_accepted_with_a_reasoning_parser_only():
+    serve_args = parse("--enable-reasoning", "--reasoning-parser", "deepseek_r1")
+    assert serve_args.engine_kwargs["reasoning_parser"] == "deepseek_r1"
+    assert serve_args.warnings[0].startswith("--enable-reasoning has no effect")
+    with pytest.raises(ConfigError, match="--enable-reasoning needs --reasoning-parser"):
+        parse("--enable-reasoning")
+
+
+def test_unimplemented_flags_are_refused_by_name_unless_given_their_default():
+    with pytest.raises(NotImplementedFlagError, match=r"^tokenloom does not implement --speculative-config yet"):
+        parse("--speculative-config", '{"num_speculative_tokens": 3}')
+    with pytest.raises(NotImplementedFlagError, match=r"only its default, --num-scheduler-steps 1, is accepted"):
+        parse("--num-scheduler-steps", "8")
+    with pytest.raises(NotImplementedFlagError, match="HF_TOKEN"):
+        parse("--hf-token")
+    # the value that changes nothing passes silently: configs copied from vLLM keep working
+    assert parse("--num-scheduler-steps", "1", "--no-enable-lora", "--preemption-mode", "recompute",
+                 "--model-impl", "auto").warnings == []
+
+
+def test_cpu_noop_flags_are_accepted_with_one_warning_each():
+    serve_args = parse("--swap-space", "8", "--cuda-graph-sizes", "1", "2", "4", "-O3", "--disable-custom-all-reduce")
+    assert serve_args.engine_kwargs == {"model": DEFAULT_MODEL}
+    assert [warning.split()[0] for warning in serve_args.warnings] == [
+        "--swap-space", "--cuda-graph-sizes", "--compilation-config", "--disable-custom-all-reduce"]
+    assert all("no meaning on the CPU" in warning for warning in serve_args.warnings)
+    assert parse("-O", '{"level": 3}').warnings and parse("-O.level=3").warnings
+
+
+def test_unknown_flags_get_the_closest_match():
+    with pytest.raises(ConfigError, match=r"unrecognized argument: --max-model-lenght; did you mean --max-model-len\?"):
+        parse("--max-model-lenght", "10")
+    with pytest.raises(ConfigError, match="unrecognized argument: --frobnicate"):
+        parse("--frobnicate")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "int3"], "invalid choice: 'int3'"),
+    (["--block-size", "24"], "--block-size: must be a positive power of two"),
+    (["--port", "70000"], "--port: must be in 0..65535"),
+    (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["a", "b"], "unexpected arguments: b"),
+    (["a", "--model", "b"], "the model is given twice"),
+])
+def test_bad_values_are_config_errors(argv, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(*argv)
+
+
+def test_model_positional_or_flag():
+    assert parse("--model", "qwen").engine_kwargs["model"] == "qwen"
+    assert parse("qwen", "--model", "qwen").engine_kwargs["model"] == "qwen"
+    assert parse("--port", "8001", "gemma3-270m").engine_kwargs["model"] == "gemma3-270m"
+
+
+def test_api_key_from_the_environment_when_the_flag_is_absent():
+    assert parse(TOKENLOOM_API_KEY="secret").server.api_key == ["secret"]
+    assert parse("--api-key", "flag-key", TOKENLOOM_API_KEY="secret").server.api_key == ["flag-key"]
+    assert parse("--api-key", "a", "--api-key", "b").server.api_key == ["a", "b"]
+    assert parse().server.api_key is None
+
+
+def test_plugin_flags_are_collected_for_load_plugins():
+    server = parse("--plugin", "pkg_a", "--plugin", "pkg_b", "--tool-parser-plugin", "p.py",
+                   "--middleware", "m:one", "--allowed-origins", '["http://a", "http://b"]').server
+    assert server.plugins == ["pkg_a", "pkg_b"] and server.tool_parser_plugin == ["p.py"]
+    assert server.middleware == ["m:one"] and server.allowed_origins == ["http://a", "http://b"]
+
+
+# -- --config FILE.yaml ------------------------------------------------------------------------------------
+
+
+def write_config(tmp_path, text: str) -> str:
+    path = tmp_path / "serve.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_config_file_precedence_command_line_over_file_over_defaults(tmp_path):
+    path = write_config(tmp_path, """
+        model: qwen
+        max_model_len: 2048
+        max-num-seqs: 16
+        port: 9000
+        enable-prefix-caching: false
+        served-model-name: [alpha, beta]
+        middleware: ["m:one", "m:two"]
+        hf-overrides: {rope_theta: 10000}
+    """)
+    serve_args = parse("--config", path, "--max-model-len", "4096", "--port", "9100")
+    assert serve_args.engine_kwargs == {
+        "model": "qwen", "max_model_len": 4096, "max_num_seqs": 16, "enable_prefix_caching": False,
+        "served_model_name": ["alpha", "beta"], "hf_overrides": {"rope_theta": 10000}}
+    assert serve_args.server.port == 9100 and serve_args.server.middleware == ["m:one", "m:two"]
+    assert serve_args.server.host == ServerConfig().host  # neither: the default
+    assert parse("smollm2", "--config", path).engine_kwargs["model"] == "smollm2"
+
+
+def test_config_file_values_go_through_the_same_checks(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'max_model_lenght'; did you mean 'max-model-len'\?"):
+        parse("--config", write_config(tmp_path, "max_model_lenght: 5\n"))
+    with pytest.raises(ConfigError, match="invalid int value"):
+        parse("--config", write_config(tmp_path, "max-num-seqs: lots\n"))
+    with pytest.raises(NotImplementedFlagError, match="does not implement --enable-lora"):
+        parse("--config", write_config(tmp_path, "enable-lora: true\n"))
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        parse("--config", write_config(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="No such file"):
+        parse("--config", str(tmp_path / "missing.yaml"))
+    assert "--swap-space" in parse("--config", write_config(tmp_path, "swap_space: 8\n")).warnings[0]
+
+
+
+# -- plugin names chosen by flags ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hermes_only_plugins(monkeypatch):
+    """``manager.load_plugins`` answering with one registered tool parser, ``hermes``."""
+    from tokenloom.plugins.manager import PluginSet, new_registries
+
+    registries = new_registries()
+    registries["tool_parser"].register("hermes", "json:JSONDecoder", plugin_name="builtins")
+    plugin_set = PluginSet(registries, [], [])
+    monkeypatch.setattr(manager, "load_plugins", lambda *args, **kwargs: plugin_set)
+    return plugin_set
+
+
+def test_check_plugin_choices_skips_auto_and_reads_backend_options(hermes_only_plugins):
+    serve_args = parse("--guided-decoding-backend", "auto", "--load-format", "auto", "--device", "auto")
+    serve_args.plugins = manager.load_plugins()
+    check_plugin_choices(serve_args)  # nothing to look up
+    serve_args = parse("--guided-decoding-backend", "xgrammar:disable-any-whitespace")
+    serve_args.plugins = manager.load_plugins()
+    with pytest.raises(UnknownNameError, match="unknown structured_output_backend 'xgrammar'"):
+        check_plugin_choices(serve_args)
+
+
+def test_check_plugin_choices_imports_the_chosen_targets_naming_plugin_and_name(hermes_only_plugins):
+    hermes_only_plugins.registry("tool_parser").register("typo", "json:JSONDecodr", plugin_name="my_plugin")
+    serve_args = parse("--tool-call-parser", "typo")
+    serve_args.plugins = manager.load_plugins()
+    with pytest.raises(PluginError) as caught:
+        check_plugin_choices(serve_args)
+    assert str(caught.value) == ("tool_parser 'typo' (registered by plugin 'my_plugin'): plugin target "
+                                 "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'")
+    serve_args = parse("--tool-call-parser", "hermes")  # a parser left unchosen is not imported
+    serve_args.plugins = manager.load_plugins()
+    check_plugin_choices(serve_args)
+
+
+def test_check_plugin_choices_imports_every_api_route_and_middleware(hermes_only_plugins):
+    hermes_only_plugins.registry("api_route").register("routes", "no_such_module_xyz:add", plugin_name="web")
+    serve_args = parse()
+    serve_args.plugins = manager.load_plugins()
+    with pytest.raises(PluginError, match=r"^api_route 'routes' \(registered by plugin 'web'\): cannot import "
+                                          r"plugin target 'no_such_module_xyz:add': ModuleNotFoundError"):
+        check_plugin_choices(serve_args)
+    hermes_only_plugins.registry("api_route").register("routes", "json:dumps", plugin_name="web", override=True)
+    serve_args = parse("--middleware", "json:no_such_middleware")
+    serve_args.plugins = manager.load_plugins()
+    with pytest.raises(ConfigError, match="--middleware 'json:no_such_middleware'"):
+        check_plugin_choices(serve_args)
