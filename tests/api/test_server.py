@@ -45,7 +45,7 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
     engine.is_running = False  # until the app's lifespan starts it
     loaded = {}
 
-    def fake_load_plugins(modules=(), files=()):
+    def fake_load_plugins(modules=(), files=(), strict=False):
         loaded.update(modules=list(modules), files=list(files))
         return PluginSet(new_registries(), [], [])
 
