@@ -83,8 +83,11 @@ class CacheConfig:
     """Exact number of KV-cache blocks (testing, preemption experiments)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes (on by default, as in vLLM v1)."""
-    prefix_caching_hash_algo: str = "builtin"
-    """Hash used for prefix-cache keys: builtin or sha256."""
+    prefix_caching_hash_algo: str = "sha256"
+    """Hash of prefix-cache keys: sha256 (collision resistant, the default) or builtin
+    (Python's hash(): a little faster, but a crafted collision is easy; every hit is still
+    checked against the block's token ids, so a collision costs a miss, never another
+    request's KV)."""
     cache_dtype: str = "auto"
     """KV-cache data type; ``auto`` uses the model dtype."""
 
@@ -104,8 +107,10 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """fcfs (first come, first served) or priority (lower ``priority`` value first, then
     arrival)."""
-    max_waiting_requests: int | None = None
-    """Reject new requests with 429 when this many are waiting (default: unlimited)."""
+    max_waiting_requests: int | None = 1024
+    """Refuse new requests with 429 (and Retry-After) when this many sequences wait to be
+    scheduled (an ``n`` > 1 request counts ``n``); bounds the memory a burst can take.
+    0 or less: unlimited."""
 
 
 @dataclass
