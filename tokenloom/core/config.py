@@ -158,6 +158,10 @@ class StructuredOutputConfig:
     """Treat JSON schemas as if ``additionalProperties: false``."""
     reasoning_parser: str | None = None
     """The reasoning parser, so constraints start after the reasoning section."""
+    compile_timeout: float = 10.0
+    """Seconds one guided-decoding constraint may take to compile; a slower one (say a JSON
+    schema with a huge maxLength) fails its request with a 400 and the compile pool goes on
+    with a fresh thread."""
 
 
 @dataclass
@@ -204,6 +208,7 @@ STRUCTURED_OUTPUT_ARGS = {
     "guided_decoding_disable_any_whitespace": "disable_any_whitespace",
     "guided_decoding_disable_additional_properties": "disable_additional_properties",
     "reasoning_parser": "reasoning_parser",
+    "structured_outputs_compile_timeout": "compile_timeout",
 }
 
 
@@ -272,6 +277,9 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("dtype", f"must be one of {', '.join(DTYPE_CHOICES)}, got {config.model.dtype!r}")
     if config.model.max_model_len is not None and config.model.max_model_len < 1:
         bad("max-model-len", f"must be at least 1, got {config.model.max_model_len}")
+    timeout = config.structured_output.compile_timeout
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        bad("structured-outputs-compile-timeout", f"must be a positive number of seconds, got {timeout!r}")
     if config.model.max_logprobs < 0:
         bad("max-logprobs", f"must be non-negative, got {config.model.max_logprobs}")
     for flag, size in (("tensor-parallel-size", config.parallel.tensor_parallel_size),
