@@ -471,9 +471,9 @@ def test_a_compile_past_the_time_limit_is_a_400_and_the_pool_goes_on():
             assert error.value.param == "structured_outputs"
         # fresh threads took their places: an ordinary constraint compiles at once
         assert manager.submit(*manager.resolve({"regex": "5 6"})).result(timeout=10).compiled == (5, 6)
-        # the same pathological constraint is refused from the cache, not compiled again
+        # a constraint that overran is tried afresh next time (the machine may have been busy)
         again = manager.submit(*manager.resolve({"regex": "0"}))
-        assert again is stuck[0] and manager.stats.compiles == 3
+        assert again is not stuck[0] and manager.stats.compiles == 4
     finally:
         SlowBackend.release.set()
 

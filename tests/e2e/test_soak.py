@@ -297,7 +297,8 @@ def test_soak(tmp_path):
         rss["end_of_load"] = rss_bytes(pid)
         wait_idle(server, timeout=180)
         rss["idle"] = settled_rss(pid)
-        report = {"seconds_of_load": round(load_seconds, 1), "concurrency": CONCURRENCY,
+        report = {"seconds_of_new_requests": SOAK_SECONDS,
+                  "seconds_until_all_answered": round(load_seconds, 1), "concurrency": CONCURRENCY,
                   "requests": sum(outcomes.counts.values()), "outcomes": dict(sorted(outcomes.counts.items())),
                   "failures": outcomes.failures, "rss_mib": {k: round(v / 2**20) for k, v in rss.items()},
                   "kv_cache_usage_after": metric(server, "vllm:kv_cache_usage_perc"),

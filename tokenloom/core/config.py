@@ -158,7 +158,7 @@ class StructuredOutputConfig:
     """Treat JSON schemas as if ``additionalProperties: false``."""
     reasoning_parser: str | None = None
     """The reasoning parser, so constraints start after the reasoning section."""
-    compile_timeout: float = 10.0
+    compile_timeout: float = 30.0
     """Seconds one guided-decoding constraint may take to compile; a slower one (say a JSON
     schema with a huge maxLength) fails its request with a 400 and the compile pool goes on
     with a fresh thread."""

@@ -39,7 +39,7 @@ BACKEND_OPTION_WORDS = {
 AUTO = "auto"
 COMPILE_CACHE_SIZE = 256
 COMPILE_THREADS = 2
-DEFAULT_COMPILE_TIMEOUT = 10.0
+DEFAULT_COMPILE_TIMEOUT = 30.0
 # compiles past their time limit whose threads are still running (Python cannot stop a
 # thread); beyond this many, new constraints are refused with a 429 until one ends
 MAX_RUNAWAY_COMPILES = 4
@@ -483,9 +483,9 @@ class StructuredOutputManager:
         key = (backend_name, constraint.key, self._tokenizer_key)
         with self._lock:
             future = self._cache.get(key)
-            # a failed compile is retried, except one that overran its time limit: it would again
-            if future is not None and not (future.done() and future.exception() is not None
-                                           and not _timed_out(future)):
+            # a failed compile is tried again (one that overran its limit too: a busy machine,
+            # or a backend's one-time set-up, may have been the cause)
+            if future is not None and not (future.done() and future.exception() is not None):
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 return future
@@ -624,11 +624,6 @@ class StructuredOutputManager:
             return self.tokenizer.decode([token_id])
         except Exception:
             return "?"
-
-
-def _timed_out(future: concurrent.futures.Future) -> bool:
-    error = future.exception()
-    return isinstance(error, InvalidRequestError) and "took longer than the server's limit" in error.message
 
 
 def clean_error(exc: BaseException) -> str:
