@@ -31,8 +31,9 @@ DEFAULT_PREFIX_HASH_ALGO = "sha256"
 class _CachedBlock:
     """What a cached block holds, checked on every hit: its content (``token_ids``) and what it
     follows (``parent``: ``("root", cache_salt)`` for a sequence's first block, ``("block",
-    serial)`` of the cached block before it otherwise). ``serial`` is unique for the life of the manager (never reused after
-    eviction), so a child that names its parent by serial can only follow that exact content."""
+    serial)`` of the cached block before it otherwise). ``serial`` is unique for the life of the
+    manager (never reused after eviction), so a child that names its parent by serial can only
+    follow that exact content."""
 
     serial: int
     parent: tuple
