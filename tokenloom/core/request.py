@@ -151,7 +151,9 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be a non-negative integer, got {self.prompt_logprobs}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             bad("truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if any(not isinstance(s, str) for s in self.stop):
+            bad("stop", "must be a string or a list of strings")
+        if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             bad("stop", f"has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
