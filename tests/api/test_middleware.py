@@ -159,3 +159,17 @@ def test_bad_middleware_path_is_a_start_up_error_naming_it(make_app, middleware_
     with pytest.raises(ConfigError, match=words) as info:
         make_app(middleware=[path])
     assert path in str(info.value)
+
+
+@pytest.mark.parametrize(("options", "warned"), [
+    ({}, True),  # no key, every origin: vLLM's defaults
+    ({"api_key": [KEY]}, False),
+    ({"allowed_origins": ["https://app.example"]}, False),
+])
+async def test_start_up_warns_when_any_origin_can_use_a_server_without_a_key(make_app, caplog, options, warned):
+    with caplog.at_level("WARNING", logger="tokenloom.api"):
+        make_app(**options)
+    messages = [record.getMessage() for record in caplog.records if "CORS origin" in record.getMessage()]
+    assert bool(messages) == warned
+    if warned:
+        assert "--api-key" in messages[0] and "--allowed-origins" in messages[0]

@@ -317,3 +317,152 @@ def test_random_workload_leaves_every_block_free(seed):
     for request in list(live.values()):
         manager.free(request)
     assert_all_free(manager)
+
+
+# ---- isolation: cache_salt, sha256 by default, hits checked against content -----------------
+
+
+def salted_request(request_id: str, prompt: list[int], cache_salt: str | None) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=list(prompt),
+                   sampling_params=SamplingParams(cache_salt=cache_salt))
+
+
+def test_sha256_is_the_default_hash():
+    manager = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    assert manager.hash_algo == "sha256"
+    request = make_request("a", [1, 2, 3])
+    prefill(manager, request)
+    manager.free(request)
+    [block_hash] = [h for h in manager._block_by_hash]
+    assert isinstance(block_hash, bytes) and len(block_hash) == 32
+
+
+@pytest.mark.parametrize("hash_algo", ["builtin", "sha256"])
+def test_requests_with_different_salts_never_share_blocks(hash_algo):
+    manager = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True, hash_algo=hash_algo)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    first = salted_request("first", prompt, "tenant-a")
+    prefill(manager, first)
+    manager.free(first)
+    assert manager.get_computed_blocks(salted_request("other-salt", prompt, "tenant-b")) == ([], 0)
+    assert manager.get_computed_blocks(salted_request("unsalted", prompt, None)) == ([], 0)
+    assert manager.get_computed_blocks(salted_request("same-salt", prompt, "tenant-a"))[1] == 6
+    # and an unsalted prefix is not visible to a salted request either
+    unsalted = salted_request("unsalted-2", [7, 7, 7, 7, 7], None)
+    prefill(manager, unsalted)
+    manager.free(unsalted)
+    assert manager.get_computed_blocks(salted_request("salted", [7, 7, 7, 7, 7], "tenant-a")) == ([], 0)
+    assert manager.get_computed_blocks(salted_request("unsalted-3", [7, 7, 7, 7, 7], None))[1] == 4
+
+
+def collide_every_hash(manager: BlockManager, hash_function) -> None:
+    """Replace the block hash, so that tests can craft the collisions a weak hash allows."""
+    manager._hash_block = hash_function
+    manager._root_hash = lambda request: 0
+
+
+@pytest.mark.parametrize("hash_algo", ["builtin", "sha256"])
+def test_a_colliding_hash_never_serves_other_content(hash_algo):
+    manager = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True, hash_algo=hash_algo)
+    collide_every_hash(manager, lambda parent, token_ids: 0)  # every block has the same hash
+    victim = make_request("victim", [1, 2, 3, 4, 5])
+    prefill(manager, victim)
+    manager.free(victim)
+    attacker = make_request("attacker", [8, 9, 3, 4, 5])
+    assert manager.get_computed_blocks(attacker) == ([], 0)
+    assert manager.prefix_cache_stats.collisions == 1
+    # the honest repeat of the victim's prompt still hits its own first block
+    assert manager.get_computed_blocks(make_request("repeat", [1, 2, 3, 4, 5]))[1] == 2
+
+
+def test_a_colliding_chain_never_serves_a_block_computed_after_another_prefix():
+    manager = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True, hash_algo="builtin")
+    # a hash blind to the prefix: block (3, 4) hashes the same whatever precedes it
+    collide_every_hash(manager, lambda parent, token_ids: hash(token_ids))
+    victim = make_request("victim", [1, 2, 3, 4, 5])
+    prefill(manager, victim)
+    manager.free(victim)
+    other = make_request("other", [8, 9, 0])
+    prefill(manager, other)
+    other_first_block = manager.get_block_table("other")[0]
+    manager.free(other)
+    # [8, 9] hits the other request's block; [3, 4] after it must not hit the victim's block,
+    # whose KV was computed after [1, 2]
+    hit_blocks, num_hit_tokens = manager.get_computed_blocks(make_request("probe", [8, 9, 3, 4, 5]))
+    assert (hit_blocks, num_hit_tokens) == ([other_first_block], 2)
+    assert manager.prefix_cache_stats.collisions == 1
+
+
+def test_a_salted_collision_is_refused_too():
+    manager = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True, hash_algo="builtin")
+    collide_every_hash(manager, lambda parent, token_ids: hash(token_ids))  # the salt does not reach the hash
+    first = salted_request("first", [1, 2, 3], "tenant-a")
+    prefill(manager, first)
+    manager.free(first)
+    assert manager.get_computed_blocks(salted_request("second", [1, 2, 3], "tenant-b")) == ([], 0)
+
+
+def test_cache_salt_is_validated():
+    from tokenloom.errors import InvalidRequestError
+
+    for bad_salt in ("", "\ud800", "x" * 5000):
+        with pytest.raises(InvalidRequestError) as error:
+            SamplingParams(cache_salt=bad_salt)
+        assert error.value.param == "cache_salt"
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("weak_hash", [False, True])
+def test_every_hit_holds_exactly_the_requests_prefix(seed, weak_hash):
+    """Random requests (three salts, few distinct tokens) with the real hash or a hash that
+    collides all the time: every prefix hit is a block whose KV was computed for exactly the
+    request's salt and tokens up to the end of that block."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    manager = BlockManager(num_blocks=rng.randint(8, 24), block_size=block_size, enable_prefix_caching=True,
+                           hash_algo=rng.choice(["builtin", "sha256"]))
+    if weak_hash:
+        collide_every_hash(manager, lambda parent, token_ids: sum(token_ids) % 3)
+    # what each block's KV was computed for: (salt, all tokens up to the end of the block)
+    written: dict[int, tuple] = {}
+    live: dict[str, Request] = {}
+    num_hits = 0
+
+    def record_writes(request: Request, first_new_block: int) -> None:
+        table = manager.get_block_table(request.request_id)
+        for block_index in range(first_new_block, request.num_computed_tokens // block_size):
+            written[table[block_index]] = (request.sampling_params.cache_salt,
+                                           tuple(request.all_token_ids[:(block_index + 1) * block_size]))
+
+    for step in range(300):
+        if rng.random() < 0.5 and len(live) < 6:
+            prompt = [rng.randrange(3) for _ in range(rng.randint(1, 10))]
+            request = salted_request(f"r{step}", prompt, rng.choice([None, "a", "b"]))
+            hit_blocks, num_cached = manager.get_computed_blocks(request)
+            for block_index, block_id in enumerate(hit_blocks):
+                assert written[block_id] == (request.sampling_params.cache_salt,
+                                             tuple(request.all_token_ids[:(block_index + 1) * block_size]))
+            num_hits += len(hit_blocks)
+            if manager.allocate_slots(request, request.num_tokens - num_cached, hit_blocks) is None:
+                manager.free(request)
+                continue
+            written_before = request.num_computed_tokens = num_cached
+            request.num_computed_tokens = request.num_tokens
+            record_writes(request, written_before // block_size)
+            live[request.request_id] = request
+        elif live and rng.random() < 0.6:
+            request = live[rng.choice(sorted(live))]
+            request.output_token_ids.append(rng.randrange(3))
+            if manager.allocate_slots(request, 1) is not None:
+                first_new_block = request.num_computed_tokens // block_size
+                request.num_computed_tokens += 1
+                record_writes(request, first_new_block)
+            else:
+                request.output_token_ids.pop()
+        elif live:
+            manager.free(live.pop(rng.choice(sorted(live))))
+    for request in list(live.values()):
+        manager.free(request)
+    assert_all_free(manager)
+    if not weak_hash:
+        assert num_hits > 0  # the check does not simply refuse every hit

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -284,7 +285,7 @@ def test_compiles_are_cached_by_backend_and_constraint():
     other = manager.submit(*manager.resolve({"regex": "7"}))
     assert first is again and first.result().compiled == (5, 6) and other.result().compiled == (7,)
     assert (manager.stats.compiles, manager.stats.cache_hits) == (2, 1)
-    assert manager.backend("digits").compiled_specs == ["5 6", "7"]
+    assert sorted(manager.backend("digits").compiled_specs) == ["5 6", "7"]  # two compile threads
     manager.shutdown()
 
 
@@ -434,3 +435,72 @@ def test_a_parser_that_sees_no_reasoning_section_constrains_from_the_first_token
     request = make_request()
     manager.add_sequence(request, compiled_for(manager))
     assert allowed_ids(manager.grammar_bitmask(decode_step(request, 2), {"r": request}.get)) == [5]
+
+
+# -- the compile time bound ------------------------------------------------------------------
+
+
+class SlowBackend(DigitsBackend):
+    """Compiles a regex starting with "0" only when ``release`` is set (a compile that never
+    ends, as far as the request is concerned); other regexes at once."""
+
+    release = threading.Event()
+
+    def compile(self, constraint):
+        if constraint.spec.startswith("0"):
+            self.release.wait(30)
+        return super().compile(constraint)
+
+
+def make_slow_manager(compile_timeout: float) -> StructuredOutputManager:
+    registry = Registry("structured_output_backend", "--guided-decoding-backend")
+    registry.register("slow", SlowBackend, plugin_name="test")
+    SlowBackend.release = threading.Event()
+    return StructuredOutputManager(StructuredOutputConfig(backend="slow", compile_timeout=compile_timeout),
+                                   registry, FakeTokenizer(), VOCAB_SIZE, [EOS])
+
+
+def test_a_compile_past_the_time_limit_is_a_400_and_the_pool_goes_on():
+    manager = make_slow_manager(compile_timeout=0.3)
+    try:
+        # both compile threads get a compile that does not end
+        stuck = [manager.submit(*manager.resolve({"regex": spec})) for spec in ("0", "0 1")]
+        for future in stuck:
+            with pytest.raises(InvalidRequestError, match="took longer than the server's limit of 0.3s") as error:
+                future.result(timeout=10)
+            assert error.value.param == "structured_outputs"
+        # fresh threads took their places: an ordinary constraint compiles at once
+        assert manager.submit(*manager.resolve({"regex": "5 6"})).result(timeout=10).compiled == (5, 6)
+        # a constraint that overran is tried afresh next time (the machine may have been busy)
+        again = manager.submit(*manager.resolve({"regex": "0"}))
+        assert again is not stuck[0] and manager.stats.compiles == 4
+    finally:
+        SlowBackend.release.set()
+
+
+def test_runaway_compiles_are_bounded():
+    from tokenloom.core.structured_output import MAX_RUNAWAY_COMPILES
+    from tokenloom.errors import OverloadedError
+
+    manager = make_slow_manager(compile_timeout=0.2)
+    try:
+        futures = [manager.submit(*manager.resolve({"regex": f"0 {index}"})) for index in range(MAX_RUNAWAY_COMPILES)]
+        for future in futures:
+            with pytest.raises(InvalidRequestError):
+                future.result(timeout=10)
+        with pytest.raises(OverloadedError, match="overran"):
+            manager.submit(*manager.resolve({"regex": "7"}))
+        SlowBackend.release.set()  # the runaway compiles end: new ones are taken again
+        deadline = time.monotonic() + 10
+        while manager._pool.num_runaway and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert manager.submit(*manager.resolve({"regex": "7"})).result(timeout=10).compiled == (7,)
+    finally:
+        SlowBackend.release.set()
+
+
+def test_an_oversized_constraint_is_refused_unread():
+    manager = make_manager()
+    with pytest.raises(InvalidRequestError, match="at most") as error:
+        manager.resolve({"regex": "5" * (300 * 1024)})
+    assert error.value.param == "structured_outputs"

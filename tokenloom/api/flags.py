@@ -322,6 +322,8 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--guided-decoding-disable-any-whitespace", "StructuredOutputsConfig", **_bool()),
     implemented("--guided-decoding-disable-additional-properties", "StructuredOutputsConfig", **_bool()),
     implemented("--reasoning-parser", "StructuredOutputsConfig"),
+    implemented("--structured-outputs-compile-timeout", "StructuredOutputsConfig", kind="float",
+                tokenloom_only=True),
     noop("--enable-reasoning", "StructuredOutputsConfig",
          "reasoning is on whenever --reasoning-parser names a parser; vLLM deprecated it",
          "Old switch for reasoning_content; needs --reasoning-parser.", **_bool()),

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenloom.api.protocol import ErrorInfo, ErrorResponse
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import OverloadedError, TokenloomError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ _TYPE_BY_STATUS = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+# seconds a client should wait before retrying a request refused because the queue is full
+RETRY_AFTER_SECONDS = 1
 
 INTERNAL_ERROR_MESSAGE = "internal server error; the server log has the details (request id {request_id})"
 
@@ -52,7 +55,8 @@ def exception_body(exc: TokenloomError) -> dict:
 
 
 def exception_response(exc: TokenloomError) -> JSONResponse:
-    return JSONResponse(exception_body(exc), status_code=exc.status_code)
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if isinstance(exc, OverloadedError) else None
+    return JSONResponse(exception_body(exc), status_code=exc.status_code, headers=headers)
 
 
 def sse_error_event(exc: BaseException, request_id: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 import secrets
 import uuid
 from typing import Any
@@ -27,6 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenloom.api.http_errors import error_body
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.errors import ConfigError
+
+logger = logging.getLogger("tokenloom.api")
 
 REQUEST_ID_SCOPE_KEY = "tokenloom.request_id"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -219,6 +222,12 @@ def install_middleware(app: FastAPI, config: ServerConfig, api_keys: list[str],
                        public_paths: frozenset[str] = frozenset()) -> None:
     """Adds tokenloom's middleware in the documented order; Starlette wraps each added one
     around the previous ones, so the first added is the innermost."""
+    if not api_keys and "*" in (config.allowed_origins or ()):
+        # vLLM's default (any origin) is kept for compatibility, but without a key it means any
+        # web page the operator's browser opens can drive this server: say so at start-up
+        logger.warning("the server accepts requests without an API key and allows every CORS origin, so any "
+                       "web page opened in a browser that can reach it can use it; set --api-key (or "
+                       "TOKENLOOM_API_KEY), or narrow --allowed-origins")
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, metrics_require_key=config.metrics_require_key,

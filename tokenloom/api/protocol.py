@@ -19,8 +19,46 @@ from tokenloom.errors import InvalidRequestError
 # -- requests --------------------------------------------------------------------------
 
 
+def find_unencodable_text(data: Any) -> str | None:
+    """The JSON path of the first string (value or key) in ``data`` that cannot be encoded as
+    UTF-8, e.g. a lone surrogate ``"\\ud800"``: JSON can carry one, but no tokenizer, template
+    or hash can take it. None when all text is well-formed."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not key.isascii():
+                    try:
+                        key.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return child.encode("utf-8", "backslashreplace").decode("utf-8")
+                stack.append((item, child))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{index}" if path else str(index)) for index, item in enumerate(value))
+    return None
+
+
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed_text(cls, data: Any) -> Any:
+        # One check for every text field (prompts, messages, stop strings, tool schemas,
+        # templates, ...): a lone surrogate would otherwise fail deep in a tokenizer as a 500.
+        path = find_unencodable_text(data)
+        if path is not None:
+            raise ValueError(f"{path} holds text that is not valid Unicode (an unpaired surrogate such as "
+                             "\\ud800); send well-formed UTF-8")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -82,6 +120,9 @@ class SamplingRequest(RequestModel):
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    """vLLM's prefix-cache isolation: only requests with the same salt share cached KV blocks.
+    A non-empty, unpredictable string (e.g. 256 random bits, base64) per tenant."""
     # guided decoding (vLLM's names), turned into SamplingParams.structured_outputs
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

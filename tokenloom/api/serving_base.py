@@ -24,6 +24,9 @@ from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequest
 
 logger = logging.getLogger(__name__)
 
+# SchedulerConfig's default, for engines that do not say
+DEFAULT_MAX_NUM_SEQS = 256
+
 # JSON has no -inf; OpenAI clients expect a number (vLLM sends the same floor)
 MIN_LOGPROB = -9999.0
 
@@ -101,12 +104,30 @@ class ServingContext:
             raise InvalidRequestError(f"{param} must be at most {max_logprobs} (the server's --max-logprobs), "
                                       f"got {requested}", param=param)
 
+    @property
+    def max_samples(self) -> int:
+        """The most samples (``n``, ``best_of``) one request may ask for: ``--max-num-seqs``,
+        the most sequences one engine step runs. More could never run together, and each
+        sample costs its own KV blocks and detokenizer, so a larger ``n`` is only a way for one
+        client to crowd out the others."""
+        limit = getattr(self.engine, "max_num_seqs", None)
+        if limit is None:  # AsyncLLM keeps it on its engine's scheduler config
+            config = getattr(getattr(self.engine, "engine", None), "config", None)
+            limit = getattr(getattr(config, "scheduler", None), "max_num_seqs", None)
+        return int(limit) if limit is not None else DEFAULT_MAX_NUM_SEQS
+
     def num_samples(self, request: SamplingRequest) -> int:
         """How many samples to ask the engine for: ``best_of`` (we pick the best ``n``) or ``n``."""
         if request.stream_options is not None and not request.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if request.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {request.n}", param="n")
+        max_samples = self.max_samples
+        for param in ("n", "best_of"):
+            value = getattr(request, param)
+            if value is not None and value > max_samples:
+                raise InvalidRequestError(f"{param} must be at most {max_samples} (the server's --max-num-seqs), "
+                                          f"got {value}", param=param)
         if request.best_of is None:
             return request.n
         if request.best_of < request.n:
@@ -123,6 +144,12 @@ class ServingContext:
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_token_id_list_size(self, token_ids: list[int] | None, param: str) -> None:
+        vocab_size = len(self.tokenizer)
+        if token_ids is not None and len(token_ids) > vocab_size:
+            raise InvalidRequestError(f"{param} has {len(token_ids)} ids, more than the vocabulary's {vocab_size}",
+                                      param=param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = len(self.tokenizer)
@@ -170,6 +197,7 @@ class ServingContext:
         def default(value, fallback):
             return fallback if value is None else value
 
+        self.check_token_id_list_size(request.allowed_token_ids, "allowed_token_ids")
         return SamplingParams(
             n=n,
             presence_penalty=default(request.presence_penalty, 0.0),
@@ -197,6 +225,7 @@ class ServingContext:
             # the API layer always accumulates deltas itself: streaming or not, one code path
             output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured_outputs,
+            cache_salt=request.cache_salt,
         )
 
     def log_request(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:

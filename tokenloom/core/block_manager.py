@@ -3,6 +3,13 @@ caching by a hash chain over full blocks, and LRU eviction of cached free blocks
 
 Pure Python and unit-testable: it hands out block ids; the worker owns the memory behind them.
 Every block id in ``range(num_blocks)`` is a normal block (no null block is reserved).
+
+Isolation: a prefix hit never rests on the hash alone. Each cached block keeps the token ids
+it holds and what it follows (the cached block before it, or the request's ``cache_salt`` for
+the first block), and a lookup compares both, so even a crafted collision of the (optional,
+``builtin``) Python hash cannot serve one request's KV into another's context; ``sha256`` (the
+default) makes collisions infeasible in the first place. Requests with different
+``cache_salt`` values never share a block.
 """
 
 from __future__ import annotations
@@ -16,7 +23,21 @@ from typing import Hashable
 from tokenloom.core.request import Request
 from tokenloom.errors import ConfigError, TokenloomError
 
-PREFIX_HASH_ALGOS = ("builtin", "sha256")
+PREFIX_HASH_ALGOS = ("sha256", "builtin")
+DEFAULT_PREFIX_HASH_ALGO = "sha256"
+
+
+@dataclass(frozen=True)
+class _CachedBlock:
+    """What a cached block holds, checked on every hit: its content (``token_ids``) and what it
+    follows (``parent``: ``("root", cache_salt)`` for a sequence's first block, ``("block",
+    serial)`` of the cached block before it otherwise). ``serial`` is unique for the life of the
+    manager (never reused after eviction), so a child that names its parent by serial can only
+    follow that exact content."""
+
+    serial: int
+    parent: tuple
+    token_ids: tuple[int, ...]
 
 
 @dataclass
@@ -25,6 +46,8 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    # lookups whose hash matched a cached block of other content (or another salt/prefix)
+    collisions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -39,7 +62,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 hash_algo: str = "builtin"):
+                 hash_algo: str = DEFAULT_PREFIX_HASH_ALGO):
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
         if block_size < 1:
@@ -57,6 +80,9 @@ class BlockManager:
         # content hash of each block whose KV may be reused; None when it holds nothing reusable
         self._hash_of_block: list[Hashable | None] = [None] * num_blocks
         self._block_by_hash: dict[Hashable, int] = {}
+        # content and parent of every cached block, compared on each hit (see the module doc)
+        self._cached_block: list[_CachedBlock | None] = [None] * num_blocks
+        self._next_serial = 0
         # free blocks with nothing cached are reused before any cached block is evicted
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
         # free blocks that still hold a cached prefix, least recently freed first (the LRU order)
@@ -67,6 +93,9 @@ class BlockManager:
         self._request_hashes: dict[str, list[Hashable]] = {}
         # how many leading blocks of each table have been offered to the cache already
         self._num_registered_blocks: dict[str, int] = {}
+        # what the request's next block to register follows; None once its chain left the cache
+        # (a colliding hash held other content), after which none of its blocks are cached
+        self._next_parent: dict[str, tuple | None] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -108,11 +137,19 @@ class BlockManager:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks: list[int] = []
+        parent = self._root_ref(request)
         for block_index in range(max_hit_blocks):
             block_id = self._block_by_hash.get(self._block_hash(request, block_index))
             if block_id is None:
                 break
+            cached = self._cached_block[block_id]
+            # the hash only finds a candidate: its content and what it follows must match too
+            if cached is None or cached.parent != parent \
+                    or cached.token_ids != self._block_token_ids(request, block_index):
+                self.prefix_cache_stats.collisions += 1
+                break
             hit_blocks.append(block_id)
+            parent = ("block", cached.serial)
         return hit_blocks, len(hit_blocks) * self.block_size
 
     def reset_prefix_cache(self) -> None:
@@ -122,6 +159,7 @@ class BlockManager:
         self._free_cached.clear()
         for block_id in self._block_by_hash.values():
             self._hash_of_block[block_id] = None
+            self._cached_block[block_id] = None
         self._block_by_hash.clear()
 
     # ---- allocation ------------------------------------------------------------------------
@@ -154,6 +192,8 @@ class BlockManager:
         if table is None:
             table = self._block_tables[request_id] = []
             self._num_registered_blocks[request_id] = len(hit_blocks)
+            self._next_parent[request_id] = (("block", self._cached_block[hit_blocks[-1]].serial) if hit_blocks
+                                             else self._root_ref(request))
             if computed_blocks is not None and self.enable_prefix_caching:
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += len(hit_blocks) * self.block_size
@@ -192,6 +232,7 @@ class BlockManager:
                         self._free_cached[block_id] = None
         self._request_hashes.pop(request_id, None)
         self._num_registered_blocks.pop(request_id, None)
+        self._next_parent.pop(request_id, None)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -201,6 +242,7 @@ class BlockManager:
         block_id, _ = self._free_cached.popitem(last=False)
         del self._block_by_hash[self._hash_of_block[block_id]]
         self._hash_of_block[block_id] = None
+        self._cached_block[block_id] = None
         return block_id
 
     def _register_computed_blocks(self, request: Request, table: list[int]) -> None:
@@ -212,30 +254,58 @@ class BlockManager:
         request_id = request.request_id
         num_full_computed = min(request.num_computed_tokens // self.block_size, len(table))
         block_index = self._num_registered_blocks[request_id]
-        while block_index < num_full_computed:
+        parent = self._next_parent.get(request_id)
+        while block_index < num_full_computed and parent is not None:
             block_id = table[block_index]
             block_hash = self._block_hash(request, block_index)
-            # a duplicate (same content computed twice) stays private and is freed uncached
-            if self._hash_of_block[block_id] is None and block_hash not in self._block_by_hash:
+            token_ids = self._block_token_ids(request, block_index)
+            cached_id = self._block_by_hash.get(block_hash)
+            if cached_id is None and self._hash_of_block[block_id] is None:
+                cached = _CachedBlock(self._next_serial, parent, token_ids)
+                self._next_serial += 1
                 self._hash_of_block[block_id] = block_hash
                 self._block_by_hash[block_hash] = block_id
+                self._cached_block[block_id] = cached
+                parent = ("block", cached.serial)
+            else:
+                # a duplicate of a cached block stays private (freed uncached); its children
+                # follow the cached copy, but only if that copy truly holds the same content
+                existing = self._cached_block[cached_id] if cached_id is not None else None
+                if existing is None or existing.parent != parent or existing.token_ids != token_ids:
+                    parent = None
+                else:
+                    parent = ("block", existing.serial)
             block_index += 1
         self._num_registered_blocks[request_id] = block_index
+        self._next_parent[request_id] = parent
 
     def _block_hash(self, request: Request, block_index: int) -> Hashable:
         """The chain hash of full block ``block_index`` of the request, computing the chain up
         to it on first use."""
         chain = self._request_hashes.setdefault(request.request_id, [])
         while len(chain) <= block_index:
-            parent = chain[-1] if chain else None
+            parent = chain[-1] if chain else self._root_hash(request)
             chain.append(self._hash_block(parent, self._block_token_ids(request, len(chain))))
         return chain[block_index]
 
     def _hash_block(self, parent: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
         if self.hash_algo == "sha256":
-            return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
-        # ints and tuples of ints hash the same in every process (no PYTHONHASHSEED salt)
-        return hash((0 if parent is None else parent, token_ids))
+            # every parent is a 32-byte digest, so the byte string is unambiguous
+            return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+        return hash((parent, token_ids))
+
+    def _root_hash(self, request: Request) -> Hashable:
+        """The parent of the first block: derived from the request's cache salt, so requests
+        with different salts have different hashes for every block (and never share one)."""
+        salt = request.sampling_params.cache_salt
+        if self.hash_algo == "sha256":
+            return hashlib.sha256(b"tokenloom-prefix-root\0" + (b"" if salt is None else
+                                                                 b"salt\0" + salt.encode("utf-8"))).digest()
+        return ("root", salt)
+
+    @staticmethod
+    def _root_ref(request: Request) -> tuple:
+        return ("root", request.sampling_params.cache_salt)
 
     def _block_token_ids(self, request: Request, block_index: int) -> tuple[int, ...]:
         # sliced from the two lists directly: request.all_token_ids copies the whole sequence

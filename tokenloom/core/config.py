@@ -83,8 +83,11 @@ class CacheConfig:
     """Exact number of KV-cache blocks (testing, preemption experiments)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes (on by default, as in vLLM v1)."""
-    prefix_caching_hash_algo: str = "builtin"
-    """Hash used for prefix-cache keys: builtin or sha256."""
+    prefix_caching_hash_algo: str = "sha256"
+    """Hash of prefix-cache keys: sha256 (collision resistant, the default) or builtin
+    (Python's hash(): a little faster, but a crafted collision is easy; every hit is still
+    checked against the block's token ids, so a collision costs a miss, never another
+    request's KV)."""
     cache_dtype: str = "auto"
     """KV-cache data type; ``auto`` uses the model dtype."""
 
@@ -104,8 +107,10 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """fcfs (first come, first served) or priority (lower ``priority`` value first, then
     arrival)."""
-    max_waiting_requests: int | None = None
-    """Reject new requests with 429 when this many are waiting (default: unlimited)."""
+    max_waiting_requests: int | None = 1024
+    """Refuse new requests with 429 (and Retry-After) when this many sequences wait to be
+    scheduled (an ``n`` > 1 request counts ``n``); bounds the memory a burst can take.
+    0 or less: unlimited."""
 
 
 @dataclass
@@ -153,6 +158,10 @@ class StructuredOutputConfig:
     """Treat JSON schemas as if ``additionalProperties: false``."""
     reasoning_parser: str | None = None
     """The reasoning parser, so constraints start after the reasoning section."""
+    compile_timeout: float = 30.0
+    """Seconds one guided-decoding constraint may take to compile; a slower one (say a JSON
+    schema with a huge maxLength) fails its request with a 400 and the compile pool goes on
+    with a fresh thread."""
 
 
 @dataclass
@@ -199,6 +208,7 @@ STRUCTURED_OUTPUT_ARGS = {
     "guided_decoding_disable_any_whitespace": "disable_any_whitespace",
     "guided_decoding_disable_additional_properties": "disable_additional_properties",
     "reasoning_parser": "reasoning_parser",
+    "structured_outputs_compile_timeout": "compile_timeout",
 }
 
 
@@ -267,6 +277,9 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("dtype", f"must be one of {', '.join(DTYPE_CHOICES)}, got {config.model.dtype!r}")
     if config.model.max_model_len is not None and config.model.max_model_len < 1:
         bad("max-model-len", f"must be at least 1, got {config.model.max_model_len}")
+    timeout = config.structured_output.compile_timeout
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        bad("structured-outputs-compile-timeout", f"must be a positive number of seconds, got {timeout!r}")
     if config.model.max_logprobs < 0:
         bad("max-logprobs", f"must be non-negative, got {config.model.max_logprobs}")
     for flag, size in (("tensor-parallel-size", config.parallel.tensor_parallel_size),

@@ -48,6 +48,66 @@ def _tokenizer_facts(tokenizer: Any) -> _TokenizerFacts:
     return facts
 
 
+class StopStringMatcher:
+    """An Aho-Corasick automaton over a request's stop strings, fed the output text as it
+    grows. Its state is the longest suffix of the text so far that begins some stop string, so
+    both questions the detokenizer asks each step -- did a stop string just end, and how much
+    of the tail must be held back -- cost O(new characters), not O(text x stop strings).
+    """
+
+    def __init__(self, stop_strings: list[str]):
+        # state 0 is the empty prefix; state s stands for the prefix _prefix_len[s] characters long
+        self._goto: list[dict[str, int]] = [{}]
+        self._prefix_len = [0]
+        self._fail = [0]
+        # True where the state (or a suffix of it, via the failure links) is a whole stop string
+        self._matches = [False]
+        for stop in stop_strings:
+            state = 0
+            for char in stop:
+                next_state = self._goto[state].get(char)
+                if next_state is None:
+                    next_state = len(self._goto)
+                    self._goto[state][char] = next_state
+                    self._goto.append({})
+                    self._prefix_len.append(self._prefix_len[state] + 1)
+                    self._fail.append(0)
+                    self._matches.append(False)
+                state = next_state
+            self._matches[state] = True
+        # breadth first, so a state's failure target is final before its children need it
+        queue = list(self._goto[0].values())
+        for state in queue:
+            for char, child in self._goto[state].items():
+                fallback = self._fail[state]
+                while fallback and char not in self._goto[fallback]:
+                    fallback = self._fail[fallback]
+                target = self._goto[fallback].get(char, 0)
+                self._fail[child] = target if target != child else 0
+                self._matches[child] = self._matches[child] or self._matches[self._fail[child]]
+                queue.append(child)
+        self._state = 0
+
+    @property
+    def partial_match_len(self) -> int:
+        """Characters at the end of the text fed so far that some stop string starts with."""
+        return self._prefix_len[self._state]
+
+    def feed(self, text: str) -> bool:
+        """Advance over ``text``; True when a stop string ends inside it."""
+        goto, fail, matches = self._goto, self._fail, self._matches
+        state = self._state
+        matched = False
+        for char in text:
+            while state and char not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(char, 0)
+            if matches[state]:
+                matched = True
+        self._state = state
+        return matched
+
+
 class IncrementalDetokenizer:
     """Detokenizes one sequence step by step and applies its stop strings.
 
@@ -71,6 +131,7 @@ class IncrementalDetokenizer:
         self._enabled = sampling_params.detokenize
         self._stop_strings: list[str] = list(sampling_params.stop or [])
         self._max_stop_len = max((len(stop) for stop in self._stop_strings), default=0)
+        self._stop_matcher = StopStringMatcher(self._stop_strings) if self._stop_strings else None
         if not self._enabled:
             if self._stop_strings:
                 raise InvalidRequestError(
@@ -151,8 +212,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         new_text_start = len(self.output_text)
-        self.output_text += window_text[len(prefix_text) :]
-        if self._stop_strings:
+        new_text = window_text[len(prefix_text) :]
+        self.output_text += new_text
+        # the automaton says cheaply whether a stop string ended; only then is it located
+        if self._stop_matcher is not None and self._stop_matcher.feed(new_text):
             self._find_stop_string(new_text_start)
 
     def _find_stop_string(self, new_text_start: int) -> None:
@@ -172,17 +235,12 @@ class IncrementalDetokenizer:
 
     def _held_back_len(self) -> int:
         """Length of the longest suffix of the text that a stop string starts with."""
-        text = self.output_text
-        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            suffix = text[-length:]
-            if any(stop.startswith(suffix) for stop in self._stop_strings):
-                return length
-        return 0
+        return self._stop_matcher.partial_match_len
 
     def _release(self, *, final: bool) -> str:
         # Held-back text always lies after what was released: a suffix that could begin a
         # stop string only grows from a shorter such suffix, which was held back before.
-        hold = 0 if final or not self._stop_strings else self._held_back_len()
+        hold = 0 if final or self._stop_matcher is None else self._held_back_len()
         end = max(self._num_released_chars, len(self.output_text) - hold)
         delta = self.output_text[self._num_released_chars : end]
         self._num_released_chars = end

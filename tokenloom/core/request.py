@@ -11,6 +11,19 @@ from typing import Any
 
 from tokenloom.errors import InvalidRequestError
 
+# Caps on request fields whose cost (memory, per-token work in the engine thread) grows with
+# their size. Generous next to OpenAI's (4 stop sequences, 300 logit_bias entries) so that no
+# real client meets them, small enough that one request cannot stall the others.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# a list of allowed ids longer than any vocabulary is never useful (the server also checks
+# it against the model's vocabulary size)
+MAX_ALLOWED_TOKEN_IDS = 262144
+MAX_CACHE_SALT_CHARS = 4096
+
 # a "logprob" entry: token id -> Logprob
 SampleLogprobs = list[dict[int, "Logprob"]]
 PromptLogprobs = list[dict[int, "Logprob"] | None]
@@ -26,6 +39,17 @@ def unwrap_prompt(prompt: Any, param: str) -> Any:
     if "prompt" in prompt:
         return prompt["prompt"]
     raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param=param)
+
+
+def check_encodable(text: str, param: str) -> None:
+    """A 400 naming ``param`` for text that cannot be encoded as UTF-8 (a lone surrogate such
+    as ``"\\ud800"``, which JSON can carry but no tokenizer can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} holds text that is not valid Unicode (an unpaired surrogate "
+            f"{text[exc.start]!r} at character {exc.start}); send well-formed UTF-8", param=param) from None
 
 
 class RequestOutputKind(enum.Enum):
@@ -71,6 +95,9 @@ class SamplingParams:
     # a constraint for a structured-output backend (dict form of vLLM's StructuredOutputsParams)
     structured_outputs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
+    # vLLM's per-request prefix-cache isolation: requests share cached KV blocks only when
+    # their salts are equal (None shares with other unsalted requests)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +107,9 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                      f"{MAX_LOGIT_BIAS_ENTRIES} are allowed", param="logit_bias")
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -121,10 +151,34 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be a non-negative integer, got {self.prompt_logprobs}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             bad("truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}")
+        if any(not isinstance(s, str) for s in self.stop):
+            bad("stop", "must be a string or a list of strings")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        longest_stop = max(self.stop, key=len, default="")
+        if len(longest_stop) > MAX_STOP_STRING_CHARS:
+            bad("stop", f"holds a string of {len(longest_stop)} characters; each may have at most "
+                        f"{MAX_STOP_STRING_CHARS}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            bad("bad_words", f"has {len(self.bad_words)} entries; at most {MAX_BAD_WORDS} are allowed")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             bad("allowed_token_ids", "must not be empty")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            bad("allowed_token_ids", f"has {len(self.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} "
+                                     "are allowed")
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str) or not self.cache_salt:
+                bad("cache_salt", "must be a non-empty string")
+            if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+                bad("cache_salt", f"has {len(self.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} "
+                                  "are allowed")
+            check_encodable(self.cache_salt, "cache_salt")
+        for index, stop in enumerate(self.stop):
+            check_encodable(stop, f"stop[{index}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
 

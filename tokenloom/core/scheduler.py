@@ -110,7 +110,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.max_num_seqs = scheduler_config.max_num_seqs
-        self.max_waiting_requests = scheduler_config.max_waiting_requests
+        max_waiting = scheduler_config.max_waiting_requests
+        # 0 or less (or None) lifts the limit
+        self.max_waiting_requests = max_waiting if max_waiting is not None and max_waiting > 0 else None
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.max_num_partial_prefills = max(1, scheduler_config.max_num_partial_prefills)
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold

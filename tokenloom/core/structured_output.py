@@ -14,13 +14,14 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from tokenloom.core.batch import StructuredOutputMasks
-from tokenloom.errors import ConfigError, InvalidRequestError
+from tokenloom.errors import ConfigError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,12 @@ BACKEND_OPTION_WORDS = {
 AUTO = "auto"
 COMPILE_CACHE_SIZE = 256
 COMPILE_THREADS = 2
+DEFAULT_COMPILE_TIMEOUT = 30.0
+# compiles past their time limit whose threads are still running (Python cannot stop a
+# thread); beyond this many, new constraints are refused with a 429 until one ends
+MAX_RUNAWAY_COMPILES = 4
+# a constraint's text (schema, regex, grammar, ...) longer than this is refused unread
+MAX_CONSTRAINT_CHARS = 256 * 1024
 
 
 def num_bitmask_words(vocab_size: int) -> int:
@@ -259,6 +266,9 @@ def parse_constraint(request: dict[str, Any], defaults: BackendOptions) -> tuple
     if backend is not None and not isinstance(backend, str):
         raise _bad("backend must be a string")
     constraint = Constraint(kind, value, any_whitespace=any_whitespace, whitespace_pattern=whitespace_pattern)
+    if len(constraint.key) > MAX_CONSTRAINT_CHARS:
+        raise _bad(f"the {kind} constraint is {len(constraint.key)} characters long; at most "
+                   f"{MAX_CONSTRAINT_CHARS} are allowed")
     return constraint, backend or None, bool(request.get("disable_fallback"))
 
 
@@ -301,6 +311,103 @@ class StructuredOutputStats:
     replayed_tokens: int = 0
 
 
+class _CompileJob:
+    def __init__(self, future: concurrent.futures.Future, work: Callable[[], Any], describe: str):
+        self.future = future
+        self.work = work
+        self.describe = describe
+        self.finished = False
+        self.timed_out = False
+
+
+class CompilePool:
+    """Runs compiles on ``num_threads`` daemon threads, each compile bounded by ``timeout``
+    seconds: a compile that overruns fails its Future with a 400 at once, its thread is
+    abandoned (it ends when the compile does; its result is dropped) and a fresh thread takes
+    its place, so one pathological constraint never holds up the others. Runaway threads
+    still burn CPU, so at most ``max_runaway`` may exist; past that, new compiles get a 429.
+    """
+
+    def __init__(self, num_threads: int = COMPILE_THREADS, timeout: float = DEFAULT_COMPILE_TIMEOUT,
+                 max_runaway: int = MAX_RUNAWAY_COMPILES):
+        self.timeout = timeout
+        self.max_runaway = max_runaway
+        self._jobs: queue.SimpleQueue[_CompileJob | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._num_runaway = 0
+        self._num_workers = 0
+        self._closed = False
+        for _ in range(num_threads):
+            self._start_worker()
+
+    @property
+    def num_runaway(self) -> int:
+        """Compiles that overran their time limit and are still running."""
+        return self._num_runaway
+
+    def submit(self, work: Callable[[], Any], describe: str) -> concurrent.futures.Future:
+        with self._lock:
+            if self._num_runaway >= self.max_runaway:
+                raise OverloadedError(f"the grammar compiler is busy with {self._num_runaway} constraints that "
+                                      f"overran their {self.timeout:g}s limit; retry later")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put(_CompileJob(future, work, describe))
+        return future
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            num_workers = self._num_workers
+        for _ in range(num_workers):
+            self._jobs.put(None)
+
+    def _start_worker(self) -> None:
+        self._num_workers += 1
+        threading.Thread(target=self._work, name="tokenloom-grammar", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            timer = threading.Timer(self.timeout, self._on_timeout, (job,))
+            timer.daemon = True
+            timer.start()
+            result, error = None, None
+            try:
+                result = job.work()
+            except BaseException as exc:  # handed to whoever waits on the Future
+                error = exc
+            timer.cancel()
+            with self._lock:
+                job.finished = True
+                if job.timed_out:  # already answered, and a replacement thread runs
+                    self._num_runaway -= 1
+                    self._num_workers -= 1
+                    logger.warning("a grammar compile that overran its limit ended after all: %s", job.describe)
+                    return
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+
+    def _on_timeout(self, job: _CompileJob) -> None:
+        with self._lock:
+            if job.finished:
+                return
+            job.timed_out = True
+            self._num_runaway += 1
+            if not self._closed:
+                self._start_worker()
+        logger.warning("compiling %s overran its %gs limit; its request gets a 400", job.describe, self.timeout)
+        job.future.set_exception(InvalidRequestError(
+            f"compiling {job.describe} took longer than the server's limit of {self.timeout:g}s "
+            "(--structured-outputs-compile-timeout); simplify it (for example smaller maxLength, maxItems "
+            "or repetition counts)", param="structured_outputs"))
+
+
 class StructuredOutputManager:
     """The engine's guided-decoding state: backends, the compile cache and pool, and one
     :class:`_SequenceGrammar` per constrained sequence. Thread-safe for ``resolve`` and
@@ -328,7 +435,7 @@ class StructuredOutputManager:
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
-        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="tokenloom-grammar")
+        self._pool = CompilePool(COMPILE_THREADS, float(getattr(config, "compile_timeout", DEFAULT_COMPILE_TIMEOUT)))
         self._sequences: dict[str, _SequenceGrammar] = {}
 
     # -- choosing a backend and compiling (any thread) ---------------------------------------
@@ -376,11 +483,13 @@ class StructuredOutputManager:
         key = (backend_name, constraint.key, self._tokenizer_key)
         with self._lock:
             future = self._cache.get(key)
+            # a failed compile is tried again (one that overran its limit too: a busy machine,
+            # or a backend's one-time set-up, may have been the cause)
             if future is not None and not (future.done() and future.exception() is not None):
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 return future
-            future = self._pool.submit(self._compile, backend_name, constraint)
+            future = self._pool.submit(lambda: self._compile(backend_name, constraint), constraint.describe())
             self._cache[key] = future
             self.stats.compiles += 1
             while len(self._cache) > self.cache_size:
@@ -399,7 +508,7 @@ class StructuredOutputManager:
         return CompiledConstraint(backend_name, backend, compiled)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     # -- sequences (engine thread) -----------------------------------------------------------
 

@@ -22,6 +22,8 @@ from tokenloom.errors import ModelLoadError
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+# ggml tensors have at most four dimensions (GGML_MAX_DIMS)
+MAX_TENSOR_DIMS = 4
 
 # GGUF metadata value types (gguf.GGUFValueType): scalar struct formats, and numpy dtypes for arrays
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -72,7 +74,11 @@ class GGUFFile:
             raise ModelLoadError(f"cannot memory-map GGUF file {self.path}: {exc}") from exc
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, IndexError, ValueError) as exc:
+        except ModelLoadError:
+            raise
+        except (struct.error, UnicodeDecodeError, IndexError, ValueError, OverflowError, MemoryError,
+                TypeError) as exc:
+            # a file from anywhere must fail as a load error naming itself, whatever its bytes
             raise ModelLoadError(
                 f"GGUF file {self.path} is truncated or corrupt ({type(exc).__name__}: {exc}); "
                 "download or assemble it again"
@@ -130,16 +136,21 @@ class GGUFFile:
         for _ in range(tensor_count):
             name, position = self._read_string(position)
             (num_dims,) = struct.unpack_from("<I", buffer, position)
+            if num_dims > MAX_TENSOR_DIMS:
+                raise ModelLoadError(f"GGUF file {self.path} is corrupt: tensor {name!r} claims {num_dims} "
+                                     f"dimensions (ggml tensors have at most {MAX_TENSOR_DIMS})")
             dims = struct.unpack_from(f"<{num_dims}Q", buffer, position + 4)
             ggml_type, relative_offset = struct.unpack_from("<IQ", buffer, position + 4 + 8 * num_dims)
             position += 4 + 8 * num_dims + 12
             # ggml lists dimensions fastest-first; torch wants them slowest-first
             entries.append((name, tuple(int(d) for d in reversed(dims)), ggml_type, relative_offset))
 
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self._alignment()
         data_start = -(-position // alignment) * alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, shape, ggml_type, relative_offset in entries:
+            if name in self.tensors:
+                raise ModelLoadError(f"GGUF file {self.path} is corrupt: it lists tensor {name!r} twice")
             nbytes = tensor_nbytes(ggml_type, shape, tensor_name=name, path=self.path)
             offset = data_start + relative_offset
             if offset + nbytes > len(buffer):
@@ -148,6 +159,15 @@ class GGUFFile:
                     f"but the file has {len(buffer)} bytes; download or assemble it again"
                 )
             self.tensors[name] = GGUFTensorInfo(name, shape, ggml_type, offset, nbytes)
+
+    def _alignment(self) -> int:
+        """``general.alignment``: a power of two (GGUF's rule), 32 when absent."""
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)) or alignment < 1 \
+                or alignment & (alignment - 1):
+            raise ModelLoadError(f"GGUF file {self.path} is corrupt: general.alignment must be a power of two, "
+                                 f"got {alignment!r}")
+        return int(alignment)
 
     def _read_string(self, position: int) -> tuple[str, int]:
         (length,) = struct.unpack_from("<Q", self._header, position)
@@ -188,9 +208,12 @@ class GGUFFile:
         unpack = struct.Struct("<Q").unpack_from
         values = []
         append = values.append
+        size = len(raw)
         for _ in range(count):
             (length,) = unpack(raw, position)
             position += 8
+            if position + length > size:
+                raise ValueError(f"a string at byte {position - 8} runs past the end of the file")
             append(raw[position:position + length].decode("utf-8"))
             position += length
         return values, position

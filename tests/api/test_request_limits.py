@@ -1,0 +1,98 @@
+"""Request fields whose cost grows with their size are capped with a 400 that names the field;
+text that is not valid Unicode is a 400 wherever it hides; a full queue is a 429 with
+Retry-After; cache_salt reaches the engine (against the fake engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.api.conftest import client_for
+from tokenloom.core.request import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from tokenloom.errors import OverloadedError
+
+pytestmark = pytest.mark.anyio
+
+COMPLETION = {"prompt": "Hi", "max_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def raw_json(body: dict) -> dict:
+    """Request kwargs sending ``body`` as JSON with \\u escapes, so lone surrogates survive."""
+    return {"content": json.dumps(body).encode("ascii"), "headers": {"content-type": "application/json"}}
+
+
+async def assert_bad_request(response, param_fragment: str, message_fragment: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert param_fragment in (error["param"] or "") + error["message"]
+    assert message_fragment in error["message"]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("field, value, message", [
+    ("n", 257, "at most 256 (the server's --max-num-seqs)"),
+    ("best_of", 1_000_000, "at most 256"),
+    ("stop", [f"s{index}" for index in range(MAX_STOP_STRINGS + 1)], f"at most {MAX_STOP_STRINGS}"),
+    ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)], f"at most {MAX_STOP_STRING_CHARS}"),
+    ("logit_bias", {str(token): 1.0 for token in range(MAX_LOGIT_BIAS_ENTRIES + 1)},
+     f"at most {MAX_LOGIT_BIAS_ENTRIES}"),
+    ("allowed_token_ids", list(range(49153)), "more than the vocabulary's 49152"),
+    ("cache_salt", "", "non-empty string"),
+])
+async def test_oversized_fields_are_400s_naming_the_field(client, engine, path, body, field, value, message):
+    response = await client.post(path, json={**body, field: value})
+    await assert_bad_request(response, field, message)
+    assert engine.requests == []
+
+
+async def test_n_is_capped_by_the_engines_max_num_seqs(make_app, engine):
+    engine.max_num_seqs = 4
+    async with client_for(make_app()) as http_client:
+        await assert_bad_request(await http_client.post("/v1/completions", json={**COMPLETION, "n": 5}), "n",
+                                 "at most 4")
+        assert (await http_client.post("/v1/completions", json={**COMPLETION, "n": 4})).status_code == 200
+
+
+LONE_SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", {**COMPLETION, "prompt": f"a{LONE_SURROGATE}b"}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["ok", LONE_SURROGATE]}, "prompt.1"),
+    ("/v1/completions", {**COMPLETION, "stop": [LONE_SURROGATE]}, "stop.0"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONE_SURROGATE}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udfff"}]}]}, "messages.0.content.0.text"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {LONE_SURROGATE: {"type": "string"}}}}}]},
+     "tools.0.function.parameters.properties"),
+    ("/v1/chat/completions", {**CHAT, "cache_salt": LONE_SURROGATE}, "cache_salt"),
+    ("/tokenize", {"prompt": LONE_SURROGATE}, "prompt"),
+    ("/detokenize", {"tokens": [1], "model": LONE_SURROGATE}, "model"),
+])
+async def test_unencodable_text_is_a_400_wherever_it_is(client, engine, path, body, where):
+    response = await client.post(path, **raw_json(body))
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert where in message and "not valid Unicode" in message
+    assert engine.requests == []
+
+
+async def test_a_full_queue_is_a_429_with_retry_after(make_app, engine):
+    engine.fail_at_start = OverloadedError("1024 requests are already waiting (--max-waiting-requests 1024)")
+    async with client_for(make_app()) as http_client:
+        response = await http_client.post("/v1/completions", json=COMPLETION)
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["type"] == "RateLimitError"
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+async def test_cache_salt_reaches_the_engine(client, engine, path, body):
+    assert (await client.post(path, json={**body, "cache_salt": "tenant-7f3a"})).status_code == 200
+    assert engine.requests[-1].params.cache_salt == "tenant-7f3a"
+    assert (await client.post(path, json=body)).status_code == 200
+    assert engine.requests[-1].params.cache_salt is None
