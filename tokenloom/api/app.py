@@ -126,7 +126,7 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
     app.state.metrics = metrics
     install_error_handlers(app)
     routes = _routes(ctx, renderer, completions, chat, metrics)
-    if getattr(engine, "runner", "generate") == "pooling":
+    if getattr(engine, "runner_type", "generate") == "pooling":
         # a pooling model serves embeddings and scores, never completions
         routes.routes = [route for route in routes.routes if getattr(route, "path", None) not in GENERATION_PATHS]
         routes.include_router(pooling_routes(ctx, _guarded))

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.block_manager import BlockManager
@@ -135,6 +135,35 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or reject it at once when it can never run."""
+        self.add_requests([request])
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue the sequences of one user request together, or none of them: every check runs
+        on all of them before the first is queued, so a refusal leaves nothing behind.
+
+        The waiting-queue limit admits the group while fewer than ``max_waiting_requests``
+        sequences wait, so a group may overshoot the limit by its size minus one (``n`` is
+        capped by the request validation), and a request with ``n`` above the limit can run.
+        """
+        seen: set[str] = set()
+        for request in requests:
+            if request.request_id in seen:
+                raise InvalidRequestError(f"request id {request.request_id!r} appears twice in one request",
+                                          param="request_id")
+            seen.add(request.request_id)
+            self._check_admissible(request)
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            raise OverloadedError(f"{len(self.waiting)} requests are already waiting "
+                                  f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self.requests[request.request_id] = request
+            self._admission_seq[request.request_id] = self._next_admission_seq
+            self._next_admission_seq += 1
+            self.waiting.push(request, self._order_key(request))
+
+    def _check_admissible(self, request: Request) -> None:
+        """Raise when ``request`` can never be queued: its id is taken, or it can never fit."""
         request_id = request.request_id
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request "
@@ -157,14 +186,6 @@ class Scheduler:
                 f"{block_size} tokens, but the cache has only {self.block_manager.num_blocks} blocks; shorten "
                 "the prompt or give the KV cache more memory (--gpu-memory-utilization, "
                 "--kv-cache-memory-bytes, --num-gpu-blocks-override)", param="prompt")
-        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
-            raise OverloadedError(f"{len(self.waiting)} requests are already waiting "
-                                  f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
-        request.status = RequestStatus.WAITING
-        self.requests[request_id] = request
-        self._admission_seq[request_id] = self._next_admission_seq
-        self._next_admission_seq += 1
-        self.waiting.push(request, self._order_key(request))
 
     # ---- one step --------------------------------------------------------------------------
 
