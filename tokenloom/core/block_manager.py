@@ -233,7 +233,8 @@ class BlockManager:
 
     def _hash_block(self, parent: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
         if self.hash_algo == "sha256":
-            return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
+            parent_digest = parent if isinstance(parent, bytes) else b""
+            return hashlib.sha256(parent_digest + array("q", token_ids).tobytes()).digest()
         # ints and tuples of ints hash the same in every process (no PYTHONHASHSEED salt)
         return hash((0 if parent is None else parent, token_ids))
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from tokenloom.core.batch import TokenLogprobs
 
 # a "logprob" entry: token id -> Logprob
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -121,7 +124,7 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be a non-negative integer, got {self.prompt_logprobs}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             bad("truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}")
-        if any(not s for s in self.stop):
+        if any(not s for s in self.stop or ()):
             bad("stop", "must not contain empty strings")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             bad("allowed_token_ids", "must not be empty")
@@ -132,7 +135,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         import dataclasses
 
         return dataclasses.replace(self, **changes)
@@ -180,8 +183,10 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    logprobs: SampleLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None
+    # as the worker reported them, per sampled token / per computed prompt position; the
+    # engine's output processor turns them into SampleLogprobs / PromptLogprobs
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -216,7 +221,7 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED):
-            return self.status.value
+            return str(self.status.value)
         if self.status is RequestStatus.FINISHED_ERROR:
             return "error"
         return None
@@ -291,7 +296,7 @@ class PoolingParams:
             raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens!r}",
                                       param="truncate_prompt_tokens")
 
-    def clone(self, **changes) -> "PoolingParams":
+    def clone(self, **changes: Any) -> PoolingParams:
         import dataclasses
 
         return dataclasses.replace(self, **changes)

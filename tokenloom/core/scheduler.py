@@ -30,6 +30,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # prefill at once and no --long-prefill-token-threshold is given (vLLM's default)
 LONG_PREFILL_SHARE = 0.04
 
+# where a request stands in the waiting order: lower runs first (see Scheduler._order_key)
+OrderKey = tuple[float, ...]
+
 
 @dataclass
 class SchedulerStats:
@@ -47,10 +50,10 @@ class _FCFSQueue:
     def __init__(self) -> None:
         self._requests: deque[Request] = deque()
 
-    def push(self, request: Request, order_key: tuple) -> None:
+    def push(self, request: Request, order_key: OrderKey) -> None:
         self._requests.append(request)
 
-    def push_front(self, request: Request, order_key: tuple) -> None:
+    def push_front(self, request: Request, order_key: OrderKey) -> None:
         self._requests.appendleft(request)
 
     def peek(self) -> Request:
@@ -71,9 +74,9 @@ class _PriorityQueue:
     which puts it ahead of everything that arrived after it at its priority."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple, Request]] = []
+        self._heap: list[tuple[OrderKey, Request]] = []
 
-    def push(self, request: Request, order_key: tuple) -> None:
+    def push(self, request: Request, order_key: OrderKey) -> None:
         heapq.heappush(self._heap, (order_key, request))
 
     push_front = push
@@ -373,7 +376,7 @@ class Scheduler:
         """Token-level stops, in order: stop_token_ids, EOS, max_tokens, max_model_len."""
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+            if token_id in (params.stop_token_ids or ()):
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
@@ -454,7 +457,7 @@ class Scheduler:
                        "More KV-cache memory or a lower --max-num-seqs avoids this.",
                        request.request_id, self.num_preemptions)
 
-    def _order_key(self, request: Request) -> tuple:
+    def _order_key(self, request: Request) -> OrderKey:
         """Lower runs first; the highest running key is preempted first."""
         seq = self._admission_seq[request.request_id]
         if self.use_priority:

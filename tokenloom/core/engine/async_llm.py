@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from tokenloom.core.config import EngineArgs
@@ -150,7 +150,7 @@ class AsyncLLM:
             raise
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         await self._admit(request_id)
         prepared = self.engine.prepare_prompt(prompt, sampling_params)
         grammar = self.engine.submit_structured_output(sampling_params)
@@ -163,7 +163,7 @@ class AsyncLLM:
                 yield item
 
     async def encode(self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *,
-                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+                     priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
         """The pooled output of one prompt (a single, final item); bad input raises here,
         before anything is queued."""
         await self._admit(request_id)
@@ -183,7 +183,8 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
-    async def _outputs(self, command: AddRequest | AddPoolingRequest, kind: type[OutputT]) -> AsyncIterator[OutputT]:
+    async def _outputs(self, command: AddRequest | AddPoolingRequest,
+                       kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
         """Queue ``command`` (an add) and yield the request's outputs (of type ``kind``) until
         the finished one; closing this early aborts the request."""
         request_id = command.request_id

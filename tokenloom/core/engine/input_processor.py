@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenloom.core.pooling import check_pooling_params, prepare_pooling_prompt
 from tokenloom.core.request import PoolingParams, Request, RequestOutputKind, SamplingParams, unwrap_prompt
-from tokenloom.core.sampler import SamplingState, tokenize_bad_words
+from tokenloom.core.sampling_metadata import SamplingState, tokenize_bad_words
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
 
