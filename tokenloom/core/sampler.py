@@ -102,7 +102,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     ``[rows, vocab_size]``; tokens past the mask's width are not allowed."""
     if bitmask.device.type == "cpu" and sys.byteorder == "little":
         # numpy unpacks bits much faster than torch's shifts on the CPU, and needs no threads
-        # (docs/design.md, 'Sampling')
+        # (figures: docs/design.md, "Sampling")
         packed = bitmask.contiguous().numpy().view(np.uint8)
         allowed = torch.from_numpy(np.unpackbits(packed, axis=-1, bitorder="little").view(np.bool_))
     else:

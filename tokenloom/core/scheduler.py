@@ -6,6 +6,11 @@ and the :class:`~tokenloom.core.block_manager.BlockManager`.
 Chunked prefill disabled means a prompt is never split: one that does not fit the step's
 remaining budget waits (head of line), and one longer than the whole budget (possible for a
 resumed request with its output) runs whole, alone in a step, once nothing else is scheduled.
+
+Over ~400 lines on purpose: admission, ``schedule()``, ``update_from_output()`` and preemption
+keep one set of invariants together (a request is in exactly one of the waiting queue and the
+running list, holds blocks only while running, and every finished id reaches the worker once);
+split apart, each half would have to re-check the other's.
 """
 
 from __future__ import annotations

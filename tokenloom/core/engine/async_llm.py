@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # KV-cache memory the idle server maps ahead of use, in chunks of about a millisecond, once
 # the engine has been idle a while: a lazily zeroed cache otherwise pays its page faults in the
-# first step that writes there (figures: docs/design.md, "Prefaulting the KV cache")
+# first step that writes there (figures: docs/design.md, "KV cache sizing on the CPU")
 PREFAULT_MAX_BYTES = 1 << 30
 PREFAULT_CHUNK_BYTES = 1 << 20
 PREFAULT_AFTER_IDLE_SECONDS = 0.05
@@ -46,7 +46,7 @@ class AsyncLLM:
     :meth:`from_engine_args` builds the engine on that same thread: torch keeps one OpenMP
     worker pool per thread that runs parallel ops, and a second pool (the one weight loading
     made on the caller's thread) oversubscribes a small machine's cores, which makes every
-    decode step slower (docs/design.md, "One OpenMP pool").
+    decode step slower (figures: docs/design.md, "AsyncLLM").
     """
 
     def __init__(self, engine: LLMEngine | None):
