@@ -23,7 +23,10 @@ def limits(**changes) -> ModelLimits:
     return ModelLimits(**values)
 
 
-def processor(tokenizer=WordTokenizer(), **changes) -> InputProcessor:
+WORD_TOKENIZER = WordTokenizer()
+
+
+def processor(tokenizer=WORD_TOKENIZER, **changes) -> InputProcessor:
     return InputProcessor(tokenizer, limits(**changes))
 
 

@@ -190,7 +190,7 @@ class OutputProcessor:
 
     def logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         result: dict[int, Logprob] = {}
-        for position, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs)):
+        for position, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
             if token_id in result:
                 continue
             rank = entry.rank if position == 0 else position
