@@ -88,7 +88,7 @@ def normalized(vector: torch.Tensor) -> torch.Tensor:
 
 
 def test_embeddings_follow_the_sentence_transformers_files(bert_llm, bert_reference):
-    assert bert_llm.engine.runner == "pooling"
+    assert bert_llm.engine.runner_type == "pooling"
     assert bert_llm.engine.max_model_len == 64  # sentence_bert_config.json, below the 128 positions
     outputs = bert_llm.embed(TEXTS)
     for text, output in zip(TEXTS, outputs):
@@ -188,7 +188,7 @@ def test_convert_embed_pools_a_causal_lm(tiny_llama_dir, pooler_config, reduce):
     from transformers import AutoModelForCausalLM
 
     llm = LLM(tiny_llama_dir, dtype="float32", convert="embed", override_pooler_config=pooler_config)
-    assert llm.engine.runner == "pooling"
+    assert llm.engine.runner_type == "pooling"
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     outputs = llm.embed(TEXTS[:3])
     for text, output in zip(TEXTS, outputs):
@@ -207,7 +207,7 @@ def test_async_llm_encodes_concurrent_requests(tiny_bert_dir, bert_llm):
 
     async def run():
         engine = AsyncLLM(LLMEngine.from_engine_args(EngineArgs(model=tiny_bert_dir, dtype="float32")))
-        assert engine.runner == "pooling"
+        assert engine.runner_type == "pooling"
         try:
             async def one(index: int):
                 return [output async for output in engine.encode(texts[index], None, f"req-{index}")]
@@ -229,6 +229,6 @@ def test_async_llm_encodes_concurrent_requests(tiny_bert_dir, bert_llm):
 
 def test_a_generating_model_does_not_pool(tiny_llama_dir):
     llm = LLM(tiny_llama_dir)
-    assert llm.engine.runner == "generate"
+    assert llm.engine.runner_type == "generate"
     with pytest.raises(InvalidRequestError, match="does not pool"):
         llm.embed("hello")

@@ -33,7 +33,7 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", *, plugins: Sequence[str] = (), **engine_args: Any):
         self.plugins = load_plugins(modules=plugins)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args), self.plugins)
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args), self.plugins)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -35,7 +35,7 @@ class FakePoolingEngine:
     """Stands in for AsyncLLM with the pooling runner: ``encode`` yields one output whose
     vector depends on the token ids; it records what it was asked."""
 
-    runner = "pooling"
+    runner_type = "pooling"
     errored = False
     is_running = True
 

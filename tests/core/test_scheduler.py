@@ -382,6 +382,31 @@ def test_admission_rejects_empty_prompts_duplicate_ids_and_a_full_queue():
         scheduler.add_request(make_request("c", [3]))
 
 
+def test_a_group_is_queued_whole_or_not_at_all():
+    # the n sequences of one request: a refusal of any of them (id taken, too long, queue full)
+    # leaves none of them queued
+    scheduler = make_scheduler(num_blocks=8, max_model_len=64, max_waiting_requests=3)
+    scheduler.add_request(make_request("q#1", [3, 4]))
+    with pytest.raises(InvalidRequestError, match="'q#1' is already in use"):
+        scheduler.add_requests([make_request("q#0", [3, 4]), make_request("q#1", [3, 4])])
+    with pytest.raises(InvalidRequestError, match="appears twice"):
+        scheduler.add_requests([make_request("d", [3]), make_request("d", [3])])
+    with pytest.raises(InvalidRequestError, match="KV-cache blocks"):
+        scheduler.add_requests([make_request("fits", [3]), make_request("huge", [3] * 40)])
+    assert [scheduler.get_request(i) for i in ("q#0", "d", "fits", "huge")] == [None] * 4
+    assert scheduler.num_waiting == 1
+    # below the limit a group is admitted whole, even past the limit; at the limit, not at all
+    scheduler.add_requests([make_request(f"r#{i}", [5]) for i in range(3)])
+    assert scheduler.num_waiting == 4
+    with pytest.raises(OverloadedError):
+        scheduler.add_requests([make_request("s#0", [5]), make_request("s#1", [5])])
+    assert scheduler.get_request("s#0") is None and scheduler.num_waiting == 4
+    worker = FakeWorker(num_blocks=8, block_size=4)
+    finished = run(scheduler, worker).finished
+    assert sorted(finished) == ["q#1", "r#0", "r#1", "r#2"]
+    assert scheduler.block_manager.num_free_blocks == 8
+
+
 def test_bad_scheduler_configuration_is_a_config_error():
     with pytest.raises(ConfigError, match="scheduling-policy"):
         make_scheduler(scheduling_policy="lifo")

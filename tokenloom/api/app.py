@@ -129,13 +129,13 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
     app.state.metrics = metrics
     install_error_handlers(app)
     routes = _routes(ctx, renderer, completions, chat, metrics)
-    if getattr(engine, "runner", "generate") != "pooling":
+    if getattr(engine, "runner_type", "generate") != "pooling":
         # the agent APIs are layers over chat, which a pooling model does not serve
         keys_in_use = bool(_api_keys(config))
         routes.include_router(responses_routes(ResponsesHandler(chat, ResponseStore(store_size_from_env()),
                                                                 keys_in_use), _guarded))
         routes.include_router(messages_routes(MessagesHandler(chat)))
-    if getattr(engine, "runner", "generate") == "pooling":
+    if getattr(engine, "runner_type", "generate") == "pooling":
         # a pooling model serves embeddings and scores, never completions
         routes.routes = [route for route in routes.routes if getattr(route, "path", None) not in GENERATION_PATHS]
         routes.include_router(pooling_routes(ctx, _guarded))

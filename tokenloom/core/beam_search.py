@@ -7,6 +7,7 @@ prompt cheap: only the new token is computed.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -59,7 +60,7 @@ def beam_search_score(sequence: BeamSearchSequence, eos_token_ids: set[int], len
     length = len(sequence.tokens)
     if sequence.tokens and sequence.tokens[-1] in eos_token_ids:
         length -= 1
-    return sequence.cum_logprob / (length ** length_penalty)
+    return sequence.cum_logprob / math.pow(length, length_penalty)
 
 
 def beam_search(
@@ -84,7 +85,10 @@ def beam_search(
         for prompt_index, prompt_beams in enumerate(live):
             candidates = candidates_by_prompt.setdefault(prompt_index, [])
             for beam in prompt_beams:
-                logprobs = outputs[cursor].outputs[0].logprobs[0]
+                sample_logprobs = outputs[cursor].outputs[0].logprobs
+                if not sample_logprobs:  # every step asks for them: the engine broke its contract
+                    raise RuntimeError("beam search asked for logprobs and the engine returned none")
+                logprobs = sample_logprobs[0]
                 cursor += 1
                 for token_id, logprob in logprobs.items():
                     candidate = BeamSearchSequence(

@@ -7,7 +7,7 @@ Attribute docstrings (the string literal under each field) are the CLI help text
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.errors import ConfigError
@@ -166,7 +166,9 @@ class StructuredOutputConfig:
 
 @dataclass
 class EngineConfig:
-    """The grouped configuration the engine and its executor receive."""
+    """The grouped configuration the engine and its executor receive, as the user gave it:
+    the engine never writes into it (what it resolves travels in a
+    :class:`~tokenloom.core.executor.WorkerSpec`)."""
 
     model: ModelConfig
     cache: CacheConfig
@@ -175,10 +177,6 @@ class EngineConfig:
     device: DeviceConfig
     load: LoadConfig
     structured_output: StructuredOutputConfig
-    # plugins resolved in the main process, as plain data (kind -> name -> "module:attr")
-    plugin_tables: dict[str, dict[str, str]] = field(default_factory=dict)
-    # the resolved model (tokenloom.core.model_loader.ModelInfo), filled in by the engine
-    model_info: Any = None
 
 
 _GROUPS: tuple[tuple[str, type], ...] = (
@@ -212,44 +210,111 @@ STRUCTURED_OUTPUT_ARGS = {
 }
 
 
+@dataclass
 class EngineArgs:
     """Engine arguments by their vLLM names, e.g. ``EngineArgs(model="smollm2",
-    max_model_len=2048, num_gpu_blocks_override=64)``; unknown names are a clear error."""
+    max_model_len=2048, num_gpu_blocks_override=64)``: one field per field of the config
+    groups above (their defaults and docstrings are the groups'), checked and grouped into an
+    :class:`EngineConfig` by :meth:`create_engine_config`.
+    """
 
-    def __init__(self, model: str | None = None, **kwargs: Any):
-        self._values: dict[str, Any] = {}
-        if model is not None:
-            kwargs["model"] = model
-        known = set(ENGINE_ARG_GROUPS) | set(STRUCTURED_OUTPUT_ARGS)
-        for name, value in kwargs.items():
+    # -> ModelConfig
+    model: str = ModelConfig.model
+    tokenizer: str | None = ModelConfig.tokenizer
+    tokenizer_mode: str = ModelConfig.tokenizer_mode
+    revision: str | None = ModelConfig.revision
+    tokenizer_revision: str | None = ModelConfig.tokenizer_revision
+    dtype: str = ModelConfig.dtype
+    max_model_len: int | None = ModelConfig.max_model_len
+    served_model_name: str | list[str] | None = ModelConfig.served_model_name
+    seed: int | None = ModelConfig.seed
+    hf_overrides: dict[str, Any] | None = ModelConfig.hf_overrides
+    rope_scaling: dict[str, Any] | None = ModelConfig.rope_scaling
+    rope_theta: float | None = ModelConfig.rope_theta
+    trust_remote_code: bool = ModelConfig.trust_remote_code
+    max_logprobs: int = ModelConfig.max_logprobs
+    logprobs_mode: str = ModelConfig.logprobs_mode
+    skip_tokenizer_init: bool = ModelConfig.skip_tokenizer_init
+    generation_config: str = ModelConfig.generation_config
+    enforce_eager: bool = ModelConfig.enforce_eager
+    task: str = ModelConfig.task
+    runner: str = ModelConfig.runner
+    convert: str = ModelConfig.convert
+    override_pooler_config: dict[str, Any] | None = ModelConfig.override_pooler_config
+    disable_sliding_window: bool = ModelConfig.disable_sliding_window
+    quantization: str | None = ModelConfig.quantization
+    # -> CacheConfig
+    block_size: int = CacheConfig.block_size
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    prefix_caching_hash_algo: str = CacheConfig.prefix_caching_hash_algo
+    cache_dtype: str = CacheConfig.cache_dtype
+    # -> SchedulerConfig
+    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    scheduling_policy: str = SchedulerConfig.scheduling_policy
+    max_waiting_requests: int | None = SchedulerConfig.max_waiting_requests
+    # -> ParallelConfig
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
+    # -> DeviceConfig
+    device: str = DeviceConfig.device
+    # -> LoadConfig
+    load_format: str = LoadConfig.load_format
+    download_dir: str | None = LoadConfig.download_dir
+    ignore_patterns: list[str] | None = LoadConfig.ignore_patterns
+    use_tqdm_on_load: bool = LoadConfig.use_tqdm_on_load
+    model_loader_extra_config: dict[str, Any] | None = LoadConfig.model_loader_extra_config
+    # -> StructuredOutputConfig, by vLLM's engine-argument names
+    guided_decoding_backend: str = StructuredOutputConfig.backend
+    guided_decoding_disable_fallback: bool = StructuredOutputConfig.disable_fallback
+    guided_decoding_disable_any_whitespace: bool = StructuredOutputConfig.disable_any_whitespace
+    guided_decoding_disable_additional_properties: bool = StructuredOutputConfig.disable_additional_properties
+    reasoning_parser: str | None = StructuredOutputConfig.reasoning_parser
+    structured_outputs_compile_timeout: float = StructuredOutputConfig.compile_timeout
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """``EngineArgs(**kwargs)``, with an unknown name a ConfigError that suggests the
+        closest known one (``LLM(**engine_args)`` passes user input through here)."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in kwargs:
             if name not in known:
-                from tokenloom.plugins.registry import closest_match
+                from tokenloom.errors import closest_match
 
                 hint = closest_match(name, sorted(known))
                 raise ConfigError(
                     f"unknown engine argument {name!r}" + (f"; did you mean {hint!r}?" if hint else ""),
                     param=name,
                 )
-            self._values[name] = value
-
-    def __getattr__(self, name: str) -> Any:
-        values = self.__dict__.get("_values", {})
-        if name in values:
-            return values[name]
-        raise AttributeError(name)
+        return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
         groups: dict[str, dict[str, Any]] = {group: {} for group, _ in _GROUPS}
         structured: dict[str, Any] = {}
-        for name, value in self._values.items():
+        for name, value in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)):
             if name in STRUCTURED_OUTPUT_ARGS:
                 structured[STRUCTURED_OUTPUT_ARGS[name]] = value
             else:
                 groups[ENGINE_ARG_GROUPS[name]][name] = value
-        built = {group: cls(**groups[group]) for group, cls in _GROUPS}
-        if isinstance(built["model"].served_model_name, str):
-            built["model"].served_model_name = [built["model"].served_model_name]
-        config = EngineConfig(structured_output=StructuredOutputConfig(**structured), **built)
+        if isinstance(groups["model"]["served_model_name"], str):
+            groups["model"]["served_model_name"] = [groups["model"]["served_model_name"]]
+        config = EngineConfig(
+            model=ModelConfig(**groups["model"]),
+            cache=CacheConfig(**groups["cache"]),
+            scheduler=SchedulerConfig(**groups["scheduler"]),
+            parallel=ParallelConfig(**groups["parallel"]),
+            device=DeviceConfig(**groups["device"]),
+            load=LoadConfig(**groups["load"]),
+            structured_output=StructuredOutputConfig(**structured),
+        )
         validate_engine_config(config)
         return config
 

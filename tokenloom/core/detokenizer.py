@@ -185,7 +185,7 @@ class IncrementalDetokenizer:
         if not self.sampling_params.spaces_between_special_tokens or not any(
             token in special_tokens for token in tokens
         ):
-            return self._tokenizer.convert_tokens_to_string(tokens)
+            return str(self._tokenizer.convert_tokens_to_string(tokens))
         # special tokens kept in the text stand apart, separated by spaces (transformers'
         # documented meaning of spaces_between_special_tokens)
         pieces: list[str] = []

@@ -4,17 +4,38 @@ Implementations (one process, several processes, Ray) are plugins."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.config import EngineConfig
 
+if TYPE_CHECKING:
+    from tokenloom.core.model_loader import ModelInfo
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker is built from, as plain picklable data resolved in the main process:
+    the engine config as the user gave it, and what the engine resolved from it."""
+
+    config: EngineConfig
+    model_info: ModelInfo
+    """The resolved model: files, architecture, context length, vocabulary, runner type."""
+    platform: str
+    """The device platform plugin chosen (``--device auto`` resolved to a name)."""
+    plugin_tables: dict[str, dict[str, str]]
+    """The plugin registries as plain data (kind -> name -> ``"module:attr"``), which workers
+    import from; workers never run plugin discovery."""
+
 
 class Executor:
-    """Registered with ``register_executors``; constructed once, in the main process, with
-    the engine config (whose ``plugin_tables`` are the plain-data plugin registries that
-    workers import from; workers never run plugin discovery)."""
+    """Registered with ``register_executors``; constructed once, in the main process, with a
+    :class:`WorkerSpec` to ship to the workers it starts."""
 
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.config = spec.config
 
     def initialize(self) -> int:
         """Start workers, load the model, size and allocate the KV cache.

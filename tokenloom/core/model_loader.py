@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.config import EngineConfig, ModelConfig
 from tokenloom.core.pooling import (
@@ -23,6 +23,11 @@ from tokenloom.core.pooling import (
 )
 from tokenloom.errors import ConfigError, ContextLengthError, ModelLoadError, UnknownNameError
 from tokenloom.plugins.manager import PluginSet
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +59,11 @@ class ModelInfo:
     pooler_config: Any = None
 
 
-def resolve_source(model: str, plugins: PluginSet, model_config: ModelConfig, download_dir: str | None):
+def resolve_source(model: str, plugins: PluginSet, model_config: ModelConfig,
+                   download_dir: str | None) -> ResolvedModel:
     registry = plugins.registry("model_source")
     for entry in registry.entries():
-        source = entry.resolve()()
+        source: ModelSource = entry.resolve()()
         if source.matches(model):
             return source.resolve(model, revision=model_config.revision, download_dir=download_dir)
     raise ModelLoadError(
@@ -66,7 +72,7 @@ def resolve_source(model: str, plugins: PluginSet, model_config: ModelConfig, do
     )
 
 
-def choose_load_format(name: str, path: str, hint: str | None, plugins: PluginSet):
+def choose_load_format(name: str, path: str, hint: str | None, plugins: PluginSet) -> tuple[str, LoadFormat]:
     """The load format plugin instance and its name (``auto`` asks each in order)."""
     registry = plugins.registry("load_format")
     if name != "auto":
@@ -186,7 +192,7 @@ def eos_token_ids(hf_config: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def resolve_dtype(name: str, hf_config: Any, platform: Any):
+def resolve_dtype(name: str, hf_config: Any, platform: Any) -> torch.dtype:
     import torch
 
     explicit = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -197,10 +203,12 @@ def resolve_dtype(name: str, hf_config: Any, platform: Any):
     stored = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
     if isinstance(stored, str):
         stored = getattr(torch, stored, torch.float32)
-    return platform.default_dtype(stored if isinstance(stored, torch.dtype) else torch.float32)
+    chosen: torch.dtype = platform.default_dtype(stored if isinstance(stored, torch.dtype) else torch.float32)
+    return chosen
 
 
-def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, *, runner: str = "generate"):
+def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, *,
+                runner: str = "generate") -> Any:
     """Construct the model plugin on the platform's device and load its weights (worker side)."""
     import torch
 

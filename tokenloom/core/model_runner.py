@@ -14,7 +14,8 @@ import torch
 from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.model_loader import ModelInfo, build_model
-from tokenloom.core.sampler import Sampler, SamplingMetadata, SamplingState, compute_prompt_logprobs
+from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
+from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenloom.errors import ConfigError
 from tokenloom.plugins.manager import PluginSet
@@ -55,8 +56,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.attention_backend = resolve_target(platform.attention_backend())()
         self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode)
-        self.model = None
-        self.dtype = None
+        # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
+        # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
+        self.model: Any = None
+        self.dtype: torch.dtype | None = None
         # blocks at or above this id have never been in a block table: nothing was written there
         self._kv_high_water = 0
         # blocks below this id have been mapped by prefault_kv_cache (or used)
@@ -73,7 +76,11 @@ class ModelRunner:
 
     def kv_cache_dtype(self) -> torch.dtype:
         names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-        return names.get(self.config.cache.cache_dtype, self.dtype)
+        if self.config.cache.cache_dtype in names:
+            return names[self.config.cache.cache_dtype]
+        if self.dtype is None:
+            raise RuntimeError("the KV cache's dtype follows the model's: load the model first")
+        return self.dtype
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -209,8 +216,9 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 state.sampling.output_token_ids.append(token_id)
                 output.sampled_token_ids[state.req_id] = [token_id]
-                if sampled.logprobs[row] is not None:
-                    output.logprobs[state.req_id] = [sampled.logprobs[row]]
+                token_logprobs = sampled.logprobs[row]
+                if token_logprobs is not None:
+                    output.logprobs[state.req_id] = [token_logprobs]
         for i, state in enumerate(states):
             output.sampled_token_ids.setdefault(state.req_id, [])
             if state.prompt_logprobs is not None:
@@ -249,8 +257,12 @@ class ModelRunner:
         order = torch.tensor([mask_row[req_ids[row]] for row in rows], dtype=torch.long)
         return rows, torch.from_numpy(masks.bitmask).index_select(0, order).to(self.device)
 
-    def _prompt_logprobs(self, state, row, batch, hidden_states, output) -> None:
+    def _prompt_logprobs(self, state: CachedRequestState, row: int, batch: PreparedBatch, hidden_states: torch.Tensor,
+                         output: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens computed this step (each predicted by the one before)."""
+        num_logprobs = state.prompt_logprobs
+        if num_logprobs is None:
+            return
         start = state.num_computed_tokens
         end = min(batch.seq_lens[row], state.num_prompt_tokens - 1)  # positions that predict a prompt token
         if end <= start:
@@ -259,7 +271,7 @@ class ModelRunner:
         rows = torch.arange(first, first + (end - start), device=self.device)
         logits = self.model.compute_logits(hidden_states.index_select(0, rows)).float()
         targets = torch.tensor(state.token_ids[start + 1:end + 1], device=self.device)
-        output.prompt_logprobs[state.req_id] = compute_prompt_logprobs(logits, targets, state.prompt_logprobs)
+        output.prompt_logprobs[state.req_id] = compute_prompt_logprobs(logits, targets, num_logprobs)
 
     def _prepare_inputs(self, states: list[CachedRequestState], num_scheduled: dict[str, int]) -> "PreparedBatch":
         block_size = self.block_size

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.errors import InvalidRequestError
 
@@ -23,6 +23,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 # it against the model's vocabulary size)
 MAX_ALLOWED_TOKEN_IDS = 262144
 MAX_CACHE_SALT_CHARS = 4096
+
+if TYPE_CHECKING:
+    from tokenloom.core.batch import TokenLogprobs
 
 # a "logprob" entry: token id -> Logprob
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -186,7 +189,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         import dataclasses
 
         return dataclasses.replace(self, **changes)
@@ -234,8 +237,10 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    logprobs: SampleLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None
+    # as the worker reported them, per sampled token / per computed prompt position; the
+    # engine's output processor turns them into SampleLogprobs / PromptLogprobs
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -270,7 +275,7 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED):
-            return self.status.value
+            return str(self.status.value)
         if self.status is RequestStatus.FINISHED_ERROR:
             return "error"
         return None
@@ -345,7 +350,7 @@ class PoolingParams:
             raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens!r}",
                                       param="truncate_prompt_tokens")
 
-    def clone(self, **changes) -> "PoolingParams":
+    def clone(self, **changes: Any) -> PoolingParams:
         import dataclasses
 
         return dataclasses.replace(self, **changes)

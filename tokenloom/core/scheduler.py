@@ -6,6 +6,11 @@ and the :class:`~tokenloom.core.block_manager.BlockManager`.
 Chunked prefill disabled means a prompt is never split: one that does not fit the step's
 remaining budget waits (head of line), and one longer than the whole budget (possible for a
 resumed request with its output) runs whole, alone in a step, once nothing else is scheduled.
+
+Over ~400 lines on purpose: admission, ``schedule()``, ``update_from_output()`` and preemption
+keep one set of invariants together (a request is in exactly one of the waiting queue and the
+running list, holds blocks only while running, and every finished id reaches the worker once);
+split apart, each half would have to re-check the other's.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.block_manager import BlockManager
@@ -29,6 +34,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # share of the model length above which a prompt's chunk is capped when several prompts may
 # prefill at once and no --long-prefill-token-threshold is given (vLLM's default)
 LONG_PREFILL_SHARE = 0.04
+
+# where a request stands in the waiting order: lower runs first (see Scheduler._order_key)
+OrderKey = tuple[float, ...]
 
 
 @dataclass
@@ -47,10 +55,10 @@ class _FCFSQueue:
     def __init__(self) -> None:
         self._requests: deque[Request] = deque()
 
-    def push(self, request: Request, order_key: tuple) -> None:
+    def push(self, request: Request, order_key: OrderKey) -> None:
         self._requests.append(request)
 
-    def push_front(self, request: Request, order_key: tuple) -> None:
+    def push_front(self, request: Request, order_key: OrderKey) -> None:
         self._requests.appendleft(request)
 
     def peek(self) -> Request:
@@ -71,9 +79,9 @@ class _PriorityQueue:
     which puts it ahead of everything that arrived after it at its priority."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple, Request]] = []
+        self._heap: list[tuple[OrderKey, Request]] = []
 
-    def push(self, request: Request, order_key: tuple) -> None:
+    def push(self, request: Request, order_key: OrderKey) -> None:
         heapq.heappush(self._heap, (order_key, request))
 
     push_front = push
@@ -137,6 +145,35 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or reject it at once when it can never run."""
+        self.add_requests([request])
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue the sequences of one user request together, or none of them: every check runs
+        on all of them before the first is queued, so a refusal leaves nothing behind.
+
+        The waiting-queue limit admits the group while fewer than ``max_waiting_requests``
+        sequences wait, so a group may overshoot the limit by its size minus one (``n`` is
+        capped by the request validation), and a request with ``n`` above the limit can run.
+        """
+        seen: set[str] = set()
+        for request in requests:
+            if request.request_id in seen:
+                raise InvalidRequestError(f"request id {request.request_id!r} appears twice in one request",
+                                          param="request_id")
+            seen.add(request.request_id)
+            self._check_admissible(request)
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            raise OverloadedError(f"{len(self.waiting)} requests are already waiting "
+                                  f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self.requests[request.request_id] = request
+            self._admission_seq[request.request_id] = self._next_admission_seq
+            self._next_admission_seq += 1
+            self.waiting.push(request, self._order_key(request))
+
+    def _check_admissible(self, request: Request) -> None:
+        """Raise when ``request`` can never be queued: its id is taken, or it can never fit."""
         request_id = request.request_id
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request "
@@ -159,14 +196,6 @@ class Scheduler:
                 f"{block_size} tokens, but the cache has only {self.block_manager.num_blocks} blocks; shorten "
                 "the prompt or give the KV cache more memory (--gpu-memory-utilization, "
                 "--kv-cache-memory-bytes, --num-gpu-blocks-override)", param="prompt")
-        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
-            raise OverloadedError(f"{len(self.waiting)} requests are already waiting "
-                                  f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
-        request.status = RequestStatus.WAITING
-        self.requests[request_id] = request
-        self._admission_seq[request_id] = self._next_admission_seq
-        self._next_admission_seq += 1
-        self.waiting.push(request, self._order_key(request))
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -354,7 +383,7 @@ class Scheduler:
         """Token-level stops, in order: stop_token_ids, EOS, max_tokens, max_model_len."""
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+            if token_id in (params.stop_token_ids or ()):
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
@@ -435,7 +464,7 @@ class Scheduler:
                        "More KV-cache memory or a lower --max-num-seqs avoids this.",
                        request.request_id, self.num_preemptions)
 
-    def _order_key(self, request: Request) -> tuple:
+    def _order_key(self, request: Request) -> OrderKey:
         """Lower runs first; the highest running key is preempted first."""
         seq = self._admission_seq[request.request_id]
         if self.use_priority:

@@ -6,6 +6,11 @@ sequence that samples, then advances its matcher by the sampled token.
 
 Bitmasks are int32 tensors of shape ``[rows, ceil(vocab_size / 32)]``; bit ``t % 32`` of word
 ``t // 32`` set means token ``t`` is allowed (xgrammar's layout).
+
+Over ~400 lines on purpose: the backend and matcher contract, the request-side constraint
+parsing it is given and the manager that drives both are read together when writing a
+backend; the constraint parsing (``parse_constraint`` and its JSON helpers) is the seam to
+split at if it grows.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tokenloom.core.batch import StructuredOutputMasks
 from tokenloom.errors import ConfigError, InvalidRequestError, OverloadedError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +59,13 @@ def num_bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allocate_bitmask(num_rows: int, vocab_size: int):
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     import torch
 
     return torch.zeros((num_rows, num_bitmask_words(vocab_size)), dtype=torch.int32)
 
 
-def set_allowed_tokens(bitmask_row, token_ids: Iterable[int]) -> None:
+def set_allowed_tokens(bitmask_row: torch.Tensor, token_ids: Iterable[int]) -> None:
     """Overwrite one bitmask row (a 1-D int32 tensor) so exactly ``token_ids`` are allowed."""
     import numpy as np
     import torch
@@ -110,7 +118,7 @@ class Matcher:
     backend was given.
     """
 
-    def fill_bitmask(self, bitmask, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (overwrite the whole row)."""
         set_allowed_tokens(bitmask[row], self.allowed_token_ids())
 
@@ -184,7 +192,7 @@ def _bad(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param="structured_outputs")
 
 
-def _json_object(value: Any, what: str) -> dict:
+def _json_object(value: Any, what: str) -> dict[str, Any]:
     """``value`` (a dict, or a string of JSON) as a dict; a 400 naming ``what`` otherwise."""
     if isinstance(value, str):
         try:
@@ -193,23 +201,23 @@ def _json_object(value: Any, what: str) -> dict:
             raise _bad(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise _bad(f"{what} must be a JSON object, got {type(value).__name__}")
-    return value
+    return dict(value)
 
 
-def _json_schema(value: Any) -> dict:
+def _json_schema(value: Any) -> dict[str, Any]:
     if isinstance(value, type) and hasattr(value, "model_json_schema"):
         value = value.model_json_schema()  # a pydantic model class
-    value = _json_object(value, "the JSON schema")
+    schema = _json_object(value, "the JSON schema")
     try:
         import jsonschema
     except ImportError:  # the backends still reject what they cannot compile
-        return value
+        return schema
     try:
-        jsonschema.validators.validator_for(value).check_schema(value)
+        jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         raise _bad(f"invalid JSON schema{' at ' + where if where else ''}: {exc.message}") from None
-    return value
+    return schema
 
 
 def forbid_additional_properties(schema: Any) -> Any:
@@ -434,7 +442,7 @@ class StructuredOutputManager:
         self._tokenizer_key = _tokenizer_fingerprint(tokenizer)
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], concurrent.futures.Future[CompiledConstraint]] = OrderedDict()
         self._pool = CompilePool(COMPILE_THREADS, float(getattr(config, "compile_timeout", DEFAULT_COMPILE_TIMEOUT)))
         self._sequences: dict[str, _SequenceGrammar] = {}
 
@@ -478,7 +486,7 @@ class StructuredOutputManager:
         raise InvalidRequestError(f"no guided-decoding backend can express {constraint.describe()}: "
                                   + "; ".join(reasons), param="structured_outputs")
 
-    def submit(self, backend_name: str, constraint: Constraint) -> concurrent.futures.Future:
+    def submit(self, backend_name: str, constraint: Constraint) -> concurrent.futures.Future[CompiledConstraint]:
         """The compiled constraint, from the cache or compiled in the pool (a Future)."""
         key = (backend_name, constraint.key, self._tokenizer_key)
         with self._lock:
@@ -537,7 +545,7 @@ class StructuredOutputManager:
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._sequences.get(req_id)
             request = get_request(req_id) if state is not None else None
-            if request is None or request.num_computed_tokens + num_tokens < request.num_tokens:
+            if state is None or request is None or request.num_computed_tokens + num_tokens < request.num_tokens:
                 continue  # unconstrained, or a prompt chunk that samples nothing
             if state.error is None:
                 self._sync(request, state)
@@ -621,7 +629,7 @@ class StructuredOutputManager:
 
     def _token_text(self, token_id: int) -> str:
         try:
-            return self.tokenizer.decode([token_id])
+            return str(self.tokenizer.decode([token_id]))
         except Exception:
             return "?"
 

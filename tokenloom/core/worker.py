@@ -1,22 +1,22 @@
-"""A worker: the platform, the model runner and its KV cache, built from plain data (the
-engine config with its resolved plugin tables). Executors own one or more workers; a worker
+"""A worker: the platform, the model runner and its KV cache, built from plain data (a
+:class:`~tokenloom.core.executor.WorkerSpec`). Executors own one or more workers; a worker
 never runs plugin discovery."""
 
 from __future__ import annotations
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.config import EngineConfig
+from tokenloom.core.executor import WorkerSpec
 from tokenloom.plugins.manager import PluginSet
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, spec: WorkerSpec):
         from tokenloom.core.model_runner import ModelRunner
 
-        plugins = PluginSet.from_plain(config.plugin_tables)
-        self.platform = plugins.registry("platform").get(config.device.device)()
+        plugins = PluginSet.from_plain(spec.plugin_tables)
+        self.platform = plugins.registry("platform").get(spec.platform)()
         self.platform.configure_threads()
-        self.runner = ModelRunner(config, config.model_info, plugins, self.platform)
+        self.runner = ModelRunner(spec.config, spec.model_info, plugins, self.platform)
 
     def load_model(self) -> None:
         self.runner.load_model()

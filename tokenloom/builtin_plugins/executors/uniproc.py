@@ -11,7 +11,7 @@ class UniProcExecutor(Executor):
     def initialize(self) -> int:
         from tokenloom.core.worker import Worker
 
-        self.worker = Worker(self.config)
+        self.worker = Worker(self.spec)
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
         self.worker.allocate_kv_cache(num_blocks)

@@ -1,0 +1,20 @@
+"""The engine, split the way vLLM v1 splits its own:
+
+- :mod:`~tokenloom.core.engine.llm_engine`: :class:`LLMEngine`, the step loop (admission,
+  schedule -> execute -> apply tokens, aborts);
+- :mod:`~tokenloom.core.engine.input_processor`: prompts tokenized and checked, a request's
+  sequences built;
+- :mod:`~tokenloom.core.engine.output_processor`: request state, logprobs, text and stops,
+  the outputs callers receive;
+- :mod:`~tokenloom.core.engine.async_llm`: :class:`AsyncLLM`, the server's front: the engine
+  thread and per-request streams, driven by the typed commands of
+  :mod:`~tokenloom.core.engine.commands`.
+"""
+
+from tokenloom.core.engine.async_llm import AsyncLLM
+from tokenloom.core.engine.input_processor import InputProcessor, PreparedPrompt
+from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine, choose_platform
+from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
+
+__all__ = ["AsyncLLM", "EngineStats", "InputProcessor", "LLMEngine", "OutputProcessor", "PreparedPrompt",
+           "RequestState", "choose_platform"]

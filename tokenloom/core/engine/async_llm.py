@@ -1,0 +1,300 @@
+"""The engine for the server: :class:`AsyncLLM` runs :class:`LLMEngine` steps on a background
+thread while there is work, takes typed commands (:mod:`tokenloom.core.engine.commands`) from
+the event loop, and gives every request its own async output stream, aborting the request
+when its stream is closed early."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypeVar
+
+from tokenloom.core.config import EngineArgs
+from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest, EngineCommand
+from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
+from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.errors import EngineDeadError, InvalidRequestError
+from tokenloom.plugins.manager import PluginSet
+
+logger = logging.getLogger(__name__)
+
+# KV-cache memory the idle server maps ahead of use, in chunks of about a millisecond, once
+# the engine has been idle a while: a lazily zeroed cache otherwise pays its page faults in the
+# first step that writes there (figures: docs/design.md, "KV cache sizing on the CPU")
+PREFAULT_MAX_BYTES = 1 << 30
+PREFAULT_CHUNK_BYTES = 1 << 20
+PREFAULT_AFTER_IDLE_SECONDS = 0.05
+
+# what a request's stream carries: its outputs, or the exception that ended it
+StreamItem = RequestOutput | PoolingRequestOutput | BaseException
+OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
+
+
+class AsyncLLM:
+    """The engine for the server: a background thread runs ``LLMEngine.step()`` while there is
+    work; each request gets an asyncio queue of its outputs.
+
+    While it has no work, the thread maps up to ``PREFAULT_MAX_BYTES`` of never-used KV-cache
+    memory ahead of the requests that will need it.
+
+    :meth:`from_engine_args` builds the engine on that same thread: torch keeps one OpenMP
+    worker pool per thread that runs parallel ops, and a second pool (the one weight loading
+    made on the caller's thread) oversubscribes a small machine's cores, which makes every
+    decode step slower (figures: docs/design.md, "AsyncLLM").
+    """
+
+    def __init__(self, engine: LLMEngine | None):
+        self._engine = engine
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.errored = False
+        self._dead_reason: str | None = None
+        self._stats = engine.stats() if engine is not None else None
+        self._prefault_budget = PREFAULT_MAX_BYTES
+        self._last_step_time = 0.0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> AsyncLLM:
+        """Builds the engine on its own thread (see the class docstring) and returns once it
+        is built; a build error is raised here."""
+        async_llm = cls(None)
+        async_llm._start_thread(lambda: LLMEngine.from_engine_args(engine_args, plugins))
+        return async_llm
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine this front drives (built: every public method needs it)."""
+        if self._engine is None:
+            raise EngineDeadError("the engine is not built")
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: LLMEngine) -> None:
+        self._engine = engine
+
+    # what the server reads
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def served_model_names(self) -> list[str]:
+        config = self.engine.config.model
+        return list(config.served_model_name or [config.model])
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def runner_type(self) -> str:
+        """``generate`` or ``pooling``: which kind of request the engine serves."""
+        return self.engine.runner_type
+
+    @property
+    def hf_config(self) -> Any:
+        return self.engine.model_info.hf_config
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.config.model.max_logprobs
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.errored
+
+    def stats(self) -> EngineStats:
+        return self._stats if self._stats is not None else self.engine.stats()
+
+    async def start(self) -> None:
+        """Bind outputs to the running event loop; start the engine thread if not yet running."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if self._thread is None:
+            self._start_thread(None)
+
+    def _start_thread(self, build_engine: Callable[[], LLMEngine] | None) -> None:
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def main() -> None:
+            try:
+                if build_engine is not None:
+                    self._engine = build_engine()
+                    self._stats = self._engine.stats()
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            built.set_result(None)
+            self._run()
+
+        self._thread = threading.Thread(target=main, name="tokenloom-engine", daemon=True)
+        self._thread.start()
+        try:
+            built.result()
+        except BaseException:
+            self._thread = None
+            raise
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        await self._admit(request_id)
+        prepared = self.engine.prepare_prompt(prompt, sampling_params)
+        grammar = self.engine.submit_structured_output(sampling_params)
+        if grammar is not None:
+            # compiled off both loops; a bad constraint fails here, before anything is scheduled
+            await asyncio.wrap_future(grammar)
+        command = AddRequest(request_id, sampling_params, prepared, priority, time.monotonic())
+        async with contextlib.aclosing(self._outputs(command, RequestOutput)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def encode(self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *,
+                     priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """The pooled output of one prompt (a single, final item); bad input raises here,
+        before anything is queued."""
+        await self._admit(request_id)
+        pooling_params = pooling_params or PoolingParams()
+        prepared = self.engine.prepare_pooling_prompt(prompt, pooling_params)
+        command = AddPoolingRequest(request_id, pooling_params, prepared, priority, time.monotonic())
+        async with contextlib.aclosing(self._outputs(command, PoolingRequestOutput)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _admit(self, request_id: str) -> None:
+        """Raise unless a new request with this id can be taken; start the engine thread if needed."""
+        if self.errored:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        if self._loop is None or self._thread is None:
+            await self.start()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+
+    async def _outputs(self, command: AddRequest | AddPoolingRequest,
+                       kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
+        """Queue ``command`` (an add) and yield the request's outputs (of type ``kind``) until
+        the finished one; closing this early aborts the request."""
+        request_id = command.request_id
+        stream: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._send(command)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if not isinstance(item, kind):  # the engine thread answers by the command's kind
+                    raise EngineDeadError(f"request {request_id!r} got a {type(item).__name__}, "
+                                          f"not a {kind.__name__}")
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(AbortRequest(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(AbortRequest(request_id))
+
+    def _send(self, command: EngineCommand) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        self.engine.shutdown()
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(command)
+
+    def _apply(self, command: EngineCommand) -> None:
+        """Apply one command on the engine thread; an add that fails is the request's error."""
+        engine = self.engine
+        if isinstance(command, AbortRequest):
+            engine.abort_request(command.request_id)
+            return
+        if command.request_id not in self._streams:
+            return  # the client went away before the engine saw the request
+        try:
+            if isinstance(command, AddRequest):
+                engine.add_request(command.request_id, None, command.sampling_params, priority=command.priority,
+                                   arrival_time=command.arrival_time, prepared=command.prepared)
+            else:
+                engine.add_pooling_request(command.request_id, None, command.pooling_params,
+                                           priority=command.priority, arrival_time=command.arrival_time,
+                                           prepared=command.prepared)
+        except Exception as exc:
+            self._deliver([(command.request_id, exc)])
+
+    def _run(self) -> None:
+        try:
+            engine = self.engine
+            while not self._stopping:
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    self._stats = engine.stats()
+                    if self._prefault_idle():
+                        continue
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self._last_step_time = time.monotonic()
+                self._stats = engine.stats()
+                if outputs:
+                    self._deliver([(output.request_id, output) for output in outputs])
+        except BaseException as exc:  # the engine is dead: every stream learns why
+            logger.exception("the engine loop died")
+            self.errored = True
+            self._dead_reason = f"{type(exc).__name__}: {exc}"
+            error = EngineDeadError(f"the engine died: {self._dead_reason}")
+            self._deliver([(request_id, error) for request_id in list(self._streams)])
+
+    def _prefault_idle(self) -> bool:
+        """Once idle for ``PREFAULT_AFTER_IDLE_SECONDS``, map the next slice of never-used
+        KV-cache memory (see ``Executor.prefault_kv_cache``), a chunk at a time so a new request
+        waits at most one chunk; True when a chunk was mapped or the idle wait is not over."""
+        if self._prefault_budget <= 0 or not self._commands.empty():
+            return False
+        idle_for = time.monotonic() - self._last_step_time
+        if idle_for < PREFAULT_AFTER_IDLE_SECONDS:
+            self._wakeup.wait(timeout=PREFAULT_AFTER_IDLE_SECONDS - idle_for)
+            self._wakeup.clear()
+            return True
+        mapped = self.engine.executor.prefault_kv_cache(min(PREFAULT_CHUNK_BYTES, self._prefault_budget))
+        self._prefault_budget = self._prefault_budget - mapped if mapped else 0
+        return mapped > 0
+
+    def _deliver(self, items: list[tuple[str, StreamItem]]) -> None:
+        def put_all() -> None:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait(item)
+
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(put_all)

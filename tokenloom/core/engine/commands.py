@@ -1,0 +1,42 @@
+"""What the server's event loop asks of the engine thread (:class:`AsyncLLM`): typed commands
+put on one queue and applied by the engine thread between steps, in order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenloom.core.engine.input_processor import PreparedPrompt
+from tokenloom.core.request import PoolingParams, SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Admit a generate request whose prompt was already prepared (and whose grammar, if any,
+    already compiled) on the event loop."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prepared: PreparedPrompt
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class AddPoolingRequest:
+    """Admit a pooling request whose prompt was already prepared."""
+
+    request_id: str
+    pooling_params: PoolingParams
+    prepared: PreparedPrompt
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request (its client went away, or it was aborted) and free what it holds."""
+
+    request_id: str
+
+
+EngineCommand = AddRequest | AddPoolingRequest | AbortRequest

@@ -1,0 +1,325 @@
+"""The step loop: :class:`LLMEngine`, one ``step()`` = schedule -> execute -> apply tokens
+(grammars, detokenization, stops) -> outputs. Prompts are prepared by the
+:class:`~tokenloom.core.engine.input_processor.InputProcessor`, outputs made by the
+:class:`~tokenloom.core.engine.output_processor.OutputProcessor`; this module admits requests
+(all of a request's sequences or none), runs steps and aborts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenloom.core.batch import ModelRunnerOutput
+from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
+from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
+from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.core.model_loader import ModelInfo, resolve_model
+from tokenloom.core.pooling import POOLING
+from tokenloom.core.request import (
+    PoolingParams,
+    PoolingRequestOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
+from tokenloom.errors import EngineDeadError, InvalidRequestError
+from tokenloom.plugins.manager import PluginSet, load_plugins
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EXECUTOR = "uni"
+# how long an idle step waits for a grammar compile before looking at new commands again
+GRAMMAR_WAIT_SECONDS = 0.05
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class LLMEngine:
+    """The synchronous engine. Not thread-safe: one thread calls it."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginSet):
+        started = time.perf_counter()
+        self.config = config
+        self.plugins = plugins
+        self.platform = choose_platform(config.device.device, plugins)
+        self.model_info: ModelInfo
+        self.model_info, self.tokenizer = resolve_model(config, plugins)
+        self.max_model_len = self.model_info.max_model_len
+        executor_name = config.parallel.distributed_executor_backend or DEFAULT_EXECUTOR
+        executor_class: type[Executor] = plugins.registry("executor").get(executor_name)
+        self.executor = executor_class(WorkerSpec(config=config, model_info=self.model_info, platform=self.platform,
+                                                  plugin_tables=plugins.to_plain()))
+        self.num_blocks = self.executor.initialize()
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.structured_outputs = self._structured_output_manager()
+        self.input_processor = InputProcessor(self.tokenizer, ModelLimits(
+            max_model_len=self.max_model_len, vocab_size=self.model_info.vocab_size,
+            block_size=config.cache.block_size, num_blocks=self.num_blocks,
+            max_logprobs=config.model.max_logprobs, eos_token_ids=tuple(self.model_info.eos_token_ids),
+        ), hf_config=self.model_info.hf_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # constrained requests whose grammar is still compiling: kept out of the scheduler
+        self._awaiting_grammar: list[tuple[RequestState, concurrent.futures.Future[CompiledConstraint]]] = []
+        self.prompt_tokens_total = 0
+        logger.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    time.perf_counter() - started, self.model_info.architecture, self.num_blocks,
+                    config.cache.block_size, self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), plugins or load_plugins())
+
+    @property
+    def model_name(self) -> str:
+        names = self.config.model.served_model_name
+        return names[0] if names else self.config.model.model
+
+    @property
+    def runner_type(self) -> str:
+        """``generate`` or ``pooling``: which kind of request this engine serves."""
+        return self.model_info.runner
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The admitted, unfinished requests by id."""
+        return self.output_processor.requests
+
+    # -- requests ---------------------------------------------------------------------
+
+    def prepare_prompt(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
+        """Tokenize and validate a prompt: text, token ids, or vLLM's dict forms."""
+        return self.input_processor.prepare_prompt(prompt, params)
+
+    def prepare_pooling_prompt(self, prompt: Any, params: PoolingParams) -> PreparedPrompt:
+        """Tokenize, truncate and validate a pooling prompt and its params."""
+        if self.runner_type != POOLING:
+            raise InvalidRequestError(f"{self.model_name} is served for generation: it does not pool (start it with "
+                                      "--runner pooling or --convert embed for embeddings)", param="model")
+        return self.input_processor.prepare_pooling_prompt(prompt, params)
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
+                    arrival_time: float | None = None, prepared: PreparedPrompt | None = None) -> None:
+        """Admit a generate request: all of its ``n`` sequences, or (raising) none of them."""
+        self._check_id_free(request_id)
+        if self.runner_type == POOLING:
+            raise InvalidRequestError(f"{self.model_name} is served as a pooling model (embeddings, scores): it "
+                                      "does not generate text", param="model")
+        prepared = prepared or self.input_processor.prepare_prompt(prompt, params)
+        params = self.input_processor.with_bad_words(params)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        sequences = self.input_processor.build_sequences(request_id, prepared, params, priority=priority,
+                                                         arrival_time=arrival_time)
+        for seq in sequences:
+            self._check_id_free(seq.request_id)
+        state = self.output_processor.new_request_state(request_id, prepared, params, sequences, arrival_time)
+        grammar = self.submit_structured_output(params)
+        if grammar is not None and not grammar.done():
+            self._awaiting_grammar.append((state, grammar))  # the scheduler gets it once compiled
+        elif grammar is not None:
+            self._admit_constrained(state, grammar.result())  # a bad constraint raises here
+        else:
+            self.scheduler.add_requests(sequences)
+        self.output_processor.add(state)
+        self.prompt_tokens_total += len(prepared.prompt_token_ids)
+
+    def add_pooling_request(self, request_id: str, prompt: Any, params: PoolingParams | None = None, *,
+                            priority: int = 0, arrival_time: float | None = None,
+                            prepared: PreparedPrompt | None = None) -> None:
+        """Queue a prefill-only request whose output is its pooled hidden states."""
+        self._check_id_free(request_id)
+        params = params or PoolingParams()
+        prepared = prepared or self.prepare_pooling_prompt(prompt, params)
+        sequence = self.input_processor.build_pooling_sequence(request_id, prepared, params, priority=priority,
+                                                               arrival_time=arrival_time)
+        state = self.output_processor.new_pooling_state(request_id, prepared, params, sequence)
+        self.scheduler.add_requests([sequence])
+        self.output_processor.add(state)
+        self.prompt_tokens_total += len(prepared.prompt_token_ids)
+
+    def _check_id_free(self, request_id: str) -> None:
+        if self.output_processor.id_in_use(request_id) or self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            state = self.output_processor.pop(request_id)
+            if state is None:
+                continue
+            self.scheduler.finish_requests(state.sequence_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget_constraint(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
+
+    # -- structured outputs -----------------------------------------------------------
+
+    def _structured_output_manager(self) -> StructuredOutputManager | None:
+        if self.tokenizer is None:
+            return None
+        reasoning_parser = self.config.structured_output.reasoning_parser
+        return StructuredOutputManager(
+            self.config.structured_output, self.plugins.registry("structured_output_backend"), self.tokenizer,
+            self.model_info.vocab_size, self.model_info.eos_token_ids,
+            self.plugins.registry("reasoning_parser").get(reasoning_parser) if reasoning_parser else None)
+
+    def submit_structured_output(self, params: SamplingParams) -> concurrent.futures.Future[CompiledConstraint] | None:
+        """Check the request's constraint and start compiling it (or find it in the cache): a
+        Future of the compiled constraint, None when unconstrained. Raises InvalidRequestError
+        for a constraint no backend can take; compile errors come out of the Future."""
+        if params.structured_outputs is None:
+            return None
+        if self.structured_outputs is None:
+            raise InvalidRequestError("structured outputs need the tokenizer, which this server skipped "
+                                      "(--skip-tokenizer-init)", param="structured_outputs")
+        return self.structured_outputs.submit(*self.structured_outputs.resolve(params.structured_outputs))
+
+    def _admit_constrained(self, state: RequestState, compiled: CompiledConstraint) -> None:
+        """Queue the sequences of a request whose grammar compiled, each with its own matcher
+        (n > 1: one per sequence); on an error nothing of it stays queued."""
+        assert self.structured_outputs is not None  # a grammar was compiled, so there is a manager
+        try:
+            for seq in state.sequences:
+                self.structured_outputs.add_sequence(seq, compiled)
+            self.scheduler.add_requests(state.sequences)
+        except Exception:
+            self.structured_outputs.remove_sequences(state.sequence_ids)
+            raise
+
+    def _admit_compiled_requests(self, touched: dict[str, RequestState]) -> None:
+        if not self.scheduler.has_unfinished_requests():
+            # nothing else to run: wait (briefly, so commands are still read) for a compile
+            concurrent.futures.wait([grammar for _, grammar in self._awaiting_grammar], timeout=GRAMMAR_WAIT_SECONDS,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        waiting = []
+        for state, grammar in self._awaiting_grammar:
+            if not grammar.done():
+                waiting.append((state, grammar))
+                continue
+            try:
+                self._admit_constrained(state, grammar.result())
+            except Exception as exc:  # e.g. the schema did not compile: this request fails alone
+                message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                for seq in state.sequences:
+                    seq.status = RequestStatus.FINISHED_ERROR
+                    seq.stop_reason = message
+                touched[state.request_id] = state
+        self._awaiting_grammar = waiting
+
+    def _advance_grammar(self, seq: Request) -> None:
+        """Feed the step's tokens to the sequence's matcher; a backend failure fails it alone."""
+        assert self.structured_outputs is not None  # only called when there is a manager
+        error = self.structured_outputs.advance(seq)
+        if error is None or seq.status is RequestStatus.FINISHED_ERROR:
+            return
+        seq.stop_reason = error
+        if seq.finished:
+            # it ended on the end-of-sequence token the failed row was limited to
+            seq.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_ERROR)
+
+    def _forget_constraint(self, state: RequestState) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.remove_sequences(state.sequence_ids)
+            self._awaiting_grammar = [item for item in self._awaiting_grammar if item[0] is not state]
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        touched: dict[str, RequestState] = {}
+        if self._awaiting_grammar:
+            self._admit_compiled_requests(touched)
+        scheduler_output = self.scheduler.schedule()
+        if self.structured_outputs is not None:
+            scheduler_output.structured_output = self.structured_outputs.grammar_bitmask(
+                scheduler_output, self.scheduler.get_request)
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
+        else:
+            runner_output = self.executor.execute(scheduler_output)
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.monotonic()
+        for seq in changed:
+            state = self.output_processor.owner(seq.request_id)
+            if state is None:
+                continue
+            try:
+                if self.structured_outputs is not None:
+                    self._advance_grammar(seq)
+                if self.output_processor.process_sequence(state, seq, runner_output, now) is not None:
+                    # a stop string ended it: the scheduler frees it, then its text is final
+                    self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
+                    self.output_processor.update_text(state, seq)
+            except Exception as exc:  # one request's failure never stops the others
+                logger.exception("request %s failed while processing its output", state.request_id)
+                seq.stop_reason = f"{type(exc).__name__}: {exc}"
+                self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_ERROR)
+            touched[state.request_id] = state
+        outputs: list[RequestOutput | PoolingRequestOutput] = []
+        for state in touched.values():
+            output: RequestOutput | PoolingRequestOutput | None
+            if state.pooling_params is not None:
+                output = self.output_processor.make_pooling_output(state, runner_output)
+            else:
+                output = self.output_processor.make_output(state)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self.output_processor.pop(state.request_id)
+                self._forget_constraint(state)
+        return outputs
+
+    def decode_token(self, token_id: int) -> str | None:
+        return self.output_processor.decode_token(token_id)
+
+    def stats(self) -> EngineStats:
+        scheduler_stats = self.scheduler.stats()
+        return EngineStats(
+            num_running=scheduler_stats.num_running,
+            num_waiting=scheduler_stats.num_waiting,
+            kv_cache_usage=scheduler_stats.kv_cache_usage,
+            prefix_cache_queries=scheduler_stats.prefix_cache_queries,
+            prefix_cache_hits=scheduler_stats.prefix_cache_hits,
+            num_preemptions=scheduler_stats.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
+        )
+
+    def shutdown(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
+        self.executor.shutdown()
+
+
+def choose_platform(name: str, plugins: PluginSet) -> str:
+    """The device platform plugin's name: ``name`` itself (checked to exist), or for ``auto``
+    the first registered platform that is available."""
+    registry = plugins.registry("platform")
+    if name != "auto":
+        registry.entry(name)
+        return name
+    for entry in registry.entries():
+        if entry.resolve().is_available():
+            return str(entry.name)
+    raise EngineDeadError(f"no available device platform among {', '.join(registry.names()) or 'none'}")
