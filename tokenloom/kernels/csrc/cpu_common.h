@@ -7,11 +7,13 @@
 
 #include <cstdint>
 
-#if defined(__AVX512BW__)
+#include "cpu_namespace.h"
+
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-namespace tokenloom_cpu {
+namespace TOKENLOOM_CPU_NAMESPACE {
 
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
@@ -65,4 +67,4 @@ inline __m512 load_bf16x16(const void* src, __mmask16 mask) {
 }
 #endif
 
-}  // namespace tokenloom_cpu
+}  // namespace TOKENLOOM_CPU_NAMESPACE
