@@ -207,17 +207,17 @@ def load() -> Any:
             _selection["announced_off"] = True
             logger.info("tokenloom CPU kernels: off (%s=0): every operator takes its torch path", ENV_SWITCH)
         return None
-    cached = _selection.get("ops", _UNSET)
-    if cached is not _UNSET:
-        return cached
-    level = selected_level()
-    ops = load_level(level)
-    with _lock:
-        first = "ops" not in _selection
-        _selection["level"], _selection["ops"] = level, ops
-    if first:
-        _announce(level, ops)
+    ops = _selection.get("ops", _UNSET)
+    if ops is _UNSET:
+        level = selected_level()
+        ops = load_level(level)
+        with _lock:
+            first = "ops" not in _selection
+            _selection["level"], _selection["ops"] = level, ops
+        if first:
+            _announce(level, ops)
     if ops is None and mode() == "require":
+        level = _selection["level"]
         raise RuntimeError(f"tokenloom CPU kernels ({level.name}) unavailable: {failure(level)}; "
                            f"{ENV_SWITCH}=require makes this fatal")
     return ops
