@@ -123,3 +123,20 @@ def test_float32_heads_and_untied_embeddings_keep_no_int8_copy():
     embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.bfloat16)
     embedding.load_checkpoint_weight("weight", q8_0(48, 64))
     assert embedding.int8_groups is None
+
+
+def test_a_float32_head_the_platform_chose_multiplies_the_q8_0_values_and_keeps_no_float16_copy():
+    """float32 the platform chose (a CPU without native bfloat16: the model asks for a float16
+    small-batch copy, so its dtype need not stay exact) takes the int8 kernel too."""
+    weight = q8_0(48, 64, seed=2)
+    embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.float32)
+    head = ParallelLMHead(48, 64, params_dtype=torch.float32, small_batch_dtype=torch.float16)
+    head.tie_to(embedding)
+    embedding.load_checkpoint_weight("weight", weight)
+    head.process_weights_after_loading()
+    assert head.int8_weight is not None and head.small_batch_weight is None and embedding.int8_groups is None
+    hidden = torch.randn(3, 64)
+    logits = head.compute_logits(hidden)
+    assert torch.equal(logits, int8_linear(hidden, head.int8_weight))
+    torch.testing.assert_close(logits, hidden @ weight.dequantize(torch.float32).T, rtol=0,
+                               atol=0.02 * logits.abs().max().item())
