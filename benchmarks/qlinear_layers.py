@@ -73,7 +73,8 @@ heads = {}
 if options.head:
     codes = torch.randint(-128, 128, HEAD, dtype=torch.int8)
     scales = torch.rand(HEAD[0], HEAD[1] // 32) * 0.01
-    heads["int8"] = lambda x, weight=pack_int8(codes, scales): int8_linear(x, weight)
+    head_weight = pack_int8(codes, scales)
+    heads["int8"] = lambda x: int8_linear(x, head_weight)
     half = dequantize_int8(codes, scales).half()
     heads["float16"] = lambda x: torch.nn.functional.linear(x.half(), half).float()
     heads["dense"] = dense_matmul(dequantize_int8(codes, scales).to(dtype))
