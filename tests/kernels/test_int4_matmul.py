@@ -1,6 +1,6 @@
-"""The int4 matmul against its references: tokenloom's kernel (where the CPU has AVX512-VNNI)
-exactly against the dequantized weight times the 8-bit activations it computes with; torch's
-weight-only kernel against the dequantized weight."""
+"""The int4 matmul against its references: tokenloom's kernel, on every kernel level the host runs
+(``isa_level``), exactly against the dequantized weight times the 8-bit activations it computes
+with, and the levels against each other; torch's weight-only kernel against the dequantized weight."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ from unittest import mock
 import pytest
 import torch
 
-from tokenloom.kernels import int4_matmul
+from tokenloom.kernels import cpu_native, int4_matmul
 from tokenloom.kernels.int4_matmul import (
     INT4_MAX_ROWS, can_pack, dequantize_int4, int4_linear, pack_int4, prefers_int4, quantize_activations,
 )
 
+pytestmark = pytest.mark.usefixtures("isa_level")
+
+# every level has the kernel: only kernels switched off (TOKENLOOM_CPU_KERNELS=0) go without it
 NATIVE = int4_matmul._native_kernel() is not None
-needs_native = pytest.mark.skipif(not NATIVE, reason="tokenloom's int4 kernel needs a CPU with AVX512-VNNI")
+needs_native = pytest.mark.skipif(not NATIVE, reason="tokenloom's CPU kernels are switched off or did not build")
 
 
 @pytest.fixture
@@ -127,7 +130,7 @@ def test_dequantize_int4_is_code_minus_eight_times_scale_plus_zero():
 @pytest.mark.parametrize("native", [True, False])
 def test_keeps_leading_dimensions_and_adds_the_bias(native):
     if native and not NATIVE:
-        pytest.skip("tokenloom's int4 kernel needs a CPU with AVX512-VNNI")
+        pytest.skip("tokenloom's CPU kernels are switched off or did not build")
     codes, scales, zeros = random_int4(16, 64, 32)
     with mock.patch.object(int4_matmul, "_native_kernel", int4_matmul._native_kernel if native else lambda: None):
         weight = pack_int4(codes, scales, zeros, torch.bfloat16)
@@ -168,3 +171,21 @@ def test_float32_rows_on_torchs_kernel_are_rounded_in_and_widened_out(rows, torc
     out = int4_linear(x, weight, bias)
     assert out.dtype == torch.float32
     assert torch.equal(out, int4_linear(x.to(torch.bfloat16), weight).float() + bias)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 6, 131])
+def test_every_level_the_host_runs_gives_the_same_integers(rows):
+    """The integer sums are exact on every level: float32 and bfloat16 results of the levels
+    differ only by float32 summation order."""
+    codes, scales, zeros = random_int4(96, 576, 32, seed=11)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    results = {}
+    for level in cpu_native.host_levels():
+        with cpu_native.using_level(level.name):
+            weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+            assert weight.kernel is not None
+            results[level.name] = int4_linear(x, weight).double()
+    exact = exact_product(x, codes, scales, zeros)
+    for name, out in results.items():
+        torch.testing.assert_close(out, exact, rtol=0, atol=1e-5 * exact.abs().max().item(), msg=lambda message, name=name: f"{name}: {message}")

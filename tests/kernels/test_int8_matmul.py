@@ -10,12 +10,15 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
-from tokenloom.kernels import int8_matmul
+from tokenloom.kernels import cpu_native, int8_matmul
 from tokenloom.kernels.int4_matmul import quantize_activations
 from tokenloom.kernels.int8_matmul import dequantize_int8, int8_linear, pack_int8
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
-pytestmark = pytest.mark.skipif(int8_matmul._kernel() is None, reason="the int8 kernel needs a CPU with AVX512-VNNI")
+# on every kernel level the host runs; only kernels switched off go without the int8 kernel
+pytestmark = [pytest.mark.usefixtures("isa_level"),
+              pytest.mark.skipif(int8_matmul._kernel() is None,
+                                 reason="tokenloom's CPU kernels are switched off or did not build")]
 
 
 def random_int8(out_features: int, in_features: int, seed: int = 0):
@@ -53,6 +56,21 @@ def test_extreme_codes_are_exact():
     x = torch.tensor([[1.0, -1.0] * 16, [-1.0, 1.0] * 16])
     torch.testing.assert_close(int8_linear(x, pack_int8(codes, scales)), torch.full((2, 16), 1.0) * torch.tensor(
         [[-255.0 * 16], [255.0 * 16]]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_every_level_the_host_runs_gives_the_same_integers(rows):
+    """AVX-512's unsigned codes less 128 times the code sum and AVX2's sign trick are the same
+    integers: the levels differ only by float32 summation order."""
+    codes, scales = random_int8(64, 576, seed=rows)
+    codes[0, :32] = -128  # the extreme codes, whose magnitude 128 only fits unsigned
+    codes[1, :32] = 127
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    exact = exact_product(x, codes, scales)
+    for level in cpu_native.host_levels():
+        with cpu_native.using_level(level.name):
+            out = int8_linear(x, pack_int8(codes, scales)).double()
+        torch.testing.assert_close(out, exact, rtol=0, atol=1e-5 * exact.abs().max().item(), msg=lambda message, name=level.name: f"{name}: {message}")
 
 
 def test_shapes_the_kernel_cannot_take_are_not_packed():
@@ -105,3 +123,20 @@ def test_float32_heads_and_untied_embeddings_keep_no_int8_copy():
     embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.bfloat16)
     embedding.load_checkpoint_weight("weight", q8_0(48, 64))
     assert embedding.int8_groups is None
+
+
+def test_a_float32_head_the_platform_chose_multiplies_the_q8_0_values_and_keeps_no_float16_copy():
+    """float32 the platform chose (a CPU without native bfloat16: the model asks for a float16
+    small-batch copy, so its dtype need not stay exact) takes the int8 kernel too."""
+    weight = q8_0(48, 64, seed=2)
+    embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.float32)
+    head = ParallelLMHead(48, 64, params_dtype=torch.float32, small_batch_dtype=torch.float16)
+    head.tie_to(embedding)
+    embedding.load_checkpoint_weight("weight", weight)
+    head.process_weights_after_loading()
+    assert head.int8_weight is not None and head.small_batch_weight is None and embedding.int8_groups is None
+    hidden = torch.randn(3, 64)
+    logits = head.compute_logits(hidden)
+    assert torch.equal(logits, int8_linear(hidden, head.int8_weight))
+    torch.testing.assert_close(logits, hidden @ weight.dequantize(torch.float32).T, rtol=0,
+                               atol=0.02 * logits.abs().max().item())

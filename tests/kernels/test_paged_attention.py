@@ -27,6 +27,9 @@ from tokenloom.kernels.paged_attention import (
 
 BLOCK_SIZE = 4
 
+# on every CPU kernel level the host runs
+pytestmark = pytest.mark.usefixtures("isa_level")
+
 # every fast backend must equal the reference: the torch one and the native CPU kernels' one
 # (built by `make install`; the test builds them when they are not cached)
 FAST_BACKENDS = [pytest.param(TorchPagedAttention, id="torch"), pytest.param(NativeCpuPagedAttention, id="native")]

@@ -8,6 +8,7 @@ import torch
 
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.layers import embedding as embedding_module
+from tokenloom.kernels.onednn_linear import packable
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_range
 
 
@@ -58,14 +59,25 @@ def test_a_float32_head_answers_small_batches_from_its_float16_copy_after_loadin
                                atol=1e-6, rtol=1e-6)
 
 
-def test_a_head_multiplies_its_packed_copy_and_keeps_the_embedding_dense():
+@pytest.mark.parametrize("onednn_bfloat16", [
+    pytest.param(True, marks=pytest.mark.skipif(not packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                                                reason="oneDNN has no bfloat16 matmul on this CPU (no AVX512-BF16/AMX)")),
+    False])
+def test_a_head_multiplies_its_packed_copy_and_keeps_the_embedding_dense(onednn_bfloat16, monkeypatch):
+    """Where oneDNN multiplies bfloat16 (AVX512-BF16 / AMX) the head keeps a packed copy; on other
+    CPUs (an AVX2 one, emulated here) it multiplies the dense table, with the same logits."""
+    if not onednn_bfloat16:
+        monkeypatch.setattr(embedding_module, "packable", lambda weight: False)
     weights = table(rows=40, dim=8).bfloat16()
     embedding = VocabParallelEmbedding(40, 8, params_dtype=torch.bfloat16)
     embedding.load_checkpoint_weight("weight", weights)
     head = ParallelLMHead(40, 8, params_dtype=torch.bfloat16)
     head.tie_to(embedding)
     head.process_weights_after_loading()
-    assert head.packed_weight.is_mkldnn and torch.equal(head.packed_weight.to_dense(), weights)
+    if onednn_bfloat16:
+        assert head.packed_weight.is_mkldnn and torch.equal(head.packed_weight.to_dense(), weights)
+    else:
+        assert head.packed_weight is None and head.weight is embedding.weight
     assert not embedding.weight.is_mkldnn  # the lookup still reads the dense table
     for rows in (1, 5):
         hidden = torch.randn(rows, 8).bfloat16()

@@ -1,5 +1,6 @@
-"""The fused decode layer (``tokenloom_cpu::decode_layer``) against the layer's own Python path,
-on tiny random Llama GGUFs with Q4_1 projections (int4 weights for tokenloom's kernel)."""
+"""The fused decode layer (``decode_layer``) against the layer's own Python path, on tiny random
+Llama GGUFs with Q4_1 projections (int4 weights for tokenloom's kernel), on every CPU kernel
+level the host runs (``isa_level``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from gguf import GGMLQuantizationType
 from helpers.gguf_files import tiny_model_state_dict, write_model_gguf
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
 from tokenloom.kernels import int4_matmul
 from tokenloom.layers.fused_decode import FusedDecodeLayer
 
-pytestmark = pytest.mark.skipif(int4_matmul._native_kernel() is None,
-                                reason="the fused decode layer needs tokenloom's operators (AVX512-BF16, AVX512-VNNI)")
+pytestmark = [pytest.mark.usefixtures("isa_level"),
+              pytest.mark.skipif(int4_matmul._native_kernel() is None,
+                                 reason="tokenloom's CPU kernels are switched off or did not build")]
 
 PROMPTS = [[5 + (7 * index + 3 * position) % 80 for position in range(9 + 5 * index)] for index in range(5)]
 
@@ -28,7 +31,7 @@ def tiny_gguf(tmp_path_factory, architecture: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def llama_llm(tmp_path_factory):
+def llama_llm(tmp_path_factory, isa_level):  # one engine per level: its layers keep that level's operators
     # bfloat16 (the dtype the int4 kernel runs); no prefix cache, so a repeated prompt is
     # computed the same way twice
     return LLM(model=tiny_gguf(tmp_path_factory, "llama"), dtype="bfloat16", max_model_len=128,
@@ -88,7 +91,24 @@ def test_a_layer_with_biases_is_not_fused(tmp_path_factory):
     assert layer.fused_decode._arguments is None
 
 
-def test_float32_models_are_not_fused(tmp_path_factory):
+def test_float32_the_platform_chose_is_fused_and_gives_the_same_bits(tmp_path_factory):
+    """A CPU without native bfloat16 runs --dtype auto in float32, int4 weights on the kernel:
+    the operator takes those layers in float32."""
+    with mock.patch.object(CpuPlatform, "default_dtype", lambda self, model_dtype: torch.float32):
+        llm = LLM(model=tiny_gguf(tmp_path_factory, "llama"), max_model_len=128, enable_prefix_caching=False,
+                  skip_tokenizer_init=True)
+    assert llm.engine.executor.worker.runner.dtype == torch.float32
+    patch, taken = count_fused_calls()
+    with patch:
+        fused = generate(llm, max_tokens=6)
+    assert taken["fused"] > 0
+    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
+        unfused = generate(llm, max_tokens=6)
+    assert fused == unfused
+
+
+def test_float32_models_asked_for_by_name_are_not_fused(tmp_path_factory):
+    # --dtype float32 keeps float32 exact: dense weights, no int4 kernel to chain
     llm = LLM(model=tiny_gguf(tmp_path_factory, "llama"), dtype="float32", max_model_len=128,
               skip_tokenizer_init=True)
     patch, taken = count_fused_calls()

@@ -14,6 +14,9 @@ from tokenloom.errors import ModelLoadError
 from tokenloom.layers import layernorm
 from tokenloom.layers.layernorm import GemmaRMSNorm, RMSNorm
 
+# on every CPU kernel level the host runs
+pytestmark = pytest.mark.usefixtures("isa_level")
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ours, theirs", [(RMSNorm, LlamaRMSNorm), (GemmaRMSNorm, Gemma3RMSNorm)])

@@ -108,6 +108,13 @@ def version_command(argv: list[str]) -> int:
     return 0
 
 
+@subcommand("env", "show the CPU kernel level and the path each operator takes (torch or tokenloom's kernels)")
+def env_command(argv: list[str]) -> int:
+    from tokenloom.kernels.cpu_native import env_main
+
+    return env_main(argv)
+
+
 @subcommand("plugins", "list the plugins: where each comes from, what it registered, and what failed")
 def plugins_command(argv: list[str]) -> int:
     parser = ConfigErrorParser(prog="tokenloom plugins", description="List the plugins tokenloom loads.")

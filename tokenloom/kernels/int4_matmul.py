@@ -1,14 +1,14 @@
 """4-bit weight matmul on the CPU: weights stored as 4-bit codes with one affine pair per group
 of input features, multiplied without ever materialising the dense weight.
 
-- tokenloom's own kernel (``tokenloom_cpu::int4_linear``, csrc/cpu_qlinear.cpp), where the CPU has
-  AVX512-VNNI and the weight has groups of 32: GGML's Q4 x Q8 arithmetic, as llama.cpp runs a
-  4-bit GGUF on the CPU. Each row of activations is quantized to 8 bits per group of 32
-  (:func:`quantize_activations`), and the integer dot products of codes run 64 to an
-  instruction. Faster than the dense bfloat16 matmul at every batch size (2-3x at decode sizes,
-  ~1.5x for a prompt of hundreds of rows, measured on a 2-core AVX512 CPU), so a layer holding
-  such a weight needs no dense copy at all.
-- else torch's weight-only kernel (``aten._weight_int4pack_mm_for_cpu``, 16-bit activations), which
+- tokenloom's own kernel (``int4_linear`` of :mod:`tokenloom.kernels.cpu_native`'s operators,
+  csrc/cpu_qlinear.cpp; every CPU kernel level: AVX512-VNNI, AVX2, plain C++), where the weight
+  has groups of 32: GGML's Q4 x Q8 arithmetic, as llama.cpp runs a 4-bit GGUF on the CPU. Each
+  row of activations is quantized to 8 bits per group of 32 (:func:`quantize_activations`), and
+  the dot products of codes are summed exactly in integers. Faster than the dense matmul at
+  every batch size (docs/design.md has the figures per level), so a layer holding such a weight
+  needs no dense copy at all.
+- else (kernels switched off or not built) torch's weight-only kernel (``aten._weight_int4pack_mm_for_cpu``, 16-bit activations), which
   beats the dense matmul only for a few rows: layers keep both and choose per call
   (:func:`prefers_int4`).
 
@@ -33,10 +33,7 @@ CODE_OFFSET = 8
 _ROW_MULTIPLE = 16
 
 # torch's kernel, per activation dtype: batches up to this many rows run the int4 kernel, larger
-# ones the dense matmul. 16-bit, measured on a 2-core AVX512-BF16 CPU: int4 2.5-4x faster at 1-4
-# rows, even at 8, 1.5-2x slower from 16. float32 (bfloat16 inside the kernel), measured on a
-# 2-core AVX2 CPU against the dense float32 matmul over SmolLM2's 30 layers: 2.5x faster at 1
-# row, 1.7x at 8, 1.1x at 16, 7% slower at 24
+# ones the dense matmul (where each is faster: measured, docs/design.md "Compute on the CPU")
 INT4_MAX_ROWS = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 16}
 
 # the activation dtypes torch's kernel is fast for (a weight packed for one of them)
@@ -123,7 +120,8 @@ def interleave_block_pairs(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _native_kernel():
-    """``tokenloom_cpu::int4_linear`` when built (only where the CPU has AVX512-VNNI), else None."""
+    """The selected kernel level's ``int4_linear`` (every level has one), else None: kernels
+    switched off, or not built here."""
     ops = cpu_native.load()
     return getattr(ops, "int4_linear", None) if ops is not None else None
 

@@ -1,12 +1,12 @@
 """8-bit weights on the CPU, float32 out: int8 codes with one scale per group of 32 input
-features (GGML's Q8_0 exactly), multiplied by tokenloom's kernel (``tokenloom_cpu::int8_linear``,
-csrc/cpu_qlinear.cpp; CPUs with AVX512-VNNI) in GGML's Q8 x Q8 arithmetic: each row of
+features (GGML's Q8_0 exactly), multiplied by tokenloom's kernel (``int8_linear``,
+csrc/cpu_qlinear.cpp; every CPU kernel level) in GGML's Q8 x Q8 arithmetic: each row of
 activations quantized to 8 bits per group of 32 (:func:`~tokenloom.kernels.int4_matmul.quantize_activations`,
 as for the int4 layers), integer dot products, one float32 scale per group.
 
 The LM head of a GGUF model whose token embedding is Q8_0 (SmolLM2's) computes its logits this
-way at every batch size: it reads half the bytes of a bfloat16 head and multiplies the file's
-exact weight values; the int8 dot products run ~2x the dense bfloat16 matmul's rate.
+way at every batch size: it reads half the bytes of a 16-bit head and multiplies the file's
+exact weight values (figures in docs/design.md).
 """
 
 from __future__ import annotations

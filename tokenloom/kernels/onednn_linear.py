@@ -2,12 +2,9 @@
 ``mkldnn._linear_pointwise``, the pair torch.compile's freezing pass uses).
 
 ``torch.nn.functional.linear`` hands oneDNN a plain row-major weight and oneDNN reorders it into
-its blocked layout on every call; a weight reordered once at load skips that. Measured over
-SmolLM2's 30 layers of bfloat16 projections on a 2-core AVX512-BF16 CPU (weights streamed
-from memory, as in a decode step): 16.7 -> 10.7 ms at 1 row, 19 -> 11 at 8, 31.5 -> 22 at 32,
-150 -> 130 at 256, 1,160 -> 1,035 at 2,048; its 49152 x 576 LM head: 3.2 -> 1.7 ms at 1 row,
-8.9 -> 5.2 at 32. The packed layout does not depend on the batch size it was packed for
-(any hint gives the same speed at every size), and float32 gains as much.
+its blocked layout on every call; a weight reordered once at load skips that (figures in
+docs/design.md, "Compute on the CPU"). The packed layout does not depend on the batch size it
+was packed for, and float32 gains as much as bfloat16.
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def _decode_all_heads(
 
 
 # prompt lengths for which two batched matmuls with a float32 softmax beat SDPA's CPU kernel
-# on a causal 16-bit prompt (measured, SmolLM2 heads: 2x at 64-384 rows, 2.5x slower at 512)
+# on a causal 16-bit prompt (figures in docs/design.md, "Compute on the CPU")
 _BMM_CAUSAL_ROWS = (64, 384)
 
 

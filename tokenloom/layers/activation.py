@@ -1,5 +1,5 @@
 """Gated activations of fused gate/up projections: ``act(x[..., :d]) * x[..., d:]``; on the
-CPU a ``[tokens, 2d]`` input takes one fused operator (``tokenloom_cpu.act_and_mul``)."""
+CPU a ``[tokens, 2d]`` input takes one fused operator (``act_and_mul`` of tokenloom's CPU operators)."""
 
 from __future__ import annotations
 

@@ -4,15 +4,15 @@ Both keep dense weights in the model dtype (a packed checkpoint tensor is dequan
 load): the LM head's matmul is the largest of a small model, and a dense GEMM is the
 fastest form on the CPU. A tied LM head shares the embedding's parameter, which the lookup
 needs dense; the head multiplies a oneDNN-packed copy of it where oneDNN runs its dtype
-natively (:mod:`tokenloom.kernels.onednn_linear`; SmolLM2's 49152 x 576 bfloat16 head on 2
-cores: 3.2 -> 1.7 ms at 1 row, 8.9 -> 5.2 ms at 32). A float32 head the platform chose (no
-native bfloat16) also keeps a float16 copy for decode steps of a few rows, which read the whole
-weight for a few rows of output (on a 2-core AVX2 CPU: 9.0 ms per row in float32, 3.3 ms in
-float16, equal from 8 rows on); hidden states beyond float16's range take the wide path.
-A bfloat16 head whose checkpoint tensor is int8 groups (GGUF Q8_0, SmolLM2's tied embedding)
-keeps them instead of the packed copy where tokenloom's int8 kernel is built
-(:mod:`tokenloom.kernels.int8_matmul`, GGML's Q8 x Q8 arithmetic), for every batch: half the
-bytes of the bfloat16 copy, the file's exact weight values, and ~2x its rate.
+natively (:mod:`tokenloom.kernels.onednn_linear`). A float32 head the platform chose (no native
+bfloat16) also keeps a float16 copy for decode steps of a few rows, which read the whole weight
+for a few rows of output (half the bytes; figures in docs/design.md); hidden states beyond
+float16's range take the wide path.
+A bfloat16 head (or a float32 one the platform chose) whose checkpoint tensor is int8 groups
+(GGUF Q8_0, SmolLM2's tied embedding) keeps them instead of the packed or float16 copy where
+tokenloom's int8 kernel is built (:mod:`tokenloom.kernels.int8_matmul`, GGML's Q8 x Q8
+arithmetic, every CPU kernel level), for every batch: half the bytes of a 16-bit copy and the
+file's exact weight values.
 """
 
 from __future__ import annotations
@@ -135,13 +135,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         raise TypeError("ParallelLMHead computes logits: call compute_logits(hidden_states)")
 
     def process_weights_after_loading(self) -> None:
-        if self.small_batch_dtype is not None and self.small_batch_dtype != self.weight.dtype:
-            self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
         source = self._tied_to if self._tied_to is not None else self
-        if source.int8_groups is not None and self.weight.dtype == torch.bfloat16 and self.bias is None:
+        # bfloat16, or float32 the platform chose (it asked for a small-batch copy: the dtype was
+        # not the user's, so it need not stay exact)
+        inexact = self.weight.dtype == torch.bfloat16 or (self.weight.dtype == torch.float32
+                                                          and self.small_batch_dtype is not None)
+        if source.int8_groups is not None and inexact and self.bias is None:
             codes, scales = source.int8_groups
             self.int8_weight = pack_int8(codes, scales) if codes.shape[0] == self.weight.shape[0] else None
         source.int8_groups = None  # packed (or not needed): not kept twice
+        if self.int8_weight is None and self.small_batch_dtype is not None \
+                and self.small_batch_dtype != self.weight.dtype:
+            self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
         if self.int8_weight is None and packable(self.weight):
             self.packed_weight = pack_weight(self.weight)
 

@@ -4,10 +4,11 @@ A pre-norm layer of the Llama family (:class:`~tokenloom.layers.layernorm.RMSNor
 :class:`~tokenloom.layers.decoder.SelfAttention` with rotary embedding, :class:`GatedMLP` with
 SwiGLU) whose four projections hold int4 weights packed for tokenloom's kernel
 (``layer.int4_weight``, which the ``gguf`` quantization method keeps) runs a decode step as
-``tokenloom_cpu::decode_layer``: the operators the Python path calls, chained in C++, giving
-the same bits without a dozen module calls and two dozen torch calls per layer. Anything else
-(prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps, tensor
-parallelism, another attention backend) takes the layer's own Python path.
+``decode_layer`` (tokenloom's CPU operators, every kernel level): the operators the Python path
+calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
+calls per layer; in bfloat16, or float32 (what a CPU without native bfloat16 runs). Anything
+else (prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps,
+tensor parallelism, another attention backend) takes the layer's own Python path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from tokenloom.layers.layernorm import RMSNorm
 from tokenloom.layers.rotary import RotaryEmbedding
 
 _UNCHECKED = object()
+# the dtypes the operator runs a layer in (the norms', rotary tables', activations' and KV cache's)
+_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class FusedDecodeLayer:
@@ -38,7 +41,7 @@ class FusedDecodeLayer:
                  attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._arguments is _UNCHECKED:
             self._arguments = self._check_layer(hidden_states)
-        if self._arguments is None or hidden_states.dtype != torch.bfloat16 or hidden_states.dim() != 2 \
+        if self._arguments is None or hidden_states.dtype != self._arguments[1].dtype or hidden_states.dim() != 2 \
                 or attn_metadata.bidirectional:
             return None
         backend = attn_metadata.backend
@@ -48,7 +51,7 @@ class FusedDecodeLayer:
         operator, input_norm, post_norm, eps, weights, cos_cache, sin_cache, layer_index, heads, kv_heads, scale = \
             self._arguments
         kv_cache = attn_metadata.kv_caches[layer_index]
-        if kv_cache is None or kv_cache.dtype != torch.bfloat16:
+        if kv_cache is None or kv_cache.dtype != hidden_states.dtype:
             return None
         return operator(hidden_states, residual, positions, input_norm, post_norm, eps, weights, cos_cache, sin_cache,
                         kv_cache, attn_metadata.slot_mapping, decode.block_tables, decode.seq_lens, heads, kv_heads,
@@ -64,12 +67,13 @@ class FusedDecodeLayer:
         int4 = [getattr(projection, "int4_weight", None) for projection in projections]
         attention, rotary = self_attn.attn, self_attn.rotary_emb
         if (operator is None
-                or any(type(norm) is not RMSNorm or norm.weight.dtype != torch.bfloat16 or norm.eps != input_layernorm.eps
-                       for norm in norms)
+                or input_layernorm.weight.dtype not in _DTYPES
+                or any(type(norm) is not RMSNorm or norm.weight.dtype != input_layernorm.weight.dtype
+                       or norm.eps != input_layernorm.eps for norm in norms)
                 or any(weight is None or weight.kernel is None for weight in int4)
                 or any(projection.bias is not None or projection.tp_size != 1 for projection in projections)
                 or getattr(self_attn, "q_norm", None) is not None
-                or type(rotary) is not RotaryEmbedding or rotary.cos_cache.dtype != torch.bfloat16
+                or type(rotary) is not RotaryEmbedding or rotary.cos_cache.dtype != input_layernorm.weight.dtype
                 or attention.sliding_window or attention.logits_soft_cap
                 or type(mlp.act_fn) is not SiluAndMul):
             return None

@@ -3,8 +3,9 @@ add that precedes it: ``norm(x, residual) -> (normed(x + residual), x + residual
 
 The normalisation runs in float32 whatever the activation dtype, as in transformers: the
 variants differ in where they round back (Llama before the weight, Gemma after it). On the CPU a
-``[tokens, features]`` input takes one fused operator (``tokenloom_cpu.rms_norm``, same
-roundings) instead of the chain of torch operators below, which stays the reference.
+``[tokens, features]`` input takes one fused operator (``rms_norm`` of tokenloom's CPU
+operators, same roundings) instead of the chain of torch operators below, which stays the
+reference.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ from tokenloom.kernels.int4_matmul import int4_linear
 from tokenloom.layers.quantization import QuantizationMethod
 from tokenloom.plugins.registry import resolve_target
 
+# on every CPU kernel level the host runs
+pytestmark = pytest.mark.usefixtures("isa_level")
+
 
 def q8_weight(rows: int, cols: int, seed: int, name: str = "blk.0.attn_q.weight") -> GGUFWeight:
     values = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
@@ -99,7 +102,7 @@ def int4_kernel(request):
     """Which int4 kernel the layers of the test pack their weights for."""
     if request.param == "tokenloom":
         if int4_matmul._native_kernel() is None:
-            pytest.skip("tokenloom's int4 kernel needs a CPU with AVX512-VNNI")
+            pytest.skip("tokenloom's CPU kernels are switched off or did not build")
         yield request.param
     else:
         with mock.patch.object(int4_matmul, "_native_kernel", lambda: None):

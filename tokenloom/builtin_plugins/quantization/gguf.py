@@ -3,8 +3,10 @@
 
 In mode ``"auto"`` (the default) a layer whose weight is all 4-bit blocks (Q4_0, Q4_1, Q4_K)
 keeps those blocks, repacked for the CPU's int4 matmul (:mod:`tokenloom.kernels.int4_matmul`).
-Where tokenloom's own kernel is built (AVX512-VNNI) it computes every batch, in llama.cpp's
-Q4 x Q8 arithmetic, and the layer holds no dense weight at all. Elsewhere torch's kernel serves
+Where tokenloom's own kernel is built (every CPU kernel level: AVX512-VNNI, AVX2, plain C++; see
+:mod:`tokenloom.kernels.cpu_native`) it computes every batch, in llama.cpp's Q4 x Q8
+arithmetic, and the layer holds no dense weight at all. Elsewhere (kernels switched off or not
+built) torch's kernel serves
 small batches and the layer also keeps the weight dequantized into the model dtype (packed for
 oneDNN's matmul, as :class:`UnquantizedMethod` does) for large ones. The int4 kernels work in
 bfloat16 or better, so a float32 model uses them only when the platform chose float32

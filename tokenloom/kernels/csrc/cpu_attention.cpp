@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace tokenloom_cpu {
+namespace TOKENLOOM_CPU_NAMESPACE {
 
 
 // kHead > 0: the head size known at compile time (the loops unroll into registers); 0: any
@@ -435,16 +435,16 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   });
 }
 
-}  // namespace tokenloom_cpu
+}  // namespace TOKENLOOM_CPU_NAMESPACE
 
-TORCH_LIBRARY(tokenloom_cpu, m) {
+TOKENLOOM_LIBRARY(m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int sliding_window, float soft_cap) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &tokenloom_cpu::paged_decode_attention);
-  m.impl("write_kv_cache", &tokenloom_cpu::write_kv_cache);
+TOKENLOOM_LIBRARY_IMPL_CPU(m) {
+  m.impl("paged_decode_attention", &TOKENLOOM_CPU_NAMESPACE::paged_decode_attention);
+  m.impl("write_kv_cache", &TOKENLOOM_CPU_NAMESPACE::write_kv_cache);
 }

@@ -6,12 +6,15 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 
-#if defined(__AVX512BW__)
+#include "cpu_namespace.h"
+
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-namespace tokenloom_cpu {
+namespace TOKENLOOM_CPU_NAMESPACE {
 
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
@@ -19,13 +22,18 @@ inline void load_row(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// bfloat16 widens by a shift
+// bfloat16 widens by a shift (the bits moved by memcpy: writing floats through a uint32_t
+// pointer breaks strict aliasing, and at -O3 the caller's reads of dst moved before the writes)
 template <>
 inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &widened, sizeof(value));
+    dst[i] = value;
+  }
 }
 
 template <typename scalar_t>
@@ -42,11 +50,11 @@ inline void store_row<float>(const float* src, float* dst, int64_t n) {
 // float32 -> bfloat16 rounded to nearest even (NaN stays a quiet NaN), as c10 rounds
 template <>
 inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(src);
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t value = bits[i];
+    uint32_t value;
+    std::memcpy(&value, src + i, sizeof(value));
     const uint32_t rounded = (value + 0x7FFFu + ((value >> 16) & 1u)) >> 16;
     out[i] = static_cast<uint16_t>((value & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
   }
@@ -65,4 +73,4 @@ inline __m512 load_bf16x16(const void* src, __mmask16 mask) {
 }
 #endif
 
-}  // namespace tokenloom_cpu
+}  // namespace TOKENLOOM_CPU_NAMESPACE

@@ -2,8 +2,8 @@
 // paged KV cache, SwiGLU MLP) for a decode step of a few rows, chained in C++ from tokenloom's
 // own operators: in Python the same layer is about a dozen module calls and two dozen torch
 // calls, each a few microseconds, which at decode sizes cost as much as the arithmetic.
-// Registered as `tokenloom_cpu::decode_layer` where the CPU has AVX512-BF16 and AVX512-VNNI;
-// tokenloom/layers/fused_decode.py decides when a layer may take it. Every step is the operator
+// Registered as `decode_layer` in every build (each ISA level's operators it chains are that
+// level's); tokenloom/layers/fused_decode.py decides when a layer may take it. Every step is the operator
 // the Python path calls, in the same order on the same inputs, so both give the same bits.
 
 #include <ATen/ATen.h>
@@ -11,9 +11,7 @@
 
 #include "cpu_ops.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-
-namespace tokenloom_cpu {
+namespace TOKENLOOM_CPU_NAMESPACE {
 
 // weights: the packed int4 weights of qkv, o, gate_up and down, in that order.
 // Returns (the MLP's output, the residual stream), as the Python layer does.
@@ -43,17 +41,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
   return {int4_linear(activated, weights[3]), residual_next};
 }
 
-}  // namespace tokenloom_cpu
+}  // namespace TOKENLOOM_CPU_NAMESPACE
 
-TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor? residual, Tensor positions, Tensor input_norm, Tensor post_norm, "
       "float eps, Tensor[] weights, Tensor cos_cache, Tensor sin_cache, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
-  m.impl("decode_layer", &tokenloom_cpu::decode_layer);
+TOKENLOOM_LIBRARY_IMPL_CPU(m) {
+  m.impl("decode_layer", &TOKENLOOM_CPU_NAMESPACE::decode_layer);
 }
 
-#endif  // __AVX512BF16__ && __AVX512VNNI__

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-namespace tokenloom_cpu {
+namespace TOKENLOOM_CPU_NAMESPACE {
 
 
 // rows per parallel task: small batches stay on the calling thread
@@ -395,18 +395,18 @@ void causal_softmax_(at::Tensor scores, double scale) {
   });
 }
 
-}  // namespace tokenloom_cpu
+}  // namespace TOKENLOOM_CPU_NAMESPACE
 
-TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
   m.def("rotary_embedding_(Tensor(a!) x, Tensor positions, Tensor cos_cache, Tensor sin_cache) -> ()");
   m.def("act_and_mul(Tensor x, str activation) -> Tensor");
   m.def("causal_softmax_(Tensor(a!) scores, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
-  m.impl("rms_norm", &tokenloom_cpu::rms_norm);
-  m.impl("rotary_embedding_", &tokenloom_cpu::rotary_embedding_);
-  m.impl("act_and_mul", &tokenloom_cpu::act_and_mul);
-  m.impl("causal_softmax_", &tokenloom_cpu::causal_softmax_);
+TOKENLOOM_LIBRARY_IMPL_CPU(m) {
+  m.impl("rms_norm", &TOKENLOOM_CPU_NAMESPACE::rms_norm);
+  m.impl("rotary_embedding_", &TOKENLOOM_CPU_NAMESPACE::rotary_embedding_);
+  m.impl("act_and_mul", &TOKENLOOM_CPU_NAMESPACE::act_and_mul);
+  m.impl("causal_softmax_", &TOKENLOOM_CPU_NAMESPACE::causal_softmax_);
 }

@@ -1,5 +1,5 @@
-// The entry points of tokenloom's CPU operators (each also registered in torch's `tokenloom_cpu`
-// namespace), declared for operators that chain them without going back through Python.
+// The entry points of tokenloom's CPU operators (each also registered in torch's op namespace of
+// its build, see cpu_namespace.h), declared for operators that chain them without going back through Python.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,7 +7,9 @@
 #include <string>
 #include <tuple>
 
-namespace tokenloom_cpu {
+#include "cpu_namespace.h"
+
+namespace TOKENLOOM_CPU_NAMESPACE {
 
 // cpu_layers.cpp
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -23,8 +25,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
                     const at::Tensor& slot_mapping);
 
-// cpu_qlinear.cpp (built where the CPU has AVX512-VNNI)
+// cpu_qlinear.cpp
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight);
 
-}  // namespace tokenloom_cpu
+}  // namespace TOKENLOOM_CPU_NAMESPACE

@@ -1,19 +1,27 @@
 // Quantized weights times 8-bit activations, GGML's Q4 x Q8 and Q8 x Q8 arithmetic (as llama.cpp
-// runs a GGUF on the CPU), for any number of rows; registered where the CPU has AVX512-VNNI:
-//   `tokenloom_cpu::int4_linear`: 4-bit weights (GGUF Q4_0/Q4_1/Q4_K linear layers), out in x's dtype
-//   `tokenloom_cpu::int8_linear`: 8-bit weights (a Q8_0 LM head), float32 out (the logits)
-// The Python side (tokenloom/kernels/int4_matmul.py, int8_matmul.py) packs the weights; its
-// `quantize_activations` and `dequantize_int4` / `dequantize_int8` are the reference the tests
-// hold these kernels to.
+// runs a GGUF on the CPU), for any number of rows, in every build (one per ISA level, see
+// cpu_namespace.h): AVX512-VNNI, AVX2+FMA+F16C, and plain C++ below them.
+//   `int4_linear`: 4-bit weights (GGUF Q4_0/Q4_1/Q4_K linear layers), out in x's dtype
+//   `int8_linear`: 8-bit weights (a Q8_0 LM head), float32 out (the logits)
+// The Python side (tokenloom/kernels/int4_matmul.py, int8_matmul.py) packs the weights, the same
+// layout for every level; its `quantize_activations` and `dequantize_int4` / `dequantize_int8` are
+// the reference the tests hold these kernels to.
 //
 // A weight value is d * code + m with an unsigned code (4-bit: 0..15; 8-bit: Q8_0's signed code
 // plus 128, so m = -128 d) and one (d, m) pair per group of 32 input features. Each row of x is
 // quantized per group of 32 the same way: its scale is s = max|x| / 127 and its codes
 // q = round(x * (127 / max|x|)) (to nearest even; all zero for a zero group), so that
 //   sum_k w_k x_k ~ sum_groups [ d * s * sum_k code_k q_k + m * s * sum_k q_k ]
-// in which the inner sums are exact integers (`vpdpbusd`: 16 lanes of 4 unsigned-code times
-// signed-activation products each). For 8-bit weights the m term is taken in integers
-// (sum_k code_k q_k - 128 sum_k q_k), so their result is exact up to float32 summation.
+// in which the inner sums are exact integers, on every level (so the levels agree up to float32
+// summation order). For 8-bit weights the m term is taken in integers (sum_k (code_k - 128) q_k),
+// so their result is exact up to float32 summation.
+//   AVX512-VNNI: `vpdpbusd`, 16 lanes of 4 unsigned-code times signed-activation products each.
+//   AVX2: `vpmaddubsw` (pairs of u8 x s8 products summed to int16, saturating) then `vpmaddwd`
+//   against ones (int16 pairs to int32). 4-bit codes times 7-bit activations stay below 2 * 15 *
+//   127 per pair, so a group's 8 steps sum in int16 (at most 30480) before one widening; 8-bit
+//   codes would saturate (2 * 255 * 127), so they take GGML's sign trick: the signed code
+//   c = code ^ 0x80, |c| (at most 128, unsigned) times q carrying c's sign (at most 2 * 128 * 127
+//   per pair), widened every step.
 //
 // Layout, for out_features N (a multiple of 16), in_features K, G = K / 32 groups: block b
 // (output rows 16b..16b+15) has G groups of bytes; its group g holds the codes in 8
@@ -24,32 +32,77 @@
 //   8-bit, 576 bytes: 8 x 64 bytes of codes; then d[16] as float32
 // Blocks are stored in pairs, group by group: [pair, G, 2, group bytes] (an odd last block
 // [G, group bytes]), so a tile of a pair reads one stream front to back; each 64-byte load
-// (masked and shifted, for 4 bits) gives the codes of 16 rows times 4 features.
+// (masked and shifted, for 4 bits) gives the codes of 16 rows times 4 features (AVX2: each
+// 32-byte half the codes of 8 rows).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 
-namespace tokenloom_cpu {
+namespace TOKENLOOM_CPU_NAMESPACE {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kBlockRows = 16;  // output rows per block: one vector's lanes
+constexpr int64_t kBlockRows = 16;  // output rows per block
 // one block's codes of one group, and with its scales
 template <int kBits> constexpr int64_t kCodeBytes = kBlockRows * kGroup * kBits / 8;
 template <int kBits> constexpr int64_t kGroupBytes = kBits == 4 ? 320 : 576;
 constexpr int64_t kRowChunk = 128;  // activation rows per pass over the blocks (kept in L2)
 constexpr int kTileRows = 4;        // activation rows per tile
+
+// rows of x quantized per group of 32: codes [M, K]; per row and group the scale s, the sum of
+// the codes S, and s * S
+struct QuantizedRows {
+  const int8_t* codes;
+  const float* scales;
+  const int32_t* code_sums;
+  const float* scaled_sums;
+  int64_t groups;
+};
+
+// (buffers kept per calling thread: a decode step makes 120 calls, and three tensor allocations
+// a call cost a third of a millisecond a step; pointers taken in the calling thread: in the
+// worker threads these names are their own, empty, buffers)
+inline QuantizedRows quantized_rows_buffers(int64_t M, int64_t K) {
+  thread_local std::vector<int8_t> code_buffer;
+  thread_local std::vector<float> scale_buffer, scaled_sum_buffer;
+  thread_local std::vector<int32_t> code_sum_buffer;
+  const int64_t groups = K / kGroup;
+  code_buffer.resize(M * K);
+  scale_buffer.resize(M * groups);
+  scaled_sum_buffer.resize(M * groups);
+  code_sum_buffer.resize(M * groups);
+  return {code_buffer.data(), scale_buffer.data(), code_sum_buffer.data(), scaled_sum_buffer.data(), groups};
+}
+
+// pairs of blocks, each thread a contiguous range of them (one stream); an odd last block alone.
+// Tile(rows, weight, out, m_begin, m_end, b0, blocks_in_tile) computes out[m_begin..m_end, 16 b0..]
+template <typename RowsTimesBlocks>
+void for_each_tile(int64_t M, int64_t N, const RowsTimesBlocks& rows_times_blocks) {
+  const int64_t blocks = N / kBlockRows;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kRowChunk) {
+      const int64_t m_end = std::min(M, m + kRowChunk);
+      for (int64_t pair = begin; pair < end; ++pair) rows_times_blocks(m, m_end, 2 * pair, 2 * pair + 1 < blocks ? 2 : 1);
+    }
+  });
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 inline __m512 load16(const c10::BFloat16* src) { return load_bf16x16(src, 0xFFFF); }
 inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
@@ -68,33 +121,14 @@ inline void store16(c10::BFloat16* dst, __m512 value) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(result));
 }
 
-// rows of x quantized per group of 32: codes [M, K]; per row and group the scale s, the sum of
-// the codes S, and s * S
-struct QuantizedRows {
-  const int8_t* codes;
-  const float* scales;
-  const int32_t* code_sums;
-  const float* scaled_sums;
-  int64_t groups;
-};
-
 template <typename scalar_t>
 QuantizedRows quantize_activations(const scalar_t* x, int64_t M, int64_t K) {
-  // buffers kept per calling thread: a decode step makes 120 calls, and three tensor
-  // allocations a call cost a third of a millisecond a step
-  // (pointers taken here: in the worker threads these names are their own, empty, buffers)
-  thread_local std::vector<int8_t> code_buffer;
-  thread_local std::vector<float> scale_buffer, scaled_sum_buffer;
-  thread_local std::vector<int32_t> code_sum_buffer;
-  const int64_t groups = K / kGroup;
-  code_buffer.resize(M * K);
-  scale_buffer.resize(M * groups);
-  scaled_sum_buffer.resize(M * groups);
-  code_sum_buffer.resize(M * groups);
-  int8_t* codes = code_buffer.data();
-  float* scales = scale_buffer.data();
-  float* scaled_sums = scaled_sum_buffer.data();
-  int32_t* code_sums = code_sum_buffer.data();
+  const QuantizedRows rows = quantized_rows_buffers(M, K);
+  const int64_t groups = rows.groups;
+  int8_t* codes = const_cast<int8_t*>(rows.codes);
+  float* scales = const_cast<float*>(rows.scales);
+  float* scaled_sums = const_cast<float*>(rows.scaled_sums);
+  int32_t* code_sums = const_cast<int32_t*>(rows.code_sums);
   at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t offset = (index / groups) * K + (index % groups) * kGroup;
@@ -112,7 +146,7 @@ QuantizedRows quantize_activations(const scalar_t* x, int64_t M, int64_t K) {
       scaled_sums[index] = scale * static_cast<float>(sum);
     }
   });
-  return {codes, scales, code_sums, scaled_sums, groups};
+  return rows;
 }
 
 // kRows activation rows from m0 times kBlocks blocks from b0: out[m0.., 16 b0..]
@@ -183,6 +217,236 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
     for (int b = 0; b < kBlocks; ++b) store16(out + (m0 + r) * N + (b0 + b) * kBlockRows, acc[r][b]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+inline __m256 load8(const c10::BFloat16* src) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
+}
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+
+inline void store8(float* dst, __m256 value) { _mm256_storeu_ps(dst, value); }
+inline void store8(c10::BFloat16* dst, __m256 value) {
+  // rounded to nearest even, NaN kept a quiet NaN, as c10 rounds
+  const __m256i bits = _mm256_castps_si256(value);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                              _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)))),
+      16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i result = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  // 8 x 32 -> 8 x 16 bits: the pack works per 128-bit lane, the permute brings both halves down
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+
+inline float horizontal_max(__m256 value) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(value), _mm256_extractf128_ps(value, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+inline int32_t horizontal_sum(__m256i value) {
+  __m128i half = _mm_add_epi32(_mm256_castsi256_si128(value), _mm256_extracti128_si256(value, 1));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 0xB1)));
+}
+
+template <typename scalar_t>
+QuantizedRows quantize_activations(const scalar_t* x, int64_t M, int64_t K) {
+  const QuantizedRows rows = quantized_rows_buffers(M, K);
+  const int64_t groups = rows.groups;
+  int8_t* codes = const_cast<int8_t*>(rows.codes);
+  float* scales = const_cast<float*>(rows.scales);
+  float* scaled_sums = const_cast<float*>(rows.scaled_sums);
+  int32_t* code_sums = const_cast<int32_t*>(rows.code_sums);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t offset = (index / groups) * K + (index % groups) * kGroup;
+      __m256 values[4];
+      for (int i = 0; i < 4; ++i) values[i] = load8(x + offset + 8 * i);
+      const __m256 amax_lanes = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_bit, values[0]), _mm256_andnot_ps(sign_bit, values[1])),
+                                              _mm256_max_ps(_mm256_andnot_ps(sign_bit, values[2]), _mm256_andnot_ps(sign_bit, values[3])));
+      const float amax = horizontal_max(amax_lanes);
+      const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i q[4];  // rounded to nearest even (the default rounding mode)
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
+      // 32 x int32 -> 32 x int8 (no saturation: |q| <= 127); the packs interleave the 128-bit lanes
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + offset),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const float scale = amax * (1.f / 127.f);
+      const int32_t sum = horizontal_sum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      scales[index] = scale;
+      code_sums[index] = sum;
+      scaled_sums[index] = scale * static_cast<float>(sum);
+    }
+  });
+  return rows;
+}
+
+// kRows activation rows from m0 times kBlocks blocks from b0: out[m0.., 16 b0..]; each block in
+// two halves of 8 output rows (a vector's lanes)
+template <int kBits, typename out_t, int kRows, int kBlocks>
+inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m0, int64_t b0,
+                         int64_t N, int64_t K) {
+  const int64_t groups = x.groups;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i sign_flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[kRows][kBlocks][2];
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kBlocks; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+  const uint8_t* pair_start = weight + b0 * groups * kGroupBytes<kBits>;
+  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int b = 0; b < kBlocks; ++b) {
+      const uint8_t* group = pair_start + (g * width + b) * kGroupBytes<kBits>;
+      for (int half = 0; half < 2; ++half) {
+        if constexpr (kBits == 4) {
+          __m256i codes[8];  // steps 2t and 2t+1 from the low and high nibbles of 64 bytes t
+          for (int t = 0; t < 4; ++t) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + t * 64 + half * 32));
+            codes[2 * t] = _mm256_and_si256(bytes, low_nibbles);
+            codes[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+          }
+          const uint8_t* scales = group + kCodeBytes<4>;
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + half * 16)));
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + half * 16)));
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* row = x.codes + (m0 + r) * K + g * kGroup;
+            // a group's 8 steps summed in int16 (at most 8 * 2 * 15 * 127), then widened once
+            __m256i pairs = _mm256_setzero_si256();
+            for (int step = 0; step < 8; ++step) {
+              int32_t four;
+              std::memcpy(&four, row + 4 * step, 4);
+              pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[step], _mm256_set1_epi32(four)));
+            }
+            const __m256i sums = _mm256_madd_epi16(pairs, ones);
+            const int64_t index = (m0 + r) * groups + g;
+            acc[r][b][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(x.scales[index])),
+                                              acc[r][b][half]);
+            acc[r][b][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sums[index]), acc[r][b][half]);
+          }
+        } else {
+          // the signed codes c = code - 128 (code ^ 0x80) and |c| (at most 128: unsigned)
+          __m256i signed_codes[8], magnitudes[8];
+          for (int step = 0; step < 8; ++step) {
+            signed_codes[step] = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + step * 64 + half * 32)), sign_flip);
+            magnitudes[step] = _mm256_abs_epi8(signed_codes[step]);
+          }
+          const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(group + kCodeBytes<8>) + half * 8);
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* row = x.codes + (m0 + r) * K + g * kGroup;
+            __m256i sums = _mm256_setzero_si256();
+            for (int step = 0; step < 8; ++step) {
+              int32_t four;
+              std::memcpy(&four, row + 4 * step, 4);
+              // |c| times q with c's sign: at most 2 * 128 * 127 per pair, no saturation
+              const __m256i pairs = _mm256_maddubs_epi16(magnitudes[step],
+                                                         _mm256_sign_epi8(_mm256_set1_epi32(four), signed_codes[step]));
+              sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+            }
+            const int64_t index = (m0 + r) * groups + g;
+            acc[r][b][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(x.scales[index])),
+                                              acc[r][b][half]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kBlocks; ++b)
+      for (int half = 0; half < 2; ++half) store8(out + (m0 + r) * N + (b0 + b) * kBlockRows + half * 8, acc[r][b][half]);
+}
+
+#else  // plain C++: the same integer arithmetic, left to the compiler (ARM, x86 below AVX2)
+
+template <typename scalar_t>
+QuantizedRows quantize_activations(const scalar_t* x, int64_t M, int64_t K) {
+  const QuantizedRows rows = quantized_rows_buffers(M, K);
+  const int64_t groups = rows.groups;
+  int8_t* codes = const_cast<int8_t*>(rows.codes);
+  float* scales = const_cast<float*>(rows.scales);
+  float* scaled_sums = const_cast<float*>(rows.scaled_sums);
+  int32_t* code_sums = const_cast<int32_t*>(rows.code_sums);
+  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
+    float values[kGroup];
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t offset = (index / groups) * K + (index % groups) * kGroup;
+      load_row(x + offset, values, kGroup);
+      float amax = 0.f;
+      for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(values[i]));
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int32_t code = static_cast<int32_t>(std::nearbyint(values[i] * inverse));  // to nearest even
+        codes[offset + i] = static_cast<int8_t>(code);
+        sum += code;
+      }
+      const float scale = amax * (1.f / 127.f);
+      scales[index] = scale;
+      code_sums[index] = sum;
+      scaled_sums[index] = scale * static_cast<float>(sum);
+    }
+  });
+  return rows;
+}
+
+template <int kBits, typename out_t, int kRows, int kBlocks>
+inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m0, int64_t b0,
+                         int64_t N, int64_t K) {
+  const int64_t groups = x.groups;
+  float acc[kRows][kBlocks][kBlockRows] = {};
+  const uint8_t* pair_start = weight + b0 * groups * kGroupBytes<kBits>;
+  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int b = 0; b < kBlocks; ++b) {
+      const uint8_t* group = pair_start + (g * width + b) * kGroupBytes<kBits>;
+      uint8_t codes[8][kBlockRows][4];  // [step, output row, feature]
+      for (int step = 0; step < 8; ++step)
+        for (int lane = 0; lane < kBlockRows; ++lane)
+          for (int j = 0; j < 4; ++j) {
+            if constexpr (kBits == 4) {
+              const uint8_t byte = group[(step / 2) * 64 + lane * 4 + j];
+              codes[step][lane][j] = step % 2 == 0 ? byte & 0x0F : byte >> 4;
+            } else {
+              codes[step][lane][j] = group[step * 64 + lane * 4 + j];
+            }
+          }
+      const uint8_t* scales = group + kCodeBytes<kBits>;
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* row = x.codes + (m0 + r) * K + g * kGroup;
+        const int64_t index = (m0 + r) * groups + g;
+        int32_t sums[kBlockRows] = {};
+        for (int step = 0; step < 8; ++step)
+          for (int lane = 0; lane < kBlockRows; ++lane)
+            for (int j = 0; j < 4; ++j) sums[lane] += static_cast<int32_t>(codes[step][lane][j]) * row[4 * step + j];
+        for (int lane = 0; lane < kBlockRows; ++lane) {
+          if constexpr (kBits == 4) {
+            c10::Half d, m;
+            std::memcpy(&d, scales + 2 * lane, 2);
+            std::memcpy(&m, scales + 32 + 2 * lane, 2);
+            acc[r][b][lane] += static_cast<float>(sums[lane]) * (static_cast<float>(d) * x.scales[index]) +
+                               static_cast<float>(m) * x.scaled_sums[index];
+          } else {  // m = -128 d: sum (code - 128) q in integers
+            float d;
+            std::memcpy(&d, scales + 4 * lane, 4);
+            acc[r][b][lane] += static_cast<float>(sums[lane] - 128 * x.code_sums[index]) * (d * x.scales[index]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kBlocks; ++b) store_row(acc[r][b], out + (m0 + r) * N + (b0 + b) * kBlockRows, kBlockRows);
+}
+
+#endif
+
 // rows [m_begin, m_end) times blocks [b0, b0 + kBlocks): tiles of 4 rows, then the 1-3 left
 template <int kBits, typename out_t, int kBlocks>
 void qlinear_rows(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m_begin, int64_t m_end,
@@ -200,18 +464,11 @@ void qlinear_rows(const QuantizedRows& x, const uint8_t* weight, out_t* out, int
 template <int kBits, typename in_t, typename out_t>
 void qlinear(const in_t* x, const uint8_t* weight, out_t* out, int64_t M, int64_t N, int64_t K) {
   const QuantizedRows rows = quantize_activations(x, M, K);
-  const int64_t blocks = N / kBlockRows;
-  // pairs of blocks, each thread a contiguous range of them (one stream); an odd last block alone
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < M; m += kRowChunk) {
-      const int64_t m_end = std::min(M, m + kRowChunk);
-      for (int64_t pair = begin; pair < end; ++pair) {
-        if (2 * pair + 1 < blocks)
-          qlinear_rows<kBits, out_t, 2>(rows, weight, out, m, m_end, 2 * pair, N, K);
-        else
-          qlinear_rows<kBits, out_t, 1>(rows, weight, out, m, m_end, 2 * pair, N, K);
-      }
-    }
+  for_each_tile(M, N, [&](int64_t m, int64_t m_end, int64_t b0, int width) {
+    if (width == 2)
+      qlinear_rows<kBits, out_t, 2>(rows, weight, out, m, m_end, b0, N, K);
+    else
+      qlinear_rows<kBits, out_t, 1>(rows, weight, out, m, m_end, b0, N, K);
   });
 }
 
@@ -247,16 +504,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight) {
   return qlinear_op<8>("int8_linear", x, weight, true);
 }
 
-}  // namespace tokenloom_cpu
+}  // namespace TOKENLOOM_CPU_NAMESPACE
 
-TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def("int4_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
-  m.impl("int4_linear", &tokenloom_cpu::int4_linear);
-  m.impl("int8_linear", &tokenloom_cpu::int8_linear);
+TOKENLOOM_LIBRARY_IMPL_CPU(m) {
+  m.impl("int4_linear", &TOKENLOOM_CPU_NAMESPACE::int4_linear);
+  m.impl("int8_linear", &TOKENLOOM_CPU_NAMESPACE::int8_linear);
 }
 
-#endif  // __AVX512VNNI__ && __AVX512BW__
