@@ -6,6 +6,9 @@
 // Cache layout (one tensor per layer): [2, num_blocks, block_size, num_kv_heads, head_size],
 // contiguous; token p of a sequence lives in slot block_table[p / block_size] * block_size +
 // p % block_size. Activations may be float32, bfloat16 or float16; arithmetic is float32.
+// Head sizes of 64/128/256 take explicit vector code for the build's ISA level (AVX-512, with
+// bfloat16 dot products where the CPU has them, or AVX2+FMA); others, and other CPUs, take
+// generic loops the compiler vectorises.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -319,9 +322,8 @@ inline void accumulate_rows8(const float* scores, int64_t num_keys, int64_t t0, 
 // Calls visit(t0, slots, n) for runs of up to 16 consecutive positions of one block (t0: the
 // run's first key index counted from `first`; slots: their cache slots), after asking the CPU
 // to bring the next run's rows (`row_len` elements from `row_offset` of each slot) into L2:
-// blocks are scattered, so the hardware prefetcher cannot see the next one coming (measured,
-// 30 layers' K/V of 32 sequences from memory: 22 ms with no hint or into L1, 16 ms into L2;
-// two runs ahead was slower).
+// blocks are scattered, so the hardware prefetcher cannot see the next one coming (the hint's
+// level and distance were chosen by measurement: docs/design.md).
 template <typename scalar_t, typename Visit>
 inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t first, int64_t seq_len,
                            const scalar_t* cache, int64_t slot_stride, int64_t row_offset, int64_t row_len,
