@@ -116,3 +116,71 @@ def test_causal_softmax_matches_masked_softmax(dtype, queries, keys):
     cpu_native.load().causal_softmax_(fused, 0.3)
     torch.testing.assert_close(fused, expected, **tolerance(dtype))
     assert (fused.float()[:, ~allowed] == 0).all()
+
+
+# widths around the vector lengths (8 lanes on AVX2, 16 on AVX-512): the last values of a row
+# take a padded or masked tail
+ODD_WIDTHS = [1, 7, 8, 9, 15, 17, 33, 577]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("features", ODD_WIDTHS)
+@pytest.mark.parametrize("norm_class", [RMSNorm, GemmaRMSNorm])
+def test_rms_norm_tails_match_the_torch_chain(dtype, features, norm_class, torch_only):
+    generator = torch.Generator().manual_seed(features)
+    norm = norm_class(features, eps=1e-6, params_dtype=dtype)
+    norm.weight.data.copy_(torch.randn(features, generator=generator))
+    x = (torch.randn(3, features, generator=generator) * 5).to(dtype)
+    residual = torch.randn(3, features, generator=generator).to(dtype)
+    fused, fused_sum = norm(x, residual)
+    fused_alone = norm(x)
+    torch_only()
+    expected, expected_sum = norm(x, residual)
+    assert torch.equal(fused_sum, expected_sum)
+    torch.testing.assert_close(fused, expected, **tolerance(dtype))
+    torch.testing.assert_close(fused_alone, norm(x), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_residual_rounds_ties_to_even(dtype, torch_only):
+    """x + residual lands exactly halfway between two values of the dtype: rounded to the even
+    one, as torch rounds (bfloat16 keeps 8 significant bits, float16 11)."""
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    halves = torch.tensor([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, 0.5, 1.5, 2.5]) * ulp
+    x = torch.ones(2, 9, dtype=dtype)
+    residual = torch.stack([halves, -halves / 2]).to(dtype)
+    norm = RMSNorm(9, params_dtype=dtype)
+    _, fused_sum = norm(x, residual)
+    torch_only()
+    _, expected_sum = norm(x, residual)
+    assert torch.equal(fused_sum, expected_sum)
+    assert torch.equal(fused_sum, x + residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", ODD_WIDTHS + [1536])
+def test_silu_and_mul_tails_and_extremes_match_torch(dtype, width, torch_only):
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(4, 2 * width, generator=generator) * 6).to(dtype)
+    # the exponential's range: saturated, clamped and tiny gates, and exact zeros
+    extremes = torch.tensor([-200.0, -88.0, -87.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 87.0, 200.0, -0.0])
+    x[0, :min(width, len(extremes))] = extremes[:width].to(dtype)
+    fused = SiluAndMul()(x)
+    torch_only()
+    torch.testing.assert_close(fused, SiluAndMul()(x), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("queries, keys", [(1, 7), (3, 9), (2, 17), (9, 9), (5, 12), (1, 33)])
+@pytest.mark.parametrize("spread", [1.0, 100.0])
+def test_causal_softmax_tails_match_masked_softmax(dtype, queries, keys, spread):
+    """Visible lengths that are not whole vectors, and scores so spread that most of the row's
+    exponentials underflow to zero."""
+    scores = (torch.randn(2, queries, keys, generator=torch.Generator().manual_seed(keys)) * spread).to(dtype)
+    query_positions = torch.arange(keys - queries, keys).unsqueeze(1)
+    allowed = torch.arange(keys).unsqueeze(0) <= query_positions
+    expected = (scores.float() * 0.3).masked_fill(~allowed, float("-inf")).softmax(-1).to(dtype)
+    fused = scores.clone()
+    cpu_native.load().causal_softmax_(fused, 0.3)
+    torch.testing.assert_close(fused, expected, **tolerance(dtype))
+    assert (fused.float()[:, ~allowed] == 0).all()

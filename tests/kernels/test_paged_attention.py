@@ -341,3 +341,66 @@ def test_native_decode_block_sizes_windows_and_soft_cap(block_size, window, soft
     output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.125,
                                                sliding_window=window, logits_soft_cap=soft_cap)
     torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def _native_decode_step(seq_lens, num_q_heads, num_kv_heads, head_size, block_size, dtype, seed):
+    """A decode step (one new token per sequence) over `seq_lens` tokens each, the context in
+    shuffled blocks of `block_size`: (query, key, value, kv_cache, metadata)."""
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-seq_len // block_size) for seq_len in seq_lens) + 2
+    kv_cache = allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_size, dtype)[0]
+    free_blocks = list(range(num_blocks))
+    random.Random(seed).shuffle(free_blocks)
+    tables = [[free_blocks.pop() for _ in range(-(-seq_len // block_size))] for seq_len in seq_lens]
+    with_context = [(seq_len, table) for seq_len, table in zip(seq_lens, tables) if seq_len > 1]
+    if with_context:
+        context = build_attention_metadata([seq_len - 1 for seq_len, _ in with_context],
+                                           [seq_len - 1 for seq_len, _ in with_context],
+                                           [table for _, table in with_context], block_size, [kv_cache])
+        num_context = sum(seq_len - 1 for seq_len in seq_lens)
+        write_kv_cache(torch.randn(num_context, num_kv_heads, head_size, generator=generator).to(dtype),
+                       torch.randn(num_context, num_kv_heads, head_size, generator=generator).to(dtype),
+                       kv_cache, context.slot_mapping)
+    metadata = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size, [kv_cache])
+    query = torch.randn(len(seq_lens), num_q_heads, head_size, generator=generator).to(dtype)
+    key = torch.randn(len(seq_lens), num_kv_heads, head_size, generator=generator).to(dtype)
+    value = torch.randn(len(seq_lens), num_kv_heads, head_size, generator=generator).to(dtype)
+    return query, key, value, kv_cache, metadata
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+# query rows per KV head 7, 2, 3, 5, 1: the kernels tile 1-4 rows at a time and leave remainders
+@pytest.mark.parametrize("heads", [(7, 1), (4, 2), (9, 3), (10, 2), (3, 3)])
+@pytest.mark.parametrize("block_size", [5, 16])
+# 40 sequences of 1..40 tokens (each KV head of a sequence is one work item), and 2 sequences
+# (their heads shared out over the threads)
+@pytest.mark.parametrize("seq_lens", [list(range(1, 41)), [23, 37]], ids=["1-40", "two"])
+def test_native_decode_float32_every_run_length_and_tile(head_size, heads, block_size, seq_lens):
+    """float32 decode against the reference for every key count from 1 to 40: the vector paths
+    read keys in runs cut at 16 positions and at block ends, and take them 8 (AVX2) or 16
+    (AVX-512) at a time, so each count leaves a different tail."""
+    num_q_heads, num_kv_heads = heads
+    query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, num_q_heads, num_kv_heads, head_size,
+                                                                block_size, torch.float32, 12)
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size ** -0.5)
+    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size ** -0.5)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 1, 7, 16, 33])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_native_decode_windows_and_soft_cap_per_dtype(dtype, window, soft_cap):
+    """Sliding windows that start mid-block (the first run of keys is short) and the soft cap,
+    on the vectorised head size in each cache dtype; scores are scaled up so the cap bites."""
+    seq_lens = [1, 9, 16, 17, 31, 48, 50]
+    query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, 9, 3, 64, 16, dtype, 13)
+    query = query * 4
+    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.125,
+                                         sliding_window=window, logits_soft_cap=soft_cap)
+    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.125,
+                                               sliding_window=window, logits_soft_cap=soft_cap)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)

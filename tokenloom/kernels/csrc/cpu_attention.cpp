@@ -6,6 +6,9 @@
 // Cache layout (one tensor per layer): [2, num_blocks, block_size, num_kv_heads, head_size],
 // contiguous; token p of a sequence lives in slot block_table[p / block_size] * block_size +
 // p % block_size. Activations may be float32, bfloat16 or float16; arithmetic is float32.
+// Head sizes of 64/128/256 take explicit vector code for the build's ISA level (AVX-512, with
+// bfloat16 dot products where the CPU has them, or AVX2+FMA); others, and other CPUs, take
+// generic loops the compiler vectorises.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +30,11 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>  // the AVX2 paths below
+#define TOKENLOOM_ATTENTION_AVX2 1
+#endif
 
 namespace TOKENLOOM_CPU_NAMESPACE {
 
@@ -178,12 +186,144 @@ inline void accumulate_chunk(const float* scores, int64_t num_keys, int64_t t0, 
 }
 #endif
 
+#if defined(TOKENLOOM_ATTENTION_AVX2)
+// AVX2+FMA (x86-64-v3): 8 float32 lanes and 16 registers, so the AVX-512 shapes (a run's 16
+// keys held in registers) do not fit. Keys and values are read from the cache as float32 rows
+// -- in place for a float32 cache, widened once per run into a scratch block otherwise (bfloat16
+// by a shift, float16 by F16C), so each row is converted once for all the group's query heads.
+
+// n rows of head_size values at `rows[j]` as float32 in `dst` ([n][head_size]), pointing
+// rows[j] at them; a float32 cache is read in place.
+template <typename scalar_t>
+inline void widen_rows8(const scalar_t* const* src, int64_t n, int64_t head_size, float* dst, const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    load_row(src[j], dst + j * head_size, head_size);
+    rows[j] = dst + j * head_size;
+  }
+}
+
+template <>
+inline void widen_rows8<c10::BFloat16>(const c10::BFloat16* const* src, int64_t n, int64_t head_size, float* dst,
+                                       const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src[j]);
+    float* out = dst + j * head_size;
+    int64_t i = 0;
+    for (; i + 8 <= head_size; i += 8) {
+      const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
+      _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+    for (; i < head_size; ++i) out[i] = static_cast<float>(src[j][i]);
+    rows[j] = out;
+  }
+}
+
+#if defined(__F16C__)
+template <>
+inline void widen_rows8<c10::Half>(const c10::Half* const* src, int64_t n, int64_t head_size, float* dst,
+                                   const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src[j]);
+    float* out = dst + j * head_size;
+    int64_t i = 0;
+    for (; i + 8 <= head_size; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))));
+    for (; i < head_size; ++i) out[i] = static_cast<float>(src[j][i]);
+    rows[j] = out;
+  }
+}
+#endif
+
+template <>
+inline void widen_rows8<float>(const float* const* src, int64_t n, int64_t, float*, const float** rows) {
+  for (int64_t j = 0; j < n; ++j) rows[j] = src[j];
+}
+
+// lane j of the result = the sum of v[j]'s 8 lanes
+inline __m256 transpose_sum8(const __m256 v[8]) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  // per 128-bit half: the 4-lane partial sums of sources 0-3 (low) and 4-7 (high)
+  const __m256 low = _mm256_hadd_ps(s01, s23), high = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// the first n of 8 lanes
+inline __m256i lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Scores of a KV head's G query rows (float32, kHead each) against up to 16 float32 key rows:
+// scores[r * num_keys + t0 + j] = scale * q_r . keys[j], 8 keys at a time (eight accumulators,
+// summed across by one transpose). keys[j] for j >= n may be anything readable.
+template <int kHead>
+inline void score_rows8(const float* q_rows, int64_t group_size, const float* const* keys, int64_t n, float scale,
+                        float* scores, int64_t num_keys, int64_t t0) {
+  const __m256 factor = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    const float* key[8];
+    for (int j = 0; j < 8; ++j) key[j] = keys[j0 + (j < count ? j : 0)];
+    const __m256i valid = lanes8(count);
+    for (int64_t r = 0; r < group_size; ++r) {
+      const float* q = q_rows + r * kHead;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int c = 0; c < kHead; c += 8) {
+        const __m256 query = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(key[j] + c), acc[j]);
+      }
+      float* out = scores + r * num_keys + t0 + j0;
+      const __m256 result = _mm256_mul_ps(transpose_sum8(acc), factor);
+      if (count == 8) {
+        _mm256_storeu_ps(out, result);
+      } else {
+        _mm256_maskstore_ps(out, valid, result);
+      }
+    }
+  }
+}
+
+// acc rows [r0, r0 + kRows) += sum_j scores[r][t0 + j] * values[j], over columns [col, col + 8 kCols):
+// kRows x kCols accumulators stay in registers over the run's keys
+template <int kRows, int kCols>
+inline void accumulate_tile8(const float* scores, int64_t num_keys, int64_t t0, int64_t r0, int64_t head_size,
+                             const float* const* values, int64_t n, int64_t col, float* acc) {
+  __m256 sums[kRows][kCols];
+  for (int i = 0; i < kRows; ++i)
+    for (int c = 0; c < kCols; ++c) sums[i][c] = _mm256_loadu_ps(acc + (r0 + i) * head_size + col + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* value = values[j] + col;
+    for (int i = 0; i < kRows; ++i) {
+      const __m256 weight = _mm256_broadcast_ss(scores + (r0 + i) * num_keys + t0 + j);
+      for (int c = 0; c < kCols; ++c) sums[i][c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), sums[i][c]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i)
+    for (int c = 0; c < kCols; ++c) _mm256_storeu_ps(acc + (r0 + i) * head_size + col + 8 * c, sums[i][c]);
+}
+
+// out rows += the weighted float32 value rows, for a KV head's G query rows: tiles of 3 (or 2)
+// rows x 32 columns, or 1 row x 64 columns, 12 or 8 accumulators (kHead: a multiple of 64)
+template <int kHead>
+inline void accumulate_rows8(const float* scores, int64_t num_keys, int64_t t0, int64_t group_size,
+                             const float* const* values, int64_t n, float* acc) {
+  int64_t r0 = 0;
+  for (; r0 + 3 <= group_size; r0 += 3)
+    for (int col = 0; col < kHead; col += 32) accumulate_tile8<3, 4>(scores, num_keys, t0, r0, kHead, values, n, col, acc);
+  if (group_size - r0 == 2) {
+    for (int col = 0; col < kHead; col += 32) accumulate_tile8<2, 4>(scores, num_keys, t0, r0, kHead, values, n, col, acc);
+  } else if (group_size - r0 == 1) {
+    for (int col = 0; col < kHead; col += 64) accumulate_tile8<1, 8>(scores, num_keys, t0, r0, kHead, values, n, col, acc);
+  }
+}
+#endif
+
 // Calls visit(t0, slots, n) for runs of up to 16 consecutive positions of one block (t0: the
 // run's first key index counted from `first`; slots: their cache slots), after asking the CPU
 // to bring the next run's rows (`row_len` elements from `row_offset` of each slot) into L2:
-// blocks are scattered, so the hardware prefetcher cannot see the next one coming (measured,
-// 30 layers' K/V of 32 sequences from memory: 22 ms with no hint or into L1, 16 ms into L2;
-// two runs ahead was slower).
+// blocks are scattered, so the hardware prefetcher cannot see the next one coming (the hint's
+// level and distance were chosen by measurement: docs/design.md).
 template <typename scalar_t, typename Visit>
 inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t first, int64_t seq_len,
                            const scalar_t* cache, int64_t slot_stride, int64_t row_offset, int64_t row_len,
@@ -272,6 +412,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     const int64_t rows = heads_per_item * group_size;  // query heads of one item
     std::vector<float> q_rows(rows * head_size), acc(rows * head_size), row(head_size), scores;
     std::vector<uint16_t> q_bf16(std::is_same_v<scalar_t, c10::BFloat16> ? rows * head_size : 0);
+#if defined(TOKENLOOM_ATTENTION_AVX2)
+    // a run's key or value rows of one head widened to float32 (a float32 cache is read in place)
+    std::vector<float> wide(std::is_same_v<scalar_t, float> ? 0 : 16 * head_size);
+    const scalar_t* run_rows[16];
+    const float* float_rows[16];
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;
       const int64_t first_kv_head = (item % items_per_seq) * heads_per_item;
@@ -308,6 +454,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
             continue;
           }
 #endif
+#if defined(TOKENLOOM_ATTENTION_AVX2)
+          if constexpr (kHead > 0 && kHead % 64 == 0) {
+            for (int64_t j = 0; j < n; ++j) run_rows[j] = k_cache + slots[j] * slot_stride + head_offset;
+            widen_rows8(run_rows, n, kHead, wide.data(), float_rows);
+            score_rows8<kHead>(head_q, group_size, float_rows, n, fscale, head_scores, num_keys, t0);
+            continue;
+          }
+#endif
 #if defined(__AVX512F__)
           if constexpr (kHead > 0 && kHead % 16 == 0) {
             score_chunk<scalar_t, kHead>(head_q, group_size, k_cache, slots, n, slot_stride, head_offset, fscale,
@@ -330,6 +484,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           const int64_t head_offset = (first_kv_head + h) * head_size;
           const float* head_scores = score_rows + h * group_size * num_keys;
           float* head_acc = acc_data + h * group_size * head_size;
+#if defined(TOKENLOOM_ATTENTION_AVX2)
+          if constexpr (kHead > 0 && kHead % 64 == 0) {
+            for (int64_t j = 0; j < n; ++j) run_rows[j] = v_cache + slots[j] * slot_stride + head_offset;
+            widen_rows8(run_rows, n, kHead, wide.data(), float_rows);
+            accumulate_rows8<kHead>(head_scores, num_keys, t0, group_size, float_rows, n, head_acc);
+            continue;
+          }
+#endif
 #if defined(__AVX512F__)
           if constexpr (kHead > 0 && kHead % 16 == 0) {
             accumulate_chunk<scalar_t, kHead>(head_scores, num_keys, t0, group_size, v_cache, slots, n, slot_stride,

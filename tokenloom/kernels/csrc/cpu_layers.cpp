@@ -3,7 +3,9 @@
 // gated activations, and the causal softmax between a prompt's two attention matmuls. Each replaces a chain of 3-9 torch operators whose dispatch costs more than
 // their arithmetic at decode sizes. Arithmetic is float32; the result is rounded once to the
 // activations' dtype. The torch references are in tokenloom/layers (layernorm.py, rotary.py,
-// activation.py), and tests/kernels/test_cpu_layers.py holds them to each other.
+// activation.py), and tests/kernels/test_cpu_layers.py holds them to each other. RMSNorm,
+// SiLU-and-mul and the causal softmax have explicit vector rows for AVX512-BF16 (bfloat16) and
+// AVX2+FMA+F16C (every dtype), where they beat what the compiler makes of the generic loops.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +26,13 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#include <immintrin.h>  // the AVX2 row paths below
+
+#include <cstring>
+#define TOKENLOOM_ROWS_AVX2 1
 #endif
 
 namespace TOKENLOOM_CPU_NAMESPACE {
@@ -132,6 +141,186 @@ void causal_softmax_row_bf16(c10::BFloat16* row, int64_t visible, int64_t keys, 
 }
 #endif
 
+#if defined(TOKENLOOM_ROWS_AVX2)
+// Rows with AVX2+FMA+F16C (x86-64-v3), 8 float32 lanes a register for every storage dtype:
+// float32 as is, bfloat16 widened by a shift and rounded back to nearest even in integer
+// registers (NaN kept a quiet NaN: store_row's and c10's rounding), float16 by F16C (also to
+// nearest even). AVX2 has no masked 16-bit loads or stores: a row's last n < 8 values go
+// through a zero-padded buffer, with the same arithmetic as the others.
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8(const c10::BFloat16* src) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+
+// float32 -> bfloat16 bits, to nearest even, one per 32-bit lane
+inline __m256i bf16_bits8(__m256 value) {
+  const __m256i bits = _mm256_castps_si256(value);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+inline void store8(float* dst, __m256 value) { _mm256_storeu_ps(dst, value); }
+inline void store8(c10::BFloat16* dst, __m256 value) {
+  const __m256i bits = bf16_bits8(value);  // < 2^16: the unsigned pack keeps them
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+inline void store8(c10::Half* dst, __m256 value) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// value rounded to scalar_t and widened back
+template <typename scalar_t>
+inline __m256 round8(__m256 value);
+template <>
+inline __m256 round8<float>(__m256 value) { return value; }
+template <>
+inline __m256 round8<c10::BFloat16>(__m256 value) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(value), 16)); }
+template <>
+inline __m256 round8<c10::Half>(__m256 value) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// the last n < 8 values of a row, zero-padded
+template <typename scalar_t>
+inline __m256 load_tail8(const scalar_t* src, int64_t n) {
+  alignas(32) scalar_t buffer[8];
+  std::memset(static_cast<void*>(buffer), 0, sizeof(buffer));
+  std::memcpy(static_cast<void*>(buffer), src, n * sizeof(scalar_t));
+  return load8(buffer);
+}
+template <typename scalar_t>
+inline void store_tail8(scalar_t* dst, __m256 value, int64_t n) {
+  alignas(32) scalar_t buffer[8];
+  store8(buffer, value);
+  std::memcpy(static_cast<void*>(dst), buffer, n * sizeof(scalar_t));
+}
+
+// calls step(j, count) over a row of n values in steps of 8, count < 8 only for the last one
+template <typename Step>
+inline void for_each8(int64_t n, Step step) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) step(j, 8);
+  if (j < n) step(j, n - j);
+}
+template <typename scalar_t>
+inline __m256 load8n(const scalar_t* src, int64_t count) { return count == 8 ? load8(src) : load_tail8(src, count); }
+template <typename scalar_t>
+inline void store8n(scalar_t* dst, __m256 value, int64_t count) {
+  if (count == 8) {
+    store8(dst, value);
+  } else {
+    store_tail8(dst, value, count);
+  }
+}
+
+inline float sum8(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+inline float max8(__m256 v) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+// e^x for x <= 0, as exp_nonpositive above: 2^n * p(r), r = x - n ln 2, p of degree 6; 2^n
+// built in the exponent bits (n >= -126 after the clamp: a normal float)
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+// RMSNorm of one row, the residual added (and stored, rounded) first when there is one; Llama
+// rounds the normalised value to the dtype before the weight (round_normed), Gemma does not
+template <typename scalar_t>
+void rms_norm_row8(const scalar_t* x, const scalar_t* residual, const float* scale, float eps, int64_t features,
+                   bool round_normed, scalar_t* out, scalar_t* residual_out) {
+  const scalar_t* summed = residual != nullptr ? residual_out : x;
+  __m256 squares = _mm256_setzero_ps();
+  for_each8(features, [&](int64_t j, int64_t count) {
+    __m256 value = load8n(x + j, count);
+    if (residual != nullptr) {
+      value = round8<scalar_t>(_mm256_add_ps(value, load8n(residual + j, count)));
+      store8n(residual_out + j, value, count);
+    }
+    squares = _mm256_fmadd_ps(value, value, squares);
+  });
+  const __m256 inv_rms = _mm256_set1_ps(1.f / std::sqrt(sum8(squares) / static_cast<float>(features) + eps));
+  for_each8(features, [&](int64_t j, int64_t count) {
+    __m256 normed = _mm256_mul_ps(load8n(summed + j, count), inv_rms);
+    if (round_normed) normed = round8<scalar_t>(normed);
+    store8n(out + j, _mm256_mul_ps(normed, load8n(scale + j, count)), count);
+  });
+}
+
+// silu(gate) * up for one row: silu(v) = v / (1 + e^-v), with e^-|v| so the exponential never
+// overflows (v < 0: v e^v / (1 + e^v)); the reciprocal of 1 + e in [1, 2] by rcp and one Newton step
+template <typename scalar_t>
+void silu_and_mul_row8(const scalar_t* gate, const scalar_t* up, int64_t width, scalar_t* out) {
+  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), zero = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for_each8(width, [&](int64_t j, int64_t count) {
+    const __m256 v = load8n(gate + j, count);
+    const __m256 e = exp_nonpositive8(_mm256_or_ps(v, sign));  // e^-|v|
+    const __m256 numerator = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), _mm256_cmp_ps(v, zero, _CMP_LT_OQ));
+    const __m256 denominator = _mm256_add_ps(one, e);
+    __m256 reciprocal = _mm256_rcp_ps(denominator);
+    reciprocal = _mm256_mul_ps(reciprocal, _mm256_fnmadd_ps(denominator, reciprocal, two));
+    store8n(out + j, _mm256_mul_ps(_mm256_mul_ps(numerator, reciprocal), load8n(up + j, count)), count);
+  });
+}
+
+// softmax over the first `visible` scores of a row (scaled), zeros after them, in place;
+// values: float32 scratch of the row's length
+template <typename scalar_t>
+void causal_softmax_row8(scalar_t* row, int64_t visible, int64_t keys, float scale, float* values) {
+  __m256 maximum = _mm256_set1_ps(-3.0e38f);
+  for_each8(visible, [&](int64_t k, int64_t count) {
+    __m256 value = load8n(row + k, count);
+    if (count < 8) value = _mm256_blendv_ps(_mm256_set1_ps(-3.0e38f), value, _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+    maximum = _mm256_max_ps(maximum, value);
+    _mm256_storeu_ps(values + k, value);  // values has room for whole registers (keys rounded up)
+  });
+  const __m256 shift = _mm256_set1_ps(max8(maximum)), factor = _mm256_set1_ps(scale);
+  __m256 total = _mm256_setzero_ps();
+  for_each8(visible, [&](int64_t k, int64_t count) {
+    // the padding lanes (-3e38) come out as e^-87-ish after the clamp: zeroed before the sum
+    __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(values + k), shift), factor));
+    if (count < 8) e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+    _mm256_storeu_ps(values + k, e);
+    total = _mm256_add_ps(total, e);
+  });
+  const __m256 inverse = _mm256_set1_ps(1.f / sum8(total));
+  for_each8(keys, [&](int64_t k, int64_t count) {
+    const __m256 value = k < visible ? _mm256_mul_ps(_mm256_loadu_ps(values + k), inverse) : _mm256_setzero_ps();
+    store8n(row + k, value, count);
+  });
+}
+#endif
+
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, features] with contiguous features");
 }
@@ -163,6 +352,16 @@ void rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residua
       });
       return;
     }
+  }
+#endif
+#if defined(TOKENLOOM_ROWS_AVX2)
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        rms_norm_row8(x_ptr + i * x_stride, r_ptr != nullptr ? r_ptr + i * r_stride : nullptr, scale.data(), feps,
+                      features, !gemma, out_ptr + i * features, sum_ptr != nullptr ? sum_ptr + i * features : nullptr);
+    });
+    return;
   }
 #endif
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
@@ -310,6 +509,21 @@ void gelu_rows(float* v, int64_t n) {
   for (int64_t j = 0; j < n; ++j) v[j] = 0.5f * v[j] * (1.f + std::erf(v[j] * 0.7071067811865476f));
 }
 
+#if defined(TOKENLOOM_ROWS_AVX2)
+template <typename scalar_t>
+void silu_and_mul_rows8(const at::Tensor& x, at::Tensor& out) {
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    const int64_t width = x.size(1) / 2, x_stride = x.stride(0);
+    const scalar_t* x_ptr = x.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        silu_and_mul_row8(x_ptr + i * x_stride, x_ptr + i * x_stride + width, width, out_ptr + i * width);
+    });
+  }
+}
+#endif
+
 at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves of equal width");
@@ -335,6 +549,14 @@ at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation) {
     return out;
   }
 #endif
+#if defined(TOKENLOOM_ROWS_AVX2)
+  if (act == silu_rows && x.scalar_type() != at::kDouble) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
+      silu_and_mul_rows8<scalar_t>(x, out);
+    });
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
     act_and_mul_impl<scalar_t>(x, out, act);
   });
@@ -356,6 +578,16 @@ void causal_softmax_impl(at::Tensor& scores, double scale) {
       std::vector<float> row(keys);
       for (int64_t index = begin; index < end; ++index)
         causal_softmax_row_bf16(base + index * keys, context + index % queries + 1, keys, fscale, row.data());
+    });
+    return;
+  }
+#endif
+#if defined(TOKENLOOM_ROWS_AVX2)
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    at::parallel_for(0, batch * queries, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(keys + 8);  // whole registers past the row's end
+      for (int64_t index = begin; index < end; ++index)
+        causal_softmax_row8(base + index * keys, context + index % queries + 1, keys, fscale, row.data());
     });
     return;
   }
