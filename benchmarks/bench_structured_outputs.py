@@ -21,10 +21,19 @@ import tokenloom.core.sampler as sampler_module
 from tokenloom import LLM, SamplingParams
 
 # every backend takes it (lm-format-enforcer included: no numbers, every property required)
-SCHEMA = {"type": "array", "minItems": 60, "items": {
-    "type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
-                                     "colour": {"enum": ["red", "green", "blue"]}, "active": {"type": "boolean"}},
-    "required": ["name", "colour", "active"]}}
+SCHEMA = {
+    "type": "array",
+    "minItems": 60,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+            "colour": {"enum": ["red", "green", "blue"]},
+            "active": {"type": "boolean"},
+        },
+        "required": ["name", "colour", "active"],
+    },
+}
 BACKENDS = ("xgrammar", "outlines", "lm-format-enforcer")
 
 
@@ -49,15 +58,26 @@ class GuidedTimer:
 
 
 def prompts(batch_size: int) -> list[str]:
-    return [f"<|im_start|>user\nList {60 + i} people as JSON objects with a name, a colour and whether they are "
-            f"active.<|im_end|>\n<|im_start|>assistant\n" for i in range(batch_size)]
+    return [
+        f"<|im_start|>user\nList {60 + i} people as JSON objects with a name, a colour and whether they are "
+        f"active.<|im_end|>\n<|im_start|>assistant\n"
+        for i in range(batch_size)
+    ]
 
 
 def run(llm: LLM, timer: GuidedTimer, batch: list[str], output_len: int, backend: str | None):
     """(seconds, guided-decoding seconds, generated tokens) of one batch."""
     constraint = None if backend is None else {"json": SCHEMA, "backend": backend}
-    params = [SamplingParams(temperature=1.0, seed=index, max_tokens=output_len, ignore_eos=backend is None,
-                             structured_outputs=constraint) for index in range(len(batch))]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=index,
+            max_tokens=output_len,
+            ignore_eos=backend is None,
+            structured_outputs=constraint,
+        )
+        for index in range(len(batch))
+    ]
     guided_before = timer.seconds
     started = time.perf_counter()
     outputs = llm.generate(batch, params)
@@ -90,13 +110,17 @@ def main() -> None:
             elapsed, guided_seconds, num_tokens = run(llm, timer, batch, args.output_len, backend)
             best[backend] = min(best[backend], elapsed)
             guided[backend] = min(guided[backend], guided_seconds)
-    print(f"batch {args.batch_size} x {args.output_len} tokens = {num_tokens} tokens per run, "
-          f"best of {args.rounds} rounds")
+    print(
+        f"batch {args.batch_size} x {args.output_len} tokens = {num_tokens} tokens per run, "
+        f"best of {args.rounds} rounds"
+    )
     print("| backend | tokens/s | slowdown | guided-decoding time per token (ms) |")
     print("| --- | --- | --- | --- |")
     for backend in contenders:
-        print(f"| {backend or 'none (no constraint)'} | {num_tokens / best[backend]:.1f} | "
-              f"{best[backend] / best[None]:.2f}x | {guided[backend] / num_tokens * 1000:.3f} |")
+        print(
+            f"| {backend or 'none (no constraint)'} | {num_tokens / best[backend]:.1f} | "
+            f"{best[backend] / best[None]:.2f}x | {guided[backend] / num_tokens * 1000:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ cached tokens in scattered blocks; and the memory's own read speed (a sum over t
 
   python benchmarks/decode_attention.py
 """
+
 import random
 import time
 
@@ -40,24 +41,44 @@ for batch in (1, 8, 32):
     next_block = 0
     for row, length in enumerate(seq_lens):
         count = -(-length // block_size)
-        block_tables[row, :count] = order[next_block:next_block + count]
+        block_tables[row, :count] = order[next_block : next_block + count]
         next_block += count
     query = torch.randn(batch, num_q_heads, head_size).bfloat16()
     new_kv = torch.randn(batch, num_kv_heads, head_size).bfloat16()
     lens = torch.tensor(seq_lens)
     output = torch.empty_like(query)
-    slots = torch.tensor([int(block_tables[row, (length - 1) // block_size]) * block_size + (length - 1) % block_size
-                          for row, length in enumerate(seq_lens)])
+    slots = torch.tensor(
+        [
+            int(block_tables[row, (length - 1) // block_size]) * block_size + (length - 1) % block_size
+            for row, length in enumerate(seq_lens)
+        ]
+    )
     metadata = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.arange(batch + 1), seq_lens=lens, block_tables=block_tables,
-        query_lens_cpu=[1] * batch, seq_lens_cpu=seq_lens, max_query_len=1, max_seq_len=max(seq_lens),
-        block_size=block_size, kv_caches=caches)
+        slot_mapping=slots,
+        query_start_loc=torch.arange(batch + 1),
+        seq_lens=lens,
+        block_tables=block_tables,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=seq_lens,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        kv_caches=caches,
+    )
     torch_backend = TorchPagedAttention()
-    native = per_30_layers(lambda cache: ops.paged_decode_attention(output, query, cache, block_tables, lens,
-                                                                    head_size ** -0.5, 0, 0.0), caches)
-    reference = per_30_layers(lambda cache: torch_backend.forward(query, new_kv, new_kv, cache, metadata,
-                                                                  scale=head_size ** -0.5), caches)
+
+    # each lambda runs inside per_30_layers, within this iteration, so binding the loop's names is right
+    def native_attention(cache):
+        return ops.paged_decode_attention(output, query, cache, block_tables, lens, head_size**-0.5, 0, 0.0)  # noqa: B023
+
+    def torch_attention(cache):
+        return torch_backend.forward(query, new_kv, new_kv, cache, metadata, scale=head_size**-0.5)  # noqa: B023
+
+    native = per_30_layers(native_attention, caches)
+    reference = per_30_layers(torch_attention, caches)
     read = per_30_layers(lambda cache: cache.sum(), caches)
     read_bytes = sum(seq_lens) * num_kv_heads * head_size * 2 * 2 * 30
-    print(f"{batch:2d} sequences, {read_bytes / 1e6:.0f} MB of K/V: native {native:.2f} ms, torch {reference:.2f} ms "
-          f"per 30 layers; memory reads {caches[0].numel() * 2 * 30 / read / 1e6:.1f} GB/s")
+    print(
+        f"{batch:2d} sequences, {read_bytes / 1e6:.0f} MB of K/V: native {native:.2f} ms, torch {reference:.2f} ms "
+        f"per 30 layers; memory reads {caches[0].numel() * 2 * 30 / read / 1e6:.1f} GB/s"
+    )

@@ -1,7 +1,11 @@
 """Where a decode step of the offline engine goes: the model's forward, its LM head
 (compute_logits) and the rest of the step (scheduling, sampling, detokenizing), mean over 40
 steps after BATCH random 256-token prompts.  python benchmarks/decode_breakdown.py auto 1"""
-import random, sys, time
+
+import random
+import sys
+import time
+
 from tokenloom import LLM, SamplingParams
 
 dtype, batch = sys.argv[1], int(sys.argv[2])
@@ -17,6 +21,7 @@ def timed(name, function):
             return function(*args, **kwargs)
         finally:
             spent[name] += time.perf_counter() - started
+
     return wrapper
 
 
@@ -35,5 +40,7 @@ for _ in range(steps):
     engine.step()
 total = (time.perf_counter() - started) / steps * 1e3
 forward, logits = spent["forward"] / steps * 1e3, spent["logits"] / steps * 1e3
-print(f"{dtype} batch {batch}: step {total:.1f} ms = forward {forward:.1f} "
-      f"+ LM head {logits:.1f} + the rest {total - forward - logits:.1f}")
+print(
+    f"{dtype} batch {batch}: step {total:.1f} ms = forward {forward:.1f} "
+    f"+ LM head {logits:.1f} + the rest {total - forward - logits:.1f}"
+)

@@ -5,6 +5,7 @@ engine's process (sharing the GIL), in another process (sharing only the cores),
 
   python benchmarks/frontend_contention.py thread|process|none WORK_MS PERIOD_MS
 """
+
 import json
 import multiprocessing
 import random
@@ -38,8 +39,11 @@ def main() -> None:
         raise SystemExit(f"unknown mode {mode!r}: thread, process or none")
     random.seed(0)
     for repeat in range(3):
-        engine.add_request(f"r{repeat}", {"prompt_token_ids": [random.randint(100, 40000) for _ in range(256)]},
-                           SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+        engine.add_request(
+            f"r{repeat}",
+            {"prompt_token_ids": [random.randint(100, 40000) for _ in range(256)]},
+            SamplingParams(temperature=0, max_tokens=120, ignore_eos=True),
+        )
         times = []
         while engine.has_unfinished_requests():
             started = time.perf_counter()

@@ -18,6 +18,7 @@ The paths are measured alternately (one pass of each per round), so a drift of t
 machine's speed hits them all alike. For an A/B of two versions of the kernel, run it alternately
 from each checkout (PYTHONPATH=CHECKOUT), a few times.
 """
+
 import argparse
 import time
 from unittest import mock
@@ -97,16 +98,21 @@ def layer_pass(path):
     def one_pass(inputs):
         for features, matmul in layers[path]:
             matmul(inputs[features])
+
     return one_pass
 
 
 level = cpu_native.selected_level().name if "tokenloom" in paths or heads else "-"
-print(f"kernel level {level}, activations {options.dtype}, {torch.get_num_threads()} threads, "
-      f"median of {options.rounds} alternating rounds (ms)")
+print(
+    f"kernel level {level}, activations {options.dtype}, {torch.get_num_threads()} threads, "
+    f"median of {options.rounds} alternating rounds (ms)"
+)
 for rows in [int(size) for size in options.rows.split(",")]:
     result = medians(rows, {path: layer_pass(path) for path in paths})
     line = f"{rows:5d} rows, 30 layers: " + "  ".join(f"{path} {ms:8.2f}" for path, ms in result.items())
     if heads:
-        head_result = medians(rows, {name: (lambda inputs, head=head: head(inputs[576])) for name, head in heads.items()})
+        head_result = medians(
+            rows, {name: (lambda inputs, head=head: head(inputs[576])) for name, head in heads.items()}
+        )
         line += "  | head: " + "  ".join(f"{name} {ms:7.2f}" for name, ms in head_result.items())
     print(line, flush=True)

@@ -45,7 +45,7 @@ class FunctionTagToolParser(SectionToolParser):
         if name is None:
             # a name still arriving, or not a call
             return NEED_MORE if not final and re.fullmatch(r"[A-Za-z0-9_.\-]*", text) else None
-        body = text[name.end():]
+        body = text[name.end() :]
         start = len(text) - len(body.lstrip())  # whitespace may precede the arguments
         if start == len(text):
             return None if final else NEED_MORE

@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-
 from helpers.model_parity import perturb_parameters
+
 from tests.conftest import package_dir
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.config import EngineArgs
@@ -44,19 +44,30 @@ def tiny_bert_dir(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = save_tokenizer(directory)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=128)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     perturb_parameters(BertModel(config).eval(), scale=0.1).save_pretrained(directory)
     with open(directory / "modules.json", "w") as handle:
-        json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}],
-                  handle)
+        json.dump(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+            ],
+            handle,
+        )
     (directory / "1_Pooling").mkdir()
     with open(directory / "1_Pooling" / "config.json", "w") as handle:
-        json.dump({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True,
-                   "pooling_mode_cls_token": False}, handle)
+        json.dump(
+            {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}, handle
+        )
     with open(directory / "sentence_bert_config.json", "w") as handle:
         json.dump({"max_seq_length": 64, "do_lower_case": False}, handle)
     return str(directory)
@@ -152,8 +163,12 @@ def test_many_inputs_are_batched_under_the_budget_and_the_sequence_cap(bert_llm,
 
 
 def test_a_prompt_longer_than_the_token_budget_runs_whole(tiny_bert_dir, bert_reference):
-    llm = LLM(tiny_bert_dir, dtype="float32", max_num_batched_tokens=8,
-              override_pooler_config={"pooling_type": "CLS", "normalize": False})
+    llm = LLM(
+        tiny_bert_dir,
+        dtype="float32",
+        max_num_batched_tokens=8,
+        override_pooler_config={"pooling_type": "CLS", "normalize": False},
+    )
     outputs = llm.encode(TEXTS[:4])
     for text, output in zip(TEXTS, outputs):
         torch.testing.assert_close(output.outputs.data, bert_reference(text)[0], atol=1e-5, rtol=1e-4)
@@ -172,18 +187,28 @@ def tiny_llama_dir(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("tiny-llama-embed")
     tokenizer = save_tokenizer(directory)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).eval().save_pretrained(directory)
     return str(directory)
 
 
-@pytest.mark.parametrize("pooler_config, reduce", [
-    (None, lambda hidden: hidden[-1]),  # last token by default
-    ({"pooling_type": "MEAN"}, lambda hidden: hidden.mean(dim=0)),
-])
+@pytest.mark.parametrize(
+    "pooler_config, reduce",
+    [
+        (None, lambda hidden: hidden[-1]),  # last token by default
+        ({"pooling_type": "MEAN"}, lambda hidden: hidden.mean(dim=0)),
+    ],
+)
 def test_convert_embed_pools_a_causal_lm(tiny_llama_dir, pooler_config, reduce):
     from transformers import AutoModelForCausalLM
 
@@ -195,8 +220,9 @@ def test_convert_embed_pools_a_causal_lm(tiny_llama_dir, pooler_config, reduce):
         token_ids = llm.get_tokenizer()(text)["input_ids"]
         with torch.no_grad():
             hidden = reference.model(torch.tensor([token_ids])).last_hidden_state[0]
-        torch.testing.assert_close(torch.tensor(output.outputs.embedding), normalized(reduce(hidden)),
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(output.outputs.embedding), normalized(reduce(hidden)), atol=1e-5, rtol=1e-4
+        )
     with pytest.raises(InvalidRequestError, match="does not generate"):
         llm.generate("hello")
 
@@ -209,6 +235,7 @@ def test_async_llm_encodes_concurrent_requests(tiny_bert_dir, bert_llm):
         engine = AsyncLLM(LLMEngine.from_engine_args(EngineArgs(model=tiny_bert_dir, dtype="float32")))
         assert engine.runner_type == "pooling"
         try:
+
             async def one(index: int):
                 return [output async for output in engine.encode(texts[index], None, f"req-{index}")]
 

@@ -37,8 +37,23 @@ def wheel(tmp_path_factory) -> Path:
         shutil.copy2(REPO / name, source / name)
     shutil.copytree(REPO / "tokenloom", source / "tokenloom", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--quiet", "--wheel-dir", str(out), str(source)], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--quiet",
+            "--wheel-dir",
+            str(out),
+            str(source),
+        ],
+        check=True,
+        timeout=600,
+    )
     [built] = out.glob("tokenloom-*.whl")
     return built
 
@@ -81,20 +96,31 @@ def test_an_installed_wheel_loads_its_kernels_and_serves_a_request(wheel, tmp_pa
     environment = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(environment)
     python = environment / "bin" / "python"
-    own_site = Path(subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                                   capture_output=True, text=True, check=True).stdout.strip())
+    own_site = Path(
+        subprocess.run(
+            [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     borrowed = borrowed_site_packages(tmp_path / "borrowed")
     # after the environment's own site-packages, so the installed wheel comes first
     (own_site / "zz_borrowed_dependencies.pth").write_text(f"{borrowed}\n")
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)], check=True, timeout=300
+    )
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "TOKENLOOM_CPU_KERNELS", "VIRTUAL_ENV")}
-    result = subprocess.run([str(python), "-c", PROBE], cwd=outside, env=env, capture_output=True, text=True,
-                            timeout=900)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "TOKENLOOM_CPU_KERNELS", "VIRTUAL_ENV")
+    }
+    result = subprocess.run(
+        [str(python), "-c", PROBE], cwd=outside, env=env, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["tokenloom"].startswith(str(own_site)), report  # the wheel's tokenloom, not the checkout's

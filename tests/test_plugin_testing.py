@@ -26,7 +26,9 @@ CALLS = 'Sure. <function=get_weather>{"city": "Paris"}</function><function=now>{
 
 
 def example_parser_class():
-    return load_plugins(files=[str(EXAMPLE_FILE)], entry_points=False).registry("tool_parser").get("llama3_function_tags")
+    return (
+        load_plugins(files=[str(EXAMPLE_FILE)], entry_points=False).registry("tool_parser").get("llama3_function_tags")
+    )
 
 
 def test_splits_cover_whole_characters_every_cut_and_a_sample_of_three_way_cuts():
@@ -80,13 +82,15 @@ def test_assert_registers_checks_names_and_imports_targets(tmp_path):
         assert_registers(file=str(EXAMPLE_FILE), expected={"tool_parser": ["other"]})
 
     hooks = tmp_path / "typo_target_hooks.py"
-    hooks.write_text(textwrap.dedent("""
+    hooks.write_text(
+        textwrap.dedent("""
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_reasoning_parsers(register):
             register("mine", "json:NoSuchParser")
-    """))
+    """)
+    )
     with pytest.raises(PluginError, match="reasoning_parser 'mine' \\(registered by plugin 'typo_target_hooks.py'\\)"):
         assert_registers(file=str(hooks), expected={"reasoning_parser": ["mine"]})
     assert_registers(file=str(hooks), expected={"reasoning_parser": ["mine"]}, resolve=False)

@@ -43,7 +43,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 _CONTINUE_TAG = "TOKENLOOM_CONTINUE_FINAL_MESSAGE "
 NO_TEMPLATE_MESSAGE = (
     "this model has no chat template, so /v1/chat/completions cannot build a prompt; start the server "
-    "with --chat-template FILE_OR_TEMPLATE, pass \"chat_template\" in the request (the server needs "
+    'with --chat-template FILE_OR_TEMPLATE, pass "chat_template" in the request (the server needs '
     "--trust-request-chat-template for that), or use /v1/completions"
 )
 
@@ -57,10 +57,12 @@ def load_chat_template(value: str | None) -> str | None:
         with open(value, encoding="utf-8") as template_file:
             return template_file.read()
     looks_like_path = not any(marker in value for marker in ("{{", "{%", "\n")) and (
-        os.sep in value or value.endswith((".jinja", ".jinja2", ".j2")))
+        os.sep in value or value.endswith((".jinja", ".jinja2", ".j2"))
+    )
     if looks_like_path:
-        raise ConfigError(f"--chat-template {value!r}: no such file (and it is not a Jinja template either)",
-                          param="--chat-template")
+        raise ConfigError(
+            f"--chat-template {value!r}: no such file (and it is not a Jinja template either)", param="--chat-template"
+        )
     return value
 
 
@@ -149,8 +151,9 @@ class _RenderBudget:
 
 
 # the budget of the render on this thread (renders run in worker threads, one at a time each)
-_active_budget: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar("chat_template_budget",
-                                                                                       default=None)
+_active_budget: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar(
+    "chat_template_budget", default=None
+)
 _STATIC_LIMITS = RenderLimits()
 DEFAULT_LIMITS = RenderLimits()  # a renderer's limits unless given others
 
@@ -168,8 +171,10 @@ def _step() -> None:
 
 
 def _too_big(what: str, size: int) -> TemplateBudgetExceeded:
-    return TemplateBudgetExceeded(f"the chat template tried to build {what} of {size} characters or items "
-                                  f"(the limit for this request is {_max_chars()})")
+    return TemplateBudgetExceeded(
+        f"the chat template tried to build {what} of {size} characters or items "
+        f"(the limit for this request is {_max_chars()})"
+    )
 
 
 def _check_size(size: int, what: str = "a string or list") -> None:
@@ -219,12 +224,14 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
     both_ints = isinstance(left, int) and isinstance(right, int)
     if operator == "**" and both_ints and abs(left) > 1 and right > 0:
         if right * left.bit_length() > max_int_bits:
-            raise TemplateBudgetExceeded(f"the chat template tried to compute {left} ** {right}, "
-                                         f"an integer of more than {max_int_bits} bits")
+            raise TemplateBudgetExceeded(
+                f"the chat template tried to compute {left} ** {right}, an integer of more than {max_int_bits} bits"
+            )
     elif operator == "*" and both_ints:
         if left.bit_length() + right.bit_length() > max_int_bits:
-            raise TemplateBudgetExceeded(f"the chat template tried to compute a product of more than "
-                                         f"{max_int_bits} bits")
+            raise TemplateBudgetExceeded(
+                f"the chat template tried to compute a product of more than {max_int_bits} bits"
+            )
     elif operator == "*":
         for sequence, times in ((left, right), (right, left)):
             if isinstance(sequence, (str, list, tuple)) and isinstance(times, int):
@@ -251,8 +258,7 @@ def _check_str_method(method: Any, args: tuple, kwargs: dict) -> tuple:
         _check_size(len(text) + count * max(len(new) - len(old), 0))
     elif name == "join" and args:
         items = list(args[0])
-        _check_size(len(text) * max(len(items) - 1, 0)
-                    + sum(len(item) for item in items if isinstance(item, str)))
+        _check_size(len(text) * max(len(items) - 1, 0) + sum(len(item) for item in items if isinstance(item, str)))
         args = (items, *args[1:])
     return args
 
@@ -263,14 +269,16 @@ class _LoopAndConcatGuard(jinja2.visitor.NodeTransformer):
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        node.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("guard_loop"), [node.iter], [], None, None,
-                                      lineno=node.iter.lineno)
+        node.iter = jinja2.nodes.Call(
+            jinja2.nodes.EnvironmentAttribute("guard_loop"), [node.iter], [], None, None, lineno=node.iter.lineno
+        )
         return node
 
     def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        return jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("guard_size"), [node], [], None, None,
-                                 lineno=node.lineno)
+        return jinja2.nodes.Call(
+            jinja2.nodes.EnvironmentAttribute("guard_size"), [node], [], None, None, lineno=node.lineno
+        )
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -342,7 +350,7 @@ def _guarded_filter(filter_function, precheck):
         _step()
         replacement = precheck(*args[skip:], **kwargs)
         if replacement is not None:
-            args = (*args[:skip], replacement, *args[skip + 1:])
+            args = (*args[:skip], replacement, *args[skip + 1 :])
         return _sized(filter_function(*args, **kwargs))
 
     return guarded
@@ -386,10 +394,12 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     for spacing in (indent, *(separators or ())):
         size = len(spacing) if isinstance(spacing, str) else spacing
         if isinstance(size, int) and size > 256:
-            raise TemplateBudgetExceeded(f"the chat template asked tojson for an indent or separator of {size} "
-                                         "characters (at most 256)")
-    return _sized(json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                             sort_keys=sort_keys))
+            raise TemplateBudgetExceeded(
+                f"the chat template asked tojson for an indent or separator of {size} characters (at most 256)"
+            )
+    return _sized(
+        json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    )
 
 
 def _lipsum(n=5, *args, **kwargs):
@@ -412,13 +422,19 @@ def _strftime_now(format_string):
 @lru_cache(maxsize=1)
 def template_environment() -> ImmutableSandboxedEnvironment:
     # chat templates are untrusted code (from the Hub, or from a request): sandboxed and bounded
-    environment = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
-                                  extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    environment = _BoundedSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     environment.filters["tojson"] = _tojson
-    for name, precheck in (("center", _precheck_center), ("indent", _precheck_indent),
-                           ("format", _precheck_format), ("replace", _precheck_replace),
-                           ("join", _precheck_join), ("batch", _precheck_count),
-                           ("slice", _precheck_count)):
+    for name, precheck in (
+        ("center", _precheck_center),
+        ("indent", _precheck_indent),
+        ("format", _precheck_format),
+        ("replace", _precheck_replace),
+        ("join", _precheck_join),
+        ("batch", _precheck_count),
+        ("slice", _precheck_count),
+    ):
         environment.filters[name] = _guarded_filter(environment.filters[name], precheck)
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
@@ -432,8 +448,9 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return template_environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise InvalidRequestError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})",
-                                  param="chat_template") from None
+        raise InvalidRequestError(
+            f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})", param="chat_template"
+        ) from None
 
 
 def _is_content_access(node: jinja2.nodes.Node, content_names: set[str]) -> bool:
@@ -472,13 +489,16 @@ def _text_of_parts(parts: list, where: str) -> list[str]:
             texts.append(part)
             continue
         if not isinstance(part, dict):
-            raise InvalidRequestError(f"{part_where} must be an object like {{\"type\": \"text\", \"text\": ...}}",
-                                      param=part_where)
+            raise InvalidRequestError(
+                f'{part_where} must be an object like {{"type": "text", "text": ...}}', param=part_where
+            )
         part_type = part.get("type")
         if part_type not in TEXT_PART_TYPES:
             raise InvalidRequestError(
                 f"{part_where}: content parts of type {part_type!r} are not supported (this model takes text "
-                "only); send {\"type\": \"text\", \"text\": ...} parts or a string", param=part_where)
+                'only); send {"type": "text", "text": ...} parts or a string',
+                param=part_where,
+            )
         if not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{part_where}.text must be a string", param=f"{part_where}.text")
         texts.append(part["text"])
@@ -508,16 +528,19 @@ def normalize_messages(messages: list[Any], content_format: str) -> list[dict[st
             message["content"] = content if content_format == "string" else [{"type": "text", "text": content}]
         elif isinstance(content, list):
             texts = _text_of_parts(content, f"{where}.content")
-            message["content"] = ("\n".join(texts) if content_format == "string"
-                                  else [{"type": "text", "text": text} for text in texts])
+            message["content"] = (
+                "\n".join(texts) if content_format == "string" else [{"type": "text", "text": text} for text in texts]
+            )
         else:
-            raise InvalidRequestError(f"{where}.content must be a string, a list of content parts or null",
-                                      param=f"{where}.content")
+            raise InvalidRequestError(
+                f"{where}.content must be a string, a list of content parts or null", param=f"{where}.content"
+            )
         if "tool_calls" in message:
             message["tool_calls"] = _normalize_tool_calls(message["tool_calls"], f"{where}.tool_calls")
         if "tool_call_id" in message and not isinstance(message["tool_call_id"], str):
-            raise InvalidRequestError(f"{where}.tool_call_id must be a string (the id of the call it answers)",
-                                      param=f"{where}.tool_call_id")
+            raise InvalidRequestError(
+                f"{where}.tool_call_id must be a string (the id of the call it answers)", param=f"{where}.tool_call_id"
+            )
         reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
         if reasoning is not None:
             # templates read reasoning under one name or another; transformers fills both
@@ -534,8 +557,11 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         call_where = f"{where}[{call_index}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidRequestError(f"{call_where} must be like {{\"id\": ..., \"type\": \"function\", \"function\": "
-                                      "{\"name\": ..., \"arguments\": \"{...}\"}}", param=call_where)
+            raise InvalidRequestError(
+                f'{call_where} must be like {{"id": ..., "type": "function", "function": '
+                '{"name": ..., "arguments": "{...}"}}',
+                param=call_where,
+            )
         normalized.append({**call, "function": {**function, "arguments": _parsed_arguments(function.get("arguments"))}})
     return normalized
 
@@ -586,8 +612,19 @@ def _template_line(exc: BaseException) -> int | None:
 
 
 # what a template failing on Python-level errors raises; anything else is a bug of ours
-_TEMPLATE_FAILURES = (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError,
-                      ZeroDivisionError, OverflowError, RecursionError, LookupError, ArithmeticError)
+_TEMPLATE_FAILURES = (
+    jinja2.TemplateError,
+    TypeError,
+    ValueError,
+    KeyError,
+    AttributeError,
+    IndexError,
+    ZeroDivisionError,
+    OverflowError,
+    RecursionError,
+    LookupError,
+    ArithmeticError,
+)
 # how long past its own deadline a render may run before the server stops waiting for it
 # (a single C-level operation the sandbox cannot interrupt)
 ABANDON_GRACE_SECONDS = 5.0
@@ -602,11 +639,20 @@ class ChatRenderer:
     :param limits: the time and size bounds of one render.
     """
 
-    def __init__(self, tokenizer: Any, server_template: str | None = None, content_format: str = "auto", *,
-                 trust_request_chat_template: bool = True, limits: RenderLimits | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        server_template: str | None = None,
+        content_format: str = "auto",
+        *,
+        trust_request_chat_template: bool = True,
+        limits: RenderLimits | None = None,
+    ):
         if content_format not in CONTENT_FORMATS:
-            raise ConfigError(f"--chat-template-content-format must be one of {', '.join(CONTENT_FORMATS)}, "
-                              f"got {content_format!r}", param="--chat-template-content-format")
+            raise ConfigError(
+                f"--chat-template-content-format must be one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}",
+                param="--chat-template-content-format",
+            )
         self.tokenizer = tokenizer
         self.server_template = server_template
         self.content_format = content_format
@@ -619,8 +665,9 @@ class ChatRenderer:
             try:  # a broken --chat-template fails the start, not every request
                 template_environment().from_string(server_template)
             except jinja2.TemplateSyntaxError as exc:
-                raise ConfigError(f"--chat-template is not valid Jinja: {exc.message} (line {exc.lineno})",
-                                  param="--chat-template") from None
+                raise ConfigError(
+                    f"--chat-template is not valid Jinja: {exc.message} (line {exc.lineno})", param="--chat-template"
+                ) from None
 
     def _is_model_template_name(self, value: str) -> bool:
         return isinstance(self.model_template, dict) and value in self.model_template
@@ -637,8 +684,10 @@ class ChatRenderer:
             if not self.trust_request_chat_template:
                 raise InvalidRequestError(
                     "this server does not accept chat templates in requests: a template is code that runs on the "
-                    "server. Leave out \"chat_template\" (the server's template applies), or start the server with "
-                    "--trust-request-chat-template", param="chat_template")
+                    'server. Leave out "chat_template" (the server\'s template applies), or start the server with '
+                    "--trust-request-chat-template",
+                    param="chat_template",
+                )
             return request_template, True
         if self.server_template is not None:
             if self._is_model_template_name(self.server_template):
@@ -660,61 +709,90 @@ class ChatRenderer:
         operation the sandbox cannot interrupt (it then finishes on its own)."""
         wait_seconds = self.limits.seconds + ABANDON_GRACE_SECONDS
         with anyio.move_on_after(wait_seconds):
-            return await anyio.to_thread.run_sync(functools.partial(self.render, messages, **options),
-                                                  abandon_on_cancel=True)
-        message = (f"the chat template did not finish rendering within {wait_seconds:g} s "
-                   f"(the limit is {self.limits.seconds:g} s)")
+            return await anyio.to_thread.run_sync(
+                functools.partial(self.render, messages, **options), abandon_on_cancel=True
+            )
+        message = (
+            f"the chat template did not finish rendering within {wait_seconds:g} s "
+            f"(the limit is {self.limits.seconds:g} s)"
+        )
         if options.get("chat_template") is not None and not self._is_model_template_name(options["chat_template"]):
             raise InvalidRequestError(message, param="chat_template")
         raise ChatTemplateError(message, param="messages")
 
-    def render(self, messages: list[Any], *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-               tools: list[dict] | None = None, documents: list[dict] | None = None,
-               chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: list[Any],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         if add_generation_prompt and continue_final_message:
-            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true; set "
-                                      "add_generation_prompt to false to continue the last message",
-                                      param="continue_final_message")
+            raise InvalidRequestError(
+                "add_generation_prompt and continue_final_message cannot both be true; set "
+                "add_generation_prompt to false to continue the last message",
+                param="continue_final_message",
+            )
         extra = dict(chat_template_kwargs or {})
         clashing = sorted(RESERVED_TEMPLATE_VARIABLES & set(extra))
         if clashing:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(clashing)}: use the request "
-                                      "fields of the same names", param="chat_template_kwargs")
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(clashing)}: use the request fields of the same names",
+                param="chat_template_kwargs",
+            )
         source, from_request = self._template_source(chat_template, has_tools=bool(tools))
         try:
             template = compile_template(source)
         except InvalidRequestError as exc:
             if from_request:
                 raise
-            raise ChatTemplateError(f"the server's chat template is not valid Jinja: {exc.message}",
-                                    param="chat_template") from None
+            raise ChatTemplateError(
+                f"the server's chat template is not valid Jinja: {exc.message}", param="chat_template"
+            ) from None
         chat = normalize_messages(messages, self.resolved_content_format(source))
         continued_text = self._tag_final_message(chat) if continue_final_message else None
         variables = {**self.special_tokens, **extra}
-        budget = _RenderBudget(self.limits, _input_chars([messages, tools, documents, extra]),
-                               {id(message): index for index, message in enumerate(chat)})
+        budget = _RenderBudget(
+            self.limits,
+            _input_chars([messages, tools, documents, extra]),
+            {id(message): index for index, message in enumerate(chat)},
+        )
         token = _active_budget.set(budget)
         try:
             pieces = []
             size = 0
-            for piece in template.generate(messages=chat, tools=tools, documents=documents,
-                                           add_generation_prompt=add_generation_prompt, **variables):
+            for piece in template.generate(
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            ):
                 size += len(piece)
                 if size > budget.max_chars:
-                    raise TemplateBudgetExceeded(f"the chat template wrote more than {budget.max_chars} characters "
-                                                 "(the limit for this request)")
+                    raise TemplateBudgetExceeded(
+                        f"the chat template wrote more than {budget.max_chars} characters (the limit for this request)"
+                    )
                 pieces.append(piece)
             rendered = "".join(pieces)
         except _RaisedByTemplate as exc:
             # the template's own refusal of this conversation (roles out of order, ...)
-            raise InvalidRequestError(f"the chat template refused these messages: {exc.message}",
-                                      param="messages") from None
+            raise InvalidRequestError(
+                f"the chat template refused these messages: {exc.message}", param="messages"
+            ) from None
         except TemplateBudgetExceeded as exc:
             if from_request:
-                raise InvalidRequestError(f"{exc}; simplify the request's chat_template", param="chat_template") from None
+                raise InvalidRequestError(
+                    f"{exc}; simplify the request's chat_template", param="chat_template"
+                ) from None
             logger.error("%s (the server's chat template)", exc)
-            raise ChatTemplateError(f"{exc}; the server's chat template is at fault or the request is unusually "
-                                    "large", param="messages") from None
+            raise ChatTemplateError(
+                f"{exc}; the server's chat template is at fault or the request is unusually large", param="messages"
+            ) from None
         except _TEMPLATE_FAILURES as exc:
             raise self._failure(exc, budget, from_request) from None
         finally:
@@ -738,9 +816,13 @@ class ChatRenderer:
         if from_request:
             return InvalidRequestError(f"the request's chat_template failed{place}: {detail}", param="chat_template")
         logger.error("the chat template failed on a well-formed request%s: %s", place, detail)
-        return ChatTemplateError(f"the server's chat template failed on a well-formed request{place}: {detail}. "
-                                 "This is a bug in the template (--chat-template or the model's), not in the "
-                                 "request", param="messages", code="chat_template_error")
+        return ChatTemplateError(
+            f"the server's chat template failed on a well-formed request{place}: {detail}. "
+            "This is a bug in the template (--chat-template or the model's), not in the "
+            "request",
+            param="messages",
+            code="chat_template_error",
+        )
 
     @staticmethod
     def _tag_final_message(chat: list[dict[str, Any]]) -> str:
@@ -753,11 +835,13 @@ class ChatRenderer:
                     original = part["text"]
                     part["text"] = original + _CONTINUE_TAG
                     return original
-            raise InvalidRequestError("continue_final_message: the last message has no text to continue",
-                                      param="continue_final_message")
+            raise InvalidRequestError(
+                "continue_final_message: the last message has no text to continue", param="continue_final_message"
+            )
         if not isinstance(content, str):
-            raise InvalidRequestError("continue_final_message: the last message has no content to continue",
-                                      param="continue_final_message")
+            raise InvalidRequestError(
+                "continue_final_message: the last message has no content to continue", param="continue_final_message"
+            )
         final["content"] = content + _CONTINUE_TAG
         return content
 
@@ -766,9 +850,12 @@ class ChatRenderer:
         tag = _CONTINUE_TAG.strip()
         position = rendered.rfind(tag)
         if position < 0 or continued_text.strip() not in rendered:
-            raise InvalidRequestError("continue_final_message: the chat template drops or changes the last "
-                                      "message, so it cannot be continued", param="continue_final_message")
-        if rendered[position:position + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+            raise InvalidRequestError(
+                "continue_final_message: the chat template drops or changes the last "
+                "message, so it cannot be continued",
+                param="continue_final_message",
+            )
+        if rendered[position : position + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
             return rendered[:position]
         # the template trimmed the message, and with it the tag's trailing space
         return rendered[:position].rstrip()

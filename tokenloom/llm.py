@@ -4,7 +4,8 @@ sampling_params)`` returning one :class:`RequestOutput` per prompt, in order."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import LLMEngine
@@ -20,6 +21,9 @@ from tokenloom.core.request import (
 )
 from tokenloom.errors import TokenloomError
 from tokenloom.plugins.manager import load_plugins
+
+if TYPE_CHECKING:
+    from tokenloom.core.beam_search import BeamSearchOutput, BeamSearchParams
 
 
 class LLM:
@@ -53,7 +57,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        params_list = (
+            list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         request_ids = []
@@ -64,10 +70,18 @@ class LLM:
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Render each conversation with the chat template and generate."""
         from tokenloom.chat_template import ChatRenderer
 
@@ -76,15 +90,24 @@ class LLM:
         prompts = []
         for conversation in conversations:
             prompt_text = renderer.render(
-                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools,
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(prompt_text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def encode(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
-               truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+    def encode(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
         """Pool each prompt (pooling models: ``--runner pooling``); ``outputs.data`` is a tensor."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -104,33 +127,44 @@ class LLM:
             raise TokenloomError(f"pooling request {failed.request_id} failed: {failed.error}")
         return outputs
 
-    def embed(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+    def embed(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
         """Embed each prompt: ``outputs[i].outputs.embedding`` is a list of floats, as in vLLM."""
         results = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
         for result in results:
             result.outputs = EmbeddingOutput(embedding=result.outputs.data.tolist())
         return results
 
-    def score(self, text_1: Any, text_2: Any, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+    def score(
+        self, text_1: Any, text_2: Any, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False
+    ) -> list[PoolingRequestOutput]:
         """Cosine similarity of embeddings: one ``text_1`` against each ``text_2``, or two
         lists pair by pair; ``outputs[i].outputs.score`` is a float, as in vLLM."""
         first, second, pairs = score_inputs(text_1, text_2)
         embedded = self.encode(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
-        first_vectors, second_vectors = embedded[:len(first)], embedded[len(first):]
+        first_vectors, second_vectors = embedded[: len(first)], embedded[len(first) :]
         results = []
         for first_index, second_index in pairs:
             first_output, second_output = first_vectors[first_index], second_vectors[second_index]
-            results.append(PoolingRequestOutput(
-                request_id=f"{first_output.request_id}-{second_output.request_id}",
-                outputs=ScoringOutput(score=cosine_similarity(first_output.outputs.data, second_output.outputs.data)),
-                prompt_token_ids=first_output.prompt_token_ids + second_output.prompt_token_ids,
-                finished=True,
-            ))
+            results.append(
+                PoolingRequestOutput(
+                    request_id=f"{first_output.request_id}-{second_output.request_id}",
+                    outputs=ScoringOutput(
+                        score=cosine_similarity(first_output.outputs.data, second_output.outputs.data)
+                    ),
+                    prompt_token_ids=first_output.prompt_token_ids + second_output.prompt_token_ids,
+                    finished=True,
+                )
+            )
         return results
 
-    def beam_search(self, prompts: Any, params: "BeamSearchParams") -> list["BeamSearchOutput"]:
+    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the ``params.beam_width`` most likely continuations of each
         prompt (text, token ids, or ``{"prompt_token_ids": [...]}``), best first."""
         from tokenloom.core.beam_search import beam_search
@@ -143,7 +177,10 @@ class LLM:
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
         return beam_search(
             lambda token_ids, step_params: self.generate([{"prompt_token_ids": ids} for ids in token_ids], step_params),
-            prompts_token_ids, params, set(self.engine.model_info.eos_token_ids), decode,
+            prompts_token_ids,
+            params,
+            set(self.engine.model_info.eos_token_ids),
+            decode,
         )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -113,16 +113,57 @@ _LAZY = {
 
 # every name below, spelled out so that linters and type checkers see the re-exports
 __all__ = [
-    "Register", "hookimpl", "register_reasoning_parser", "register_tool_parser", "Platform", "Executor",
-    "ModelSource", "ResolvedModel", "LoadFormat", "ModelProtocol", "ModelContext", "KVCacheSpec",
-    "QuantizationMethod", "StructuredOutputBackend", "Matcher", "Constraint", "BackendOptions", "ToolParser",
-    "ReasoningParser", "ParserTokenizer", "ToolCall", "ToolCallDelta", "ExtractedToolCalls", "DeltaMessage",
-    "RequestT", "partial_marker_length", "find_first_marker", "keep_special_tokens", "SectionToolParser",
-    "Section", "ParsedCall", "NEED_MORE", "json_value_end", "arguments_json", "json_object_section",
-    "json_array_section", "call_from_object", "calls_from_array", "MarkedReasoningParser",
-    "ChatCompletionRequest", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
-    "PoolingRequestOutput", "SchedulerOutput", "ModelRunnerOutput", "AttentionMetadata", "InvalidRequestError",
-    "ModelLoadError", "PluginError"
+    "Register",
+    "hookimpl",
+    "register_reasoning_parser",
+    "register_tool_parser",
+    "Platform",
+    "Executor",
+    "ModelSource",
+    "ResolvedModel",
+    "LoadFormat",
+    "ModelProtocol",
+    "ModelContext",
+    "KVCacheSpec",
+    "QuantizationMethod",
+    "StructuredOutputBackend",
+    "Matcher",
+    "Constraint",
+    "BackendOptions",
+    "ToolParser",
+    "ReasoningParser",
+    "ParserTokenizer",
+    "ToolCall",
+    "ToolCallDelta",
+    "ExtractedToolCalls",
+    "DeltaMessage",
+    "RequestT",
+    "partial_marker_length",
+    "find_first_marker",
+    "keep_special_tokens",
+    "SectionToolParser",
+    "Section",
+    "ParsedCall",
+    "NEED_MORE",
+    "json_value_end",
+    "arguments_json",
+    "json_object_section",
+    "json_array_section",
+    "call_from_object",
+    "calls_from_array",
+    "MarkedReasoningParser",
+    "ChatCompletionRequest",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "SchedulerOutput",
+    "ModelRunnerOutput",
+    "AttentionMetadata",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "PluginError",
 ]
 
 
@@ -139,8 +180,10 @@ def _mark(kind: str, name: str, **options: Any) -> Callable[[ClassT], ClassT]:
     if not isinstance(name, str) or not name:
         # the likely slip: ``@register_tool_parser`` with no parentheses passes the class as the name
         what = f"the class {name.__qualname__}" if isinstance(name, type) else repr(name)
-        raise TypeError(f"@register_{kind}(name) needs the name the flag will choose, e.g. "
-                        f"@register_{kind}(\"my_{kind}\"); it got {what}")
+        raise TypeError(
+            f"@register_{kind}(name) needs the name the flag will choose, e.g. "
+            f'@register_{kind}("my_{kind}"); it got {what}'
+        )
 
     def decorate(cls: ClassT) -> ClassT:
         # the class's own marks only, never a base class's (vars, not getattr)

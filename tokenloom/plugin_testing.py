@@ -27,8 +27,13 @@ if TYPE_CHECKING:
     from tokenloom.core.parsers import DeltaMessage, ReasoningParser, ToolParser
     from tokenloom.plugins.manager import PluginInfo, PluginSet
 
-__all__ = ["assert_reasoning_parser_streams_like_extract", "assert_registers", "assert_tool_parser_streams_like_extract",
-           "load_plugin", "splits"]
+__all__ = [
+    "assert_reasoning_parser_streams_like_extract",
+    "assert_registers",
+    "assert_tool_parser_streams_like_extract",
+    "load_plugin",
+    "splits",
+]
 
 
 def splits(text: str, *, max_three_way: int = 300, seed: int = 0) -> Iterator[list[str]]:
@@ -46,14 +51,16 @@ def splits(text: str, *, max_three_way: int = 300, seed: int = 0) -> Iterator[li
         yield [text[:first], text[first:second], text[second:]]
 
 
-def _messages(feed: Callable[[str], DeltaMessage | None], finish: Callable[[], DeltaMessage | None],
-              pieces: Iterable[str]) -> list[DeltaMessage]:
+def _messages(
+    feed: Callable[[str], DeltaMessage | None], finish: Callable[[], DeltaMessage | None], pieces: Iterable[str]
+) -> list[DeltaMessage]:
     messages = [feed(piece) for piece in pieces] + [finish()]
     return [message for message in messages if message is not None]
 
 
-def assert_tool_parser_streams_like_extract(parser_factory: Callable[[], ToolParser], output: str,
-                                            request: Any = None, *, max_three_way: int = 300) -> None:
+def assert_tool_parser_streams_like_extract(
+    parser_factory: Callable[[], ToolParser], output: str, request: Any = None, *, max_three_way: int = 300
+) -> None:
     """Streaming ``output`` through a fresh parser from ``parser_factory()`` (a parser class
     works: it is called with no arguments) gives, for every split into deltas, the content and
     calls that :meth:`~tokenloom.plugin_api.ToolParser.extract` gives on the whole text, in
@@ -63,8 +70,9 @@ def assert_tool_parser_streams_like_extract(parser_factory: Callable[[], ToolPar
     expected_calls = [(call.name, json.loads(call.arguments)) for call in expected.tool_calls]
     for pieces in splits(output, max_three_way=max_three_way):
         parser = parser_factory()
-        messages = _messages(functools.partial(parser.extract_delta, request=request),
-                             functools.partial(parser.finish, request), pieces)
+        messages = _messages(
+            functools.partial(parser.extract_delta, request=request), functools.partial(parser.finish, request), pieces
+        )
         content = "".join(message.content or "" for message in messages) or None
         calls: dict[int, list[str]] = {}
         opened: list[int] = []
@@ -77,9 +85,11 @@ def assert_tool_parser_streams_like_extract(parser_factory: Callable[[], ToolPar
         assert opened == list(range(len(opened))), f"split {pieces!r}: calls indexed {opened}, not 0, 1, ..."
         streamed_calls = [(name, _json_object(arguments, pieces)) for name, arguments in calls.values()]
         assert content == expected.content, (
-            f"split {pieces!r}: streamed content {content!r} but extract() gives {expected.content!r}")
+            f"split {pieces!r}: streamed content {content!r} but extract() gives {expected.content!r}"
+        )
         assert streamed_calls == expected_calls, (
-            f"split {pieces!r}: streamed calls {streamed_calls!r} but extract() gives {expected_calls!r}")
+            f"split {pieces!r}: streamed calls {streamed_calls!r} but extract() gives {expected_calls!r}"
+        )
 
 
 def _json_object(arguments: str, pieces: list[str]) -> Any:
@@ -89,20 +99,27 @@ def _json_object(arguments: str, pieces: list[str]) -> Any:
         raise AssertionError(f"split {pieces!r}: a call's streamed arguments are not JSON: {arguments!r}") from None
 
 
-def assert_reasoning_parser_streams_like_extract(parser_factory: Callable[[], ReasoningParser], output: str,
-                                                 request: Any = None, *, max_three_way: int = 300) -> None:
+def assert_reasoning_parser_streams_like_extract(
+    parser_factory: Callable[[], ReasoningParser], output: str, request: Any = None, *, max_three_way: int = 300
+) -> None:
     """Streaming ``output`` through a fresh parser gives, for every split into deltas, the
     ``(reasoning_content, content)`` that
     :meth:`~tokenloom.plugin_api.ReasoningParser.extract_reasoning` gives on the whole text."""
     expected = parser_factory().extract_reasoning(output, request)
     for pieces in splits(output, max_three_way=max_three_way):
         reasoning_parser = parser_factory()
-        messages = _messages(functools.partial(reasoning_parser.extract_reasoning_delta, request=request),
-                             functools.partial(reasoning_parser.finish, request), pieces)
-        streamed = ("".join(message.reasoning_content or "" for message in messages) or None,
-                    "".join(message.content or "" for message in messages) or None)
+        messages = _messages(
+            functools.partial(reasoning_parser.extract_reasoning_delta, request=request),
+            functools.partial(reasoning_parser.finish, request),
+            pieces,
+        )
+        streamed = (
+            "".join(message.reasoning_content or "" for message in messages) or None,
+            "".join(message.content or "" for message in messages) or None,
+        )
         assert streamed == expected, (
-            f"split {pieces!r}: streamed (reasoning, content) {streamed!r} but extract_reasoning() gives {expected!r}")
+            f"split {pieces!r}: streamed (reasoning, content) {streamed!r} but extract_reasoning() gives {expected!r}"
+        )
 
 
 def _load_alone(module: str | None, file: str | None) -> tuple[PluginSet, PluginInfo]:
@@ -124,8 +141,13 @@ def load_plugin(module: str | None = None, *, file: str | None = None) -> Plugin
     return _load_alone(module, file)[1]
 
 
-def assert_registers(module: str | None = None, expected: Mapping[str, Sequence[str]] | None = None, *,
-                     file: str | None = None, resolve: bool = True) -> None:
+def assert_registers(
+    module: str | None = None,
+    expected: Mapping[str, Sequence[str]] | None = None,
+    *,
+    file: str | None = None,
+    resolve: bool = True,
+) -> None:
     """The plugin loads, registers exactly ``expected`` (``{kind: [names]}``, kinds as
     ``tokenloom plugins`` lists them: ``tool_parser``, ``api_route``, ...), and every target
     it registered imports (``resolve=False`` skips that)."""

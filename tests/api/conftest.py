@@ -57,4 +57,4 @@ def sse_events(body: str) -> list:
     blocks = [block for block in body.split("\n\n") if block]
     assert all(block.startswith("data: ") for block in blocks), blocks
     assert blocks[-1] == "data: [DONE]"
-    return [json.loads(block[len("data: "):]) for block in blocks[:-1]]
+    return [json.loads(block[len("data: ") :]) for block in blocks[:-1]]

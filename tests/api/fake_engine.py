@@ -47,9 +47,18 @@ class RecordedRequest:
 
 
 class FakeEngine:
-    def __init__(self, tokenizer, *, model_name: str = "smollm2", served_model_names: list[str] | None = None,
-                 max_model_len: int = 512, max_logprobs: int = 20, replies: tuple[str, ...] = DEFAULT_REPLIES,
-                 step_delay: float = 0.0, num_cached_tokens: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        model_name: str = "smollm2",
+        served_model_names: list[str] | None = None,
+        max_model_len: int = 512,
+        max_logprobs: int = 20,
+        replies: tuple[str, ...] = DEFAULT_REPLIES,
+        step_delay: float = 0.0,
+        num_cached_tokens: int = 0,
+    ):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.served_model_names = served_model_names or [model_name]
@@ -132,8 +141,9 @@ class FakeEngine:
         stop_reason = [None] * params.n
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [self._logprob_entries(token, -1.5, 0, params.prompt_logprobs)
-                                        for token in prompt_ids[1:]]
+            prompt_logprobs = [None] + [
+                self._logprob_entries(token, -1.5, 0, params.prompt_logprobs) for token in prompt_ids[1:]
+            ]
         metrics = RequestMetrics(arrival_time=0.0, num_cached_tokens=self.num_cached_tokens)
         self.counters.prompt_tokens_total += len(prompt_ids)
         done = False
@@ -158,14 +168,14 @@ class FakeEngine:
                     for stop in params.stop:
                         position = text.find(stop)
                         if position >= 0:
-                            text = text[:position + (len(stop) if params.include_stop_str_in_output else 0)]
+                            text = text[: position + (len(stop) if params.include_stop_str_in_output else 0)]
                             finish[index], stop_reason[index] = "stop", stop
                             break
                     if finish[index] is None and count == len(plan):
                         finish[index] = "length" if count == max_tokens else "stop"
                     emitted_tokens[index] = count
                     self.counters.generation_tokens_total += 1
-                    new_text = text[len(emitted_text[index]):]
+                    new_text = text[len(emitted_text[index]) :]
                     step_outputs.append((index, new_text, token_id, text))
                     emitted_text[index] = text
                 step += 1
@@ -176,19 +186,43 @@ class FakeEngine:
                 if params.output_kind is RequestOutputKind.DELTA:
                     for index, new_text, token_id, _ in step_outputs:
                         out_logprobs = logprobs_so_far[index][-1:] if params.logprobs is not None else None
-                        outputs.append(CompletionOutput(index, new_text, [token_id], cumulative[index], out_logprobs,
-                                                        finish[index], stop_reason[index]))
+                        outputs.append(
+                            CompletionOutput(
+                                index,
+                                new_text,
+                                [token_id],
+                                cumulative[index],
+                                out_logprobs,
+                                finish[index],
+                                stop_reason[index],
+                            )
+                        )
                 else:
                     for index in range(params.n):
                         out_logprobs = list(logprobs_so_far[index]) if params.logprobs is not None else None
-                        outputs.append(CompletionOutput(index, emitted_text[index],
-                                                        plans[index][:emitted_tokens[index]], cumulative[index],
-                                                        out_logprobs, finish[index], stop_reason[index]))
+                        outputs.append(
+                            CompletionOutput(
+                                index,
+                                emitted_text[index],
+                                plans[index][: emitted_tokens[index]],
+                                cumulative[index],
+                                out_logprobs,
+                                finish[index],
+                                stop_reason[index],
+                            )
+                        )
                 first_output = step == 1 or params.output_kind is not RequestOutputKind.DELTA
                 done = all(finish)
-                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                                    prompt_logprobs if first_output else None, outputs, done, metrics,
-                                    num_cached_tokens=self.num_cached_tokens)
+                yield RequestOutput(
+                    request_id,
+                    prompt if isinstance(prompt, str) else None,
+                    prompt_ids,
+                    prompt_logprobs if first_output else None,
+                    outputs,
+                    done,
+                    metrics,
+                    num_cached_tokens=self.num_cached_tokens,
+                )
         finally:
             if not done:
                 self.aborted.append(request_id)

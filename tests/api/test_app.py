@@ -37,8 +37,9 @@ async def test_tokenize_prompt_and_chat(client, tokenizer):
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 512
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
     chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})).json()
-    expected = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                             add_generation_prompt=True)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat["tokens"] == tokenizer(expected, add_special_tokens=False)["input_ids"]
     assert (await client.post("/tokenize", json={})).status_code == 400
 
@@ -96,8 +97,14 @@ def test_uvicorn_gets_the_server_options():
     from tokenloom.api.server import uvicorn_config
     from tokenloom.api.server_config import ServerConfig
 
-    options = ServerConfig(host="0.0.0.0", port=9001, root_path="/llm", ssl_keyfile="k.pem", ssl_certfile="c.pem",
-                           uvicorn_log_level="warning")
+    options = ServerConfig(
+        host="0.0.0.0",
+        port=9001,
+        root_path="/llm",
+        ssl_keyfile="k.pem",
+        ssl_certfile="c.pem",
+        uvicorn_log_level="warning",
+    )
     config = uvicorn_config(object(), options)
     assert (config.host, config.port, config.root_path) == ("0.0.0.0", 9001, "/llm")
     assert (config.ssl_keyfile, config.ssl_certfile, config.log_level) == ("k.pem", "c.pem", "warning")
@@ -140,12 +147,15 @@ def add_status_routes(app, engine):
 
 async def test_plugin_routes_need_the_api_key_unless_declared_public_and_shadowing_is_warned(make_app, caplog):
     registries = new_registries()
-    registries["api_route"].register("status", add_status_routes, plugin_name="status_plugin",
-                                     public_paths=["/plugin/status"])
+    registries["api_route"].register(
+        "status", add_status_routes, plugin_name="status_plugin", public_paths=["/plugin/status"]
+    )
     with caplog.at_level("WARNING", logger="tokenloom.api.app"):
         app = make_app(plugins=PluginSet(registries, [], []), api_key=["sekret"])
     [warning] = [record.getMessage() for record in caplog.records if "unreachable" in record.getMessage()]
-    assert warning.startswith("plugin 'status_plugin' (API routes 'status') adds GET /v1/models, which is already served")
+    assert warning.startswith(
+        "plugin 'status_plugin' (API routes 'status') adds GET /v1/models, which is already served"
+    )
     async with client_for(app) as http_client:
         assert (await http_client.get("/plugin/status")).json() == {"ok": True}
         assert (await http_client.get("/plugin/private")).status_code == 401
@@ -156,8 +166,9 @@ async def test_plugin_routes_need_the_api_key_unless_declared_public_and_shadowi
 
 def test_public_paths_must_be_a_list_of_paths(make_app):
     registries = new_registries()
-    registries["api_route"].register("status", add_status_routes, plugin_name="status_plugin",
-                                     public_paths="/plugin/status")
+    registries["api_route"].register(
+        "status", add_status_routes, plugin_name="status_plugin", public_paths="/plugin/status"
+    )
     with pytest.raises(PluginError, match="public_paths='/plugin/status': expected a list of paths"):
         make_app(plugins=PluginSet(registries, [], []))
 
@@ -184,11 +195,19 @@ def test_health_is_503_before_the_engine_starts(make_app, engine):
 # -- metrics -------------------------------------------------------------------------------
 
 METRIC_NAMES = [
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-    "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-    "vllm:request_success_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_success_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
     "vllm:num_preemptions_total",
 ]
 
@@ -216,8 +235,10 @@ async def test_metrics_names_and_values(client, engine):
     assert metric_value(text, 'vllm:time_to_first_token_seconds_count{model_name="smollm2"}') == 2
     # 4 + 2 tokens: an inter-token gap after each but the first
     assert metric_value(text, 'vllm:inter_token_latency_seconds_count{model_name="smollm2"}') == 4
-    assert metric_value(text, 'vllm:generation_tokens_total{model_name="smollm2"}') == \
-        engine.counters.generation_tokens_total
+    assert (
+        metric_value(text, 'vllm:generation_tokens_total{model_name="smollm2"}')
+        == engine.counters.generation_tokens_total
+    )
 
 
 async def test_finish_reasons_of_choices_that_end_at_different_steps(client):
@@ -246,11 +267,20 @@ async def test_metrics_survive_a_dead_engine(client, engine):
 
 def test_stats_line():
     previous = (100, 50)
-    stats = FakeStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=10,
-                      prefix_cache_hits=4, prompt_tokens_total=300, generation_tokens_total=150)
+    stats = FakeStats(
+        num_running=2,
+        num_waiting=1,
+        kv_cache_usage=0.5,
+        prefix_cache_queries=10,
+        prefix_cache_hits=4,
+        prompt_tokens_total=300,
+        generation_tokens_total=150,
+    )
     line = format_stats_line(stats, previous, 10.0)
-    assert line == ("prompt throughput: 20.0 tokens/s, generation throughput: 10.0 tokens/s, running: 2 reqs, "
-                    "waiting: 1 reqs, KV cache usage: 50.0%, prefix cache hit rate: 40.0%")
+    assert line == (
+        "prompt throughput: 20.0 tokens/s, generation throughput: 10.0 tokens/s, running: 2 reqs, "
+        "waiting: 1 reqs, KV cache usage: 50.0%, prefix cache hit rate: 40.0%"
+    )
 
 
 async def test_periodic_stats_log(engine, caplog):
@@ -274,13 +304,14 @@ async def openai_client(make_app):
 async def test_openai_client_completions_and_chat(openai_client):
     models = await openai_client.models.list()
     assert [model.id for model in models.data] == ["smollm2", "smol-alias"]
-    completion = await openai_client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, logprobs=1,
-                                                        extra_body={"top_k": 5})
+    completion = await openai_client.completions.create(
+        model="smollm2", prompt="Hi", max_tokens=2, logprobs=1, extra_body={"top_k": 5}
+    )
     assert completion.choices[0].text == " The quick"
     assert completion.choices[0].logprobs.tokens == [" The", " quick"]
-    chat = await openai_client.chat.completions.create(model="smollm2", max_tokens=2, logprobs=True,
-                                                       top_logprobs=1,
-                                                       messages=[{"role": "user", "content": "Hi"}])
+    chat = await openai_client.chat.completions.create(
+        model="smollm2", max_tokens=2, logprobs=True, top_logprobs=1, messages=[{"role": "user", "content": "Hi"}]
+    )
     assert chat.choices[0].message.content == " The quick"
     assert chat.choices[0].logprobs.content[0].top_logprobs[0].token == " The"
     assert chat.usage.completion_tokens == 2
@@ -288,8 +319,12 @@ async def test_openai_client_completions_and_chat(openai_client):
 
 async def test_openai_client_streaming(openai_client):
     stream = await openai_client.chat.completions.create(
-        model="smol-alias", max_tokens=3, stream=True, stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": "Hi"}])
+        model="smol-alias",
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " The quick brown"

@@ -20,20 +20,33 @@ from tests.e2e.conftest import start_server, stop_server
 from tokenloom.api.bench import serve_metrics
 from tokenloom.api.bench.common import LATENCY_PERCENTAGES, percentile, std
 from tokenloom.api.bench.datasets import random_text_requests, random_token_requests, sharegpt_requests
-from tokenloom.api.bench.serve_client import COMPLETIONS, CHAT, RequestResult, build_payload, send_request
+from tokenloom.api.bench.serve_client import CHAT, COMPLETIONS, RequestResult, build_payload, send_request
 from tokenloom.api.cli import main
 from tokenloom.errors import ConfigError
 
 SHAREGPT = [
-    {"id": "story", "conversations": [
-        {"from": "human", "value": "Tell me a story about a dragon who learned to fly over the mountains."},
-        {"from": "gpt", "value": "Once upon a time a small dragon watched the birds every day and practised."}]},
-    {"id": "too-short", "conversations": [
-        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello there, how can I help you today?"}]},
+    {
+        "id": "story",
+        "conversations": [
+            {"from": "human", "value": "Tell me a story about a dragon who learned to fly over the mountains."},
+            {"from": "gpt", "value": "Once upon a time a small dragon watched the birds every day and practised."},
+        ],
+    },
+    {
+        "id": "too-short",
+        "conversations": [
+            {"from": "human", "value": "hi"},
+            {"from": "gpt", "value": "Hello there, how can I help you today?"},
+        ],
+    },
     {"id": "one-turn", "conversations": [{"from": "human", "value": "What is the capital of France?"}]},
-    {"id": "bicycle", "conversations": [
-        {"from": "human", "value": "Explain how a bicycle stays upright when it is moving forward."},
-        {"from": "gpt", "value": "Steering corrections and the geometry of the front fork keep it upright."}]},
+    {
+        "id": "bicycle",
+        "conversations": [
+            {"from": "human", "value": "Explain how a bicycle stays upright when it is moving forward."},
+            {"from": "gpt", "value": "Steering corrections and the geometry of the front fork keep it upright."},
+        ],
+    },
 ]
 
 
@@ -55,9 +68,31 @@ def run_cli(argv, capsys):
 
 def test_latency_reports_vllm_keys_and_ordered_percentiles(tiny_llama_dir, tmp_path, capsys):
     output = tmp_path / "latency.json"
-    code, out, _ = run_cli(["bench", "latency", "--model", tiny_llama_dir, "--dtype", "float32", "--input-len", "8",
-                            "--output-len", "4", "--batch-size", "2", "--n", "2", "--num-iters", "3",
-                            "--num-iters-warmup", "1", "--output-json", str(output)], capsys)
+    code, out, _ = run_cli(
+        [
+            "bench",
+            "latency",
+            "--model",
+            tiny_llama_dir,
+            "--dtype",
+            "float32",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--batch-size",
+            "2",
+            "--n",
+            "2",
+            "--num-iters",
+            "3",
+            "--num-iters-warmup",
+            "1",
+            "--output-json",
+            str(output),
+        ],
+        capsys,
+    )
     assert code == 0
     results = json.loads(output.read_text())
     assert set(results) == {"avg_latency", "latencies", "percentiles"}
@@ -72,9 +107,26 @@ def test_latency_reports_vllm_keys_and_ordered_percentiles(tiny_llama_dir, tmp_p
 
 
 def test_latency_profile_writes_a_chrome_trace(tiny_llama_dir, tmp_path, capsys):
-    code, out, _ = run_cli(["bench", "latency", "--model", tiny_llama_dir, "--input-len", "4", "--output-len", "2",
-                            "--batch-size", "1", "--num-iters-warmup", "0", "--profile",
-                            "--profile-result-dir", str(tmp_path / "profile")], capsys)
+    code, out, _ = run_cli(
+        [
+            "bench",
+            "latency",
+            "--model",
+            tiny_llama_dir,
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--batch-size",
+            "1",
+            "--num-iters-warmup",
+            "0",
+            "--profile",
+            "--profile-result-dir",
+            str(tmp_path / "profile"),
+        ],
+        capsys,
+    )
     assert code == 0
     traces = os.listdir(tmp_path / "profile")
     assert len(traces) == 1 and traces[0].endswith(".pt.trace.json")
@@ -85,26 +137,53 @@ def test_latency_profile_writes_a_chrome_trace(tiny_llama_dir, tmp_path, capsys)
 
 def test_latency_times_beam_search(tiny_llama_dir, tmp_path, capsys):
     output = tmp_path / "latency.json"
-    code, out, _ = run_cli(["bench", "latency", "--model", tiny_llama_dir, "--dtype", "float32", "--input-len", "8",
-                            "--output-len", "3", "--batch-size", "2", "--n", "2", "--use-beam-search",
-                            "--num-iters", "2", "--num-iters-warmup", "0", "--output-json", str(output)], capsys)
+    code, out, _ = run_cli(
+        [
+            "bench",
+            "latency",
+            "--model",
+            tiny_llama_dir,
+            "--dtype",
+            "float32",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--batch-size",
+            "2",
+            "--n",
+            "2",
+            "--use-beam-search",
+            "--num-iters",
+            "2",
+            "--num-iters-warmup",
+            "0",
+            "--output-json",
+            str(output),
+        ],
+        capsys,
+    )
     assert code == 0
     assert len(json.loads(output.read_text())["latencies"]) == 2
 
 
 def test_latency_refuses_a_batch_longer_than_the_context(tiny_llama_dir, capsys):
-    code, _, err = run_cli(["bench", "latency", "--model", tiny_llama_dir, "--input-len", "250",
-                            "--output-len", "10"], capsys)
+    code, _, err = run_cli(
+        ["bench", "latency", "--model", tiny_llama_dir, "--input-len", "250", "--output-len", "10"], capsys
+    )
     assert code == 2 and "260 tokens do not fit the context length 256" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--port", "8000"], "--port is a flag of the HTTP server"),
-    (["--max-model-lenn", "64"], "did you mean --max-model-len?"),
-    (["--num-iter", "3"], "did you mean --num-iters?"),
-    (["--num-iters", "0"], "must be at least 1"),
-    (["--max-num-seqs", "0"], "--max-num-seqs: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "8000"], "--port is a flag of the HTTP server"),
+        (["--max-model-lenn", "64"], "did you mean --max-model-len?"),
+        (["--num-iter", "3"], "did you mean --num-iters?"),
+        (["--num-iters", "0"], "must be at least 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs: must be at least 1"),
+    ],
+)
 def test_latency_flag_errors_exit_2_before_loading_a_model(argv, message, capsys):
     code, _, err = run_cli(["bench", "latency", "--model", "/nonexistent/model", *argv], capsys)
     assert code == 2 and message in err
@@ -122,13 +201,31 @@ def test_engine_help_topics_come_from_the_serve_catalogue(capsys):
 
 def test_throughput_random_counts_every_token(tiny_llama_dir, tmp_path, capsys):
     output = tmp_path / "throughput.json"
-    code, out, _ = run_cli(["bench", "throughput", "--model", tiny_llama_dir, "--input-len", "12", "--output-len", "5",
-                            "--num-prompts", "6", "--n", "2", "--disable-detokenize",
-                            "--output-json", str(output)], capsys)
+    code, out, _ = run_cli(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            tiny_llama_dir,
+            "--input-len",
+            "12",
+            "--output-len",
+            "5",
+            "--num-prompts",
+            "6",
+            "--n",
+            "2",
+            "--disable-detokenize",
+            "--output-json",
+            str(output),
+        ],
+        capsys,
+    )
     assert code == 0
     results = json.loads(output.read_text())
-    assert {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second",
-            "tokens_per_second"} <= set(results)
+    assert {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second"} <= set(
+        results
+    )
     assert results["num_requests"] == 6
     assert results["total_prompt_tokens"] == 6 * 12
     assert results["total_output_tokens"] == 6 * 5 * 2  # ignore_eos: every sequence runs to --output-len
@@ -141,9 +238,23 @@ def test_throughput_random_counts_every_token(tiny_llama_dir, tmp_path, capsys):
 
 def test_throughput_sharegpt_uses_the_conversations(tiny_llama_dir, sharegpt_file, tmp_path, capsys):
     output = tmp_path / "throughput.json"
-    code, out, _ = run_cli(["bench", "throughput", "--model", tiny_llama_dir, "--dataset-name", "sharegpt",
-                            "--dataset-path", sharegpt_file, "--num-prompts", "4", "--output-json", str(output)],
-                           capsys)
+    code, out, _ = run_cli(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            tiny_llama_dir,
+            "--dataset-name",
+            "sharegpt",
+            "--dataset-path",
+            sharegpt_file,
+            "--num-prompts",
+            "4",
+            "--output-json",
+            str(output),
+        ],
+        capsys,
+    )
     assert code == 0
     results = json.loads(output.read_text())
     # two usable conversations, repeated to four requests
@@ -168,21 +279,52 @@ def tiny_server(tiny_llama_dir, tmp_path_factory):
 
 
 def serve_argv(server, tokenizer_dir, *extra):
-    return ["bench", "serve", "--base-url", server.base_url, "--model", "tiny", "--tokenizer", tokenizer_dir,
-            "--disable-tqdm", *extra]
+    return [
+        "bench",
+        "serve",
+        "--base-url",
+        server.base_url,
+        "--model",
+        "tiny",
+        "--tokenizer",
+        tokenizer_dir,
+        "--disable-tqdm",
+        *extra,
+    ]
 
 
 def summary_value(out: str, label: str) -> float:
     line = next(line for line in out.splitlines() if line.startswith(label))
-    return float(line[len(label):].split()[0])
+    return float(line[len(label) :].split()[0])
 
 
 def test_serve_completions_summary_and_saved_result(tiny_server, tiny_llama_dir, tmp_path, capsys):
-    code, out, _ = run_cli(serve_argv(
-        tiny_server, tiny_llama_dir, "--random-input-len", "24", "--random-output-len", "6", "--num-prompts", "5",
-        "--max-concurrency", "2", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-        "--result-filename", "result.json"), capsys)
+    code, out, _ = run_cli(
+        serve_argv(
+            tiny_server,
+            tiny_llama_dir,
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "6",
+            "--num-prompts",
+            "5",
+            "--max-concurrency",
+            "2",
+            "--ignore-eos",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,90,99",
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "result.json",
+        ),
+        capsys,
+    )
     assert code == 0, out
     assert summary_value(out, "Successful requests:") == 5
     assert summary_value(out, "Maximum request concurrency:") == 2
@@ -209,10 +351,28 @@ def test_serve_completions_summary_and_saved_result(tiny_server, tiny_llama_dir,
 
 
 def test_serve_chat_endpoint_streams_deltas(tiny_server, tiny_llama_dir, capsys):
-    code, out, _ = run_cli(serve_argv(
-        tiny_server, tiny_llama_dir, "--backend", "openai-chat", "--random-input-len", "16",
-        "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "2", "--ignore-eos",
-        "--request-rate", "50", "--num-warmups", "1"), capsys)
+    code, out, _ = run_cli(
+        serve_argv(
+            tiny_server,
+            tiny_llama_dir,
+            "--backend",
+            "openai-chat",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "4",
+            "--num-prompts",
+            "3",
+            "--max-concurrency",
+            "2",
+            "--ignore-eos",
+            "--request-rate",
+            "50",
+            "--num-warmups",
+            "1",
+        ),
+        capsys,
+    )
     assert code == 0, out
     assert summary_value(out, "Successful requests:") == 3
     assert summary_value(out, "Total generated tokens:") == 3 * 4
@@ -221,9 +381,24 @@ def test_serve_chat_endpoint_streams_deltas(tiny_server, tiny_llama_dir, capsys)
 
 def test_serve_failed_requests_are_counted_and_reported(tiny_server, tiny_llama_dir, tmp_path, capsys):
     # prompts longer than the model's 256-token context: the server refuses each with a 400
-    code, out, _ = run_cli(serve_argv(
-        tiny_server, tiny_llama_dir, "--random-input-len", "300", "--random-output-len", "4", "--num-prompts", "2",
-        "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(tmp_path)), capsys)
+    code, out, _ = run_cli(
+        serve_argv(
+            tiny_server,
+            tiny_llama_dir,
+            "--random-input-len",
+            "300",
+            "--random-output-len",
+            "4",
+            "--num-prompts",
+            "2",
+            "--ready-check-timeout-sec",
+            "0",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+        ),
+        capsys,
+    )
     assert code == 1
     assert summary_value(out, "Successful requests:") == 0 and summary_value(out, "Failed requests:") == 2
     assert "All requests failed; the first error: HTTP 400" in out
@@ -252,14 +427,30 @@ def test_percentile_and_std_match_numpy(values):
 
 def test_metrics_from_known_results():
     results = [
-        RequestResult(prompt_len=10, success=True, output_tokens=4, ttft=0.1, itl=[0.02, 0.03, 0.01], latency=0.16,
-                      start_time=100.0),
-        RequestResult(prompt_len=20, success=True, output_tokens=None, generated_text="a b", ttft=0.3,
-                      itl=[0.1], latency=0.4, start_time=100.5),
+        RequestResult(
+            prompt_len=10,
+            success=True,
+            output_tokens=4,
+            ttft=0.1,
+            itl=[0.02, 0.03, 0.01],
+            latency=0.16,
+            start_time=100.0,
+        ),
+        RequestResult(
+            prompt_len=20,
+            success=True,
+            output_tokens=None,
+            generated_text="a b",
+            ttft=0.3,
+            itl=[0.1],
+            latency=0.4,
+            start_time=100.5,
+        ),
         RequestResult(prompt_len=30, success=False, error="HTTP 400: too long", start_time=100.2),
     ]
-    metrics = serve_metrics.calculate_metrics(results, duration=2.0, percents=[50, 99],
-                                              count_tokens=lambda text: len(text.split()))
+    metrics = serve_metrics.calculate_metrics(
+        results, duration=2.0, percents=[50, 99], count_tokens=lambda text: len(text.split())
+    )
     assert (metrics.completed, metrics.failed) == (2, 1)
     assert metrics.total_input == 30 and metrics.output_lens == [4, 2, 0] and metrics.total_output == 6
     assert metrics.request_throughput == 1.0 and metrics.output_throughput == 3.0
@@ -306,23 +497,40 @@ def stream(transport, kind, payload):
 
 
 def test_send_request_times_each_chunk_and_reads_usage():
-    chunks = [{"choices": [{"text": "Hel"}]}, {"choices": [{"text": "lo"}]}, {"choices": [{"text": "!"}]},
-              {"choices": [], "usage": {"completion_tokens": 3}}]
+    chunks = [
+        {"choices": [{"text": "Hel"}]},
+        {"choices": [{"text": "lo"}]},
+        {"choices": [{"text": "!"}]},
+        {"choices": [], "usage": {"completion_tokens": 3}},
+    ]
     transport, seen = sse_transport(chunks)
-    payload = build_payload(COMPLETIONS, "tiny", "Hi", 3, ignore_eos=True, sampling={"temperature": 0.0},
-                            extra_body={"top_k": 5})
+    payload = build_payload(
+        COMPLETIONS, "tiny", "Hi", 3, ignore_eos=True, sampling={"temperature": 0.0}, extra_body={"top_k": 5}
+    )
     result = stream(transport, COMPLETIONS, payload)
     assert result.success and result.generated_text == "Hello!" and result.output_tokens == 3
     assert len(result.itl) == 2 and result.ttft > 0
     assert result.latency == pytest.approx(result.ttft + sum(result.itl))
-    assert seen[0] == {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True,
-                       "stream_options": {"include_usage": True}, "repetition_penalty": 1.0, "ignore_eos": True,
-                       "temperature": 0.0, "top_k": 5}
+    assert seen[0] == {
+        "model": "tiny",
+        "prompt": "Hi",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "repetition_penalty": 1.0,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "top_k": 5,
+    }
 
 
 def test_send_request_chat_deltas_and_refusals():
-    transport, seen = sse_transport([{"choices": [{"delta": {"role": "assistant", "content": "Yes"}}]},
-                                     {"choices": [{"delta": {"content": " sir"}}]}])
+    transport, seen = sse_transport(
+        [
+            {"choices": [{"delta": {"role": "assistant", "content": "Yes"}}]},
+            {"choices": [{"delta": {"content": " sir"}}]},
+        ]
+    )
     result = stream(transport, CHAT, build_payload(CHAT, "tiny", "Hi", 2))
     assert result.success and result.generated_text == "Yes sir" and result.output_tokens is None
     assert seen[0]["messages"] == [{"role": "user", "content": "Hi"}] and seen[0]["max_completion_tokens"] == 2
@@ -369,11 +577,14 @@ def test_sharegpt_filters_short_and_one_turn_conversations(tokenizer, sharegpt_f
         sharegpt_requests(np.random.default_rng(0), sharegpt_file, tokenizer, 2, max_model_len=10)
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "not valid JSON"),
-    ('{"conversations": []}', "expected a JSON list"),
-    ('[{"conversations": [{"from": "human", "value": "x"}]}]', "at least two turns"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"conversations": []}', "expected a JSON list"),
+        ('[{"conversations": [{"from": "human", "value": "x"}]}]', "at least two turns"),
+    ],
+)
 def test_sharegpt_bad_files_say_what_is_wrong(tokenizer, tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)
@@ -381,14 +592,17 @@ def test_sharegpt_bad_files_say_what_is_wrong(tokenizer, tmp_path, content, mess
         sharegpt_requests(np.random.default_rng(0), str(path), tokenizer, 1)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "serve", "--percentile-metrics", "ttft,foo"], "unknown metric 'foo'"),
-    (["bench", "serve", "--metric-percentiles", "50,x"], "expected numbers"),
-    (["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/completions"], "not one"),
-    (["bench", "serve", "--dataset-name", "sharegpt"], "needs --dataset-path"),
-    (["bench", "serve", "--extra-body", "[1]"], "expected a JSON object"),
-    (["bench", "nope"], "unknown bench command 'nope'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "serve", "--percentile-metrics", "ttft,foo"], "unknown metric 'foo'"),
+        (["bench", "serve", "--metric-percentiles", "50,x"], "expected numbers"),
+        (["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/completions"], "not one"),
+        (["bench", "serve", "--dataset-name", "sharegpt"], "needs --dataset-path"),
+        (["bench", "serve", "--extra-body", "[1]"], "expected a JSON object"),
+        (["bench", "nope"], "unknown bench command 'nope'"),
+    ],
+)
 def test_serve_flag_errors_exit_2(argv, message, capsys):
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and message in err
@@ -397,8 +611,15 @@ def test_serve_flag_errors_exit_2(argv, message, capsys):
 HEAVY_MODULES = ("torch", "transformers", "numpy", "httpx", "tokenloom.builtin_plugins", "tokenloom.plugins.manager")
 
 
-@pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "latency", "--help"], ["bench", "serve", "--help"],
-                                  ["bench", "throughput", "--help=SchedulerConfig"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--help"],
+        ["bench", "latency", "--help"],
+        ["bench", "serve", "--help"],
+        ["bench", "throughput", "--help=SchedulerConfig"],
+    ],
+)
 def test_bench_help_imports_nothing_heavy(argv):
     probe = textwrap.dedent(f"""
         import contextlib, io, json, sys

@@ -29,9 +29,12 @@ from tokenloom.errors import ConfigError, InvalidRequestError
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, how can I help?"},
-     {"role": "user", "content": "Tell me a joke\nwith two lines."}],
-    [{"role": "user", "content": "Unicode: héllo ✓ 日本語 <tag> & \"quotes\""}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Tell me a joke\nwith two lines."},
+    ],
+    [{"role": "user", "content": 'Unicode: héllo ✓ 日本語 <tag> & "quotes"'}],
     [{"role": "user", "content": "  padded  "}, {"role": "assistant", "content": ""}],
 ]
 
@@ -39,15 +42,13 @@ CONVERSATIONS = [
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_template_matches_transformers(tokenizer, conversation, add_generation_prompt):
-    expected = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+    expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
     rendered = ChatRenderer(tokenizer).render(conversation, add_generation_prompt=add_generation_prompt)
     assert rendered == expected
 
 
 def test_continue_final_message_matches_transformers(tokenizer):
-    conversation = [{"role": "user", "content": "Write a haiku"},
-                    {"role": "assistant", "content": "Autumn moonlight,"}]
+    conversation = [{"role": "user", "content": "Write a haiku"}, {"role": "assistant", "content": "Autumn moonlight,"}]
     expected = tokenizer.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
     rendered = ChatRenderer(tokenizer).render(conversation, add_generation_prompt=False, continue_final_message=True)
     assert rendered == expected
@@ -65,16 +66,20 @@ def test_template_features_like_transformers(tokenizer):
     conversation = [{"role": "user", "content": "héllo <b>"}, {"role": "assistant", "content": "x"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     documents = [{"title": "Doc", "text": "body"}]
-    expected = tokenizer.apply_chat_template(conversation, tools=tools, documents=documents, chat_template=template,
-                                             tokenize=False, flavour="mint")
-    rendered = ChatRenderer(tokenizer).render(conversation, tools=tools, documents=documents, chat_template=template,
-                                              chat_template_kwargs={"flavour": "mint"})
+    expected = tokenizer.apply_chat_template(
+        conversation, tools=tools, documents=documents, chat_template=template, tokenize=False, flavour="mint"
+    )
+    rendered = ChatRenderer(tokenizer).render(
+        conversation, tools=tools, documents=documents, chat_template=template, chat_template_kwargs={"flavour": "mint"}
+    )
     assert rendered == expected
     assert '"héllo <b>"' in rendered  # ensure_ascii=False and no HTML escaping
 
 
 def test_raise_exception_is_a_400_with_the_templates_message(tokenizer):
-    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system message first, please') }}{% endif %}"
+    template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system message first, please') }}{% endif %}"
+    )
     with pytest.raises(InvalidRequestError, match="system message first, please"):
         ChatRenderer(tokenizer).render([{"role": "user", "content": "x"}], chat_template=template)
 
@@ -91,15 +96,23 @@ def test_template_syntax_error_is_a_400(tokenizer):
     assert info.value.param == "chat_template"
 
 
-@pytest.mark.parametrize("template, expected", [
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
-    ("{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}", "openai"),
-    ("{% for m in messages %}{% for part in m.content %}{{ part.text }}{% endfor %}{% endfor %}", "openai"),
-    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}",
-     "openai"),
-    ("{% for m in messages %}{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
-     "{% endfor %}{% endfor %}", "openai"),
-])
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        ("{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{% for part in m.content %}{{ part.text }}{% endfor %}{% endfor %}", "openai"),
+        (
+            "{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% for m in messages %}{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
+            "{% endfor %}{% endfor %}",
+            "openai",
+        ),
+    ],
+)
 def test_detect_content_format(template, expected):
     assert detect_content_format(template) == expected
 
@@ -117,16 +130,23 @@ def test_content_formats(tokenizer):
 
 
 def test_non_text_parts_are_rejected_by_type(tokenizer):
-    messages = [{"role": "user", "content": [{"type": "text", "text": "see"},
-                                             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+        }
+    ]
     with pytest.raises(InvalidRequestError, match="'image_url'") as info:
         ChatRenderer(tokenizer).render(messages)
     assert info.value.param == "messages[0].content[1]"
 
 
 def test_tool_call_arguments_are_parsed_for_templates():
-    message = {"role": "assistant", "content": None,
-               "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
     [normalized] = normalize_messages([message], "string")
     assert normalized["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert normalized["content"] == ""
@@ -169,17 +189,25 @@ def test_unknown_content_format_is_a_config_error(tokenizer):
 
 # -- the second turn of a tool conversation (issue 16) ---------------------------------------------
 
-WEATHER_CALL = {"id": "call-1", "type": "function",
-                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+WEATHER_CALL = {
+    "id": "call-1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
 TOOL_HISTORY = [
     {"role": "user", "content": "What is the weather in Paris?"},
     # what the OpenAI API returns for a tool call, and what every client sends back
     {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL], "refusal": None, "function_call": None},
-    {"role": "tool", "tool_call_id": "call-1", "content": [{"type": "text", "text": "{\"temperature\": 21}"}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": [{"type": "text", "text": '{"temperature": 21}'}]},
 ]
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
-                                                 "parameters": {"type": "object",
-                                                                "properties": {"city": {"type": "string"}}}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -190,34 +218,46 @@ def test_null_and_missing_content_are_empty_in_either_format(role, content_forma
         assert normalize_messages([message], content_format)[0]["content"] == empty
 
 
-@pytest.mark.parametrize("content_format, expected", [
-    ("string", "{\"temperature\": 21}"),
-    ("openai", [{"type": "text", "text": "{\"temperature\": 21}"}]),
-])
+@pytest.mark.parametrize(
+    "content_format, expected",
+    [
+        ("string", '{"temperature": 21}'),
+        ("openai", [{"type": "text", "text": '{"temperature": 21}'}]),
+    ],
+)
 def test_tool_history_is_normalized_for_templates(content_format, expected):
     user, assistant, tool = normalize_messages(TOOL_HISTORY, content_format)
     assert assistant["content"] == ("" if content_format == "string" else [])
-    assert assistant["tool_calls"] == [{**WEATHER_CALL, "function": {"name": "get_weather",
-                                                                     "arguments": {"city": "Paris"}}}]
+    assert assistant["tool_calls"] == [
+        {**WEATHER_CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
     assert "refusal" not in assistant and "function_call" not in assistant  # null fields read as absent
     assert tool == {"role": "tool", "tool_call_id": "call-1", "content": expected}
     assert TOOL_HISTORY[1]["content"] is None and TOOL_HISTORY[1]["tool_calls"][0] is WEATHER_CALL  # not mutated
 
 
-@pytest.mark.parametrize("arguments, parsed", [("", {}), (None, {}), ("{\"a\": [1]}", {"a": [1]}),
-                                               ("not json", "not json"), ({"a": 1}, {"a": 1})])
+@pytest.mark.parametrize(
+    "arguments, parsed",
+    [("", {}), (None, {}), ('{"a": [1]}', {"a": [1]}), ("not json", "not json"), ({"a": 1}, {"a": 1})],
+)
 def test_tool_call_arguments_as_templates_expect_them(arguments, parsed):
     call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}
     [message] = normalize_messages([{"role": "assistant", "tool_calls": [call]}], "string")
     assert message["tool_calls"][0]["function"]["arguments"] == parsed
 
 
-@pytest.mark.parametrize("message, param", [
-    ({"role": "assistant", "tool_calls": {"id": "1"}}, "messages[0].tool_calls"),
-    ({"role": "assistant", "tool_calls": [{"id": "1", "function": {"arguments": "{}"}}]}, "messages[0].tool_calls[0]"),
-    ({"role": "tool", "tool_call_id": 7, "content": "x"}, "messages[0].tool_call_id"),
-    ({"role": "tool", "content": {"temperature": 21}}, "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ({"role": "assistant", "tool_calls": {"id": "1"}}, "messages[0].tool_calls"),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "1", "function": {"arguments": "{}"}}]},
+            "messages[0].tool_calls[0]",
+        ),
+        ({"role": "tool", "tool_call_id": 7, "content": "x"}, "messages[0].tool_call_id"),
+        ({"role": "tool", "content": {"temperature": 21}}, "messages[0].content"),
+    ],
+)
 def test_malformed_tool_messages_are_400s_naming_the_field(message, param):
     with pytest.raises(InvalidRequestError) as info:
         normalize_messages([message], "string")
@@ -227,23 +267,32 @@ def test_malformed_tool_messages_are_400s_naming_the_field(message, param):
 def test_smollm2_template_renders_the_second_turn_like_transformers(tokenizer):
     # transformers cannot render null content with this template at all; vLLM's (and our)
     # normalisation gives it "", which is what transformers renders for an empty turn
-    as_transformers_needs = [TOOL_HISTORY[0], {"role": "assistant", "content": ""},
-                             {"role": "tool", "content": "{\"temperature\": 21}"}]
+    as_transformers_needs = [
+        TOOL_HISTORY[0],
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": '{"temperature": 21}'},
+    ]
     expected = tokenizer.apply_chat_template(as_transformers_needs, tokenize=False, add_generation_prompt=True)
     for tools in (None, [WEATHER_TOOL]):
         assert ChatRenderer(tokenizer).render(TOOL_HISTORY, tools=tools) == expected
 
 
-@pytest.mark.parametrize("template_name, written_call, written_result", [
-    ("tool_chat_template_hermes.jinja",
-     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
-     "<|im_start|>user\n<tool_response>\n{\"temperature\": 21}\n</tool_response><|im_end|>"),
-    ("tool_chat_template_llama3_json.jinja",
-     "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|>",
-     "<|start_header_id|>ipython<|end_header_id|>\n\n{\"temperature\": 21}<|eot_id|>"),
-])
-def test_example_tool_templates_write_the_call_and_result_back(tokenizer, template_name, written_call,
-                                                               written_result):
+@pytest.mark.parametrize(
+    "template_name, written_call, written_result",
+    [
+        (
+            "tool_chat_template_hermes.jinja",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response><|im_end|>',
+        ),
+        (
+            "tool_chat_template_llama3_json.jinja",
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+            '<|start_header_id|>ipython<|end_header_id|>\n\n{"temperature": 21}<|eot_id|>',
+        ),
+    ],
+)
+def test_example_tool_templates_write_the_call_and_result_back(tokenizer, template_name, written_call, written_result):
     renderer = ChatRenderer(tokenizer, server_template=load_chat_template(str(EXAMPLES / template_name)))
     for tools in (None, [WEATHER_TOOL]):
         rendered = renderer.render(TOOL_HISTORY, tools=tools)
@@ -253,29 +302,35 @@ def test_example_tool_templates_write_the_call_and_result_back(tokenizer, templa
 
 def test_an_openai_format_template_renders_the_tool_history(tokenizer):
     # auto-detected: the template loops over each message's content parts
-    template = ("{% for m in messages %}{{ m.role }}:{% for part in m.content %}[{{ part.text }}]{% endfor %}"
-                "{% for call in m.tool_calls or [] %}<{{ call.function.name }} {{ call.function.arguments.city }}>"
-                "{% endfor %}|{% endfor %}")
+    template = (
+        "{% for m in messages %}{{ m.role }}:{% for part in m.content %}[{{ part.text }}]{% endfor %}"
+        "{% for call in m.tool_calls or [] %}<{{ call.function.name }} {{ call.function.arguments.city }}>"
+        "{% endfor %}|{% endfor %}"
+    )
     rendered = ChatRenderer(tokenizer, server_template=template).render(TOOL_HISTORY, add_generation_prompt=False)
-    assert rendered == "user:[What is the weather in Paris?]|assistant:<get_weather Paris>|tool:[{\"temperature\": 21}]|"
+    assert rendered == 'user:[What is the weather in Paris?]|assistant:<get_weather Paris>|tool:[{"temperature": 21}]|'
 
 
 def test_the_offline_api_renders_without_the_server_package():
     # llm.py imports the chat template; neither may pull in tokenloom.api (the server)
-    code = ("import sys, tokenloom.llm, tokenloom.chat_template; "
-            "print([name for name in sys.modules if name.startswith('tokenloom.api')])")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys, tokenloom.llm, tokenloom.chat_template; "
+        "print([name for name in sys.modules if name.startswith('tokenloom.api')])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert result.stdout.strip() == "[]"
 
 
 # -- who is at fault when a template fails -----------------------------------------------------------
 
 FAILS_ON_TOOL_MESSAGES = (
-    "{% for m in messages %}\n"
-    "{{ m.role }}\n"
-    "{% if m.role == 'tool' %}{{ m.content + 1 }}{% endif %}\n"
-    "{% endfor %}"
+    "{% for m in messages %}\n{{ m.role }}\n{% if m.role == 'tool' %}{{ m.content + 1 }}{% endif %}\n{% endfor %}"
 )
 
 
@@ -321,17 +376,16 @@ def test_a_model_template_named_in_the_request_is_not_request_code(tokenizer):
 HOSTILE_TEMPLATES = {
     "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "nested loops over a list": "{% set l = range(100000) | list %}{% for i in l %}{% for j in l %}{% endfor %}"
-                                "{% endfor %}",
+    "{% endfor %}",
     "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
     "string repetition": "{{ 'x' * 10**10 }}",
     "list repetition": "{% set l = [1] * 10**10 %}",
     "doubling by concatenation": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                                 "{% endfor %}{{ ns.s | length }}",
-    "doubling by +": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
-                     "{% endfor %}",
+    "{% endfor %}{{ ns.s | length }}",
+    "doubling by +": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
     "huge integer": "{{ 10 ** (10 ** 9) }}",
     "squaring integers": "{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}"
-                         "{% endfor %}",
+    "{% endfor %}",
     "center method": "{{ 'x'.center(10**10) }}",
     "center filter": "{{ 'x' | center(9999999999) }}",
     "ljust method": "{{ 'x'.ljust(10**10) }}",
@@ -376,13 +430,17 @@ def test_the_size_limit_grows_with_the_input(tokenizer):
     template = "{% for m in messages %}{{ m.content }}{{ m.content }}{{ m.content }}{% endfor %}"
     assert renderer.render([{"role": "user", "content": long_text}], chat_template=template) == long_text * 3
     with pytest.raises(InvalidRequestError, match="limit"):
-        renderer.render([{"role": "user", "content": long_text}],
-                        chat_template="{% for i in range(6) %}" + template + "{% endfor %}")
+        renderer.render(
+            [{"role": "user", "content": long_text}],
+            chat_template="{% for i in range(6) %}" + template + "{% endfor %}",
+        )
 
 
 def test_templates_loops_still_see_loop_variables(tokenizer):
-    template = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '!' if loop.last }}"
-                "{{ loop.nextitem.role if loop.nextitem is defined }};{% endfor %}")
+    template = (
+        "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '!' if loop.last }}"
+        "{{ loop.nextitem.role if loop.nextitem is defined }};{% endfor %}"
+    )
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert ChatRenderer(tokenizer).render(messages, chat_template=template) == "1/2assistant;2/2!;"
 
@@ -402,8 +460,9 @@ async def test_render_async_answers_by_the_deadline_and_keeps_the_loop_free(toke
     async with anyio.create_task_group() as group:
         group.start_soon(ticker)
         with pytest.raises(InvalidRequestError, match="longer than"):
-            await renderer.render_async([{"role": "user", "content": "x"}],
-                                        chat_template=HOSTILE_TEMPLATES["nested loops"])
+            await renderer.render_async(
+                [{"role": "user", "content": "x"}], chat_template=HOSTILE_TEMPLATES["nested loops"]
+            )
         group.cancel_scope.cancel()
     assert ticks >= 10  # the event loop kept running while the template spun
 
@@ -414,8 +473,11 @@ async def test_render_async_answers_by_the_deadline_and_keeps_the_loop_free(toke
 @pytest.mark.anyio
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 async def test_request_templates_are_refused_over_http_naming_the_flag(make_app, engine, path):
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-            "chat_template": "{{ messages[0].content }}"}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "chat_template": "{{ messages[0].content }}",
+    }
     async with client_for(make_app()) as client:
         response = await client.post(path, json=body)
         assert response.status_code == 400
@@ -430,10 +492,14 @@ async def test_request_templates_are_refused_over_http_naming_the_flag(make_app,
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 async def test_health_answers_while_a_hostile_template_is_refused(make_app, engine, monkeypatch, path):
     monkeypatch.setattr(chat_template, "DEFAULT_LIMITS", RenderLimits(seconds=2.0))
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-            "chat_template": HOSTILE_TEMPLATES["nested loops"]}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "chat_template": HOSTILE_TEMPLATES["nested loops"],
+    }
     outcome = {}
     async with client_for(make_app(trust_request_chat_template=True)) as client:
+
         async def hostile():
             outcome["response"] = await client.post(path, json=body)
 
@@ -464,8 +530,9 @@ async def test_a_server_template_failing_is_a_500_over_http(make_app, engine):
 
 @pytest.mark.anyio
 async def test_the_tool_history_renders_and_tokenizes_over_http(client, engine, tokenizer):
-    response = await client.post("/v1/chat/completions", json={"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL],
-                                                                "max_tokens": 1})
+    response = await client.post(
+        "/v1/chat/completions", json={"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL], "max_tokens": 1}
+    )
     assert response.status_code == 200, response.text
     tokenized = await client.post("/tokenize", json={"messages": TOOL_HISTORY})
     assert tokenized.json()["tokens"] == engine.requests[0].prompt

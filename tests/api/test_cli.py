@@ -73,8 +73,23 @@ def fake_server(monkeypatch):
 
 
 def test_serve_loads_the_named_plugins_and_hands_over_serve_args(fake_server):
-    assert main(["serve", "qwen", "--plugin", "my_pkg", "--tool-parser-plugin", "p.py",
-                 "--tool-call-parser", "hermes", "--port", "8123"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "qwen",
+                "--plugin",
+                "my_pkg",
+                "--tool-parser-plugin",
+                "p.py",
+                "--tool-call-parser",
+                "hermes",
+                "--port",
+                "8123",
+            ]
+        )
+        == 0
+    )
     assert fake_server["load_plugins"] == (["my_pkg"], ["p.py"])
     serve_args = fake_server["serve_args"]
     assert serve_args.engine_kwargs["model"] == "qwen" and serve_args.server.port == 8123
@@ -94,8 +109,10 @@ def test_serve_refuses_to_start_when_a_named_plugin_module_fails(fake_server, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["serve", "--plugin", "half_written_plugin"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tokenloom serve: error: --plugin half_written_plugin: ImportError: "
-                          "cannot import name 'nope' from 'tokenloom.plugin_api'")
+    assert err.startswith(
+        "tokenloom serve: error: --plugin half_written_plugin: ImportError: "
+        "cannot import name 'nope' from 'tokenloom.plugin_api'"
+    )
     assert err.endswith(f"(at {tmp_path / 'half_written_plugin.py'}:2)\n")
     assert "serve_args" not in fake_server  # the server never started
 
@@ -107,7 +124,6 @@ def test_serve_rejects_a_parser_no_plugin_registered(fake_server, capsys):
     assert "serve_args" not in fake_server
 
 
-
 def test_top_level_help_lists_the_subcommands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -115,8 +131,19 @@ def test_top_level_help_lists_the_subcommands(capsys):
         assert re.search(rf"^  {name}\b", out, re.MULTILINE)
 
 
-HEAVY_MODULES = ("torch", "transformers", "numpy", "fastapi", "pydantic", "uvicorn", "yaml", "safetensors", "gguf",
-                 "tokenloom.builtin_plugins", "tokenloom.plugins.manager")
+HEAVY_MODULES = (
+    "torch",
+    "transformers",
+    "numpy",
+    "fastapi",
+    "pydantic",
+    "uvicorn",
+    "yaml",
+    "safetensors",
+    "gguf",
+    "tokenloom.builtin_plugins",
+    "tokenloom.plugins.manager",
+)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["serve", "--help=ModelConfig"], ["version"]])
@@ -144,19 +171,25 @@ def test_plugins_lists_a_file_plugin_as_json_and_text(tmp_path, monkeypatch, cap
     monkeypatch.setattr(manager, "_cache", {})
     monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor,not_installed")
     plugin_file = tmp_path / "shout_parser.py"
-    plugin_file.write_text(textwrap.dedent("""
+    plugin_file.write_text(
+        textwrap.dedent("""
         from tokenloom.plugin_api import ToolParser, register_tool_parser
 
         @register_tool_parser("shout")
         class ShoutParser(ToolParser):
             pass
-    """))
+    """)
+    )
     assert main(["plugins", "--json", "--tool-parser-plugin", str(plugin_file)]) == 0
     listing = json.loads(capsys.readouterr().out)
-    assert {"name": "shout_parser.py", "origin": f"file {plugin_file}",
-            "registered": {"tool_parser": ["shout"]}} in listing["plugins"]
-    assert {"name": "uniproc_executor", "origin": "tokenloom 0.1.0",
-            "registered": {"executor": ["uni"]}} in listing["plugins"]
+    assert {
+        "name": "shout_parser.py",
+        "origin": f"file {plugin_file}",
+        "registered": {"tool_parser": ["shout"]},
+    } in listing["plugins"]
+    assert {"name": "uniproc_executor", "origin": "tokenloom 0.1.0", "registered": {"executor": ["uni"]}} in listing[
+        "plugins"
+    ]
     assert [failure["name"] for failure in listing["failures"]] == ["not_installed"]
 
     assert main(["plugins", "--tool-parser-plugin", str(plugin_file)]) == 0
@@ -179,9 +212,11 @@ def test_plugins_command_imports_no_heavy_module():
     module that imports torch at its top fails this test; keep its @hookimpl functions in a
     module without heavy imports."""
     env = {key: value for key, value in os.environ.items() if key != manager.ENABLED_PLUGINS_ENV}
-    probe = ("import contextlib, io, sys\nfrom tokenloom.api.cli import main\n"
-             "with contextlib.redirect_stdout(io.StringIO()):\n    main(['plugins'])\n"
-             "print('torch' in sys.modules)")
+    probe = (
+        "import contextlib, io, sys\nfrom tokenloom.api.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    main(['plugins'])\n"
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     if result.stdout.split()[-1] == "False":
@@ -201,19 +236,23 @@ def test_plugins_check_imports_every_target_and_names_the_broken_ones(tmp_path, 
     monkeypatch.setattr(manager, "_cache", {})
     monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
     plugin_file = tmp_path / "typo_targets.py"
-    plugin_file.write_text(textwrap.dedent("""
+    plugin_file.write_text(
+        textwrap.dedent("""
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_tool_parsers(register):
             register("fine", "json:JSONDecoder")
             register("typo", "json:JSONDecodr")
-    """))
+    """)
+    )
     assert main(["plugins", "--check", "--tool-parser-plugin", str(plugin_file)]) == 1
     out = capsys.readouterr().out
     assert "check: 2 of 3 registered targets import" in out  # the executor, 'fine' and not 'typo'
-    assert ("  tool_parser 'typo': tool_parser 'typo' (registered by plugin 'typo_targets.py'): plugin target "
-            "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'") in out
+    assert (
+        "  tool_parser 'typo': tool_parser 'typo' (registered by plugin 'typo_targets.py'): plugin target "
+        "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'"
+    ) in out
 
     assert main(["plugins", "--check", "--json", "--tool-parser-plugin", str(plugin_file)]) == 1
     assert [item["name"] for item in json.loads(capsys.readouterr().out)["unresolved"]] == ["typo"]
@@ -231,13 +270,16 @@ def test_the_real_command_refuses_a_broken_named_plugin_and_with_strict_a_broken
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
 
     def serve(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tokenloom", "serve", *argv], capture_output=True, text=True,
-                              env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "tokenloom", "serve", *argv], capture_output=True, text=True, env=env, timeout=120
+        )
 
     result = serve("--plugin", "no_such_plugin_module")
     assert result.returncode == 2, result.stderr
-    assert ("tokenloom serve: error: --plugin no_such_plugin_module: ModuleNotFoundError: "
-            "No module named 'no_such_plugin_module'") in result.stderr
+    assert (
+        "tokenloom serve: error: --plugin no_such_plugin_module: ModuleNotFoundError: "
+        "No module named 'no_such_plugin_module'"
+    ) in result.stderr
     result = serve("--strict-plugins")
     assert result.returncode == 2, result.stderr
     assert "--strict-plugins: plugin 'broken_ep' (dummy-broken-ep 0.1) failed to load: JSONDecodeError" in result.stderr
@@ -248,18 +290,24 @@ def test_plugins_says_why_a_plugin_registered_nothing(tmp_path, monkeypatch, cap
     monkeypatch.setattr(manager, "_cache", {})
     monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
     idle_hooks = tmp_path / "idle_hooks.py"
-    idle_hooks.write_text(textwrap.dedent("""
+    idle_hooks.write_text(
+        textwrap.dedent("""
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_tool_parsers(register):
             pass  # registers only when some condition holds
-    """))
+    """)
+    )
     no_hooks = tmp_path / "no_hooks.py"
     no_hooks.write_text("class Parser:\n    pass\n")
     assert main(["plugins", "--tool-parser-plugin", str(idle_hooks), "--tool-parser-plugin", str(no_hooks)]) == 0
     out = capsys.readouterr().out
-    assert (f"idle_hooks.py  (file {idle_hooks})\n  (registered nothing: its hooks (register_tool_parsers) ran and called "
-            "register for nothing)") in out
-    assert (f"no_hooks.py  (file {no_hooks})\n  (registered nothing: it implements no hook (functions marked @hookimpl) "
-            "and marks no class (@register_tool_parser(\"name\")))") in out
+    assert (
+        f"idle_hooks.py  (file {idle_hooks})\n  (registered nothing: its hooks (register_tool_parsers) ran and called "
+        "register for nothing)"
+    ) in out
+    assert (
+        f"no_hooks.py  (file {no_hooks})\n  (registered nothing: it implements no hook (functions marked @hookimpl) "
+        'and marks no class (@register_tool_parser("name")))'
+    ) in out

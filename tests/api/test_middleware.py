@@ -53,13 +53,19 @@ async def test_api_key_from_the_environment(make_app, monkeypatch):
 async def test_cors_headers_and_preflight(make_app):
     app = make_app(api_key=[KEY], allowed_origins=["https://ui.example"])
     async with client_for(app) as http_client:
-        preflight = await http_client.options("/v1/completions", headers={
-            "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type"})
+        preflight = await http_client.options(
+            "/v1/completions",
+            headers={
+                "Origin": "https://ui.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
         assert preflight.status_code == 200
         assert preflight.headers["access-control-allow-origin"] == "https://ui.example"
-        unauthorized = await http_client.post("/v1/completions", json=COMPLETION,
-                                              headers={"Origin": "https://ui.example"})
+        unauthorized = await http_client.post(
+            "/v1/completions", json=COMPLETION, headers={"Origin": "https://ui.example"}
+        )
         assert unauthorized.status_code == 401
         assert unauthorized.headers["access-control-allow-origin"] == "https://ui.example"
         other = await http_client.get("/health", headers={"Origin": "https://evil.example"})
@@ -95,8 +101,9 @@ async def test_body_too_large_when_streamed_without_length(make_app):
             yield b"x" * 50
 
     async with client_for(make_app(max_request_body_bytes=200)) as http_client:
-        response = await http_client.post("/v1/completions", content=chunks(),
-                                          headers={"content-type": "application/json"})
+        response = await http_client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
     assert response.status_code == 413
 
 
@@ -106,14 +113,16 @@ async def test_small_streamed_body_is_replayed_to_the_app(make_app):
         yield b' "max_tokens": 1}'
 
     async with client_for(make_app(max_request_body_bytes=200)) as http_client:
-        response = await http_client.post("/v1/completions", content=chunks(),
-                                          headers={"content-type": "application/json"})
+        response = await http_client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
     assert response.status_code == 200, response.text
 
 
 @pytest.fixture
 def middleware_module(tmp_path, monkeypatch):
-    (tmp_path / "my_middleware.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_middleware.py").write_text(
+        textwrap.dedent("""
         async def add_header(request, call_next):
             response = await call_next(request)
             response.headers["X-From-Function"] = "yes"
@@ -133,7 +142,8 @@ def middleware_module(tmp_path, monkeypatch):
 
 
         not_middleware = 42
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_middleware"
     sys.modules.pop("my_middleware", None)
@@ -142,30 +152,38 @@ def middleware_module(tmp_path, monkeypatch):
 async def test_custom_middleware_function_and_class(make_app, middleware_module):
     app = make_app(middleware=[f"{middleware_module}.add_header", f"{middleware_module}:AddHeader"], api_key=[KEY])
     async with client_for(app) as http_client:
-        response = await http_client.post("/v1/completions", json=COMPLETION, headers={"Authorization": f"Bearer {KEY}"})
+        response = await http_client.post(
+            "/v1/completions", json=COMPLETION, headers={"Authorization": f"Bearer {KEY}"}
+        )
         assert response.status_code == 200
         assert response.headers["x-from-function"] == "yes" and response.headers["x-from-class"] == "yes"
         # outermost: they see our 401s too
         assert (await http_client.get("/v1/models")).headers["x-from-class"] == "yes"
 
 
-@pytest.mark.parametrize("path, words", [
-    ("no_such_module_xyz.thing", "cannot import"),
-    ("my_middleware.missing", "no attribute"),
-    ("my_middleware.not_middleware", "expected an ASGI middleware"),
-    ("nodots", "import path"),
-])
+@pytest.mark.parametrize(
+    "path, words",
+    [
+        ("no_such_module_xyz.thing", "cannot import"),
+        ("my_middleware.missing", "no attribute"),
+        ("my_middleware.not_middleware", "expected an ASGI middleware"),
+        ("nodots", "import path"),
+    ],
+)
 def test_bad_middleware_path_is_a_start_up_error_naming_it(make_app, middleware_module, path, words):
     with pytest.raises(ConfigError, match=words) as info:
         make_app(middleware=[path])
     assert path in str(info.value)
 
 
-@pytest.mark.parametrize(("options", "warned"), [
-    ({}, True),  # no key, every origin: vLLM's defaults
-    ({"api_key": [KEY]}, False),
-    ({"allowed_origins": ["https://app.example"]}, False),
-])
+@pytest.mark.parametrize(
+    ("options", "warned"),
+    [
+        ({}, True),  # no key, every origin: vLLM's defaults
+        ({"api_key": [KEY]}, False),
+        ({"allowed_origins": ["https://app.example"]}, False),
+    ],
+)
 async def test_start_up_warns_when_any_origin_can_use_a_server_without_a_key(make_app, caplog, options, warned):
     with caplog.at_level("WARNING", logger="tokenloom.api"):
         make_app(**options)

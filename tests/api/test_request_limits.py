@@ -31,16 +31,22 @@ async def assert_bad_request(response, param_fragment: str, message_fragment: st
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
-@pytest.mark.parametrize("field, value, message", [
-    ("n", 257, "at most 256 (the server's --max-num-seqs)"),
-    ("best_of", 1_000_000, "at most 256"),
-    ("stop", [f"s{index}" for index in range(MAX_STOP_STRINGS + 1)], f"at most {MAX_STOP_STRINGS}"),
-    ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)], f"at most {MAX_STOP_STRING_CHARS}"),
-    ("logit_bias", {str(token): 1.0 for token in range(MAX_LOGIT_BIAS_ENTRIES + 1)},
-     f"at most {MAX_LOGIT_BIAS_ENTRIES}"),
-    ("allowed_token_ids", list(range(49153)), "more than the vocabulary's 49152"),
-    ("cache_salt", "", "non-empty string"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n", 257, "at most 256 (the server's --max-num-seqs)"),
+        ("best_of", 1_000_000, "at most 256"),
+        ("stop", [f"s{index}" for index in range(MAX_STOP_STRINGS + 1)], f"at most {MAX_STOP_STRINGS}"),
+        ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)], f"at most {MAX_STOP_STRING_CHARS}"),
+        (
+            "logit_bias",
+            {str(token): 1.0 for token in range(MAX_LOGIT_BIAS_ENTRIES + 1)},
+            f"at most {MAX_LOGIT_BIAS_ENTRIES}",
+        ),
+        ("allowed_token_ids", list(range(49153)), "more than the vocabulary's 49152"),
+        ("cache_salt", "", "non-empty string"),
+    ],
+)
 async def test_oversized_fields_are_400s_naming_the_field(client, engine, path, body, field, value, message):
     response = await client.post(path, json={**body, field: value})
     await assert_bad_request(response, field, message)
@@ -50,29 +56,52 @@ async def test_oversized_fields_are_400s_naming_the_field(client, engine, path, 
 async def test_n_is_capped_by_the_engines_max_num_seqs(make_app, engine):
     engine.max_num_seqs = 4
     async with client_for(make_app()) as http_client:
-        await assert_bad_request(await http_client.post("/v1/completions", json={**COMPLETION, "n": 5}), "n",
-                                 "at most 4")
+        await assert_bad_request(
+            await http_client.post("/v1/completions", json={**COMPLETION, "n": 5}), "n", "at most 4"
+        )
         assert (await http_client.post("/v1/completions", json={**COMPLETION, "n": 4})).status_code == 200
 
 
 LONE_SURROGATE = "\ud800"
 
 
-@pytest.mark.parametrize("path, body, where", [
-    ("/v1/completions", {**COMPLETION, "prompt": f"a{LONE_SURROGATE}b"}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": ["ok", LONE_SURROGATE]}, "prompt.1"),
-    ("/v1/completions", {**COMPLETION, "stop": [LONE_SURROGATE]}, "stop.0"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONE_SURROGATE}]},
-     "messages.0.content"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "\udfff"}]}]}, "messages.0.content.0.text"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {LONE_SURROGATE: {"type": "string"}}}}}]},
-     "tools.0.function.parameters.properties"),
-    ("/v1/chat/completions", {**CHAT, "cache_salt": LONE_SURROGATE}, "cache_salt"),
-    ("/tokenize", {"prompt": LONE_SURROGATE}, "prompt"),
-    ("/detokenize", {"tokens": [1], "model": LONE_SURROGATE}, "model"),
-])
+@pytest.mark.parametrize(
+    "path, body, where",
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": f"a{LONE_SURROGATE}b"}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["ok", LONE_SURROGATE]}, "prompt.1"),
+        ("/v1/completions", {**COMPLETION, "stop": [LONE_SURROGATE]}, "stop.0"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": LONE_SURROGATE}]},
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "messages.0.content.0.text",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {LONE_SURROGATE: {"type": "string"}}},
+                        },
+                    }
+                ],
+            },
+            "tools.0.function.parameters.properties",
+        ),
+        ("/v1/chat/completions", {**CHAT, "cache_salt": LONE_SURROGATE}, "cache_salt"),
+        ("/tokenize", {"prompt": LONE_SURROGATE}, "prompt"),
+        ("/detokenize", {"tokens": [1], "model": LONE_SURROGATE}, "model"),
+    ],
+)
 async def test_unencodable_text_is_a_400_wherever_it_is(client, engine, path, body, where):
     response = await client.post(path, **raw_json(body))
     assert response.status_code == 400, response.text

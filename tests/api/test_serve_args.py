@@ -29,16 +29,37 @@ SEED_FLAGS = (HERE / "vllm_seed_flags.txt").read_text().split()
 # What the seed documents contain that is not a `serve` flag, and why.
 SEED_EXCLUSIONS = {
     # `vllm bench latency` options (004): they belong to a later `tokenloom bench`
-    "--batch-size", "--disable-detokenize", "--input-len", "--n", "--num-iters", "--num-iters-warmup",
-    "--output-json", "--output-len", "--profile", "--use-beam-search",
-    "--help", "-h",
+    "--batch-size",
+    "--disable-detokenize",
+    "--input-len",
+    "--n",
+    "--num-iters",
+    "--num-iters-warmup",
+    "--output-json",
+    "--output-len",
+    "--profile",
+    "--use-beam-search",
+    "--help",
+    "-h",
     # vLLM's placeholder in its explanation of JSON flags
-    "--json-arg", "--json-arg.key1", "--json-arg.key2.key3", "--json-arg.key4", "-json-arg", "-json-arg.key1",
+    "--json-arg",
+    "--json-arg.key1",
+    "--json-arg.key2.key3",
+    "--json-arg.key4",
+    "-json-arg",
+    "-json-arg.key1",
     # typos and words run together in the rendered pages (001, 002, 003)
-    "--enforce.-eager", "--ignore.-patterns", "--max-num.-partial-prefills", "--collects-detailed-traces",
-    "--models", "--chat-templateoptional", "--enable-auto-tool-choicemandatory", "-tokenizer-pool-size0",
+    "--enforce.-eager",
+    "--ignore.-patterns",
+    "--max-num.-partial-prefills",
+    "--collects-detailed-traces",
+    "--models",
+    "--chat-templateoptional",
+    "--enable-auto-tool-choicemandatory",
+    "-tokenizer-pool-size0",
     # -O with its value attached (-O3, -O.level=3): tested below
-    "-O3", "-O.level",
+    "-O3",
+    "-O.level",
 }
 
 
@@ -64,7 +85,10 @@ def parse(*argv, **environ) -> ServeArgs:
 # -- the catalogue covers vLLM ----------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not SEEDS.is_dir(), reason=f"vLLM's seed documents are not at {SEEDS} (../shared/seeds next to the checkout; set TOKENLOOM_SEEDS_DIR to point elsewhere)")
+@pytest.mark.skipif(
+    not SEEDS.is_dir(),
+    reason=f"vLLM's seed documents are not at {SEEDS} (../shared/seeds next to the checkout; set TOKENLOOM_SEEDS_DIR to point elsewhere)",
+)
 def test_the_recorded_seed_flags_are_every_flag_in_the_seed_documents():
     text = "".join(path.read_text(encoding="utf-8") for path in sorted(SEEDS.glob("0*.txt")))
     assert extract_seed_flags(text) == set(SEED_FLAGS)
@@ -109,8 +133,9 @@ SAMPLES = {
 }
 
 
-@pytest.mark.parametrize("flag", [flag for flag in FLAGS if SAMPLES.get(flag.name, ()) is not None],
-                         ids=lambda flag: flag.name)
+@pytest.mark.parametrize(
+    "flag", [flag for flag in FLAGS if SAMPLES.get(flag.name, ()) is not None], ids=lambda flag: flag.name
+)
 def test_every_flag_is_handled_by_its_status(flag):
     argv = SAMPLES.get(flag.name) or sample_value(flag)
     if flag.status == UNIMPLEMENTED:
@@ -121,7 +146,7 @@ def test_every_flag_is_handled_by_its_status(flag):
     serve_args = parse(*argv)
     if flag.status in (CPU_NOOP, NOOP):
         assert any(warning.startswith(flag.name) for warning in serve_args.warnings)
-        without_flag = parse(*argv[1 if flag.kind == "bool" else 2:])  # the flag itself changes nothing
+        without_flag = parse(*argv[1 if flag.kind == "bool" else 2 :])  # the flag itself changes nothing
         assert (serve_args.engine_kwargs, serve_args.server) == (without_flag.engine_kwargs, without_flag.server)
     else:
         assert flag.status == IMPLEMENTED
@@ -139,26 +164,69 @@ def test_defaults_serve_smollm2():
 
 
 def test_engine_and_server_flags_land_on_their_fields():
-    serve_args = parse("qwen", "--max-model-len", "4096", "-tp", "1", "--pipeline-parallel-size", "1",
-                       "--kv-cache-dtype", "auto", "--served-model-name", "a", "b", "--port", "9001",
-                       "--host", "0.0.0.0", "--uvicorn-log-level", "debug", "--max-num-seqs", "8",
-                       "--hf-overrides", '{"rope_theta": 1000}', "--tool-call-parser", "hermes",
-                       "--enable-auto-tool-choice", "--chat-template", "t.jinja", "--reasoning-parser", "qwen3")
+    serve_args = parse(
+        "qwen",
+        "--max-model-len",
+        "4096",
+        "-tp",
+        "1",
+        "--pipeline-parallel-size",
+        "1",
+        "--kv-cache-dtype",
+        "auto",
+        "--served-model-name",
+        "a",
+        "b",
+        "--port",
+        "9001",
+        "--host",
+        "0.0.0.0",
+        "--uvicorn-log-level",
+        "debug",
+        "--max-num-seqs",
+        "8",
+        "--hf-overrides",
+        '{"rope_theta": 1000}',
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+        "--chat-template",
+        "t.jinja",
+        "--reasoning-parser",
+        "qwen3",
+    )
     assert serve_args.engine_kwargs == {
-        "model": "qwen", "max_model_len": 4096, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-        "cache_dtype": "auto", "served_model_name": ["a", "b"], "max_num_seqs": 8,
-        "hf_overrides": {"rope_theta": 1000}, "reasoning_parser": "qwen3",
+        "model": "qwen",
+        "max_model_len": 4096,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "cache_dtype": "auto",
+        "served_model_name": ["a", "b"],
+        "max_num_seqs": 8,
+        "hf_overrides": {"rope_theta": 1000},
+        "reasoning_parser": "qwen3",
     }
     server = serve_args.server
     assert (server.port, server.host, server.uvicorn_log_level) == (9001, "0.0.0.0", "debug")
-    assert (server.tool_call_parser, server.enable_auto_tool_choice, server.chat_template) == ("hermes", True, "t.jinja")
+    assert (server.tool_call_parser, server.enable_auto_tool_choice, server.chat_template) == (
+        "hermes",
+        True,
+        "t.jinja",
+    )
     config = serve_args.engine_args.create_engine_config()
     assert config.model.max_model_len == 4096 and config.structured_output.reasoning_parser == "qwen3"
 
 
 def test_boolean_flags_take_no_forms_and_explicit_values():
-    kwargs = parse("--no-enable-prefix-caching", "--enforce-eager", "--enable-chunked-prefill", "false",
-                   "--trust-remote-code=true", "--guided-decoding-disable-fallback", "True").engine_kwargs
+    kwargs = parse(
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--enable-chunked-prefill",
+        "false",
+        "--trust-remote-code=true",
+        "--guided-decoding-disable-fallback",
+        "True",
+    ).engine_kwargs
     assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
     assert kwargs["enable_chunked_prefill"] is False and kwargs["trust_remote_code"] is True
     assert kwargs["guided_decoding_disable_fallback"] is True
@@ -168,16 +236,30 @@ def test_boolean_flags_take_no_forms_and_explicit_values():
 
 
 def test_human_readable_sizes_and_underscored_flag_names():
-    kwargs = parse("--max-model-len", "2K", "--max_num_batched_tokens=1.5k", "--kv-cache-memory-bytes", "1G").engine_kwargs
-    assert kwargs == {"model": DEFAULT_MODEL, "max_model_len": 2048, "max_num_batched_tokens": 1500,
-                      "kv_cache_memory_bytes": 1024 ** 3}
+    kwargs = parse(
+        "--max-model-len", "2K", "--max_num_batched_tokens=1.5k", "--kv-cache-memory-bytes", "1G"
+    ).engine_kwargs
+    assert kwargs == {
+        "model": DEFAULT_MODEL,
+        "max_model_len": 2048,
+        "max_num_batched_tokens": 1500,
+        "kv_cache_memory_bytes": 1024**3,
+    }
     with pytest.raises(ConfigError, match="'2.5' is not a whole number|not an integer"):
         parse("--max-model-len", "2.5")
 
 
 def test_json_flags_take_vllm_dotted_form_and_merge():
-    kwargs = parse("--hf-overrides", '{"a": {"b": 1}}', "--hf-overrides.a.c", "x", "--hf-overrides.rope_theta=5e5",
-                   "--model-loader-extra-config.items+", "p", "--model-loader-extra-config.items+=q,r").engine_kwargs
+    kwargs = parse(
+        "--hf-overrides",
+        '{"a": {"b": 1}}',
+        "--hf-overrides.a.c",
+        "x",
+        "--hf-overrides.rope_theta=5e5",
+        "--model-loader-extra-config.items+",
+        "p",
+        "--model-loader-extra-config.items+=q,r",
+    ).engine_kwargs
     assert kwargs["hf_overrides"] == {"a": {"b": 1, "c": "x"}, "rope_theta": 500000.0}
     assert kwargs["model_loader_extra_config"] == {"items": ["p", "q", "r"]}
     with pytest.raises(ConfigError, match="expected a JSON object"):
@@ -186,15 +268,20 @@ def test_json_flags_take_vllm_dotted_form_and_merge():
 
 def test_old_and_new_names_of_the_same_setting():
     assert parse("--guided-decoding-backend", "xgrammar").engine_kwargs["guided_decoding_backend"] == "xgrammar"
-    kwargs = parse("--structured-outputs-config", '{"backend": "outlines", "disable_any_whitespace": true}').engine_kwargs
+    kwargs = parse(
+        "--structured-outputs-config", '{"backend": "outlines", "disable_any_whitespace": true}'
+    ).engine_kwargs
     assert kwargs["guided_decoding_backend"] == "outlines" and kwargs["guided_decoding_disable_any_whitespace"] is True
-    assert parse("--structured-outputs-config.backend", "xgrammar").engine_kwargs["guided_decoding_backend"] == "xgrammar"
+    assert (
+        parse("--structured-outputs-config.backend", "xgrammar").engine_kwargs["guided_decoding_backend"] == "xgrammar"
+    )
     with pytest.raises(ConfigError, match="set guided_decoding_backend to different values"):
         parse("--guided-decoding-backend", "xgrammar", "--structured-outputs-config.backend", "outlines")
     with pytest.raises(ConfigError, match="unknown key 'colour'"):
         parse("--structured-outputs-config", '{"colour": "red"}')
     assert parse("--pooler-config", '{"pooling_type": "MEAN"}').engine_kwargs["override_pooler_config"] == {
-        "pooling_type": "MEAN"}
+        "pooling_type": "MEAN"
+    }
     serve_args = parse("--worker-use-ray")
     assert serve_args.engine_kwargs["distributed_executor_backend"] == "ray"
     assert "use --distributed-executor-backend ray" in serve_args.warnings[0]
@@ -216,15 +303,23 @@ def test_unimplemented_flags_are_refused_by_name_unless_given_their_default():
     with pytest.raises(NotImplementedFlagError, match="HF_TOKEN"):
         parse("--hf-token")
     # the value that changes nothing passes silently: configs copied from vLLM keep working
-    assert parse("--num-scheduler-steps", "1", "--no-enable-lora", "--preemption-mode", "recompute",
-                 "--model-impl", "auto").warnings == []
+    assert (
+        parse(
+            "--num-scheduler-steps", "1", "--no-enable-lora", "--preemption-mode", "recompute", "--model-impl", "auto"
+        ).warnings
+        == []
+    )
 
 
 def test_cpu_noop_flags_are_accepted_with_one_warning_each():
     serve_args = parse("--swap-space", "8", "--cuda-graph-sizes", "1", "2", "4", "-O3", "--disable-custom-all-reduce")
     assert serve_args.engine_kwargs == {"model": DEFAULT_MODEL}
     assert [warning.split()[0] for warning in serve_args.warnings] == [
-        "--swap-space", "--cuda-graph-sizes", "--compilation-config", "--disable-custom-all-reduce"]
+        "--swap-space",
+        "--cuda-graph-sizes",
+        "--compilation-config",
+        "--disable-custom-all-reduce",
+    ]
     assert all("no meaning on the CPU" in warning for warning in serve_args.warnings)
     assert parse("-O", '{"level": 3}').warnings and parse("-O.level=3").warnings
 
@@ -236,15 +331,18 @@ def test_unknown_flags_get_the_closest_match():
         parse("--frobnicate")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dtype", "int3"], "invalid choice: 'int3'"),
-    (["--block-size", "24"], "--block-size: must be a positive power of two"),
-    (["--port", "70000"], "--port: must be in 0..65535"),
-    (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value"),
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-    (["a", "b"], "unexpected arguments: b"),
-    (["a", "--model", "b"], "the model is given twice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dtype", "int3"], "invalid choice: 'int3'"),
+        (["--block-size", "24"], "--block-size: must be a positive power of two"),
+        (["--port", "70000"], "--port: must be in 0..65535"),
+        (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["a", "b"], "unexpected arguments: b"),
+        (["a", "--model", "b"], "the model is given twice"),
+    ],
+)
 def test_bad_values_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse(*argv)
@@ -264,8 +362,18 @@ def test_api_key_from_the_environment_when_the_flag_is_absent():
 
 
 def test_plugin_flags_are_collected_for_load_plugins():
-    server = parse("--plugin", "pkg_a", "--plugin", "pkg_b", "--tool-parser-plugin", "p.py",
-                   "--middleware", "m:one", "--allowed-origins", '["http://a", "http://b"]').server
+    server = parse(
+        "--plugin",
+        "pkg_a",
+        "--plugin",
+        "pkg_b",
+        "--tool-parser-plugin",
+        "p.py",
+        "--middleware",
+        "m:one",
+        "--allowed-origins",
+        '["http://a", "http://b"]',
+    ).server
     assert server.plugins == ["pkg_a", "pkg_b"] and server.tool_parser_plugin == ["p.py"]
     assert server.middleware == ["m:one"] and server.allowed_origins == ["http://a", "http://b"]
 
@@ -280,7 +388,9 @@ def write_config(tmp_path, text: str) -> str:
 
 
 def test_config_file_precedence_command_line_over_file_over_defaults(tmp_path):
-    path = write_config(tmp_path, """
+    path = write_config(
+        tmp_path,
+        """
         model: qwen
         max_model_len: 2048
         max-num-seqs: 16
@@ -289,11 +399,17 @@ def test_config_file_precedence_command_line_over_file_over_defaults(tmp_path):
         served-model-name: [alpha, beta]
         middleware: ["m:one", "m:two"]
         hf-overrides: {rope_theta: 10000}
-    """)
+    """,
+    )
     serve_args = parse("--config", path, "--max-model-len", "4096", "--port", "9100")
     assert serve_args.engine_kwargs == {
-        "model": "qwen", "max_model_len": 4096, "max_num_seqs": 16, "enable_prefix_caching": False,
-        "served_model_name": ["alpha", "beta"], "hf_overrides": {"rope_theta": 10000}}
+        "model": "qwen",
+        "max_model_len": 4096,
+        "max_num_seqs": 16,
+        "enable_prefix_caching": False,
+        "served_model_name": ["alpha", "beta"],
+        "hf_overrides": {"rope_theta": 10000},
+    }
     assert serve_args.server.port == 9100 and serve_args.server.middleware == ["m:one", "m:two"]
     assert serve_args.server.host == ServerConfig().host  # neither: the default
     assert parse("smollm2", "--config", path).engine_kwargs["model"] == "smollm2"
@@ -311,7 +427,6 @@ def test_config_file_values_go_through_the_same_checks(tmp_path):
     with pytest.raises(ConfigError, match="No such file"):
         parse("--config", str(tmp_path / "missing.yaml"))
     assert "--swap-space" in parse("--config", write_config(tmp_path, "swap_space: 8\n")).warnings[0]
-
 
 
 # -- plugin names chosen by flags ---------------------------------------------------------------------------
@@ -345,8 +460,10 @@ def test_check_plugin_choices_imports_the_chosen_targets_naming_plugin_and_name(
     serve_args.plugins = manager.load_plugins()
     with pytest.raises(PluginError) as caught:
         check_plugin_choices(serve_args)
-    assert str(caught.value) == ("tool_parser 'typo' (registered by plugin 'my_plugin'): plugin target "
-                                 "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'")
+    assert str(caught.value) == (
+        "tool_parser 'typo' (registered by plugin 'my_plugin'): plugin target "
+        "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'"
+    )
     serve_args = parse("--tool-call-parser", "hermes")  # a parser left unchosen is not imported
     serve_args.plugins = manager.load_plugins()
     check_plugin_choices(serve_args)
@@ -356,8 +473,11 @@ def test_check_plugin_choices_imports_every_api_route_and_middleware(hermes_only
     hermes_only_plugins.registry("api_route").register("routes", "no_such_module_xyz:add", plugin_name="web")
     serve_args = parse()
     serve_args.plugins = manager.load_plugins()
-    with pytest.raises(PluginError, match=r"^api_route 'routes' \(registered by plugin 'web'\): cannot import "
-                                          r"plugin target 'no_such_module_xyz:add': ModuleNotFoundError"):
+    with pytest.raises(
+        PluginError,
+        match=r"^api_route 'routes' \(registered by plugin 'web'\): cannot import "
+        r"plugin target 'no_such_module_xyz:add': ModuleNotFoundError",
+    ):
         check_plugin_choices(serve_args)
     hermes_only_plugins.registry("api_route").register("routes", "json:dumps", plugin_name="web", override=True)
     serve_args = parse("--middleware", "json:no_such_middleware")

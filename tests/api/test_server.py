@@ -50,8 +50,9 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
         return PluginSet(new_registries(), [], [])
 
     monkeypatch.setattr(manager_module, "load_plugins", fake_load_plugins)
-    monkeypatch.setattr(engine_module.AsyncLLM, "from_engine_args",
-                        classmethod(lambda cls, engine_args, plugins: engine))
+    monkeypatch.setattr(
+        engine_module.AsyncLLM, "from_engine_args", classmethod(lambda cls, engine_args, plugins: engine)
+    )
     servers = []
     original_startup = uvicorn.Server.startup
 
@@ -64,7 +65,8 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
     serve_args = SimpleNamespace(
         engine_args=SimpleNamespace(),
         server=ServerConfig(port=port, disable_log_stats=True, plugins=["some.module"], uvicorn_log_level="warning"),
-        warnings=["--foo is deprecated"])
+        warnings=["--foo is deprecated"],
+    )
     results = {}
 
     def client_thread():
@@ -74,8 +76,9 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}") as http_client:
                 results["health"] = http_client.get("/health").status_code
-                results["completion"] = http_client.post("/v1/completions",
-                                                         json={"prompt": "Hi", "max_tokens": 2}).json()
+                results["completion"] = http_client.post(
+                    "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}
+                ).json()
         finally:
             if servers:
                 servers[0].should_exit = True
@@ -92,17 +95,25 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
     assert engine.started and engine.shut_down
     messages = [record.getMessage() for record in caplog.records]
     assert "--foo is deprecated" in messages
-    for phase in ("importing the engine (torch): done in", "loading plugins: done in",
-                  "importing the server (fastapi), while the engine builds: done in",
-                  "building the engine: done in", "building the app: done in"):
+    for phase in (
+        "importing the engine (torch): done in",
+        "loading plugins: done in",
+        "importing the server (fastapi), while the engine builds: done in",
+        "building the engine: done in",
+        "building the app: done in",
+    ):
         assert any(message.startswith(phase) for message in messages), phase
-    ready = [message for message in messages if message.startswith(f"ready: serving smollm2 at http://127.0.0.1:{port}")]
+    ready = [
+        message for message in messages if message.startswith(f"ready: serving smollm2 at http://127.0.0.1:{port}")
+    ]
     assert len(ready) == 1 and ready[0].endswith("since the process started)")
 
 
 def test_seconds_since_process_start_counts_from_the_process_start():
-    code = ("import time; time.sleep(0.5); from tokenloom.api.server import seconds_since_process_start; "
-            "print(seconds_since_process_start())")
+    code = (
+        "import time; time.sleep(0.5); from tokenloom.api.server import seconds_since_process_start; "
+        "print(seconds_since_process_start())"
+    )
     started = time.monotonic()
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     elapsed = time.monotonic() - started
@@ -121,11 +132,16 @@ def test_plugins_the_cli_loaded_are_reported_with_the_time_it_took(monkeypatch, 
 
     monkeypatch.setattr(engine_module.AsyncLLM, "from_engine_args", classmethod(refuse))
     caplog.set_level(logging.INFO, logger="tokenloom")
-    serve_args = SimpleNamespace(engine_args=SimpleNamespace(), server=ServerConfig(uvicorn_log_level="warning"),
-                                 plugins=PluginSet(new_registries(), [], []), plugins_load_seconds=0.25)
+    serve_args = SimpleNamespace(
+        engine_args=SimpleNamespace(),
+        server=ServerConfig(uvicorn_log_level="warning"),
+        plugins=PluginSet(new_registries(), [], []),
+        plugins_load_seconds=0.25,
+    )
     with pytest.raises(Stop):
         server_module.run_server(serve_args)
     messages = [record.getMessage() for record in caplog.records]
     assert "loading plugins: done in 0.25 s, before the flags were checked" in messages
     assert messages[0].startswith("before the server: ") and messages[0].endswith(
-        "since the process started (interpreter, command line, plugins)")
+        "since the process started (interpreter, command line, plugins)"
+    )

@@ -9,7 +9,14 @@ import pytest
 
 from tests.api.conftest import client_for, sse_events
 from tests.api.fake_engine import FakeEngine
-from tokenloom.core.parsers import DeltaMessage, ExtractedToolCalls, ReasoningParser, ToolCall, ToolCallDelta, ToolParser
+from tokenloom.core.parsers import (
+    DeltaMessage,
+    ExtractedToolCalls,
+    ReasoningParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+)
 from tokenloom.errors import UnknownNameError
 from tokenloom.plugins.manager import PluginSet, new_registries
 
@@ -19,8 +26,9 @@ USER_HI = [{"role": "user", "content": "Hi"}]
 
 
 async def test_chat_response_shape(client, engine, tokenizer):
-    response = await client.post("/v1/chat/completions", json={"model": "smollm2", "messages": USER_HI,
-                                                               "max_tokens": 3})
+    response = await client.post(
+        "/v1/chat/completions", json={"model": "smollm2", "messages": USER_HI, "max_tokens": 3}
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -31,8 +39,11 @@ async def test_chat_response_shape(client, engine, tokenizer):
     expected_prompt = tokenizer.apply_chat_template(USER_HI, tokenize=False, add_generation_prompt=True)
     expected_ids = tokenizer(expected_prompt, add_special_tokens=False)["input_ids"]
     assert engine.requests[0].prompt == expected_ids
-    assert body["usage"] == {"prompt_tokens": len(expected_ids), "completion_tokens": 3,
-                             "total_tokens": len(expected_ids) + 3}
+    assert body["usage"] == {
+        "prompt_tokens": len(expected_ids),
+        "completion_tokens": 3,
+        "total_tokens": len(expected_ids) + 3,
+    }
 
 
 async def test_max_completion_tokens_wins_over_max_tokens(client, engine):
@@ -41,14 +52,18 @@ async def test_max_completion_tokens_wins_over_max_tokens(client, engine):
 
 
 async def test_streaming_starts_with_a_role_delta(client):
-    response = await client.post("/v1/chat/completions", json={
-        "messages": USER_HI, "max_tokens": 3, "stream": True, "n": 2, "stream_options": {"include_usage": True}})
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"messages": USER_HI, "max_tokens": 3, "stream": True, "n": 2, "stream_options": {"include_usage": True}},
+    )
     assert response.text.startswith("data: {")
     events = sse_events(response.text)
     assert all(event["object"] == "chat.completion.chunk" for event in events)
     roles = [event for event in events if event["choices"] and "role" in event["choices"][0]["delta"]]
     assert [(event["choices"][0]["index"], event["choices"][0]["delta"]) for event in roles] == [
-        (0, {"role": "assistant"}), (1, {"role": "assistant"})]
+        (0, {"role": "assistant"}),
+        (1, {"role": "assistant"}),
+    ]
     assert events.index(roles[-1]) == 1  # before any content
     for index, reply in ((0, " The quick brown"), (1, " Once upon a")):
         mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
@@ -59,13 +74,14 @@ async def test_streaming_starts_with_a_role_delta(client):
 
 
 async def test_chat_logprobs_format(client):
-    response = await client.post("/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 2,
-                                                               "logprobs": True, "top_logprobs": 2})
+    response = await client.post(
+        "/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    )
     content = response.json()["choices"][0]["logprobs"]["content"]
     assert [entry["token"] for entry in content] == [" The", " quick"]
     first = content[0]
     assert set(first) == {"token", "logprob", "bytes", "top_logprobs"}
-    assert first["bytes"] == list(" The".encode())
+    assert first["bytes"] == list(b" The")
     assert first["logprob"] == pytest.approx(-0.6)
     assert len(first["top_logprobs"]) == 2 and first["top_logprobs"][0]["token"] == " The"
     assert set(first["top_logprobs"][0]) == {"token", "logprob", "bytes"}
@@ -74,8 +90,9 @@ async def test_chat_logprobs_format(client):
 
 
 async def test_streaming_chat_logprobs(client):
-    response = await client.post("/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 2, "stream": True,
-                                                               "logprobs": True})
+    response = await client.post(
+        "/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 2, "stream": True, "logprobs": True}
+    )
     events = sse_events(response.text)
     with_logprobs = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
     assert [lp["content"][0]["token"] for lp in with_logprobs] == [" The", " quick"]
@@ -89,8 +106,13 @@ async def test_top_logprobs_needs_logprobs(client):
 
 async def test_echo_prepends_the_last_assistant_message(client):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
-    body = {"messages": messages, "max_tokens": 2, "echo": True, "add_generation_prompt": False,
-            "continue_final_message": True}
+    body = {
+        "messages": messages,
+        "max_tokens": 2,
+        "echo": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
     response = await client.post("/v1/chat/completions", json=body)
     assert response.json()["choices"][0]["message"]["content"] == "Well, The quick"
     stream = await client.post("/v1/chat/completions", json={**body, "stream": True})
@@ -100,8 +122,10 @@ async def test_echo_prepends_the_last_assistant_message(client):
 
 async def test_continue_final_message_leaves_the_message_open(client, engine, tokenizer):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, here"}]
-    response = await client.post("/v1/chat/completions", json={
-        "messages": messages, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True})
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True},
+    )
     assert response.status_code == 200, response.text
     prompt = tokenizer.decode(engine.requests[0].prompt)
     assert prompt.endswith("<|im_start|>assistant\nSure, here")
@@ -109,22 +133,32 @@ async def test_continue_final_message_leaves_the_message_open(client, engine, to
 
 async def test_chat_template_override_changes_the_prompt(make_app, engine, tokenizer, tmp_path):
     template_file = tmp_path / "custom.jinja"
-    template_file.write_text("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
-                             "{% if add_generation_prompt %}<<{{ 'bot' }}>>{% endif %}")
+    template_file.write_text(
+        "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<<{{ 'bot' }}>>{% endif %}"
+    )
     async with client_for(make_app(chat_template=str(template_file), trust_request_chat_template=True)) as http_client:
         response = await http_client.post("/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 1})
         assert response.status_code == 200
         assert tokenizer.decode(engine.requests[0].prompt) == "<<user>>Hi<<bot>>"
-        await http_client.post("/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 1,
-                                                             "chat_template": "[{{ messages[0]['content'] }}]"})
+        await http_client.post(
+            "/v1/chat/completions",
+            json={"messages": USER_HI, "max_tokens": 1, "chat_template": "[{{ messages[0]['content'] }}]"},
+        )
         assert tokenizer.decode(engine.requests[1].prompt) == "[Hi]"
 
 
 async def test_chat_template_kwargs_reach_the_template(make_app, engine, tokenizer):
     async with client_for(make_app(trust_request_chat_template=True)) as client:
-        await client.post("/v1/chat/completions", json={
-            "messages": USER_HI, "max_tokens": 1, "chat_template": "{{ greeting }} {{ messages[0].content }}",
-            "chat_template_kwargs": {"greeting": "Bonjour"}})
+        await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": USER_HI,
+                "max_tokens": 1,
+                "chat_template": "{{ greeting }} {{ messages[0].content }}",
+                "chat_template_kwargs": {"greeting": "Bonjour"},
+            },
+        )
     assert tokenizer.decode(engine.requests[0].prompt) == "Bonjour Hi"
 
 
@@ -174,10 +208,21 @@ async def test_bad_messages_are_400(client, messages):
 
 async def test_named_tool_choice_uses_the_schema_and_returns_a_tool_call(make_app, tokenizer):
     engine = FakeEngine(tokenizer, replies=('{"city": "Paris"}',))
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    body = {"messages": USER_HI, "tools": tools, "max_tokens": 20,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    body = {
+        "messages": USER_HI,
+        "tools": tools,
+        "max_tokens": 20,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     async with client_for(make_app(engine=engine)) as http_client:
         response = await http_client.post("/v1/chat/completions", json=body)
         message = response.json()["choices"][0]["message"]
@@ -186,22 +231,26 @@ async def test_named_tool_choice_uses_the_schema_and_returns_a_tool_call(make_ap
         assert call["type"] == "function" and call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
         # compact: no whitespace for a small model to spend max_tokens on
-        assert engine.requests[0].params.structured_outputs == {"json": tools[0]["function"]["parameters"],
-                                                                "disable_any_whitespace": True}
+        assert engine.requests[0].params.structured_outputs == {
+            "json": tools[0]["function"]["parameters"],
+            "disable_any_whitespace": True,
+        }
         stream = await http_client.post("/v1/chat/completions", json={**body, "stream": True})
         calls = [c for e in sse_events(stream.text) for c in e["choices"][0]["delta"].get("tool_calls", [])]
         assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
         assert "id" not in calls[1]
         assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Paris"}
-        missing = await http_client.post("/v1/chat/completions", json={
-            **body, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+        missing = await http_client.post(
+            "/v1/chat/completions", json={**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+        )
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "tool_choice"
 
 
 async def test_auto_tool_choice_without_a_parser_is_a_400(client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    response = await client.post("/v1/chat/completions", json={"messages": USER_HI, "tools": tools,
-                                                               "tool_choice": "auto"})
+    response = await client.post(
+        "/v1/chat/completions", json={"messages": USER_HI, "tools": tools, "tool_choice": "auto"}
+    )
     assert response.status_code == 400
     assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
 
@@ -219,9 +268,10 @@ class TagToolParser(ToolParser):
         start, end = model_output.find("<call>"), model_output.find("</call>")
         if start < 0 or end < 0:
             return ExtractedToolCalls(False, content=model_output)
-        call = json.loads(model_output[start + len("<call>"):end])
-        return ExtractedToolCalls(True, [ToolCall(call["name"], json.dumps(call["arguments"]))],
-                                  content=model_output[:start] or None)
+        call = json.loads(model_output[start + len("<call>") : end])
+        return ExtractedToolCalls(
+            True, [ToolCall(call["name"], json.dumps(call["arguments"]))], content=model_output[:start] or None
+        )
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
@@ -237,8 +287,9 @@ class TagToolParser(ToolParser):
         extracted = self.extract(self.buffer, request)
         self.buffer = ""
         call = extracted.tool_calls[0]
-        return DeltaMessage(content=extracted.content,
-                            tool_calls=[ToolCallDelta(0, name=call.name, arguments=call.arguments)])
+        return DeltaMessage(
+            content=extracted.content, tool_calls=[ToolCallDelta(0, name=call.name, arguments=call.arguments)]
+        )
 
 
 def split_off_tag_prefix(text: str, tag: str) -> tuple[str, str]:
@@ -284,8 +335,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 async def test_tool_call_parser_from_the_registry(make_app, tokenizer):
-    engine = FakeEngine(tokenizer, replies=('Let me check.<call>{"name": "get_weather", "arguments": '
-                                            '{"city": "Paris"}}</call>',))
+    engine = FakeEngine(
+        tokenizer, replies=('Let me check.<call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>',)
+    )
     app = make_app(engine=engine, plugins=plugin_set(), tool_call_parser="tags", enable_auto_tool_choice=True)
     async with client_for(app) as http_client:
         body = {"messages": USER_HI, "tools": TOOLS, "max_tokens": 60}
@@ -316,8 +368,9 @@ async def test_reasoning_parser_from_the_registry(make_app, tokenizer):
         response = await http_client.post("/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 60})
         message = response.json()["choices"][0]["message"]
         assert (message["reasoning_content"], message["content"]) == ("Hmm, two plus two.", "It is four.")
-        stream = await http_client.post("/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 60,
-                                                                      "stream": True})
+        stream = await http_client.post(
+            "/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 60, "stream": True}
+        )
         deltas = [e["choices"][0]["delta"] for e in sse_events(stream.text)]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "Hmm, two plus two."
         assert "".join(d.get("content", "") for d in deltas) == "It is four."

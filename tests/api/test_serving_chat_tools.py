@@ -19,8 +19,17 @@ pytestmark = pytest.mark.anyio
 
 HERMES_TEMPLATE = str(Path(__file__).resolve().parents[2] / "examples" / "tool_chat_template_hermes.jinja")
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} of a place", "parameters": {
-    "type": "object", "properties": {key: {"type": "string"} for key in arguments}}}} for name, arguments in (WEATHER, TIME)]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} of a place",
+            "parameters": {"type": "object", "properties": {key: {"type": "string"} for key in arguments}},
+        },
+    }
+    for name, arguments in (WEATHER, TIME)
+]
 CALLS_REPLY = "Let me check.\n" + hermes([WEATHER, TIME])
 THINKING_REPLY = "<think>\nThe user wants the weather: call the tool.\n</think>\n\n" + hermes([WEATHER])
 
@@ -64,8 +73,10 @@ async def test_auto_tool_choice_returns_calls_streamed_and_whole(make_app, token
         assert choice["finish_reason"] == "tool_calls"
         assert choice["message"]["content"] == "Let me check."
         assert calls_of(choice["message"]["tool_calls"]) == [WEATHER, TIME]
-        assert all(call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
-                   for call in choice["message"]["tool_calls"])
+        assert all(
+            call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+            for call in choice["message"]["tool_calls"]
+        )
         # the tools reached the template, and the parser kept special tokens in the output
         prompt = tokenizer.decode(engine.requests[0].prompt_token_ids)
         assert "<tools>" in prompt and '"name": "get_weather"' in prompt
@@ -74,16 +85,19 @@ async def test_auto_tool_choice_returns_calls_streamed_and_whole(make_app, token
         events = sse_events((await http_client.post("/v1/chat/completions", json={**body, "stream": True})).text)
         message = streamed_message(events)
         assert message["content"] == "Let me check."
-        assert [(call["name"], json.loads(call["arguments"])) for _, call in sorted(message["tool_calls"].items())] \
-            == [WEATHER, TIME]
+        assert [(call["name"], json.loads(call["arguments"])) for _, call in sorted(message["tool_calls"].items())] == [
+            WEATHER,
+            TIME,
+        ]
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 async def test_tool_choice_none_leaves_the_output_as_text(make_app, tokenizer):
     _, app = app_with(make_app, tokenizer, CALLS_REPLY)
     async with client_for(app) as http_client:
-        response = await http_client.post("/v1/chat/completions", json={
-            "messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 200})
+        response = await http_client.post(
+            "/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 200}
+        )
         [choice] = response.json()["choices"]
         assert choice["message"]["content"] == CALLS_REPLY and choice["message"]["tool_calls"] == []
         assert choice["finish_reason"] == "stop"
@@ -102,20 +116,31 @@ async def test_parallel_tool_calls_false_keeps_the_first_call(make_app, tokenize
 async def test_tool_history_is_accepted_and_rendered(make_app, tokenizer):
     engine, app = app_with(make_app, tokenizer, "It is 22 degrees in Paris.")
     history = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "chatcmpl-tool-1", "type": "function",
-             "function": {"name": "get_weather", "arguments": json.dumps(WEATHER[1])}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "chatcmpl-tool-1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(WEATHER[1])},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "22 degrees, sunny"},
     ]
     async with client_for(app) as http_client:
-        response = await http_client.post("/v1/chat/completions", json={"messages": history, "tools": TOOLS,
-                                                                        "max_tokens": 50})
+        response = await http_client.post(
+            "/v1/chat/completions", json={"messages": history, "tools": TOOLS, "max_tokens": 50}
+        )
         assert response.status_code == 200, response.text
         [choice] = response.json()["choices"]
         assert choice["message"]["content"] == "It is 22 degrees in Paris." and choice["finish_reason"] == "stop"
         prompt = tokenizer.decode(engine.requests[0].prompt_token_ids)
-        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' \
+        assert (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
             in prompt
+        )
         assert "<tool_response>\n22 degrees, sunny\n</tool_response>" in prompt
 
 
@@ -150,8 +175,10 @@ async def test_chat_template_kwargs_reach_the_template(make_app, tokenizer):
     engine, app = app_with(make_app, tokenizer, "Hello.", reasoning_parser="qwen3")
     async with client_for(app) as http_client:
         await http_client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})
-        await http_client.post("/v1/chat/completions", json={
-            "messages": USER, "max_tokens": 5, "chat_template_kwargs": {"enable_thinking": False}})
+        await http_client.post(
+            "/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 5, "chat_template_kwargs": {"enable_thinking": False}},
+        )
     thinking, not_thinking = (tokenizer.decode(request.prompt_token_ids) for request in engine.requests)
     assert thinking.endswith("<|im_start|>assistant\n")
     assert not_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

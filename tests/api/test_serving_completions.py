@@ -16,8 +16,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_completion_response_shape(client, engine, tokenizer):
-    response = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "Hello there",
-                                                          "max_tokens": 4})
+    response = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "Hello there", "max_tokens": 4})
     assert response.status_code == 200
     body = response.json()
     assert body["object"] == "text_completion"
@@ -30,8 +29,11 @@ async def test_completion_response_shape(client, engine, tokenizer):
     assert choice["finish_reason"] == "length"
     assert choice["logprobs"] is None
     prompt_ids = tokenizer("Hello there")["input_ids"]
-    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 4,
-                             "total_tokens": len(prompt_ids) + 4}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 4,
+        "total_tokens": len(prompt_ids) + 4,
+    }
     [recorded] = engine.requests
     assert recorded.prompt == prompt_ids  # the API tokenizes and passes ids
     assert recorded.params.max_tokens == 4
@@ -52,12 +54,30 @@ async def test_max_tokens_defaults_to_the_rest_of_the_context(client, engine, to
 
 
 async def test_sampling_extras_reach_sampling_params(client, engine):
-    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05,
-            "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.3, "seed": 11,
-            "stop": "xyz", "stop_token_ids": [2], "include_stop_str_in_output": True, "ignore_eos": True,
-            "min_tokens": 1, "skip_special_tokens": False, "spaces_between_special_tokens": False,
-            "allowed_token_ids": [5, 6, 7], "bad_words": ["bad"], "logit_bias": {"5": 1.5}, "priority": 3,
-            "truncate_prompt_tokens": 5}
+    body = {
+        "prompt": "Hi",
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.2,
+        "frequency_penalty": 0.3,
+        "seed": 11,
+        "stop": "xyz",
+        "stop_token_ids": [2],
+        "include_stop_str_in_output": True,
+        "ignore_eos": True,
+        "min_tokens": 1,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "allowed_token_ids": [5, 6, 7],
+        "bad_words": ["bad"],
+        "logit_bias": {"5": 1.5},
+        "priority": 3,
+        "truncate_prompt_tokens": 5,
+    }
     response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     recorded = engine.requests[0]
@@ -118,8 +138,9 @@ async def test_legacy_logprobs_format(client, tokenizer):
 
 async def test_echo_with_logprobs_covers_the_prompt(client, engine, tokenizer):
     prompt_ids = tokenizer("Good morning to you")["input_ids"]
-    response = await client.post("/v1/completions", json={"prompt": prompt_ids, "max_tokens": 2, "logprobs": 1,
-                                                          "echo": True})
+    response = await client.post(
+        "/v1/completions", json={"prompt": prompt_ids, "max_tokens": 2, "logprobs": 1, "echo": True}
+    )
     logprobs = response.json()["choices"][0]["logprobs"]
     assert engine.requests[0].params.prompt_logprobs == 1
     assert len(logprobs["tokens"]) == len(prompt_ids) + 2
@@ -128,8 +149,9 @@ async def test_echo_with_logprobs_covers_the_prompt(client, engine, tokenizer):
 
 
 async def test_prompt_logprobs_are_returned(client):
-    response = await client.post("/v1/completions", json={"prompt": "Good morning", "max_tokens": 1,
-                                                          "prompt_logprobs": 1})
+    response = await client.post(
+        "/v1/completions", json={"prompt": "Good morning", "max_tokens": 1, "prompt_logprobs": 1}
+    )
     prompt_logprobs = response.json()["choices"][0]["prompt_logprobs"]
     assert prompt_logprobs[0] is None
     first = next(iter(prompt_logprobs[1].values()))
@@ -149,8 +171,10 @@ async def test_best_of_returns_the_best_samples(client, engine):
 
 
 async def test_streaming_chunks_done_and_usage(client):
-    response = await client.post("/v1/completions", json={
-        "prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+    response = await client.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert response.text.startswith("data: {")  # no comment or ping lines first
@@ -165,16 +189,23 @@ async def test_streaming_chunks_done_and_usage(client):
 
 
 async def test_streaming_continuous_usage(client):
-    response = await client.post("/v1/completions", json={
-        "prompt": "Hi", "max_tokens": 3, "stream": True,
-        "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    response = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "Hi",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": False, "continuous_usage_stats": True},
+        },
+    )
     events = sse_events(response.text)
     assert [event["usage"]["completion_tokens"] for event in events] == [1, 2, 3]
 
 
 async def test_streaming_logprobs_and_echo(client):
-    response = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True,
-                                                          "logprobs": 0, "echo": True})
+    response = await client.post(
+        "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True, "logprobs": 0, "echo": True}
+    )
     events = sse_events(response.text)
     texts = [event["choices"][0]["text"] for event in events]
     assert "".join(texts) == "Hello The quick"
@@ -200,8 +231,10 @@ async def test_streaming_echo_logprobs_of_a_choice_that_starts_late(make_app, en
 
     engine.generate = staggered
     async with client_for(make_app()) as http_client:
-        response = await http_client.post("/v1/completions", json={
-            "prompt": "Hello there", "max_tokens": 2, "n": 2, "stream": True, "logprobs": 0, "echo": True})
+        response = await http_client.post(
+            "/v1/completions",
+            json={"prompt": "Hello there", "max_tokens": 2, "n": 2, "stream": True, "logprobs": 0, "echo": True},
+        )
     events = sse_events(response.text)
     for index in (0, 1):
         first = next(event["choices"][0] for event in events if event["choices"][0]["index"] == index)
@@ -275,8 +308,10 @@ async def test_invalid_sampling_parameter_names_it(client):
 
 async def test_validation_error_lists_field_paths_without_echoing_input(client):
     huge = "x" * 100_000
-    response = await client.post("/v1/completions", json={"prompt": "Hi", "n": huge, "max_tokens": huge,
-                                                          "temperature": "hot", "top_k": "many", "seed": "s"})
+    response = await client.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "n": huge, "max_tokens": huge, "temperature": "hot", "top_k": "many", "seed": "s"},
+    )
     error = assert_error(response, 400, "n", "n:", "max_tokens:", "more problem")
     assert huge not in error["message"] and len(error["message"]) < 1000
 
@@ -296,12 +331,15 @@ async def test_token_id_outside_vocabulary(client, tokenizer):
     assert_error(response, 400, "prompt", str(len(tokenizer) + 5))
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "Hi", "stream": True, "best_of": 2}, "best_of"),
-    ({"prompt": "Hi", "best_of": 1, "n": 2}, "best_of"),
-    ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "Hi", "n": 0}, "n"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "Hi", "stream": True, "best_of": 2}, "best_of"),
+        ({"prompt": "Hi", "best_of": 1, "n": 2}, "best_of"),
+        ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "Hi", "n": 0}, "n"),
+    ],
+)
 async def test_invalid_combinations(client, body, param):
     assert_error(await client.post("/v1/completions", json=body), 400, param)
 
@@ -375,10 +413,20 @@ async def call_and_disconnect(app, path: str, body: dict, disconnect_after_chunk
             if disconnect_after_chunks is not None and len(chunks) >= disconnect_after_chunks:
                 disconnect.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-             "client": ("test", 1), "server": ("test", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        "client": ("test", 1),
+        "server": ("test", 80),
+    }
     task = asyncio.ensure_future(app(scope, receive, send))
     if disconnect_after_chunks is None:
         await asyncio.sleep(0.2)
@@ -387,10 +435,13 @@ async def call_and_disconnect(app, path: str, body: dict, disconnect_after_chunk
     return chunks
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 50, "stream": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "stream": True}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 50, "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "stream": True}),
+    ],
+)
 async def test_stream_disconnect_aborts_the_request(make_app, engine, path, body):
     engine.step_delay = 0.02
     chunks = await call_and_disconnect(make_app(), path, body, disconnect_after_chunks=2)
@@ -400,23 +451,29 @@ async def test_stream_disconnect_aborts_the_request(make_app, engine, path, body
 
 async def test_non_streaming_disconnect_aborts_the_request(make_app, engine):
     engine.step_delay = 0.05
-    await call_and_disconnect(make_app(), "/v1/completions", {"prompt": "Hi", "max_tokens": 50},
-                              disconnect_after_chunks=None)
+    await call_and_disconnect(
+        make_app(), "/v1/completions", {"prompt": "Hi", "max_tokens": 50}, disconnect_after_chunks=None
+    )
     assert engine.aborted == [engine.requests[0].request_id]
 
 
 async def test_multi_prompt_stream_disconnect_aborts_every_prompt(make_app, engine):
     engine.step_delay = 0.02
-    await call_and_disconnect(make_app(), "/v1/completions",
-                              {"prompt": ["Hi", "Bye", "Yo"], "max_tokens": 50, "stream": True},
-                              disconnect_after_chunks=3)
+    await call_and_disconnect(
+        make_app(),
+        "/v1/completions",
+        {"prompt": ["Hi", "Bye", "Yo"], "max_tokens": 50, "stream": True},
+        disconnect_after_chunks=3,
+    )
     assert sorted(engine.aborted) == sorted(r.request_id for r in engine.requests)
     assert len(engine.aborted) == 3
 
 
 async def test_null_fields_mean_the_default(client, engine):
-    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": None,
-                                                          "stream": None, "temperature": None, "echo": None})
+    response = await client.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2, "n": None, "stream": None, "temperature": None, "echo": None},
+    )
     assert response.status_code == 200, response.text
     assert engine.requests[0].params.n == 1 and engine.requests[0].params.temperature == 1.0
 

@@ -31,16 +31,21 @@ from tokenloom.core.request import CompletionOutput
 from tokenloom.errors import InvalidRequestError
 from tokenloom.plugins.manager import load_plugins
 
-TOOLS = [{"name": name, "description": f"{name} of a place", "input_schema": {
-    "type": "object", "properties": {key: {"type": "string"} for key in arguments}}}
-    for name, arguments in (WEATHER, TIME)]
+TOOLS = [
+    {
+        "name": name,
+        "description": f"{name} of a place",
+        "input_schema": {"type": "object", "properties": {key: {"type": "string"} for key in arguments}},
+    }
+    for name, arguments in (WEATHER, TIME)
+]
 
 
 def sse_blocks(body: str) -> list[dict]:
     events = []
     for block in filter(None, body.split("\n\n")):
         event_line, data_line = block.split("\n")
-        event = json.loads(data_line[len("data: "):])
+        event = json.loads(data_line[len("data: ") :])
         assert event_line == f"event: {event['type']}"
         events.append(event)
     return events
@@ -55,33 +60,58 @@ def app_with(make_app, tokenizer, reply: str, **config):
 
 
 def test_blocks_become_chat_messages():
-    request = MessagesInput(system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}], messages=[
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "hm", "signature": "s"},
-            {"type": "text", "text": "Checking."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "22 C"}]},
-            {"type": "text", "text": "And tomorrow?"}]},
-    ])
+    request = MessagesInput(
+        system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "22 C"}]},
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ],
+    )
     assert request.chat_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather",
-                                                               "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "22 C"},
         {"role": "user", "content": "And tomorrow?"},
     ]
 
 
-@pytest.mark.parametrize("messages, param", [
-    ([{"role": "system", "content": "x"}], "messages[0].role"),
-    ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0].type"),
-    ([{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}], "messages[0].content[0].type"),
-    ([{"role": "user", "content": [{"type": "tool_result"}]}], "messages[0].content[0].tool_use_id"),
-])
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([{"role": "system", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0].type"),
+        (
+            [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}],
+            "messages[0].content[0].type",
+        ),
+        ([{"role": "user", "content": [{"type": "tool_result"}]}], "messages[0].content[0].tool_use_id"),
+    ],
+)
 def test_bad_blocks_name_the_block(messages, param):
     with pytest.raises(InvalidRequestError) as caught:
         MessagesInput(messages=messages).chat_messages()
@@ -89,12 +119,18 @@ def test_bad_blocks_name_the_block(messages, param):
 
 
 def test_tools_tool_choice_thinking_and_output_config_map_to_chat():
-    request = MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": "x"}], tools=TOOLS,
-                              thinking={"type": "disabled"},
-                              output_config={"format": {"type": "json_schema", "schema": {"type": "object"}},
-                                             "effort": "low"})
-    assert request.chat_tools()[0]["function"] == {"name": "get_weather", "description": "get_weather of a place",
-                                                   "parameters": TOOLS[0]["input_schema"]}
+    request = MessagesRequest(
+        max_tokens=5,
+        messages=[{"role": "user", "content": "x"}],
+        tools=TOOLS,
+        thinking={"type": "disabled"},
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "low"},
+    )
+    assert request.chat_tools()[0]["function"] == {
+        "name": "get_weather",
+        "description": "get_weather of a place",
+        "parameters": TOOLS[0]["input_schema"],
+    }
     assert request.template_kwargs() == {"enable_thinking": False, "reasoning_effort": "low"}
     assert request.response_format().json_schema["schema"] == {"type": "object"}
 
@@ -104,13 +140,16 @@ def test_tools_tool_choice_thinking_and_output_config_map_to_chat():
     assert choice({"type": "auto"}) == ("auto", None)
     assert choice({"type": "any", "disable_parallel_tool_use": True}) == ("required", False)
     assert choice({"type": "none"}) == ("none", None)
-    assert choice({"type": "tool", "name": "get_time"}) == ({"type": "function", "function": {"name": "get_time"}},
-                                                            None)
+    assert choice({"type": "tool", "name": "get_time"}) == (
+        {"type": "function", "function": {"name": "get_time"}},
+        None,
+    )
     with pytest.raises(InvalidRequestError):
         choice({"type": "sometimes"})
     with pytest.raises(InvalidRequestError, match="client tools only"):
-        MessagesInput(messages=[{"role": "user", "content": "x"}], tools=[{"type": "bash_20250124",
-                                                                           "name": "bash"}]).chat_tools()
+        MessagesInput(
+            messages=[{"role": "user", "content": "x"}], tools=[{"type": "bash_20250124", "name": "bash"}]
+        ).chat_tools()
 
 
 def test_stop_reasons():
@@ -149,9 +188,12 @@ def streamed_blocks(events: list[dict]) -> list[dict]:
 @pytest.mark.anyio
 @pytest.mark.parametrize("reply", [CALLS_REPLY, THINKING_REPLY, "Plain text."], ids=["calls", "think", "text"])
 async def test_any_split_of_the_output_gives_the_whole_outputs_blocks(chat_handler, reply):  # noqa: F811
-    chat_request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], request_id="r",
-                                         tools=[{"type": "function", "function": {"name": name}}
-                                                for name, _ in (WEATHER, TIME)], tool_choice="auto")
+    chat_request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        request_id="r",
+        tools=[{"type": "function", "function": {"name": name}} for name, _ in (WEATHER, TIME)],
+        tool_choice="auto",
+    )
     run, outputs = await chat_handler.start(chat_request, None)
     await outputs.aclose()
     state = ChoiceState()
@@ -172,8 +214,13 @@ async def test_any_split_of_the_output_gives_the_whole_outputs_blocks(chat_handl
 @pytest.mark.anyio
 async def test_whole_and_streamed_messages_agree_in_anthropic_shapes(make_app, tokenizer):
     engine, app = app_with(make_app, tokenizer, THINKING_REPLY)
-    body = {"model": "smollm2", "max_tokens": 200, "tools": TOOLS, "system": "Be brief.",
-            "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    body = {
+        "model": "smollm2",
+        "max_tokens": 200,
+        "tools": TOOLS,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
     async with client_for(app) as http_client:
         whole = (await http_client.post("/v1/messages", json=body)).json()
         assert whole["type"] == "message" and whole["role"] == "assistant" and whole["id"].startswith("msg_")
@@ -184,8 +231,11 @@ async def test_whole_and_streamed_messages_agree_in_anthropic_shapes(make_app, t
         prompt = tokenizer.decode(engine.requests[0].prompt_token_ids)
         assert "Be brief." in prompt and '"get_weather"' in prompt
 
-        counted = (await http_client.post("/v1/messages/count_tokens", json={
-            key: value for key, value in body.items() if key != "max_tokens"})).json()
+        counted = (
+            await http_client.post(
+                "/v1/messages/count_tokens", json={key: value for key, value in body.items() if key != "max_tokens"}
+            )
+        ).json()
         assert counted == {"input_tokens": whole["usage"]["input_tokens"]}
 
         events = sse_blocks((await http_client.post("/v1/messages", json={**body, "stream": True})).text)
@@ -210,14 +260,20 @@ async def test_stop_sequences_and_max_tokens(make_app, tokenizer):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("body, status, words", [
-    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens: Field required"),
-    ({"max_tokens": 10, "messages": []}, 400, "messages"),
-    ({"max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}, 400, "lower max_tokens"),
-    ({"max_tokens": 10, "model": "claude-x", "messages": [{"role": "user", "content": "hi"}]}, 404, "claude-x"),
-    ({"max_tokens": 10, "stop_sequences": "x", "messages": [{"role": "user", "content": "hi"}]}, 400,
-     "stop_sequences"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens: Field required"),
+        ({"max_tokens": 10, "messages": []}, 400, "messages"),
+        ({"max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}, 400, "lower max_tokens"),
+        ({"max_tokens": 10, "model": "claude-x", "messages": [{"role": "user", "content": "hi"}]}, 404, "claude-x"),
+        (
+            {"max_tokens": 10, "stop_sequences": "x", "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "stop_sequences",
+        ),
+    ],
+)
 async def test_errors_are_anthropic_shaped(client, body, status, words):
     response = await client.post("/v1/messages", json=body)
     assert response.status_code == status, response.text
@@ -239,8 +295,9 @@ async def test_x_api_key_is_accepted_and_a_missing_key_is_an_anthropic_401(make_
     ask = {"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     async with client_for(app) as http_client:
         assert (await http_client.post("/v1/messages", json=ask, headers={"x-api-key": "sekret"})).status_code == 200
-        assert (await http_client.post("/v1/messages", json=ask,
-                                       headers={"Authorization": "Bearer sekret"})).status_code == 200
+        assert (
+            await http_client.post("/v1/messages", json=ask, headers={"Authorization": "Bearer sekret"})
+        ).status_code == 200
         refused = await http_client.post("/v1/messages", json=ask, headers={"x-api-key": "wrong"})
         assert refused.status_code == 401
         assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "authentication_error"
@@ -250,19 +307,26 @@ async def test_x_api_key_is_accepted_and_a_missing_key_is_an_anthropic_401(make_
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("tool_choice, reply", [
-    ({"type": "tool", "name": "get_weather"}, json.dumps(WEATHER[1])),
-    ({"type": "any"}, json.dumps([{"name": WEATHER[0], "parameters": WEATHER[1]}])),
-], ids=["tool", "any"])
+@pytest.mark.parametrize(
+    "tool_choice, reply",
+    [
+        ({"type": "tool", "name": "get_weather"}, json.dumps(WEATHER[1])),
+        ({"type": "any"}, json.dumps([{"name": WEATHER[0], "parameters": WEATHER[1]}])),
+    ],
+    ids=["tool", "any"],
+)
 async def test_forced_tool_choice_gives_tool_use_whole_and_streamed(make_app, tokenizer, tool_choice, reply):
     engine, app = app_with(make_app, tokenizer, reply)
-    body = {"max_tokens": 100, "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
-            "tool_choice": tool_choice}
+    body = {
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+    }
     async with client_for(app) as http_client:
         whole = (await http_client.post("/v1/messages", json=body)).json()
         events = sse_blocks((await http_client.post("/v1/messages", json={**body, "stream": True})).text)
-    assert [(block["type"], block["name"], block["input"]) for block in whole["content"]] == \
-        [("tool_use", *WEATHER)]
+    assert [(block["type"], block["name"], block["input"]) for block in whole["content"]] == [("tool_use", *WEATHER)]
     assert whole["stop_reason"] == "tool_use" and events[-2]["delta"]["stop_reason"] == "tool_use"
     assert blocks_without_ids(streamed_blocks(events)) == blocks_without_ids(whole["content"])
     assert engine.requests[0].params.structured_outputs is not None

@@ -39,8 +39,9 @@ class FakePoolingEngine:
     errored = False
     is_running = True
 
-    def __init__(self, tokenizer, *, max_model_len: int = 32, matryoshka: bool = False,
-                 failing_token: int | None = None):
+    def __init__(
+        self, tokenizer, *, max_model_len: int = 32, matryoshka: bool = False, failing_token: int | None = None
+    ):
         self.tokenizer = tokenizer
         self.model_name = "minilm"
         self.served_model_names = ["minilm"]
@@ -51,17 +52,30 @@ class FakePoolingEngine:
         self.requests: list[tuple[str, list[int], object]] = []
 
     def stats(self):
-        return SimpleNamespace(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
-                               prefix_cache_hits=0, num_preemptions=0, prompt_tokens_total=0,
-                               generation_tokens_total=0)
+        return SimpleNamespace(
+            num_running=0,
+            num_waiting=0,
+            kv_cache_usage=0.0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            prompt_tokens_total=0,
+            generation_tokens_total=0,
+        )
 
     async def encode(self, prompt, params, request_id, *, priority=0):
         self.requests.append((request_id, list(prompt), params))
-        pooled = Pooler("MEAN").finish(fake_vector(prompt).unsqueeze(0), dimensions=params.dimensions,
-                                       normalize=params.normalize)[0]
+        pooled = Pooler("MEAN").finish(
+            fake_vector(prompt).unsqueeze(0), dimensions=params.dimensions, normalize=params.normalize
+        )[0]
         error = "worker exploded" if self.failing_token in prompt else None
-        yield PoolingRequestOutput(request_id=request_id, outputs=PoolingOutput(data=pooled),
-                                   prompt_token_ids=list(prompt), finished=True, error=error)
+        yield PoolingRequestOutput(
+            request_id=request_id,
+            outputs=PoolingOutput(data=pooled),
+            prompt_token_ids=list(prompt),
+            finished=True,
+            error=error,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +117,13 @@ async def test_a_pooling_model_serves_pooling_routes_and_no_generation_routes(cl
         response = await client.post(path, json={"prompt": "hi", "messages": []})
         assert response.status_code == 404, path
         assert response.json()["error"]["type"] == "NotFoundError"
-    for path, body in (("/v1/embeddings", {"input": "hi"}), ("/pooling", {"input": "hi"}),
-                       ("/v1/score", {"text_1": "a", "text_2": "b"}),
-                       ("/v1/rerank", {"query": "a", "documents": ["b"]}),
-                       ("/v2/rerank", {"query": "a", "documents": ["b"]})):
+    for path, body in (
+        ("/v1/embeddings", {"input": "hi"}),
+        ("/pooling", {"input": "hi"}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"]}),
+        ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+    ):
         assert (await client.post(path, json=body)).status_code == 200, path
     assert (await client.post("/tokenize", json={"prompt": "hello"})).json()["count"] == 3
     assert (await client.get("/v1/models")).json()["data"][0]["id"] == "minilm"
@@ -170,19 +187,22 @@ async def test_dimensions_for_a_matryoshka_model(minilm_tokenizer):
     assert len(embedding) == 3 and sum(value * value for value in embedding) == pytest.approx(1.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("body, param, message", [
-    ({"input": []}, "input", "input is empty"),
-    ({"input": ""}, "input", "empty string"),
-    ({"input": ["ok", ""]}, "input", r"input\[1\] is an empty string"),
-    ({"input": [[]]}, "input", "empty list of token ids"),
-    ({"input": ["short", "word " * 50]}, "input", r"input\[1\] has 52 tokens, but this model takes at most 32"),
-    ({"input": [1, 2, 99999999]}, "input", "outside the vocabulary"),
-    ({"input": "hi", "dimensions": 4}, "dimensions", "Matryoshka"),
-    ({"input": "hi", "dimensions": 0}, "dimensions", "positive integer"),
-    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
-    ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
-    ({"model": "minilm"}, "input", "Field required"),
-])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"input": []}, "input", "input is empty"),
+        ({"input": ""}, "input", "empty string"),
+        ({"input": ["ok", ""]}, "input", r"input\[1\] is an empty string"),
+        ({"input": [[]]}, "input", "empty list of token ids"),
+        ({"input": ["short", "word " * 50]}, "input", r"input\[1\] has 52 tokens, but this model takes at most 32"),
+        ({"input": [1, 2, 99999999]}, "input", "outside the vocabulary"),
+        ({"input": "hi", "dimensions": 4}, "dimensions", "Matryoshka"),
+        ({"input": "hi", "dimensions": 0}, "dimensions", "positive integer"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
+        ({"model": "minilm"}, "input", "Field required"),
+    ],
+)
 async def test_bad_embedding_requests_are_400s_and_queue_nothing(client, pooling_engine, body, param, message):
     response = await client.post("/v1/embeddings", json=body)
     assert response.status_code == 400
@@ -217,8 +237,11 @@ async def test_pooling_endpoint_returns_the_pooler_output(client, minilm_tokeniz
 
 
 def cosine(tokenizer, first: str, second: str) -> float:
-    return float(torch.nn.functional.cosine_similarity(fake_vector(tokenizer(first)["input_ids"]),
-                                                       fake_vector(tokenizer(second)["input_ids"]), dim=0))
+    return float(
+        torch.nn.functional.cosine_similarity(
+            fake_vector(tokenizer(first)["input_ids"]), fake_vector(tokenizer(second)["input_ids"]), dim=0
+        )
+    )
 
 
 DOCUMENTS = ["cats purr", "dogs bark loudly", "the stock market fell", "birds sing", "tea is hot"]
@@ -228,11 +251,13 @@ async def test_score_one_against_many_and_pairwise(client, minilm_tokenizer):
     body = (await client.post("/v1/score", json={"text_1": "pets", "text_2": DOCUMENTS[:3]})).json()
     assert [item["index"] for item in body["data"]] == [0, 1, 2]
     assert [item["score"] for item in body["data"]] == pytest.approx(
-        [cosine(minilm_tokenizer, "pets", document) for document in DOCUMENTS[:3]], abs=1e-6)
+        [cosine(minilm_tokenizer, "pets", document) for document in DOCUMENTS[:3]], abs=1e-6
+    )
     pairwise = (await client.post("/v1/score", json={"text_1": DOCUMENTS[:2], "text_2": DOCUMENTS[2:4]})).json()
     assert [item["score"] for item in pairwise["data"]] == pytest.approx(
         [cosine(minilm_tokenizer, DOCUMENTS[0], DOCUMENTS[2]), cosine(minilm_tokenizer, DOCUMENTS[1], DOCUMENTS[3])],
-        abs=1e-6)
+        abs=1e-6,
+    )
     mismatch = await client.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
     assert mismatch.status_code == 400 and mismatch.json()["error"]["param"] == "text_1"
 
@@ -245,23 +270,28 @@ async def test_rerank_sorts_documents_by_similarity(client, minilm_tokenizer, pa
     expected_order = sorted(range(len(DOCUMENTS)), key=lambda index: scores[index], reverse=True)
     assert [result["index"] for result in body["results"]] == expected_order
     assert [result["relevance_score"] for result in body["results"]] == pytest.approx(
-        [scores[index] for index in expected_order], abs=1e-6)
+        [scores[index] for index in expected_order], abs=1e-6
+    )
     assert [result["document"]["text"] for result in body["results"]] == [DOCUMENTS[i] for i in expected_order]
     num_tokens = sum(len(minilm_tokenizer(text)["input_ids"]) for text in ["pets", *DOCUMENTS])
     assert body["usage"] == {"total_tokens": num_tokens} and body["model"] == "minilm"
 
-    top = (await client.post(path, json={"query": "pets", "documents": DOCUMENTS, "top_n": 2,
-                                         "return_documents": False})).json()
+    top = (
+        await client.post(path, json={"query": "pets", "documents": DOCUMENTS, "top_n": 2, "return_documents": False})
+    ).json()
     assert [result["index"] for result in top["results"]] == expected_order[:2]
     assert all("document" not in result for result in top["results"])
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"query": "q", "documents": []}, "documents"),
-    ({"query": "", "documents": ["a"]}, "query"),
-    ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
-    ({"query": "q", "documents": ["word " * 40]}, "documents"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"query": "q", "documents": []}, "documents"),
+        ({"query": "", "documents": ["a"]}, "query"),
+        ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+        ({"query": "q", "documents": ["word " * 40]}, "documents"),
+    ],
+)
 async def test_bad_rerank_requests_are_400s(client, pooling_engine, body, param):
     response = await client.post("/v1/rerank", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param

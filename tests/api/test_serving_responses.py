@@ -20,7 +20,6 @@ from tests.api.test_serving_chat_tools import (
     THINKING_REPLY,
 )
 from tests.builtin_plugins.tool_parsers.formats import TIME, WEATHER
-from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.api.protocol import ChatCompletionRequest
 from tokenloom.api.responses_protocol import (
     MessageItem,
@@ -37,13 +36,20 @@ from tokenloom.api.serving_responses import (
     ResponseStore,
     StoredResponse,
 )
+from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.core.request import CompletionOutput, RequestOutput
 from tokenloom.errors import InvalidRequestError, NotFoundError
 from tokenloom.plugins.manager import load_plugins
 
-TOOLS = [{"type": "function", "name": name, "description": f"{name} of a place", "parameters": {
-    "type": "object", "properties": {key: {"type": "string"} for key in arguments}}}
-    for name, arguments in (WEATHER, TIME)]
+TOOLS = [
+    {
+        "type": "function",
+        "name": name,
+        "description": f"{name} of a place",
+        "parameters": {"type": "object", "properties": {key: {"type": "string"} for key in arguments}},
+    }
+    for name, arguments in (WEATHER, TIME)
+]
 
 
 def sse_blocks(body: str) -> list[dict]:
@@ -51,7 +57,7 @@ def sse_blocks(body: str) -> list[dict]:
     events = []
     for block in filter(None, body.split("\n\n")):
         event_line, data_line = block.split("\n")
-        event = json.loads(data_line[len("data: "):])
+        event = json.loads(data_line[len("data: ") :])
         assert event_line == f"event: {event['type']}"
         events.append(event)
     return events
@@ -75,8 +81,11 @@ def items_without_ids(output: list[dict]) -> list[dict]:
 def test_input_items_become_chat_messages():
     items = [
         {"role": "developer", "content": "Be brief."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
-                                                        {"type": "input_text", "text": "in Paris?"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "in Paris?"}],
+        },
         {"type": "reasoning", "id": "rs_1", "summary": []},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
@@ -87,22 +96,34 @@ def test_input_items_become_chat_messages():
     assert input_messages(items) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
     ]
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("items, param", [
-    ([{"role": "robot", "content": "x"}], "input[0].role"),
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
-    ([{"type": "item_reference", "id": "x"}], "input[0].type"),
-    ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
-    (["just a string"], "input[0]"),
-])
+@pytest.mark.parametrize(
+    "items, param",
+    [
+        ([{"role": "robot", "content": "x"}], "input[0].role"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
+        ([{"type": "item_reference", "id": "x"}], "input[0].type"),
+        ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
+        (["just a string"], "input[0]"),
+    ],
+)
 def test_bad_input_items_name_the_item(items, param):
     with pytest.raises(InvalidRequestError) as caught:
         input_messages(items)
@@ -110,19 +131,28 @@ def test_bad_input_items_name_the_item(items, param):
 
 
 def test_tools_tool_choice_and_text_format_map_to_chat():
-    request = ResponsesRequest(input="x", tools=TOOLS, tool_choice={"type": "function", "name": "get_time"},
-                               text={"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}}},
-                               reasoning={"effort": "low"})
-    assert request.chat_tools()[0] == {"type": "function", "function": {
-        "name": "get_weather", "description": "get_weather of a place", "parameters": TOOLS[0]["parameters"]}}
+    request = ResponsesRequest(
+        input="x",
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_time"},
+        text={"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}}},
+        reasoning={"effort": "low"},
+    )
+    assert request.chat_tools()[0] == {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "get_weather of a place",
+            "parameters": TOOLS[0]["parameters"],
+        },
+    }
     assert request.chat_tool_choice() == {"type": "function", "function": {"name": "get_time"}}
     assert request.response_format().json_schema == {"name": "p", "schema": {"type": "object"}}
     assert request.template_kwargs() == {"reasoning_effort": "low"}
     # an unset tool_choice is chat's default (no --enable-auto-tool-choice needed); an explicit one is passed on
     assert ResponsesRequest(input="x").chat_tool_choice() is None
     assert ResponsesRequest(input="x", tool_choice="auto").chat_tool_choice() == "auto"
-    assert ResponsesRequest(input="x", text={"format": {"type": "json_object"}}).response_format().type == \
-        "json_object"
+    assert ResponsesRequest(input="x", text={"format": {"type": "json_object"}}).response_format().type == "json_object"
     with pytest.raises(InvalidRequestError, match="function tools only"):
         ResponsesRequest(input="x", tools=[{"type": "web_search"}]).chat_tools()
     with pytest.raises(InvalidRequestError) as caught:
@@ -171,22 +201,35 @@ def chat_handler(tokenizer):
     engine = FakeEngine(tokenizer)
     ctx = ServingContext(engine, ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes"), None)
     renderer = ChatRenderer(tokenizer, load_chat_template(HERMES_TEMPLATE), "auto")
-    return ChatHandler(ctx, renderer, "assistant", plugins.registry("tool_parser").get("hermes"),
-                       plugins.registry("reasoning_parser").get("qwen3"))
+    return ChatHandler(
+        ctx,
+        renderer,
+        "assistant",
+        plugins.registry("tool_parser").get("hermes"),
+        plugins.registry("reasoning_parser").get("qwen3"),
+    )
 
 
 def output_of(text: str, finish_reason: str | None) -> RequestOutput:
-    return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, [0], None, None, finish_reason,
-                                                                 None)], finish_reason is not None)
+    return RequestOutput(
+        "r",
+        None,
+        [1],
+        None,
+        [CompletionOutput(0, text, [0], None, None, finish_reason, None)],
+        finish_reason is not None,
+    )
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("reply", [CALLS_REPLY, THINKING_REPLY, "Just text, no calls."], ids=["calls", "think",
-                                                                                             "text"])
+@pytest.mark.parametrize("reply", [CALLS_REPLY, THINKING_REPLY, "Just text, no calls."], ids=["calls", "think", "text"])
 async def test_any_split_of_the_output_gives_the_whole_outputs_items(chat_handler, reply):
-    chat_request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], request_id="r",
-                                         tools=[{"type": "function", "function": {"name": name}}
-                                                for name, _ in (WEATHER, TIME)], tool_choice="auto")
+    chat_request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        request_id="r",
+        tools=[{"type": "function", "function": {"name": name}} for name, _ in (WEATHER, TIME)],
+        tool_choice="auto",
+    )
     run, outputs = await chat_handler.start(chat_request, None)
     await outputs.aclose()
     state_message = run.choice(0, _state(reply)).message
@@ -228,8 +271,7 @@ async def test_whole_and_streamed_responses_agree_in_openai_shapes(make_app, tok
         thought = "The user wants the weather: call the tool."
         assert reasoning["content"] == [{"type": "reasoning_text", "text": thought}]
         assert (call["name"], json.loads(call["arguments"])) == WEATHER and call["status"] == "completed"
-        assert whole["usage"]["output_tokens"] == len(tokenizer(THINKING_REPLY, add_special_tokens=False)
-                                                      ["input_ids"])
+        assert whole["usage"]["output_tokens"] == len(tokenizer(THINKING_REPLY, add_special_tokens=False)["input_ids"])
         assert whole["usage"]["input_tokens"] == len(engine.requests[0].prompt_token_ids)
 
         response = await http_client.post("/v1/responses", json={**body, "stream": True})
@@ -239,14 +281,18 @@ async def test_whole_and_streamed_responses_agree_in_openai_shapes(make_app, tok
     types = [event["type"] for event in events]
     reasoning_deltas = types.count("response.reasoning_text.delta")
     argument_deltas = types.count("response.function_call_arguments.delta")
-    assert types == (["response.created", "response.in_progress",
-                      "response.output_item.added", "response.content_part.added"]
-                     + ["response.reasoning_text.delta"] * reasoning_deltas
-                     + ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
-                        "response.output_item.added"]
-                     + ["response.function_call_arguments.delta"] * argument_deltas
-                     + ["response.function_call_arguments.done", "response.output_item.done",
-                        "response.completed"])
+    assert types == (
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+        + ["response.reasoning_text.delta"] * reasoning_deltas
+        + [
+            "response.reasoning_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+        ]
+        + ["response.function_call_arguments.delta"] * argument_deltas
+        + ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    )
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     final = events[-1]["response"]
     assert items_without_ids(final["output"]) == items_without_ids(whole["output"])
@@ -259,13 +305,17 @@ async def test_whole_and_streamed_responses_agree_in_openai_shapes(make_app, tok
 async def test_previous_response_id_continues_the_conversation(make_app, tokenizer):
     engine, app = app_with(make_app, tokenizer, CALLS_REPLY)
     async with client_for(app) as http_client:
-        first = (await http_client.post("/v1/responses", json={"input": "Weather?", "tools": TOOLS,
-                                                               "instructions": "Be brief."})).json()
+        first = (
+            await http_client.post(
+                "/v1/responses", json={"input": "Weather?", "tools": TOOLS, "instructions": "Be brief."}
+            )
+        ).json()
         call_ids = [item["call_id"] for item in first["output"] if item["type"] == "function_call"]
         assert len(call_ids) == 2
         outputs = [{"type": "function_call_output", "call_id": call_id, "output": "fine"} for call_id in call_ids]
-        second = await http_client.post("/v1/responses", json={"input": outputs, "tools": TOOLS,
-                                                               "previous_response_id": first["id"]})
+        second = await http_client.post(
+            "/v1/responses", json={"input": outputs, "tools": TOOLS, "previous_response_id": first["id"]}
+        )
         assert second.status_code == 200, second.text
     prompt = tokenizer.decode(engine.requests[1].prompt_token_ids)
     # the first turn's question, text and calls came back; its instructions did not (OpenAI's rule)
@@ -277,17 +327,18 @@ async def test_previous_response_id_continues_the_conversation(make_app, tokeniz
 async def test_stored_responses_are_per_api_key(make_app, tokenizer):
     _, app = app_with(make_app, tokenizer, "Hello there.", api_key=["key-a", "key-b"])
     async with client_for(app) as http_client:
-        made = (await http_client.post("/v1/responses", json={"input": "hi"},
-                                       headers={"Authorization": "Bearer key-a"})).json()
+        made = (
+            await http_client.post("/v1/responses", json={"input": "hi"}, headers={"Authorization": "Bearer key-a"})
+        ).json()
         mine = await http_client.get(f"/v1/responses/{made['id']}", headers={"Authorization": "Bearer key-a"})
         assert mine.status_code == 200 and mine.json()["output_text"] == "Hello there."
         # x-api-key is the same key
-        assert (await http_client.get(f"/v1/responses/{made['id']}", headers={"x-api-key": "key-a"})).status_code \
-            == 200
+        assert (await http_client.get(f"/v1/responses/{made['id']}", headers={"x-api-key": "key-a"})).status_code == 200
         theirs = await http_client.get(f"/v1/responses/{made['id']}", headers={"Authorization": "Bearer key-b"})
         assert theirs.status_code == 404 and theirs.json()["error"]["type"] == "NotFoundError"
-        assert (await http_client.delete(f"/v1/responses/{made['id']}",
-                                         headers={"Authorization": "Bearer key-b"})).status_code == 404
+        assert (
+            await http_client.delete(f"/v1/responses/{made['id']}", headers={"Authorization": "Bearer key-b"})
+        ).status_code == 404
         deleted = await http_client.delete(f"/v1/responses/{made['id']}", headers={"Authorization": "Bearer key-a"})
         assert deleted.json() == {"id": made["id"], "object": "response.deleted", "deleted": True}
 
@@ -316,8 +367,9 @@ async def test_a_finished_background_response_is_stored(make_app, tokenizer):
     engine = FakeEngine(tokenizer)
     app = make_app(engine=engine)
     async with client_for(app) as http_client:
-        started = (await http_client.post("/v1/responses", json={"input": "hi", "background": True,
-                                                                 "max_output_tokens": 4})).json()
+        started = (
+            await http_client.post("/v1/responses", json={"input": "hi", "background": True, "max_output_tokens": 4})
+        ).json()
         for _ in range(200):
             polled = (await http_client.get(f"/v1/responses/{started['id']}")).json()
             if polled["status"] not in ("queued", "in_progress"):
@@ -328,17 +380,20 @@ async def test_a_finished_background_response_is_stored(make_app, tokenizer):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("body, param, words", [
-    ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens"),
-    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
-    ({"input": "hi", "background": True, "store": False}, "store", "stored"),
-    ({"input": "hi", "background": True, "stream": True}, "background", "poll"),
-    ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
-    ({"input": "hi", "tool_choice": "sometimes"}, "tool_choice", "'auto'"),
-    ({"input": [], "model": "smollm2"}, "input", "empty"),
-    ({"input": "hi", "model": "gpt-9"}, "model", "does not exist"),
-    ({}, "input", "Field required"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+        ({"input": "hi", "background": True, "store": False}, "store", "stored"),
+        ({"input": "hi", "background": True, "stream": True}, "background", "poll"),
+        ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
+        ({"input": "hi", "tool_choice": "sometimes"}, "tool_choice", "'auto'"),
+        ({"input": [], "model": "smollm2"}, "input", "empty"),
+        ({"input": "hi", "model": "gpt-9"}, "model", "does not exist"),
+        ({}, "input", "Field required"),
+    ],
+)
 async def test_bad_requests_are_4xx_naming_the_responses_parameter(client, body, param, words):
     response = await client.post("/v1/responses", json=body)
     assert 400 <= response.status_code < 500, response.text
@@ -355,26 +410,35 @@ async def test_retrieving_an_unknown_response_is_a_404(client):
 def test_message_items_put_reasoning_first_and_calls_last():
     from tokenloom.api.protocol import ChatMessage, FunctionCall, ToolCall
 
-    message = ChatMessage(role="assistant", content="Text.", reasoning_content="Thought.",
-                          tool_calls=[ToolCall(id="x", function=FunctionCall(name="f", arguments="{}"))])
+    message = ChatMessage(
+        role="assistant",
+        content="Text.",
+        reasoning_content="Thought.",
+        tool_calls=[ToolCall(id="x", function=FunctionCall(name="f", arguments="{}"))],
+    )
     items = message_items(message, "incomplete")
     assert [item.type for item in items] == ["reasoning", "message", "function_call"]
     assert all(item.status == "incomplete" for item in items) and isinstance(items[1], MessageItem)
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("tool_choice, reply", [
-    ({"type": "function", "name": "get_weather"}, json.dumps(WEATHER[1])),
-    ("required", json.dumps([{"name": WEATHER[0], "parameters": WEATHER[1]}])),
-], ids=["named", "required"])
+@pytest.mark.parametrize(
+    "tool_choice, reply",
+    [
+        ({"type": "function", "name": "get_weather"}, json.dumps(WEATHER[1])),
+        ("required", json.dumps([{"name": WEATHER[0], "parameters": WEATHER[1]}])),
+    ],
+    ids=["named", "required"],
+)
 async def test_forced_tool_choice_gives_function_calls_whole_and_streamed(make_app, tokenizer, tool_choice, reply):
     engine, app = app_with(make_app, tokenizer, reply)
     body = {"input": "Weather?", "tools": TOOLS, "tool_choice": tool_choice}
     async with client_for(app) as http_client:
         whole = (await http_client.post("/v1/responses", json=body)).json()
         events = sse_blocks((await http_client.post("/v1/responses", json={**body, "stream": True})).text)
-    assert [(item["type"], item["name"], json.loads(item["arguments"])) for item in whole["output"]] == \
-        [("function_call", *WEATHER)]
+    assert [(item["type"], item["name"], json.loads(item["arguments"])) for item in whole["output"]] == [
+        ("function_call", *WEATHER)
+    ]
     assert items_without_ids(events[-1]["response"]["output"]) == items_without_ids(whole["output"])
     # the arguments were generated under the tool's schema, as in chat
     assert engine.requests[0].params.structured_outputs is not None

@@ -37,13 +37,15 @@ async def collect(engine: AsyncLLM, request_id: str, prompt, params) -> tuple[st
 
 def test_concurrent_streams_equal_offline_greedy(engine, tiny_llama_dir):
     offline = LLM(model=tiny_llama_dir, dtype="float32", block_size=4).generate(
-        [PROMPT, "Numbers: 1, 2,"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        [PROMPT, "Numbers: 1, 2,"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
 
     async def run():
         await engine.start()
         try:
-            return await asyncio.gather(collect(engine, "a", PROMPT, delta_params(10)),
-                                        collect(engine, "b", "Numbers: 1, 2,", delta_params(10)))
+            return await asyncio.gather(
+                collect(engine, "a", PROMPT, delta_params(10)), collect(engine, "b", "Numbers: 1, 2,", delta_params(10))
+            )
         finally:
             await engine.shutdown()
 
@@ -155,7 +157,8 @@ def test_an_idle_engine_maps_unused_kv_blocks_without_touching_used_ones(engine,
     """Prefaulting writes zeros only above the high-water mark of blocks ever handed out: a
     request's KV survives it, and greedy output after it equals the offline engine's."""
     offline = LLM(model=tiny_llama_dir, dtype="float32", block_size=4).generate(
-        [PROMPT, PROMPT + " It"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        [PROMPT, PROMPT + " It"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
 
     async def run():
         await engine.start()

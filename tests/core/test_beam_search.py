@@ -34,9 +34,10 @@ def test_beams_are_distinct_sorted_and_their_logprobs_check_out(llm):
     # the model scores each beam's tokens the same way when they are fed back as a prompt
     for sequence in sequences:
         assert len(sequence.output_token_ids) == 6
-        check = llm.generate([{"prompt_token_ids": sequence.tokens}],
-                             SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        tail = check.prompt_logprobs[sequence.num_prompt_tokens:]
+        check = llm.generate([{"prompt_token_ids": sequence.tokens}], SamplingParams(max_tokens=1, prompt_logprobs=0))[
+            0
+        ]
+        tail = check.prompt_logprobs[sequence.num_prompt_tokens :]
         recomputed = sum(entry[token].logprob for entry, token in zip(tail, sequence.output_token_ids))
         assert recomputed == pytest.approx(sequence.cum_logprob, abs=1e-3)
         assert sequence.text == llm.get_tokenizer().decode(sequence.output_token_ids, skip_special_tokens=True)

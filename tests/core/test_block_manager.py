@@ -8,15 +8,15 @@ import random
 import pytest
 
 from tokenloom.core.block_manager import BlockManager
-from tokenloom.core.request import Request, SamplingParams
+from tokenloom.core.request import SamplingParams, Sequence
 from tokenloom.errors import ConfigError
 
 
-def make_request(request_id: str, prompt: list[int]) -> Request:
-    return Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
+def make_request(request_id: str, prompt: list[int]) -> Sequence:
+    return Sequence(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
 
 
-def prefill(manager: BlockManager, request: Request, use_cache: bool = True) -> int:
+def prefill(manager: BlockManager, request: Sequence, use_cache: bool = True) -> int:
     """Allocate the whole (uncached part of the) sequence as a scheduler would, then mark it
     computed; returns the number of tokens the prefix cache supplied."""
     computed_blocks, num_cached = manager.get_computed_blocks(request) if use_cache else (None, 0)
@@ -26,7 +26,7 @@ def prefill(manager: BlockManager, request: Request, use_cache: bool = True) -> 
     return num_cached
 
 
-def decode(manager: BlockManager, request: Request, token_id: int) -> list[int] | None:
+def decode(manager: BlockManager, request: Sequence, token_id: int) -> list[int] | None:
     """One decode step: the sampled token joins the sequence and gets a KV slot."""
     request.output_token_ids.append(token_id)
     new_blocks = manager.allocate_slots(request, 1)
@@ -162,8 +162,9 @@ def test_uncomputed_blocks_are_not_cached():
 
 def test_eviction_reuses_uncached_blocks_first_then_least_recently_freed():
     manager = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
-    requests = {name: make_request(name, [base, base + 1, base + 2]) for name, base in
-                (("a", 10), ("b", 20), ("c", 30))}
+    requests = {
+        name: make_request(name, [base, base + 1, base + 2]) for name, base in (("a", 10), ("b", 20), ("c", 30))
+    }
     for request in requests.values():
         prefill(manager, request)
     for name in ("a", "b", "c"):
@@ -173,8 +174,10 @@ def test_eviction_reuses_uncached_blocks_first_then_least_recently_freed():
     assert manager.num_free_blocks == 6
 
     def hits() -> tuple[int, ...]:
-        return tuple(manager.get_computed_blocks(make_request(f"probe-{base}", [base, base + 1, base + 2]))[1]
-                     for base in (10, 20, 30))
+        return tuple(
+            manager.get_computed_blocks(make_request(f"probe-{base}", [base, base + 1, base + 2]))[1]
+            for base in (10, 20, 30)
+        )
 
     # a hit on a free cached block takes it out of the LRU queue; freeing it again makes it
     # the most recently freed
@@ -278,11 +281,12 @@ def test_bad_construction_arguments_are_config_errors():
 def test_random_workload_leaves_every_block_free(seed):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
-    manager = BlockManager(num_blocks=rng.randint(6, 24), block_size=block_size,
-                           enable_prefix_caching=rng.random() < 0.8)
+    manager = BlockManager(
+        num_blocks=rng.randint(6, 24), block_size=block_size, enable_prefix_caching=rng.random() < 0.8
+    )
     # few distinct prefixes, so requests share blocks often
     prefixes = [[rng.randrange(5) for _ in range(rng.randint(1, 12))] for _ in range(4)]
-    live: dict[str, Request] = {}
+    live: dict[str, Sequence] = {}
     for step in range(300):
         action = rng.random()
         if action < 0.3 and len(live) < 8:
@@ -322,9 +326,10 @@ def test_random_workload_leaves_every_block_free(seed):
 # ---- isolation: cache_salt, sha256 by default, hits checked against content -----------------
 
 
-def salted_request(request_id: str, prompt: list[int], cache_salt: str | None) -> Request:
-    return Request(request_id=request_id, prompt_token_ids=list(prompt),
-                   sampling_params=SamplingParams(cache_salt=cache_salt))
+def salted_request(request_id: str, prompt: list[int], cache_salt: str | None) -> Sequence:
+    return Sequence(
+        request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams(cache_salt=cache_salt)
+    )
 
 
 def test_sha256_is_the_default_hash():
@@ -419,20 +424,26 @@ def test_every_hit_holds_exactly_the_requests_prefix(seed, weak_hash):
     request's salt and tokens up to the end of that block."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
-    manager = BlockManager(num_blocks=rng.randint(8, 24), block_size=block_size, enable_prefix_caching=True,
-                           hash_algo=rng.choice(["builtin", "sha256"]))
+    manager = BlockManager(
+        num_blocks=rng.randint(8, 24),
+        block_size=block_size,
+        enable_prefix_caching=True,
+        hash_algo=rng.choice(["builtin", "sha256"]),
+    )
     if weak_hash:
         collide_every_hash(manager, lambda parent, token_ids: sum(token_ids) % 3)
     # what each block's KV was computed for: (salt, all tokens up to the end of the block)
     written: dict[int, tuple] = {}
-    live: dict[str, Request] = {}
+    live: dict[str, Sequence] = {}
     num_hits = 0
 
-    def record_writes(request: Request, first_new_block: int) -> None:
+    def record_writes(request: Sequence, first_new_block: int) -> None:
         table = manager.get_block_table(request.request_id)
         for block_index in range(first_new_block, request.num_computed_tokens // block_size):
-            written[table[block_index]] = (request.sampling_params.cache_salt,
-                                           tuple(request.all_token_ids[:(block_index + 1) * block_size]))
+            written[table[block_index]] = (
+                request.sampling_params.cache_salt,
+                tuple(request.all_token_ids[: (block_index + 1) * block_size]),
+            )
 
     for step in range(300):
         if rng.random() < 0.5 and len(live) < 6:
@@ -440,8 +451,10 @@ def test_every_hit_holds_exactly_the_requests_prefix(seed, weak_hash):
             request = salted_request(f"r{step}", prompt, rng.choice([None, "a", "b"]))
             hit_blocks, num_cached = manager.get_computed_blocks(request)
             for block_index, block_id in enumerate(hit_blocks):
-                assert written[block_id] == (request.sampling_params.cache_salt,
-                                             tuple(request.all_token_ids[:(block_index + 1) * block_size]))
+                assert written[block_id] == (
+                    request.sampling_params.cache_salt,
+                    tuple(request.all_token_ids[: (block_index + 1) * block_size]),
+                )
             num_hits += len(hit_blocks)
             if manager.allocate_slots(request, request.num_tokens - num_cached, hit_blocks) is None:
                 manager.free(request)

@@ -32,21 +32,30 @@ def test_engine_args_hold_every_group_field_with_the_groups_defaults():
 
 def test_defaults_give_the_groups_defaults():
     config = EngineArgs().create_engine_config()
-    assert config == EngineConfig(**{group: cls() for group, cls in _GROUPS},
-                                  structured_output=StructuredOutputConfig())
+    assert config == EngineConfig(
+        **{group: cls() for group, cls in _GROUPS}, structured_output=StructuredOutputConfig()
+    )
 
 
 def test_values_land_in_their_groups():
-    args = EngineArgs(model="m", max_model_len=64, block_size=8, max_num_seqs=4, device="cpu",
-                      load_format="dummy", tensor_parallel_size=1, served_model_name="alias",
-                      guided_decoding_backend="xgrammar", reasoning_parser="deepseek_r1")
+    args = EngineArgs(
+        model="m",
+        max_model_len=64,
+        block_size=8,
+        max_num_seqs=4,
+        device="cpu",
+        load_format="dummy",
+        tensor_parallel_size=1,
+        served_model_name="alias",
+        guided_decoding_backend="xgrammar",
+        reasoning_parser="deepseek_r1",
+    )
     assert args.max_model_len == 64 and args.reasoning_parser == "deepseek_r1"  # plain typed attributes
     config = args.create_engine_config()
     assert (config.model.model, config.model.max_model_len, config.model.served_model_name) == ("m", 64, ["alias"])
     assert (config.cache.block_size, config.scheduler.max_num_seqs, config.device.device) == (8, 4, "cpu")
     assert config.load.load_format == "dummy"
-    assert (config.structured_output.backend, config.structured_output.reasoning_parser) == ("xgrammar",
-                                                                                            "deepseek_r1")
+    assert (config.structured_output.backend, config.structured_output.reasoning_parser) == ("xgrammar", "deepseek_r1")
 
 
 def test_unknown_names_suggest_the_closest_one():

@@ -5,8 +5,6 @@ complete and equal to an unchunked run's however the prefill is split or recompu
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -32,9 +30,10 @@ def reference_tokens(tiny_llama_dir):
     for prompt in PROMPTS:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            generated = model.generate(input_ids, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)
-        expected.append(generated[0, input_ids.shape[1]:].tolist())
+            generated = model.generate(
+                input_ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        expected.append(generated[0, input_ids.shape[1] :].tolist())
     return expected
 
 
@@ -104,13 +103,18 @@ def unchunked_prompt_logprobs(tiny_llama_dir):
     return prompt_logprob_runs(llm, prompts, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))
 
 
-@pytest.mark.parametrize("engine_args", [
-    pytest.param(dict(max_num_batched_tokens=16, enable_prefix_caching=False), id="chunked"),
-    # the repeated prompts would hit the prefix cache, but these requests recompute every position
-    pytest.param(dict(max_num_batched_tokens=16, enable_prefix_caching=True, block_size=4), id="chunked-prefix-cache"),
-    # a KV pool too small for all of them: sequences are preempted after their first tokens
-    pytest.param(dict(max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=24), id="chunked-preempted"),
-])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        pytest.param(dict(max_num_batched_tokens=16, enable_prefix_caching=False), id="chunked"),
+        # the repeated prompts would hit the prefix cache, but these requests recompute every position
+        pytest.param(
+            dict(max_num_batched_tokens=16, enable_prefix_caching=True, block_size=4), id="chunked-prefix-cache"
+        ),
+        # a KV pool too small for all of them: sequences are preempted after their first tokens
+        pytest.param(dict(max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=24), id="chunked-preempted"),
+    ],
+)
 def test_prompt_logprobs_of_a_chunked_prefill_are_complete(tiny_llama_dir, unchunked_prompt_logprobs, engine_args):
     llm = LLM(model=tiny_llama_dir, dtype="float32", **engine_args)
     prompts = [LONG_PROMPT] * 3 + PROMPTS  # the long one (~50 tokens) takes several 16-token chunks
@@ -129,8 +133,9 @@ def test_prompt_logprobs_come_once_and_complete_in_delta_outputs(tiny_llama_dir,
 
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=16)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, n=2,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, n=2, output_kind=RequestOutputKind.DELTA
+    )
     for index, prompt in enumerate([LONG_PROMPT, LONG_PROMPT, PROMPTS[0]]):
         engine.add_request(f"r{index}", prompt, params)
     received: dict[str, list] = {}

@@ -16,9 +16,15 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.core.engine import AsyncLLM
 from tokenloom.errors import InvalidRequestError
 
-SCHEMA = {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]}, "fresh": {"type": "boolean"},
-                                           "code": {"type": "string", "pattern": "^[a-z]{2}$"}},
-          "required": ["size", "fresh", "code"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "size": {"enum": ["S", "M", "L"]},
+        "fresh": {"type": "boolean"},
+        "code": {"type": "string", "pattern": "^[a-z]{2}$"},
+    },
+    "required": ["size", "fresh", "code"],
+}
 REGEX = r"[0-9]{3}-[a-z]{2}"
 CHOICES = ["apple", "banana split", "cherry"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away", "1, 2, 3,"]
@@ -48,8 +54,11 @@ def constraint(kind: str, backend: str | None = None) -> dict:
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines", "lm-format-enforcer"])
 def test_every_backend_makes_random_weights_produce_valid_output(llm, backend):
     kinds = ["json", "regex", "choice"]
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=constraint(kind, backend))
-              for kind in kinds for seed in range(2)]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=constraint(kind, backend))
+        for kind in kinds
+        for seed in range(2)
+    ]
     outputs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
     for output, kind in zip(outputs, [kind for kind in kinds for _ in range(2)]):
         assert output.outputs[0].finish_reason == "stop"
@@ -77,8 +86,9 @@ def test_n_sequences_each_get_their_own_matcher_and_seeds_reproduce(llm):
     assert [c.text for c in first.outputs] == [c.text for c in again.outputs]
     for completion in first.outputs:
         check("json", completion.text)
-    logprob_params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, logprobs=2, stop=["-"],
-                                    structured_outputs=constraint("regex"))
+    logprob_params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40, logprobs=2, stop=["-"], structured_outputs=constraint("regex")
+    )
     output = llm.generate([PROMPTS[1]], logprob_params)[0].outputs[0]
     assert output.text == re.match(r"[0-9]{3}", output.text).group(0)  # cut by the stop string
     assert len(output.logprobs) == len(output.token_ids)
@@ -88,8 +98,13 @@ def test_a_compiling_request_waits_outside_the_scheduler_without_stalling_others
     engine = llm.engine
     grammar_test_backends.COMPILE_GATE.clear()
     try:
-        engine.add_request("guided", PROMPTS[0], SamplingParams(
-            temperature=0.0, max_tokens=30, structured_outputs={"regex": "[a-c]{4}", "backend": "gated"}))
+        engine.add_request(
+            "guided",
+            PROMPTS[0],
+            SamplingParams(
+                temperature=0.0, max_tokens=30, structured_outputs={"regex": "[a-c]{4}", "backend": "gated"}
+            ),
+        )
         engine.add_request("free", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         finished = {}
         while "free" not in finished:
@@ -106,8 +121,11 @@ def test_a_compiling_request_waits_outside_the_scheduler_without_stalling_others
 def test_a_failed_deferred_compile_finishes_that_request_with_the_error(llm):
     grammar_test_backends.COMPILE_GATE.clear()
     try:
-        llm.engine.add_request("refused", PROMPTS[0], SamplingParams(
-            max_tokens=5, structured_outputs={"regex": "refuse", "backend": "gated"}))
+        llm.engine.add_request(
+            "refused",
+            PROMPTS[0],
+            SamplingParams(max_tokens=5, structured_outputs={"regex": "refuse", "backend": "gated"}),
+        )
     finally:
         grammar_test_backends.COMPILE_GATE.set()
     outputs = []
@@ -119,10 +137,15 @@ def test_a_failed_deferred_compile_finishes_that_request_with_the_error(llm):
 
 
 def test_a_backend_failing_mid_generation_fails_only_its_request(llm):
-    broken, healthy = llm.generate(PROMPTS[:2], [
-        SamplingParams(temperature=0.0, max_tokens=30, structured_outputs={"regex": "[a-z]{9}", "backend": "breaking"}),
-        SamplingParams(temperature=0.0, max_tokens=30, structured_outputs={"regex": "[a-z]{9}"}),
-    ])
+    broken, healthy = llm.generate(
+        PROMPTS[:2],
+        [
+            SamplingParams(
+                temperature=0.0, max_tokens=30, structured_outputs={"regex": "[a-z]{9}", "backend": "breaking"}
+            ),
+            SamplingParams(temperature=0.0, max_tokens=30, structured_outputs={"regex": "[a-z]{9}"}),
+        ],
+    )
     assert broken.outputs[0].finish_reason == "error"
     assert "the matcher broke on purpose" in broken.outputs[0].stop_reason
     assert len(broken.outputs[0].token_ids) <= grammar_test_backends.BREAK_AFTER_TOKENS + 1
@@ -131,8 +154,12 @@ def test_a_backend_failing_mid_generation_fails_only_its_request(llm):
 
 
 def test_the_constraint_starts_after_the_reasoning_section(tiny_llama_dir):
-    reasoning = LLM(model=tiny_llama_dir, dtype="float32", plugins=["tests.core.grammar_test_backends"],
-                    reasoning_parser="first_tokens")
+    reasoning = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        plugins=["tests.core.grammar_test_backends"],
+        reasoning_parser="first_tokens",
+    )
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured_outputs={"regex": "[0-9]{6}"})
     output = reasoning.generate([PROMPTS[2]], params)[0].outputs[0]
     thinking = grammar_test_backends.REASONING_TOKENS
@@ -142,13 +169,16 @@ def test_the_constraint_starts_after_the_reasoning_section(tiny_llama_dir):
     assert not re.fullmatch("[0-9]*", free)  # random weights: the reasoning part was not constrained
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"regex": "a(b"}, "xgrammar cannot compile a regex"),
-    ({"grammar": "root ::= missing", "backend": "xgrammar"}, 'Rule "missing" is not defined'),
-    ({"grammar": "root ::= \"a\"", "backend": "outlines"}, "outlines (outlines-core) compiles regular languages"),
-    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "xgrammar cannot compile"),
-    ({"regex": "a", "backend": "guidance"}, "unknown guided_decoding_backend 'guidance'"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"regex": "a(b"}, "xgrammar cannot compile a regex"),
+        ({"grammar": "root ::= missing", "backend": "xgrammar"}, 'Rule "missing" is not defined'),
+        ({"grammar": 'root ::= "a"', "backend": "outlines"}, "outlines (outlines-core) compiles regular languages"),
+        ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "xgrammar cannot compile"),
+        ({"regex": "a", "backend": "guidance"}, "unknown guided_decoding_backend 'guidance'"),
+    ],
+)
 def test_bad_constraints_fail_in_the_prepare_step(llm, bad, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
         llm.engine.submit_structured_output(SamplingParams(structured_outputs=bad)).result()

@@ -33,31 +33,37 @@ def model_config(**values):
 # -- the runner ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags, registered, expected", [
-    ({}, "generate", "generate"),
-    ({}, "pooling", "pooling"),
-    ({"runner": "pooling"}, "generate", "pooling"),  # converted to an embedding model
-    ({"convert": "embed"}, "generate", "pooling"),
-    ({"task": "embed"}, "generate", "pooling"),
-    ({"task": "embedding"}, "pooling", "pooling"),
-    ({"task": "score"}, "pooling", "pooling"),
-    ({"task": "generate"}, "generate", "generate"),
-    ({"convert": "embed", "runner": "pooling"}, "pooling", "pooling"),
-])
+@pytest.mark.parametrize(
+    "flags, registered, expected",
+    [
+        ({}, "generate", "generate"),
+        ({}, "pooling", "pooling"),
+        ({"runner": "pooling"}, "generate", "pooling"),  # converted to an embedding model
+        ({"convert": "embed"}, "generate", "pooling"),
+        ({"task": "embed"}, "generate", "pooling"),
+        ({"task": "embedding"}, "pooling", "pooling"),
+        ({"task": "score"}, "pooling", "pooling"),
+        ({"task": "generate"}, "generate", "generate"),
+        ({"convert": "embed", "runner": "pooling"}, "pooling", "pooling"),
+    ],
+)
 def test_runner_follows_flags_then_registration(flags, registered, expected):
     assert resolve_runner(model_config(**flags), "Arch", registered) == expected
 
 
-@pytest.mark.parametrize("flags, registered, message", [
-    ({"runner": "generate"}, "pooling", "cannot generate"),
-    ({"task": "generate"}, "pooling", "cannot generate"),
-    ({"runner": "generate", "convert": "embed"}, "generate", "contradict"),
-    ({"task": "classify"}, "pooling", "classifier"),
-    ({"task": "reward"}, "generate", "not supported"),
-    ({"convert": "classify"}, "generate", "only --convert embed"),
-    ({"runner": "pooling", "convert": "none"}, "generate", "--convert embed"),
-    ({"runner": "draft"}, "generate", "generate or pooling"),
-])
+@pytest.mark.parametrize(
+    "flags, registered, message",
+    [
+        ({"runner": "generate"}, "pooling", "cannot generate"),
+        ({"task": "generate"}, "pooling", "cannot generate"),
+        ({"runner": "generate", "convert": "embed"}, "generate", "contradict"),
+        ({"task": "classify"}, "pooling", "classifier"),
+        ({"task": "reward"}, "generate", "not supported"),
+        ({"convert": "classify"}, "generate", "only --convert embed"),
+        ({"runner": "pooling", "convert": "none"}, "generate", "--convert embed"),
+        ({"runner": "draft"}, "generate", "generate or pooling"),
+    ],
+)
 def test_impossible_runner_choices_are_config_errors(flags, registered, message):
     with pytest.raises(ConfigError, match=message):
         resolve_runner(model_config(**flags), "Arch", registered)
@@ -68,8 +74,13 @@ def test_impossible_runner_choices_are_config_errors(flags, registered, message)
 
 def write_sentence_transformers(directory, modules, pooling=None, max_seq_length=None):
     with open(os.path.join(directory, "modules.json"), "w") as handle:
-        json.dump([{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
-                   for i, (kind, path) in enumerate(modules)], handle)
+        json.dump(
+            [
+                {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+                for i, (kind, path) in enumerate(modules)
+            ],
+            handle,
+        )
     if pooling is not None:
         os.makedirs(os.path.join(directory, "1_Pooling"), exist_ok=True)
         with open(os.path.join(directory, "1_Pooling", "config.json"), "w") as handle:
@@ -104,27 +115,34 @@ def test_pooler_config_flag_overrides_the_files_field_by_field(tmp_path):
     write_sentence_transformers(tmp_path, [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_N")], MEAN)
     resolved = resolve_pooler_config(str(tmp_path), model_config(override_pooler_config={"pooling_type": "last"}))
     assert resolved == PoolerConfig(pooling_type="LAST", normalize=True)
-    resolved = resolve_pooler_config(str(tmp_path / "model.safetensors"),
-                                     model_config(override_pooler_config={"normalize": False, "softmax": True}))
+    resolved = resolve_pooler_config(
+        str(tmp_path / "model.safetensors"), model_config(override_pooler_config={"normalize": False, "softmax": True})
+    )
     assert resolved == PoolerConfig(pooling_type="MEAN", normalize=False, softmax=True)
 
 
-@pytest.mark.parametrize("modules, pooling, message", [
-    ([("Transformer", ""), ("Pooling", "1_Pooling"), ("Dense", "2_Dense")], MEAN, "Dense"),
-    ([("Transformer", ""), ("Pooling", "1_Pooling")], {"pooling_mode_max_tokens": True}, "max_tokens"),
-    ([("Transformer", ""), ("Pooling", "1_Pooling")], {**MEAN, "pooling_mode_cls_token": True}, "exactly one"),
-])
+@pytest.mark.parametrize(
+    "modules, pooling, message",
+    [
+        ([("Transformer", ""), ("Pooling", "1_Pooling"), ("Dense", "2_Dense")], MEAN, "Dense"),
+        ([("Transformer", ""), ("Pooling", "1_Pooling")], {"pooling_mode_max_tokens": True}, "max_tokens"),
+        ([("Transformer", ""), ("Pooling", "1_Pooling")], {**MEAN, "pooling_mode_cls_token": True}, "exactly one"),
+    ],
+)
 def test_unsupported_sentence_transformers_setups_are_load_errors(tmp_path, modules, pooling, message):
     write_sentence_transformers(tmp_path, modules, pooling)
     with pytest.raises(ModelLoadError, match=message):
         sentence_transformers_pooler(str(tmp_path))
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"pooling_type": "MAX"}, "pooling_type must be one of"),
-    ({"normalise": True}, "unknown key"),
-    ({"normalize": "yes"}, "true or false"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"pooling_type": "MAX"}, "pooling_type must be one of"),
+        ({"normalise": True}, "unknown key"),
+        ({"normalize": "yes"}, "true or false"),
+    ],
+)
 def test_bad_pooler_config_json_names_the_flag(values, message):
     with pytest.raises(ConfigError, match=message) as error:
         PoolerConfig.from_dict(values)
@@ -149,10 +167,14 @@ def test_dimensions_need_a_matryoshka_model():
         check_pooling_params(PoolingParams(dimensions=100), listed)
 
 
-@pytest.mark.parametrize("values, param", [
-    ({"dimensions": 0}, "dimensions"), ({"dimensions": True}, "dimensions"),
-    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "values, param",
+    [
+        ({"dimensions": 0}, "dimensions"),
+        ({"dimensions": True}, "dimensions"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ],
+)
 def test_pooling_params_are_validated_on_construction(values, param):
     with pytest.raises(InvalidRequestError) as error:
         PoolingParams(**values)
@@ -175,19 +197,23 @@ def test_text_prompts_are_truncated_by_the_tokenizer_keeping_special_tokens(toke
 
 
 def test_token_id_prompts_keep_their_last_tokens_and_may_fill_the_context(tokenizer):
-    ids, text = prepare_pooling_prompt({"prompt_token_ids": [5, 6, 7, 8]}, PoolingParams(truncate_prompt_tokens=2),
-                                       tokenizer, 100, 4)
+    ids, text = prepare_pooling_prompt(
+        {"prompt_token_ids": [5, 6, 7, 8]}, PoolingParams(truncate_prompt_tokens=2), tokenizer, 100, 4
+    )
     assert (ids, text) == ([7, 8], None)
     assert prepare_pooling_prompt([1, 2, 3, 4], PoolingParams(), tokenizer, 100, 4)[0] == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("prompt, error, message", [
-    ([1, 2, 3, 4, 5], ContextLengthError, "at most 4"),
-    ([], InvalidRequestError, "empty"),
-    ([1, 100], InvalidRequestError, "out of the vocabulary"),
-    (3.5, InvalidRequestError, "string or a list of token ids"),
-    ({"text": "x"}, InvalidRequestError, "prompt_token_ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, error, message",
+    [
+        ([1, 2, 3, 4, 5], ContextLengthError, "at most 4"),
+        ([], InvalidRequestError, "empty"),
+        ([1, 100], InvalidRequestError, "out of the vocabulary"),
+        (3.5, InvalidRequestError, "string or a list of token ids"),
+        ({"text": "x"}, InvalidRequestError, "prompt_token_ids"),
+    ],
+)
 def test_bad_pooling_prompts_are_rejected(tokenizer, prompt, error, message):
     with pytest.raises(error, match=message):
         prepare_pooling_prompt(prompt, PoolingParams(), tokenizer, 100, 4)

@@ -131,9 +131,7 @@ def test_presence_and_frequency_penalties_are_exact():
 
 def test_repetition_penalty_covers_prompt_and_output_and_comes_after_presence():
     logits = [2.0, 3.0, -1.0, 4.0, -2.0]
-    state = make_state(
-        temperature=0.0, prompt=[0, 2], output=[3, 3], repetition_penalty=2.0, presence_penalty=1.0
-    )
+    state = make_state(temperature=0.0, prompt=[0, 2], output=[3, 3], repetition_penalty=2.0, presence_penalty=1.0)
     # token 3: 4 - 1 (presence) = 3, then / 2; prompt tokens 0 and 2: / 2 and * 2
     assert processed_logits(logits, state) == [1.0, 3.0, -2.0, 1.5, -2.0]
 

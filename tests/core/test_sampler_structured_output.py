@@ -58,8 +58,12 @@ def test_a_seeded_constrained_row_does_not_depend_on_the_rest_of_the_batch():
     logits = torch.randn(3, VOCAB_SIZE)
     allowed = list(range(0, VOCAB_SIZE, 3))
     alone = sample(logits[:1], states(SamplingParams(seed=7)), [0], masks(allowed))
-    in_batch = sample(logits, states(SamplingParams(seed=7), SamplingParams(), SamplingParams(temperature=0.0)),
-                      [0, 2], masks(allowed, [5]))
+    in_batch = sample(
+        logits,
+        states(SamplingParams(seed=7), SamplingParams(), SamplingParams(temperature=0.0)),
+        [0, 2],
+        masks(allowed, [5]),
+    )
     assert alone.token_ids[0] == in_batch.token_ids[0] and in_batch.token_ids[2] == 5
 
 

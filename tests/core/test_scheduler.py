@@ -14,7 +14,7 @@ import pytest
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenloom.core.config import CacheConfig, SchedulerConfig
-from tokenloom.core.request import Request, RequestStatus, SamplingParams
+from tokenloom.core.request import SamplingParams, Sequence, SequenceStatus
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
@@ -31,7 +31,7 @@ def expected_tokens(prompt: list[int], num_tokens: int) -> list[int]:
     context = list(prompt)
     for _ in range(num_tokens):
         context.append(hash_next_token("", context))
-    return context[len(prompt):]
+    return context[len(prompt) :]
 
 
 @dataclass
@@ -66,13 +66,15 @@ class FakeWorker:
         for new in scheduler_output.scheduled_new_reqs:
             assert new.req_id not in self.states
             self.states[new.req_id] = WorkerRequestState(
-                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids), new.num_computed_tokens)
+                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens
             state.block_table.extend(cached.new_block_ids)
         scheduled_ids = {n.req_id for n in scheduler_output.scheduled_new_reqs} | {
-            c.req_id for c in scheduler_output.scheduled_cached_reqs}
+            c.req_id for c in scheduler_output.scheduled_cached_reqs
+        }
         assert scheduled_ids == set(scheduler_output.num_scheduled_tokens)
         owners = Counter(block_id for state in self.states.values() for block_id in state.block_table)
 
@@ -100,30 +102,43 @@ class FakeWorker:
             output.sampled_token_ids[req_id] = [token_id]
             if self.logprobs:
                 output.logprobs[req_id] = [TokenLogprobs(token_ids=[token_id], logprobs=[-0.5], rank=1)]
-        output.errors = {req_id: message for req_id, message in self.errors.items()
-                         if req_id in scheduler_output.num_scheduled_tokens}
+        output.errors = {
+            req_id: message
+            for req_id, message in self.errors.items()
+            if req_id in scheduler_output.num_scheduled_tokens
+        }
         return output
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, **scheduler_args) -> Scheduler:
     enable_prefix_caching = scheduler_args.pop("enable_prefix_caching", True)
-    return Scheduler(SchedulerConfig(**scheduler_args),
-                     CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-                     num_blocks=num_blocks, max_model_len=max_model_len)
+    return Scheduler(
+        SchedulerConfig(**scheduler_args),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )
 
 
-def make_request(request_id: str, prompt, priority: int = 0, arrival_time: float | None = None,
-                 **sampling_args) -> Request:
+def make_request(
+    request_id: str, prompt, priority: int = 0, arrival_time: float | None = None, **sampling_args
+) -> Sequence:
     sampling_args.setdefault("max_tokens", 8)
     extra = {} if arrival_time is None else {"arrival_time": arrival_time}
-    return Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams(**sampling_args),
-                   eos_token_ids={EOS}, priority=priority, **extra)
+    return Sequence(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(**sampling_args),
+        eos_token_ids={EOS},
+        priority=priority,
+        **extra,
+    )
 
 
 @dataclass
 class Run:
     outputs: list[SchedulerOutput] = field(default_factory=list)
-    finished: dict[str, Request] = field(default_factory=dict)
+    finished: dict[str, Sequence] = field(default_factory=dict)
 
 
 def run(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 500, run_log: Run | None = None) -> Run:
@@ -169,7 +184,7 @@ def test_budget_and_sequence_cap_hold_every_step_and_outputs_are_exact():
     assert any(o.total_num_scheduled_tokens == 32 for o in result.outputs)  # the budget was binding
     for req_id, prompt in prompts.items():
         request = result.finished[req_id]
-        assert request.status is RequestStatus.FINISHED_LENGTH
+        assert request.status is SequenceStatus.FINISHED_LENGTH
         assert request.output_token_ids == expected_tokens(prompt, 3 + len(prompt) % 7)
     assert scheduler.block_manager.num_free_blocks == 200
 
@@ -185,7 +200,11 @@ def test_long_prompt_is_chunked_while_another_request_decodes():
     scheduler.add_request(make_request("long", long_prompt, max_tokens=3, ignore_eos=True))
     outputs = [step(scheduler, worker) for _ in range(4)]
     assert [o.num_scheduled_tokens for o in outputs] == [
-        {"short": 1, "long": 15}, {"short": 1, "long": 15}, {"short": 1, "long": 10}, {"short": 1, "long": 1}]
+        {"short": 1, "long": 15},
+        {"short": 1, "long": 15},
+        {"short": 1, "long": 10},
+        {"short": 1, "long": 1},
+    ]
     assert new_ids(outputs[0]) == ["long"]
     assert [c.num_computed_tokens for c in outputs[1].scheduled_cached_reqs if c.req_id == "long"] == [15]
     assert [c.num_computed_tokens for c in outputs[2].scheduled_cached_reqs if c.req_id == "long"] == [30]
@@ -202,14 +221,15 @@ def test_a_prompt_waits_while_an_earlier_prompt_takes_the_whole_budget():
     scheduler.add_request(make_request("long", range(3, 40), ignore_eos=True))
     scheduler.add_request(make_request("short", range(50, 52), ignore_eos=True))
     assert [step(scheduler, worker).num_scheduled_tokens for _ in range(3)] == [{"long": 8}] * 3
-    scheduler.finish_requests("long", RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests("long", SequenceStatus.FINISHED_ABORTED)
     assert step(scheduler, worker).num_scheduled_tokens == {"short": 2}
 
 
 def test_partial_prefill_limit_and_long_prefill_threshold():
     for max_partial, expected in ((1, {"a": 8}), (2, {"a": 8, "b": 8})):
-        scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8,
-                                   max_num_partial_prefills=max_partial)
+        scheduler = make_scheduler(
+            max_num_batched_tokens=32, long_prefill_token_threshold=8, max_num_partial_prefills=max_partial
+        )
         scheduler.add_request(make_request("a", range(3, 40)))
         scheduler.add_request(make_request("b", range(50, 90)))
         assert step(scheduler, FakeWorker(64, 4)).num_scheduled_tokens == expected
@@ -263,7 +283,7 @@ def test_preempted_requests_resume_and_match_an_unconstrained_run(enable_prefix_
     for index, output in enumerate(result.outputs):
         scheduled_now = set(output.num_scheduled_tokens)
         for req_id in output.finished_req_ids & set(prompts):
-            later = [n for o in result.outputs[index + 1:] for n in o.scheduled_new_reqs if n.req_id == req_id]
+            later = [n for o in result.outputs[index + 1 :] for n in o.scheduled_new_reqs if n.req_id == req_id]
             if req_id not in scheduled_now and later:
                 resumed_with_output |= bool(later[0].output_token_ids)
     assert resumed_with_output
@@ -284,7 +304,7 @@ def test_preemption_victim_is_the_latest_or_least_important(policy, victim):
             first_preempted = sorted(output.finished_req_ids)
             break
     assert first_preempted == [victim]
-    assert scheduler.get_request(victim).status is RequestStatus.PREEMPTED
+    assert scheduler.get_request(victim).status is SequenceStatus.PREEMPTED
     assert scheduler.get_request(victim).num_computed_tokens == 0
     assert scheduler.num_waiting == 1
 
@@ -312,7 +332,7 @@ def test_a_request_that_outgrows_the_whole_cache_finishes_with_length():
     scheduler.add_request(make_request("greedy", [3, 4, 5], max_tokens=None, ignore_eos=True))
     result = run(scheduler, worker, max_steps=20)
     request = result.finished["greedy"]
-    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert request.status is SequenceStatus.FINISHED_LENGTH
     assert request.num_tokens == 9  # 8 tokens fill both blocks; the 9th has nowhere to go
     assert request.num_preemptions == 0
     assert scheduler.block_manager.num_free_blocks == 2
@@ -321,15 +341,22 @@ def test_a_request_that_outgrows_the_whole_cache_finishes_with_length():
 # ---- order and fairness -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy, expected_order", [
-    ("priority", ["urgent", "urgent-later", "normal", "background"]),
-    ("fcfs", ["background", "urgent", "normal", "urgent-later"]),
-])
+@pytest.mark.parametrize(
+    "policy, expected_order",
+    [
+        ("priority", ["urgent", "urgent-later", "normal", "background"]),
+        ("fcfs", ["background", "urgent", "normal", "urgent-later"]),
+    ],
+)
 def test_waiting_order_by_policy(policy, expected_order):
     scheduler = make_scheduler(max_num_seqs=1, scheduling_policy=policy)
     worker = FakeWorker(64, 4)
-    for req_id, priority, arrival in (("background", 5, 1.0), ("urgent", 0, 2.0), ("normal", 1, 3.0),
-                                      ("urgent-later", 0, 4.0)):
+    for req_id, priority, arrival in (
+        ("background", 5, 1.0),
+        ("urgent", 0, 2.0),
+        ("normal", 1, 3.0),
+        ("urgent-later", 0, 4.0),
+    ):
         scheduler.add_request(make_request(req_id, range(3, 9), priority=priority, arrival_time=arrival, max_tokens=2))
     result = run(scheduler, worker)
     assert [req_id for o in result.outputs for req_id in new_ids(o)] == expected_order
@@ -425,15 +452,15 @@ def test_abort_frees_blocks_at_once_and_reports_the_id_once():
     scheduler.add_request(make_request("waiting", range(3, 5)))
     assert scheduler.block_manager.num_free_blocks == 13
 
-    finished = scheduler.finish_requests(["running", "waiting", "unknown"], RequestStatus.FINISHED_ABORTED)
+    finished = scheduler.finish_requests(["running", "waiting", "unknown"], SequenceStatus.FINISHED_ABORTED)
     assert sorted(r.request_id for r in finished) == ["running", "waiting"]
-    assert all(r.status is RequestStatus.FINISHED_ABORTED for r in finished)
+    assert all(r.status is SequenceStatus.FINISHED_ABORTED for r in finished)
     assert scheduler.block_manager.num_free_blocks == 16
     assert not scheduler.has_unfinished_requests()
     assert scheduler.get_request("running") is None
     assert scheduler.schedule().finished_req_ids == {"running", "waiting"}
     assert scheduler.schedule().finished_req_ids == set()
-    assert scheduler.finish_requests("running", RequestStatus.FINISHED_ABORTED) == []
+    assert scheduler.finish_requests("running", SequenceStatus.FINISHED_ABORTED) == []
 
 
 def test_abort_between_schedule_and_update_is_ignored_by_the_update():
@@ -443,7 +470,7 @@ def test_abort_between_schedule_and_update_is_ignored_by_the_update():
     scheduler.add_request(make_request("b", range(3, 8)))
     output = scheduler.schedule()
     runner_output = worker.execute(output)
-    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests("a", SequenceStatus.FINISHED_ABORTED)
     changed = scheduler.update_from_output(output, runner_output)
     assert [r.request_id for r in changed] == ["b"]
     assert scheduler.num_running == 1
@@ -470,13 +497,13 @@ def test_worker_errors_finish_only_the_failing_request():
     output = scheduler.schedule()
     changed = scheduler.update_from_output(output, worker.execute(output))
     statuses = {r.request_id: r.status for r in changed}
-    assert statuses == {"good": RequestStatus.RUNNING, "bad": RequestStatus.FINISHED_ERROR}
+    assert statuses == {"good": SequenceStatus.RUNNING, "bad": SequenceStatus.FINISHED_ERROR}
     result = run(scheduler, worker)
-    assert result.finished["good"].status is RequestStatus.FINISHED_LENGTH
+    assert result.finished["good"].status is SequenceStatus.FINISHED_LENGTH
     assert scheduler.block_manager.num_free_blocks == 16
 
 
-def scripted_run(tokens: list[int], max_model_len: int = 256, prompt=(3, 4, 5), **sampling_args) -> Request:
+def scripted_run(tokens: list[int], max_model_len: int = 256, prompt=(3, 4, 5), **sampling_args) -> Sequence:
     scheduler = make_scheduler(max_model_len=max_model_len)
     worker = FakeWorker(64, 4, scripts={"r": list(tokens)})
     scheduler.add_request(make_request("r", prompt, **sampling_args))
@@ -488,39 +515,39 @@ def scripted_run(tokens: list[int], max_model_len: int = 256, prompt=(3, 4, 5), 
 def test_eos_stops_only_after_min_tokens():
     request = scripted_run([EOS, 50, 51, EOS, 52], min_tokens=3)
     assert request.output_token_ids == [EOS, 50, 51, EOS]
-    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert request.status is SequenceStatus.FINISHED_STOPPED
     assert request.stop_reason is None
 
 
 def test_eos_stops_at_once_without_min_tokens():
     request = scripted_run([50, EOS, 51])
     assert request.output_token_ids == [50, EOS]
-    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert request.status is SequenceStatus.FINISHED_STOPPED
 
 
 def test_ignore_eos_runs_to_max_tokens():
     request = scripted_run([EOS, 50, EOS, 51, 52, 53], ignore_eos=True, max_tokens=5)
     assert request.output_token_ids == [EOS, 50, EOS, 51, 52]
-    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert request.status is SequenceStatus.FINISHED_LENGTH
 
 
 def test_stop_token_ids_set_the_stop_reason_and_respect_min_tokens():
     request = scripted_run([60, 61, 60, 62], stop_token_ids=[60], min_tokens=2)
     assert request.output_token_ids == [60, 61, 60]
-    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert request.status is SequenceStatus.FINISHED_STOPPED
     assert request.stop_reason == 60
 
 
 def test_a_stop_token_at_the_last_allowed_position_counts_as_stop():
     request = scripted_run([70, 71, 72], stop_token_ids=[71], max_tokens=2)
-    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert request.status is SequenceStatus.FINISHED_STOPPED
     assert request.stop_reason == 71
 
 
 def test_max_tokens_stops_with_length():
     request = scripted_run([80] * 10, max_tokens=4)
     assert request.output_token_ids == [80] * 4
-    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert request.status is SequenceStatus.FINISHED_LENGTH
     assert request.stop_reason is None
 
 
@@ -528,7 +555,7 @@ def test_max_model_len_stops_with_length():
     request = scripted_run([90] * 20, max_model_len=10, prompt=range(3, 9), max_tokens=None)
     assert request.num_tokens == 10
     assert request.output_token_ids == [90] * 4
-    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert request.status is SequenceStatus.FINISHED_LENGTH
 
 
 def test_logprobs_and_prompt_logprobs_are_kept_as_token_logprobs():

@@ -6,23 +6,32 @@ from __future__ import annotations
 
 from tokenloom.core.batch import ModelRunnerOutput
 from tokenloom.core.config import CacheConfig, SchedulerConfig
-from tokenloom.core.request import PoolingParams, Request, RequestStatus, SamplingParams
+from tokenloom.core.request import PoolingParams, SamplingParams, Sequence, SequenceStatus
 from tokenloom.core.scheduler import Scheduler
 
 
 def make_scheduler(budget=32, max_num_seqs=8, num_blocks=64, max_model_len=40, prefix_caching=True):
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
-                     CacheConfig(block_size=4, enable_prefix_caching=prefix_caching), num_blocks, max_model_len)
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
+        CacheConfig(block_size=4, enable_prefix_caching=prefix_caching),
+        num_blocks,
+        max_model_len,
+    )
 
 
-def pooling_request(request_id: str, num_tokens: int, first_token: int = 10) -> Request:
-    return Request(request_id=request_id, prompt_token_ids=list(range(first_token, first_token + num_tokens)),
-                   sampling_params=SamplingParams(max_tokens=1), pooling_params=PoolingParams())
+def pooling_request(request_id: str, num_tokens: int, first_token: int = 10) -> Sequence:
+    return Sequence(
+        request_id=request_id,
+        prompt_token_ids=list(range(first_token, first_token + num_tokens)),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=PoolingParams(),
+    )
 
 
 def pooled_output(scheduler_output, skip=()) -> ModelRunnerOutput:
-    return ModelRunnerOutput(pooled={req_id: [float(n)] for req_id, n in scheduler_output.num_scheduled_tokens.items()
-                                     if req_id not in skip})
+    return ModelRunnerOutput(
+        pooled={req_id: [float(n)] for req_id, n in scheduler_output.num_scheduled_tokens.items() if req_id not in skip}
+    )
 
 
 def run_to_completion(scheduler) -> list[dict[str, int]]:
@@ -31,7 +40,7 @@ def run_to_completion(scheduler) -> list[dict[str, int]]:
         output = scheduler.schedule()
         steps.append(dict(output.num_scheduled_tokens))
         finished = scheduler.update_from_output(output, pooled_output(output))
-        assert all(request.status is RequestStatus.FINISHED_STOPPED for request in finished)
+        assert all(request.status is SequenceStatus.FINISHED_STOPPED for request in finished)
     return steps
 
 
@@ -72,7 +81,7 @@ def test_pooling_requests_finish_and_free_their_blocks_in_the_step_that_computed
     assert scheduler.block_manager.num_free_blocks < 64
     finished = scheduler.update_from_output(output, pooled_output(output))
     assert [request.request_id for request in finished] == ["a"]
-    assert finished[0].status is RequestStatus.FINISHED_STOPPED
+    assert finished[0].status is SequenceStatus.FINISHED_STOPPED
     assert not scheduler.has_unfinished_requests()
     assert scheduler.block_manager.num_free_blocks == 64
     assert scheduler.schedule().finished_req_ids == {"a"}  # the worker forgets it
@@ -84,8 +93,8 @@ def test_a_prompt_the_runner_did_not_pool_finishes_with_an_error():
     scheduler.add_request(pooling_request("b", 3))
     output = scheduler.schedule()
     finished = {r.request_id: r for r in scheduler.update_from_output(output, pooled_output(output, skip={"b"}))}
-    assert finished["a"].status is RequestStatus.FINISHED_STOPPED
-    assert finished["b"].status is RequestStatus.FINISHED_ERROR
+    assert finished["a"].status is SequenceStatus.FINISHED_STOPPED
+    assert finished["b"].status is SequenceStatus.FINISHED_ERROR
     assert "no pooled output" in finished["b"].stop_reason
 
 

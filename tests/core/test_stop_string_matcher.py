@@ -30,8 +30,9 @@ def test_feeding_pieces_agrees_with_the_definitions(text, stops, cuts):
     for start, end in zip(bounds, bounds[1:]):
         matched = matcher.feed(text[start:end])
         # a stop string ends inside this piece, and the text before it held none
-        expected_match = any(text.find(stop, 0, end) != -1 and text.find(stop, 0, end) + len(stop) > start
-                             for stop in stops)
+        expected_match = any(
+            text.find(stop, 0, end) != -1 and text.find(stop, 0, end) + len(stop) > start for stop in stops
+        )
         assert matched == expected_match
         if matched:
             return  # the detokenizer stops feeding once a stop string is found

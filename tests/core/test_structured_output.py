@@ -14,7 +14,7 @@ import torch
 
 from tokenloom.core.batch import SchedulerOutput
 from tokenloom.core.config import StructuredOutputConfig
-from tokenloom.core.request import Request, SamplingParams
+from tokenloom.core.request import SamplingParams, Sequence
 from tokenloom.core.sampler import unpack_bitmask
 from tokenloom.core.structured_output import (
     BackendOptions,
@@ -130,12 +130,18 @@ def make_manager(backend="auto", reasoning_parser_class=None, **config) -> Struc
     registry = Registry("structured_output_backend", "--guided-decoding-backend")
     registry.register("digits", DigitsBackend, plugin_name="test")
     registry.register("choices", ChoiceBackend, plugin_name="test")
-    return StructuredOutputManager(StructuredOutputConfig(backend=backend, **config), registry, FakeTokenizer(),
-                                   VOCAB_SIZE, [EOS], reasoning_parser_class)
+    return StructuredOutputManager(
+        StructuredOutputConfig(backend=backend, **config),
+        registry,
+        FakeTokenizer(),
+        VOCAB_SIZE,
+        [EOS],
+        reasoning_parser_class,
+    )
 
 
-def make_request(request_id="r", prompt=(1, 3), output=()) -> Request:
-    request = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
+def make_request(request_id="r", prompt=(1, 3), output=()) -> Sequence:
+    request = Sequence(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
     request.output_token_ids = list(output)
     return request
 
@@ -145,7 +151,7 @@ def allowed_ids(masks, row=0) -> list[int]:
     return unpack_bitmask(bitmask, VOCAB_SIZE)[row].nonzero().flatten().tolist()
 
 
-def decode_step(request: Request, num_scheduled: int = 1) -> SchedulerOutput:
+def decode_step(request: Sequence, num_scheduled: int = 1) -> SchedulerOutput:
     return SchedulerOutput(num_scheduled_tokens={request.request_id: num_scheduled})
 
 
@@ -154,7 +160,8 @@ def decode_step(request: Request, num_scheduled: int = 1) -> SchedulerOutput:
 
 def test_parse_constraint_forms_and_options():
     constraint, backend, no_fallback = parse_constraint(
-        {"json": '{"type": "object"}', "backend": "xgrammar", "disable_fallback": True}, BackendOptions())
+        {"json": '{"type": "object"}', "backend": "xgrammar", "disable_fallback": True}, BackendOptions()
+    )
     assert (constraint.kind, constraint.spec, backend, no_fallback) == ("json", {"type": "object"}, "xgrammar", True)
     assert parse_constraint({"choice": ["a", "b"]}, BackendOptions())[0].spec == ("a", "b")
     assert parse_constraint({"json_object": True}, BackendOptions())[0].kind == "json_object"
@@ -176,19 +183,22 @@ def test_pydantic_model_class_is_a_schema():
     assert constraint.spec["properties"]["x"]["type"] == "integer"
 
 
-@pytest.mark.parametrize("request_dict, message", [
-    ({"jsn": {}}, "unknown structured_outputs key(s) jsn"),
-    ({"json": {}, "regex": "a"}, "exactly one constraint"),
-    ({}, "got none"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"json": {"type": "foo"}}, "invalid JSON schema"),
-    ({"json": {"properties": {"a": {"minimum": "zero"}}}}, "invalid JSON schema at properties/a/minimum"),
-    ({"json": [1, 2]}, "must be a JSON object"),
-    ({"choice": []}, "non-empty list of strings"),
-    ({"choice": ["a", 1]}, "non-empty list of strings"),
-    ({"regex": ""}, "non-empty string"),
-    ({"structural_tag": "[oops"}, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "request_dict, message",
+    [
+        ({"jsn": {}}, "unknown structured_outputs key(s) jsn"),
+        ({"json": {}, "regex": "a"}, "exactly one constraint"),
+        ({}, "got none"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": {"type": "foo"}}, "invalid JSON schema"),
+        ({"json": {"properties": {"a": {"minimum": "zero"}}}}, "invalid JSON schema at properties/a/minimum"),
+        ({"json": [1, 2]}, "must be a JSON object"),
+        ({"choice": []}, "non-empty list of strings"),
+        ({"choice": ["a", 1]}, "non-empty list of strings"),
+        ({"regex": ""}, "non-empty string"),
+        ({"structural_tag": "[oops"}, "not valid JSON"),
+    ],
+)
 def test_bad_constraints_name_the_problem(request_dict, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
         parse_constraint(request_dict, BackendOptions())
@@ -196,9 +206,14 @@ def test_bad_constraints_name_the_problem(request_dict, message):
 
 
 def test_disable_additional_properties_closes_every_object():
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
-                                               "b": {"type": "object", "additionalProperties": True}},
-              "$defs": {"d": {"properties": {"x": {"enum": [{"type": "object"}]}}}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {}},
+            "b": {"type": "object", "additionalProperties": True},
+        },
+        "$defs": {"d": {"properties": {"x": {"enum": [{"type": "object"}]}}}},
+    }
     closed = forbid_additional_properties(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["a"]["additionalProperties"] is False
@@ -213,16 +228,22 @@ def test_disable_additional_properties_closes_every_object():
 def test_backend_option_syntax():
     assert parse_backend_option("auto") == ("auto", BackendOptions())
     assert parse_backend_option("xgrammar:disable-any-whitespace") == (
-        "xgrammar", BackendOptions(disable_any_whitespace=True))
+        "xgrammar",
+        BackendOptions(disable_any_whitespace=True),
+    )
     assert parse_backend_option("outlines:no-fallback, no-additional-properties") == (
-        "outlines", BackendOptions(disable_fallback=True, disable_additional_properties=True))
+        "outlines",
+        BackendOptions(disable_fallback=True, disable_additional_properties=True),
+    )
     with pytest.raises(ConfigError, match="unknown option 'fast'"):
         parse_backend_option("xgrammar:fast")
 
 
 def test_clean_error_drops_native_location_prefixes():
-    assert clean_error(RuntimeError("[02:15:01] /project/cpp/regex.cc:83: Regex parsing error\nmore")) == \
-        "Regex parsing error"
+    assert (
+        clean_error(RuntimeError("[02:15:01] /project/cpp/regex.cc:83: Regex parsing error\nmore"))
+        == "Regex parsing error"
+    )
     assert clean_error(ValueError("")) == "ValueError"
 
 
@@ -251,8 +272,9 @@ def test_a_backend_named_in_the_request_is_used_or_the_request_fails():
     manager = make_manager()
     with pytest.raises(InvalidRequestError, match="digits: digits takes regexes only"):
         manager.resolve({"choice": ["5"], "backend": "digits"})
-    with pytest.raises(InvalidRequestError, match="unknown guided_decoding_backend 'nope'; available: digits, "
-                                                  "choices") as error:
+    with pytest.raises(
+        InvalidRequestError, match="unknown guided_decoding_backend 'nope'; available: digits, choices"
+    ) as error:
         manager.resolve({"regex": "5", "backend": "nope"})
     assert error.value.param == "guided_decoding_backend"
 
@@ -456,8 +478,13 @@ def make_slow_manager(compile_timeout: float) -> StructuredOutputManager:
     registry = Registry("structured_output_backend", "--guided-decoding-backend")
     registry.register("slow", SlowBackend, plugin_name="test")
     SlowBackend.release = threading.Event()
-    return StructuredOutputManager(StructuredOutputConfig(backend="slow", compile_timeout=compile_timeout),
-                                   registry, FakeTokenizer(), VOCAB_SIZE, [EOS])
+    return StructuredOutputManager(
+        StructuredOutputConfig(backend="slow", compile_timeout=compile_timeout),
+        registry,
+        FakeTokenizer(),
+        VOCAB_SIZE,
+        [EOS],
+    )
 
 
 def test_a_compile_past_the_time_limit_is_a_400_and_the_pool_goes_on():

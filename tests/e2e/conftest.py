@@ -66,8 +66,15 @@ def stop_server(server: RunningServer) -> None:
 def smollm2_server(tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
     server = start_server(
-        ["smollm2", "--max-model-len", "1024", "--api-key", API_KEY,
-         "--middleware", "tests.e2e.header_middleware.add_served_by_header"],
+        [
+            "smollm2",
+            "--max-model-len",
+            "1024",
+            "--api-key",
+            API_KEY,
+            "--middleware",
+            "tests.e2e.header_middleware.add_served_by_header",
+        ],
         log_path,
     )
     yield server

@@ -31,8 +31,16 @@ def scripted_model_dir(directory: str, tokenizer, scenarios: dict[str, str]) -> 
 
 
 def serve_args(model_dir: str, *flags: str) -> list[str]:
-    return [model_dir, "--served-model-name", MODEL, "--plugin", "tests.plugins.scripted_model",
-            "--max-model-len", "2048", *flags]
+    return [
+        model_dir,
+        "--served-model-name",
+        MODEL,
+        "--plugin",
+        "tests.plugins.scripted_model",
+        "--max-model-len",
+        "2048",
+        *flags,
+    ]
 
 
 def start_scripted_server(model_dir: str, log_path: str, *flags: str) -> RunningServer:
@@ -45,8 +53,17 @@ class Launch:
 
     def __init__(self, model_dir: str, log_path: str, *flags: str):
         port = free_port()
-        command = [sys.executable, "-m", "tokenloom", "serve", *serve_args(model_dir, *flags),
-                   "--host", "127.0.0.1", "--port", str(port)]
+        command = [
+            sys.executable,
+            "-m",
+            "tokenloom",
+            "serve",
+            *serve_args(model_dir, *flags),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(log_path, "w") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
@@ -87,9 +104,14 @@ def ask(client: openai.OpenAI, scenario: str, *, stream: bool, text: str = "plea
         choice = response.choices[0]
         message = choice.message
         calls = message.tool_calls or []
-        return Reply(message.content, getattr(message, "reasoning_content", None),
-                     [(call.function.name, json.loads(call.function.arguments)) for call in calls],
-                     [call.id for call in calls], choice.finish_reason, response.usage.prompt_tokens)
+        return Reply(
+            message.content,
+            getattr(message, "reasoning_content", None),
+            [(call.function.name, json.loads(call.function.arguments)) for call in calls],
+            [call.id for call in calls],
+            choice.finish_reason,
+            response.usage.prompt_tokens,
+        )
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kwargs))
     content, reasoning, calls = "", "", {}
     finish_reason = None
@@ -109,5 +131,12 @@ def ask(client: openai.OpenAI, scenario: str, *, stream: bool, text: str = "plea
             finish_reason = choice.finish_reason or finish_reason
     assert sorted(calls) == list(range(len(calls)))
     ordered = [calls[index] for index in sorted(calls)]
-    return Reply(content or None, reasoning or None, [(name, json.loads(arguments)) for _, name, arguments in ordered],
-                 [call_id for call_id, _, _ in ordered], finish_reason, None, chunks)
+    return Reply(
+        content or None,
+        reasoning or None,
+        [(name, json.loads(arguments)) for _, name, arguments in ordered],
+        [call_id for call_id, _, _ in ordered],
+        finish_reason,
+        None,
+        chunks,
+    )

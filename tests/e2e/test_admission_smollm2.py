@@ -24,7 +24,9 @@ def gauges(server) -> dict[str, float]:
     names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
     values = {}
     for name in names:
-        found = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+        found = [
+            float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+        ]
         assert found, f"{name} not in /metrics"
         values[name] = sum(found)
     return values
@@ -32,8 +34,13 @@ def gauges(server) -> dict[str, float]:
 
 def test_a_request_refused_part_way_leaves_nothing_queued(smollm2_server):
     base = smollm2_server.base_url + "/v1/completions"
-    long_body = {"model": "smollm2", "prompt": "Count to a thousand:", "max_tokens": 600, "ignore_eos": True,
-                 "temperature": 0}
+    long_body = {
+        "model": "smollm2",
+        "prompt": "Count to a thousand:",
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     with httpx.Client(timeout=120, headers=HEADERS) as client:
         with client.stream("POST", base, json={**long_body, "request_id": "q#1", "stream": True}) as live:
             assert live.status_code == 200
@@ -50,8 +57,7 @@ def test_a_request_refused_part_way_leaves_nothing_queued(smollm2_server):
             if all(value == 0 for value in values.values()) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert values == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
-                          "vllm:kv_cache_usage_perc": 0}
+        assert values == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0}
         # and the refused id is free: the same request, sent again, is served whole
         served = client.post(base, json={**long_body, "request_id": "q", "n": 2, "max_tokens": 4})
         assert served.status_code == 200, served.text

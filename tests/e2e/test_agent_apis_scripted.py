@@ -38,19 +38,35 @@ def schema_of(arguments: dict) -> dict:
     return {"type": "object", "properties": {key: {"type": "string"} for key in arguments}}
 
 
-RESPONSES_TOOLS = [{"type": "function", "name": name, "description": f"{name} of a place",
-                    "parameters": schema_of(arguments)} for name, arguments in (WEATHER, TIME, TRANSLATE)]
-MESSAGES_TOOLS = [{"name": name, "description": f"{name} of a place", "input_schema": schema_of(arguments)}
-                  for name, arguments in (WEATHER, TIME, TRANSLATE)]
+RESPONSES_TOOLS = [
+    {"type": "function", "name": name, "description": f"{name} of a place", "parameters": schema_of(arguments)}
+    for name, arguments in (WEATHER, TIME, TRANSLATE)
+]
+MESSAGES_TOOLS = [
+    {"name": name, "description": f"{name} of a place", "input_schema": schema_of(arguments)}
+    for name, arguments in (WEATHER, TIME, TRANSLATE)
+]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, scripted_tokenizer):
     directory = tmp_path_factory.mktemp("scripted-agent-apis")
     model_dir = scripted_model_dir(str(directory / "model"), scripted_tokenizer, SCENARIOS)
-    running = start_scripted_server(model_dir, str(directory / "serve.log"), "--enable-auto-tool-choice",
-                                    "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-                                    "--chat-template", HERMES_TEMPLATE, "--api-key", KEY, "--api-key", OTHER_KEY)
+    running = start_scripted_server(
+        model_dir,
+        str(directory / "serve.log"),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--chat-template",
+        HERMES_TEMPLATE,
+        "--api-key",
+        KEY,
+        "--api-key",
+        OTHER_KEY,
+    )
     yield running
     stop_server(running)
 
@@ -80,8 +96,10 @@ def test_responses_function_calls_whole_and_streamed(oai):
     assert whole.output_text == "Let me look both up."
     assert calls_in(whole) == [WEATHER, TIME]
     assert all(item.call_id.startswith("call_") and item.id.startswith("fc_") for item in whole.output[1:])
-    assert whole.usage.output_tokens > 0 and whole.usage.total_tokens == whole.usage.input_tokens + \
-        whole.usage.output_tokens
+    assert (
+        whole.usage.output_tokens > 0
+        and whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    )
 
     with oai.responses.stream(**ask) as stream:
         event_types = [event.type for event in stream]
@@ -89,8 +107,11 @@ def test_responses_function_calls_whole_and_streamed(oai):
     assert calls_in(streamed) == [WEATHER, TIME] and streamed.output_text == "Let me look both up."
     assert event_types[:2] == ["response.created", "response.in_progress"] and event_types[-1] == "response.completed"
     # each item: added, its parts and deltas, done; the message's text part opens and closes inside it
-    assert event_types[2:5] == ["response.output_item.added", "response.content_part.added",
-                                "response.output_text.delta"]
+    assert event_types[2:5] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
     assert event_types.count("response.output_item.added") == event_types.count("response.output_item.done") == 3
     assert event_types.count("response.function_call_arguments.done") == 2
     assert "response.function_call_arguments.delta" in event_types
@@ -119,11 +140,18 @@ def test_responses_reasoning_items(oai, stream):
 
 
 def test_responses_function_round_trip_through_previous_response_id(oai):
-    first = oai.responses.create(model=MODEL, input=f"{marker('calls')} weather and time in Paris?",
-                                 tools=RESPONSES_TOOLS)
-    results = [{"type": "function_call_output", "call_id": item.call_id,
-                "output": f"{marker('answer')} " + ("22 °C, sunny" if item.name == "get_weather" else "14:05")}
-               for item in first.output if item.type == "function_call"]
+    first = oai.responses.create(
+        model=MODEL, input=f"{marker('calls')} weather and time in Paris?", tools=RESPONSES_TOOLS
+    )
+    results = [
+        {
+            "type": "function_call_output",
+            "call_id": item.call_id,
+            "output": f"{marker('answer')} " + ("22 °C, sunny" if item.name == "get_weather" else "14:05"),
+        }
+        for item in first.output
+        if item.type == "function_call"
+    ]
     assert len(results) == 2
     second = oai.responses.create(model=MODEL, previous_response_id=first.id, input=results, tools=RESPONSES_TOOLS)
     assert second.output_text == SCENARIOS["answer"] and calls_in(second) == []
@@ -174,8 +202,12 @@ def test_responses_errors_are_openai_shaped(oai):
 
 
 def test_messages_tool_use_whole_and_streamed(claude):
-    ask = {"model": MODEL, "max_tokens": 300, "tools": MESSAGES_TOOLS,
-               "messages": [{"role": "user", "content": f"{marker('calls')} weather and time in Paris?"}]}
+    ask = {
+        "model": MODEL,
+        "max_tokens": 300,
+        "tools": MESSAGES_TOOLS,
+        "messages": [{"role": "user", "content": f"{marker('calls')} weather and time in Paris?"}],
+    }
     message = claude.messages.create(**ask)
     assert message.stop_reason == "tool_use" and message.role == "assistant"
     assert [block.type for block in message.content] == ["text", "tool_use", "tool_use"]
@@ -195,21 +227,38 @@ def test_messages_tool_use_whole_and_streamed(claude):
 def test_messages_tool_result_round_trip(claude):
     question = {"role": "user", "content": f"{marker('calls')} weather and time in Paris?"}
     first = claude.messages.create(model=MODEL, max_tokens=300, tools=MESSAGES_TOOLS, messages=[question])
-    results = [{"type": "tool_result", "tool_use_id": block.id,
-                "content": f"{marker('answer')} " + ("22 °C, sunny" if block.name == "get_weather" else "14:05")}
-               for block in first.content if block.type == "tool_use"]
-    second = claude.messages.create(model=MODEL, max_tokens=300, tools=MESSAGES_TOOLS, messages=[
-        question, {"role": "assistant", "content": [block.model_dump() for block in first.content]},
-        {"role": "user", "content": results}])
+    results = [
+        {
+            "type": "tool_result",
+            "tool_use_id": block.id,
+            "content": f"{marker('answer')} " + ("22 °C, sunny" if block.name == "get_weather" else "14:05"),
+        }
+        for block in first.content
+        if block.type == "tool_use"
+    ]
+    second = claude.messages.create(
+        model=MODEL,
+        max_tokens=300,
+        tools=MESSAGES_TOOLS,
+        messages=[
+            question,
+            {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+            {"role": "user", "content": results},
+        ],
+    )
     assert [block.type for block in second.content] == ["text"]
     assert second.content[0].text == SCENARIOS["answer"] and second.stop_reason == "end_turn"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_messages_thinking_blocks(claude, stream):
-    ask = {"model": MODEL, "max_tokens": 300, "thinking": {"type": "enabled", "budget_tokens": 1024},
-               "messages": [{"role": "user", "content": f"{marker('think_then_call')} weather and time?"}],
-               "tools": MESSAGES_TOOLS}
+    ask = {
+        "model": MODEL,
+        "max_tokens": 300,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": f"{marker('think_then_call')} weather and time?"}],
+        "tools": MESSAGES_TOOLS,
+    }
     if stream:
         with claude.messages.stream(**ask) as events:
             message = events.get_final_message()

@@ -21,9 +21,15 @@ pytestmark = pytest.mark.slow
 
 MODEL = "smollm2"
 QUESTION = "What is the capital of France? Answer in one sentence."
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,38 +44,48 @@ def claude(smollm2_server):
 
 def request_success_total(server) -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    return sum(float(value) for value in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
+    return sum(float(value) for value in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
 
 
 def test_responses_text_matches_chat_and_streams_in_openai_order(oai):
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
-                                                              {"role": "user", "content": QUESTION}],
-                                       max_tokens=24, temperature=0)
-    whole = oai.responses.create(model=MODEL, instructions="Be brief.", input=QUESTION, max_output_tokens=24,
-                                 temperature=0)
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+        max_tokens=24,
+        temperature=0,
+    )
+    whole = oai.responses.create(
+        model=MODEL, instructions="Be brief.", input=QUESTION, max_output_tokens=24, temperature=0
+    )
     assert whole.output_text == chat.choices[0].message.content and whole.output_text.strip()
     assert whole.usage.input_tokens == chat.usage.prompt_tokens
     assert whole.usage.output_tokens == chat.usage.completion_tokens
     expected_status = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
     assert whole.status == expected_status and whole.instructions == "Be brief."
 
-    with oai.responses.stream(model=MODEL, instructions="Be brief.", input=QUESTION, max_output_tokens=24,
-                              temperature=0) as stream:
+    with oai.responses.stream(
+        model=MODEL, instructions="Be brief.", input=QUESTION, max_output_tokens=24, temperature=0
+    ) as stream:
         events = list(stream)
         streamed = stream.get_final_response()
     types = [event.type for event in events]
     deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
     assert "".join(deltas) == whole.output_text == streamed.output_text
     head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
-    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-            "response.incomplete" if expected_status == "incomplete" else "response.completed"]
+    tail = [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete" if expected_status == "incomplete" else "response.completed",
+    ]
     assert types == head + ["response.output_text.delta"] * len(deltas) + tail
     assert [event.sequence_number for event in events] == list(range(len(events)))
 
 
 def test_max_output_tokens_cut_is_incomplete(oai):
-    response = oai.responses.create(model=MODEL, input="Write a long story about a dragon.", max_output_tokens=5,
-                                    temperature=0)
+    response = oai.responses.create(
+        model=MODEL, input="Write a long story about a dragon.", max_output_tokens=5, temperature=0
+    )
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 5 and response.output[0].status == "incomplete"
 
@@ -77,30 +93,50 @@ def test_max_output_tokens_cut_is_incomplete(oai):
 def test_text_format_json_schema_validates(oai):
     for seed in (1, 2):
         response = oai.responses.create(
-            model=MODEL, input="Invent a person: give a name and an age, as JSON.", max_output_tokens=120,
-            temperature=1.0, extra_body={"seed": seed},
-            text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+            model=MODEL,
+            input="Invent a person: give a name and an age, as JSON.",
+            max_output_tokens=120,
+            temperature=1.0,
+            extra_body={"seed": seed},
+            text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+        )
         assert response.status == "completed", response
         jsonschema.validate(json.loads(response.output_text), PERSON)
-    json_object = oai.responses.create(model=MODEL, input="Give a JSON object with a key 'city'.",
-                                       max_output_tokens=60, temperature=0, text={"format": {"type": "json_object"}})
+    json_object = oai.responses.create(
+        model=MODEL,
+        input="Give a JSON object with a key 'city'.",
+        max_output_tokens=60,
+        temperature=0,
+        text={"format": {"type": "json_object"}},
+    )
     assert isinstance(json.loads(json_object.output_text), dict)
 
 
 def test_messages_output_config_json_schema_validates(claude):
     message = claude.messages.create(
-        model=MODEL, max_tokens=120, messages=[{"role": "user", "content": "Invent a person as JSON."}],
-        output_config={"format": {"type": "json_schema", "schema": PERSON}})
+        model=MODEL,
+        max_tokens=120,
+        messages=[{"role": "user", "content": "Invent a person as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": PERSON}},
+    )
     jsonschema.validate(json.loads(message.content[0].text), PERSON)
 
 
 def test_messages_text_matches_chat_whole_and_streamed(claude, oai):
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
-                                                              {"role": "user", "content": QUESTION}],
-                                       max_tokens=24, temperature=0)
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+        max_tokens=24,
+        temperature=0,
+    )
     # temperature is a Messages API field the newest anthropic client no longer lists: sent as extra_body
-    ask = {"model": MODEL, "system": "Be brief.", "max_tokens": 24, "extra_body": {"temperature": 0},
-               "messages": [{"role": "user", "content": QUESTION}]}
+    ask = {
+        "model": MODEL,
+        "system": "Be brief.",
+        "max_tokens": 24,
+        "extra_body": {"temperature": 0},
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
     message = claude.messages.create(**ask)
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].text == chat.choices[0].message.content
@@ -117,13 +153,22 @@ def test_messages_text_matches_chat_whole_and_streamed(claude, oai):
 
 
 def test_messages_stop_sequences(claude):
-    first = claude.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
-                                   messages=[{"role": "user", "content": "Count from one to ten in words."}])
+    first = claude.messages.create(
+        model=MODEL,
+        max_tokens=16,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Count from one to ten in words."}],
+    )
     words = first.content[0].text.split()
     assert len(words) > 3, first
     stop = words[2].strip(",.")
-    cut = claude.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0}, stop_sequences=[stop],
-                                 messages=[{"role": "user", "content": "Count from one to ten in words."}])
+    cut = claude.messages.create(
+        model=MODEL,
+        max_tokens=16,
+        extra_body={"temperature": 0},
+        stop_sequences=[stop],
+        messages=[{"role": "user", "content": "Count from one to ten in words."}],
+    )
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert stop not in cut.content[0].text and first.content[0].text.startswith(cut.content[0].text)
 

@@ -26,8 +26,17 @@ MODEL = "smollm2"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
-    running = start_server(["smollm2", "--max-model-len", "1024", "--enable-prompt-tokens-details",
-                            "--structured-outputs-compile-timeout", "5"], log_path)
+    running = start_server(
+        [
+            "smollm2",
+            "--max-model-len",
+            "1024",
+            "--enable-prompt-tokens-details",
+            "--structured-outputs-compile-timeout",
+            "5",
+        ],
+        log_path,
+    )
     yield running
     stop_server(running)
 
@@ -51,8 +60,7 @@ def test_start_up_warns_that_any_web_page_can_use_a_server_without_a_key(server)
 
 
 def cached_tokens(client, prompt: str, **extra) -> int:
-    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                           extra_body=extra)
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
     return completion.usage.prompt_tokens_details.cached_tokens
 
 
@@ -65,57 +73,85 @@ def test_cache_salt_keeps_tenants_apart(client):
     assert cached_tokens(client, prompt) == 0  # nor an unsalted request
     assert cached_tokens(client, prompt) >= 64
     messages = [{"role": "user", "content": prompt}]
-    chat = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
-                                           extra_body={"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
-            for salt in ("chat-salt-1", "chat-salt-1", "chat-salt-2")]
+    chat = [
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, extra_body={"cache_salt": salt}
+        ).usage.prompt_tokens_details.cached_tokens
+        for salt in ("chat-salt-1", "chat-salt-1", "chat-salt-2")
+    ]
     assert chat[0] == 0 and chat[1] >= 64 and chat[2] == 0
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("n", 1_000_000, "n must be at most 256"),
-    ("best_of", 300, "best_of must be at most 256"),
-    ("stop", [f"stop{index}" for index in range(65)], "at most 64"),
-    ("logit_bias", {str(token): -1 for token in range(2000)}, "at most 1024"),
-    ("allowed_token_ids", list(range(60000)), "allowed_token_ids"),
-    ("cache_salt", "", "cache_salt must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n", 1_000_000, "n must be at most 256"),
+        ("best_of", 300, "best_of must be at most 256"),
+        ("stop", [f"stop{index}" for index in range(65)], "at most 64"),
+        ("logit_bias", {str(token): -1 for token in range(2000)}, "at most 1024"),
+        ("allowed_token_ids", list(range(60000)), "allowed_token_ids"),
+        ("cache_salt", "", "cache_salt must be a non-empty string"),
+    ],
+)
 def test_caps_are_400s_naming_the_field(client, field, value, message):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={field: value})
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}),
-    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stop": ["\udc00"], "max_tokens": 2}),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\ud83d"}]}),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "description": "\udfff", "parameters": {}}}]}),
-    ("/tokenize", {"model": MODEL, "prompt": "\ud800"}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}),
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stop": ["\udc00"], "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\ud83d"}]}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "description": "\udfff", "parameters": {}}}],
+            },
+        ),
+        ("/tokenize", {"model": MODEL, "prompt": "\ud800"}),
+    ],
+)
 def test_unencodable_text_is_a_400(server, path, body):
-    response = httpx.post(server.base_url + path, content=json.dumps(body).encode("ascii"),
-                          headers={"content-type": "application/json"}, timeout=60)
+    response = httpx.post(
+        server.base_url + path,
+        content=json.dumps(body).encode("ascii"),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert response.status_code == 400, response.text
     assert "not valid Unicode" in response.json()["error"]["message"]
 
 
 def test_a_schema_that_compiles_too_long_is_a_400_and_others_still_compile(client, server):
     # xgrammar expands a string length bound into states: this one takes several times 5 s
-    slow_schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 300000}},
-                   "required": ["text"]}
+    slow_schema = {
+        "type": "object",
+        "properties": {"text": {"type": "string", "maxLength": 300000}},
+        "required": ["text"],
+    }
     started = time.monotonic()
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write."}], max_tokens=8,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "slow", "schema": slow_schema}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write."}],
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "slow", "schema": slow_schema}},
+        )
     assert "took longer than the server's limit of 5s" in str(error.value)
     assert time.monotonic() - started < 60
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     ok_schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "2+2? Answer in JSON."}], max_tokens=20,
-        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": ok_schema}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "2+2? Answer in JSON."}],
+        max_tokens=20,
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": ok_schema}},
+    )
     assert isinstance(json.loads(reply.choices[0].message.content)["answer"], int)
 
 
@@ -127,11 +163,14 @@ def test_the_shared_tokenizer_under_concurrent_tokenize_and_generate(server):
     fast tokenizer: every tokenization equals the one made alone, every stream completes, and
     the log holds no tokenizer error ("Already borrowed")."""
     texts = [f"{index}: " + MULTILINGUAL * (5 + index % 7) for index in range(32)]
-    expected = [httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=60)
-                .json()["tokens"] for text in texts]
+    expected = [
+        httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=60).json()["tokens"]
+        for text in texts
+    ]
 
     async def run() -> tuple[list, list]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+
             async def tokenize(text: str) -> list[int]:
                 results = []
                 for _ in range(3):
@@ -141,8 +180,15 @@ def test_the_shared_tokenizer_under_concurrent_tokenize_and_generate(server):
                 return results
 
             async def generate(index: int) -> tuple[str, str | None]:
-                body = {"model": MODEL, "prompt": texts[index], "max_tokens": 24, "temperature": 0.9, "seed": index,
-                        "stream": True, "ignore_eos": True}
+                body = {
+                    "model": MODEL,
+                    "prompt": texts[index],
+                    "max_tokens": 24,
+                    "temperature": 0.9,
+                    "seed": index,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
                 text, finish = "", None
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     assert response.status_code == 200
@@ -168,9 +214,11 @@ def test_the_shared_tokenizer_under_concurrent_tokenize_and_generate(server):
 
 def test_a_full_waiting_queue_answers_429_with_retry_after(tmp_path):
     log_path = str(tmp_path / "serve.log")
-    queued = start_server(["smollm2", "--max-model-len", "512", "--max-num-seqs", "1",
-                           "--max-waiting-requests", "2"], log_path)
+    queued = start_server(
+        ["smollm2", "--max-model-len", "512", "--max-num-seqs", "1", "--max-waiting-requests", "2"], log_path
+    )
     try:
+
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=queued.base_url, timeout=300) as http:
                 body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 32, "ignore_eos": True}

@@ -26,8 +26,13 @@ TEXTS = [
     "The new movie is awesome! 🎬",
 ]
 QUERY = "Who is eating?"
-DOCUMENTS = ["A man is eating pasta.", "The stock market crashed today.", "Someone is having a meal.",
-             "A cheetah runs after its prey.", "Kids play football in the park."]
+DOCUMENTS = [
+    "A man is eating pasta.",
+    "The stock market crashed today.",
+    "Someone is having a meal.",
+    "A cheetah runs after its prey.",
+    "Kids play football in the park.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +109,17 @@ def test_many_inputs_in_one_request(client, reference):
 
 @pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank"])
 def test_rerank_orders_documents_like_the_reference(server, reference, path):
-    response = httpx.post(server.base_url + path, json={"model": MODEL, "query": QUERY, "documents": DOCUMENTS},
-                          timeout=60)
+    response = httpx.post(
+        server.base_url + path, json={"model": MODEL, "query": QUERY, "documents": DOCUMENTS}, timeout=60
+    )
     assert response.status_code == 200, response.text
     results = response.json()["results"]
     similarities = (reference([QUERY]) @ reference(DOCUMENTS).T)[0]
     expected_order = similarities.argsort(descending=True).tolist()
     assert [result["index"] for result in results] == expected_order
     assert [result["relevance_score"] for result in results] == pytest.approx(
-        similarities[expected_order].tolist(), abs=1e-4)
+        similarities[expected_order].tolist(), abs=1e-4
+    )
     assert results[0]["document"]["text"] == DOCUMENTS[expected_order[0]]
 
 
@@ -122,11 +129,14 @@ def test_score_endpoint(server, reference):
     assert [item["score"] for item in body["data"]] == pytest.approx(similarities.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"input": []}, "input is empty"),
-    ({"input": "too long " * 300}, "at most 256"),
-    ({"input": "hello", "dimensions": 64}, "Matryoshka"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"input": []}, "input is empty"),
+        ({"input": "too long " * 300}, "at most 256"),
+        ({"input": "hello", "dimensions": 64}, "Matryoshka"),
+    ],
+)
 def test_bad_input_is_a_400(client, kwargs, message):
     with pytest.raises(openai.BadRequestError) as error:
         client.embeddings.create(model=MODEL, **kwargs)
@@ -135,8 +145,9 @@ def test_bad_input_is_a_400(client, kwargs, message):
 
 def test_truncation_makes_a_long_input_fit(client, reference):
     long_text = "too long " * 300
-    response = client.embeddings.create(model=MODEL, input=long_text, encoding_format="float",
-                                        extra_body={"truncate_prompt_tokens": 256})
+    response = client.embeddings.create(
+        model=MODEL, input=long_text, encoding_format="float", extra_body={"truncate_prompt_tokens": 256}
+    )
     assert response.usage.prompt_tokens == 256
     assert torch.nn.functional.cosine_similarity(as_tensor(response), reference([long_text])).item() >= 0.9999
 

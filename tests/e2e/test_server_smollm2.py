@@ -61,8 +61,14 @@ def test_completion_greedy_stream_equals_non_stream(client):
 def test_chat_greedy_stream_equals_non_stream(client):
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -85,22 +91,30 @@ def test_logprobs_shape(client):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
     assert all(len(top) == 3 for top in logprobs.top_logprobs)
     # greedy: the chosen token is the most likely one
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    for logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
         assert logprob == pytest.approx(max(top.values()), abs=1e-4)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 2 for entry in content)
 
 
 def test_n_greater_than_one_with_seed(client):
-    out = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3,
-                                    temperature=1.0, seed=7)
+    out = client.completions.create(
+        model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3, temperature=1.0, seed=7
+    )
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert len({c.text for c in out.choices}) > 1
-    again = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3,
-                                      temperature=1.0, seed=7)
+    again = client.completions.create(
+        model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3, temperature=1.0, seed=7
+    )
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
 
 
@@ -124,9 +138,13 @@ def test_middleware_module_adds_header(smollm2_server):
 
 def test_tokenize_detokenize_roundtrip(smollm2_server):
     url = smollm2_server.base_url
-    tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}, headers=auth(), timeout=30).json()
+    tokens = httpx.post(
+        url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}, headers=auth(), timeout=30
+    ).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0
-    text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, headers=auth(), timeout=30).json()
+    text = httpx.post(
+        url + "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, headers=auth(), timeout=30
+    ).json()
     assert text["prompt"].endswith("Hello world")
 
 
@@ -147,9 +165,15 @@ def test_error_statuses(client, smollm2_server):
 
 def test_32_concurrent_streams_all_finish(async_client):
     async def one(i: int) -> tuple[str, str | None]:
-        stream = await async_client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=16,
-                                                       temperature=0.8, seed=i, stream=True,
-                                                       extra_body={"ignore_eos": True})
+        stream = await async_client.completions.create(
+            model=MODEL,
+            prompt=f"Story number {i}:",
+            max_tokens=16,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         text, finish = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -167,8 +191,14 @@ def test_32_concurrent_streams_all_finish(async_client):
 
 def test_disconnected_stream_frees_its_blocks(smollm2_server):
     url = smollm2_server.base_url
-    body = {"model": MODEL, "prompt": "Count to a thousand: 1, 2,", "max_tokens": 900, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Count to a thousand: 1, 2,",
+        "max_tokens": 900,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth(), timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -184,9 +214,24 @@ def test_disconnected_stream_frees_its_blocks(smollm2_server):
 
 
 def run_client(server, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenloom", *args, "--url", server.base_url + "/v1",
-                           "--api-key", API_KEY, "--max-tokens", "12"],
-                          input=stdin, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenloom",
+            *args,
+            "--url",
+            server.base_url + "/v1",
+            "--api-key",
+            API_KEY,
+            "--max-tokens",
+            "12",
+        ],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_chat_and_complete_clients(smollm2_server):
@@ -199,6 +244,21 @@ def test_chat_and_complete_clients(smollm2_server):
     completed = run_client(smollm2_server, "complete", "--quick", "1, 2, 3, 4,")
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip()
-    unreachable = subprocess.run([sys.executable, "-m", "tokenloom", "complete", "--url", "http://127.0.0.1:9/v1",
-                                  "--model-name", MODEL, "--quick", "hi"], capture_output=True, text=True, timeout=60)
+    unreachable = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenloom",
+            "complete",
+            "--url",
+            "http://127.0.0.1:9/v1",
+            "--model-name",
+            MODEL,
+            "--quick",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert unreachable.returncode == 1 and "cannot reach the server" in unreachable.stderr

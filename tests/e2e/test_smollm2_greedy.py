@@ -33,15 +33,20 @@ def transformers_greedy(smollm2_gguf):
     directory, name = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True)).eval()
+        directory, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    ).eval()
     results = []
     for prompt in PROMPTS:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            generated = model.generate(input_ids, max_new_tokens=NUM_TOKENS, do_sample=False,
-                                       eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
-        results.append((input_ids[0].tolist(), generated[0, input_ids.shape[1]:].tolist()))
+            generated = model.generate(
+                input_ids,
+                max_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        results.append((input_ids[0].tolist(), generated[0, input_ids.shape[1] :].tolist()))
     return results
 
 

@@ -37,16 +37,33 @@ MAX_BODY_BYTES = 64 * 1024
 KV_CACHE_BYTES = "768M"
 RSS_GROWTH_LIMIT_BYTES = 256 * 1024 * 1024
 
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
-           "Explain what a KV cache is in one sentence.", "Once upon a time, in a small village,",
-           "def fibonacci(n):", "Translate 'good morning' into Spanish:", "The three primary colours are"]
-CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                "population": {"type": "integer"}},
-               "required": ["city", "population"]}
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
-                   "required": ["city"]}}}
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Explain what a KV cache is in one sentence.",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish:",
+    "The three primary colours are",
+]
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 class Outcomes:
@@ -72,13 +89,22 @@ def expect_status(outcomes: Outcomes, kind: str, response: httpx.Response, statu
 
 async def completion(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
     max_tokens = rng.randint(1, 12)
-    response = await http.post("/v1/completions", json={
-        "model": MODEL, "prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "temperature": 0.8,
-        "seed": rng.randrange(1000), "n": rng.choice([1, 1, 1, 2])})
+    response = await http.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": rng.choice(PROMPTS),
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": rng.randrange(1000),
+            "n": rng.choice([1, 1, 1, 2]),
+        },
+    )
     if expect_status(outcomes, "completion", response, 200):
         body = response.json()
-        if not all(choice["finish_reason"] in ("length", "stop") for choice in body["choices"]) \
-                or not 1 <= body["usage"]["completion_tokens"] <= max_tokens * len(body["choices"]):
+        if not all(choice["finish_reason"] in ("length", "stop") for choice in body["choices"]) or not 1 <= body[
+            "usage"
+        ]["completion_tokens"] <= max_tokens * len(body["choices"]):
             outcomes.fail("completion", f"incomplete answer: {body}")
         else:
             outcomes.ok("completion")
@@ -101,8 +127,13 @@ async def read_stream(response: httpx.Response) -> tuple[str, str | None, bool]:
 
 
 async def chat_stream(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-            "max_tokens": rng.randint(1, 12), "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+        "max_tokens": rng.randint(1, 12),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if not expect_status(outcomes, "chat_stream", response, 200):
             await response.aread()
@@ -159,9 +190,16 @@ MALFORMED = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode()),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stop": ["s"] * 100}).encode()),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode()),
-    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                         "response_format": {"type": "json_schema",
-                                                             "json_schema": {"schema": 7}}}).encode()),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {"schema": 7}},
+            }
+        ).encode(),
+    ),
     ("/tokenize", json.dumps({"model": MODEL, "prompt": "\udfff"}).encode()),
 ]
 
@@ -177,10 +215,17 @@ async def malformed(http: httpx.AsyncClient, rng: random.Random, outcomes: Outco
 
 
 async def structured(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
-    response = await http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Name a large city and its population as JSON."}],
-        "max_tokens": 48, "temperature": 0.7, "seed": rng.randrange(1000),
-        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}})
+    response = await http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Name a large city and its population as JSON."}],
+            "max_tokens": 48,
+            "temperature": 0.7,
+            "seed": rng.randrange(1000),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}},
+        },
+    )
     if not expect_status(outcomes, "structured", response, 200):
         return
     choice = response.json()["choices"][0]
@@ -198,10 +243,18 @@ async def structured(http: httpx.AsyncClient, rng: random.Random, outcomes: Outc
 
 
 async def tools(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
-    response = await http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Lisbon?"}],
-        "max_tokens": 40, "temperature": 0.7, "seed": rng.randrange(1000), "tools": [WEATHER_TOOL],
-        "tool_choice": rng.choice([{"type": "function", "function": {"name": "get_weather"}}, "required"])})
+    response = await http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "What is the weather in Lisbon?"}],
+            "max_tokens": 40,
+            "temperature": 0.7,
+            "seed": rng.randrange(1000),
+            "tools": [WEATHER_TOOL],
+            "tool_choice": rng.choice([{"type": "function", "function": {"name": "get_weather"}}, "required"]),
+        },
+    )
     if not expect_status(outcomes, "tools", response, 200):
         return
     choice = response.json()["choices"][0]
@@ -224,8 +277,17 @@ async def tokenize(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcom
         outcomes.ok("tokenize")
 
 
-KINDS = [(completion, 20), (chat_stream, 14), (disconnect_mid_stream, 10), (abort_by_timeout, 8), (oversized, 4),
-         (malformed, 10), (structured, 8), (tools, 8), (tokenize, 6)]
+KINDS = [
+    (completion, 20),
+    (chat_stream, 14),
+    (disconnect_mid_stream, 10),
+    (abort_by_timeout, 8),
+    (oversized, 4),
+    (malformed, 10),
+    (structured, 8),
+    (tools, 8),
+    (tokenize, 6),
+]
 
 
 def rss_bytes(pid: int) -> int:
@@ -243,8 +305,9 @@ async def soak(base_url: str, seconds: float, concurrency: int, outcomes: Outcom
 
     async def worker(index: int) -> None:
         rng = random.Random(index)
-        async with httpx.AsyncClient(base_url=base_url, timeout=600,
-                                     headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        async with httpx.AsyncClient(
+            base_url=base_url, timeout=600, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as http:
             while time.monotonic() < deadline:
                 kind = rng.choices(functions, weights)[0]
                 try:
@@ -282,28 +345,48 @@ def wait_idle(server, timeout: float) -> None:
 
 
 def test_soak(tmp_path):
-    server = start_server(["smollm2", "--max-model-len", "1024", "--api-key", API_KEY, "--enable-auto-tool-choice",
-                           "--tool-call-parser", "hermes", "--max-request-body-bytes", str(MAX_BODY_BYTES),
-                           "--kv-cache-memory-bytes", KV_CACHE_BYTES], str(tmp_path / "serve.log"))
+    server = start_server(
+        [
+            "smollm2",
+            "--max-model-len",
+            "1024",
+            "--api-key",
+            API_KEY,
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--max-request-body-bytes",
+            str(MAX_BODY_BYTES),
+            "--kv-cache-memory-bytes",
+            KV_CACHE_BYTES,
+        ],
+        str(tmp_path / "serve.log"),
+    )
     try:
         pid = server.process.pid
         idle_kv = metric(server, "vllm:kv_cache_usage_perc")
         outcomes = Outcomes()
         rss: dict[str, int] = {"start": settled_rss(pid)}
         started = time.monotonic()
-        asyncio.run(soak(server.base_url, SOAK_SECONDS, CONCURRENCY, outcomes,
-                         lambda: rss.__setitem__("warm", rss_bytes(pid))))
+        asyncio.run(
+            soak(server.base_url, SOAK_SECONDS, CONCURRENCY, outcomes, lambda: rss.__setitem__("warm", rss_bytes(pid)))
+        )
         load_seconds = time.monotonic() - started
         rss["end_of_load"] = rss_bytes(pid)
         wait_idle(server, timeout=180)
         rss["idle"] = settled_rss(pid)
-        report = {"seconds_of_new_requests": SOAK_SECONDS,
-                  "seconds_until_all_answered": round(load_seconds, 1), "concurrency": CONCURRENCY,
-                  "requests": sum(outcomes.counts.values()), "outcomes": dict(sorted(outcomes.counts.items())),
-                  "failures": outcomes.failures, "rss_mib": {k: round(v / 2**20) for k, v in rss.items()},
-                  "kv_cache_usage_after": metric(server, "vllm:kv_cache_usage_perc"),
-                  "running_after": metric(server, "vllm:num_requests_running"),
-                  "waiting_after": metric(server, "vllm:num_requests_waiting")}
+        report = {
+            "seconds_of_new_requests": SOAK_SECONDS,
+            "seconds_until_all_answered": round(load_seconds, 1),
+            "concurrency": CONCURRENCY,
+            "requests": sum(outcomes.counts.values()),
+            "outcomes": dict(sorted(outcomes.counts.items())),
+            "failures": outcomes.failures,
+            "rss_mib": {k: round(v / 2**20) for k, v in rss.items()},
+            "kv_cache_usage_after": metric(server, "vllm:kv_cache_usage_perc"),
+            "running_after": metric(server, "vllm:num_requests_running"),
+            "waiting_after": metric(server, "vllm:num_requests_waiting"),
+        }
         print("soak report:", json.dumps(report, indent=2))
         if os.environ.get("TOKENLOOM_SOAK_REPORT"):
             with open(os.environ["TOKENLOOM_SOAK_REPORT"], "w") as handle:

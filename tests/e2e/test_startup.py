@@ -24,8 +24,9 @@ OPTIONAL_BACKENDS = ("xgrammar", "outlines", "outlines_core", "lmformatenforcer"
 
 def _tokenize(server) -> tuple[list[int], list[int]]:
     chat = httpx.post(server.base_url + "/tokenize", json={"model": "smollm2", "messages": CHAT}).json()
-    prompt = httpx.post(server.base_url + "/tokenize",
-                        json={"model": "smollm2", "prompt": "<|im_start|>user\nhello there<|im_end|>"}).json()
+    prompt = httpx.post(
+        server.base_url + "/tokenize", json={"model": "smollm2", "prompt": "<|im_start|>user\nhello there<|im_end|>"}
+    ).json()
     return chat["tokens"], prompt["tokens"]
 
 
@@ -66,7 +67,8 @@ def test_serving_imports_no_structured_output_backend_before_a_request_needs_one
         asyncio.run(engine.shutdown())
     """)
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env,
-                            cwd=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"

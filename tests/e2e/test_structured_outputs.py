@@ -50,16 +50,20 @@ def anyio_backend():
 @pytest.fixture
 async def client(server):
     # closed inside the test's event loop (a client collected later finds its loop closed)
-    async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0,
-                                  timeout=600) as async_client:
+    async with openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=600
+    ) as async_client:
         yield async_client
 
 
 def supported(backend: str, kind: str, cases: dict) -> dict:
     """The cases ``backend`` takes (construction is cheap: no tokenizer needed to ask)."""
     instance = BACKENDS[backend](None, 0, [], BackendOptions())
-    return {name: spec for name, spec in cases.items()
-            if instance.supports(Constraint(kind, tuple(spec) if kind == "choice" else spec)) is None}
+    return {
+        name: spec
+        for name, spec in cases.items()
+        if instance.supports(Constraint(kind, tuple(spec) if kind == "choice" else spec)) is None
+    }
 
 
 async def gather_limited(coroutines):
@@ -89,9 +93,12 @@ def request_forms(kind: str, spec, backend: str, index: int) -> tuple[str, dict]
     """(endpoint, request fields): the case's constraint in one of the forms clients use."""
     value = list(spec) if kind == "choice" else spec
     forms = {
-        "json": [{"guided_json": value}, {"guided_json": json.dumps(value)},
-                 {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": value}}},
-                 {"structured_outputs": {"json": value}}],
+        "json": [
+            {"guided_json": value},
+            {"guided_json": json.dumps(value)},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": value}}},
+            {"structured_outputs": {"json": value}},
+        ],
         "regex": [{"guided_regex": value}, {"structured_outputs": {"regex": value}}],
         "choice": [{"guided_choice": value}, {"structured_outputs": {"choice": value}}],
     }[kind]
@@ -115,8 +122,9 @@ async def generate(client, endpoint: str, prompt: str, fields: dict, seed: int, 
         if not stream:
             response = await client.chat.completions.create(messages=user(prompt), **common)
             return response.choices[0].message.content, response.choices[0].finish_reason
-        chunks = [chunk async for chunk in await client.chat.completions.create(messages=user(prompt), stream=True,
-                                                                               **common)]
+        chunks = [
+            chunk async for chunk in await client.chat.completions.create(messages=user(prompt), stream=True, **common)
+        ]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         return text, next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices)
     if not stream:
@@ -184,13 +192,24 @@ CAT_JSON = "Give a JSON object with a cat's name and age."
 
 @pytest.mark.anyio
 async def test_json_object_grammars_and_whitespace_options(client):
-    greedy = client.chat.completions.create(model=MODEL, messages=user(CAT_JSON), temperature=0.0,
-                                            max_tokens=MAX_TOKENS, response_format={"type": "json_object"})
+    greedy = client.chat.completions.create(
+        model=MODEL,
+        messages=user(CAT_JSON),
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        response_format={"type": "json_object"},
+    )
     sampled = [
-        client.chat.completions.create(model=MODEL, messages=user(CAT_JSON), seed=seed,
-                                       temperature=1.0, max_tokens=MAX_TOKENS,
-                                       response_format={"type": "json_object"})
-        for seed in range(1, 5)]
+        client.chat.completions.create(
+            model=MODEL,
+            messages=user(CAT_JSON),
+            seed=seed,
+            temperature=1.0,
+            max_tokens=MAX_TOKENS,
+            response_format={"type": "json_object"},
+        )
+        for seed in range(1, 5)
+    ]
     first, *others = await asyncio.gather(greedy, *sampled)
     # greedy, the model closes its object well inside the budget
     assert first.choices[0].finish_reason == "stop" and isinstance(json.loads(first.choices[0].message.content), dict)
@@ -204,44 +223,99 @@ async def test_json_object_grammars_and_whitespace_options(client):
             assert choice.finish_reason == "length" and choice.message.content.startswith("{")
     sentence = r"(The cat|A dog|My friend) (sees|likes|chases) (the ball|a bird|the moon)\."
     for grammar, pattern in ((GRAMMAR_EBNF, sentence), (GRAMMAR_LARK, r"[1-9][0-9]?[+-][1-9][0-9]?=[1-9][0-9]?")):
-        response = await client.completions.create(model=MODEL, prompt="Say something:", temperature=1.0, seed=3,
-                                                   max_tokens=60, extra_body={"guided_grammar": grammar})
+        response = await client.completions.create(
+            model=MODEL,
+            prompt="Say something:",
+            temperature=1.0,
+            seed=3,
+            max_tokens=60,
+            extra_body={"guided_grammar": grammar},
+        )
         assert re.fullmatch(pattern, response.choices[0].text), response.choices[0].text
     schema = SCHEMAS["flags"]
     compact = await client.chat.completions.create(
-        model=MODEL, messages=user("Flags as JSON"), temperature=1.0, seed=4, max_tokens=MAX_TOKENS,
-        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+        model=MODEL,
+        messages=user("Flags as JSON"),
+        temperature=1.0,
+        seed=4,
+        max_tokens=MAX_TOKENS,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+    )
     text = compact.choices[0].message.content
     assert text == json.dumps(json.loads(text), separators=(",", ":"))
     spaced = await client.chat.completions.create(
-        model=MODEL, messages=user("Flags as JSON"), temperature=1.0, seed=5, max_tokens=MAX_TOKENS,
-        extra_body={"guided_json": schema, "guided_whitespace_pattern": "[ ]{2}"})  # auto: only outlines takes it
-    assert re.fullmatch(r'\{  "read"  :  (true|false)  ,  "write"  :  (true|false)  ,  "exec"  :  (true|false)  \}',
-                        spaced.choices[0].message.content)
+        model=MODEL,
+        messages=user("Flags as JSON"),
+        temperature=1.0,
+        seed=5,
+        max_tokens=MAX_TOKENS,
+        extra_body={"guided_json": schema, "guided_whitespace_pattern": "[ ]{2}"},
+    )  # auto: only outlines takes it
+    assert re.fullmatch(
+        r'\{  "read"  :  (true|false)  ,  "write"  :  (true|false)  ,  "exec"  :  (true|false)  \}',
+        spaced.choices[0].message.content,
+    )
 
 
 @pytest.mark.anyio
 async def test_n_samples_logprobs_and_stop_strings_compose_with_constraints(client):
     response = await client.chat.completions.create(
-        model=MODEL, messages=user("Is the sky blue?"), n=3, seed=6, temperature=1.0, max_tokens=10, logprobs=True,
-        top_logprobs=2, extra_body={"guided_choice": ["yes", "no", "maybe"]})
+        model=MODEL,
+        messages=user("Is the sky blue?"),
+        n=3,
+        seed=6,
+        temperature=1.0,
+        max_tokens=10,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
     assert len(response.choices) == 3
     for choice in response.choices:
         assert choice.message.content in ("yes", "no", "maybe") and choice.logprobs.content
-    stopped = await client.completions.create(model=MODEL, prompt="A date:", seed=7, temperature=1.0, max_tokens=30,
-                                              stop=["-"], extra_body={"guided_regex": REGEXES["iso_date"]})
+    stopped = await client.completions.create(
+        model=MODEL,
+        prompt="A date:",
+        seed=7,
+        temperature=1.0,
+        max_tokens=30,
+        stop=["-"],
+        extra_body={"guided_regex": REGEXES["iso_date"]},
+    )
     assert re.fullmatch(r"20[0-9]{2}", stopped.choices[0].text) and stopped.choices[0].finish_reason == "stop"
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
-                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": -100, "maximum": 100},
-                                         "b": {"type": "integer", "minimum": -100, "maximum": 100}},
-        "required": ["a", "b"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": -100, "maximum": 100},
+                    "b": {"type": "integer", "minimum": -100, "maximum": 100},
+                },
+                "required": ["a", "b"],
+            },
+        },
+    },
 ]
 TOOL_SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 
@@ -255,14 +329,33 @@ def check_calls(calls) -> None:
 @pytest.mark.anyio
 async def test_named_and_required_tool_calls_validate(client):
     messages = user("What is the weather in Paris, and what is 2 + 3?")
-    named = [client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, seed=seed, temperature=1.0, max_tokens=MAX_TOKENS,
-        tool_choice={"type": "function", "function": {"name": name}})
-        for name in TOOL_SCHEMAS for seed in SEEDS]
+    named = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            seed=seed,
+            temperature=1.0,
+            max_tokens=MAX_TOKENS,
+            tool_choice={"type": "function", "function": {"name": name}},
+        )
+        for name in TOOL_SCHEMAS
+        for seed in SEEDS
+    ]
     # one call each: a small model may list calls until max_tokens when the array is unbounded
-    required = [client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, seed=seed, temperature=1.0, max_tokens=MAX_TOKENS,
-        tool_choice="required", parallel_tool_calls=False) for seed in (*SEEDS, 3, 4)]
+    required = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            seed=seed,
+            temperature=1.0,
+            max_tokens=MAX_TOKENS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+        for seed in (*SEEDS, 3, 4)
+    ]
     responses = await asyncio.gather(*named, *required)
     for index, response in enumerate(responses):
         calls = response.choices[0].message.tool_calls
@@ -273,11 +366,20 @@ async def test_named_and_required_tool_calls_validate(client):
             assert arguments == json.dumps(json.loads(arguments), separators=(",", ":"))
         else:
             assert response.choices[0].finish_reason == "tool_calls"
-    stream = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, seed=9,
-                                                  temperature=1.0, max_tokens=MAX_TOKENS, tool_choice="required",
-                                                  parallel_tool_calls=False, stream=True)
-    deltas = [call for chunk in [c async for c in stream] if chunk.choices
-              for call in chunk.choices[0].delta.tool_calls or []]
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        seed=9,
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        stream=True,
+    )
+    deltas = [
+        call for chunk in [c async for c in stream] if chunk.choices for call in chunk.choices[0].delta.tool_calls or []
+    ]
     assert deltas and all(call.function.name in TOOL_SCHEMAS for call in deltas)
     for call in deltas:
         jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
@@ -291,62 +393,99 @@ def test_request_forms_become_one_structured_outputs_dict():
     assert constraint() is None and constraint(response_format={"type": "text"}) is None
     assert constraint(guided_json=json.dumps(schema)) == {"json": schema}
     assert constraint(guided_json=schema, guided_decoding_backend="outlines", guided_whitespace_pattern=" ?") == {
-        "json": schema, "backend": "outlines", "whitespace_pattern": " ?"}
+        "json": schema,
+        "backend": "outlines",
+        "whitespace_pattern": " ?",
+    }
     assert constraint(guided_regex="a+") == {"regex": "a+"}
     assert constraint(guided_choice=["a", "b"]) == {"choice": ["a", "b"]}
     assert constraint(guided_grammar=GRAMMAR_EBNF) == {"grammar": GRAMMAR_EBNF}
     assert constraint(response_format={"type": "json_object"}) == {"json_object": True}
-    assert constraint(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
-                                                                              "strict": True}}) == {"json": schema}
+    assert constraint(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    ) == {"json": schema}
     tag = {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<a>"]}
     assert constraint(response_format=tag) == {"structural_tag": tag}
     # a backend inside structured_outputs wins over guided_decoding_backend
     assert constraint(structured_outputs={"regex": "x", "backend": "xgrammar"}, guided_decoding_backend="outlines") == {
-        "regex": "x", "backend": "xgrammar"}
-    for fields, param in (({"guided_json": "{oops"}, "guided_json"),
-                          ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
-                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-                           "response_format")):
+        "regex": "x",
+        "backend": "xgrammar",
+    }
+    for fields, param in (
+        ({"guided_json": "{oops"}, "guided_json"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ):
         with pytest.raises(InvalidRequestError) as error:
             constraint(**fields)
         assert error.value.param == param
 
 
 def test_the_required_tool_calls_schema_takes_exactly_calls_of_the_tools():
-    tools = TOOLS + [{"type": "function", "function": {"name": "locate", "parameters": {
-        "type": "object", "properties": {"at": {"$ref": "#/$defs/point"}}, "required": ["at"],
-        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}}}]
+    tools = TOOLS + [
+        {
+            "type": "function",
+            "function": {
+                "name": "locate",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"at": {"$ref": "#/$defs/point"}},
+                    "required": ["at"],
+                    "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+                },
+            },
+        }
+    ]
     schema = required_tool_calls_schema(tools)
     assert schema["$defs"] == {"point": tools[2]["function"]["parameters"]["$defs"]["point"]}
-    jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}},
-                         {"name": "locate", "parameters": {"at": {"x": 3}}}], schema)
-    for bad in ([], [{"name": "add", "parameters": {"a": 1}}], [{"name": "nope", "parameters": {}}],
-                [{"name": "locate", "parameters": {"at": {"x": "3"}}}]):
+    jsonschema.validate(
+        [{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "locate", "parameters": {"at": {"x": 3}}}], schema
+    )
+    for bad in (
+        [],
+        [{"name": "add", "parameters": {"a": 1}}],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "locate", "parameters": {"at": {"x": "3"}}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert required_tool_calls_schema(tools, parallel_tool_calls=False)["maxItems"] == 1
-    clash = [tools[2], {"type": "function", "function": {"name": "other", "parameters": {
-        "$defs": {"point": {"type": "string"}}}}}]
+    clash = [
+        tools[2],
+        {"type": "function", "function": {"name": "other", "parameters": {"$defs": {"point": {"type": "string"}}}}},
+    ]
     with pytest.raises(InvalidRequestError, match="define \\$defs/point differently"):
         required_tool_calls_schema(clash)
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"guided_json": {"type": "objekt"}}, "invalid JSON schema"),
-    ({"guided_json": "{not json"}, "guided_json is not valid JSON"),
-    ({"guided_regex": "a(b"}, "cannot compile a regex"),
-    ({"guided_grammar": "root ::= missing"}, 'Rule "missing" is not defined'),
-    ({"guided_regex": "a", "guided_decoding_backend": "guidance"}, "unknown guided_decoding_backend 'guidance'"),
-    ({"guided_grammar": GRAMMAR_EBNF, "guided_decoding_backend": "outlines"}, "regular languages only"),
-    ({"guided_json": SCHEMAS["probability"], "guided_decoding_backend": "lm-format-enforcer"},
-     "lm-format-enforcer cannot enforce the JSON-schema keyword(s) maximum, minimum"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "give one structured-output form"),
-    ({"structured_outputs": {"jsn": {}}}, "unknown structured_outputs key(s) jsn"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"guided_json": {"type": "objekt"}}, "invalid JSON schema"),
+        ({"guided_json": "{not json"}, "guided_json is not valid JSON"),
+        ({"guided_regex": "a(b"}, "cannot compile a regex"),
+        ({"guided_grammar": "root ::= missing"}, 'Rule "missing" is not defined'),
+        ({"guided_regex": "a", "guided_decoding_backend": "guidance"}, "unknown guided_decoding_backend 'guidance'"),
+        ({"guided_grammar": GRAMMAR_EBNF, "guided_decoding_backend": "outlines"}, "regular languages only"),
+        (
+            {"guided_json": SCHEMAS["probability"], "guided_decoding_backend": "lm-format-enforcer"},
+            "lm-format-enforcer cannot enforce the JSON-schema keyword(s) maximum, minimum",
+        ),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "give one structured-output form"),
+        ({"structured_outputs": {"jsn": {}}}, "unknown structured_outputs key(s) jsn"),
+    ],
+)
 def test_bad_constraints_are_400s_naming_the_problem(server, body, message):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    for endpoint, payload in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": user("Hi")})):
-        response = httpx.post(server.base_url + endpoint, headers=headers, timeout=120,
-                              json={"model": MODEL, "max_tokens": 5, **payload, **body})
+    for endpoint, payload in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": user("Hi")}),
+    ):
+        response = httpx.post(
+            server.base_url + endpoint,
+            headers=headers,
+            timeout=120,
+            json={"model": MODEL, "max_tokens": 5, **payload, **body},
+        )
         assert response.status_code == 400, response.text
         assert message in response.json()["error"]["message"]

@@ -35,9 +35,17 @@ SCENARIOS = {
 def server(tmp_path_factory, scripted_tokenizer):
     directory = tmp_path_factory.mktemp("scripted-hermes")
     model_dir = scripted_model_dir(str(directory / "model"), scripted_tokenizer, SCENARIOS)
-    running = start_scripted_server(model_dir, str(directory / "serve.log"), "--enable-auto-tool-choice",
-                                    "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-                                    "--chat-template", HERMES_TEMPLATE)
+    running = start_scripted_server(
+        model_dir,
+        str(directory / "serve.log"),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--chat-template",
+        HERMES_TEMPLATE,
+    )
     yield running
     stop_server(running)
 
@@ -91,9 +99,14 @@ def test_tool_results_round_trip(client):
     question = [{"role": "user", "content": f"{marker('calls')} weather and time in Paris?"}]
     first = client.chat.completions.create(model="scripted", messages=question, tools=TOOLS_FOR_CASES)
     assistant = first.choices[0].message.model_dump(exclude_none=True, exclude={"reasoning_content"})
-    results = [{"role": "tool", "tool_call_id": call.id,
-                "content": f"{marker('answer')} " + ("22 °C, sunny" if call.function.name == "get_weather" else "14:05")}
-               for call in first.choices[0].message.tool_calls]
+    results = [
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": f"{marker('answer')} " + ("22 °C, sunny" if call.function.name == "get_weather" else "14:05"),
+        }
+        for call in first.choices[0].message.tool_calls
+    ]
     second = ask(client, "answer", stream=False, messages=question + [assistant] + results, tools=TOOLS_FOR_CASES)
     assert second.content == SCENARIOS["answer"] and second.calls == [] and second.finish_reason == "stop"
 
@@ -109,8 +122,23 @@ def test_chat_template_kwargs_reach_the_template(client):
 def test_a_broken_tool_parser_plugin_file_is_reported_with_its_path(tmp_path):
     broken = tmp_path / "broken_parser.py"
     broken.write_text("from tokenloom.plugin_api import ToolParser\n\nclass Oops(ToolParser)\n")
-    result = subprocess.run([sys.executable, "-m", "tokenloom", "serve", str(tmp_path), "--tool-parser-plugin",
-                             str(broken), "--enable-auto-tool-choice", "--tool-call-parser", "oops"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenloom",
+            "serve",
+            str(tmp_path),
+            "--tool-parser-plugin",
+            str(broken),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "oops",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 2
     assert str(broken) in result.stderr and "SyntaxError" in result.stderr

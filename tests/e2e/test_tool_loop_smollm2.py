@@ -26,9 +26,14 @@ MODEL = "smollm2"
 EXAMPLES = Path(REPO_ROOT) / "examples"
 # the model's own template (and request templates trusted), then each shipped tool template
 TEMPLATES = [None, "tool_chat_template_hermes.jinja", "tool_chat_template_llama3_json.jinja"]
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 QUESTION = {"role": "user", "content": "What is the weather like in Paris today?"}
 TOOL_RESULT = json.dumps({"city": "Paris", "temperature_celsius": 21, "sky": "sunny"})
 
@@ -53,8 +58,14 @@ def client(server):
 
 def first_turn(client, stream: bool):
     """The assistant message of the first turn, as the client would send it back."""
-    kwargs = dict(model=MODEL, messages=[QUESTION], tools=[WEATHER_TOOL], temperature=0, max_tokens=32,
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kwargs = dict(
+        model=MODEL,
+        messages=[QUESTION],
+        tools=[WEATHER_TOOL],
+        temperature=0,
+        max_tokens=32,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     if not stream:
         message = client.chat.completions.create(**kwargs).choices[0].message
         assert message.content is None and len(message.tool_calls) == 1
@@ -62,8 +73,9 @@ def first_turn(client, stream: bool):
     calls: dict[int, dict] = {}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            call = calls.setdefault(delta_call.index, {"id": None, "type": "function",
-                                                       "function": {"name": "", "arguments": ""}})
+            call = calls.setdefault(
+                delta_call.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
             call["id"] = delta_call.id or call["id"]
             if delta_call.function is not None:
                 call["function"]["name"] += delta_call.function.name or ""
@@ -92,8 +104,9 @@ def test_the_second_turn_of_a_tool_conversation_gets_an_answer(server, client, s
     if stream:
         chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
         answer = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-        finish_reason = next(chunk.choices[0].finish_reason for chunk in chunks
-                             if chunk.choices and chunk.choices[0].finish_reason)
+        finish_reason = next(
+            chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason
+        )
         assert not any(chunk.choices[0].delta.tool_calls for chunk in chunks if chunk.choices)
         prompt_tokens = chunks[-1].usage.prompt_tokens
     else:
@@ -104,14 +117,19 @@ def test_the_second_turn_of_a_tool_conversation_gets_an_answer(server, client, s
     assert answer.strip() and finish_reason in ("stop", "length")
 
     # the whole history reached the prompt: the tool result always, the call where the template writes calls
-    serialised = [QUESTION, assistant if isinstance(assistant, dict) else assistant.model_dump(exclude_none=True),
-                  history[2]]
+    serialised = [
+        QUESTION,
+        assistant if isinstance(assistant, dict) else assistant.model_dump(exclude_none=True),
+        history[2],
+    ]
     tools = {"tools": extra["tools"]} if extra else {}
-    tokenized = httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "messages": serialised, **tools},
-                           timeout=60).json()
+    tokenized = httpx.post(
+        server.base_url + "/tokenize", json={"model": MODEL, "messages": serialised, **tools}, timeout=60
+    ).json()
     assert tokenized["count"] == prompt_tokens
-    prompt = httpx.post(server.base_url + "/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]},
-                        timeout=60).json()["prompt"]
+    prompt = httpx.post(
+        server.base_url + "/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]}, timeout=60
+    ).json()["prompt"]
     assert TOOL_RESULT in prompt
     if server.template is not None:
         assert "get_weather" in prompt and call["function"]["name"] in prompt
@@ -120,13 +138,15 @@ def test_the_second_turn_of_a_tool_conversation_gets_an_answer(server, client, s
 def test_a_request_template_needs_the_trust_flag(server, client):
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     if server.template is None:  # started with --trust-request-chat-template
-        reply = client.chat.completions.create(model=MODEL, messages=[QUESTION], max_tokens=2,
-                                               extra_body={"chat_template": template})
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[QUESTION], max_tokens=2, extra_body={"chat_template": template}
+        )
         assert reply.usage.prompt_tokens > 0
         return
     with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):
-        client.chat.completions.create(model=MODEL, messages=[QUESTION], max_tokens=2,
-                                       extra_body={"chat_template": template})
+        client.chat.completions.create(
+            model=MODEL, messages=[QUESTION], max_tokens=2, extra_body={"chat_template": template}
+        )
 
 
 def test_health_answers_while_a_hostile_template_is_refused(server, client):
@@ -137,8 +157,9 @@ def test_health_answers_while_a_hostile_template_is_refused(server, client):
 
     def send():
         try:
-            client.chat.completions.create(model=MODEL, messages=[QUESTION], max_tokens=2,
-                                           extra_body={"chat_template": hostile})
+            client.chat.completions.create(
+                model=MODEL, messages=[QUESTION], max_tokens=2, extra_body={"chat_template": hostile}
+            )
         except openai.APIStatusError as exc:
             outcome["error"] = exc
 

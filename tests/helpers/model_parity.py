@@ -6,8 +6,8 @@ decode, every computed position's logits compared, and greedy tokens compared wi
 from __future__ import annotations
 
 import torch
-
 from helpers.attention import PagedBatcher, allocate_kv_caches
+
 from tokenloom.core.model_interface import ModelContext
 from tokenloom.kernels.paged_attention import TorchPagedAttention
 
@@ -23,7 +23,9 @@ def perturb_parameters(hf_model, seed: int = 0, scale: float = 0.05):
 
 
 def build_model(model_class, hf_config, weights, dtype=torch.float32, model_config=None):
-    model = model_class(ModelContext(hf_config=hf_config, dtype=dtype, device=torch.device("cpu"), model_config=model_config))
+    model = model_class(
+        ModelContext(hf_config=hf_config, dtype=dtype, device=torch.device("cpu"), model_config=model_config)
+    )
     loaded = model.load_weights(weights)
     return model.eval(), loaded
 
@@ -54,7 +56,7 @@ def run_paged_greedy(model, prompts: list[list[int]], num_new_tokens: int, *, bl
             logits = model.compute_logits(model(input_ids, positions, metadata))
         start = 0
         for index, tokens in step.items():
-            seq_logits = logits[start:start + len(tokens)]
+            seq_logits = logits[start : start + len(tokens)]
             start += len(tokens)
             logits_seen[index].append(seq_logits)
             if not pending[index]:
@@ -67,9 +69,12 @@ def assert_matches_transformers(model, hf_model, prompts, num_new_tokens=6, atol
     for prompt, (tokens, logits) in zip(prompts, results):
         with torch.no_grad():
             expected_tokens = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=num_new_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt):].tolist()
+                torch.tensor([prompt]),
+                max_new_tokens=num_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
             # every position our steps computed: the prompt and all generated tokens but the last
             expected_logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
         assert len(expected_tokens) == num_new_tokens

@@ -27,9 +27,11 @@ def tolerance(dtype):
 @pytest.fixture
 def torch_only(monkeypatch):
     """Run a layer's torch code: every layer module sees no native operators."""
+
     def switch_off():
         for module in (layernorm, activation, rotary):
             monkeypatch.setattr(module, "ops_for", lambda tensor: None)
+
     return switch_off
 
 
@@ -68,8 +70,9 @@ def test_rms_norm_reads_strided_rows():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
 def test_rotary_in_place_matches_the_torch_rotation(dtype, rotary_fraction, torch_only):
-    rope = get_rope(16, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary_fraction},
-                    64, dtype=dtype)
+    rope = get_rope(
+        16, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary_fraction}, 64, dtype=dtype
+    )
     generator = torch.Generator().manual_seed(1)
     qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=generator).to(dtype)
     positions = torch.tensor([0, 3, 17, 63, 8])
@@ -91,7 +94,9 @@ def test_rotary_rejects_a_position_beyond_its_table():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layer", [SiluAndMul(), GeluAndMul("tanh"), GeluAndMul("none")], ids=["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize(
+    "layer", [SiluAndMul(), GeluAndMul("tanh"), GeluAndMul("none")], ids=["silu", "gelu_tanh", "gelu"]
+)
 def test_gated_activations_match_torch(dtype, layer, torch_only):
     x = (torch.randn(9, 2 * 24, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     x[0, 0], x[1, 1] = -200.0, 200.0  # far tails of the activation
@@ -145,7 +150,7 @@ def test_rms_norm_tails_match_the_torch_chain(dtype, features, norm_class, torch
 def test_rms_norm_residual_rounds_ties_to_even(dtype, torch_only):
     """x + residual lands exactly halfway between two values of the dtype: rounded to the even
     one, as torch rounds (bfloat16 keeps 8 significant bits, float16 11)."""
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
     halves = torch.tensor([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, 0.5, 1.5, 2.5]) * ulp
     x = torch.ones(2, 9, dtype=dtype)
     residual = torch.stack([halves, -halves / 2]).to(dtype)
@@ -164,7 +169,7 @@ def test_silu_and_mul_tails_and_extremes_match_torch(dtype, width, torch_only):
     x = (torch.randn(4, 2 * width, generator=generator) * 6).to(dtype)
     # the exponential's range: saturated, clamped and tiny gates, and exact zeros
     extremes = torch.tensor([-200.0, -88.0, -87.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 87.0, 200.0, -0.0])
-    x[0, :min(width, len(extremes))] = extremes[:width].to(dtype)
+    x[0, : min(width, len(extremes))] = extremes[:width].to(dtype)
     fused = SiluAndMul()(x)
     torch_only()
     torch.testing.assert_close(fused, SiluAndMul()(x), **tolerance(dtype))

@@ -11,7 +11,13 @@ import torch
 
 from tokenloom.kernels import cpu_native, int4_matmul
 from tokenloom.kernels.int4_matmul import (
-    INT4_MAX_ROWS, can_pack, dequantize_int4, int4_linear, pack_int4, prefers_int4, quantize_activations,
+    INT4_MAX_ROWS,
+    can_pack,
+    dequantize_int4,
+    int4_linear,
+    pack_int4,
+    prefers_int4,
+    quantize_activations,
 )
 
 pytestmark = pytest.mark.usefixtures("isa_level")
@@ -42,7 +48,7 @@ def exact_product(x: torch.Tensor, codes, scales, zeros) -> torch.Tensor:
     """What tokenloom's kernel computes, in float64: the 8-bit activations times the weight."""
     activation_codes, activation_scales = quantize_activations(x)
     rows, features = x.shape
-    activations = (activation_codes.view(rows, -1, 32).double() * activation_scales.double().unsqueeze(-1))
+    activations = activation_codes.view(rows, -1, 32).double() * activation_scales.double().unsqueeze(-1)
     return activations.view(rows, features) @ dequantize_int4(codes, scales, zeros).double().T
 
 
@@ -113,8 +119,12 @@ def test_the_two_kernels_agree():
     x = torch.randn(5, 128, dtype=torch.bfloat16)
     with mock.patch.object(int4_matmul, "_native_kernel", lambda: None):
         reference = int4_linear(x, pack_int4(codes, scales, zeros, torch.bfloat16)).float()
-    torch.testing.assert_close(int4_linear(x, pack_int4(codes, scales, zeros, torch.bfloat16)).float(), reference,
-                               rtol=0.02, atol=0.02 * reference.abs().max().item())
+    torch.testing.assert_close(
+        int4_linear(x, pack_int4(codes, scales, zeros, torch.bfloat16)).float(),
+        reference,
+        rtol=0.02,
+        atol=0.02 * reference.abs().max().item(),
+    )
 
 
 def test_other_group_sizes_stay_on_torchs_kernel():
@@ -188,4 +198,10 @@ def test_every_level_the_host_runs_gives_the_same_integers(rows):
             results[level.name] = int4_linear(x, weight).double()
     exact = exact_product(x, codes, scales, zeros)
     for name, out in results.items():
-        torch.testing.assert_close(out, exact, rtol=0, atol=1e-5 * exact.abs().max().item(), msg=lambda message, name=name: f"{name}: {message}")
+        torch.testing.assert_close(
+            out,
+            exact,
+            rtol=0,
+            atol=1e-5 * exact.abs().max().item(),
+            msg=lambda message, name=name: f"{name}: {message}",
+        )

@@ -16,9 +16,12 @@ from tokenloom.kernels.int8_matmul import dequantize_int8, int8_linear, pack_int
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 # on every kernel level the host runs; only kernels switched off go without the int8 kernel
-pytestmark = [pytest.mark.usefixtures("isa_level"),
-              pytest.mark.skipif(int8_matmul._kernel() is None,
-                                 reason="tokenloom's CPU kernels are switched off or did not build")]
+pytestmark = [
+    pytest.mark.usefixtures("isa_level"),
+    pytest.mark.skipif(
+        int8_matmul._kernel() is None, reason="tokenloom's CPU kernels are switched off or did not build"
+    ),
+]
 
 
 def random_int8(out_features: int, in_features: int, seed: int = 0):
@@ -54,8 +57,12 @@ def test_extreme_codes_are_exact():
     codes = torch.tensor([[-128, 127] * 16] * 16, dtype=torch.int8)
     scales = torch.ones(16, 1)
     x = torch.tensor([[1.0, -1.0] * 16, [-1.0, 1.0] * 16])
-    torch.testing.assert_close(int8_linear(x, pack_int8(codes, scales)), torch.full((2, 16), 1.0) * torch.tensor(
-        [[-255.0 * 16], [255.0 * 16]]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        int8_linear(x, pack_int8(codes, scales)),
+        torch.full((2, 16), 1.0) * torch.tensor([[-255.0 * 16], [255.0 * 16]]),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 5, 130])
@@ -70,7 +77,13 @@ def test_every_level_the_host_runs_gives_the_same_integers(rows):
     for level in cpu_native.host_levels():
         with cpu_native.using_level(level.name):
             out = int8_linear(x, pack_int8(codes, scales)).double()
-        torch.testing.assert_close(out, exact, rtol=0, atol=1e-5 * exact.abs().max().item(), msg=lambda message, name=level.name: f"{name}: {message}")
+        torch.testing.assert_close(
+            out,
+            exact,
+            rtol=0,
+            atol=1e-5 * exact.abs().max().item(),
+            msg=lambda message, name=level.name: f"{name}: {message}",
+        )
 
 
 def test_shapes_the_kernel_cannot_take_are_not_packed():
@@ -82,8 +95,9 @@ def test_shapes_the_kernel_cannot_take_are_not_packed():
 def q8_0(rows: int, cols: int, seed: int = 0) -> GGUFWeight:
     values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     packed = quantize(values, GGMLQuantizationType.Q8_0)
-    return GGUFWeight(torch.from_numpy(packed.copy()), int(GGMLQuantizationType.Q8_0), (rows, cols),
-                      name="token_embd.weight")
+    return GGUFWeight(
+        torch.from_numpy(packed.copy()), int(GGMLQuantizationType.Q8_0), (rows, cols), name="token_embd.weight"
+    )
 
 
 def test_q8_0_groups_are_the_stored_values():
@@ -91,8 +105,11 @@ def test_q8_0_groups_are_the_stored_values():
     codes, scales = weight.int8_groups()
     assert codes.dtype == torch.int8 and codes.shape == (16, 64) and scales.shape == (16, 2)
     assert torch.equal(dequantize_int8(codes, scales), weight.dequantize(torch.float32))
-    other = GGUFWeight(torch.from_numpy(quantize(np.ones((16, 64), np.float32), GGMLQuantizationType.Q4_1).copy()),
-                       int(GGMLQuantizationType.Q4_1), (16, 64))
+    other = GGUFWeight(
+        torch.from_numpy(quantize(np.ones((16, 64), np.float32), GGMLQuantizationType.Q4_1).copy()),
+        int(GGMLQuantizationType.Q4_1),
+        (16, 64),
+    )
     assert other.int8_groups() is None
 
 
@@ -110,8 +127,7 @@ def test_a_tied_bfloat16_head_multiplies_the_q8_0_values_at_every_batch():
         hidden = torch.randn(rows, 64, dtype=torch.bfloat16)
         logits = head.compute_logits(hidden)
         assert logits.dtype == torch.float32 and logits.shape == (rows, 48)
-        torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=0,
-                                   atol=0.02 * logits.abs().max().item())
+        torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=0, atol=0.02 * logits.abs().max().item())
         assert torch.equal(logits, int8_linear(hidden, head.int8_weight))
 
 
@@ -138,5 +154,6 @@ def test_a_float32_head_the_platform_chose_multiplies_the_q8_0_values_and_keeps_
     hidden = torch.randn(3, 64)
     logits = head.compute_logits(hidden)
     assert torch.equal(logits, int8_linear(hidden, head.int8_weight))
-    torch.testing.assert_close(logits, hidden @ weight.dequantize(torch.float32).T, rtol=0,
-                               atol=0.02 * logits.abs().max().item())
+    torch.testing.assert_close(
+        logits, hidden @ weight.dequantize(torch.float32).T, rtol=0, atol=0.02 * logits.abs().max().item()
+    )

@@ -10,10 +10,10 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers.attention import allocate_kv_caches, build_attention_metadata
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.attention import allocate_kv_caches, build_attention_metadata
 from tokenloom.errors import ConfigError
 from tokenloom.kernels import paged_attention
 from tokenloom.kernels.paged_attention import (
@@ -78,7 +78,9 @@ def make_step(seq_specs, num_q_heads, num_kv_heads, head_size, dtype, seed, num_
     metadata = build_attention_metadata(
         [query_len for _, query_len in seq_specs],
         [context_len + query_len for context_len, query_len in seq_specs],
-        tables, BLOCK_SIZE, [kv_cache],
+        tables,
+        BLOCK_SIZE,
+        [kv_cache],
     )
     query = torch.cat([queries[context_len:] for context_len, _, queries, _, _ in sequences])
     key = torch.cat([keys[context_len:] for context_len, _, _, keys, _ in sequences])
@@ -99,15 +101,22 @@ MIXED_BATCHES = [
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)])
 def test_reference_matches_dense_attention(specs, window, heads):
     num_q_heads, num_kv_heads = heads
-    sequences, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, 8, torch.float32, 0)
+    sequences, kv_cache, metadata, (query, key, value) = make_step(
+        specs, num_q_heads, num_kv_heads, 8, torch.float32, 0
+    )
     output = reference_paged_attention(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window)
     start = 0
     for context_len, query_len, queries, keys, values in sequences:
         expected = dense_attention(
-            queries[context_len:], keys, values, list(range(context_len, context_len + query_len)),
-            scale=0.3, window=window, soft_cap=None,
+            queries[context_len:],
+            keys,
+            values,
+            list(range(context_len, context_len + query_len)),
+            scale=0.3,
+            window=window,
+            soft_cap=None,
         )
-        torch.testing.assert_close(output[start:start + query_len], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(output[start : start + query_len], expected, atol=1e-5, rtol=1e-5)
         start += query_len
 
 
@@ -144,8 +153,9 @@ def test_fast_backend_matches_reference(specs, window, heads, soft_cap, backend_
 @pytest.mark.parametrize("backend_class", FAST_BACKENDS)
 def test_fast_backend_bfloat16_close_to_reference(specs, window, backend_class):
     _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 16, torch.bfloat16, 3)
-    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.25,
-                                         sliding_window=window)
+    expected = reference_paged_attention(
+        query, key, value, kv_cache.clone(), metadata, scale=0.25, sliding_window=window
+    )
     output = backend_class().forward(query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window)
     assert output.dtype == torch.bfloat16
     torch.testing.assert_close(output.float(), expected.float(), atol=3e-2, rtol=3e-2)
@@ -155,7 +165,9 @@ def test_plan_is_reused_per_step_and_per_window():
     _, kv_cache, metadata, (query, key, value) = make_step(MIXED_BATCHES[0], 4, 2, 8, torch.float32, 4)
     backend = TorchPagedAttention()
     expected_full = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.5)
-    expected_window = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.5, sliding_window=2)
+    expected_window = reference_paged_attention(
+        query, key, value, kv_cache.clone(), metadata, scale=0.5, sliding_window=2
+    )
     # alternate windows like Gemma's local/global layers within one step
     for _ in range(2):
         full = backend.forward(query, key, value, kv_cache, metadata, scale=0.5)
@@ -174,14 +186,24 @@ def test_bidirectional_attends_both_ways_and_skips_the_cache(window):
     value = torch.randn(8, 2, 8, generator=generator)
     kv_cache = allocate_kv_caches(1, 8, BLOCK_SIZE, 2, 8)[0]
     untouched = kv_cache.clone()
-    metadata = build_attention_metadata(query_lens, query_lens, [[0, 1], [2]], BLOCK_SIZE, [kv_cache], bidirectional=True)
+    metadata = build_attention_metadata(
+        query_lens, query_lens, [[0, 1], [2]], BLOCK_SIZE, [kv_cache], bidirectional=True
+    )
     for attention in (reference_paged_attention, TorchPagedAttention().forward, NativeCpuPagedAttention().forward):
         output = attention(query, key, value, kv_cache, metadata, scale=0.4, sliding_window=window)
         start = 0
         for query_len in query_lens:
             tokens = slice(start, start + query_len)
-            expected = dense_attention(query[tokens], key[tokens], value[tokens], list(range(query_len)),
-                                       scale=0.4, window=window, soft_cap=None, causal=False)
+            expected = dense_attention(
+                query[tokens],
+                key[tokens],
+                value[tokens],
+                list(range(query_len)),
+                scale=0.4,
+                window=window,
+                soft_cap=None,
+                causal=False,
+            )
             torch.testing.assert_close(output[tokens], expected, atol=1e-5, rtol=1e-5)
             start += query_len
     torch.testing.assert_close(kv_cache, untouched, atol=0, rtol=0)
@@ -189,13 +211,21 @@ def test_bidirectional_attends_both_ways_and_skips_the_cache(window):
 
 def test_reference_backend_object_runs_a_model_like_the_fast_one():
     from helpers.model_parity import build_model, run_paged_greedy
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
 
     from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model, _ = build_model(LlamaForCausalLM, config, HFLlama(config).state_dict().items())
     prompts = [[1, 5, 9, 3, 7], [2, 8]]
     fast = run_paged_greedy(model, prompts, 4)
@@ -225,9 +255,12 @@ def test_write_kv_cache_rejects_a_non_contiguous_cache():
     group_overhead=st.sampled_from([0, 1 << 17]),
     backend_class=st.sampled_from([TorchPagedAttention, NativeCpuPagedAttention]),
 )
-def test_fast_backend_matches_reference_on_random_batches(specs, window, group_size, seed, group_overhead,
-                                                         backend_class):
-    _, kv_cache, metadata, (query, key, value) = make_step(specs, 2 * group_size, 2, 8, torch.float32, seed, num_blocks=40)
+def test_fast_backend_matches_reference_on_random_batches(
+    specs, window, group_size, seed, group_overhead, backend_class
+):
+    _, kv_cache, metadata, (query, key, value) = make_step(
+        specs, 2 * group_size, 2, 8, torch.float32, seed, num_blocks=40
+    )
     reference_cache = kv_cache.clone()
     expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=0.3, sliding_window=window)
     with mock.patch.object(paged_attention, "_GROUP_OVERHEAD_ELEMENTS", group_overhead):
@@ -239,7 +272,10 @@ def test_fast_backend_matches_reference_on_random_batches(specs, window, group_s
 def test_group_by_length_keeps_similar_lengths_together():
     blocks = {"a": 1, "b": 2, "c": 3, "d": 8, "e": 9, "f": 40}
     assert paged_attention._group_by_length(list(blocks), blocks, elements_per_block=10**9) == [
-        ["a", "b"], ["c"], ["d", "e"], ["f"]
+        ["a", "b"],
+        ["c"],
+        ["d", "e"],
+        ["f"],
     ]
     # when padding is cheaper than another call, the groups fold into the longer ones
     assert paged_attention._group_by_length(list(blocks), blocks, elements_per_block=1) == [list(blocks)]
@@ -250,7 +286,9 @@ def test_ragged_decode_groups_match_reference(monkeypatch, window):
     monkeypatch.setattr(paged_attention, "_GROUP_OVERHEAD_ELEMENTS", 0)
     specs = [(30, 1), (2, 1), (0, 5), (13, 1), (3, 1), (29, 1)]
     _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 8, torch.float32, 7, num_blocks=48)
-    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.3, sliding_window=window)
+    expected = reference_paged_attention(
+        query, key, value, kv_cache.clone(), metadata, scale=0.3, sliding_window=window
+    )
     backend = TorchPagedAttention()
     output = backend.forward(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window)
     torch.testing.assert_close(output, expected, atol=2e-6, rtol=2e-5)
@@ -270,7 +308,9 @@ def test_native_decode_reads_strided_queries_and_writes_strided_keys():
     assert not strided_query.is_contiguous()
     reference_cache = kv_cache.clone()
     expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=0.25)
-    output = NativeCpuPagedAttention().forward(strided_query, strided_key, strided_value, kv_cache, metadata, scale=0.25)
+    output = NativeCpuPagedAttention().forward(
+        strided_query, strided_key, strided_value, kv_cache, metadata, scale=0.25
+    )
     torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
 
@@ -288,8 +328,9 @@ def test_native_decode_rejects_mismatched_dtypes():
     cache = torch.zeros(2, 4, BLOCK_SIZE, 2, 8)
     query = torch.ones(1, 4, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        ops.paged_decode_attention(torch.empty_like(query), query, cache, torch.zeros(1, 1, dtype=torch.long),
-                                   torch.tensor([1]), 0.5, 0, 0.0)
+        ops.paged_decode_attention(
+            torch.empty_like(query), query, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 0.5, 0, 0.0
+        )
 
 
 @pytest.mark.parametrize("head_size", [64, 128, 256, 48])
@@ -301,12 +342,14 @@ def test_native_decode_head_sizes_groups_and_dtypes(head_size, heads, dtype):
     at 16 positions and at block ends, whatever the sequence length."""
     num_q_heads, num_kv_heads = heads
     specs = [(40, 1), (0, 1), (15, 1), (16, 1), (33, 1)]
-    _, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, head_size, dtype, 9,
-                                                           num_blocks=48)
+    _, kv_cache, metadata, (query, key, value) = make_step(
+        specs, num_q_heads, num_kv_heads, head_size, dtype, 9, num_blocks=48
+    )
     reference_cache = kv_cache.clone()
-    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size ** -0.5,
-                                         sliding_window=None, logits_soft_cap=None)
-    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size ** -0.5)
+    expected = reference_paged_attention(
+        query, key, value, reference_cache, metadata, scale=head_size**-0.5, sliding_window=None, logits_soft_cap=None
+    )
+    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
@@ -325,21 +368,30 @@ def test_native_decode_block_sizes_windows_and_soft_cap(block_size, window, soft
     free_blocks = list(range(num_blocks))
     random.Random(3).shuffle(free_blocks)
     tables = [[free_blocks.pop() for _ in range(-(-seq_len // block_size))] for seq_len in seq_lens]
-    context = build_attention_metadata([seq_len - 1 for seq_len in seq_lens if seq_len > 1],
-                                       [seq_len - 1 for seq_len in seq_lens if seq_len > 1],
-                                       [table for table, seq_len in zip(tables, seq_lens) if seq_len > 1],
-                                       block_size, [kv_cache])
+    context = build_attention_metadata(
+        [seq_len - 1 for seq_len in seq_lens if seq_len > 1],
+        [seq_len - 1 for seq_len in seq_lens if seq_len > 1],
+        [table for table, seq_len in zip(tables, seq_lens) if seq_len > 1],
+        block_size,
+        [kv_cache],
+    )
     num_context = sum(seq_len - 1 for seq_len in seq_lens)
-    write_kv_cache(torch.randn(num_context, 2, 64, generator=generator).bfloat16(),
-                   torch.randn(num_context, 2, 64, generator=generator).bfloat16(), kv_cache, context.slot_mapping)
+    write_kv_cache(
+        torch.randn(num_context, 2, 64, generator=generator).bfloat16(),
+        torch.randn(num_context, 2, 64, generator=generator).bfloat16(),
+        kv_cache,
+        context.slot_mapping,
+    )
     metadata = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size, [kv_cache])
     query = torch.randn(len(seq_lens), 6, 64, generator=generator).bfloat16()
     key = torch.randn(len(seq_lens), 2, 64, generator=generator).bfloat16()
     value = torch.randn(len(seq_lens), 2, 64, generator=generator).bfloat16()
-    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.125,
-                                         sliding_window=window, logits_soft_cap=soft_cap)
-    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.125,
-                                               sliding_window=window, logits_soft_cap=soft_cap)
+    expected = reference_paged_attention(
+        query, key, value, kv_cache.clone(), metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    output = NativeCpuPagedAttention().forward(
+        query, key, value, kv_cache, metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
+    )
     torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -354,13 +406,20 @@ def _native_decode_step(seq_lens, num_q_heads, num_kv_heads, head_size, block_si
     tables = [[free_blocks.pop() for _ in range(-(-seq_len // block_size))] for seq_len in seq_lens]
     with_context = [(seq_len, table) for seq_len, table in zip(seq_lens, tables) if seq_len > 1]
     if with_context:
-        context = build_attention_metadata([seq_len - 1 for seq_len, _ in with_context],
-                                           [seq_len - 1 for seq_len, _ in with_context],
-                                           [table for _, table in with_context], block_size, [kv_cache])
+        context = build_attention_metadata(
+            [seq_len - 1 for seq_len, _ in with_context],
+            [seq_len - 1 for seq_len, _ in with_context],
+            [table for _, table in with_context],
+            block_size,
+            [kv_cache],
+        )
         num_context = sum(seq_len - 1 for seq_len in seq_lens)
-        write_kv_cache(torch.randn(num_context, num_kv_heads, head_size, generator=generator).to(dtype),
-                       torch.randn(num_context, num_kv_heads, head_size, generator=generator).to(dtype),
-                       kv_cache, context.slot_mapping)
+        write_kv_cache(
+            torch.randn(num_context, num_kv_heads, head_size, generator=generator).to(dtype),
+            torch.randn(num_context, num_kv_heads, head_size, generator=generator).to(dtype),
+            kv_cache,
+            context.slot_mapping,
+        )
     metadata = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size, [kv_cache])
     query = torch.randn(len(seq_lens), num_q_heads, head_size, generator=generator).to(dtype)
     key = torch.randn(len(seq_lens), num_kv_heads, head_size, generator=generator).to(dtype)
@@ -380,11 +439,12 @@ def test_native_decode_float32_every_run_length_and_tile(head_size, heads, block
     read keys in runs cut at 16 positions and at block ends, and take them 8 (AVX2) or 16
     (AVX-512) at a time, so each count leaves a different tail."""
     num_q_heads, num_kv_heads = heads
-    query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, num_q_heads, num_kv_heads, head_size,
-                                                                block_size, torch.float32, 12)
+    query, key, value, kv_cache, metadata = _native_decode_step(
+        seq_lens, num_q_heads, num_kv_heads, head_size, block_size, torch.float32, 12
+    )
     reference_cache = kv_cache.clone()
-    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size ** -0.5)
-    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size ** -0.5)
+    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size**-0.5)
+    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size**-0.5)
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
 
@@ -398,9 +458,11 @@ def test_native_decode_windows_and_soft_cap_per_dtype(dtype, window, soft_cap):
     seq_lens = [1, 9, 16, 17, 31, 48, 50]
     query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, 9, 3, 64, 16, dtype, 13)
     query = query * 4
-    expected = reference_paged_attention(query, key, value, kv_cache.clone(), metadata, scale=0.125,
-                                         sliding_window=window, logits_soft_cap=soft_cap)
-    output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=0.125,
-                                               sliding_window=window, logits_soft_cap=soft_cap)
+    expected = reference_paged_attention(
+        query, key, value, kv_cache.clone(), metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    output = NativeCpuPagedAttention().forward(
+        query, key, value, kv_cache, metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
+    )
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.attention import allocate_kv_caches, build_attention_metadata
+
 from tokenloom.errors import ConfigError
 from tokenloom.kernels.paged_attention import TorchPagedAttention, reference_paged_attention
 from tokenloom.layers.attention import Attention

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tokenloom.errors import ConfigError, ModelLoadError
-from tokenloom.layers import embedding as embedding_module
 from tokenloom.kernels.onednn_linear import packable
+from tokenloom.layers import embedding as embedding_module
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_range
 
 
@@ -55,14 +55,24 @@ def test_a_float32_head_answers_small_batches_from_its_float16_copy_after_loadin
     torch.testing.assert_close(logits, few @ weights.T, atol=0.02, rtol=0.01)
     many = torch.randn(embedding_module.SMALL_BATCH_ROWS + 1, 8)
     # the float32 head itself (oneDNN-packed: float32 up to summation order)
-    torch.testing.assert_close(head.compute_logits(many), torch.nn.functional.linear(many, weights),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        head.compute_logits(many), torch.nn.functional.linear(many, weights), atol=1e-6, rtol=1e-6
+    )
 
 
-@pytest.mark.parametrize("onednn_bfloat16", [
-    pytest.param(True, marks=pytest.mark.skipif(not packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
-                                                reason="oneDNN has no bfloat16 matmul on this CPU (no AVX512-BF16/AMX)")),
-    False])
+@pytest.mark.parametrize(
+    "onednn_bfloat16",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                reason="oneDNN has no bfloat16 matmul on this CPU (no AVX512-BF16/AMX)",
+            ),
+        ),
+        False,
+    ],
+)
 def test_a_head_multiplies_its_packed_copy_and_keeps_the_embedding_dense(onednn_bfloat16, monkeypatch):
     """Where oneDNN multiplies bfloat16 (AVX512-BF16 / AMX) the head keeps a packed copy; on other
     CPUs (an AVX2 one, emulated here) it multiplies the dense table, with the same logits."""
@@ -81,8 +91,9 @@ def test_a_head_multiplies_its_packed_copy_and_keeps_the_embedding_dense(onednn_
     assert not embedding.weight.is_mkldnn  # the lookup still reads the dense table
     for rows in (1, 5):
         hidden = torch.randn(rows, 8).bfloat16()
-        torch.testing.assert_close(head.compute_logits(hidden), torch.nn.functional.linear(hidden, weights).float(),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            head.compute_logits(hidden), torch.nn.functional.linear(hidden, weights).float(), atol=0, rtol=0
+        )
 
 
 def test_hidden_states_beyond_float16_range_take_the_wide_path():

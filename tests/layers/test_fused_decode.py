@@ -16,9 +16,12 @@ from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
 from tokenloom.kernels import int4_matmul
 from tokenloom.layers.fused_decode import FusedDecodeLayer
 
-pytestmark = [pytest.mark.usefixtures("isa_level"),
-              pytest.mark.skipif(int4_matmul._native_kernel() is None,
-                                 reason="tokenloom's CPU kernels are switched off or did not build")]
+pytestmark = [
+    pytest.mark.usefixtures("isa_level"),
+    pytest.mark.skipif(
+        int4_matmul._native_kernel() is None, reason="tokenloom's CPU kernels are switched off or did not build"
+    ),
+]
 
 PROMPTS = [[5 + (7 * index + 3 * position) % 80 for position in range(9 + 5 * index)] for index in range(5)]
 
@@ -26,23 +29,34 @@ PROMPTS = [[5 + (7 * index + 3 * position) % 80 for position in range(9 + 5 * in
 def tiny_gguf(tmp_path_factory, architecture: str) -> str:
     config, state_dict = tiny_model_state_dict(architecture, seed=3)
     directory = tmp_path_factory.mktemp(architecture)
-    return write_model_gguf(str(directory / "model.gguf"), architecture, config, state_dict,
-                            quant_type=GGMLQuantizationType.Q4_1)
+    return write_model_gguf(
+        str(directory / "model.gguf"), architecture, config, state_dict, quant_type=GGMLQuantizationType.Q4_1
+    )
 
 
 @pytest.fixture(scope="module")
 def llama_llm(tmp_path_factory, isa_level):  # one engine per level: its layers keep that level's operators
     # bfloat16 (the dtype the int4 kernel runs); no prefix cache, so a repeated prompt is
     # computed the same way twice
-    return LLM(model=tiny_gguf(tmp_path_factory, "llama"), dtype="bfloat16", max_model_len=128,
-               enable_prefix_caching=False, skip_tokenizer_init=True)
+    return LLM(
+        model=tiny_gguf(tmp_path_factory, "llama"),
+        dtype="bfloat16",
+        max_model_len=128,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+    )
 
 
 def generate(llm, max_tokens=12, **params):
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **params)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], sampling)
-    return [(output.outputs[0].token_ids, [{token: entry.logprob for token, entry in step.items()}
-                                           for step in output.outputs[0].logprobs]) for output in outputs]
+    return [
+        (
+            output.outputs[0].token_ids,
+            [{token: entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs],
+        )
+        for output in outputs
+    ]
 
 
 def count_fused_calls():
@@ -73,16 +87,16 @@ def test_decode_steps_take_the_fused_layer_and_give_the_same_bits(llama_llm):
 def test_decode_steps_of_many_rows_are_fused_too(llama_llm):
     patch, taken = count_fused_calls()
     with patch:
-        llama_llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=3, n=20, temperature=1.0,
-                                                                             seed=1))
+        llama_llm.generate(
+            [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=3, n=20, temperature=1.0, seed=1)
+        )
     # the 20 sequences decode together in 20-row steps
     assert 20 in taken["fused_rows"]
 
 
 def test_a_layer_with_biases_is_not_fused(tmp_path_factory):
     # Qwen2 is the Llama layer with qkv biases: the operator has no bias terms
-    llm = LLM(model=tiny_gguf(tmp_path_factory, "qwen2"), dtype="bfloat16", max_model_len=128,
-              skip_tokenizer_init=True)
+    llm = LLM(model=tiny_gguf(tmp_path_factory, "qwen2"), dtype="bfloat16", max_model_len=128, skip_tokenizer_init=True)
     patch, taken = count_fused_calls()
     with patch:
         generate(llm, max_tokens=4)
@@ -95,8 +109,12 @@ def test_float32_the_platform_chose_is_fused_and_gives_the_same_bits(tmp_path_fa
     """A CPU without native bfloat16 runs --dtype auto in float32, int4 weights on the kernel:
     the operator takes those layers in float32."""
     with mock.patch.object(CpuPlatform, "default_dtype", lambda self, model_dtype: torch.float32):
-        llm = LLM(model=tiny_gguf(tmp_path_factory, "llama"), max_model_len=128, enable_prefix_caching=False,
-                  skip_tokenizer_init=True)
+        llm = LLM(
+            model=tiny_gguf(tmp_path_factory, "llama"),
+            max_model_len=128,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+        )
     assert llm.engine.executor.worker.runner.dtype == torch.float32
     patch, taken = count_fused_calls()
     with patch:
@@ -109,8 +127,7 @@ def test_float32_the_platform_chose_is_fused_and_gives_the_same_bits(tmp_path_fa
 
 def test_float32_models_asked_for_by_name_are_not_fused(tmp_path_factory):
     # --dtype float32 keeps float32 exact: dense weights, no int4 kernel to chain
-    llm = LLM(model=tiny_gguf(tmp_path_factory, "llama"), dtype="float32", max_model_len=128,
-              skip_tokenizer_init=True)
+    llm = LLM(model=tiny_gguf(tmp_path_factory, "llama"), dtype="float32", max_model_len=128, skip_tokenizer_init=True)
     patch, taken = count_fused_calls()
     with patch:
         outputs = generate(llm, max_tokens=4)

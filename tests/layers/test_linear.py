@@ -74,7 +74,7 @@ def test_column_parallel_ranks_hold_row_slices():
         layer = ColumnParallelLinear(6, 8, tp_rank=rank, tp_size=2)
         assert layer.weight.shape == (4, 6)
         layer.load_checkpoint_weight("weight", full)
-        torch.testing.assert_close(layer.weight, full[rank * 4:(rank + 1) * 4])
+        torch.testing.assert_close(layer.weight, full[rank * 4 : (rank + 1) * 4])
         outputs.append(layer(x))
     torch.testing.assert_close(torch.cat(outputs, dim=-1), F.linear(x, full))
 
@@ -88,8 +88,8 @@ def test_row_parallel_ranks_hold_column_slices_and_sum(monkeypatch):
         assert layer.weight.shape == (5, 4)
         layer.load_checkpoint_weight("weight", full)
         layer.load_checkpoint_weight("bias", bias)
-        torch.testing.assert_close(layer.weight, full[:, rank * 4:(rank + 1) * 4])
-        partial_sum += layer(x[:, rank * 4:(rank + 1) * 4])
+        torch.testing.assert_close(layer.weight, full[:, rank * 4 : (rank + 1) * 4])
+        partial_sum += layer(x[:, rank * 4 : (rank + 1) * 4])
     torch.testing.assert_close(partial_sum, F.linear(x, full, bias))
 
 
@@ -107,7 +107,7 @@ def test_qkv_tensor_parallel_slices_heads():
         assert (layer.num_heads, layer.num_kv_heads, layer.weight.shape[0]) == (4, 2, (4 + 2 * 2) * head)
         for shard_id, tensor in zip("qkv", (q, k, v)):
             layer.load_checkpoint_weight("weight", tensor, shard_id)
-        expected = torch.cat([q[rank * 8:(rank + 1) * 8], k[rank * 4:(rank + 1) * 4], v[rank * 4:(rank + 1) * 4]])
+        expected = torch.cat([q[rank * 8 : (rank + 1) * 8], k[rank * 4 : (rank + 1) * 4], v[rank * 4 : (rank + 1) * 4]])
         torch.testing.assert_close(layer.weight, expected)
 
 
@@ -119,7 +119,7 @@ def test_qkv_replicates_kv_heads_when_ranks_outnumber_them():
         assert (layer.num_heads, layer.num_kv_heads, layer.num_kv_head_replicas) == (1, 1, 2)
         layer.load_checkpoint_weight("weight", k, "k")
         kv_head = rank // 2
-        torch.testing.assert_close(layer.weight[head:2 * head], k[kv_head * head:(kv_head + 1) * head])
+        torch.testing.assert_close(layer.weight[head : 2 * head], k[kv_head * head : (kv_head + 1) * head])
 
 
 def test_merged_column_tensor_parallel_offsets():

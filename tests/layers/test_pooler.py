@@ -24,11 +24,14 @@ def sequences(hidden_states):
     return list(torch.split(hidden_states, SEQ_LENS))
 
 
-@pytest.mark.parametrize("pooling_type, expected", [
-    ("CLS", lambda seq: seq[0]),
-    ("MEAN", lambda seq: seq.mean(dim=0)),
-    ("LAST", lambda seq: seq[-1]),
-])
+@pytest.mark.parametrize(
+    "pooling_type, expected",
+    [
+        ("CLS", lambda seq: seq[0]),
+        ("MEAN", lambda seq: seq.mean(dim=0)),
+        ("LAST", lambda seq: seq[-1]),
+    ],
+)
 def test_pool_matches_a_per_sequence_loop(hidden_states, pooling_type, expected):
     pooled = Pooler(pooling_type, normalize=False).pool(hidden_states, SEQ_LENS)
     reference = torch.stack([expected(seq) for seq in sequences(hidden_states)])
@@ -64,8 +67,9 @@ def test_per_request_options_apply_to_their_own_rows_only(hidden_states):
 
 
 def test_from_config_takes_defaults_for_unset_fields():
-    pooler = Pooler.from_config(SimpleNamespace(pooling_type=None, normalize=False, softmax=None),
-                                default_pooling_type="CLS")
+    pooler = Pooler.from_config(
+        SimpleNamespace(pooling_type=None, normalize=False, softmax=None), default_pooling_type="CLS"
+    )
     assert (pooler.pooling_type, pooler.normalize, pooler.softmax) == ("CLS", False, False)
     assert Pooler.from_config(None, default_pooling_type="last").pooling_type == "LAST"
 

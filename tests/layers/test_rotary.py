@@ -21,17 +21,35 @@ VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
-    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-                    "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
 }
 
 
 def llama_config(rope_parameters):
-    return LlamaConfig(hidden_size=HEAD_SIZE * 4, num_attention_heads=4, max_position_embeddings=MAX_POSITIONS,
-                       rope_parameters=dict(rope_parameters))
+    return LlamaConfig(
+        hidden_size=HEAD_SIZE * 4,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters=dict(rope_parameters),
+    )
 
 
 def transformers_inv_freq(config):
@@ -75,7 +93,9 @@ def test_rotation_matches_transformers(variant):
 def test_partial_rotary_rotates_only_the_leading_features():
     parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     partial = get_rope(HEAD_SIZE, parameters, 64, dtype=torch.float32)
-    full_on_rotary_part = get_rope(HEAD_SIZE // 2, {"rope_type": "default", "rope_theta": 10000.0}, 64, dtype=torch.float32)
+    full_on_rotary_part = get_rope(
+        HEAD_SIZE // 2, {"rope_type": "default", "rope_theta": 10000.0}, 64, dtype=torch.float32
+    )
     positions = torch.tensor([3, 9])
     x = torch.randn(2, 2, HEAD_SIZE)
     rotated, _ = partial(positions, x.clone(), x.clone())
@@ -87,17 +107,22 @@ def test_partial_rotary_rotates_only_the_leading_features():
 def test_legacy_rope_scaling_and_theta_are_read():
     legacy = types.SimpleNamespace(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=5000.0)
     assert rope_parameters_from_config(legacy) == {
-        "rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0, "partial_rotary_factor": 1.0,
+        "rope_type": "linear",
+        "factor": 2.0,
+        "rope_theta": 5000.0,
+        "partial_rotary_factor": 1.0,
     }
     bare = types.SimpleNamespace()
     assert rope_parameters_from_config(bare)["rope_theta"] == 10000.0
 
 
 def test_nested_rope_parameters_by_layer_type():
-    config = types.SimpleNamespace(rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-    })
+    config = types.SimpleNamespace(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        }
+    )
     assert rope_parameters_from_config(config, "sliding_attention")["rope_theta"] == 10.0
     assert rope_parameters_from_config(config, "full_attention")["rope_type"] == "linear"
 

@@ -41,8 +41,10 @@ def test_loads_shards_plain_parameters_and_reports_names(caplog):
         loaded = load_checkpoint_weights(block, [*weights.items(), ("vision.proj.weight", torch.ones(1))])
     assert loaded == {"mlp.gate_up_proj.weight", "mlp.down_proj.weight", "norm.weight", "gate_scale"}
     # linear weights are oneDNN-packed once loaded: to_dense() reads their values back
-    torch.testing.assert_close(block.mlp.gate_up_proj.weight.to_dense(), torch.cat([weights["mlp.gate_proj.weight"],
-                                                                         weights["mlp.up_proj.weight"]]))
+    torch.testing.assert_close(
+        block.mlp.gate_up_proj.weight.to_dense(),
+        torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]),
+    )
     torch.testing.assert_close(block.gate_scale, torch.tensor([1.5, 2.5]))
     assert "vision.proj.weight" in caplog.text
 
@@ -78,7 +80,7 @@ class RenamingMethod:
         layer.scales = nn.Parameter(torch.ones(output_size), requires_grad=False)
 
     def load_weight(self, layer, loaded_weight, output_offset, output_size):
-        layer.qweight.data[output_offset:output_offset + output_size].copy_(loaded_weight)
+        layer.qweight.data[output_offset : output_offset + output_size].copy_(loaded_weight)
 
     def process_weights_after_loading(self, layer):
         pass

@@ -36,8 +36,10 @@ def example_modules():
 
 # -- the tool parser -----------------------------------------------------------------------------
 
-OUTPUT = ('Let me check. <call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>'
-          ' and <call>{"name": "get_time", "arguments": {}}</call> done <')
+OUTPUT = (
+    'Let me check. <call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>'
+    ' and <call>{"name": "get_time", "arguments": {}}</call> done <'
+)
 
 
 def calls_of(tool_calls):
@@ -66,13 +68,16 @@ def test_extract_finds_calls_and_keeps_the_text_around_them(example_modules):
     assert len({call.id for call in result.tool_calls}) == 2
 
 
-@pytest.mark.parametrize("text", [
-    "<call>not json</call>",
-    '<call>{"arguments": {}}</call>',  # no name
-    '<call>{"name": "f", "arguments": [1]}</call>',  # arguments not an object
-    '<call>{"name": "f"}',  # never closed
-    "plain answer",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<call>not json</call>",
+        '<call>{"arguments": {}}</call>',  # no name
+        '<call>{"name": "f", "arguments": [1]}</call>',  # arguments not an object
+        '<call>{"name": "f"}',  # never closed
+        "plain answer",
+    ],
+)
 def test_malformed_or_absent_calls_stay_content(example_modules, text):
     call_tags, _ = example_modules
     result = call_tags.CallTagToolParser(None).extract(text, None)
@@ -83,8 +88,9 @@ def test_every_two_and_three_way_split_streams_the_same_result(example_modules):
     call_tags, _ = example_modules
     expected = call_tags.CallTagToolParser(None).extract(OUTPUT, None)
     cuts = range(1, len(OUTPUT))
-    for cut_points in itertools.chain(itertools.combinations(cuts, 1), random.Random(0).sample(
-            list(itertools.combinations(cuts, 2)), 400)):
+    for cut_points in itertools.chain(
+        itertools.combinations(cuts, 1), random.Random(0).sample(list(itertools.combinations(cuts, 2)), 400)
+    ):
         bounds = (0, *cut_points, len(OUTPUT))
         pieces = [OUTPUT[start:end] for start, end in zip(bounds, bounds[1:])]
         content, calls, indices = streamed(call_tags.CallTagToolParser(None), pieces)
@@ -127,7 +133,11 @@ def test_model_source_resolves_directories_and_gguf_files_in_order(example_modul
     assert source.matches("example:tiny") and not source.matches("HuggingFaceTB/SmolLM2-135M")
     resolved = source.resolve("example:tiny")
     assert (resolved.path, resolved.name, resolved.source, resolved.load_format) == (
-        str(first / "tiny"), "tiny", "example", None)
+        str(first / "tiny"),
+        "tiny",
+        "example",
+        None,
+    )
     resolved = source.resolve("example:other")
     assert (resolved.path, resolved.load_format) == (str(second / "other.gguf"), "gguf")
     with pytest.raises(ModelLoadError, match="available: other, tiny"):
@@ -154,9 +164,22 @@ def installed_example(tmp_path_factory):
     shutil.copytree(EXAMPLE_DIR, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(source)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return target
 
@@ -167,8 +190,11 @@ def run_tokenloom(args: list[str], pythonpath: Path | None, **env_updates) -> su
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     env.update(env_updates)
     script = Path(sys.executable).with_name("tokenloom")
-    command = [str(script)] if script.exists() else [
-        sys.executable, "-c", "import sys; from tokenloom.api.cli import main; sys.exit(main())"]
+    command = (
+        [str(script)]
+        if script.exists()
+        else [sys.executable, "-c", "import sys; from tokenloom.api.cli import main; sys.exit(main())"]
+    )
     return subprocess.run(command + args, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -211,8 +237,7 @@ def test_installed_example_resolves_lazily_and_works(installed_example, tmp_path
                           "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
     """)
     env = {key: value for key, value in os.environ.items()}
-    env.update(PYTHONPATH=str(installed_example), TOKENLOOM_PLUGINS="example",
-               TOKENLOOM_EXAMPLE_MODELS=str(tmp_path))
+    env.update(PYTHONPATH=str(installed_example), TOKENLOOM_PLUGINS="example", TOKENLOOM_EXAMPLE_MODELS=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

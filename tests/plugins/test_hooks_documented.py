@@ -45,10 +45,15 @@ def marked_hooks() -> dict[str, list[str]]:
     def hook_marks(decorators) -> list[str]:
         names = []
         for decorator in decorators:
-            if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
-                    and decorator.func.attr == "hook" and isinstance(decorator.func.value, ast.Attribute)
-                    and decorator.func.value.attr == "mark" and decorator.args
-                    and isinstance(decorator.args[0], ast.Constant)):
+            if (
+                isinstance(decorator, ast.Call)
+                and isinstance(decorator.func, ast.Attribute)
+                and decorator.func.attr == "hook"
+                and isinstance(decorator.func.value, ast.Attribute)
+                and decorator.func.value.attr == "mark"
+                and decorator.args
+                and isinstance(decorator.args[0], ast.Constant)
+            ):
                 names.append(decorator.args[0].value)
         return names
 
@@ -79,8 +84,9 @@ def test_every_hook_has_a_section_in_plugins_md(hook):
     sections = documented_sections()
     assert hook in sections, f"PLUGINS.md has no '## `{hook}`' section"
     section = sections[hook]
-    assert f"def {hook}(register)" in section and "@hookimpl" in section, \
+    assert f"def {hook}(register)" in section and "@hookimpl" in section, (
         f"the {hook} section of PLUGINS.md shows no @hookimpl example"
+    )
     interfaces = re.findall(r"tokenloom\.plugin_api\.(\w+)", getattr(hookspecs, hook).__doc__ or "")
     for interface in interfaces:
         assert interface in plugin_api.__all__, f"{hook}'s docstring names {interface}, not in tokenloom.plugin_api"

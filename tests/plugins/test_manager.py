@@ -35,7 +35,8 @@ def plugin_dir(tmp_path, monkeypatch):
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
         (info / "entry_points.txt").write_text(
-            "[tokenloom.plugins]\n" + "".join(f"{name} = {module}\n" for name, module in entry_points.items()))
+            "[tokenloom.plugins]\n" + "".join(f"{name} = {module}\n" for name, module in entry_points.items())
+        )
 
     write_module.distribution = write_distribution
     write_module.directory = tmp_path
@@ -75,13 +76,16 @@ def test_an_entry_point_plugin_is_discovered_with_its_package_and_version(plugin
 
 def test_tokenloom_plugins_restricts_entry_points_and_reports_unknown_names(plugin_dir, monkeypatch):
     plugin_dir("dummy_alpha", ALPHA)
-    plugin_dir("dummy_gamma", """
+    plugin_dir(
+        "dummy_gamma",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_models(register):
             register("GammaForCausalLM", "json:JSONDecoder")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-alpha", "1.0", {"alpha": "dummy_alpha"})
     plugin_dir.distribution("dummy-gamma", "1.0", {"gamma": "dummy_gamma"})
     only_entry_points(monkeypatch, "gamma", "typo_plugin")
@@ -95,7 +99,9 @@ def test_tokenloom_plugins_restricts_entry_points_and_reports_unknown_names(plug
 
 def test_duplicate_names_across_plugins_fail_the_second_naming_both_and_keep_nothing_of_it(plugin_dir, monkeypatch):
     plugin_dir("dummy_alpha", ALPHA)
-    plugin_dir("dummy_beta", """
+    plugin_dir(
+        "dummy_beta",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
@@ -105,7 +111,8 @@ def test_duplicate_names_across_plugins_fail_the_second_naming_both_and_keep_not
         @hookimpl
         def register_tool_parsers(register):
             register("shared", "json:JSONEncoder")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-alpha", "1.0", {"alpha": "dummy_alpha"})
     plugin_dir.distribution("dummy-beta", "1.0", {"beta": "dummy_beta"})
     only_entry_points(monkeypatch, "alpha", "beta")
@@ -122,13 +129,16 @@ def test_duplicate_names_across_plugins_fail_the_second_naming_both_and_keep_not
 
 def test_override_replaces_a_name_another_plugin_registered(plugin_dir, monkeypatch):
     plugin_dir("dummy_alpha", ALPHA)
-    plugin_dir("dummy_beta", """
+    plugin_dir(
+        "dummy_beta",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_tool_parsers(register):
             register("shared", "json:JSONEncoder", override=True)
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-alpha", "1.0", {"alpha": "dummy_alpha"})
     plugin_dir.distribution("dummy-beta", "1.0", {"beta": "dummy_beta"})
     only_entry_points(monkeypatch, "alpha", "beta")
@@ -140,9 +150,12 @@ def test_override_replaces_a_name_another_plugin_registered(plugin_dir, monkeypa
 
 def test_a_plugin_that_fails_to_import_is_reported_and_the_others_load(plugin_dir, monkeypatch):
     plugin_dir("dummy_alpha", ALPHA)
-    plugin_dir("dummy_broken", """
+    plugin_dir(
+        "dummy_broken",
+        """
         raise ImportError("dummy_broken needs libfoo, which is not installed")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-alpha", "1.0", {"alpha": "dummy_alpha"})
     plugin_dir.distribution("dummy-broken", "0.1", {"broken": "dummy_broken"})
     only_entry_points(monkeypatch, "alpha", "broken")
@@ -151,16 +164,21 @@ def test_a_plugin_that_fails_to_import_is_reported_and_the_others_load(plugin_di
     [failure] = plugin_set.failures
     assert (failure.name, failure.origin) == ("broken", "dummy-broken 0.1")
     # the cause says where: the file and line of the plugin's own code that raised
-    assert failure.cause == ("ImportError: dummy_broken needs libfoo, which is not installed "
-                             f"(at {plugin_dir.directory / 'dummy_broken.py'}:2)")
+    assert failure.cause == (
+        "ImportError: dummy_broken needs libfoo, which is not installed "
+        f"(at {plugin_dir.directory / 'dummy_broken.py'}:2)"
+    )
 
 
 def test_strict_makes_a_failing_entry_point_plugin_fatal(plugin_dir, monkeypatch):
     plugin_dir("dummy_alpha", ALPHA)
-    plugin_dir("dummy_broken", """
+    plugin_dir(
+        "dummy_broken",
+        """
         import json
         json.loads("{")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-alpha", "1.0", {"alpha": "dummy_alpha"})
     plugin_dir.distribution("dummy-broken", "0.1", {"broken": "dummy_broken"})
     only_entry_points(monkeypatch, "alpha", "broken")
@@ -175,46 +193,61 @@ def test_strict_makes_a_failing_entry_point_plugin_fatal(plugin_dir, monkeypatch
 
 
 def test_a_hook_without_hookimpl_fails_saying_what_was_meant(plugin_dir, monkeypatch):
-    plugin_dir("dummy_unmarked", """
+    plugin_dir(
+        "dummy_unmarked",
+        """
         def register_tool_parsers(register):
             register("never", "json:JSONDecoder")
 
         def register_everything_else():  # a helper, not a hook
             pass
-    """)
-    plugin_dir("dummy_unmarked_typo", """
+    """,
+    )
+    plugin_dir(
+        "dummy_unmarked_typo",
+        """
         def register_tool_parser(register):
             register("never", "json:JSONDecoder")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-unmarked", "1.0", {"unmarked": "dummy_unmarked", "typo": "dummy_unmarked_typo"})
     only_entry_points(monkeypatch, "unmarked", "typo")
     plugin_set = load_plugins()
     assert plugin_set.plugins == []
     causes = {failure.name: failure.cause for failure in plugin_set.failures}
-    assert causes["unmarked"] == ("'register_tool_parsers' looks like the register_tool_parsers hook but is not marked: "
-                                  "decorate it with @hookimpl (from tokenloom.plugin_api import hookimpl)")
-    assert causes["typo"].endswith("@hookimpl (from tokenloom.plugin_api import hookimpl) "
-                                   "and name it 'register_tool_parsers'")
+    assert causes["unmarked"] == (
+        "'register_tool_parsers' looks like the register_tool_parsers hook but is not marked: "
+        "decorate it with @hookimpl (from tokenloom.plugin_api import hookimpl)"
+    )
+    assert causes["typo"].endswith(
+        "@hookimpl (from tokenloom.plugin_api import hookimpl) and name it 'register_tool_parsers'"
+    )
 
 
 def test_register_tool_parser_without_a_name_fails_saying_so(plugin_dir, tmp_path):
     path = tmp_path / "nameless_parser.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         from tokenloom.plugin_api import ToolParser, register_tool_parser
 
         @register_tool_parser
         class NamelessParser(ToolParser):
             pass
-    """))
+    """)
+    )
     with pytest.raises(PluginError) as caught:
         load_plugins(files=[str(path)], entry_points=False)
-    assert ('TypeError: @register_tool_parser(name) needs the name the flag will choose, e.g. '
-            '@register_tool_parser("my_tool_parser"); it got the class NamelessParser') in str(caught.value)
+    assert (
+        "TypeError: @register_tool_parser(name) needs the name the flag will choose, e.g. "
+        '@register_tool_parser("my_tool_parser"); it got the class NamelessParser'
+    ) in str(caught.value)
     assert f"(at {path}:4)" in str(caught.value)
 
 
 def test_a_hook_that_raises_fails_its_plugin_and_rolls_back_its_registrations(plugin_dir, monkeypatch):
-    plugin_dir("dummy_raising", """
+    plugin_dir(
+        "dummy_raising",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
@@ -224,24 +257,31 @@ def test_a_hook_that_raises_fails_its_plugin_and_rolls_back_its_registrations(pl
         @hookimpl
         def register_tool_parsers(register):
             raise RuntimeError("boom")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-raising", "1.0", {"raising": "dummy_raising"})
     only_entry_points(monkeypatch, "raising")
     plugin_set = load_plugins()
     assert plugin_set.plugins == []
     [failure] = plugin_set.failures
-    assert failure.cause == f"register_tool_parsers raised RuntimeError: boom (at {plugin_dir.directory / 'dummy_raising.py'}:10)"
+    assert (
+        failure.cause
+        == f"register_tool_parsers raised RuntimeError: boom (at {plugin_dir.directory / 'dummy_raising.py'}:10)"
+    )
     assert "HalfDoneForCausalLM" not in plugin_set.registry("model")
 
 
 def test_a_misspelt_hook_fails_with_the_hook_it_meant(plugin_dir, monkeypatch):
-    plugin_dir("dummy_typo", """
+    plugin_dir(
+        "dummy_typo",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_tool_parser(register):
             register("never", "json:JSONDecoder")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-typo", "1.0", {"typo": "dummy_typo"})
     only_entry_points(monkeypatch, "typo")
     [failure] = load_plugins().failures
@@ -250,13 +290,16 @@ def test_a_misspelt_hook_fails_with_the_hook_it_meant(plugin_dir, monkeypatch):
 
 
 def test_a_hook_with_the_wrong_argument_name_fails_its_plugin(plugin_dir, monkeypatch):
-    plugin_dir("dummy_badargs", """
+    plugin_dir(
+        "dummy_badargs",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_models(add):
             add("X", "json:JSONDecoder")
-    """)
+    """,
+    )
     plugin_dir.distribution("dummy-badargs", "1.0", {"badargs": "dummy_badargs"})
     only_entry_points(monkeypatch, "badargs")
     [failure] = load_plugins().failures
@@ -264,13 +307,16 @@ def test_a_hook_with_the_wrong_argument_name_fails_its_plugin(plugin_dir, monkey
 
 
 def test_plugin_module_option_loads_an_importable_module(plugin_dir):
-    plugin_dir("dummy_cli_module", """
+    plugin_dir(
+        "dummy_cli_module",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_load_formats(register):
             register("dummy_cli_format", "json:JSONDecoder")
-    """)
+    """,
+    )
     plugin_set = load_plugins(modules=["dummy_cli_module"], entry_points=False)
     [info] = plugin_set.plugins
     assert (info.name, info.origin) == ("dummy_cli_module", "module dummy_cli_module")
@@ -281,18 +327,26 @@ def test_a_plugin_module_that_does_not_exist_is_fatal_naming_it(plugin_dir):
     # the operator named it: starting without it would be a surprise (issue 20)
     with pytest.raises(PluginError) as caught:
         load_plugins(modules=["no_such_plugin_module"], entry_points=False)
-    assert str(caught.value) == "--plugin no_such_plugin_module: ModuleNotFoundError: No module named 'no_such_plugin_module'"
+    assert (
+        str(caught.value)
+        == "--plugin no_such_plugin_module: ModuleNotFoundError: No module named 'no_such_plugin_module'"
+    )
 
 
 def test_a_plugin_module_that_fails_to_import_is_fatal_with_its_file_and_line(plugin_dir):
-    path = plugin_dir("dummy_bad_module", """
+    path = plugin_dir(
+        "dummy_bad_module",
+        """
         from tokenloom.plugin_api import hookimpl
         import no_such_dependency_of_the_plugin
-    """)
+    """,
+    )
     with pytest.raises(PluginError) as caught:
         load_plugins(modules=["dummy_bad_module"], entry_points=False)
-    assert str(caught.value) == ("--plugin dummy_bad_module: ModuleNotFoundError: No module named "
-                                 f"'no_such_dependency_of_the_plugin' (at {path}:3)")
+    assert str(caught.value) == (
+        "--plugin dummy_bad_module: ModuleNotFoundError: No module named "
+        f"'no_such_dependency_of_the_plugin' (at {path}:3)"
+    )
 
 
 def test_plugin_module_already_loaded_by_its_entry_point_is_not_loaded_twice(plugin_dir, monkeypatch):
@@ -344,7 +398,8 @@ def test_tool_parser_plugin_file_registers_decorated_classes_and_hooks(plugin_di
 
 def test_decorating_a_subclass_does_not_inherit_the_parent_names(plugin_dir, tmp_path):
     path = tmp_path / "two_parsers.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         from tokenloom.plugin_api import ToolParser, register_reasoning_parser, register_tool_parser
 
         @register_tool_parser("parent")
@@ -358,7 +413,8 @@ def test_decorating_a_subclass_does_not_inherit_the_parent_names(plugin_dir, tmp
         @register_reasoning_parser("thinker")
         class Thinker:
             pass
-    """))
+    """)
+    )
     plugin_set = load_plugins(files=[str(path)], entry_points=False)
     assert plugin_set.registry("tool_parser").get("child").__name__ == "Child"
     assert plugin_set.registry("tool_parser").get("parent").__name__ == "Parent"
@@ -383,7 +439,8 @@ def test_an_error_inside_a_tool_parser_plugin_file_names_the_file(plugin_dir, tm
 
 def test_a_failing_hook_inside_a_tool_parser_plugin_file_names_the_file(plugin_dir, tmp_path):
     path = tmp_path / "duplicate_parsers.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         from tokenloom.plugin_api import register_tool_parser
 
         @register_tool_parser("twice")
@@ -393,14 +450,17 @@ def test_a_failing_hook_inside_a_tool_parser_plugin_file_names_the_file(plugin_d
         @register_tool_parser("twice")
         class Two:
             pass
-    """))
+    """)
+    )
     with pytest.raises(PluginError) as caught:
         load_plugins(files=[str(path)], entry_points=False)
     assert str(path) in str(caught.value) and "'twice' is registered twice" in str(caught.value)
 
 
 def test_load_plugins_is_idempotent_and_takes_any_iterable(plugin_dir):
-    plugin_dir("dummy_idempotent", """
+    plugin_dir(
+        "dummy_idempotent",
+        """
         from tokenloom.plugin_api import hookimpl
 
         CALLS = []
@@ -409,7 +469,8 @@ def test_load_plugins_is_idempotent_and_takes_any_iterable(plugin_dir):
         def register_executors(register):
             CALLS.append(1)
             register("dummy_executor", "json:JSONDecoder")
-    """)
+    """,
+    )
     first = load_plugins(modules=["dummy_idempotent"], entry_points=False)
     second = load_plugins(modules=(name for name in ["dummy_idempotent"]), entry_points=False)
     assert second is first
@@ -418,13 +479,16 @@ def test_load_plugins_is_idempotent_and_takes_any_iterable(plugin_dir):
 
 
 def test_importing_a_plugin_module_registers_nothing_until_load_plugins(plugin_dir):
-    plugin_dir("dummy_quiet", """
+    plugin_dir(
+        "dummy_quiet",
+        """
         from tokenloom.plugin_api import hookimpl
 
         @hookimpl
         def register_models(register):
             register("QuietForCausalLM", "json:JSONDecoder")
-    """)
+    """,
+    )
     import dummy_quiet  # noqa: F401  (the import alone must do nothing)
 
     assert "QuietForCausalLM" not in load_plugins(entry_points=False).registry("model")
@@ -544,11 +608,14 @@ def test_builtin_uni_executor_is_registered(builtin_plugins):
 
 
 @pytest.mark.hook("register_models")
-@pytest.mark.parametrize("entry_point, architecture", [
-    ("llama_models", "LlamaForCausalLM"),
-    ("qwen2_models", "Qwen2ForCausalLM"),
-    ("gemma3_models", "Gemma3ForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "entry_point, architecture",
+    [
+        ("llama_models", "LlamaForCausalLM"),
+        ("qwen2_models", "Qwen2ForCausalLM"),
+        ("gemma3_models", "Gemma3ForCausalLM"),
+    ],
+)
 def test_builtin_models_are_registered_by_architecture(builtin_plugins, entry_point, architecture):
     import torch
 
@@ -557,9 +624,15 @@ def test_builtin_models_are_registered_by_architecture(builtin_plugins, entry_po
 
 
 @pytest.mark.hook("register_load_formats")
-@pytest.mark.parametrize("entry_point, name", [
-    ("safetensors_format", "safetensors"), ("pt_format", "pt"), ("gguf_format", "gguf"), ("dummy_format", "dummy"),
-])
+@pytest.mark.parametrize(
+    "entry_point, name",
+    [
+        ("safetensors_format", "safetensors"),
+        ("pt_format", "pt"),
+        ("gguf_format", "gguf"),
+        ("dummy_format", "dummy"),
+    ],
+)
 def test_builtin_load_formats_are_registered(builtin_plugins, entry_point, name):
     from tokenloom.plugin_api import LoadFormat
 

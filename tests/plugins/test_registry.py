@@ -180,10 +180,12 @@ def test_a_local_class_is_refused_when_resolved_from_plain_data():
 
 def test_file_targets_in_plain_data_resolve_without_rerunning_discovery(tmp_path):
     plugin_file = tmp_path / "standalone_parser.py"
-    plugin_file.write_text(textwrap.dedent("""
+    plugin_file.write_text(
+        textwrap.dedent("""
         class StandaloneParser:
             pass
-    """))
+    """)
+    )
     resolved = resolve_target(f"{plugin_file}:StandaloneParser")
     assert resolved.__name__ == "StandaloneParser"
 
@@ -191,7 +193,12 @@ def test_file_targets_in_plain_data_resolve_without_rerunning_discovery(tmp_path
 def test_plugin_api_exports_every_lazy_name_and_resolves_it():
     from tokenloom import plugin_api
 
-    assert set(plugin_api.__all__) == {"Register", "hookimpl", "register_reasoning_parser", "register_tool_parser",
-                                       *plugin_api._LAZY}
+    assert set(plugin_api.__all__) == {
+        "Register",
+        "hookimpl",
+        "register_reasoning_parser",
+        "register_tool_parser",
+        *plugin_api._LAZY,
+    }
     for name in plugin_api._LAZY:
         assert getattr(plugin_api, name) is not None

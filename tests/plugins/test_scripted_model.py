@@ -9,11 +9,14 @@ from tests.plugins.scripted_model.model import Script
 
 EOS = 2
 START = [1, 520, 198]  # what the chat template writes before the answer
-TABLE = {"response_start_ids": START, "scenarios": {
-    "short": {"marker_ids": [7, 8], "response_ids": [40, 41, 42]},
-    "long": {"marker_ids": [7, 8, 9], "response_ids": [50, 51]},
-    "newline_first": {"marker_ids": [5], "response_ids": [198, 60]},
-}}
+TABLE = {
+    "response_start_ids": START,
+    "scenarios": {
+        "short": {"marker_ids": [7, 8], "response_ids": [40, 41, 42]},
+        "long": {"marker_ids": [7, 8, 9], "response_ids": [50, 51]},
+        "newline_first": {"marker_ids": [5], "response_ids": [198, 60]},
+    },
+}
 
 
 @pytest.fixture
@@ -64,7 +67,7 @@ def test_the_engine_runs_the_scripted_model(tmp_path, smollm2_gguf):
     assert kept.finish_reason == "stop"
 
 
-NAMED_SOURCE = '''
+NAMED_SOURCE = """
 import os
 
 from tokenloom.plugin_api import ModelSource, ResolvedModel, hookimpl
@@ -81,7 +84,7 @@ class NamedSource(ModelSource):
 @hookimpl
 def register_model_sources(register):
     register("named", NamedSource)
-'''
+"""
 
 
 @pytest.mark.hook("register_model_sources")
@@ -95,6 +98,7 @@ def test_resolved_model_name_is_not_the_served_name(tmp_path, smollm2_gguf, monk
     (tmp_path / "named_source_plugin.py").write_text(NAMED_SOURCE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("NAMED_SOURCE_DIR", model_dir)
-    llm = LLM(model="named:scripted", plugins=["tests.plugins.scripted_model", "named_source_plugin"],
-              max_model_len=512)
+    llm = LLM(
+        model="named:scripted", plugins=["tests.plugins.scripted_model", "named_source_plugin"], max_model_len=512
+    )
     assert llm.engine.model_name == "named:scripted"

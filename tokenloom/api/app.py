@@ -100,7 +100,9 @@ async def _guarded(raw_request: Request, work) -> Response:
         return error_json(500, INTERNAL_ERROR_MESSAGE.format(request_id=request_id))
 
 
-def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoning_parser: str | None = None) -> FastAPI:
+def build_app(
+    engine: Any, plugins: Any, server_config: ServerConfig, *, reasoning_parser: str | None = None
+) -> FastAPI:
     """The app for ``engine``; ``plugins`` (a PluginSet) supplies parsers and extra routes.
 
     :param reasoning_parser: the ``--reasoning-parser`` name (an engine argument, since the
@@ -115,9 +117,12 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
     served_model_names = list(getattr(engine, "served_model_names", None) or [engine.model_name])
     metrics = ServerMetrics(engine, served_model_names[0])
     ctx = ServingContext(engine, config, metrics)
-    renderer = ChatRenderer(engine.tokenizer, load_chat_template(config.chat_template),
-                            config.chat_template_content_format,
-                            trust_request_chat_template=config.trust_request_chat_template)
+    renderer = ChatRenderer(
+        engine.tokenizer,
+        load_chat_template(config.chat_template),
+        config.chat_template_content_format,
+        trust_request_chat_template=config.trust_request_chat_template,
+    )
     completions = CompletionsHandler(ctx)
     chat = ChatHandler(ctx, renderer, config.response_role, tool_parser_class, reasoning_parser_class)
 
@@ -132,8 +137,9 @@ def build_app(engine: Any, plugins: Any, server_config: ServerConfig, *, reasoni
     if getattr(engine, "runner_type", "generate") != "pooling":
         # the agent APIs are layers over chat, which a pooling model does not serve
         keys_in_use = bool(_api_keys(config))
-        routes.include_router(responses_routes(ResponsesHandler(chat, ResponseStore(store_size_from_env()),
-                                                                keys_in_use), _guarded))
+        routes.include_router(
+            responses_routes(ResponsesHandler(chat, ResponseStore(store_size_from_env()), keys_in_use), _guarded)
+        )
         routes.include_router(messages_routes(MessagesHandler(chat)))
     if getattr(engine, "runner_type", "generate") == "pooling":
         # a pooling model serves embeddings and scores, never completions
@@ -159,7 +165,9 @@ def _route_keys(routes: list[Any], prefix: str = "") -> set[tuple[str, str]]:
     for route in routes:
         included = getattr(route, "original_router", None)
         if included is not None:
-            keys |= _route_keys(included.routes, prefix + getattr(getattr(route, "include_context", None), "prefix", ""))
+            keys |= _route_keys(
+                included.routes, prefix + getattr(getattr(route, "include_context", None), "prefix", "")
+            )
         elif hasattr(route, "path"):
             keys |= {(prefix + route.path, method) for method in (getattr(route, "methods", None) or {"*"})}
     return keys
@@ -170,22 +178,35 @@ def _warn_of_shadowed_routes(earlier: list[Any], added: list[Any], entry: Any) -
     method taken before it is never reached, so say so rather than let it fail silently."""
     taken = _route_keys(earlier)
     for path, method in sorted(_route_keys(added) & taken):
-        logger.warning("plugin %r (API routes %r) adds %s %s, which is already served (a built-in route or an "
-                       "earlier plugin's); the earlier route answers and the plugin's is unreachable: give it "
-                       "another path", entry.plugin_name, entry.name, method, path)
+        logger.warning(
+            "plugin %r (API routes %r) adds %s %s, which is already served (a built-in route or an "
+            "earlier plugin's); the earlier route answers and the plugin's is unreachable: give it "
+            "another path",
+            entry.plugin_name,
+            entry.name,
+            method,
+            path,
+        )
 
 
 def _declared_public_paths(entry: Any) -> set[str]:
     """``register(name, target, public_paths=["/my/status"])``: paths served without the API key."""
     paths = entry.options.get("public_paths", ())
     if isinstance(paths, str) or not all(isinstance(path, str) and path.startswith("/") for path in paths):
-        raise PluginError(f"plugin {entry.plugin_name!r} registered API routes {entry.name!r} with "
-                          f"public_paths={paths!r}: expected a list of paths such as ['/my-plugin/status']")
+        raise PluginError(
+            f"plugin {entry.plugin_name!r} registered API routes {entry.name!r} with "
+            f"public_paths={paths!r}: expected a list of paths such as ['/my-plugin/status']"
+        )
     return set(paths)
 
 
-def _routes(ctx: ServingContext, renderer: ChatRenderer, completions: CompletionsHandler, chat: ChatHandler,
-            metrics: ServerMetrics) -> APIRouter:
+def _routes(
+    ctx: ServingContext,
+    renderer: ChatRenderer,
+    completions: CompletionsHandler,
+    chat: ChatHandler,
+    metrics: ServerMetrics,
+) -> APIRouter:
     router = APIRouter()
     engine = ctx.engine
 
@@ -199,8 +220,10 @@ def _routes(ctx: ServingContext, renderer: ChatRenderer, completions: Completion
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=engine.model_name, max_model_len=ctx.max_model_len)
-                 for name in ctx.served_model_names]
+        cards = [
+            ModelCard(id=name, root=engine.model_name, max_model_len=ctx.max_model_len)
+            for name in ctx.served_model_names
+        ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @router.post("/tokenize")
@@ -209,20 +232,25 @@ def _routes(ctx: ServingContext, renderer: ChatRenderer, completions: Completion
         ctx.warn_unknown_fields(request, "/tokenize")
         if request.messages is not None:
             text = await renderer.render_async(
-                request.messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, tools=request.tools,
-                documents=request.documents, chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs)
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tools=request.tools,
+                documents=request.documents,
+                chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
             add_special_tokens = bool(request.add_special_tokens)
         elif request.prompt is not None:
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
         else:
-            raise InvalidRequestError("send either \"prompt\" (a string) or \"messages\" (a chat)", param="prompt")
+            raise InvalidRequestError('send either "prompt" (a string) or "messages" (a chat)', param="prompt")
         token_ids = await tokenize_off_loop_if_large(ctx.tokenize, text, add_special_tokens)
         token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
-        body = TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids,
-                                token_strs=token_strs)
+        body = TokenizeResponse(
+            count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids, token_strs=token_strs
+        )
         return JSONResponse(body.model_dump())
 
     @router.post("/detokenize")

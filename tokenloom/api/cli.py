@@ -32,8 +32,18 @@ from tokenloom.api.serve_help import help_request, render_serve_help
 from tokenloom.errors import ConfigError, PluginError
 
 # the names other modules import from here
-__all__ = ["API_KEY_ENV", "DEFAULT_MODEL", "EXIT_USAGE", "ServeArgs", "SUBCOMMANDS", "check_plugin_choices", "main",
-           "parse_serve_args", "render_serve_help", "subcommand"]
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_MODEL",
+    "EXIT_USAGE",
+    "ServeArgs",
+    "SUBCOMMANDS",
+    "check_plugin_choices",
+    "main",
+    "parse_serve_args",
+    "render_serve_help",
+    "subcommand",
+]
 
 EXIT_USAGE = 2  # bad flags, config files, plugin files: as argparse exits
 
@@ -72,8 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = SUBCOMMANDS.get(name)
     if command is None:
         hint = difflib.get_close_matches(name, list(SUBCOMMANDS), n=1)
-        print(f"tokenloom: error: unknown command {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
-              + f" (commands: {', '.join(SUBCOMMANDS)})", file=sys.stderr)
+        print(
+            f"tokenloom: error: unknown command {name!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" (commands: {', '.join(SUBCOMMANDS)})",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         return command.run(rest)
@@ -119,13 +133,26 @@ def env_command(argv: list[str]) -> int:
 def plugins_command(argv: list[str]) -> int:
     parser = ConfigErrorParser(prog="tokenloom plugins", description="List the plugins tokenloom loads.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                        help="also load this importable module as a plugin (repeatable)")
-    parser.add_argument("--tool-parser-plugin", action="append", default=[], metavar="FILE",
-                        help="also load this .py file as a plugin (repeatable)")
-    parser.add_argument("--check", action="store_true",
-                        help="also import every registered target ('module:Class' strings are otherwise imported "
-                             "on first use); exit 1 if a plugin or a target fails")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also load this importable module as a plugin (repeatable)",
+    )
+    parser.add_argument(
+        "--tool-parser-plugin",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="also load this .py file as a plugin (repeatable)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also import every registered target ('module:Class' strings are otherwise imported "
+        "on first use); exit 1 if a plugin or a target fails",
+    )
     if any(token in ("-h", "--help") for token in argv):
         print(parser.format_help())
         return 0
@@ -139,10 +166,13 @@ def plugins_command(argv: list[str]) -> int:
     failed = bool(plugin_set.failures or unresolved)
     if options.json:
         listing: dict[str, object] = {
-            "plugins": [{"name": info.name, "origin": info.origin, "registered": info.registered}
-                        for info in plugin_set.plugins],
-            "failures": [{"name": failure.name, "origin": failure.origin, "cause": failure.cause}
-                         for failure in plugin_set.failures],
+            "plugins": [
+                {"name": info.name, "origin": info.origin, "registered": info.registered} for info in plugin_set.plugins
+            ],
+            "failures": [
+                {"name": failure.name, "origin": failure.origin, "cause": failure.cause}
+                for failure in plugin_set.failures
+            ],
         }
         if options.check:
             listing["unresolved"] = [{"kind": kind, "name": name, "cause": cause} for kind, name, cause in unresolved]
@@ -212,7 +242,6 @@ def complete_command(argv: list[str]) -> int:
     return complete(argv)
 
 
-
 @subcommand("serve", "start the OpenAI-compatible server (vLLM's `serve` flags)")
 def serve_command(argv: list[str]) -> int:
     requested_help = help_request(argv)
@@ -226,9 +255,11 @@ def serve_command(argv: list[str]) -> int:
     # run_server logs the failures (and serve_args.warnings) once its logging is set up
     started = time.perf_counter()
     with _quiet_logger("tokenloom.plugins.manager"):
-        serve_args.plugins = load_plugins(modules=serve_args.server.plugins,
-                                          files=serve_args.server.tool_parser_plugin,
-                                          strict=serve_args.server.strict_plugins)
+        serve_args.plugins = load_plugins(
+            modules=serve_args.server.plugins,
+            files=serve_args.server.tool_parser_plugin,
+            strict=serve_args.server.strict_plugins,
+        )
     serve_args.plugins_load_seconds = time.perf_counter() - started
     check_plugin_choices(serve_args)
     from tokenloom.api.server import run_server

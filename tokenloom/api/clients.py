@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 
@@ -15,13 +16,16 @@ DEFAULT_URL = "http://127.0.0.1:8000/v1"
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's OpenAI base URL (default {DEFAULT_URL})")
-    parser.add_argument("--model-name", default=None,
-                        help="the model to ask (default: the first one the server lists)")
-    parser.add_argument("--api-key", default=None,
-                        help="API key (default: $OPENAI_API_KEY, then $TOKENLOOM_API_KEY)")
+    parser.add_argument("--model-name", default=None, help="the model to ask (default: the first one the server lists)")
+    parser.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY, then $TOKENLOOM_API_KEY)")
     parser.add_argument("--max-tokens", type=int, default=None, help="maximum tokens per answer")
-    parser.add_argument("-q", "--quick", metavar="TEXT", default=None,
-                        help="send this one message or prompt, print the answer, and exit")
+    parser.add_argument(
+        "-q",
+        "--quick",
+        metavar="TEXT",
+        default=None,
+        help="send this one message or prompt, print the answer, and exit",
+    )
     return parser
 
 
@@ -75,8 +79,9 @@ def chat(argv: list[str], stdin: TextIO = sys.stdin) -> int:
 
         def ask(text: str) -> None:
             messages.append({"role": "user", "content": text})
-            stream = client.chat.completions.create(model=model, messages=messages, stream=True,
-                                                    max_tokens=options.max_tokens)
+            stream = client.chat.completions.create(
+                model=model, messages=messages, stream=True, max_tokens=options.max_tokens
+            )
             reply = []
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -91,7 +96,9 @@ def chat(argv: list[str], stdin: TextIO = sys.stdin) -> int:
 
 
 def complete(argv: list[str], stdin: TextIO = sys.stdin) -> int:
-    parser = _parser("tokenloom complete", "Complete prompts with a running tokenloom (or any OpenAI-compatible) server.")
+    parser = _parser(
+        "tokenloom complete", "Complete prompts with a running tokenloom (or any OpenAI-compatible) server."
+    )
     options = parser.parse_args(argv)
 
     def command(_argv) -> int:

@@ -17,9 +17,10 @@ import dataclasses
 import inspect
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Callable
+from typing import Any
 
 from tokenloom.errors import ConfigError
 
@@ -99,8 +100,7 @@ class Flag:
 # -- value converters ------------------------------------------------------------------
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT]?)$")
-_BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True,
-               "false": False, "no": False, "0": False, "off": False}
+_BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
 
 
 def parse_size(text: str) -> int:
@@ -155,8 +155,13 @@ def parse_bool(text: str) -> bool:
 
 
 CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "str": str, "int": int, "float": float, "size": parse_size,
-    "json": parse_json_object, "strlist": parse_str_list, "bool": parse_bool,
+    "str": str,
+    "int": int,
+    "float": float,
+    "size": parse_size,
+    "json": parse_json_object,
+    "strlist": parse_str_list,
+    "bool": parse_bool,
     "level_or_json": parse_level_or_json,
 }
 JSON_KINDS = ("json", "level_or_json")  # kinds that also take vLLM's dotted form: --hf-overrides.key value
@@ -193,9 +198,15 @@ GPU_ONLY = "it concerns CUDA graphs or GPU kernels, which the CPU does not use"
 
 FLAGS: tuple[Flag, ...] = (
     # -- Frontend: ServerConfig ------------------------------------------------------------
-    implemented("--config", "Frontend", to=CLI, help=(
-        "A YAML file of flags: keys are flag names without the leading dashes (max-model-len or "
-        "max_model_len). The command line wins over the file, the file over the defaults.")),
+    implemented(
+        "--config",
+        "Frontend",
+        to=CLI,
+        help=(
+            "A YAML file of flags: keys are flag names without the leading dashes (max-model-len or "
+            "max_model_len). The command line wins over the file, the file over the defaults."
+        ),
+    ),
     server("--host"),
     server("--port", kind="int"),
     server("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace")),
@@ -212,8 +223,13 @@ FLAGS: tuple[Flag, ...] = (
     server("--ssl-certfile"),
     server("--ssl-ca-certs"),
     server("--ssl-cert-reqs", kind="int"),
-    unimplemented("--enable-ssl-refresh", "Frontend", "Reload the TLS context when the certificate files change.",
-                  kind="bool", default=False),
+    unimplemented(
+        "--enable-ssl-refresh",
+        "Frontend",
+        "Reload the TLS context when the certificate files change.",
+        kind="bool",
+        default=False,
+    ),
     server("--disable-fastapi-docs", kind="bool"),
     server("--enable-request-id-headers", kind="bool"),
     server("--return-tokens-as-token-ids", kind="bool"),
@@ -227,24 +243,42 @@ FLAGS: tuple[Flag, ...] = (
     server("--enable-auto-tool-choice", kind="bool"),
     server("--tool-call-parser"),
     server("--tool-parser-plugin", repeat=True),
-    server("--plugin", "plugins", repeat=True, tokenloom_only=True, help=(
-        "An importable module to load as a tokenloom plugin, besides the installed entry points "
-        "(repeatable).")),
-    server("--strict-plugins", kind="bool", tokenloom_only=True, help=(
-        "Refuse to start when an installed (entry-point) plugin fails to load, instead of starting "
-        "without it and a warning. A --plugin or --tool-parser-plugin that fails is always fatal.")),
+    server(
+        "--plugin",
+        "plugins",
+        repeat=True,
+        tokenloom_only=True,
+        help=("An importable module to load as a tokenloom plugin, besides the installed entry points (repeatable)."),
+    ),
+    server(
+        "--strict-plugins",
+        kind="bool",
+        tokenloom_only=True,
+        help=(
+            "Refuse to start when an installed (entry-point) plugin fails to load, instead of starting "
+            "without it and a warning. A --plugin or --tool-parser-plugin that fails is always fatal."
+        ),
+    ),
     server("--enable-prompt-tokens-details", kind="bool"),
     server("--enable-server-load-tracking", kind="bool"),
     server("--disable-frontend-multiprocessing", kind="bool"),
     server("--max-request-body-bytes", kind="size", tokenloom_only=True),
     unimplemented("--lora-modules", "Frontend", "LoRA adapters to serve, as name=path or JSON.", nargs="+"),
     unimplemented("--prompt-adapters", "Frontend", "Prompt adapters to serve, as name=path.", nargs="+"),
-    unimplemented("--headless", "Frontend", "Run engine cores only, without an API server (multi-node).",
-                  kind="bool", default=False),
+    unimplemented(
+        "--headless",
+        "Frontend",
+        "Run engine cores only, without an API server (multi-node).",
+        kind="bool",
+        default=False,
+    ),
     # -- ModelConfig ---------------------------------------------------------------------------
     implemented("--model", "ModelConfig"),
-    implemented("--task", "ModelConfig", choices=(
-        "auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription", "draft")),
+    implemented(
+        "--task",
+        "ModelConfig",
+        choices=("auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription", "draft"),
+    ),
     implemented("--runner", "ModelConfig", choices=("auto", "generate", "pooling", "draft")),
     implemented("--convert", "ModelConfig", choices=("auto", "none", "embed", "classify", "reward")),
     implemented("--tokenizer", "ModelConfig"),
@@ -260,96 +294,193 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--rope-theta", "ModelConfig", kind="float"),
     implemented("--trust-remote-code", "ModelConfig", **_bool()),
     implemented("--max-logprobs", "ModelConfig", kind="int"),
-    implemented("--logprobs-mode", "ModelConfig",
-                choices=("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")),
+    implemented(
+        "--logprobs-mode",
+        "ModelConfig",
+        choices=("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"),
+    ),
     implemented("--skip-tokenizer-init", "ModelConfig", **_bool()),
     implemented("--generation-config", "ModelConfig"),
     implemented("--enforce-eager", "ModelConfig", **_bool()),
     implemented("--override-pooler-config", "ModelConfig", kind="json"),
-    implemented("--pooler-config", "ModelConfig", "override_pooler_config", kind="json",
-                help="JSON dict configuring the pooler of pooling models (vLLM's newer name of "
-                     "--override-pooler-config)."),
+    implemented(
+        "--pooler-config",
+        "ModelConfig",
+        "override_pooler_config",
+        kind="json",
+        help="JSON dict configuring the pooler of pooling models (vLLM's newer name of --override-pooler-config).",
+    ),
     implemented("--disable-sliding-window", "ModelConfig", **_bool()),
     implemented("--quantization", "ModelConfig", aliases=("-q",)),
     unimplemented("--hf-config-path", "ModelConfig", "Name or path of a Hugging Face config to use instead."),
-    unimplemented("--hf-token", "ModelConfig", "Token for Hugging Face downloads.", nargs="?",
-                  note="the Hugging Face source reads the HF_TOKEN environment variable; set that instead"),
-    noop("--code-revision", "ModelConfig", "tokenloom never runs model code shipped with a model",
-         "Revision of the model code on the Hugging Face Hub."),
-    unimplemented("--config-format", "ModelConfig", "Format of the model config: auto, hf or mistral.",
-                  default="auto", choices=("auto", "hf", "mistral")),
-    unimplemented("--model-impl", "ModelConfig", "Which implementation of the model to run.",
-                  default="auto", choices=("auto", "vllm", "transformers", "terratorch"),
-                  note="tokenloom always runs its own model plugins"),
-    unimplemented("--allowed-local-media-path", "ModelConfig", "Directory that requests may read local media from.",
-                  default=""),
+    unimplemented(
+        "--hf-token",
+        "ModelConfig",
+        "Token for Hugging Face downloads.",
+        nargs="?",
+        note="the Hugging Face source reads the HF_TOKEN environment variable; set that instead",
+    ),
+    noop(
+        "--code-revision",
+        "ModelConfig",
+        "tokenloom never runs model code shipped with a model",
+        "Revision of the model code on the Hugging Face Hub.",
+    ),
+    unimplemented(
+        "--config-format",
+        "ModelConfig",
+        "Format of the model config: auto, hf or mistral.",
+        default="auto",
+        choices=("auto", "hf", "mistral"),
+    ),
+    unimplemented(
+        "--model-impl",
+        "ModelConfig",
+        "Which implementation of the model to run.",
+        default="auto",
+        choices=("auto", "vllm", "transformers", "terratorch"),
+        note="tokenloom always runs its own model plugins",
+    ),
+    unimplemented(
+        "--allowed-local-media-path", "ModelConfig", "Directory that requests may read local media from.", default=""
+    ),
     unimplemented("--allowed-media-domains", "ModelConfig", "Domains that media URLs may come from.", nargs="+"),
-    unimplemented("--logits-processor-pattern", "ModelConfig",
-                  "Regex of logits-processor names that requests may name."),
+    unimplemented(
+        "--logits-processor-pattern", "ModelConfig", "Regex of logits-processor names that requests may name."
+    ),
     unimplemented("--logits-processors", "ModelConfig", "Logits-processor classes to load.", nargs="+"),
     unimplemented("--io-processor-plugin", "ModelConfig", "An IOProcessor plugin to load at start-up."),
     unimplemented("--override-attention-dtype", "ModelConfig", "Run attention in another dtype."),
-    unimplemented("--override-generation-config", "ModelConfig",
-                  "JSON dict overriding the model's generation defaults.", kind="json"),
-    unimplemented("--enable-prompt-embeds", "ModelConfig", "Accept prompt embeddings instead of token ids.",
-                  **_bool()),
+    unimplemented(
+        "--override-generation-config",
+        "ModelConfig",
+        "JSON dict overriding the model's generation defaults.",
+        kind="json",
+    ),
+    unimplemented("--enable-prompt-embeds", "ModelConfig", "Accept prompt embeddings instead of token ids.", **_bool()),
     unimplemented("--quantization-param-path", "ModelConfig", "JSON file of KV-cache scaling factors (fp8)."),
     cpu_noop("--disable-cascade-attn", "ModelConfig", GPU_ONLY, "Disable cascade attention.", **_bool()),
-    cpu_noop("--enable-sleep-mode", "ModelConfig", "sleep mode frees GPU memory and exists only on CUDA",
-             "Allow the engine to sleep and release device memory.", **_bool()),
-    cpu_noop("--max-seq-len-to-capture", "ModelConfig", GPU_ONLY,
-             "Longest sequence covered by CUDA graphs.", kind="int", default=8192),
-    cpu_noop("--max-context-len-to-capture", "ModelConfig", GPU_ONLY,
-             "Old name of --max-seq-len-to-capture.", kind="int"),
-    cpu_noop("--override-neuron-config", "ModelConfig", "it configures AWS Neuron devices",
-             "JSON dict of Neuron device settings.", kind="json"),
-    noop("--disable-async-output-proc", "ModelConfig", "tokenloom has no asynchronous output processor to disable",
-         "Disable asynchronous output processing.", kind="bool", default=False),
+    cpu_noop(
+        "--enable-sleep-mode",
+        "ModelConfig",
+        "sleep mode frees GPU memory and exists only on CUDA",
+        "Allow the engine to sleep and release device memory.",
+        **_bool(),
+    ),
+    cpu_noop(
+        "--max-seq-len-to-capture",
+        "ModelConfig",
+        GPU_ONLY,
+        "Longest sequence covered by CUDA graphs.",
+        kind="int",
+        default=8192,
+    ),
+    cpu_noop(
+        "--max-context-len-to-capture", "ModelConfig", GPU_ONLY, "Old name of --max-seq-len-to-capture.", kind="int"
+    ),
+    cpu_noop(
+        "--override-neuron-config",
+        "ModelConfig",
+        "it configures AWS Neuron devices",
+        "JSON dict of Neuron device settings.",
+        kind="json",
+    ),
+    noop(
+        "--disable-async-output-proc",
+        "ModelConfig",
+        "tokenloom has no asynchronous output processor to disable",
+        "Disable asynchronous output processing.",
+        kind="bool",
+        default=False,
+    ),
     # -- LoadConfig ------------------------------------------------------------------------------
     implemented("--load-format", "LoadConfig"),
     implemented("--download-dir", "LoadConfig"),
     implemented("--ignore-patterns", "LoadConfig", nargs="+"),
     implemented("--use-tqdm-on-load", "LoadConfig", **_bool(default=True)),
     implemented("--model-loader-extra-config", "LoadConfig", kind="json"),
-    unimplemented("--pt-load-map-location", "LoadConfig", "map_location for torch.load of .pt/.bin weights.",
-                  default="cpu", note="weights are always loaded to the CPU first"),
+    unimplemented(
+        "--pt-load-map-location",
+        "LoadConfig",
+        "map_location for torch.load of .pt/.bin weights.",
+        default="cpu",
+        note="weights are always loaded to the CPU first",
+    ),
     unimplemented("--safetensors-load-strategy", "LoadConfig", "lazy (memory-mapped) or eager safetensors reads."),
-    noop("--qlora-adapter-name-or-path", "LoadConfig", "vLLM ignores it too and is removing it",
-         "Name or path of a QLoRA adapter."),
+    noop(
+        "--qlora-adapter-name-or-path",
+        "LoadConfig",
+        "vLLM ignores it too and is removing it",
+        "Name or path of a QLoRA adapter.",
+    ),
     # -- StructuredOutputsConfig -----------------------------------------------------------------
     implemented("--guided-decoding-backend", "StructuredOutputsConfig"),
     implemented("--guided-decoding-disable-fallback", "StructuredOutputsConfig", **_bool()),
     implemented("--guided-decoding-disable-any-whitespace", "StructuredOutputsConfig", **_bool()),
     implemented("--guided-decoding-disable-additional-properties", "StructuredOutputsConfig", **_bool()),
     implemented("--reasoning-parser", "StructuredOutputsConfig"),
-    implemented("--structured-outputs-compile-timeout", "StructuredOutputsConfig", kind="float",
-                tokenloom_only=True),
-    noop("--enable-reasoning", "StructuredOutputsConfig",
-         "reasoning is on whenever --reasoning-parser names a parser; vLLM deprecated it",
-         "Old switch for reasoning_content; needs --reasoning-parser.", **_bool()),
+    implemented("--structured-outputs-compile-timeout", "StructuredOutputsConfig", kind="float", tokenloom_only=True),
+    noop(
+        "--enable-reasoning",
+        "StructuredOutputsConfig",
+        "reasoning is on whenever --reasoning-parser names a parser; vLLM deprecated it",
+        "Old switch for reasoning_content; needs --reasoning-parser.",
+        **_bool(),
+    ),
     # -- ParallelConfig ---------------------------------------------------------------------------
     implemented("--distributed-executor-backend", "ParallelConfig"),
     implemented("--tensor-parallel-size", "ParallelConfig", kind="int", aliases=("-tp",)),
     implemented("--pipeline-parallel-size", "ParallelConfig", kind="int", aliases=("-pp",)),
     implemented("--data-parallel-size", "ParallelConfig", kind="int", aliases=("-dp",)),
-    implemented("--worker-use-ray", "ParallelConfig", "distributed_executor_backend", kind="bool", const="ray",
-                help="Old spelling of --distributed-executor-backend ray.",
-                note="deprecated by vLLM: use --distributed-executor-backend ray"),
-    unimplemented("--data-parallel-size-local", "ParallelConfig", "Data-parallel replicas on this node.",
-                  kind="int", aliases=("-dpl",)),
-    unimplemented("--data-parallel-address", "ParallelConfig", "Address of the data-parallel head node.",
-                  aliases=("-dpa",)),
-    unimplemented("--data-parallel-rpc-port", "ParallelConfig", "Port for data-parallel RPC.", kind="int",
-                  aliases=("-dpp",)),
-    unimplemented("--data-parallel-start-rank", "ParallelConfig", "First data-parallel rank of a secondary node.",
-                  kind="int", aliases=("-dpr",), default=0),
-    unimplemented("--data-parallel-rank", "ParallelConfig", "Data-parallel rank of this instance.", kind="int",
-                  aliases=("-dpn",)),
-    unimplemented("--data-parallel-backend", "ParallelConfig", "Data-parallel backend: mp or ray.",
-                  aliases=("-dpb",), default="mp"),
+    implemented(
+        "--worker-use-ray",
+        "ParallelConfig",
+        "distributed_executor_backend",
+        kind="bool",
+        const="ray",
+        help="Old spelling of --distributed-executor-backend ray.",
+        note="deprecated by vLLM: use --distributed-executor-backend ray",
+    ),
+    unimplemented(
+        "--data-parallel-size-local",
+        "ParallelConfig",
+        "Data-parallel replicas on this node.",
+        kind="int",
+        aliases=("-dpl",),
+    ),
+    unimplemented(
+        "--data-parallel-address", "ParallelConfig", "Address of the data-parallel head node.", aliases=("-dpa",)
+    ),
+    unimplemented(
+        "--data-parallel-rpc-port", "ParallelConfig", "Port for data-parallel RPC.", kind="int", aliases=("-dpp",)
+    ),
+    unimplemented(
+        "--data-parallel-start-rank",
+        "ParallelConfig",
+        "First data-parallel rank of a secondary node.",
+        kind="int",
+        aliases=("-dpr",),
+        default=0,
+    ),
+    unimplemented(
+        "--data-parallel-rank", "ParallelConfig", "Data-parallel rank of this instance.", kind="int", aliases=("-dpn",)
+    ),
+    unimplemented(
+        "--data-parallel-backend",
+        "ParallelConfig",
+        "Data-parallel backend: mp or ray.",
+        aliases=("-dpb",),
+        default="mp",
+    ),
     unimplemented("--data-parallel-hybrid-lb", "ParallelConfig", "Hybrid data-parallel load balancing.", **_bool()),
-    unimplemented("--decode-context-parallel-size", "ParallelConfig", "Decode context-parallel groups.",
-                  kind="int", aliases=("-dcp",), default=1),
+    unimplemented(
+        "--decode-context-parallel-size",
+        "ParallelConfig",
+        "Decode context-parallel groups.",
+        kind="int",
+        aliases=("-dcp",),
+        default=1,
+    ),
     unimplemented("--enable-expert-parallel", "ParallelConfig", "Expert parallelism for MoE layers.", **_bool()),
     unimplemented("--enable-eplb", "ParallelConfig", "Expert-parallel load balancing.", **_bool()),
     unimplemented("--eplb-config", "ParallelConfig", "JSON expert-parallel load-balancing settings.", kind="json"),
@@ -357,25 +488,64 @@ FLAGS: tuple[Flag, ...] = (
     unimplemented("--eplb-step-interval", "ParallelConfig", "Steps between expert rebalancing.", kind="int"),
     unimplemented("--eplb-window-size", "ParallelConfig", "Window of expert-load statistics.", kind="int"),
     unimplemented("--num-redundant-experts", "ParallelConfig", "Redundant experts for load balancing.", kind="int"),
-    unimplemented("--expert-placement-strategy", "ParallelConfig", "How MoE experts are placed on ranks.",
-                  choices=("linear", "round_robin"), default="linear"),
+    unimplemented(
+        "--expert-placement-strategy",
+        "ParallelConfig",
+        "How MoE experts are placed on ranks.",
+        choices=("linear", "round_robin"),
+        default="linear",
+    ),
     unimplemented("--enable-dbo", "ParallelConfig", "Dual-batch overlap.", **_bool()),
-    unimplemented("--dbo-decode-token-threshold", "ParallelConfig", "Dual-batch-overlap threshold for decodes.",
-                  kind="int", default=32),
-    unimplemented("--dbo-prefill-token-threshold", "ParallelConfig", "Dual-batch-overlap threshold for prefills.",
-                  kind="int", default=512),
-    unimplemented("--enable-multimodal-encoder-data-parallel", "ParallelConfig",
-                  "Data-parallel multimodal encoders.", kind="bool", default=False),
-    unimplemented("--worker-cls", "ParallelConfig", "Worker class to run.", default="auto",
-                  note="executors are plugins: register one with register_executors"),
+    unimplemented(
+        "--dbo-decode-token-threshold",
+        "ParallelConfig",
+        "Dual-batch-overlap threshold for decodes.",
+        kind="int",
+        default=32,
+    ),
+    unimplemented(
+        "--dbo-prefill-token-threshold",
+        "ParallelConfig",
+        "Dual-batch-overlap threshold for prefills.",
+        kind="int",
+        default=512,
+    ),
+    unimplemented(
+        "--enable-multimodal-encoder-data-parallel",
+        "ParallelConfig",
+        "Data-parallel multimodal encoders.",
+        kind="bool",
+        default=False,
+    ),
+    unimplemented(
+        "--worker-cls",
+        "ParallelConfig",
+        "Worker class to run.",
+        default="auto",
+        note="executors are plugins: register one with register_executors",
+    ),
     unimplemented("--worker-extension-cls", "ParallelConfig", "Class mixed into the worker.", default=""),
-    cpu_noop("--disable-custom-all-reduce", "ParallelConfig", GPU_ONLY,
-             "Use NCCL instead of the custom all-reduce kernel.", **_bool()),
-    cpu_noop("--ray-workers-use-nsight", "ParallelConfig", "Nsight profiles NVIDIA GPUs",
-             "Profile Ray workers with Nsight.", **_bool()),
-    noop("--max-parallel-loading-workers", "ParallelConfig",
-         "weights are streamed one tensor at a time, so loading needs no batching",
-         "Load weights in batches of this many workers.", kind="int"),
+    cpu_noop(
+        "--disable-custom-all-reduce",
+        "ParallelConfig",
+        GPU_ONLY,
+        "Use NCCL instead of the custom all-reduce kernel.",
+        **_bool(),
+    ),
+    cpu_noop(
+        "--ray-workers-use-nsight",
+        "ParallelConfig",
+        "Nsight profiles NVIDIA GPUs",
+        "Profile Ray workers with Nsight.",
+        **_bool(),
+    ),
+    noop(
+        "--max-parallel-loading-workers",
+        "ParallelConfig",
+        "weights are streamed one tensor at a time, so loading needs no batching",
+        "Load weights in batches of this many workers.",
+        kind="int",
+    ),
     # -- CacheConfig ---------------------------------------------------------------------------
     implemented("--block-size", "CacheConfig", kind="int"),
     implemented("--gpu-memory-utilization", "CacheConfig", kind="float"),
@@ -383,19 +553,44 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--num-gpu-blocks-override", "CacheConfig", kind="int"),
     implemented("--enable-prefix-caching", "CacheConfig", **_bool(default=True)),
     implemented("--prefix-caching-hash-algo", "CacheConfig", choices=("builtin", "sha256")),
-    implemented("--kv-cache-dtype", "CacheConfig", "cache_dtype",
-                choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")),
+    implemented(
+        "--kv-cache-dtype",
+        "CacheConfig",
+        "cache_dtype",
+        choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"),
+    ),
     unimplemented("--calculate-kv-scales", "CacheConfig", "Compute fp8 KV-cache scales on the fly.", **_bool()),
-    unimplemented("--kv-sharing-fast-prefill", "CacheConfig", "Skip prefill tokens in KV-sharing layers.",
-                  **_bool()),
-    unimplemented("--mamba-cache-dtype", "CacheConfig", "Data type of Mamba state caches.",
-                  choices=("auto", "float32"), default="auto"),
-    unimplemented("--mamba-ssm-cache-dtype", "CacheConfig", "Data type of the Mamba SSM state.",
-                  choices=("auto", "float32"), default="auto"),
-    cpu_noop("--swap-space", "CacheConfig", "it is host memory for blocks swapped out of a GPU",
-             "CPU swap space per GPU, in GiB.", kind="float", default=4),
-    cpu_noop("--cpu-offload-gb", "CacheConfig", "the weights already live in CPU memory",
-             "GiB of weights to keep in CPU memory per GPU.", kind="float", default=0),
+    unimplemented("--kv-sharing-fast-prefill", "CacheConfig", "Skip prefill tokens in KV-sharing layers.", **_bool()),
+    unimplemented(
+        "--mamba-cache-dtype",
+        "CacheConfig",
+        "Data type of Mamba state caches.",
+        choices=("auto", "float32"),
+        default="auto",
+    ),
+    unimplemented(
+        "--mamba-ssm-cache-dtype",
+        "CacheConfig",
+        "Data type of the Mamba SSM state.",
+        choices=("auto", "float32"),
+        default="auto",
+    ),
+    cpu_noop(
+        "--swap-space",
+        "CacheConfig",
+        "it is host memory for blocks swapped out of a GPU",
+        "CPU swap space per GPU, in GiB.",
+        kind="float",
+        default=4,
+    ),
+    cpu_noop(
+        "--cpu-offload-gb",
+        "CacheConfig",
+        "the weights already live in CPU memory",
+        "GiB of weights to keep in CPU memory per GPU.",
+        kind="float",
+        default=0,
+    ),
     # -- SchedulerConfig -----------------------------------------------------------------------
     implemented("--max-num-batched-tokens", "SchedulerConfig", kind="size"),
     implemented("--max-num-seqs", "SchedulerConfig", kind="int"),
@@ -404,55 +599,123 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--long-prefill-token-threshold", "SchedulerConfig", kind="int"),
     implemented("--scheduling-policy", "SchedulerConfig", choices=("fcfs", "priority")),
     implemented("--max-waiting-requests", "SchedulerConfig", kind="int", tokenloom_only=True),
-    unimplemented("--max-long-partial-prefills", "SchedulerConfig",
-                  "Long prompts prefilled in chunks at once.", kind="int", default=1),
-    unimplemented("--num-lookahead-slots", "SchedulerConfig", "Extra KV slots per step for speculative tokens.",
-                  kind="int", default=0),
-    unimplemented("--scheduler-cls", "SchedulerConfig", "Scheduler class to use.",
-                  default="vllm.core.scheduler.Scheduler"),
-    unimplemented("--num-scheduler-steps", "SchedulerConfig", "Forward steps per scheduler call (multi-step).",
-                  kind="int", default=1),
-    unimplemented("--scheduler-delay-factor", "SchedulerConfig", "Delay before scheduling the next prompt.",
-                  kind="float", default=0.0),
-    unimplemented("--preemption-mode", "SchedulerConfig", "Preempt by recompute or swap.",
-                  choices=("recompute", "swap"), default="recompute",
-                  note="tokenloom preempts by recompute"),
-    unimplemented("--async-scheduling", "SchedulerConfig", "Schedule the next step while this one runs.",
-                  **_bool()),
+    unimplemented(
+        "--max-long-partial-prefills",
+        "SchedulerConfig",
+        "Long prompts prefilled in chunks at once.",
+        kind="int",
+        default=1,
+    ),
+    unimplemented(
+        "--num-lookahead-slots",
+        "SchedulerConfig",
+        "Extra KV slots per step for speculative tokens.",
+        kind="int",
+        default=0,
+    ),
+    unimplemented(
+        "--scheduler-cls", "SchedulerConfig", "Scheduler class to use.", default="vllm.core.scheduler.Scheduler"
+    ),
+    unimplemented(
+        "--num-scheduler-steps",
+        "SchedulerConfig",
+        "Forward steps per scheduler call (multi-step).",
+        kind="int",
+        default=1,
+    ),
+    unimplemented(
+        "--scheduler-delay-factor",
+        "SchedulerConfig",
+        "Delay before scheduling the next prompt.",
+        kind="float",
+        default=0.0,
+    ),
+    unimplemented(
+        "--preemption-mode",
+        "SchedulerConfig",
+        "Preempt by recompute or swap.",
+        choices=("recompute", "swap"),
+        default="recompute",
+        note="tokenloom preempts by recompute",
+    ),
+    unimplemented("--async-scheduling", "SchedulerConfig", "Schedule the next step while this one runs.", **_bool()),
     unimplemented("--disable-chunked-mm-input", "SchedulerConfig", "Never split a multimodal item.", **_bool()),
-    unimplemented("--disable-hybrid-kv-cache-manager", "SchedulerConfig",
-                  "Same KV size for every attention type.", **_bool()),
-    cpu_noop("--cuda-graph-sizes", "SchedulerConfig", GPU_ONLY, "Batch sizes to capture CUDA graphs for.",
-             kind="int", nargs="+"),
-    noop("--multi-step-stream-outputs", "SchedulerConfig", "it only applies to multi-step scheduling",
-         "Stream outputs after every step of a multi-step call.", **_bool(default=True)),
-    noop("--use-v2-block-manager", "SchedulerConfig", "vLLM ignores it too: one block manager remains",
-         "Old switch for the v2 block manager.", kind="bool", default=False),
+    unimplemented(
+        "--disable-hybrid-kv-cache-manager", "SchedulerConfig", "Same KV size for every attention type.", **_bool()
+    ),
+    cpu_noop(
+        "--cuda-graph-sizes",
+        "SchedulerConfig",
+        GPU_ONLY,
+        "Batch sizes to capture CUDA graphs for.",
+        kind="int",
+        nargs="+",
+    ),
+    noop(
+        "--multi-step-stream-outputs",
+        "SchedulerConfig",
+        "it only applies to multi-step scheduling",
+        "Stream outputs after every step of a multi-step call.",
+        **_bool(default=True),
+    ),
+    noop(
+        "--use-v2-block-manager",
+        "SchedulerConfig",
+        "vLLM ignores it too: one block manager remains",
+        "Old switch for the v2 block manager.",
+        kind="bool",
+        default=False,
+    ),
     # -- DeviceConfig ---------------------------------------------------------------------------
     implemented("--device", "DeviceConfig"),
     # -- MultiModalConfig -----------------------------------------------------------------------
-    unimplemented("--limit-mm-per-prompt", "MultiModalConfig", "Maximum media items per prompt, per modality.",
-                  kind="json"),
-    unimplemented("--mm-processor-kwargs", "MultiModalConfig", "Overrides for the multimodal processor.",
-                  kind="json"),
-    unimplemented("--mm-processor-cache-gb", "MultiModalConfig", "Size of the multimodal processor cache.",
-                  kind="float", default=4),
-    unimplemented("--mm-processor-cache-type", "MultiModalConfig", "lru or shm processor cache.",
-                  choices=("lru", "shm"), default="lru"),
-    unimplemented("--mm-shm-cache-max-object-size-mb", "MultiModalConfig", "Largest object in the shm cache.",
-                  kind="int", default=128),
-    unimplemented("--mm-encoder-tp-mode", "MultiModalConfig", "How the vision encoder uses tensor parallelism.",
-                  choices=("data", "weights"), default="weights"),
-    unimplemented("--mm-cache-preprocessor", "MultiModalConfig", "Cache the multimodal preprocessor output.",
-                  kind="bool", default=False),
-    unimplemented("--disable-mm-preprocessor-cache", "MultiModalConfig", "Do not cache processed media.",
-                  **_bool()),
-    unimplemented("--interleave-mm-strings", "MultiModalConfig", "Interleave media and text in string content.",
-                  **_bool()),
-    unimplemented("--media-io-kwargs", "MultiModalConfig", "Options for decoding media, per modality.",
-                  kind="json"),
-    unimplemented("--skip-mm-profiling", "MultiModalConfig", "Skip memory profiling of multimodal encoders.",
-                  **_bool()),
+    unimplemented(
+        "--limit-mm-per-prompt", "MultiModalConfig", "Maximum media items per prompt, per modality.", kind="json"
+    ),
+    unimplemented("--mm-processor-kwargs", "MultiModalConfig", "Overrides for the multimodal processor.", kind="json"),
+    unimplemented(
+        "--mm-processor-cache-gb",
+        "MultiModalConfig",
+        "Size of the multimodal processor cache.",
+        kind="float",
+        default=4,
+    ),
+    unimplemented(
+        "--mm-processor-cache-type",
+        "MultiModalConfig",
+        "lru or shm processor cache.",
+        choices=("lru", "shm"),
+        default="lru",
+    ),
+    unimplemented(
+        "--mm-shm-cache-max-object-size-mb",
+        "MultiModalConfig",
+        "Largest object in the shm cache.",
+        kind="int",
+        default=128,
+    ),
+    unimplemented(
+        "--mm-encoder-tp-mode",
+        "MultiModalConfig",
+        "How the vision encoder uses tensor parallelism.",
+        choices=("data", "weights"),
+        default="weights",
+    ),
+    unimplemented(
+        "--mm-cache-preprocessor",
+        "MultiModalConfig",
+        "Cache the multimodal preprocessor output.",
+        kind="bool",
+        default=False,
+    ),
+    unimplemented("--disable-mm-preprocessor-cache", "MultiModalConfig", "Do not cache processed media.", **_bool()),
+    unimplemented(
+        "--interleave-mm-strings", "MultiModalConfig", "Interleave media and text in string content.", **_bool()
+    ),
+    unimplemented("--media-io-kwargs", "MultiModalConfig", "Options for decoding media, per modality.", kind="json"),
+    unimplemented(
+        "--skip-mm-profiling", "MultiModalConfig", "Skip memory profiling of multimodal encoders.", **_bool()
+    ),
     unimplemented("--video-pruning-rate", "MultiModalConfig", "Fraction of video tokens to prune.", kind="float"),
     # -- LoRAConfig ------------------------------------------------------------------------------
     unimplemented("--enable-lora", "LoRAConfig", "Serve LoRA adapters.", **_bool()),
@@ -460,72 +723,146 @@ FLAGS: tuple[Flag, ...] = (
     unimplemented("--fully-sharded-loras", "LoRAConfig", "Shard all LoRA computation.", **_bool()),
     unimplemented("--max-loras", "LoRAConfig", "LoRAs in one batch.", kind="int", default=1),
     unimplemented("--max-lora-rank", "LoRAConfig", "Largest LoRA rank.", kind="int", default=16),
-    unimplemented("--lora-extra-vocab-size", "LoRAConfig", "Extra vocabulary a LoRA may add.", kind="int",
-                  default=256),
-    unimplemented("--lora-dtype", "LoRAConfig", "Data type of LoRA weights.",
-                  choices=("auto", "float16", "bfloat16", "float32"), default="auto"),
-    unimplemented("--long-lora-scaling-factors", "LoRAConfig", "Scaling factors of long-context LoRAs.",
-                  kind="float", nargs="+"),
+    unimplemented("--lora-extra-vocab-size", "LoRAConfig", "Extra vocabulary a LoRA may add.", kind="int", default=256),
+    unimplemented(
+        "--lora-dtype",
+        "LoRAConfig",
+        "Data type of LoRA weights.",
+        choices=("auto", "float16", "bfloat16", "float32"),
+        default="auto",
+    ),
+    unimplemented(
+        "--long-lora-scaling-factors", "LoRAConfig", "Scaling factors of long-context LoRAs.", kind="float", nargs="+"
+    ),
     unimplemented("--max-cpu-loras", "LoRAConfig", "LoRAs kept in CPU memory.", kind="int"),
     unimplemented("--default-mm-loras", "LoRAConfig", "LoRA to apply per input modality.", kind="json"),
     # -- PromptAdapterConfig ---------------------------------------------------------------------
     unimplemented("--enable-prompt-adapter", "PromptAdapterConfig", "Serve prompt adapters.", **_bool()),
-    unimplemented("--max-prompt-adapters", "PromptAdapterConfig", "Prompt adapters in one batch.", kind="int",
-                  default=1),
-    unimplemented("--max-prompt-adapter-token", "PromptAdapterConfig", "Tokens per prompt adapter.", kind="int",
-                  default=0),
+    unimplemented(
+        "--max-prompt-adapters", "PromptAdapterConfig", "Prompt adapters in one batch.", kind="int", default=1
+    ),
+    unimplemented(
+        "--max-prompt-adapter-token", "PromptAdapterConfig", "Tokens per prompt adapter.", kind="int", default=0
+    ),
     # -- SpeculativeConfig ------------------------------------------------------------------------
     unimplemented("--speculative-model", "SpeculativeConfig", "Draft model for speculative decoding."),
     unimplemented("--speculative-model-quantization", "SpeculativeConfig", "Quantization of the draft model."),
-    unimplemented("--num-speculative-tokens", "SpeculativeConfig", "Tokens the draft model proposes per step.",
-                  kind="int"),
-    unimplemented("--speculative-disable-mqa-scorer", "SpeculativeConfig", "Score drafts by batch expansion.",
-                  kind="bool", default=False),
-    unimplemented("--speculative-draft-tensor-parallel-size", "SpeculativeConfig",
-                  "Tensor-parallel size of the draft model.", kind="int", aliases=("-spec-draft-tp",)),
-    unimplemented("--speculative-max-model-len", "SpeculativeConfig", "Longest sequence the draft model sees.",
-                  kind="int"),
-    unimplemented("--speculative-disable-by-batch-size", "SpeculativeConfig",
-                  "Stop speculating above this many queued requests.", kind="int"),
-    unimplemented("--ngram-prompt-lookup-max", "SpeculativeConfig", "Largest n-gram for prompt lookup.",
-                  kind="int"),
-    unimplemented("--ngram-prompt-lookup-min", "SpeculativeConfig", "Smallest n-gram for prompt lookup.",
-                  kind="int"),
-    unimplemented("--spec-decoding-acceptance-method", "SpeculativeConfig", "How draft tokens are accepted.",
-                  choices=("rejection_sampler", "typical_acceptance_sampler"), default="rejection_sampler"),
-    unimplemented("--typical-acceptance-sampler-posterior-threshold", "SpeculativeConfig",
-                  "Posterior threshold of the typical acceptance sampler.", kind="float"),
-    unimplemented("--typical-acceptance-sampler-posterior-alpha", "SpeculativeConfig",
-                  "Entropy scaling of the typical acceptance sampler.", kind="float"),
-    unimplemented("--disable-logprobs-during-spec-decoding", "SpeculativeConfig",
-                  "Skip logprobs while speculating.", kind="bool", default=False),
+    unimplemented(
+        "--num-speculative-tokens", "SpeculativeConfig", "Tokens the draft model proposes per step.", kind="int"
+    ),
+    unimplemented(
+        "--speculative-disable-mqa-scorer",
+        "SpeculativeConfig",
+        "Score drafts by batch expansion.",
+        kind="bool",
+        default=False,
+    ),
+    unimplemented(
+        "--speculative-draft-tensor-parallel-size",
+        "SpeculativeConfig",
+        "Tensor-parallel size of the draft model.",
+        kind="int",
+        aliases=("-spec-draft-tp",),
+    ),
+    unimplemented(
+        "--speculative-max-model-len", "SpeculativeConfig", "Longest sequence the draft model sees.", kind="int"
+    ),
+    unimplemented(
+        "--speculative-disable-by-batch-size",
+        "SpeculativeConfig",
+        "Stop speculating above this many queued requests.",
+        kind="int",
+    ),
+    unimplemented("--ngram-prompt-lookup-max", "SpeculativeConfig", "Largest n-gram for prompt lookup.", kind="int"),
+    unimplemented("--ngram-prompt-lookup-min", "SpeculativeConfig", "Smallest n-gram for prompt lookup.", kind="int"),
+    unimplemented(
+        "--spec-decoding-acceptance-method",
+        "SpeculativeConfig",
+        "How draft tokens are accepted.",
+        choices=("rejection_sampler", "typical_acceptance_sampler"),
+        default="rejection_sampler",
+    ),
+    unimplemented(
+        "--typical-acceptance-sampler-posterior-threshold",
+        "SpeculativeConfig",
+        "Posterior threshold of the typical acceptance sampler.",
+        kind="float",
+    ),
+    unimplemented(
+        "--typical-acceptance-sampler-posterior-alpha",
+        "SpeculativeConfig",
+        "Entropy scaling of the typical acceptance sampler.",
+        kind="float",
+    ),
+    unimplemented(
+        "--disable-logprobs-during-spec-decoding",
+        "SpeculativeConfig",
+        "Skip logprobs while speculating.",
+        kind="bool",
+        default=False,
+    ),
     # -- ObservabilityConfig ----------------------------------------------------------------------
     unimplemented("--otlp-traces-endpoint", "ObservabilityConfig", "URL to send OpenTelemetry traces to."),
-    unimplemented("--collect-detailed-traces", "ObservabilityConfig", "Modules to trace in detail.", nargs="+",
-                  note="it needs --otlp-traces-endpoint, which is not implemented either"),
-    noop("--show-hidden-metrics-for-version", "ObservabilityConfig", "tokenloom hides no deprecated metrics",
-         "Show metrics deprecated since this version."),
+    unimplemented(
+        "--collect-detailed-traces",
+        "ObservabilityConfig",
+        "Modules to trace in detail.",
+        nargs="+",
+        note="it needs --otlp-traces-endpoint, which is not implemented either",
+    ),
+    noop(
+        "--show-hidden-metrics-for-version",
+        "ObservabilityConfig",
+        "tokenloom hides no deprecated metrics",
+        "Show metrics deprecated since this version.",
+    ),
     # -- TokenizerPoolConfig (deprecated by vLLM: no effect) ------------------------------------------
-    noop("--tokenizer-pool-size", "TokenizerPoolConfig", "vLLM deprecated it and ignores it too",
-         "Size of an asynchronous tokenizer pool.", kind="int", default=0),
-    noop("--tokenizer-pool-type", "TokenizerPoolConfig", "vLLM deprecated it and ignores it too",
-         "Type of the tokenizer pool.", default="ray"),
-    noop("--tokenizer-pool-extra-config", "TokenizerPoolConfig", "vLLM deprecated it and ignores it too",
-         "Extra tokenizer pool settings.", kind="json"),
+    noop(
+        "--tokenizer-pool-size",
+        "TokenizerPoolConfig",
+        "vLLM deprecated it and ignores it too",
+        "Size of an asynchronous tokenizer pool.",
+        kind="int",
+        default=0,
+    ),
+    noop(
+        "--tokenizer-pool-type",
+        "TokenizerPoolConfig",
+        "vLLM deprecated it and ignores it too",
+        "Type of the tokenizer pool.",
+        default="ray",
+    ),
+    noop(
+        "--tokenizer-pool-extra-config",
+        "TokenizerPoolConfig",
+        "vLLM deprecated it and ignores it too",
+        "Extra tokenizer pool settings.",
+        kind="json",
+    ),
     # -- VllmConfig: whole-engine JSON configs ------------------------------------------------------
-    implemented("--structured-outputs-config", "VllmConfig", to=CLI, kind="json", help=(
-        "JSON structured-outputs settings (vLLM's newer form of the --guided-decoding-* flags): "
-        "backend, disable_fallback, disable_any_whitespace, disable_additional_properties, "
-        "reasoning_parser.")),
+    implemented(
+        "--structured-outputs-config",
+        "VllmConfig",
+        to=CLI,
+        kind="json",
+        help=(
+            "JSON structured-outputs settings (vLLM's newer form of the --guided-decoding-* flags): "
+            "backend, disable_fallback, disable_any_whitespace, disable_additional_properties, "
+            "reasoning_parser."
+        ),
+    ),
     unimplemented("--speculative-config", "VllmConfig", "JSON speculative-decoding settings.", kind="json"),
-    unimplemented("--kv-transfer-config", "VllmConfig", "JSON settings of distributed KV-cache transfer.",
-                  kind="json"),
+    unimplemented("--kv-transfer-config", "VllmConfig", "JSON settings of distributed KV-cache transfer.", kind="json"),
     unimplemented("--kv-events-config", "VllmConfig", "JSON settings of KV-cache event publishing.", kind="json"),
     unimplemented("--additional-config", "VllmConfig", "JSON settings for the platform plugin.", kind="json"),
-    cpu_noop("--compilation-config", "VllmConfig",
-             "its levels and CUDA-graph sizes concern GPU compilation; --enforce-eager controls torch.compile",
-             "torch.compile and CUDA-graph settings, or an optimisation level (-O3).", aliases=("-O",),
-             kind="level_or_json"),
+    cpu_noop(
+        "--compilation-config",
+        "VllmConfig",
+        "its levels and CUDA-graph sizes concern GPU compilation; --enforce-eager controls torch.compile",
+        "torch.compile and CUDA-graph settings, or an optimisation level (-O3).",
+        aliases=("-O",),
+        kind="level_or_json",
+    ),
 )
 
 FLAG_BY_NAME: dict[str, Flag] = {}
@@ -565,9 +902,13 @@ def _field_docs() -> dict[str, dict[str, str]]:
                 continue
             fields = docs.setdefault(node.name, {})
             for statement, following in zip(node.body, node.body[1:]):
-                if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                        and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                        and isinstance(following.value.value, str)):
+                if (
+                    isinstance(statement, ast.AnnAssign)
+                    and isinstance(statement.target, ast.Name)
+                    and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)
+                ):
                     fields[statement.target.id] = " ".join(following.value.value.split())
     return docs
 

@@ -39,10 +39,15 @@ RETRY_AFTER_SECONDS = 1
 INTERNAL_ERROR_MESSAGE = "internal server error; the server log has the details (request id {request_id})"
 
 
-def error_body(status: int, message: str, *, error_type: str | None = None, param: str | None = None,
-               code: int | str | None = None) -> dict:
-    info = ErrorInfo(message=message, type=error_type or _TYPE_BY_STATUS.get(status, "Error"), param=param,
-                     code=code if code is not None else status)
+def error_body(
+    status: int, message: str, *, error_type: str | None = None, param: str | None = None, code: int | str | None = None
+) -> dict:
+    info = ErrorInfo(
+        message=message,
+        type=error_type or _TYPE_BY_STATUS.get(status, "Error"),
+        param=param,
+        code=code if code is not None else status,
+    )
     return ErrorResponse(error=info).model_dump()
 
 
@@ -82,8 +87,11 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
         path = ".".join(location)
         if error.get("type") == "json_invalid":
             detail = (error.get("ctx") or {}).get("error", "")
-            problems.append(_shorten(f"the request body is not valid JSON ({detail})" if detail else
-                                     "the request body is not valid JSON"))
+            problems.append(
+                _shorten(
+                    f"the request body is not valid JSON ({detail})" if detail else "the request body is not valid JSON"
+                )
+            )
             continue
         if not path and error.get("type") == "missing":
             problems.append("a JSON request body is required")

@@ -20,9 +20,17 @@ from tokenloom.api.protocol import (
 from tokenloom.errors import InvalidRequestError
 
 # Anthropic's error "type" for each HTTP status it uses
-ERROR_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
-                        403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                        429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+ERROR_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 def new_message_id() -> str:
@@ -59,15 +67,19 @@ class MessagesInput(RequestModel):
             where = f"messages[{index}]"
             role = message.get("role")
             if role not in ("user", "assistant"):
-                raise InvalidRequestError(f"{where}.role must be 'user' or 'assistant', got {role!r} (the system "
-                                          "prompt goes in the top-level system field)", param=f"{where}.role")
+                raise InvalidRequestError(
+                    f"{where}.role must be 'user' or 'assistant', got {role!r} (the system "
+                    "prompt goes in the top-level system field)",
+                    param=f"{where}.role",
+                )
             content = message.get("content", "")
             if isinstance(content, str):
                 messages.append({"role": role, "content": content})
                 continue
             if not isinstance(content, list):
-                raise InvalidRequestError(f"{where}.content must be a string or a list of content blocks",
-                                          param=f"{where}.content")
+                raise InvalidRequestError(
+                    f"{where}.content must be a string or a list of content blocks", param=f"{where}.content"
+                )
             text_parts: list[str] = []
             tool_calls: list[dict[str, Any]] = []
             for block_index, block in enumerate(content):
@@ -77,22 +89,33 @@ class MessagesInput(RequestModel):
                     text_parts.append(str(block.get("text", "")))
                 elif kind == "tool_result" and role == "user":
                     if not block.get("tool_use_id"):
-                        raise InvalidRequestError(f"{block_where} (a tool_result) needs tool_use_id",
-                                                  param=f"{block_where}.tool_use_id")
+                        raise InvalidRequestError(
+                            f"{block_where} (a tool_result) needs tool_use_id", param=f"{block_where}.tool_use_id"
+                        )
                     result = block.get("content", "")
                     text = result if isinstance(result, str) else _blocks_text(result, f"{block_where}.content")
                     messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
                 elif kind == "tool_use" and role == "assistant":
                     if not block.get("id") or not block.get("name"):
                         raise InvalidRequestError(f"{block_where} (a tool_use) needs id and name", param=block_where)
-                    tool_calls.append({"id": block["id"], "type": "function", "function": {
-                        "name": block["name"], "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+                    tool_calls.append(
+                        {
+                            "id": block["id"],
+                            "type": "function",
+                            "function": {
+                                "name": block["name"],
+                                "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False),
+                            },
+                        }
+                    )
                 elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                     continue
                 else:
-                    raise InvalidRequestError(f"{block_where} is a {kind!r} block; this server takes text, tool_use "
-                                              "(assistant), tool_result (user) and thinking blocks",
-                                              param=f"{block_where}.type")
+                    raise InvalidRequestError(
+                        f"{block_where} is a {kind!r} block; this server takes text, tool_use "
+                        "(assistant), tool_result (user) and thinking blocks",
+                        param=f"{block_where}.type",
+                    )
             if text_parts or tool_calls:
                 chat_message: dict[str, Any] = {"role": role, "content": "".join(text_parts) if text_parts else None}
                 if tool_calls:
@@ -104,8 +127,11 @@ class MessagesInput(RequestModel):
         tools = []
         for index, tool in enumerate(self.tools or []):
             if tool.get("type") not in (None, "custom"):
-                raise InvalidRequestError(f"tools[{index}] has type {tool.get('type')!r}; this server runs client "
-                                          "tools only (name, description, input_schema)", param=f"tools[{index}].type")
+                raise InvalidRequestError(
+                    f"tools[{index}] has type {tool.get('type')!r}; this server runs client "
+                    "tools only (name, description, input_schema)",
+                    param=f"tools[{index}].type",
+                )
             if not tool.get("name"):
                 raise InvalidRequestError(f"tools[{index}] needs a name", param=f"tools[{index}].name")
             function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
@@ -131,8 +157,9 @@ class MessagesInput(RequestModel):
             if not choice.get("name"):
                 raise InvalidRequestError('tool_choice of type "tool" needs a name', param="tool_choice.name")
             return {"type": "function", "function": {"name": choice["name"]}}, parallel
-        raise InvalidRequestError(f"tool_choice.type must be 'auto', 'any', 'tool' or 'none', got {kind!r}",
-                                  param="tool_choice.type")
+        raise InvalidRequestError(
+            f"tool_choice.type must be 'auto', 'any', 'tool' or 'none', got {kind!r}", param="tool_choice.type"
+        )
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """``thinking`` as the chat template's switch (templates that think read ``enable_thinking``);
@@ -141,8 +168,9 @@ class MessagesInput(RequestModel):
             return None
         kind = self.thinking.get("type")
         if kind not in ("enabled", "disabled", "adaptive"):
-            raise InvalidRequestError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}",
-                                      param="thinking.type")
+            raise InvalidRequestError(
+                f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}", param="thinking.type"
+            )
         return {"enable_thinking": kind != "disabled"}
 
 
@@ -153,8 +181,9 @@ def _blocks_text(blocks: Any, where: str) -> str:
     for index, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise InvalidRequestError(f"{where}[{index}] is a {kind!r} block; only text blocks are taken here",
-                                      param=f"{where}[{index}]")
+            raise InvalidRequestError(
+                f"{where}[{index}] is a {kind!r} block; only text blocks are taken here", param=f"{where}[{index}]"
+            )
         texts.append(str(block.get("text", "")))
     return "".join(texts)
 
@@ -175,15 +204,15 @@ class MessagesRequest(MessagesInput):
     seed: int | None = None
     priority: int = 0
 
-
     def response_format(self) -> ResponseFormat | None:
         """``output_config.format`` as chat's ``response_format`` (structured outputs)."""
         output_format = (self.output_config or {}).get("format")
         if not output_format:
             return None
         if output_format.get("type") != "json_schema" or not isinstance(output_format.get("schema"), dict):
-            raise InvalidRequestError('output_config.format must be {"type": "json_schema", "schema": {...}}',
-                                      param="output_config.format")
+            raise InvalidRequestError(
+                'output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config.format"
+            )
         return ResponseFormat(type="json_schema", json_schema={"name": "output", "schema": output_format["schema"]})
 
     def template_kwargs(self) -> dict[str, Any] | None:

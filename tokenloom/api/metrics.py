@@ -18,8 +18,29 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 STATS_LOG_INTERVAL_S = 10.0
 
@@ -55,8 +76,7 @@ class EngineStatsCollector:
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", kv_usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (the old name, kept for dashboards).", kv_usage)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens_total)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      stats.generation_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens_total)
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
@@ -75,15 +95,22 @@ class ServerMetrics:
 
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.")
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Time between tokens, seconds.")
-        self.time_per_output_token = histogram("vllm:time_per_output_token_seconds",
-                                               "Time per output token, seconds (the older name).")
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds", "Time per output token, seconds (the older name)."
+        )
         self.e2e_latency = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.")
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
-                                               TOKEN_COUNT_BUCKETS)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Generated tokens per request.", TOKEN_COUNT_BUCKETS)
-        self._request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                                        ["model_name", "finished_reason"], registry=self.registry)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self._request_success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.registry.register(EngineStatsCollector(engine, model_name))
 
     def count_finished(self, finish_reason: str) -> None:
@@ -137,9 +164,11 @@ def format_stats_line(stats: Any, previous_totals: tuple[int, int] | None, elaps
     else:
         prompt_tps = generation_tps = 0.0
     hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-    return (f"prompt throughput: {prompt_tps:.1f} tokens/s, generation throughput: {generation_tps:.1f} tokens/s, "
-            f"running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
-            f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, prefix cache hit rate: {100 * hit_rate:.1f}%")
+    return (
+        f"prompt throughput: {prompt_tps:.1f} tokens/s, generation throughput: {generation_tps:.1f} tokens/s, "
+        f"running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
+        f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, prefix cache hit rate: {100 * hit_rate:.1f}%"
+    )
 
 
 async def log_stats_periodically(engine: Any, interval_s: float = STATS_LOG_INTERVAL_S) -> None:

@@ -44,7 +44,7 @@ def route_path(scope: Scope) -> str:
     path = scope.get("path", "")
     root_path = scope.get("root_path", "")
     if root_path and path.startswith(root_path):
-        path = path[len(root_path):] or "/"
+        path = path[len(root_path) :] or "/"
     return path
 
 
@@ -57,8 +57,7 @@ def header_value(scope: Scope, name: bytes) -> bytes | None:
 
 async def send_error(send: Send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error_body(status, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *extra_headers]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra_headers]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -67,8 +66,13 @@ class ApiKeyMiddleware:
     """Requires ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on every
     route but the public ones; Anthropic's routes get Anthropic's error shape."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], metrics_require_key: bool = False,
-                 plugin_public_paths: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: list[str],
+        metrics_require_key: bool = False,
+        plugin_public_paths: frozenset[str] = frozenset(),
+    ):
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
         # with the paths plugins declared public when registering their routes (``public_paths=[...]``)
@@ -87,8 +91,13 @@ class ApiKeyMiddleware:
         message = "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
         if route_path(scope).startswith(ANTHROPIC_PATH_PREFIX):
             body = json.dumps({"type": "error", "error": {"type": "authentication_error", "message": message}})
-            await send({"type": "http.response.start", "status": 401, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": body.encode()})
             return
         await send_error(send, 401, message, [(b"www-authenticate", b"Bearer")])
@@ -184,8 +193,12 @@ class BodySizeLimitMiddleware:
 
     async def _too_large(self, send: Send, size: int, at_least: bool = False) -> None:
         size_text = f"more than {self.max_bytes}" if at_least else str(size)
-        await send_error(send, 413, f"request body too large: {size_text} bytes, the limit is {self.max_bytes} "
-                                    "bytes (--max-request-body-bytes)")
+        await send_error(
+            send,
+            413,
+            f"request body too large: {size_text} bytes, the limit is {self.max_bytes} "
+            "bytes (--max-request-body-bytes)",
+        )
 
 
 def import_object(path: str, flag: str) -> Any:
@@ -196,8 +209,9 @@ def import_object(path: str, flag: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ConfigError(f"{flag} {path!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}",
-                          param=flag) from exc
+        raise ConfigError(
+            f"{flag} {path!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}", param=flag
+        ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -214,25 +228,40 @@ def add_user_middleware(app: FastAPI, import_paths: list[str]) -> None:
         elif inspect.iscoroutinefunction(target):
             app.middleware("http")(target)
         else:
-            raise ConfigError(f"--middleware {path!r}: expected an ASGI middleware class or an async function "
-                              f"(request, call_next), got {type(target).__name__}", param="--middleware")
+            raise ConfigError(
+                f"--middleware {path!r}: expected an ASGI middleware class or an async function "
+                f"(request, call_next), got {type(target).__name__}",
+                param="--middleware",
+            )
 
 
-def install_middleware(app: FastAPI, config: ServerConfig, api_keys: list[str],
-                       public_paths: frozenset[str] = frozenset()) -> None:
+def install_middleware(
+    app: FastAPI, config: ServerConfig, api_keys: list[str], public_paths: frozenset[str] = frozenset()
+) -> None:
     """Adds tokenloom's middleware in the documented order; Starlette wraps each added one
     around the previous ones, so the first added is the innermost."""
     if not api_keys and "*" in (config.allowed_origins or ()):
         # vLLM's default (any origin) is kept for compatibility, but without a key it means any
         # web page the operator's browser opens can drive this server: say so at start-up
-        logger.warning("the server accepts requests without an API key and allows every CORS origin, so any "
-                       "web page opened in a browser that can reach it can use it; set --api-key (or "
-                       "TOKENLOOM_API_KEY), or narrow --allowed-origins")
+        logger.warning(
+            "the server accepts requests without an API key and allows every CORS origin, so any "
+            "web page opened in a browser that can reach it can use it; set --api-key (or "
+            "TOKENLOOM_API_KEY), or narrow --allowed-origins"
+        )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, metrics_require_key=config.metrics_require_key,
-                           plugin_public_paths=public_paths)
+        app.add_middleware(
+            ApiKeyMiddleware,
+            api_keys=api_keys,
+            metrics_require_key=config.metrics_require_key,
+            plugin_public_paths=public_paths,
+        )
     app.add_middleware(RequestIdMiddleware, add_header=config.enable_request_id_headers)
-    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
-                       allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods,
+        allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+    )
     add_user_middleware(app, config.middleware)

@@ -7,14 +7,14 @@ Requests accept unknown fields (logged once by the server), as the other endpoin
 from __future__ import annotations
 
 import time
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import Field
 
 from tokenloom.api.protocol import RequestModel, ResponseModel
 
 # one input: text or token ids; a request: one input or a list of them
-PoolingInput = Union[str, list[int], list[str], list[list[int]]]
+PoolingInput = str | list[int] | list[str] | list[list[int]]
 
 
 def _now() -> int:
@@ -56,7 +56,7 @@ class RerankDocument(RequestModel):
 
 class RerankRequest(PoolingOptions):
     query: str
-    documents: list[Union[str, RerankDocument]]
+    documents: list[str | RerankDocument]
     top_n: int | None = None
     """Return the best ``top_n`` documents (0 or absent: all)."""
     return_documents: bool = True

@@ -56,8 +56,10 @@ class RequestModel(BaseModel):
         # templates, ...): a lone surrogate would otherwise fail deep in a tokenizer as a 500.
         path = find_unencodable_text(data)
         if path is not None:
-            raise ValueError(f"{path} holds text that is not valid Unicode (an unpaired surrogate such as "
-                             "\\ud800); send well-formed UTF-8")
+            raise ValueError(
+                f"{path} holds text that is not valid Unicode (an unpaired surrogate such as "
+                "\\ud800); send well-formed UTF-8"
+            )
         return data
 
     @model_validator(mode="before")
@@ -159,8 +161,9 @@ class SamplingRequest(RequestModel):
         if not forms:
             return None
         if len(forms) > 1:
-            raise InvalidRequestError("give one structured-output form, not " + " and ".join(p for p, _ in forms),
-                                      param=forms[1][0])
+            raise InvalidRequestError(
+                "give one structured-output form, not " + " and ".join(p for p, _ in forms), param=forms[1][0]
+            )
         constraint = forms[0][1]
         if self.guided_decoding_backend:
             constraint.setdefault("backend", self.guided_decoding_backend)
@@ -175,8 +178,10 @@ def _response_format_constraint(response_format: ResponseFormat) -> dict[str, An
     if response_format.type == "json_schema":
         schema = (response_format.json_schema or {}).get("schema")
         if schema is None:
-            raise InvalidRequestError('response_format json_schema needs "json_schema": {"name": ..., "schema": '
-                                      '{...}}', param="response_format")
+            raise InvalidRequestError(
+                'response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
+                param="response_format",
+            )
         return {"json": schema}
     # structural_tag: the rest of the object is the tag (xgrammar's format or vLLM's structures/triggers)
     return {"structural_tag": dict(response_format.model_extra or {}, type="structural_tag")}
@@ -201,8 +206,10 @@ class CompletionRequest(SamplingRequest):
                 return prompt
             if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
                 return prompt
-            if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                   for p in prompt):
+            if all(
+                isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                for p in prompt
+            ):
                 return prompt
         raise ValueError(
             "prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "

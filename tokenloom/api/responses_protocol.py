@@ -62,8 +62,11 @@ class ResponsesRequest(RequestModel):
         if self.background and not self.store:
             raise InvalidRequestError("background responses must be stored: drop store: false", param="store")
         if self.background and self.stream:
-            raise InvalidRequestError("this server does not stream background responses: send stream or background, "
-                                      "and poll GET /v1/responses/{id} for a background one", param="background")
+            raise InvalidRequestError(
+                "this server does not stream background responses: send stream or background, "
+                "and poll GET /v1/responses/{id} for a background one",
+                param="background",
+            )
         if self.metadata is not None and len(self.metadata) > 16:
             raise InvalidRequestError("metadata holds at most 16 keys", param="metadata")
         if isinstance(self.input, list) and not self.input and not self.previous_response_id:
@@ -74,8 +77,11 @@ class ResponsesRequest(RequestModel):
         tools = []
         for index, tool in enumerate(self.tools):
             if tool.get("type") != "function":
-                raise InvalidRequestError(f"tools[{index}] has type {tool.get('type')!r}; this server runs function "
-                                          "tools only (the client executes them)", param=f"tools[{index}].type")
+                raise InvalidRequestError(
+                    f"tools[{index}] has type {tool.get('type')!r}; this server runs function "
+                    "tools only (the client executes them)",
+                    param=f"tools[{index}].type",
+                )
             if not tool.get("name"):
                 raise InvalidRequestError(f"tools[{index}] needs a name", param=f"tools[{index}].name")
             function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
@@ -88,12 +94,14 @@ class ResponsesRequest(RequestModel):
         choice = self.tool_choice
         if isinstance(choice, dict):
             if choice.get("type") != "function" or not choice.get("name"):
-                raise InvalidRequestError('a tool_choice object must be {"type": "function", "name": ...}',
-                                          param="tool_choice")
+                raise InvalidRequestError(
+                    'a tool_choice object must be {"type": "function", "name": ...}', param="tool_choice"
+                )
             return {"type": "function", "function": {"name": choice["name"]}}
         if choice not in ("auto", "none", "required"):
-            raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}",
-                                      param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}", param="tool_choice"
+            )
         # unset "auto" stays the chat default, which does not need --enable-auto-tool-choice
         return None if choice == "auto" and "tool_choice" not in self.model_fields_set else choice
 
@@ -109,12 +117,16 @@ class ResponsesRequest(RequestModel):
             return ResponseFormat(type="json_object")
         if kind == "json_schema":
             if not isinstance(text_format.get("schema"), dict):
-                raise InvalidRequestError('text.format json_schema needs "schema": {...} (and a "name")',
-                                          param="text.format.schema")
-            return ResponseFormat(type="json_schema", json_schema={"name": text_format.get("name", "output"),
-                                                                   "schema": text_format["schema"]})
-        raise InvalidRequestError(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                                  param="text.format.type")
+                raise InvalidRequestError(
+                    'text.format json_schema needs "schema": {...} (and a "name")', param="text.format.schema"
+                )
+            return ResponseFormat(
+                type="json_schema",
+                json_schema={"name": text_format.get("name", "output"), "schema": text_format["schema"]},
+            )
+        raise InvalidRequestError(
+            f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="text.format.type"
+        )
 
     def template_kwargs(self) -> dict[str, Any] | None:
         kwargs = dict(self.chat_template_kwargs or {})
@@ -130,8 +142,9 @@ def _part_text(part: Any, where: str) -> str:
     if isinstance(part, dict) and part.get("type") in _TEXT_PARTS:
         return str(part.get("text", ""))
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise InvalidRequestError(f"{where} is a {kind!r} part; this server takes text parts only (input_text)",
-                              param=where)
+    raise InvalidRequestError(
+        f"{where} is a {kind!r} part; this server takes text parts only (input_text)", param=where
+    )
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -157,15 +170,20 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = _ROLES.get(item.get("role"))
             if role is None:
-                raise InvalidRequestError(f"{where}.role must be user, assistant, system or developer, got "
-                                          f"{item.get('role')!r}", param=f"{where}.role")
+                raise InvalidRequestError(
+                    f"{where}.role must be user, assistant, system or developer, got {item.get('role')!r}",
+                    param=f"{where}.role",
+                )
             messages.append({"role": role, "content": _content_text(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             for field in ("call_id", "name"):
                 if not item.get(field):
                     raise InvalidRequestError(f"{where} (a function_call) needs {field}", param=f"{where}.{field}")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and not isinstance(last.get("content"), list):
                 last.setdefault("tool_calls", []).append(call)
@@ -180,8 +198,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue
         else:
-            raise InvalidRequestError(f"{where} has type {kind!r}; this server takes message, function_call, "
-                                      "function_call_output and reasoning items", param=f"{where}.type")
+            raise InvalidRequestError(
+                f"{where} has type {kind!r}; this server takes message, function_call, "
+                "function_call_output and reasoning items",
+                param=f"{where}.type",
+            )
     return messages
 
 
@@ -276,8 +297,9 @@ class ResponseObject(ResponseModel):
     def _output_text(self, handler):
         # the SDKs' ``response.output_text`` is a client-side property; send it for raw HTTP users too
         data = handler(self)
-        data["output_text"] = "".join(part["text"] for item in data["output"] if item["type"] == "message"
-                                      for part in item["content"])
+        data["output_text"] = "".join(
+            part["text"] for item in data["output"] if item["type"] == "message" for part in item["content"]
+        )
         return data
 
 
@@ -288,8 +310,11 @@ def output_messages(output: list[OutputItem]) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             messages.append({"role": "assistant", "content": "".join(part.text for part in item.content)})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -301,13 +326,21 @@ def message_items(message: ChatMessage, status: str = "completed") -> list[Outpu
     """A whole chat message as output items: its reasoning, its text, then its calls."""
     items: list[OutputItem] = []
     if message.reasoning_content:
-        items.append(ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text=message.reasoning_content)],
-                                   status=status))
+        items.append(
+            ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text=message.reasoning_content)], status=status)
+        )
     if message.content:
         items.append(MessageItem(id=new_item_id("msg"), status=status, content=[OutputText(text=message.content)]))
     for call in message.tool_calls:
-        items.append(FunctionCallItem(id=new_item_id("fc"), call_id=new_item_id("call"), name=call.function.name,
-                                      arguments=call.function.arguments, status=status))
+        items.append(
+            FunctionCallItem(
+                id=new_item_id("fc"),
+                call_id=new_item_id("call"),
+                name=call.function.name,
+                arguments=call.function.arguments,
+                status=status,
+            )
+        )
     return items
 
 

@@ -39,7 +39,6 @@ class ServeArgs:
     plugins_load_seconds: float | None = None  # how long that took (run_server logs it)
 
 
-
 def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServeArgs:
     """Parse ``tokenloom serve`` flags (and a ``--config`` file); raise ConfigError (exit 2)
     for anything wrong, NotImplementedFlagError for a vLLM flag tokenloom does not implement."""
@@ -67,8 +66,9 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str] | None = No
         raise ConfigError(f"unexpected arguments: {' '.join(positionals[1:])} (give one MODEL)")
     if positionals:
         if "model" in cli_values and cli_values["model"] != positionals[0]:
-            raise ConfigError(f"the model is given twice: {positionals[0]!r} and --model {cli_values['model']!r}",
-                              param="model")
+            raise ConfigError(
+                f"the model is given twice: {positionals[0]!r} and --model {cli_values['model']!r}", param="model"
+            )
         engine_kwargs["model"] = positionals[0]
     engine_kwargs.setdefault("model", DEFAULT_MODEL)
     if "api_key" not in server_kwargs and environ.get(API_KEY_ENV):
@@ -98,8 +98,11 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
         # vLLM's option syntax, "xgrammar:disable-any-whitespace", names the backend first
         ("structured_output_backend", backend.split(":")[0] if backend else None, "auto"),
     ]
-    entries = [serve_args.plugins.registry(kind).entry(name) for kind, name, automatic in chosen
-               if name is not None and name != automatic]
+    entries = [
+        serve_args.plugins.registry(kind).entry(name)
+        for kind, name, automatic in chosen
+        if name is not None and name != automatic
+    ]
     for kind in ("api_route", "model_source"):  # every one of these is used
         entries += serve_args.plugins.registry(kind).entries()
     for entry in entries:
@@ -113,8 +116,9 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
 
 def _check_combinations(given: dict[str, Any], engine: dict[str, Any], server: dict[str, Any]) -> None:
     if given.get("enable_reasoning") and not engine.get("reasoning_parser"):
-        raise ConfigError("--enable-reasoning needs --reasoning-parser NAME (which alone enables reasoning)",
-                          param="enable-reasoning")
+        raise ConfigError(
+            "--enable-reasoning needs --reasoning-parser NAME (which alone enables reasoning)", param="enable-reasoning"
+        )
     if server.get("enable_auto_tool_choice") and not server.get("tool_call_parser"):
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME", param="tool-call-parser")
     port = server.get("port")
@@ -130,8 +134,9 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
 
     def put(slot: tuple[str, str], value: Any, flag: Flag) -> None:
         if slot in routed and routed[slot] != value:
-            raise ConfigError(f"{setters[slot].name} and {flag.name} set {slot[1]} to different values; give one",
-                              param=flag.name[2:])
+            raise ConfigError(
+                f"{setters[slot].name} and {flag.name} set {slot[1]} to different values; give one", param=flag.name[2:]
+            )
         routed[slot], setters[slot] = value, flag
 
     for key, value in values.items():
@@ -151,8 +156,11 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
         if flag.key == "structured_outputs_config":
             for option, option_value in value.items():
                 if option not in catalogue.STRUCTURED_OUTPUTS_KEYS:
-                    raise ConfigError(f"--structured-outputs-config: unknown key {option!r}; known: "
-                                      + ", ".join(catalogue.STRUCTURED_OUTPUTS_KEYS), param="structured-outputs-config")
+                    raise ConfigError(
+                        f"--structured-outputs-config: unknown key {option!r}; known: "
+                        + ", ".join(catalogue.STRUCTURED_OUTPUTS_KEYS),
+                        param="structured-outputs-config",
+                    )
                 if option_value not in ("", None):  # vLLM writes "no reasoning parser" as ""
                     put((ENGINE, catalogue.STRUCTURED_OUTPUTS_KEYS[option]), option_value, flag)
             continue
@@ -203,8 +211,13 @@ def _deep_merge(base: dict, update: dict) -> dict:
 
 @functools.cache
 def _serve_parser() -> ConfigErrorParser:
-    parser = ConfigErrorParser(prog="tokenloom serve", usage="tokenloom serve [MODEL] [flags]", add_help=False,
-                     allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    parser = ConfigErrorParser(
+        prog="tokenloom serve",
+        usage="tokenloom serve [MODEL] [flags]",
+        add_help=False,
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+    )
     parser.add_argument("model_tag", nargs="?", default=None)
     for flag in FLAGS:
         if flag.kind == "bool":
@@ -239,9 +252,11 @@ def _parse_tokens(parser: ConfigErrorParser, tokens: list[str], source: str) -> 
             option = token.split("=", 1)[0]
             known = sorted({name for flag in FLAGS for name in flag.option_strings})
             hint = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
-            raise ConfigError(f"{source}unrecognized argument: {option}"
-                              + (f"; did you mean {hint[0]}?" if hint else "; see tokenloom serve --help"),
-                              param=option.lstrip("-"))
+            raise ConfigError(
+                f"{source}unrecognized argument: {option}"
+                + (f"; did you mean {hint[0]}?" if hint else "; see tokenloom serve --help"),
+                param=option.lstrip("-"),
+            )
     values = vars(namespace)
     model_tag = values.pop("model_tag", None)
     positionals = ([model_tag] if model_tag is not None else []) + [token for token in extra if token != "--"]
@@ -259,7 +274,7 @@ def _normalize_tokens(tokens: list[str]) -> list[str]:
         token = tokens[index]
         index += 1
         if token == "--":
-            normalized.extend(tokens[index - 1:])
+            normalized.extend(tokens[index - 1 :])
             break
         if not token.startswith("-"):
             normalized.append(token)
@@ -346,8 +361,10 @@ def _config_file_tokens(path: str) -> list[str]:
         if flag is None or name != flag.name or flag.key == "config":
             known = [f.name[2:] for f in FLAGS if f.key != "config"]
             hint = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1, cutoff=0.6)
-            raise ConfigError(f"config file {path}: unknown key {key!r}"
-                              + (f"; did you mean {hint[0]!r}?" if hint else ""), param="config")
+            raise ConfigError(
+                f"config file {path}: unknown key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""),
+                param="config",
+            )
         tokens.extend(_value_tokens(flag, value, path))
     return tokens
 
@@ -375,4 +392,3 @@ def format_value(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value)
     return str(value)
-

@@ -14,7 +14,7 @@ from tokenloom.api.serve_args import DEFAULT_MODEL, format_value
 
 
 def help_request(argv: Sequence[str]) -> str | None:
-    """"" for plain --help, the part after ``--help=`` otherwise, None without a help flag."""
+    """ "" for plain --help, the part after ``--help=`` otherwise, None without a help flag."""
     for token in argv:
         if token == "--":
             break
@@ -42,8 +42,7 @@ def render_serve_help(request: str) -> tuple[str, bool]:
     keyword = request.lower()
     matches = [flag for flag in FLAGS if keyword in flag.name.lower() or keyword in catalogue.help_text(flag).lower()]
     if not matches:
-        return (f"no flag, group or keyword matches {request!r}; "
-                "see tokenloom serve --help=listgroup"), False
+        return (f"no flag, group or keyword matches {request!r}; see tokenloom serve --help=listgroup"), False
     return "\n".join([f"flags matching {request!r}:", *(_flag_help(flag) for flag in matches)]), True
 
 

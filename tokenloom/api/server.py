@@ -11,7 +11,8 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,7 @@ def run_server(serve_args: Any) -> None:
     configure_logging(server.uvicorn_log_level)
     started = seconds_since_process_start()
     if started is not None:
-        logger.info("before the server: %.2f s since the process started (interpreter, command line, plugins)",
-                    started)
+        logger.info("before the server: %.2f s since the process started (interpreter, command line, plugins)", started)
     for warning in getattr(serve_args, "warnings", None) or []:
         logger.warning(warning)
     asyncio.run(_serve(serve_args))
@@ -115,19 +115,25 @@ async def _serve(serve_args: Any) -> None:
     plugins = getattr(serve_args, "plugins", None)
     if plugins is not None:  # the CLI loaded them, to check the flags' choices
         seconds = getattr(serve_args, "plugins_load_seconds", None)
-        logger.info("loading plugins: done %s", "before the flags were checked" if seconds is None
-                    else f"in {seconds:.2f} s, before the flags were checked")
+        logger.info(
+            "loading plugins: done %s",
+            "before the flags were checked"
+            if seconds is None
+            else f"in {seconds:.2f} s, before the flags were checked",
+        )
     else:
         with startup_phase("loading plugins"):
-            plugins = load_plugins(modules=server.plugins, files=server.tool_parser_plugin,
-                                   strict=server.strict_plugins)
+            plugins = load_plugins(
+                modules=server.plugins, files=server.tool_parser_plugin, strict=server.strict_plugins
+            )
     for failure in plugins.failures:
         logger.warning("plugin %r (%s) was not loaded: %s", failure.name, failure.origin, failure.cause)
     with startup_phase("building the engine"):
         # the engine builds on its own thread, mostly in torch ops that release the GIL: this
         # thread imports the server (fastapi, the protocol models) meanwhile instead of before
-        building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args,
-                                                              serve_args.engine_args, plugins)
+        building = asyncio.get_running_loop().run_in_executor(
+            None, AsyncLLM.from_engine_args, serve_args.engine_args, plugins
+        )
         try:
             with startup_phase("importing the server (fastapi), while the engine builds"):
                 import uvicorn
@@ -149,8 +155,12 @@ async def _serve(serve_args: Any) -> None:
                 await super().startup(sockets)
                 if self.started:
                     logger.info("starting the engine and listening: done in %.2f s", time.perf_counter() - started_at)
-                    logger.info("ready: serving %s at %s%s", ", ".join(app.state.serving.served_model_names), address,
-                                _since_start())
+                    logger.info(
+                        "ready: serving %s at %s%s",
+                        ", ".join(app.state.serving.served_model_names),
+                        address,
+                        _since_start(),
+                    )
 
         await _Server(uvicorn_config(app, server)).serve()
     finally:

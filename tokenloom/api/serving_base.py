@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -87,8 +88,11 @@ class ServingContext:
         if requested is None or requested == "":
             return self.served_model_names[0]
         if requested not in self.served_model_names:
-            raise NotFoundError(f"the model {requested!r} does not exist; this server serves "
-                                f"{', '.join(repr(name) for name in self.served_model_names)}", param="model")
+            raise NotFoundError(
+                f"the model {requested!r} does not exist; this server serves "
+                f"{', '.join(repr(name) for name in self.served_model_names)}",
+                param="model",
+            )
         return requested
 
     def warn_unknown_fields(self, request: Any, endpoint: str) -> None:
@@ -101,8 +105,9 @@ class ServingContext:
     def check_logprobs(self, requested: int | None, param: str) -> None:
         max_logprobs = getattr(self.engine, "max_logprobs", 20)
         if requested is not None and requested > max_logprobs:
-            raise InvalidRequestError(f"{param} must be at most {max_logprobs} (the server's --max-logprobs), "
-                                      f"got {requested}", param=param)
+            raise InvalidRequestError(
+                f"{param} must be at most {max_logprobs} (the server's --max-logprobs), got {requested}", param=param
+            )
 
     @property
     def max_samples(self) -> int:
@@ -126,15 +131,19 @@ class ServingContext:
         for param in ("n", "best_of"):
             value = getattr(request, param)
             if value is not None and value > max_samples:
-                raise InvalidRequestError(f"{param} must be at most {max_samples} (the server's --max-num-seqs), "
-                                          f"got {value}", param=param)
+                raise InvalidRequestError(
+                    f"{param} must be at most {max_samples} (the server's --max-num-seqs), got {value}", param=param
+                )
         if request.best_of is None:
             return request.n
         if request.best_of < request.n:
             raise InvalidRequestError(f"best_of must be >= n ({request.n}), got {request.best_of}", param="best_of")
         if request.stream and request.best_of > request.n:
-            raise InvalidRequestError("best_of > n cannot be streamed (the best samples are only known at the end); "
-                                      "set stream to false or best_of equal to n", param="best_of")
+            raise InvalidRequestError(
+                "best_of > n cannot be streamed (the best samples are only known at the end); "
+                "set stream to false or best_of equal to n",
+                param="best_of",
+            )
         return request.best_of
 
     # -- prompts ----------------------------------------------------------------------
@@ -148,18 +157,21 @@ class ServingContext:
     def check_token_id_list_size(self, token_ids: list[int] | None, param: str) -> None:
         vocab_size = len(self.tokenizer)
         if token_ids is not None and len(token_ids) > vocab_size:
-            raise InvalidRequestError(f"{param} has {len(token_ids)} ids, more than the vocabulary's {vocab_size}",
-                                      param=param)
+            raise InvalidRequestError(
+                f"{param} has {len(token_ids)} ids, more than the vocabulary's {vocab_size}", param=param
+            )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = len(self.tokenizer)
         bad = next((token for token in token_ids if token < 0 or token >= vocab_size), None)
         if bad is not None:
-            raise InvalidRequestError(f"{param} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})",
-                                      param=param)
+            raise InvalidRequestError(
+                f"{param} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})", param=param
+            )
 
-    def prepare_prompt(self, prompt: str | list[int], add_special_tokens: bool,
-                       truncate_prompt_tokens: int | None) -> list[int]:
+    def prepare_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool, truncate_prompt_tokens: int | None
+    ) -> list[int]:
         if isinstance(prompt, str):
             token_ids = self.tokenize(prompt, add_special_tokens)
         else:
@@ -167,8 +179,10 @@ class ServingContext:
             token_ids = list(prompt)
         if truncate_prompt_tokens is not None:
             if truncate_prompt_tokens < 1:
-                raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}",
-                                          param="truncate_prompt_tokens")
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}",
+                    param="truncate_prompt_tokens",
+                )
             token_ids = token_ids[-truncate_prompt_tokens:]  # keep the end, like vLLM
         if not token_ids:
             raise InvalidRequestError("the prompt is empty (it has no tokens)", param="prompt")
@@ -180,7 +194,9 @@ class ServingContext:
         if num_prompt_tokens >= limit:
             raise ContextLengthError(
                 f"this model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
-                "tokens; shorten the prompt (or set truncate_prompt_tokens)", param="prompt")
+                "tokens; shorten the prompt (or set truncate_prompt_tokens)",
+                param="prompt",
+            )
         if requested is None:
             return limit - num_prompt_tokens
         if requested < 1:
@@ -189,11 +205,21 @@ class ServingContext:
             raise ContextLengthError(
                 f"this model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
                 f"tokens and {param} asks for {requested} more ({num_prompt_tokens + requested} in total); lower "
-                f"{param} to at most {limit - num_prompt_tokens} or shorten the prompt", param=param)
+                f"{param} to at most {limit - num_prompt_tokens} or shorten the prompt",
+                param=param,
+            )
         return requested
 
-    def sampling_params(self, request: SamplingRequest, *, n: int, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None, structured_outputs: dict | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        *,
+        n: int,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_outputs: dict | None,
+    ) -> SamplingParams:
         def default(value, fallback):
             return fallback if value is None else value
 
@@ -234,8 +260,13 @@ class ServingContext:
         limit = self.config.max_log_len
         shown_prompt = prompt[:limit] if (limit is not None and isinstance(prompt, str)) else prompt
         shown_ids = prompt_token_ids[:limit] if limit is not None else prompt_token_ids
-        logger.info("received request %s: prompt: %r, prompt_token_ids: %s, params: %s", request_id,
-                    shown_prompt if isinstance(prompt, str) else None, shown_ids, params)
+        logger.info(
+            "received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
+            request_id,
+            shown_prompt if isinstance(prompt, str) else None,
+            shown_ids,
+            params,
+        )
 
     # -- outputs ----------------------------------------------------------------------
 
@@ -252,25 +283,40 @@ class ServingContext:
         return self.tokenizer.decode([token_id])
 
     def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
-        details = (PromptTokensDetails(cached_tokens=num_cached_tokens)
-                   if self.config.enable_prompt_tokens_details else None)
-        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+        details = (
+            PromptTokensDetails(cached_tokens=num_cached_tokens) if self.config.enable_prompt_tokens_details else None
+        )
+        return UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=details,
+        )
 
     @staticmethod
     def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
         """vLLM's shape: per prompt position None or {token_id: {logprob, rank, decoded_token}}."""
         if prompt_logprobs is None:
             return None
-        return [None if position is None else {
-            str(token_id): {"logprob": clamp_logprob(entry.logprob), "rank": entry.rank,
-                            "decoded_token": entry.decoded_token}
-            for token_id, entry in position.items()} for position in prompt_logprobs]
+        return [
+            None
+            if position is None
+            else {
+                str(token_id): {
+                    "logprob": clamp_logprob(entry.logprob),
+                    "rank": entry.rank,
+                    "decoded_token": entry.decoded_token,
+                }
+                for token_id, entry in position.items()
+            }
+            for position in prompt_logprobs
+        ]
 
     # -- the engine -------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int
+    ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt, observed for the metrics; leaving early
         (an error, a cancelled task, a closed generator) aborts the request in the engine."""
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
@@ -304,8 +350,9 @@ class ServingContext:
         except Exception as exc:  # aborting must never hide the original error
             logger.warning("aborting request %s failed: %s", request_id, exc)
 
-    async def generate_all(self, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
-                           priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def generate_all(
+        self, prompts: list[tuple[list[int], SamplingParams]], request_id: str, priority: int
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Several ``(prompt_token_ids, params)`` at once, as ``(prompt_index, output)`` in
         arrival order."""
         if len(prompts) == 1:
@@ -313,16 +360,21 @@ class ServingContext:
             async for output in self.generate(prompt_token_ids, params, request_id, priority):
                 yield 0, output
             return
-        streams = [self.generate(prompt_token_ids, params, f"{request_id}-{index}", priority)
-                   for index, (prompt_token_ids, params) in enumerate(prompts)]
+        streams = [
+            self.generate(prompt_token_ids, params, f"{request_id}-{index}", priority)
+            for index, (prompt_token_ids, params) in enumerate(prompts)
+        ]
         async for item in merge_streams(streams):
             yield item
 
 
 def pick_best(choices: list[ChoiceState], n: int) -> list[ChoiceState]:
     """best_of: the ``n`` samples with the highest cumulative logprob, best first."""
-    ranked = sorted(choices, key=lambda choice: choice.cumulative_logprob
-                    if choice.cumulative_logprob is not None else float("-inf"), reverse=True)
+    ranked = sorted(
+        choices,
+        key=lambda choice: choice.cumulative_logprob if choice.cumulative_logprob is not None else float("-inf"),
+        reverse=True,
+    )
     return ranked[:n]
 
 
@@ -383,6 +435,7 @@ async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> An
     outcome: dict[str, Any] = {}
 
     async with anyio.create_task_group() as task_group:
+
         async def run() -> None:
             try:
                 outcome["value"] = await work

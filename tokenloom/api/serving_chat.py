@@ -11,7 +11,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -69,23 +70,40 @@ def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def chat_logprobs(ctx: ServingContext, token_ids: list[int], positions: list[dict[int, Logprob] | None],
-                  num_top: int, as_token_ids: bool) -> ChatLogProbs:
+def chat_logprobs(
+    ctx: ServingContext,
+    token_ids: list[int],
+    positions: list[dict[int, Logprob] | None],
+    num_top: int,
+    as_token_ids: bool,
+) -> ChatLogProbs:
     content = []
     for token_id, position in zip(token_ids, positions):
         position = position or {}
         chosen = position.get(token_id)
         token = ctx.token_text(token_id, chosen, as_token_ids)
-        ranked = sorted(((candidate_id, candidate) for candidate_id, candidate in position.items()
-                         if candidate.rank is not None and candidate.rank <= num_top), key=lambda item: item[1].rank)
+        ranked = sorted(
+            (
+                (candidate_id, candidate)
+                for candidate_id, candidate in position.items()
+                if candidate.rank is not None and candidate.rank <= num_top
+            ),
+            key=lambda item: item[1].rank,
+        )
         top = []
         for candidate_id, candidate in ranked[:num_top]:
             text = ctx.token_text(candidate_id, candidate, as_token_ids)
-            top.append(ChatLogProb(token=text, logprob=clamp_logprob(candidate.logprob),
-                                   bytes=list(text.encode("utf-8"))))
-        content.append(ChatLogProbsContent(
-            token=token, logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
-            bytes=list(token.encode("utf-8")), top_logprobs=top))
+            top.append(
+                ChatLogProb(token=text, logprob=clamp_logprob(candidate.logprob), bytes=list(text.encode("utf-8")))
+            )
+        content.append(
+            ChatLogProbsContent(
+                token=token,
+                logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=top,
+            )
+        )
     return ChatLogProbs(content=content)
 
 
@@ -112,8 +130,14 @@ class _ChoiceParsers:
 
 
 class ChatHandler:
-    def __init__(self, ctx: ServingContext, renderer: ChatRenderer, response_role: str,
-                 tool_parser_class: type | None = None, reasoning_parser_class: type | None = None):
+    def __init__(
+        self,
+        ctx: ServingContext,
+        renderer: ChatRenderer,
+        response_role: str,
+        tool_parser_class: type | None = None,
+        reasoning_parser_class: type | None = None,
+    ):
         self.ctx = ctx
         self.renderer = renderer
         self.response_role = response_role
@@ -134,17 +158,23 @@ class ChatHandler:
                 function = tool.get("function") or {}
                 if function.get("name") == name:
                     return function
-            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools",
-                                      param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice"
+            )
         if choice == "required":
             return "required"
         if choice not in (None, "auto"):
-            raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
-                                      f"{choice!r}", param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                param="tool_choice",
+            )
         if self.tool_parser_class is None or not self.ctx.config.enable_auto_tool_choice:
             if choice == "auto":
-                raise InvalidRequestError("tool_choice 'auto' needs the server to be started with "
-                                          "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
+                raise InvalidRequestError(
+                    "tool_choice 'auto' needs the server to be started with "
+                    "--enable-auto-tool-choice and --tool-call-parser",
+                    param="tool_choice",
+                )
             return None
         return "parser"
 
@@ -152,8 +182,9 @@ class ChatHandler:
         run, outputs = await self.start(request, raw_request)
         return await respond(raw_request, run, outputs, run.request_id, request.stream)
 
-    async def start(self, request: ChatCompletionRequest, raw_request: Request,
-              id_prefix: str = "chatcmpl") -> tuple[_ChatRun, AsyncIterator[tuple[int, RequestOutput]]]:
+    async def start(
+        self, request: ChatCompletionRequest, raw_request: Request, id_prefix: str = "chatcmpl"
+    ) -> tuple[_ChatRun, AsyncIterator[tuple[int, RequestOutput]]]:
         """Checks and renders ``request`` and submits it: the run that reads its outputs, and the
         outputs. The Responses and Messages endpoints start their converted requests here too."""
         ctx = self.ctx
@@ -163,8 +194,9 @@ class ChatHandler:
         num_samples = ctx.num_samples(request)
         if request.top_logprobs is not None:
             if request.top_logprobs < 0:
-                raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}",
-                                          param="top_logprobs")
+                raise InvalidRequestError(
+                    f"top_logprobs must be non-negative, got {request.top_logprobs}", param="top_logprobs"
+                )
             if request.top_logprobs > 0 and not request.logprobs:
                 raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -179,27 +211,45 @@ class ChatHandler:
             request = self.reasoning_parser_class(ctx.tokenizer).adjust_request(request) or request
 
         prompt_text = await self.renderer.render_async(
-            request.messages, add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message, tools=request.tools,
-            documents=request.documents, chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs)
-        prompt_ids = await tokenize_off_loop_if_large(ctx.prepare_prompt, prompt_text, request.add_special_tokens,
-                                                      request.truncate_prompt_tokens)
-        requested_max = request.max_completion_tokens if request.max_completion_tokens is not None \
-            else request.max_tokens
-        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max, "max_completion_tokens"
-                                            if request.max_completion_tokens is not None else "max_tokens")
+            request.messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tools=request.tools,
+            documents=request.documents,
+            chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+        prompt_ids = await tokenize_off_loop_if_large(
+            ctx.prepare_prompt, prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
+        )
+        requested_max = (
+            request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        )
+        max_tokens = ctx.resolve_max_tokens(
+            len(prompt_ids),
+            requested_max,
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
+        )
         if isinstance(tool_mode, dict) or tool_mode == "required":
             # Calls are compact JSON: whitespace carries nothing in arguments, and a small model
             # sampling at high temperature can spend max_tokens on it and leave no whole call.
-            schema = (required_tool_calls_schema(request.tools, request.parallel_tool_calls) if tool_mode == "required"
-                      else tool_mode.get("parameters") or {"type": "object"})
+            schema = (
+                required_tool_calls_schema(request.tools, request.parallel_tool_calls)
+                if tool_mode == "required"
+                else tool_mode.get("parameters") or {"type": "object"}
+            )
             structured = {"json": schema, "disable_any_whitespace": True}
         else:
             structured = request.structured_output_constraint()
         engine_logprobs = logprobs if logprobs is not None else (0 if num_samples > request.n else None)
-        params = ctx.sampling_params(request, n=num_samples, max_tokens=max_tokens, logprobs=engine_logprobs,
-                                     prompt_logprobs=request.prompt_logprobs, structured_outputs=structured)
+        params = ctx.sampling_params(
+            request,
+            n=num_samples,
+            max_tokens=max_tokens,
+            logprobs=engine_logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            structured_outputs=structured,
+        )
         request_id = ctx.engine_request_id(raw_request, request, id_prefix)
         ctx.log_request(request_id, prompt_text, prompt_ids, params)
 
@@ -210,8 +260,15 @@ class ChatHandler:
 class _ChatRun:
     """The state of one chat request while its outputs arrive."""
 
-    def __init__(self, handler: ChatHandler, request: ChatCompletionRequest, request_id: str, model_name: str,
-                 prompt_ids: list[int], tool_mode: str | dict | None):
+    def __init__(
+        self,
+        handler: ChatHandler,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompt_ids: list[int],
+        tool_mode: str | dict | None,
+    ):
         self.ctx = handler.ctx
         self.handler = handler
         self.request = request
@@ -256,12 +313,19 @@ class _ChatRun:
         if len(samples) > self.request.n:
             samples = pick_best(samples, self.request.n)
         choices = [self.choice(index, state) for index, state in enumerate(samples)]
-        usage = self.ctx.usage(self.num_prompt_tokens, sum(len(state.token_ids) for state in states.values()),
-                               cached_tokens)
+        usage = self.ctx.usage(
+            self.num_prompt_tokens, sum(len(state.token_ids) for state in states.values()), cached_tokens
+        )
         return ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage,
+            id=self.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
             prompt_logprobs=self.ctx.prompt_logprobs_json(prompt_logprobs)
-            if self.request.prompt_logprobs is not None else None)
+            if self.request.prompt_logprobs is not None
+            else None,
+        )
 
     def choice(self, index: int, state: ChoiceState) -> ChatChoice:
         content: str | None = state.text
@@ -272,8 +336,11 @@ class _ChatRun:
         if parsers_.reasoning is not None:
             reasoning, content = parsers_.reasoning.extract_reasoning(content, self.request)
         if isinstance(self.tool_mode, dict):
-            tool_calls = [ToolCall(id=new_tool_call_id(),
-                                   function=FunctionCall(name=self.tool_mode["name"], arguments=content or ""))]
+            tool_calls = [
+                ToolCall(
+                    id=new_tool_call_id(), function=FunctionCall(name=self.tool_mode["name"], arguments=content or "")
+                )
+            ]
             content = None
         elif self.tool_mode == "required":
             tool_calls = parse_required_tool_calls(content or "")
@@ -283,9 +350,13 @@ class _ChatRun:
         elif parsers_.tool is not None:
             extracted = parsers_.tool.extract(content or "", self.request)
             if extracted.tools_called:
-                tool_calls = [ToolCall(id=call.id or new_tool_call_id(),
-                                       function=FunctionCall(name=call.name, arguments=call.arguments))
-                              for call in extracted.tool_calls]
+                tool_calls = [
+                    ToolCall(
+                        id=call.id or new_tool_call_id(),
+                        function=FunctionCall(name=call.name, arguments=call.arguments),
+                    )
+                    for call in extracted.tool_calls
+                ]
                 if self.request.parallel_tool_calls is False:
                     tool_calls = tool_calls[:1]
                 content = extracted.content
@@ -294,20 +365,38 @@ class _ChatRun:
         if self.echo_text:
             content = self.echo_text + (content or "")
         message = ChatMessage(role=self.role, content=content, reasoning_content=reasoning, tool_calls=tool_calls)
-        return ChatChoice(index=index, message=message, logprobs=self.logprobs_for(state.token_ids, state.logprobs),
-                          finish_reason=finish_reason, stop_reason=state.stop_reason)
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=self.logprobs_for(state.token_ids, state.logprobs),
+            finish_reason=finish_reason,
+            stop_reason=state.stop_reason,
+        )
 
     # -- streaming --------------------------------------------------------------------
 
-    def chunk(self, index: int, delta: DeltaMessage, *, logprobs: ChatLogProbs | None = None,
-              finish_reason: str | None = None, stop_reason: Any = None, usage=None) -> str:
-        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                                  stop_reason=stop_reason)
-        return sse_event(ChatCompletionStreamResponse(id=self.request_id, created=self.created,
-                                                      model=self.model_name, choices=[choice], usage=usage))
+    def chunk(
+        self,
+        index: int,
+        delta: DeltaMessage,
+        *,
+        logprobs: ChatLogProbs | None = None,
+        finish_reason: str | None = None,
+        stop_reason: Any = None,
+        usage=None,
+    ) -> str:
+        choice = ChatStreamChoice(
+            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+        )
+        return sse_event(
+            ChatCompletionStreamResponse(
+                id=self.request_id, created=self.created, model=self.model_name, choices=[choice], usage=usage
+            )
+        )
 
-    async def stream(self, first: tuple[int, RequestOutput],
-                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream(
+        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
@@ -315,23 +404,28 @@ class _ChatRun:
         cached = {"tokens": first[1].num_cached_tokens}
 
         def usage():
-            return self.ctx.usage(self.num_prompt_tokens, sum(len(s.token_ids) for s in states.values()),
-                                  cached["tokens"])
+            return self.ctx.usage(
+                self.num_prompt_tokens, sum(len(s.token_ids) for s in states.values()), cached["tokens"]
+            )
 
         try:
             for index in range(self.request.n):
                 yield self.chunk(index, DeltaMessage(role=self.role), usage=usage() if continuous_usage else None)
                 if self.echo_text:
-                    yield self.chunk(index, DeltaMessage(content=self.echo_text),
-                                     usage=usage() if continuous_usage else None)
+                    yield self.chunk(
+                        index, DeltaMessage(content=self.echo_text), usage=usage() if continuous_usage else None
+                    )
             for event in self.chunks(first[1], states, cached, usage if continuous_usage else None):
                 yield event
             async for _, output in outputs:
                 for event in self.chunks(output, states, cached, usage if continuous_usage else None):
                     yield event
             if include_usage:
-                yield sse_event(ChatCompletionStreamResponse(id=self.request_id, created=self.created,
-                                                             model=self.model_name, choices=[], usage=usage()))
+                yield sse_event(
+                    ChatCompletionStreamResponse(
+                        id=self.request_id, created=self.created, model=self.model_name, choices=[], usage=usage()
+                    )
+                )
         except Exception as exc:
             if not isinstance(exc, TokenloomError):
                 logger.exception("request %s failed while streaming", self.request_id)
@@ -342,10 +436,17 @@ class _ChatRun:
         yield SSE_DONE
 
     def chunks(self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict, usage) -> list[str]:
-        return [self.chunk(piece.index, piece.delta or DeltaMessage(), logprobs=piece.logprobs,
-                           finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
-                           usage=usage() if usage else None)
-                for piece in self.deltas(output, states, cached)]
+        return [
+            self.chunk(
+                piece.index,
+                piece.delta or DeltaMessage(),
+                logprobs=piece.logprobs,
+                finish_reason=piece.finish_reason,
+                stop_reason=piece.stop_reason,
+                usage=usage() if usage else None,
+            )
+            for piece in self.deltas(output, states, cached)
+        ]
 
     def deltas(self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict) -> list[ChoiceDelta]:
         """What one engine output adds to each choice, through the parsers; ``states``
@@ -379,8 +480,12 @@ class _ChatRun:
             call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
             if not parsers_.named_call_started:
                 parsers_.named_call_started = True
-                call = DeltaToolCall(index=0, id=new_tool_call_id(), type="function",
-                                     function=DeltaFunctionCall(name=self.tool_mode["name"], arguments=text))
+                call = DeltaToolCall(
+                    index=0,
+                    id=new_tool_call_id(),
+                    type="function",
+                    function=DeltaFunctionCall(name=self.tool_mode["name"], arguments=text),
+                )
             return DeltaMessage(tool_calls=[call])
         content, reasoning = text, None
         if parsers_.reasoning is not None:
@@ -391,8 +496,10 @@ class _ChatRun:
             parsers_.required_calls_text += content or ""
             return DeltaMessage(reasoning_content=reasoning) if reasoning else None
         if parsers_.tool is not None and content:
-            return merge_deltas(DeltaMessage(reasoning_content=reasoning) if reasoning else None,
-                                self.tool_delta(parsers_.tool.extract_delta(content, self.request)))
+            return merge_deltas(
+                DeltaMessage(reasoning_content=reasoning) if reasoning else None,
+                self.tool_delta(parsers_.tool.extract_delta(content, self.request)),
+            )
         if content is None and reasoning is None:
             return None
         return DeltaMessage(content=content, reasoning_content=reasoning)
@@ -406,17 +513,31 @@ class _ChatRun:
             # the calls are whole only when the array is: they are sent at the end
             calls = parse_required_tool_calls(parsers_.required_calls_text)
             parsers_.called_tools = bool(calls)
-            return DeltaMessage(tool_calls=[
-                DeltaToolCall(index=index, id=call.id, type="function",
-                              function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
-                for index, call in enumerate(calls)]) if calls else DeltaMessage(content=parsers_.required_calls_text)
+            return (
+                DeltaMessage(
+                    tool_calls=[
+                        DeltaToolCall(
+                            index=index,
+                            id=call.id,
+                            type="function",
+                            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+                        )
+                        for index, call in enumerate(calls)
+                    ]
+                )
+                if calls
+                else DeltaMessage(content=parsers_.required_calls_text)
+            )
         delta = None
         rest = parsers_.reasoning.finish(self.request) if parsers_.reasoning is not None else None
         if rest is not None and rest.reasoning_content:
             delta = DeltaMessage(reasoning_content=rest.reasoning_content)
         if rest is not None and rest.content:
-            content_delta = (self.tool_delta(parsers_.tool.extract_delta(rest.content, self.request))
-                             if parsers_.tool is not None else DeltaMessage(content=rest.content))
+            content_delta = (
+                self.tool_delta(parsers_.tool.extract_delta(rest.content, self.request))
+                if parsers_.tool is not None
+                else DeltaMessage(content=rest.content)
+            )
             delta = merge_deltas(delta, content_delta)
         if parsers_.tool is not None:
             delta = merge_deltas(delta, self.tool_delta(parsers_.tool.finish(self.request)))
@@ -440,9 +561,14 @@ def required_tool_calls_schema(tools: list[dict[str, Any]], parallel_tool_calls:
         for name, definition in (parameters.pop("$defs", None) or {}).items():
             if definitions.setdefault(name, definition) != definition:
                 raise InvalidRequestError(f"two tools define $defs/{name} differently; rename one", param="tools")
-        calls.append({"type": "object", "properties": {"name": {"enum": [function.get("name")]},
-                                                       "parameters": parameters},
-                      "required": ["name", "parameters"], "additionalProperties": False})
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [function.get("name")]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
@@ -456,8 +582,13 @@ def parse_required_tool_calls(text: str) -> list[ToolCall]:
     short by max_tokens or a stop string)."""
     try:
         calls = json.loads(text)
-        return [ToolCall(id=new_tool_call_id(), function=FunctionCall(
-            name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False))) for call in calls]
+        return [
+            ToolCall(
+                id=new_tool_call_id(),
+                function=FunctionCall(name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False)),
+            )
+            for call in calls
+        ]
     except (ValueError, TypeError, KeyError):
         return []
 
@@ -472,8 +603,9 @@ def wire_delta(piece: parsers.DeltaMessage | None) -> DeltaMessage | None:
         if call.name is not None or call.arguments is not None:
             function = DeltaFunctionCall(name=call.name, arguments=call.arguments)
         call_id = call.id or (new_tool_call_id() if call.name is not None else None)
-        tool_calls.append(DeltaToolCall(index=call.index, id=call_id, type="function" if call_id else None,
-                                        function=function))
+        tool_calls.append(
+            DeltaToolCall(index=call.index, id=call_id, type="function" if call_id else None, function=function)
+        )
     if piece.content is None and piece.reasoning_content is None and not tool_calls:
         return None
     return DeltaMessage(content=piece.content, reasoning_content=piece.reasoning_content, tool_calls=tool_calls or None)
@@ -487,6 +619,8 @@ def merge_deltas(first: DeltaMessage | None, second: DeltaMessage | None) -> Del
         return None if a is None and b is None else (a or "") + (b or "")
 
     tool_calls = (first.tool_calls or []) + (second.tool_calls or [])
-    return DeltaMessage(content=join(first.content, second.content),
-                        reasoning_content=join(first.reasoning_content, second.reasoning_content),
-                        tool_calls=tool_calls or None)
+    return DeltaMessage(
+        content=join(first.content, second.content),
+        reasoning_content=join(first.reasoning_content, second.reasoning_content),
+        tool_calls=tool_calls or None,
+    )

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -35,8 +36,14 @@ from tokenloom.errors import InvalidRequestError, TokenloomError
 logger = logging.getLogger(__name__)
 
 
-def completion_logprobs(ctx: ServingContext, token_ids: list[int], positions: list[dict[int, Logprob] | None],
-                        num_top: int, as_token_ids: bool, initial_offset: int = 0) -> CompletionLogProbs:
+def completion_logprobs(
+    ctx: ServingContext,
+    token_ids: list[int],
+    positions: list[dict[int, Logprob] | None],
+    num_top: int,
+    as_token_ids: bool,
+    initial_offset: int = 0,
+) -> CompletionLogProbs:
     """OpenAI's legacy format; a position without logprobs (the first prompt token) is null.
     ``top_logprobs`` holds the top ``num_top`` tokens plus the chosen one, as vLLM does."""
     result = CompletionLogProbs()
@@ -70,18 +77,21 @@ class CompletionsHandler:
         model_name = ctx.check_model(request.model)
         ctx.warn_unknown_fields(request, "/v1/completions")
         if request.suffix is not None:
-            raise InvalidRequestError("suffix is not supported by this server (nor by vLLM); remove it and put "
-                                      "the text after the insertion point in the prompt instead", param="suffix")
+            raise InvalidRequestError(
+                "suffix is not supported by this server (nor by vLLM); remove it and put "
+                "the text after the insertion point in the prompt instead",
+                param="suffix",
+            )
         num_samples = ctx.num_samples(request)
         ctx.check_logprobs(request.logprobs, "logprobs")
         ctx.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
 
         prompts = request.prompts()
-        prompt_ids = [ctx.prepare_prompt(prompt, request.add_special_tokens, request.truncate_prompt_tokens)
-                      for prompt in prompts]
+        prompt_ids = [
+            ctx.prepare_prompt(prompt, request.add_special_tokens, request.truncate_prompt_tokens) for prompt in prompts
+        ]
         # best_of ranks by cumulative logprob, which needs the sampled tokens' logprobs
-        engine_logprobs = request.logprobs if request.logprobs is not None else (
-            0 if num_samples > request.n else None)
+        engine_logprobs = request.logprobs if request.logprobs is not None else (0 if num_samples > request.n else None)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
@@ -89,8 +99,14 @@ class CompletionsHandler:
         engine_inputs = []
         for ids in prompt_ids:
             max_tokens = ctx.resolve_max_tokens(len(ids), request.max_tokens)
-            params = ctx.sampling_params(request, n=num_samples, max_tokens=max_tokens, logprobs=engine_logprobs,
-                                         prompt_logprobs=prompt_logprobs, structured_outputs=structured)
+            params = ctx.sampling_params(
+                request,
+                n=num_samples,
+                max_tokens=max_tokens,
+                logprobs=engine_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured,
+            )
             engine_inputs.append((ids, params))
 
         request_id = ctx.engine_request_id(raw_request, request, "cmpl")
@@ -104,15 +120,23 @@ class CompletionsHandler:
 class _CompletionRun:
     """The state of one completions request while its outputs arrive."""
 
-    def __init__(self, ctx: ServingContext, request: CompletionRequest, request_id: str, model_name: str,
-                 prompts: list[Any], prompt_ids: list[list[int]]):
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: CompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompts: list[Any],
+        prompt_ids: list[list[int]],
+    ):
         self.ctx = ctx
         self.request = request
         self.request_id = request_id
         self.model_name = model_name
         self.prompt_ids = prompt_ids
-        self.prompt_texts = [prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
-                             for prompt, ids in zip(prompts, prompt_ids)]
+        self.prompt_texts = [
+            prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids) for prompt, ids in zip(prompts, prompt_ids)
+        ]
         self.as_token_ids = ctx.return_token_ids(request)
         self.created = int(time.time())
         self.num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
@@ -123,8 +147,15 @@ class _CompletionRun:
     def choice_index(self, prompt_index: int, output_index: int) -> int:
         return prompt_index * self.request.n + output_index
 
-    def logprobs_for(self, prompt_index: int, state_tokens: list[int], state_logprobs: list, echo_prompt: bool,
-                     prompt_logprobs: list | None, initial_offset: int) -> CompletionLogProbs | None:
+    def logprobs_for(
+        self,
+        prompt_index: int,
+        state_tokens: list[int],
+        state_logprobs: list,
+        echo_prompt: bool,
+        prompt_logprobs: list | None,
+        initial_offset: int,
+    ) -> CompletionLogProbs | None:
         if self.request.logprobs is None:
             return None
         token_ids, positions = list(state_tokens), list(state_logprobs)
@@ -132,8 +163,9 @@ class _CompletionRun:
             prompt = self.prompt_ids[prompt_index]
             prompt_positions = list(prompt_logprobs) if prompt_logprobs else [None] * len(prompt)
             token_ids, positions = prompt + token_ids, prompt_positions + positions
-        return completion_logprobs(self.ctx, token_ids, positions, self.request.logprobs, self.as_token_ids,
-                                   initial_offset)
+        return completion_logprobs(
+            self.ctx, token_ids, positions, self.request.logprobs, self.as_token_ids, initial_offset
+        )
 
     async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
         states: dict[tuple[int, int], ChoiceState] = {}
@@ -155,23 +187,29 @@ class _CompletionRun:
             for output_index, state in enumerate(samples):
                 echo = self.request.echo
                 text = (self.prompt_texts[prompt_index] if echo else "") + state.text
-                choices.append(CompletionChoice(
-                    index=self.choice_index(prompt_index, output_index),
-                    text=text,
-                    logprobs=self.logprobs_for(prompt_index, state.token_ids, state.logprobs, echo,
-                                               prompt_logprobs.get(prompt_index), 0),
-                    finish_reason=state.finish_reason,
-                    stop_reason=state.stop_reason,
-                    prompt_logprobs=self.ctx.prompt_logprobs_json(prompt_logprobs.get(prompt_index))
-                    if self.request.prompt_logprobs is not None else None,
-                ))
+                choices.append(
+                    CompletionChoice(
+                        index=self.choice_index(prompt_index, output_index),
+                        text=text,
+                        logprobs=self.logprobs_for(
+                            prompt_index, state.token_ids, state.logprobs, echo, prompt_logprobs.get(prompt_index), 0
+                        ),
+                        finish_reason=state.finish_reason,
+                        stop_reason=state.stop_reason,
+                        prompt_logprobs=self.ctx.prompt_logprobs_json(prompt_logprobs.get(prompt_index))
+                        if self.request.prompt_logprobs is not None
+                        else None,
+                    )
+                )
         num_generated = sum(len(state.token_ids) for state in states.values())
         usage = self.ctx.usage(self.num_prompt_tokens, num_generated, sum(cached_tokens.values()))
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
-                                  choices=choices, usage=usage)
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage
+        )
 
-    async def stream(self, first: tuple[int, RequestOutput],
-                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream(
+        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
@@ -184,8 +222,13 @@ class _CompletionRun:
                 for chunk in self.chunks(prompt_index, output, states, cached_tokens, continuous_usage):
                     yield chunk
             if include_usage:
-                final = CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model_name,
-                                                 choices=[], usage=self.usage_so_far(states, cached_tokens))
+                final = CompletionStreamResponse(
+                    id=self.request_id,
+                    created=self.created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=self.usage_so_far(states, cached_tokens),
+                )
                 yield sse_event(final)
         except Exception as exc:
             if not isinstance(exc, TokenloomError):
@@ -197,11 +240,18 @@ class _CompletionRun:
         yield SSE_DONE
 
     def usage_so_far(self, states: dict[int, ChoiceState], cached_tokens: dict[int, int]):
-        return self.ctx.usage(self.num_prompt_tokens, sum(len(state.token_ids) for state in states.values()),
-                              sum(cached_tokens.values()))
+        return self.ctx.usage(
+            self.num_prompt_tokens, sum(len(state.token_ids) for state in states.values()), sum(cached_tokens.values())
+        )
 
-    def chunks(self, prompt_index: int, output: RequestOutput, states: dict[int, ChoiceState],
-               cached_tokens: dict[int, int], continuous_usage: bool) -> list[str]:
+    def chunks(
+        self,
+        prompt_index: int,
+        output: RequestOutput,
+        states: dict[int, ChoiceState],
+        cached_tokens: dict[int, int],
+        continuous_usage: bool,
+    ) -> list[str]:
         check_output(output, self.request_id)
         cached_tokens[prompt_index] = output.num_cached_tokens
         if output.prompt_logprobs is not None:
@@ -212,20 +262,37 @@ class _CompletionRun:
             first_chunk = index not in states
             state = states.setdefault(index, ChoiceState())
             echo_now = self.request.echo and first_chunk
-            offset = len(state.text) + (len(self.prompt_texts[prompt_index]) if self.request.echo and not first_chunk
-                                        else 0)
+            offset = len(state.text) + (
+                len(self.prompt_texts[prompt_index]) if self.request.echo and not first_chunk else 0
+            )
             state.add(choice)
             text = (self.prompt_texts[prompt_index] if echo_now else "") + choice.text
             has_logprobs = self.request.logprobs is not None and (choice.token_ids or echo_now)
             if not text and choice.finish_reason is None and not has_logprobs:
                 continue
-            logprobs = self.logprobs_for(prompt_index, choice.token_ids, choice.logprobs or [], echo_now,
-                                         self.prompt_logprobs.get(prompt_index), offset)
+            logprobs = self.logprobs_for(
+                prompt_index,
+                choice.token_ids,
+                choice.logprobs or [],
+                echo_now,
+                self.prompt_logprobs.get(prompt_index),
+                offset,
+            )
             chunk = CompletionStreamResponse(
-                id=self.request_id, created=self.created, model=self.model_name,
-                choices=[CompletionStreamChoice(index=index, text=text, logprobs=logprobs,
-                                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)],
-                usage=self.usage_so_far(states, cached_tokens) if continuous_usage else None)
+                id=self.request_id,
+                created=self.created,
+                model=self.model_name,
+                choices=[
+                    CompletionStreamChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=choice.finish_reason,
+                        stop_reason=choice.stop_reason,
+                    )
+                ],
+                usage=self.usage_so_far(states, cached_tokens) if continuous_usage else None,
+            )
             events.append(sse_event(chunk))
         return events
 

@@ -43,8 +43,11 @@ from tokenloom.errors import InvalidRequestError, TokenloomError
 
 logger = logging.getLogger("tokenloom.api")
 
-_MESSAGES_NAMES = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
-                   ("response_format", "output_config.format"))
+_MESSAGES_NAMES = (
+    ("max_completion_tokens", "max_tokens"),
+    ("stop", "stop_sequences"),
+    ("response_format", "output_config.format"),
+)
 
 
 def anthropic_error(status: int, message: str) -> JSONResponse:
@@ -74,9 +77,14 @@ class MessagesHandler:
 
     def chat_fields(self, request: MessagesInput) -> dict[str, Any]:
         tool_choice, parallel_tool_calls = request.chat_tool_choice()
-        fields = {"model": request.model, "messages": request.chat_messages(), "tools": request.chat_tools(),
-                  "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
-                  "chat_template_kwargs": request.template_kwargs()}
+        fields = {
+            "model": request.model,
+            "messages": request.chat_messages(),
+            "tools": request.chat_tools(),
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
+            "chat_template_kwargs": request.template_kwargs(),
+        }
         return {name: value for name, value in fields.items() if value is not None}
 
     async def create(self, request: MessagesRequest, raw_request: Request) -> Response:
@@ -84,10 +92,17 @@ class MessagesHandler:
         ctx.check_ready()
         ctx.warn_unknown_fields(request, "/v1/messages")
         fields = self.chat_fields(request)
-        sampling = {"max_completion_tokens": request.max_tokens, "stop": request.stop_sequences,
-                    "temperature": request.temperature, "top_k": request.top_k, "top_p": request.top_p,
-                    "seed": request.seed, "priority": request.priority, "stream": request.stream,
-                    "response_format": request.response_format()}
+        sampling = {
+            "max_completion_tokens": request.max_tokens,
+            "stop": request.stop_sequences,
+            "temperature": request.temperature,
+            "top_k": request.top_k,
+            "top_p": request.top_p,
+            "seed": request.seed,
+            "priority": request.priority,
+            "stream": request.stream,
+            "response_format": request.response_format(),
+        }
         fields.update({name: value for name, value in sampling.items() if value is not None})
         try:
             chat_run, outputs = await self.chat.start(ChatCompletionRequest(**fields), raw_request, id_prefix="msg")
@@ -100,9 +115,12 @@ class MessagesHandler:
         """The prompt's token count as POST /v1/messages would render it."""
         self.ctx.check_model(request.model)
         fields = self.chat_fields(request)
-        text = await self.chat.renderer.render_async(fields["messages"], add_generation_prompt=True,
-                                                     tools=fields.get("tools"),
-                                                     chat_template_kwargs=fields.get("chat_template_kwargs"))
+        text = await self.chat.renderer.render_async(
+            fields["messages"],
+            add_generation_prompt=True,
+            tools=fields.get("tools"),
+            chat_template_kwargs=fields.get("chat_template_kwargs"),
+        )
         token_ids = await tokenize_off_loop_if_large(self.ctx.tokenize, text, False)
         return JSONResponse({"input_tokens": len(token_ids)})
 
@@ -113,22 +131,32 @@ class _MessagesRun:
         self.message_id = new_message_id()
 
     def usage(self, num_output_tokens: int, num_cached_tokens: int) -> MessagesUsage:
-        return MessagesUsage(input_tokens=self.chat_run.num_prompt_tokens, output_tokens=num_output_tokens,
-                             cache_read_input_tokens=num_cached_tokens)
+        return MessagesUsage(
+            input_tokens=self.chat_run.num_prompt_tokens,
+            output_tokens=num_output_tokens,
+            cache_read_input_tokens=num_cached_tokens,
+        )
 
     async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> MessageObject:
         chat_response = await self.chat_run.collect(outputs)
         choice = chat_response.choices[0]
-        stop_reason, stop_sequence = stop_reason_of(choice.finish_reason, choice.stop_reason,
-                                                    bool(choice.message.tool_calls))
+        stop_reason, stop_sequence = stop_reason_of(
+            choice.finish_reason, choice.stop_reason, bool(choice.message.tool_calls)
+        )
         usage = chat_response.usage
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        return MessageObject(id=self.message_id, model=self.chat_run.model_name,
-                             content=content_blocks(choice.message), stop_reason=stop_reason,
-                             stop_sequence=stop_sequence, usage=self.usage(usage.completion_tokens, cached))
+        return MessageObject(
+            id=self.message_id,
+            model=self.chat_run.model_name,
+            content=content_blocks(choice.message),
+            stop_reason=stop_reason,
+            stop_sequence=stop_sequence,
+            usage=self.usage(usage.completion_tokens, cached),
+        )
 
-    async def stream(self, first: tuple[int, RequestOutput],
-                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream(
+        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
         cached = {"tokens": first[1].num_cached_tokens}
         writer = MessagesEventWriter()
@@ -143,8 +171,9 @@ class _MessagesRun:
             return events
 
         try:
-            start = MessageObject(id=self.message_id, model=self.chat_run.model_name,
-                                  usage=self.usage(0, cached["tokens"]))
+            start = MessageObject(
+                id=self.message_id, model=self.chat_run.model_name, usage=self.usage(0, cached["tokens"])
+            )
             yield sse("message_start", {"message": start.model_dump(mode="json")})
             for event in events_of(first[1]):
                 yield event
@@ -153,11 +182,17 @@ class _MessagesRun:
                     yield event
             for event in writer.close_current():
                 yield event
-            stop_reason, stop_sequence = stop_reason_of(ending["finish_reason"], ending["stop_reason"],
-                                                        writer.called_tools)
+            stop_reason, stop_sequence = stop_reason_of(
+                ending["finish_reason"], ending["stop_reason"], writer.called_tools
+            )
             num_output_tokens = len(states.get(0, ChoiceState()).token_ids)
-            yield sse("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                        "usage": {"output_tokens": num_output_tokens}})
+            yield sse(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": {"output_tokens": num_output_tokens},
+                },
+            )
             yield sse("message_stop", {})
         except Exception as exc:
             if isinstance(exc, TokenloomError):
@@ -216,8 +251,9 @@ class MessagesEventWriter:
         for call in delta.tool_calls or []:
             if call.index not in self.tool_blocks:
                 name = call.function.name if call.function is not None else None
-                events += self._open("tool_use", {"type": "tool_use", "id": new_tool_use_id(), "name": name or "",
-                                                  "input": {}})
+                events += self._open(
+                    "tool_use", {"type": "tool_use", "id": new_tool_use_id(), "name": name or "", "input": {}}
+                )
                 self.tool_blocks[call.index] = self.num_blocks - 1
                 self.current_call = call.index
             elif call.index != self.current_call:
@@ -245,8 +281,12 @@ def messages_routes(handler: MessagesHandler) -> APIRouter:
 
     def body_schema(model_class: type[BaseModel]) -> dict[str, Any]:
         # the routes read their bodies themselves (for Anthropic-shaped errors): document them here
-        return {"requestBody": {"required": True, "content": {
-            "application/json": {"schema": model_class.model_json_schema()}}}}
+        return {
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": model_class.model_json_schema()}},
+            }
+        }
 
     @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def create_message(raw_request: Request) -> Response:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -82,8 +83,10 @@ class PoolingHandler:
         if truncate == -1:
             return self.ctx.max_model_len
         if truncate < 1:
-            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got "
-                                      f"{truncate}", param="truncate_prompt_tokens")
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {truncate}",
+                param="truncate_prompt_tokens",
+            )
         return truncate
 
     def tokenize_inputs(self, inputs: list[str | list[int]], options: PoolingOptions, param: str) -> list[list[int]]:
@@ -97,8 +100,9 @@ class PoolingHandler:
         token_ids: list[list[int] | None] = [None] * len(inputs)
         if texts:
             kwargs = {"truncation": True, "max_length": truncate} if truncate is not None else {}
-            encoded = self.ctx.tokenizer([text for _, text in texts], add_special_tokens=options.add_special_tokens,
-                                         **kwargs)["input_ids"]
+            encoded = self.ctx.tokenizer(
+                [text for _, text in texts], add_special_tokens=options.add_special_tokens, **kwargs
+            )["input_ids"]
             for (index, _), ids in zip(texts, encoded):
                 token_ids[index] = list(ids)
         for index, value in enumerate(inputs):
@@ -113,7 +117,9 @@ class PoolingHandler:
             if len(ids) > limit:
                 raise ContextLengthError(
                     f"{param}[{index}] has {len(ids)} tokens, but this model takes at most {limit}: shorten it or set "
-                    "truncate_prompt_tokens", param=param)
+                    "truncate_prompt_tokens",
+                    param=param,
+                )
         return token_ids
 
     def pooling_params(self, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
@@ -125,8 +131,9 @@ class PoolingHandler:
 
     # -- the engine ---------------------------------------------------------------------------
 
-    async def encode_all(self, raw_request: Request, token_ids: list[list[int]], params: PoolingParams,
-                         request_id: str, priority: int) -> list[Any]:
+    async def encode_all(
+        self, raw_request: Request, token_ids: list[list[int]], params: PoolingParams, request_id: str, priority: int
+    ) -> list[Any]:
         """The pooled tensor of every input, in order; the client going away aborts them all."""
 
         async def encode_one(index: int, ids: list[int]) -> Any:
@@ -134,8 +141,9 @@ class PoolingHandler:
             async for output in self.ctx.engine.encode(ids, params, f"{request_id}-{index}", priority=priority):
                 final = output
             if final is None or final.error:
-                raise TokenloomError(f"input {index} failed in the engine: "
-                                     f"{final.error if final is not None else 'no output'}")
+                raise TokenloomError(
+                    f"input {index} failed in the engine: {final.error if final is not None else 'no output'}"
+                )
             return final.outputs.data
 
         async def run_all() -> list[Any]:
@@ -160,8 +168,14 @@ class PoolingHandler:
 
     # -- endpoints ------------------------------------------------------------------------------
 
-    async def embeddings(self, request: EmbeddingRequest, raw_request: Request, *, endpoint: str = "/v1/embeddings",
-                         object_kind: str = "embedding") -> Response:
+    async def embeddings(
+        self,
+        request: EmbeddingRequest,
+        raw_request: Request,
+        *,
+        endpoint: str = "/v1/embeddings",
+        object_kind: str = "embedding",
+    ) -> Response:
         model_name = self._begin(request, endpoint)
         params = self.pooling_params(request.dimensions, request.normalize)
         token_ids = self.tokenize_inputs(self._as_inputs(request.input, "input"), request, "input")
@@ -170,24 +184,37 @@ class PoolingHandler:
         num_tokens = sum(len(ids) for ids in token_ids)
         usage = PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
         if object_kind == "embedding":
-            data = [EmbeddingData(index=index, embedding=encode_vector(vector, request.encoding_format))
-                    for index, vector in enumerate(vectors)]
+            data = [
+                EmbeddingData(index=index, embedding=encode_vector(vector, request.encoding_format))
+                for index, vector in enumerate(vectors)
+            ]
             body = EmbeddingResponse(id=request_id, model=model_name, data=data, usage=usage)
         else:
-            data = [PoolingData(index=index, data=encode_vector(vector, request.encoding_format))
-                    for index, vector in enumerate(vectors)]
+            data = [
+                PoolingData(index=index, data=encode_vector(vector, request.encoding_format))
+                for index, vector in enumerate(vectors)
+            ]
             body = PoolingResponse(id=request_id, model=model_name, data=data, usage=usage)
         return JSONResponse(body.model_dump())
 
-    async def _similarities(self, raw_request: Request, options: PoolingOptions, first: list, second: list,
-                            pairs: list[tuple[int, int]], param_1: str, param_2: str,
-                            request_id: str) -> tuple[list[float], int]:
+    async def _similarities(
+        self,
+        raw_request: Request,
+        options: PoolingOptions,
+        first: list,
+        second: list,
+        pairs: list[tuple[int, int]],
+        param_1: str,
+        param_2: str,
+        request_id: str,
+    ) -> tuple[list[float], int]:
         """Cosine similarity of each pair's embeddings, and the tokens embedded."""
         first_ids = self.tokenize_inputs(first, options, param_1)
         second_ids = self.tokenize_inputs(second, options, param_2)
-        vectors = await self.encode_all(raw_request, first_ids + second_ids, self.pooling_params(), request_id,
-                                        options.priority)
-        first_vectors, second_vectors = vectors[:len(first_ids)], vectors[len(first_ids):]
+        vectors = await self.encode_all(
+            raw_request, first_ids + second_ids, self.pooling_params(), request_id, options.priority
+        )
+        first_vectors, second_vectors = vectors[: len(first_ids)], vectors[len(first_ids) :]
         scores = [cosine_similarity(first_vectors[i], second_vectors[j]) for i, j in pairs]
         return scores, sum(len(ids) for ids in first_ids + second_ids)
 
@@ -195,11 +222,15 @@ class PoolingHandler:
         model_name = self._begin(request, "/v1/score")
         first, second, pairs = score_inputs(request.text_1, request.text_2)
         request_id = self._request_id(raw_request, request, "score")
-        scores, num_tokens = await self._similarities(raw_request, request, first, second, pairs, "text_1", "text_2",
-                                                      request_id)
-        body = ScoreResponse(id=request_id, model=model_name, usage=PoolingUsage(prompt_tokens=num_tokens,
-                                                                                 total_tokens=num_tokens),
-                             data=[ScoreData(index=index, score=score) for index, score in enumerate(scores)])
+        scores, num_tokens = await self._similarities(
+            raw_request, request, first, second, pairs, "text_1", "text_2", request_id
+        )
+        body = ScoreResponse(
+            id=request_id,
+            model=model_name,
+            usage=PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+            data=[ScoreData(index=index, score=score) for index, score in enumerate(scores)],
+        )
         return JSONResponse(body.model_dump())
 
     async def rerank(self, request: RerankRequest, raw_request: Request, endpoint: str) -> Response:
@@ -208,27 +239,42 @@ class PoolingHandler:
         if not documents:
             raise InvalidRequestError("documents is empty: send at least one document", param="documents")
         if request.top_n is not None and request.top_n < 0:
-            raise InvalidRequestError(f"top_n must be positive (or 0 for all documents), got {request.top_n}",
-                                      param="top_n")
+            raise InvalidRequestError(
+                f"top_n must be positive (or 0 for all documents), got {request.top_n}", param="top_n"
+            )
         if not request.query:
             raise InvalidRequestError("query is an empty string", param="query")
         request_id = self._request_id(raw_request, request, "rerank")
         scores, num_tokens = await self._similarities(
-            raw_request, request, [request.query], documents, [(0, index) for index in range(len(documents))],
-            "query", "documents", request_id)
+            raw_request,
+            request,
+            [request.query],
+            documents,
+            [(0, index) for index in range(len(documents))],
+            "query",
+            "documents",
+            request_id,
+        )
         ranked = sorted(range(len(documents)), key=lambda index: scores[index], reverse=True)
         if request.top_n:
-            ranked = ranked[:request.top_n]
-        results = [RerankResult(index=index, relevance_score=scores[index],
-                                document=RerankDocument(text=documents[index]) if request.return_documents else None)
-                   for index in ranked]
-        body = RerankResponse(id=request_id, model=model_name, usage=RerankUsage(total_tokens=num_tokens),
-                              results=results)
+            ranked = ranked[: request.top_n]
+        results = [
+            RerankResult(
+                index=index,
+                relevance_score=scores[index],
+                document=RerankDocument(text=documents[index]) if request.return_documents else None,
+            )
+            for index in ranked
+        ]
+        body = RerankResponse(
+            id=request_id, model=model_name, usage=RerankUsage(total_tokens=num_tokens), results=results
+        )
         return JSONResponse(body.model_dump(exclude_none=True))
 
 
-def pooling_routes(ctx: ServingContext,
-                   guard: Callable[[Request, Awaitable[Response]], Awaitable[Response]]) -> APIRouter:
+def pooling_routes(
+    ctx: ServingContext, guard: Callable[[Request, Awaitable[Response]], Awaitable[Response]]
+) -> APIRouter:
     """The routes of a pooling model; ``guard(raw_request, work)`` turns unexpected errors
     into a logged 500 (the app's own guard)."""
     router = APIRouter()
@@ -250,8 +296,9 @@ def pooling_routes(ctx: ServingContext,
 
     @router.post("/pooling")
     async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
-        return await run(raw_request, handler.embeddings(request, raw_request, endpoint="/pooling",
-                                                         object_kind="pooling"))
+        return await run(
+            raw_request, handler.embeddings(request, raw_request, endpoint="/pooling", object_kind="pooling")
+        )
 
     @router.post("/v1/score")
     async def create_score(request: ScoreRequest, raw_request: Request) -> Response:

@@ -51,8 +51,12 @@ logger = logging.getLogger("tokenloom.api")
 STORE_SIZE_ENV = "TOKENLOOM_RESPONSES_STORE_SIZE"
 DEFAULT_STORE_SIZE = 1000
 # the chat path's names for what the Responses API calls otherwise, for error messages and params
-_RESPONSES_NAMES = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-                    ("messages", "input"), ("response_format", "text.format"))
+_RESPONSES_NAMES = (
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("messages", "input"),
+    ("response_format", "text.format"),
+)
 
 
 def store_size_from_env() -> int:
@@ -66,8 +70,9 @@ def store_size_from_env() -> int:
     if size < 0:
         from tokenloom.errors import ConfigError
 
-        raise ConfigError(f"{STORE_SIZE_ENV} must be a whole number >= 0 (0 stores nothing), got {raw!r}",
-                          param=STORE_SIZE_ENV)
+        raise ConfigError(
+            f"{STORE_SIZE_ENV} must be a whole number >= 0 (0 stores nothing), got {raw!r}", param=STORE_SIZE_ENV
+        )
     return size
 
 
@@ -75,7 +80,7 @@ def renamed_error(exc: TokenloomError, names: tuple[tuple[str, str], ...]) -> To
     """``exc`` with the chat path's parameter names replaced by the endpoint's own."""
     for chat_name, own_name in names:
         if exc.param == chat_name or (exc.param or "").startswith(chat_name + "."):
-            exc.param = own_name + (exc.param or "")[len(chat_name):]
+            exc.param = own_name + (exc.param or "")[len(chat_name) :]
         if "_" in chat_name:  # plain words ("messages") also occur in prose; only rename identifiers
             exc.message = exc.message.replace(chat_name, own_name)
     exc.args = (exc.message,)
@@ -124,8 +129,11 @@ class ResponseStore:
         entry = self._entries.get(response_id)
         # another key's response is as absent as a missing one: its existence is not shown
         if entry is None or entry.owner != owner:
-            raise NotFoundError(f"no stored response {response_id!r} (responses live in this server's memory: a "
-                                "restart, store: false or the store's size limit loses them)", param=param)
+            raise NotFoundError(
+                f"no stored response {response_id!r} (responses live in this server's memory: a "
+                "restart, store: false or the store's size limit loses them)",
+                param=param,
+            )
         self._entries.move_to_end(response_id)
         return entry
 
@@ -149,14 +157,25 @@ class ResponsesHandler:
         if not messages:
             raise InvalidRequestError("there is nothing to answer: input is empty", param="input")
         fields: dict[str, Any] = {
-            "model": request.model, "messages": messages, "tools": request.chat_tools(),
-            "tool_choice": request.chat_tool_choice(), "parallel_tool_calls": request.parallel_tool_calls,
-            "response_format": request.response_format(), "max_completion_tokens": request.max_output_tokens,
-            "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-            "min_p": request.min_p, "seed": request.seed, "repetition_penalty": request.repetition_penalty,
+            "model": request.model,
+            "messages": messages,
+            "tools": request.chat_tools(),
+            "tool_choice": request.chat_tool_choice(),
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "response_format": request.response_format(),
+            "max_completion_tokens": request.max_output_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": request.top_k,
+            "min_p": request.min_p,
+            "seed": request.seed,
+            "repetition_penalty": request.repetition_penalty,
             "stream": request.stream,
-            "priority": request.priority, "request_id": request.request_id, "user": request.user,
-            "chat_template_kwargs": request.template_kwargs()}
+            "priority": request.priority,
+            "request_id": request.request_id,
+            "user": request.user,
+            "chat_template_kwargs": request.template_kwargs(),
+        }
         return ChatCompletionRequest(**{name: value for name, value in fields.items() if value is not None})
 
     async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
@@ -169,9 +188,11 @@ class ResponsesHandler:
         if request.previous_response_id:
             previous = self.store.get(request.previous_response_id, owner, "previous_response_id")
             if previous.response.status in ("queued", "in_progress"):
-                raise InvalidRequestError(f"response {request.previous_response_id!r} is still "
-                                          f"{previous.response.status}; wait for it to finish",
-                                          param="previous_response_id")
+                raise InvalidRequestError(
+                    f"response {request.previous_response_id!r} is still "
+                    f"{previous.response.status}; wait for it to finish",
+                    param="previous_response_id",
+                )
             history = [dict(message) for message in previous.messages]
         history += input_messages(request.input)
         try:
@@ -180,13 +201,25 @@ class ResponsesHandler:
         except TokenloomError as exc:
             raise renamed_error(exc, _RESPONSES_NAMES) from None
         response = ResponseObject(
-            id=new_item_id("resp"), model=chat_run.model_name, status="in_progress", background=request.background,
-            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
-            metadata=request.metadata or {}, parallel_tool_calls=request.parallel_tool_calls,
-            previous_response_id=request.previous_response_id, reasoning=request.reasoning, store=request.store,
-            temperature=request.temperature, text={"format": (request.text or {}).get("format") or {"type": "text"}},
-            tool_choice=request.tool_choice, tools=request.tools, top_p=request.top_p, user=request.user,
-            truncation=request.truncation or "disabled")
+            id=new_item_id("resp"),
+            model=chat_run.model_name,
+            status="in_progress",
+            background=request.background,
+            instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens,
+            metadata=request.metadata or {},
+            parallel_tool_calls=request.parallel_tool_calls,
+            previous_response_id=request.previous_response_id,
+            reasoning=request.reasoning,
+            store=request.store,
+            temperature=request.temperature,
+            text={"format": (request.text or {}).get("format") or {"type": "text"}},
+            tool_choice=request.tool_choice,
+            tools=request.tools,
+            top_p=request.top_p,
+            user=request.user,
+            truncation=request.truncation or "disabled",
+        )
         run = _ResponsesRun(self, chat_run, response, history, owner)
         if request.background:
             response.status = "queued"
@@ -219,8 +252,14 @@ class _ResponsesRun:
     """One response while its outputs arrive: the chat run parses them, this turns the result
     into output items (whole, or as events) and stores the response when asked to."""
 
-    def __init__(self, handler: ResponsesHandler, chat_run: Any, response: ResponseObject,
-                 history: list[dict[str, Any]], owner: str | None):
+    def __init__(
+        self,
+        handler: ResponsesHandler,
+        chat_run: Any,
+        response: ResponseObject,
+        history: list[dict[str, Any]],
+        owner: str | None,
+    ):
         self.handler = handler
         self.ctx = handler.ctx
         self.chat_run = chat_run
@@ -230,14 +269,18 @@ class _ResponsesRun:
 
     def usage(self, num_output_tokens: int, num_cached_tokens: int, output: list[OutputItem]) -> ResponseUsage:
         # the reasoning's token count is its text re-tokenized: the parser splits text, not token ids
-        reasoning_text = "".join(part.text for item in output if isinstance(item, ReasoningItem)
-                                 for part in item.content)
+        reasoning_text = "".join(
+            part.text for item in output if isinstance(item, ReasoningItem) for part in item.content
+        )
         num_reasoning = len(self.ctx.tokenize(reasoning_text, False)) if reasoning_text else 0
         num_input = self.chat_run.num_prompt_tokens
-        return ResponseUsage(input_tokens=num_input, input_tokens_details=InputTokensDetails(
-            cached_tokens=num_cached_tokens), output_tokens=num_output_tokens,
+        return ResponseUsage(
+            input_tokens=num_input,
+            input_tokens_details=InputTokensDetails(cached_tokens=num_cached_tokens),
+            output_tokens=num_output_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=min(num_reasoning, num_output_tokens)),
-            total_tokens=num_input + num_output_tokens)
+            total_tokens=num_input + num_output_tokens,
+        )
 
     def finish(self, output: list[OutputItem], finish_reason: str | None, usage: ResponseUsage) -> ResponseObject:
         response = self.response
@@ -279,8 +322,9 @@ class _ResponsesRun:
         finally:
             entry.task = None
 
-    async def stream(self, first: tuple[int, RequestOutput],
-                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream(
+        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
         writer = ResponsesEventWriter(self.response)
         states: dict[int, ChoiceState] = {}
         cached = {"tokens": first[1].num_cached_tokens}
@@ -306,8 +350,7 @@ class _ResponsesRun:
             for event in writer.close_current(items_status):
                 yield event
             state = states.get(0, ChoiceState())
-            self.finish(writer.items, finish_reason, self.usage(len(state.token_ids), cached["tokens"],
-                                                                writer.items))
+            self.finish(writer.items, finish_reason, self.usage(len(state.token_ids), cached["tokens"], writer.items))
             for event in writer.end():
                 yield event
         except Exception as exc:
@@ -340,8 +383,10 @@ class ResponsesEventWriter:
         return self.response.model_dump(mode="json")
 
     def start(self) -> list[str]:
-        return [self.event("response.created", response=self.snapshot()),
-                self.event("response.in_progress", response=self.snapshot())]
+        return [
+            self.event("response.created", response=self.snapshot()),
+            self.event("response.in_progress", response=self.snapshot()),
+        ]
 
     def _open(self, item: OutputItem) -> list[str]:
         events = self.close_current()
@@ -352,14 +397,29 @@ class ResponsesEventWriter:
         added.status = "in_progress"
         if isinstance(added, (MessageItem, ReasoningItem)):
             added.content = []
-        events.append(self.event("response.output_item.added", output_index=output_index,
-                                 item=added.model_dump(mode="json")))
+        events.append(
+            self.event("response.output_item.added", output_index=output_index, item=added.model_dump(mode="json"))
+        )
         if isinstance(item, MessageItem):
-            events.append(self.event("response.content_part.added", item_id=item.id, output_index=output_index,
-                                     content_index=0, part=OutputText(text="").model_dump(mode="json")))
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=output_index,
+                    content_index=0,
+                    part=OutputText(text="").model_dump(mode="json"),
+                )
+            )
         elif isinstance(item, ReasoningItem):
-            events.append(self.event("response.content_part.added", item_id=item.id, output_index=output_index,
-                                     content_index=0, part=ReasoningText(text="").model_dump(mode="json")))
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=output_index,
+                    content_index=0,
+                    part=ReasoningText(text="").model_dump(mode="json"),
+                )
+            )
         return events
 
     def close_current(self, status: str = "completed") -> list[str]:
@@ -372,21 +432,58 @@ class ResponsesEventWriter:
         events = []
         if isinstance(item, MessageItem):
             part = item.content[0]
-            events.append(self.event("response.output_text.done", item_id=item.id, output_index=output_index,
-                                     content_index=0, text=part.text, logprobs=[]))
-            events.append(self.event("response.content_part.done", item_id=item.id, output_index=output_index,
-                                     content_index=0, part=part.model_dump(mode="json")))
+            events.append(
+                self.event(
+                    "response.output_text.done",
+                    item_id=item.id,
+                    output_index=output_index,
+                    content_index=0,
+                    text=part.text,
+                    logprobs=[],
+                )
+            )
+            events.append(
+                self.event(
+                    "response.content_part.done",
+                    item_id=item.id,
+                    output_index=output_index,
+                    content_index=0,
+                    part=part.model_dump(mode="json"),
+                )
+            )
         elif isinstance(item, ReasoningItem):
             part = item.content[0]
-            events.append(self.event("response.reasoning_text.done", item_id=item.id, output_index=output_index,
-                                     content_index=0, text=part.text))
-            events.append(self.event("response.content_part.done", item_id=item.id, output_index=output_index,
-                                     content_index=0, part=part.model_dump(mode="json")))
+            events.append(
+                self.event(
+                    "response.reasoning_text.done",
+                    item_id=item.id,
+                    output_index=output_index,
+                    content_index=0,
+                    text=part.text,
+                )
+            )
+            events.append(
+                self.event(
+                    "response.content_part.done",
+                    item_id=item.id,
+                    output_index=output_index,
+                    content_index=0,
+                    part=part.model_dump(mode="json"),
+                )
+            )
         else:
-            events.append(self.event("response.function_call_arguments.done", item_id=item.id,
-                                     output_index=output_index, name=item.name, arguments=item.arguments))
-        events.append(self.event("response.output_item.done", output_index=output_index,
-                                 item=item.model_dump(mode="json")))
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item.id,
+                    output_index=output_index,
+                    name=item.name,
+                    arguments=item.arguments,
+                )
+            )
+        events.append(
+            self.event("response.output_item.done", output_index=output_index, item=item.model_dump(mode="json"))
+        )
         return events
 
     def add(self, delta: DeltaMessage | None) -> list[str]:
@@ -397,29 +494,49 @@ class ResponsesEventWriter:
             if not isinstance(self.current, ReasoningItem):
                 events += self._open(ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text="")]))
             self.current.content[0].text += delta.reasoning_content
-            events.append(self.event("response.reasoning_text.delta", item_id=self.current.id,
-                                     output_index=len(self.items) - 1, content_index=0,
-                                     delta=delta.reasoning_content))
+            events.append(
+                self.event(
+                    "response.reasoning_text.delta",
+                    item_id=self.current.id,
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    delta=delta.reasoning_content,
+                )
+            )
         if delta.content:
             if not isinstance(self.current, MessageItem):
                 events += self._open(MessageItem(id=new_item_id("msg"), content=[OutputText(text="")]))
             self.current.content[0].text += delta.content
-            events.append(self.event("response.output_text.delta", item_id=self.current.id,
-                                     output_index=len(self.items) - 1, content_index=0, delta=delta.content,
-                                     logprobs=[]))
+            events.append(
+                self.event(
+                    "response.output_text.delta",
+                    item_id=self.current.id,
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    delta=delta.content,
+                    logprobs=[],
+                )
+            )
         for call in delta.tool_calls or []:
             item = self.calls_by_index.get(call.index)
             if item is None:
                 name = call.function.name if call.function is not None else None
-                item = FunctionCallItem(id=new_item_id("fc"), call_id=new_item_id("call"), name=name or "",
-                                        arguments="")
+                item = FunctionCallItem(
+                    id=new_item_id("fc"), call_id=new_item_id("call"), name=name or "", arguments=""
+                )
                 self.calls_by_index[call.index] = item
                 events += self._open(item)
             arguments = call.function.arguments if call.function is not None else None
             if arguments:
                 item.arguments += arguments
-                events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
-                                         output_index=self.items.index(item), delta=arguments))
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item.id,
+                        output_index=self.items.index(item),
+                        delta=arguments,
+                    )
+                )
         return events
 
     def end(self) -> list[str]:
@@ -430,8 +547,9 @@ class ResponsesEventWriter:
         if isinstance(exc, TokenloomError):
             info = exception_body(exc)["error"]
             return self.event("error", code=str(info.get("code")), message=info["message"], param=info.get("param"))
-        return self.event("error", code="server_error", param=None,
-                          message="internal server error; the server log has the details")
+        return self.event(
+            "error", code="server_error", param=None, message="internal server error; the server log has the details"
+        )
 
 
 def responses_routes(handler: ResponsesHandler, guarded: Any) -> APIRouter:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tokenloom.core.request import Logprob, RequestOutput, SamplingParams
 from tokenloom.errors import InvalidRequestError
@@ -45,7 +45,7 @@ class BeamSearchSequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
+        return self.tokens[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -71,8 +71,9 @@ def beam_search(
     decode: Callable[[list[int]], str] | None = None,
 ) -> list[BeamSearchOutput]:
     """Run beam search for each prompt; ``generate`` runs one engine pass over token-id prompts."""
-    step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
-                                 ignore_eos=True, detokenize=False)
+    step_params = SamplingParams(
+        max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature, ignore_eos=True, detokenize=False
+    )
     live = [[BeamSearchSequence(list(ids), len(ids))] for ids in prompts_token_ids]
     completed: list[list[BeamSearchSequence]] = [[] for _ in prompts_token_ids]
     for _ in range(params.max_tokens):
@@ -102,15 +103,18 @@ def beam_search(
                         completed[prompt_index].append(candidate)
                     else:
                         candidates.append(candidate)
-        live = [sorted(candidates_by_prompt.get(i, []), key=lambda s: s.cum_logprob, reverse=True)[:params.beam_width]
-                for i in range(len(live))]
+        live = [
+            sorted(candidates_by_prompt.get(i, []), key=lambda s: s.cum_logprob, reverse=True)[: params.beam_width]
+            for i in range(len(live))
+        ]
     results = []
     for prompt_index in range(len(prompts_token_ids)):
         for beam in live[prompt_index]:
             beam.finish_reason = "length"
         finished = completed[prompt_index] + live[prompt_index]
-        best = sorted(finished, key=lambda s: beam_search_score(s, eos_token_ids, params.length_penalty),
-                      reverse=True)[:params.beam_width]
+        best = sorted(finished, key=lambda s: beam_search_score(s, eos_token_ids, params.length_penalty), reverse=True)[
+            : params.beam_width
+        ]
         if decode is not None:
             for sequence in best:
                 sequence.text = decode(sequence.output_token_ids)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
-from tokenloom.core.request import Request
+from tokenloom.core.request import Sequence
 from tokenloom.errors import ConfigError, TokenloomError
 
 PREFIX_HASH_ALGOS = ("sha256", "builtin")
@@ -36,7 +36,7 @@ class _CachedBlock:
     follow that exact content."""
 
     serial: int
-    parent: tuple
+    parent: tuple[str, int | str | None]
     token_ids: tuple[int, ...]
 
 
@@ -61,15 +61,18 @@ class BlockManager:
     so a hit on block ``i`` implies the whole prefix before it matches too.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 hash_algo: str = DEFAULT_PREFIX_HASH_ALGO):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_algo: str = DEFAULT_PREFIX_HASH_ALGO
+    ):
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
         if block_size < 1:
             raise ConfigError(f"--block-size must be at least 1, got {block_size}", param="block-size")
         if hash_algo not in PREFIX_HASH_ALGOS:
-            raise ConfigError(f"--prefix-caching-hash-algo must be one of {', '.join(PREFIX_HASH_ALGOS)}, "
-                              f"got {hash_algo!r}", param="prefix-caching-hash-algo")
+            raise ConfigError(
+                f"--prefix-caching-hash-algo must be one of {', '.join(PREFIX_HASH_ALGOS)}, got {hash_algo!r}",
+                param="prefix-caching-hash-algo",
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -95,7 +98,7 @@ class BlockManager:
         self._num_registered_blocks: dict[str, int] = {}
         # what the request's next block to register follows; None once its chain left the cache
         # (a colliding hash held other content), after which none of its blocks are cached
-        self._next_parent: dict[str, tuple | None] = {}
+        self._next_parent: dict[str, tuple[str, int | str | None] | None] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ class BlockManager:
 
     # ---- prefix cache ----------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request: Sequence) -> tuple[list[int], int]:
         """The longest run of cached full blocks that starts the request's tokens.
 
         The hit stops one token short of the whole sequence (rounded down to a block) so the
@@ -144,8 +147,11 @@ class BlockManager:
                 break
             cached = self._cached_block[block_id]
             # the hash only finds a candidate: its content and what it follows must match too
-            if cached is None or cached.parent != parent \
-                    or cached.token_ids != self._block_token_ids(request, block_index):
+            if (
+                cached is None
+                or cached.parent != parent
+                or cached.token_ids != self._block_token_ids(request, block_index)
+            ):
                 self.prefix_cache_stats.collisions += 1
                 break
             hit_blocks.append(block_id)
@@ -164,8 +170,9 @@ class BlockManager:
 
     # ---- allocation ------------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> list[int] | None:
+    def allocate_slots(
+        self, request: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
         """Grow the request's block table to cover ``request.num_computed_tokens`` plus the
         prefix hit (``computed_blocks``, only on the first allocation) plus ``num_new_tokens``.
 
@@ -179,8 +186,9 @@ class BlockManager:
         table = self._block_tables.get(request_id)
         hit_blocks = computed_blocks or []
         if hit_blocks and table:
-            raise TokenloomError(f"request {request_id!r} already holds blocks; a prefix hit only "
-                                 "applies to its first allocation")
+            raise TokenloomError(
+                f"request {request_id!r} already holds blocks; a prefix hit only applies to its first allocation"
+            )
         num_held = len(table) if table else 0
         num_tokens = request.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
         num_to_allocate = max(0, self.num_blocks_needed(num_tokens) - num_held - len(hit_blocks))
@@ -192,8 +200,9 @@ class BlockManager:
         if table is None:
             table = self._block_tables[request_id] = []
             self._num_registered_blocks[request_id] = len(hit_blocks)
-            self._next_parent[request_id] = (("block", self._cached_block[hit_blocks[-1]].serial) if hit_blocks
-                                             else self._root_ref(request))
+            self._next_parent[request_id] = (
+                ("block", self._serial_of(hit_blocks[-1])) if hit_blocks else self._root_ref(request)
+            )
             if computed_blocks is not None and self.enable_prefix_caching:
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += len(hit_blocks) * self.block_size
@@ -211,7 +220,7 @@ class BlockManager:
             self._register_computed_blocks(request, table)
         return new_block_ids
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sequence) -> None:
         """Release the request's blocks (finish, abort or preemption).
 
         Full blocks whose KV is computed (per ``request.num_computed_tokens``) are cached first,
@@ -245,7 +254,7 @@ class BlockManager:
         self._cached_block[block_id] = None
         return block_id
 
-    def _register_computed_blocks(self, request: Request, table: list[int]) -> None:
+    def _register_computed_blocks(self, request: Sequence, table: list[int]) -> None:
         """Offer each newly computed full block to the cache.
 
         Only blocks whose KV was written in earlier steps qualify, so a lookup can never hit a
@@ -279,7 +288,7 @@ class BlockManager:
         self._num_registered_blocks[request_id] = block_index
         self._next_parent[request_id] = parent
 
-    def _block_hash(self, request: Request, block_index: int) -> Hashable:
+    def _block_hash(self, request: Sequence, block_index: int) -> Hashable:
         """The chain hash of full block ``block_index`` of the request, computing the chain up
         to it on first use."""
         chain = self._request_hashes.setdefault(request.request_id, [])
@@ -291,23 +300,31 @@ class BlockManager:
     def _hash_block(self, parent: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
         if self.hash_algo == "sha256":
             # every parent is a 32-byte digest, so the byte string is unambiguous
+            assert isinstance(parent, bytes)  # the sha256 chain's parents are its own digests
             return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
         return hash((parent, token_ids))
 
-    def _root_hash(self, request: Request) -> Hashable:
+    def _root_hash(self, request: Sequence) -> Hashable:
         """The parent of the first block: derived from the request's cache salt, so requests
         with different salts have different hashes for every block (and never share one)."""
         salt = request.sampling_params.cache_salt
         if self.hash_algo == "sha256":
-            return hashlib.sha256(b"tokenloom-prefix-root\0" + (b"" if salt is None else
-                                                                 b"salt\0" + salt.encode("utf-8"))).digest()
+            return hashlib.sha256(
+                b"tokenloom-prefix-root\0" + (b"" if salt is None else b"salt\0" + salt.encode("utf-8"))
+            ).digest()
         return ("root", salt)
 
+    def _serial_of(self, block_id: int) -> int:
+        cached = self._cached_block[block_id]
+        if cached is None:  # a prefix hit is always a cached block
+            raise RuntimeError(f"block {block_id} was a prefix-cache hit but holds no cached content")
+        return cached.serial
+
     @staticmethod
-    def _root_ref(request: Request) -> tuple:
+    def _root_ref(request: Sequence) -> tuple[str, int | str | None]:
         return ("root", request.sampling_params.cache_salt)
 
-    def _block_token_ids(self, request: Request, block_index: int) -> tuple[int, ...]:
+    def _block_token_ids(self, request: Sequence, block_index: int) -> tuple[int, ...]:
         # sliced from the two lists directly: request.all_token_ids copies the whole sequence
         start = block_index * self.block_size
         end = start + self.block_size
@@ -317,5 +334,5 @@ class BlockManager:
             return tuple(prompt[start:end])
         output = request.output_token_ids
         if start >= num_prompt:
-            return tuple(output[start - num_prompt:end - num_prompt])
-        return tuple(prompt[start:]) + tuple(output[:end - num_prompt])
+            return tuple(output[start - num_prompt : end - num_prompt])
+        return tuple(prompt[start:]) + tuple(output[: end - num_prompt])

@@ -10,7 +10,9 @@ import functools
 @functools.cache
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (cached: callers only read it)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     characters = printable[:]
     extra = 0
     for byte in range(256):

@@ -347,8 +347,10 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("structured-outputs-compile-timeout", f"must be a positive number of seconds, got {timeout!r}")
     if config.model.max_logprobs < 0:
         bad("max-logprobs", f"must be non-negative, got {config.model.max_logprobs}")
-    for flag, size in (("tensor-parallel-size", config.parallel.tensor_parallel_size),
-                       ("pipeline-parallel-size", config.parallel.pipeline_parallel_size),
-                       ("data-parallel-size", config.parallel.data_parallel_size)):
+    for flag, size in (
+        ("tensor-parallel-size", config.parallel.tensor_parallel_size),
+        ("pipeline-parallel-size", config.parallel.pipeline_parallel_size),
+        ("data-parallel-size", config.parallel.data_parallel_size),
+    ):
         if size < 1:
             bad(flag, f"must be at least 1, got {size}")

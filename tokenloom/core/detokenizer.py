@@ -34,7 +34,7 @@ class _TokenizerFacts:
         )
 
 
-_facts_cache: "weakref.WeakKeyDictionary[Any, _TokenizerFacts]" = weakref.WeakKeyDictionary()
+_facts_cache: weakref.WeakKeyDictionary[Any, _TokenizerFacts] = weakref.WeakKeyDictionary()
 
 
 def _tokenizer_facts(tokenizer: Any) -> _TokenizerFacts:
@@ -235,7 +235,7 @@ class IncrementalDetokenizer:
 
     def _held_back_len(self) -> int:
         """Length of the longest suffix of the text that a stop string starts with."""
-        return self._stop_matcher.partial_match_len
+        return self._stop_matcher.partial_match_len if self._stop_matcher is not None else 0
 
     def _release(self, *, final: bool) -> str:
         # Held-back text always lies after what was released: a suffix that could begin a

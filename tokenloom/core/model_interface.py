@@ -4,8 +4,9 @@ when building it (:class:`ModelContext`), plus :class:`KVCacheSpec`, the KV shap
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 
 @dataclass

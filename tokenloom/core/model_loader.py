@@ -59,8 +59,9 @@ class ModelInfo:
     pooler_config: Any = None
 
 
-def resolve_source(model: str, plugins: PluginSet, model_config: ModelConfig,
-                   download_dir: str | None) -> ResolvedModel:
+def resolve_source(
+    model: str, plugins: PluginSet, model_config: ModelConfig, download_dir: str | None
+) -> ResolvedModel:
     registry = plugins.registry("model_source")
     for entry in registry.entries():
         source: ModelSource = entry.resolve()()
@@ -100,16 +101,28 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
     tokenizer_started = time.perf_counter()
     tokenizer = None if model_config.skip_tokenizer_init else load_format.load_tokenizer(resolved.path, model_config)
     finished = time.perf_counter()
-    logger.info("resolved %s -> %s (%s, %s) in %.2fs: files %.2fs, config %.2fs, tokenizer %.2fs",
-                model_config.model, resolved.path, resolved.source, format_name, finished - started,
-                config_started - started, tokenizer_started - config_started, finished - tokenizer_started)
+    logger.info(
+        "resolved %s -> %s (%s, %s) in %.2fs: files %.2fs, config %.2fs, tokenizer %.2fs",
+        model_config.model,
+        resolved.path,
+        resolved.source,
+        format_name,
+        finished - started,
+        config_started - started,
+        tokenizer_started - config_started,
+        finished - tokenizer_started,
+    )
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     model_registry = plugins.registry("model")
     architecture = next((a for a in architectures if a in model_registry), None)
     if architecture is None:
-        raise UnknownNameError("model architecture", architectures[0] if architectures else "<none in config>",
-                               model_registry.names(), hint=ADD_MODEL_HINT)
+        raise UnknownNameError(
+            "model architecture",
+            architectures[0] if architectures else "<none in config>",
+            model_registry.names(),
+            hint=ADD_MODEL_HINT,
+        )
 
     quantization = model_config.quantization or load_format.quantization(resolved.path)
     if quantization is not None and quantization not in plugins.registry("quantization"):
@@ -183,7 +196,7 @@ def derive_max_model_len(hf_config: Any, model_config: ModelConfig) -> int:
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> list[int]:
     ids: list[int] = []
     config_eos = getattr(hf_config, "eos_token_id", None)
-    for value in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]):
+    for value in config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]:
         if isinstance(value, int) and value not in ids:
             ids.append(value)
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -195,20 +208,28 @@ def eos_token_ids(hf_config: Any, tokenizer: Any) -> list[int]:
 def resolve_dtype(name: str, hf_config: Any, platform: Any) -> torch.dtype:
     import torch
 
-    explicit = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float": torch.float32, "float32": torch.float32}
+    explicit = {
+        "half": torch.float16,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float": torch.float32,
+        "float32": torch.float32,
+    }
     if name in explicit:
         return explicit[name]
     # transformers 5 configs warn on reading the deprecated ``torch_dtype``: only older ones lack ``dtype``
-    stored = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
+    stored = (
+        getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
+    )
     if isinstance(stored, str):
         stored = getattr(torch, stored, torch.float32)
     chosen: torch.dtype = platform.default_dtype(stored if isinstance(stored, torch.dtype) else torch.float32)
     return chosen
 
 
-def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, *,
-                runner: str = "generate") -> Any:
+def build_model(
+    config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, *, runner: str = "generate"
+) -> Any:
     """Construct the model plugin on the platform's device and load its weights (worker side)."""
     import torch
 
@@ -223,9 +244,16 @@ def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platf
     if info.quantization is not None:
         quantization = plugins.registry("quantization").get(info.quantization)()
         quantization.exact_dtype = exact_dtype
-    context = ModelContext(hf_config=info.hf_config, dtype=dtype, device=device, quantization=quantization,
-                           exact_dtype=exact_dtype, model_config=config.model, runner=runner,
-                           pooler_config=info.pooler_config)
+    context = ModelContext(
+        hf_config=info.hf_config,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        exact_dtype=exact_dtype,
+        model_config=config.model,
+        runner=runner,
+        pooler_config=info.pooler_config,
+    )
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -247,8 +275,14 @@ def build_model(config: EngineConfig, info: ModelInfo, plugins: PluginSet, platf
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"the files at {info.path} have no weights for {shown}")
-    logger.info("model %s built in %.2fs, weights loaded in %.2fs (dtype %s, quantization %s)",
-                info.architecture, built - started, time.perf_counter() - built, dtype, info.quantization or "none")
+    logger.info(
+        "model %s built in %.2fs, weights loaded in %.2fs (dtype %s, quantization %s)",
+        info.architecture,
+        built - started,
+        time.perf_counter() - built,
+        dtype,
+        info.quantization or "none",
+    )
     return model, dtype
 
 

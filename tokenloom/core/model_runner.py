@@ -68,11 +68,15 @@ class ModelRunner:
     # -- set-up -----------------------------------------------------------------------
 
     def load_model(self) -> None:
-        self.model, self.dtype = build_model(self.config, self.info, self.plugins, self.platform,
-                                             runner=self.info.runner)
+        self.model, self.dtype = build_model(
+            self.config, self.info, self.plugins, self.platform, runner=self.info.runner
+        )
         if self.info.runner == "pooling" and getattr(self.model, "pooler", None) is None:
-            raise ConfigError(f"{self.info.architecture} has no pooler: it cannot run as a pooling model "
-                              "(--runner pooling, --task embed, --convert embed)", param="runner")
+            raise ConfigError(
+                f"{self.info.architecture} has no pooler: it cannot run as a pooling model "
+                "(--runner pooling, --task embed, --convert embed)",
+                param="runner",
+            )
 
     def kv_cache_dtype(self) -> torch.dtype:
         names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -122,8 +126,12 @@ class ModelRunner:
         spec = self.model.kv_cache_spec
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [self.platform.zeros(shape, self.kv_cache_dtype()) for _ in range(spec.num_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20,
+        )
 
     # -- one step ---------------------------------------------------------------------
 
@@ -177,7 +185,7 @@ class ModelRunner:
         if count <= 0:
             return 0
         for cache in self.kv_caches:
-            cache[:, first:first + count].zero_()
+            cache[:, first : first + count].zero_()
         self._kv_prefaulted = first + count
         return count * bytes_per_block
 
@@ -196,16 +204,23 @@ class ModelRunner:
             return output
 
         # rows whose known tokens are all computed after this step sample the next token
-        sampling_rows = [i for i, state in enumerate(states)
-                         if batch.seq_lens[i] == len(state.token_ids)]
+        sampling_rows = [i for i, state in enumerate(states) if batch.seq_lens[i] == len(state.token_ids)]
         if sampling_rows:
-            last_token_index = torch.tensor([batch.query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)
+            last_token_index = torch.tensor(
+                [batch.query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device
+            )
             logits = self.model.compute_logits(hidden_states.index_select(0, last_token_index)).float()
             sampling_states = [states[i].sampling for i in sampling_rows]
             grammar_rows, grammar_bitmask = self._grammar_bitmask(
-                scheduler_output.structured_output, [states[i].req_id for i in sampling_rows])
-            metadata = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device,
-                                              grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask)
+                scheduler_output.structured_output, [states[i].req_id for i in sampling_rows]
+            )
+            metadata = SamplingMetadata.build(
+                sampling_states,
+                logits.shape[-1],
+                self.device,
+                grammar_rows=grammar_rows,
+                grammar_bitmask=grammar_bitmask,
+            )
             sampled = self.sampler(logits, metadata)
             for row, i in enumerate(sampling_rows):
                 state = states[i]
@@ -226,23 +241,32 @@ class ModelRunner:
             state.num_computed_tokens = batch.seq_lens[i]
         return output
 
-    def _pool(self, states: list[CachedRequestState], batch: "PreparedBatch", hidden_states: torch.Tensor,
-              output: ModelRunnerOutput) -> None:
+    def _pool(
+        self,
+        states: list[CachedRequestState],
+        batch: PreparedBatch,
+        hidden_states: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
         """Pool each request's prompt, which the scheduler schedules whole (never chunked)."""
         query_lens = batch.attn_metadata.query_lens_cpu
         for i, state in enumerate(states):
             state.num_computed_tokens = batch.seq_lens[i]
             if query_lens[i] != state.num_prompt_tokens:
-                output.errors[state.req_id] = (f"a pooling prompt must run whole in one step, but {query_lens[i]} "
-                                               f"of its {state.num_prompt_tokens} tokens were scheduled")
+                output.errors[state.req_id] = (
+                    f"a pooling prompt must run whole in one step, but {query_lens[i]} "
+                    f"of its {state.num_prompt_tokens} tokens were scheduled"
+                )
         rows = [i for i, state in enumerate(states) if state.req_id not in output.errors]
         if not rows:
             return
         if len(rows) < len(states):
-            hidden_states = torch.cat([hidden_states[batch.query_start_loc[i]:batch.query_start_loc[i + 1]]
-                                       for i in rows])
-        pooled = self.model.pooler(hidden_states, [query_lens[i] for i in rows],
-                                   [states[i].pooling_params for i in rows])
+            hidden_states = torch.cat(
+                [hidden_states[batch.query_start_loc[i] : batch.query_start_loc[i + 1]] for i in rows]
+            )
+        pooled = self.model.pooler(
+            hidden_states, [query_lens[i] for i in rows], [states[i].pooling_params for i in rows]
+        )
         for i, vector in zip(rows, pooled):
             output.pooled[states[i].req_id] = vector
 
@@ -257,8 +281,14 @@ class ModelRunner:
         order = torch.tensor([mask_row[req_ids[row]] for row in rows], dtype=torch.long)
         return rows, torch.from_numpy(masks.bitmask).index_select(0, order).to(self.device)
 
-    def _prompt_logprobs(self, state: CachedRequestState, row: int, batch: PreparedBatch, hidden_states: torch.Tensor,
-                         output: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(
+        self,
+        state: CachedRequestState,
+        row: int,
+        batch: PreparedBatch,
+        hidden_states: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
         """Logprobs of the prompt tokens computed this step (each predicted by the one before)."""
         num_logprobs = state.prompt_logprobs
         if num_logprobs is None:
@@ -270,10 +300,10 @@ class ModelRunner:
         first = batch.query_start_loc[row]
         rows = torch.arange(first, first + (end - start), device=self.device)
         logits = self.model.compute_logits(hidden_states.index_select(0, rows)).float()
-        targets = torch.tensor(state.token_ids[start + 1:end + 1], device=self.device)
+        targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
         output.prompt_logprobs[state.req_id] = compute_prompt_logprobs(logits, targets, num_logprobs)
 
-    def _prepare_inputs(self, states: list[CachedRequestState], num_scheduled: dict[str, int]) -> "PreparedBatch":
+    def _prepare_inputs(self, states: list[CachedRequestState], num_scheduled: dict[str, int]) -> PreparedBatch:
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []

@@ -120,13 +120,15 @@ class ReasoningParser:
         that mark reasoning); default: the request unchanged."""
         return request
 
-    def extract_reasoning(self, model_output: str,
-                          request: ChatCompletionRequest | None = None) -> tuple[str | None, str | None]:
+    def extract_reasoning(
+        self, model_output: str, request: ChatCompletionRequest | None = None
+    ) -> tuple[str | None, str | None]:
         """``(reasoning_content, content)`` of a complete model output."""
         raise NotImplementedError
 
-    def extract_reasoning_delta(self, delta_text: str,
-                                request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def extract_reasoning_delta(
+        self, delta_text: str, request: ChatCompletionRequest | None = None
+    ) -> DeltaMessage | None:
         """What ``delta_text`` completes, split into reasoning and content."""
         raise NotImplementedError
 

@@ -23,7 +23,11 @@ POOLING = "pooling"
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
 # --task values (vLLM's names) -> the runner they need; None: not supported here
 _TASK_RUNNERS: dict[str, str | None] = {
-    "auto": None, "generate": GENERATE, "embed": POOLING, "embedding": POOLING, "score": POOLING,
+    "auto": None,
+    "generate": GENERATE,
+    "embed": POOLING,
+    "embedding": POOLING,
+    "score": POOLING,
 }
 # sentence-transformers Pooling flags -> our pooling types
 _SENTENCE_TRANSFORMERS_MODES = {
@@ -44,30 +48,34 @@ class PoolerConfig:
     softmax: bool | None = None
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, source: str = "--pooler-config") -> "PoolerConfig":
+    def from_dict(cls, values: dict[str, Any], *, source: str = "--pooler-config") -> PoolerConfig:
         """Validated settings from JSON; unknown keys and bad values name the flag."""
         if not isinstance(values, dict):
             raise ConfigError(f"{source} must be a JSON object, got {values!r}", param="pooler_config")
         known = ("pooling_type", "normalize", "softmax")
         unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}",
-                              param="pooler_config")
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}", param="pooler_config"
+            )
         pooling_type = values.get("pooling_type")
         if pooling_type is not None:
             if not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES:
-                raise ConfigError(f"{source}: pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
-                                  f"{pooling_type!r}", param="pooler_config")
+                raise ConfigError(
+                    f"{source}: pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooling_type!r}",
+                    param="pooler_config",
+                )
             pooling_type = pooling_type.upper()
         for key in ("normalize", "softmax"):
             if values.get(key) is not None and not isinstance(values[key], bool):
                 raise ConfigError(f"{source}: {key} must be true or false, got {values[key]!r}", param="pooler_config")
         return cls(pooling_type=pooling_type, normalize=values.get("normalize"), softmax=values.get("softmax"))
 
-    def merged(self, override: "PoolerConfig") -> "PoolerConfig":
+    def merged(self, override: PoolerConfig) -> PoolerConfig:
         """These settings with every field ``override`` sets replaced."""
-        return PoolerConfig(**{key: value if value is not None else getattr(self, key)
-                               for key, value in asdict(override).items()})
+        return PoolerConfig(
+            **{key: value if value is not None else getattr(self, key) for key, value in asdict(override).items()}
+        )
 
 
 # -- the runner --------------------------------------------------------------------------
@@ -83,11 +91,17 @@ def resolve_runner(model_config: Any, architecture: str, registered_runner: str)
     runner = getattr(model_config, "runner", "auto") or "auto"
     convert = getattr(model_config, "convert", "auto") or "auto"
     if task not in _TASK_RUNNERS:
-        raise ConfigError(f"--task {task} is not supported: tokenloom serves generate, embed and score "
-                          "(embedding similarity); a classifier or reward head is not implemented", param="task")
+        raise ConfigError(
+            f"--task {task} is not supported: tokenloom serves generate, embed and score "
+            "(embedding similarity); a classifier or reward head is not implemented",
+            param="task",
+        )
     if convert not in ("auto", "none", "embed"):
-        raise ConfigError(f"--convert {convert} is not supported: only --convert embed (a pooling runner "
-                          "over the model's hidden states) is implemented", param="convert")
+        raise ConfigError(
+            f"--convert {convert} is not supported: only --convert embed (a pooling runner "
+            "over the model's hidden states) is implemented",
+            param="convert",
+        )
     if runner not in ("auto", GENERATE, POOLING):
         raise ConfigError(f"--runner {runner} is not supported; use generate or pooling", param="runner")
     wanted = {runner} - {"auto"}
@@ -96,15 +110,24 @@ def resolve_runner(model_config: Any, architecture: str, registered_runner: str)
     if convert == "embed":
         wanted.add(POOLING)
     if len(wanted) > 1:
-        raise ConfigError(f"--runner {runner}, --task {task} and --convert {convert} contradict each other: "
-                          "pooling (embed, score) and generation need different runners", param="runner")
+        raise ConfigError(
+            f"--runner {runner}, --task {task} and --convert {convert} contradict each other: "
+            "pooling (embed, score) and generation need different runners",
+            param="runner",
+        )
     chosen = wanted.pop() if wanted else registered_runner
     if chosen == GENERATE and registered_runner == POOLING:
-        raise ConfigError(f"{architecture} is a pooling model (embeddings, scores): it cannot generate text; "
-                          "drop --runner generate / --task generate", param="runner")
+        raise ConfigError(
+            f"{architecture} is a pooling model (embeddings, scores): it cannot generate text; "
+            "drop --runner generate / --task generate",
+            param="runner",
+        )
     if chosen == POOLING and registered_runner != POOLING and convert == "none":
-        raise ConfigError(f"{architecture} is a generative model: --runner pooling needs --convert embed "
-                          "(or auto), not --convert none", param="convert")
+        raise ConfigError(
+            f"{architecture} is a generative model: --runner pooling needs --convert embed "
+            "(or auto), not --convert none",
+            param="convert",
+        )
     return chosen
 
 
@@ -133,8 +156,10 @@ def sentence_transformers_pooler(model_dir: str) -> PoolerConfig | None:
     for module in modules:
         kind = str(module.get("type", "")).rpartition(".")[2]
         if kind not in _SENTENCE_TRANSFORMERS_MODULES:
-            raise ModelLoadError(f"{modules_path} uses the sentence-transformers module {kind!r}, which tokenloom "
-                                 f"does not implement (only {', '.join(_SENTENCE_TRANSFORMERS_MODULES)})")
+            raise ModelLoadError(
+                f"{modules_path} uses the sentence-transformers module {kind!r}, which tokenloom "
+                f"does not implement (only {', '.join(_SENTENCE_TRANSFORMERS_MODULES)})"
+            )
         if kind == "Normalize":
             normalize = True
         elif kind == "Pooling":
@@ -147,9 +172,11 @@ def _pooling_type_of(pooling: dict[str, Any], config_path: str) -> str:
     enabled = [key for key, value in pooling.items() if key.startswith("pooling_mode_") and value is True]
     unsupported = [key for key in enabled if key not in _SENTENCE_TRANSFORMERS_MODES]
     if unsupported or len(enabled) != 1:
-        raise ModelLoadError(f"{config_path} enables {', '.join(enabled) or 'no pooling mode'}; tokenloom pools with "
-                             "exactly one of cls_token, mean_tokens or lasttoken (override with --pooler-config "
-                             "'{\"pooling_type\": \"MEAN\"}')")
+        raise ModelLoadError(
+            f"{config_path} enables {', '.join(enabled) or 'no pooling mode'}; tokenloom pools with "
+            "exactly one of cls_token, mean_tokens or lasttoken (override with --pooler-config "
+            '\'{"pooling_type": "MEAN"}\')'
+        )
     return _SENTENCE_TRANSFORMERS_MODES[enabled[0]]
 
 
@@ -188,24 +215,30 @@ def check_pooling_params(params: PoolingParams, hf_config: Any) -> None:
         return
     hidden_size = getattr(hf_config, "hidden_size", None)
     if hidden_size is not None and params.dimensions > hidden_size:
-        raise InvalidRequestError(f"dimensions {params.dimensions} is more than the model's {hidden_size}",
-                                  param="dimensions")
+        raise InvalidRequestError(
+            f"dimensions {params.dimensions} is more than the model's {hidden_size}", param="dimensions"
+        )
     if params.dimensions == hidden_size:
         return
     allowed = getattr(hf_config, "matryoshka_dimensions", None)
     if allowed:
         if params.dimensions not in allowed:
-            raise InvalidRequestError(f"dimensions must be one of {sorted(allowed)} for this model, got "
-                                      f"{params.dimensions}", param="dimensions")
+            raise InvalidRequestError(
+                f"dimensions must be one of {sorted(allowed)} for this model, got {params.dimensions}",
+                param="dimensions",
+            )
         return
     if not getattr(hf_config, "is_matryoshka", False):
         raise InvalidRequestError(
             f"this model was not trained for shorter embeddings (not a Matryoshka model): drop dimensions or set it "
-            f"to {hidden_size}", param="dimensions")
+            f"to {hidden_size}",
+            param="dimensions",
+        )
 
 
-def prepare_pooling_prompt(prompt: Any, params: PoolingParams, tokenizer: Any, vocab_size: int,
-                           max_model_len: int) -> tuple[list[int], str | None]:
+def prepare_pooling_prompt(
+    prompt: Any, params: PoolingParams, tokenizer: Any, vocab_size: int, max_model_len: int
+) -> tuple[list[int], str | None]:
     """``(token_ids, text)`` of a pooling prompt (text, token ids, or vLLM's dict forms),
     truncated as ``params`` asks and checked against the context length (a pooling prompt
     may fill it: nothing is generated after it)."""
@@ -214,8 +247,9 @@ def prepare_pooling_prompt(prompt: Any, params: PoolingParams, tokenizer: Any, v
     text = None
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise InvalidRequestError("the tokenizer was skipped (--skip-tokenizer-init): send token ids",
-                                      param="input")
+            raise InvalidRequestError(
+                "the tokenizer was skipped (--skip-tokenizer-init): send token ids", param="input"
+            )
         text = prompt
         if truncate is not None:
             token_ids = tokenizer(prompt, add_special_tokens=True, truncation=True, max_length=truncate)["input_ids"]
@@ -236,15 +270,18 @@ def prepare_pooling_prompt(prompt: Any, params: PoolingParams, tokenizer: Any, v
     if len(token_ids) > max_model_len:
         raise ContextLengthError(
             f"an input has {len(token_ids)} tokens, but this model takes at most {max_model_len}: shorten it or set "
-            "truncate_prompt_tokens", param="input")
+            "truncate_prompt_tokens",
+            param="input",
+        )
     return token_ids, text
 
 
 # -- scoring by embedding similarity ---------------------------------------------------------
 
 
-def score_inputs(text_1: Any, text_2: Any, *, param_1: str = "text_1",
-                 param_2: str = "text_2") -> tuple[list[Any], list[Any], list[tuple[int, int]]]:
+def score_inputs(
+    text_1: Any, text_2: Any, *, param_1: str = "text_1", param_2: str = "text_2"
+) -> tuple[list[Any], list[Any], list[tuple[int, int]]]:
     """``(first inputs, second inputs, pairs)`` to score, paired as vLLM pairs them: one
     ``text_1`` against every ``text_2``, or two lists of the same length item by item. An
     input is a string or a list of token ids."""
@@ -257,14 +294,20 @@ def score_inputs(text_1: Any, text_2: Any, *, param_1: str = "text_1",
     if len(first) == 1:
         return first, second, [(0, index) for index in range(len(second))]
     if len(first) != len(second):
-        raise InvalidRequestError(f"{param_1} has {len(first)} inputs and {param_2} {len(second)}: give one {param_1} "
-                                  f"or as many as {param_2}", param=param_1)
+        raise InvalidRequestError(
+            f"{param_1} has {len(first)} inputs and {param_2} {len(second)}: give one {param_1} "
+            f"or as many as {param_2}",
+            param=param_1,
+        )
     return first, second, [(index, index) for index in range(len(first))]
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def cosine_similarity(first: Any, second: Any) -> float:

@@ -1,5 +1,5 @@
 """Request-side data: :class:`SamplingParams` (validated on construction), the engine's
-:class:`Request` state, and the :class:`RequestOutput` the APIs return, shaped like vLLM's.
+:class:`Sequence` state, and the :class:`RequestOutput` the APIs return, shaped like vLLM's.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def check_encodable(text: str, param: str) -> None:
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(
             f"{param} holds text that is not valid Unicode (an unpaired surrogate "
-            f"{text[exc.start]!r} at character {exc.start}); send well-formed UTF-8", param=param) from None
+            f"{text[exc.start]!r} at character {exc.start}); send well-formed UTF-8",
+            param=param,
+        ) from None
 
 
 class RequestOutputKind(enum.Enum):
@@ -111,13 +113,17 @@ class SamplingParams:
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most "
-                                      f"{MAX_LOGIT_BIAS_ENTRIES} are allowed", param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                param="logit_bias",
+            )
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
-                raise InvalidRequestError("logit_bias keys must be token ids and values numbers", param="logit_bias") from None
+                raise InvalidRequestError(
+                    "logit_bias keys must be token ids and values numbers", param="logit_bias"
+                ) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -154,34 +160,41 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be a non-negative integer, got {self.prompt_logprobs}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             bad("truncate_prompt_tokens", f"must be at least 1, got {self.truncate_prompt_tokens}")
-        if any(not isinstance(s, str) for s in self.stop):
+        # __post_init__ made these lists
+        stop = self.stop if isinstance(self.stop, list) else []
+        stop_token_ids = self.stop_token_ids or []
+        bad_words = self.bad_words or []
+        if any(not isinstance(s, str) for s in stop):
             bad("stop", "must be a string or a list of strings")
-        if any(not s for s in self.stop):
+        if any(not s for s in stop):
             bad("stop", "must not contain empty strings")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            bad("stop", f"has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-        longest_stop = max(self.stop, key=len, default="")
+        if len(stop) > MAX_STOP_STRINGS:
+            bad("stop", f"has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        longest_stop = max(stop, key=len, default="")
         if len(longest_stop) > MAX_STOP_STRING_CHARS:
-            bad("stop", f"holds a string of {len(longest_stop)} characters; each may have at most "
-                        f"{MAX_STOP_STRING_CHARS}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            bad("stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
-        if len(self.bad_words) > MAX_BAD_WORDS:
-            bad("bad_words", f"has {len(self.bad_words)} entries; at most {MAX_BAD_WORDS} are allowed")
+            bad(
+                "stop",
+                f"holds a string of {len(longest_stop)} characters; each may have at most {MAX_STOP_STRING_CHARS}",
+            )
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        if len(bad_words) > MAX_BAD_WORDS:
+            bad("bad_words", f"has {len(bad_words)} entries; at most {MAX_BAD_WORDS} are allowed")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             bad("allowed_token_ids", "must not be empty")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-            bad("allowed_token_ids", f"has {len(self.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} "
-                                     "are allowed")
+            bad(
+                "allowed_token_ids",
+                f"has {len(self.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed",
+            )
         if self.cache_salt is not None:
             if not isinstance(self.cache_salt, str) or not self.cache_salt:
                 bad("cache_salt", "must be a non-empty string")
             if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
-                bad("cache_salt", f"has {len(self.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} "
-                                  "are allowed")
+                bad("cache_salt", f"has {len(self.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed")
             check_encodable(self.cache_salt, "cache_salt")
-        for index, stop in enumerate(self.stop):
-            check_encodable(stop, f"stop[{index}]")
+        for index, stop_string in enumerate(stop):
+            check_encodable(stop_string, f"stop[{index}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
 
@@ -195,7 +208,7 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -217,7 +230,7 @@ class Logprob:
 
 
 @dataclass
-class Request:
+class Sequence:
     """The engine's state of one sequence (one of the ``n`` outputs of a user request)."""
 
     request_id: str
@@ -232,7 +245,7 @@ class Request:
     prompt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
     num_preemptions: int = 0
@@ -246,7 +259,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     # set for a pooling request: prefill-only, finished once its prompt is computed
-    pooling_params: "PoolingParams | None" = None
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None:
@@ -274,9 +287,13 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED):
+        if self.status in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        ):
             return str(self.status.value)
-        if self.status is RequestStatus.FINISHED_ERROR:
+        if self.status is SequenceStatus.FINISHED_ERROR:
             return "error"
         return None
 
@@ -341,14 +358,19 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
-                                            or self.dimensions < 1):
-            raise InvalidRequestError(f"dimensions must be a positive integer, got {self.dimensions!r}",
-                                      param="dimensions")
-        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
-                                                        or self.truncate_prompt_tokens < 1):
-            raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens!r}",
-                                      param="truncate_prompt_tokens")
+        if self.dimensions is not None and (
+            not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool) or self.dimensions < 1
+        ):
+            raise InvalidRequestError(
+                f"dimensions must be a positive integer, got {self.dimensions!r}", param="dimensions"
+            )
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < 1
+        ):
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens!r}",
+                param="truncate_prompt_tokens",
+            )
 
     def clone(self, **changes: Any) -> PoolingParams:
         import dataclasses

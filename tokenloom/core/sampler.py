@@ -22,8 +22,16 @@ from tokenloom.core.batch import TokenLogprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState, tokenize_bad_words
 from tokenloom.errors import ConfigError
 
-__all__ = ["LOGPROBS_MODES", "Sampler", "SamplerOutput", "SamplingMetadata", "SamplingState",
-           "compute_prompt_logprobs", "tokenize_bad_words", "unpack_bitmask"]
+__all__ = [
+    "LOGPROBS_MODES",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingState",
+    "compute_prompt_logprobs",
+    "tokenize_bad_words",
+    "unpack_bitmask",
+]
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 

@@ -221,8 +221,9 @@ class SamplingMetadata:
 
     @property
     def modifies_logits(self) -> bool:
-        return any(feature is not None
-                   for feature in (self.grammar, self.allowed, self.banned, self.bias, self.penalties))
+        return any(
+            feature is not None for feature in (self.grammar, self.allowed, self.banned, self.bias, self.penalties)
+        )
 
     @classmethod
     def build(
@@ -315,8 +316,9 @@ class SamplingMetadata:
         if banned_rows:
             metadata.banned = RowTokens(_long(banned_rows, device), _long(banned_token_ids, device))
         if bias_rows:
-            metadata.bias = LogitBias(_long(bias_rows, device), _long(bias_token_ids, device),
-                                      _float(bias_values, device))
+            metadata.bias = LogitBias(
+                _long(bias_rows, device), _long(bias_token_ids, device), _float(bias_values, device)
+            )
         if penalty_states:
             penalized = [state for _, state in penalty_states]
             metadata.penalties = Penalties(
@@ -326,8 +328,9 @@ class SamplingMetadata:
                 output_counts=torch.stack([s.output_counts(vocab_size) for s in penalized]).to(device),
             )
             if any(s.sampling_params.repetition_penalty != 1.0 for s in penalized):
-                metadata.penalties.repetition = _float([s.sampling_params.repetition_penalty for s in penalized],
-                                                       device)
+                metadata.penalties.repetition = _float(
+                    [s.sampling_params.repetition_penalty for s in penalized], device
+                )
                 metadata.penalties.prompt_mask = torch.stack([s.prompt_mask(vocab_size) for s in penalized]).to(device)
         return metadata
 
@@ -343,5 +346,3 @@ def _allowed_mask(
     if state.sampling_params.allowed_token_ids:
         mask &= state.allowed_mask(vocab_size).to(device)
     return mask
-
-

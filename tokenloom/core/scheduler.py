@@ -19,13 +19,13 @@ import heapq
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.block_manager import BlockManager
 from tokenloom.core.config import CacheConfig, SchedulerConfig
-from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.request import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
@@ -53,18 +53,18 @@ class _FCFSQueue:
     """Waiting requests in arrival order; preempted ones go back to the front."""
 
     def __init__(self) -> None:
-        self._requests: deque[Request] = deque()
+        self._requests: deque[Sequence] = deque()
 
-    def push(self, request: Request, order_key: OrderKey) -> None:
+    def push(self, request: Sequence, order_key: OrderKey) -> None:
         self._requests.append(request)
 
-    def push_front(self, request: Request, order_key: OrderKey) -> None:
+    def push_front(self, request: Sequence, order_key: OrderKey) -> None:
         self._requests.appendleft(request)
 
-    def peek(self) -> Request:
+    def peek(self) -> Sequence:
         return self._requests[0]
 
-    def pop(self) -> Request:
+    def pop(self) -> Sequence:
         return self._requests.popleft()
 
     def remove_ids(self, request_ids: set[str]) -> None:
@@ -79,17 +79,17 @@ class _PriorityQueue:
     which puts it ahead of everything that arrived after it at its priority."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[OrderKey, Request]] = []
+        self._heap: list[tuple[OrderKey, Sequence]] = []
 
-    def push(self, request: Request, order_key: OrderKey) -> None:
+    def push(self, request: Sequence, order_key: OrderKey) -> None:
         heapq.heappush(self._heap, (order_key, request))
 
     push_front = push
 
-    def peek(self) -> Request:
+    def peek(self) -> Sequence:
         return self._heap[0][1]
 
-    def pop(self) -> Request:
+    def pop(self) -> Sequence:
         return heapq.heappop(self._heap)[1]
 
     def remove_ids(self, request_ids: set[str]) -> None:
@@ -107,14 +107,19 @@ class Scheduler:
     requests the scheduler finishes on its own are returned from there.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int):
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, max_model_len: int
+    ):
         if max_model_len < 2:
-            raise ConfigError(f"max_model_len must be at least 2 (one prompt and one output token), "
-                              f"got {max_model_len}", param="max-model-len")
+            raise ConfigError(
+                f"max_model_len must be at least 2 (one prompt and one output token), got {max_model_len}",
+                param="max-model-len",
+            )
         if scheduler_config.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got "
-                              f"{scheduler_config.scheduling_policy!r}", param="scheduling-policy")
+            raise ConfigError(
+                f"--scheduling-policy must be fcfs or priority, got {scheduler_config.scheduling_policy!r}",
+                param="scheduling-policy",
+            )
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -127,27 +132,31 @@ class Scheduler:
         if not self.long_prefill_token_threshold and self.max_num_partial_prefills > 1:
             self.long_prefill_token_threshold = max(1, int(max_model_len * LONG_PREFILL_SHARE))
         self.use_priority = scheduler_config.scheduling_policy == "priority"
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                          hash_algo=cache_config.prefix_caching_hash_algo)
+        self.block_manager = BlockManager(
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            hash_algo=cache_config.prefix_caching_hash_algo,
+        )
 
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Sequence] = {}
         self.waiting = _PriorityQueue() if self.use_priority else _FCFSQueue()
-        self.running: list[Request] = []
+        self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._admission_seq: dict[str, int] = {}
         self._next_admission_seq = 0
         # ids whose state the worker must drop at the next step
         self._finished_req_ids: set[str] = set()
         # requests finished inside schedule(); the next update_from_output returns them
-        self._finished_in_schedule: list[Request] = []
+        self._finished_in_schedule: list[Sequence] = []
 
     # ---- admission -------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Sequence) -> None:
         """Queue a request, or reject it at once when it can never run."""
         self.add_requests([request])
 
-    def add_requests(self, requests: Sequence[Request]) -> None:
+    def add_requests(self, requests: list[Sequence]) -> None:
         """Queue the sequences of one user request together, or none of them: every check runs
         on all of them before the first is queued, so a refusal leaves nothing behind.
 
@@ -158,26 +167,30 @@ class Scheduler:
         seen: set[str] = set()
         for request in requests:
             if request.request_id in seen:
-                raise InvalidRequestError(f"request id {request.request_id!r} appears twice in one request",
-                                          param="request_id")
+                raise InvalidRequestError(
+                    f"request id {request.request_id!r} appears twice in one request", param="request_id"
+                )
             seen.add(request.request_id)
             self._check_admissible(request)
         if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
-            raise OverloadedError(f"{len(self.waiting)} requests are already waiting "
-                                  f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
+            raise OverloadedError(
+                f"{len(self.waiting)} requests are already waiting "
+                f"(--max-waiting-requests {self.max_waiting_requests}); retry later"
+            )
         for request in requests:
-            request.status = RequestStatus.WAITING
+            request.status = SequenceStatus.WAITING
             self.requests[request.request_id] = request
             self._admission_seq[request.request_id] = self._next_admission_seq
             self._next_admission_seq += 1
             self.waiting.push(request, self._order_key(request))
 
-    def _check_admissible(self, request: Request) -> None:
+    def _check_admissible(self, request: Sequence) -> None:
         """Raise when ``request`` can never be queued: its id is taken, or it can never fit."""
         request_id = request.request_id
         if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request "
-                                      "a unique id", param="request_id")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use; give each request a unique id", param="request_id"
+            )
         num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="prompt")
@@ -187,7 +200,9 @@ class Scheduler:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's maximum context length is "
                 f"{self.max_model_len} tokens (prompt plus at least one output token); shorten the prompt "
-                f"to at most {self.max_model_len - 1} tokens", param="prompt")
+                f"to at most {self.max_model_len - 1} tokens",
+                param="prompt",
+            )
         block_size = self.block_manager.block_size
         num_blocks_needed = self.block_manager.num_blocks_needed(num_prompt_tokens + 1)
         if num_blocks_needed > self.block_manager.num_blocks:
@@ -195,7 +210,9 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens and needs {num_blocks_needed} KV-cache blocks of "
                 f"{block_size} tokens, but the cache has only {self.block_manager.num_blocks} blocks; shorten "
                 "the prompt or give the KV cache more memory (--gpu-memory-utilization, "
-                "--kv-cache-memory-bytes, --num-gpu-blocks-override)", param="prompt")
+                "--kv-cache-memory-bytes, --num-gpu-blocks-override)",
+                param="prompt",
+            )
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -212,7 +229,7 @@ class Scheduler:
         for request in list(self.running):
             if token_budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new_tokens = self._num_running_tokens_to_schedule(request, token_budget)
             if num_new_tokens == 0:
@@ -240,8 +257,9 @@ class Scheduler:
             token_budget -= num_new_tokens
 
         cached_reqs = [
-            CachedRequestData(req_id=req_id, new_block_ids=block_ids,
-                              num_computed_tokens=self.requests[req_id].num_computed_tokens)
+            CachedRequestData(
+                req_id=req_id, new_block_ids=block_ids, num_computed_tokens=self.requests[req_id].num_computed_tokens
+            )
             for req_id, block_ids in new_block_ids_by_req.items()
         ]
         # after a preemption memory is short: admitting more would only preempt again
@@ -255,7 +273,7 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
         )
 
-    def _num_running_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
+    def _num_running_tokens_to_schedule(self, request: Sequence, token_budget: int) -> int:
         num_uncomputed = request.num_tokens - request.num_computed_tokens
         if not self.enable_chunked_prefill:
             return num_uncomputed if num_uncomputed <= token_budget else 0
@@ -271,16 +289,21 @@ class Scheduler:
         if self.enable_chunked_prefill and len(self.waiting):
             # a running request is mid-prefill when more than its one pending token is uncomputed
             num_partial_prefills = sum(
-                1 for r in self.running
-                if r.num_tokens - r.num_computed_tokens - num_scheduled_tokens.get(r.request_id, 0) > 1)
+                1
+                for r in self.running
+                if r.num_tokens - r.num_computed_tokens - num_scheduled_tokens.get(r.request_id, 0) > 1
+            )
         now = time.monotonic()
         while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_cached_tokens = None, 0
             # a prefix hit would skip the prompt positions whose logprobs were asked for (or
             # the hidden states a pooling request pools)
-            if self.block_manager.enable_prefix_caching and request.sampling_params.prompt_logprobs is None \
-                    and request.pooling_params is None:
+            if (
+                self.block_manager.enable_prefix_caching
+                and request.sampling_params.prompt_logprobs is None
+                and request.pooling_params is None
+            ):
                 computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             num_uncomputed = request.num_tokens - num_cached_tokens
             # a pooling request pools its whole prompt in one step: never chunked
@@ -302,7 +325,7 @@ class Scheduler:
             self.waiting.pop()
             if num_new_tokens < num_uncomputed:
                 num_partial_prefills += 1
-            request.status = RequestStatus.RUNNING
+            request.status = SequenceStatus.RUNNING
             request.num_computed_tokens = num_cached_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -310,19 +333,22 @@ class Scheduler:
             self.running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            new_reqs.append(NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=self.block_manager.get_block_table(request.request_id),
-                num_computed_tokens=num_cached_tokens,
-                pooling_params=request.pooling_params,
-            ))
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.block_manager.get_block_table(request.request_id),
+                    num_computed_tokens=num_cached_tokens,
+                    pooling_params=request.pooling_params,
+                )
+            )
         return new_reqs
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[Request]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[Sequence]:
         """Apply one step's results: advance computed tokens, append sampled tokens and
         logprobs, check token-level stops, free what finished.
 
@@ -334,7 +360,7 @@ class Scheduler:
         any_finished = False
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
-            if request is None or request.status is not RequestStatus.RUNNING or req_id in errors:
+            if request is None or request.status is not SequenceStatus.RUNNING or req_id in errors:
                 continue  # finished or aborted since schedule(); errors are handled below
             if request.num_output_tokens == 0 and req_id in model_runner_output.prompt_logprobs:
                 if request.prompt_logprobs is None:
@@ -370,44 +396,44 @@ class Scheduler:
             if request is None:
                 continue
             logger.warning("request %s failed in the worker: %s", req_id, errors[req_id])
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not SequenceStatus.RUNNING:
                 self.waiting.remove_ids({req_id})
-            self._finish(request, RequestStatus.FINISHED_ERROR)
+            self._finish(request, SequenceStatus.FINISHED_ERROR)
             any_finished = True
             changed.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.finished]
         return changed
 
-    def _check_stop(self, request: Request, token_id: int) -> bool:
+    def _check_stop(self, request: Sequence, token_id: int) -> bool:
         """Token-level stops, in order: stop_token_ids, EOS, max_tokens, max_model_len."""
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if token_id in (params.stop_token_ids or ()):
-                request.status = RequestStatus.FINISHED_STOPPED
+                request.status = SequenceStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
             if not params.ignore_eos and token_id in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
+                request.status = SequenceStatus.FINISHED_STOPPED
                 request.stop_reason = None
                 return True
-        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) \
-                or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
+        if (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ) or request.num_tokens >= self.max_model_len:
+            request.status = SequenceStatus.FINISHED_LENGTH
             return True
         return False
 
     # ---- finishing and preemption --------------------------------------------------------------
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: str | Iterable[str], status: SequenceStatus) -> list[Sequence]:
         """Finish requests from outside (abort, stop string): they leave the queues and free
         their blocks now. Unknown or already finished ids are ignored.
 
         :returns: the requests finished by this call.
         """
         if not status.finished:
-            raise InvalidRequestError(f"finish_requests needs a FINISHED_* status, got {status.name}",
-                                      param="status")
+            raise InvalidRequestError(f"finish_requests needs a FINISHED_* status, got {status.name}", param="status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         known_ids = {req_id for req_id in request_ids if req_id in self.requests}
@@ -420,7 +446,7 @@ class Scheduler:
             self._finish(request, status)
         return finished
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Sequence, status: SequenceStatus) -> None:
         """Release a request that has already left (or is about to leave) the queues."""
         request.status = status
         self.block_manager.free(request)
@@ -428,23 +454,28 @@ class Scheduler:
         del self._admission_seq[request.request_id]
         self._finished_req_ids.add(request.request_id)
 
-    def _finish_pooled(self, request: Request, model_runner_output: ModelRunnerOutput) -> None:
+    def _finish_pooled(self, request: Sequence, model_runner_output: ModelRunnerOutput) -> None:
         """A pooling request ends in the step that computed its prompt, freeing its blocks."""
         if request.request_id in model_runner_output.pooled:
-            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            self._finish(request, SequenceStatus.FINISHED_STOPPED)
             return
         request.stop_reason = "the model runner returned no pooled output for this prompt"
-        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._finish(request, SequenceStatus.FINISHED_ERROR)
 
-    def _finish_unfittable(self, request: Request) -> None:
-        logger.warning("request %s needs more KV-cache blocks than the whole cache holds (%d blocks of %d "
-                       "tokens) after %d tokens; finishing it with reason 'length'", request.request_id,
-                       self.block_manager.num_blocks, self.block_manager.block_size, request.num_tokens)
+    def _finish_unfittable(self, request: Sequence) -> None:
+        logger.warning(
+            "request %s needs more KV-cache blocks than the whole cache holds (%d blocks of %d "
+            "tokens) after %d tokens; finishing it with reason 'length'",
+            request.request_id,
+            self.block_manager.num_blocks,
+            self.block_manager.block_size,
+            request.num_tokens,
+        )
         self.running.remove(request)
-        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        self._finish(request, SequenceStatus.FINISHED_LENGTH)
         self._finished_in_schedule.append(request)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Sequence) -> None:
         """Free a running request's blocks and queue it to be recomputed from scratch.
 
         Its computed full blocks stay in the prefix cache, so on resumption it usually hits
@@ -453,18 +484,21 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        request.status = SequenceStatus.PREEMPTED
         request.num_preemptions += 1
         if request.num_output_tokens == 0 and request.prompt_logprobs:
             request.prompt_logprobs = []  # the prompt is recomputed from its first position
         self.num_preemptions += 1
         self._finished_req_ids.add(request.request_id)
         self.waiting.push_front(request, self._order_key(request))
-        logger.warning("request %s preempted (KV cache full, %d preemptions so far); it will be recomputed. "
-                       "More KV-cache memory or a lower --max-num-seqs avoids this.",
-                       request.request_id, self.num_preemptions)
+        logger.warning(
+            "request %s preempted (KV cache full, %d preemptions so far); it will be recomputed. "
+            "More KV-cache memory or a lower --max-num-seqs avoids this.",
+            request.request_id,
+            self.num_preemptions,
+        )
 
-    def _order_key(self, request: Request) -> OrderKey:
+    def _order_key(self, request: Sequence) -> OrderKey:
         """Lower runs first; the highest running key is preempted first."""
         seq = self._admission_seq[request.request_id]
         if self.use_priority:
@@ -484,7 +518,7 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def get_request(self, request_id: str) -> Request | None:
+    def get_request(self, request_id: str) -> Sequence | None:
         return self.requests.get(request_id)
 
     def reset_prefix_cache(self) -> None:

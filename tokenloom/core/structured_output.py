@@ -22,8 +22,9 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.batch import StructuredOutputMasks
 from tokenloom.errors import ConfigError, InvalidRequestError, OverloadedError
@@ -34,8 +35,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-CONSTRAINT_OPTIONS = ("backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                      "whitespace_pattern")
+CONSTRAINT_OPTIONS = (
+    "backend",
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+)
 # backend option words of vLLM's syntax, "xgrammar:disable-any-whitespace,no-fallback"
 BACKEND_OPTION_WORDS = {
     "no-fallback": "disable_fallback",
@@ -97,8 +103,14 @@ class Constraint:
         return json.dumps([self.kind, spec, self.any_whitespace, self.whitespace_pattern], sort_keys=True)
 
     def describe(self) -> str:
-        return {"json": "a JSON schema", "json_object": "any JSON object", "regex": "a regex",
-                "choice": "a choice", "grammar": "a grammar", "structural_tag": "a structural tag"}[self.kind]
+        return {
+            "json": "a JSON schema",
+            "json_object": "any JSON object",
+            "regex": "a regex",
+            "choice": "a choice",
+            "grammar": "a grammar",
+            "structural_tag": "a structural tag",
+        }[self.kind]
 
 
 @dataclass(frozen=True)
@@ -182,8 +194,11 @@ def parse_backend_option(value: str) -> tuple[str, BackendOptions]:
     settings: dict[str, bool] = {}
     for word in filter(None, (w.strip() for w in words.split(","))):
         if word not in BACKEND_OPTION_WORDS:
-            raise ConfigError(f"--guided-decoding-backend: unknown option {word!r} in {value!r}; known: "
-                              + ", ".join(BACKEND_OPTION_WORDS), param="guided-decoding-backend")
+            raise ConfigError(
+                f"--guided-decoding-backend: unknown option {word!r} in {value!r}; known: "
+                + ", ".join(BACKEND_OPTION_WORDS),
+                param="guided-decoding-backend",
+            )
         settings[BACKEND_OPTION_WORDS[word]] = True
     return name.strip() or AUTO, BackendOptions(**settings)
 
@@ -227,8 +242,10 @@ def forbid_additional_properties(schema: Any) -> Any:
         return [forbid_additional_properties(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    copy = {key: forbid_additional_properties(value) if key not in ("enum", "const", "default", "examples") else value
-            for key, value in schema.items()}
+    copy = {
+        key: forbid_additional_properties(value) if key not in ("enum", "const", "default", "examples") else value
+        for key, value in schema.items()
+    }
     if (copy.get("type") == "object" or "properties" in copy) and "additionalProperties" not in copy:
         copy["additionalProperties"] = False
     return copy
@@ -241,12 +258,18 @@ def parse_constraint(request: dict[str, Any], defaults: BackendOptions) -> tuple
         raise _bad(f"structured_outputs must be an object, got {type(request).__name__}")
     unknown = sorted(set(request) - set(CONSTRAINT_KINDS) - set(CONSTRAINT_OPTIONS))
     if unknown:
-        raise _bad(f"unknown structured_outputs key(s) {', '.join(unknown)}; known: "
-                   + ", ".join(CONSTRAINT_KINDS + CONSTRAINT_OPTIONS))
+        raise _bad(
+            f"unknown structured_outputs key(s) {', '.join(unknown)}; known: "
+            + ", ".join(CONSTRAINT_KINDS + CONSTRAINT_OPTIONS)
+        )
     given = [kind for kind in CONSTRAINT_KINDS if request.get(kind) not in (None, False)]
     if len(given) != 1:
-        raise _bad("give exactly one constraint (" + " | ".join(CONSTRAINT_KINDS) + "), got "
-                   + (", ".join(given) if given else "none"))
+        raise _bad(
+            "give exactly one constraint ("
+            + " | ".join(CONSTRAINT_KINDS)
+            + "), got "
+            + (", ".join(given) if given else "none")
+        )
     kind = given[0]
     value = request[kind]
     whitespace_pattern = request.get("whitespace_pattern")
@@ -275,8 +298,10 @@ def parse_constraint(request: dict[str, Any], defaults: BackendOptions) -> tuple
         raise _bad("backend must be a string")
     constraint = Constraint(kind, value, any_whitespace=any_whitespace, whitespace_pattern=whitespace_pattern)
     if len(constraint.key) > MAX_CONSTRAINT_CHARS:
-        raise _bad(f"the {kind} constraint is {len(constraint.key)} characters long; at most "
-                   f"{MAX_CONSTRAINT_CHARS} are allowed")
+        raise _bad(
+            f"the {kind} constraint is {len(constraint.key)} characters long; at most "
+            f"{MAX_CONSTRAINT_CHARS} are allowed"
+        )
     return constraint, backend or None, bool(request.get("disable_fallback"))
 
 
@@ -320,7 +345,7 @@ class StructuredOutputStats:
 
 
 class _CompileJob:
-    def __init__(self, future: concurrent.futures.Future, work: Callable[[], Any], describe: str):
+    def __init__(self, future: concurrent.futures.Future[Any], work: Callable[[], Any], describe: str):
         self.future = future
         self.work = work
         self.describe = describe
@@ -336,8 +361,12 @@ class CompilePool:
     still burn CPU, so at most ``max_runaway`` may exist; past that, new compiles get a 429.
     """
 
-    def __init__(self, num_threads: int = COMPILE_THREADS, timeout: float = DEFAULT_COMPILE_TIMEOUT,
-                 max_runaway: int = MAX_RUNAWAY_COMPILES):
+    def __init__(
+        self,
+        num_threads: int = COMPILE_THREADS,
+        timeout: float = DEFAULT_COMPILE_TIMEOUT,
+        max_runaway: int = MAX_RUNAWAY_COMPILES,
+    ):
         self.timeout = timeout
         self.max_runaway = max_runaway
         self._jobs: queue.SimpleQueue[_CompileJob | None] = queue.SimpleQueue()
@@ -353,12 +382,14 @@ class CompilePool:
         """Compiles that overran their time limit and are still running."""
         return self._num_runaway
 
-    def submit(self, work: Callable[[], Any], describe: str) -> concurrent.futures.Future:
+    def submit(self, work: Callable[[], Any], describe: str) -> concurrent.futures.Future[Any]:
         with self._lock:
             if self._num_runaway >= self.max_runaway:
-                raise OverloadedError(f"the grammar compiler is busy with {self._num_runaway} constraints that "
-                                      f"overran their {self.timeout:g}s limit; retry later")
-        future: concurrent.futures.Future = concurrent.futures.Future()
+                raise OverloadedError(
+                    f"the grammar compiler is busy with {self._num_runaway} constraints that "
+                    f"overran their {self.timeout:g}s limit; retry later"
+                )
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._jobs.put(_CompileJob(future, work, describe))
         return future
 
@@ -410,10 +441,14 @@ class CompilePool:
             if not self._closed:
                 self._start_worker()
         logger.warning("compiling %s overran its %gs limit; its request gets a 400", job.describe, self.timeout)
-        job.future.set_exception(InvalidRequestError(
-            f"compiling {job.describe} took longer than the server's limit of {self.timeout:g}s "
-            "(--structured-outputs-compile-timeout); simplify it (for example smaller maxLength, maxItems "
-            "or repetition counts)", param="structured_outputs"))
+        job.future.set_exception(
+            InvalidRequestError(
+                f"compiling {job.describe} took longer than the server's limit of {self.timeout:g}s "
+                "(--structured-outputs-compile-timeout); simplify it (for example smaller maxLength, maxItems "
+                "or repetition counts)",
+                param="structured_outputs",
+            )
+        )
 
 
 class StructuredOutputManager:
@@ -421,8 +456,16 @@ class StructuredOutputManager:
     :class:`_SequenceGrammar` per constrained sequence. Thread-safe for ``resolve`` and
     ``submit`` (the server's event loop calls them); the rest runs on the engine thread."""
 
-    def __init__(self, config: Any, registry: Any, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
-                 reasoning_parser_class: type | None = None, cache_size: int = COMPILE_CACHE_SIZE):
+    def __init__(
+        self,
+        config: Any,
+        registry: Any,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        reasoning_parser_class: type | None = None,
+        cache_size: int = COMPILE_CACHE_SIZE,
+    ):
         self.registry = registry
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -465,7 +508,8 @@ class StructuredOutputManager:
         if requested is not None and requested not in self.registry:
             raise InvalidRequestError(
                 f"unknown guided_decoding_backend {requested!r}; available: {', '.join(self.registry.names())}",
-                param="guided_decoding_backend")
+                param="guided_decoding_backend",
+            )
         names = self.registry.names()
         if requested is not None:
             candidates = [requested]
@@ -483,8 +527,10 @@ class StructuredOutputManager:
             if reason is None:
                 return name, constraint
             reasons.append(f"{name}: {reason}")
-        raise InvalidRequestError(f"no guided-decoding backend can express {constraint.describe()}: "
-                                  + "; ".join(reasons), param="structured_outputs")
+        raise InvalidRequestError(
+            f"no guided-decoding backend can express {constraint.describe()}: " + "; ".join(reasons),
+            param="structured_outputs",
+        )
 
     def submit(self, backend_name: str, constraint: Constraint) -> concurrent.futures.Future[CompiledConstraint]:
         """The compiled constraint, from the cache or compiled in the pool (a Future)."""
@@ -511,8 +557,9 @@ class StructuredOutputManager:
         except InvalidRequestError:
             raise
         except Exception as exc:
-            raise InvalidRequestError(f"{backend_name} cannot compile {constraint.describe()}: "
-                                      f"{clean_error(exc)}", param="structured_outputs") from exc
+            raise InvalidRequestError(
+                f"{backend_name} cannot compile {constraint.describe()}: {clean_error(exc)}", param="structured_outputs"
+            ) from exc
         return CompiledConstraint(backend_name, backend, compiled)
 
     def shutdown(self) -> None:
@@ -521,8 +568,7 @@ class StructuredOutputManager:
     # -- sequences (engine thread) -----------------------------------------------------------
 
     def add_sequence(self, request: Any, compiled: CompiledConstraint) -> None:
-        state = _SequenceGrammar(compiled.new_matcher(), compiled.backend_name,
-                                 num_preemptions=request.num_preemptions)
+        state = _SequenceGrammar(compiled.new_matcher(), compiled.backend_name, num_preemptions=request.num_preemptions)
         if self.reasoning_parser_class is not None:
             # the parser judges generated tokens only (its contract): with none yet, a parser
             # that knows the output has no reasoning section says so, and the constraint starts
@@ -576,8 +622,9 @@ class StructuredOutputManager:
             try:
                 self._sync(request, state)
             except Exception as exc:
-                logger.exception("structured output backend %s failed on request %s", state.backend_name,
-                                 request.request_id)
+                logger.exception(
+                    "structured output backend %s failed on request %s", state.backend_name, request.request_id
+                )
                 state.error = f"{state.backend_name} failed: {clean_error(exc)}"
         return state.error
 
@@ -596,7 +643,7 @@ class StructuredOutputManager:
             state.reasoning_ended = True
             state.constraint_start = len(output)
             state.num_processed = 0
-        constrained = output[state.constraint_start:]
+        constrained = output[state.constraint_start :]
         if len(constrained) < state.num_processed:  # tokens were taken back
             try:
                 state.matcher.rollback(state.num_processed - len(constrained))
@@ -604,11 +651,13 @@ class StructuredOutputManager:
             except NotImplementedError:
                 self._replay(state, output)
         matcher = state.matcher
-        for token_id in constrained[state.num_processed:]:
+        for token_id in constrained[state.num_processed :]:
             # after the end only end-of-sequence tokens were allowed (ignore_eos may keep going)
             if not matcher.is_terminated() and not matcher.accept_token(token_id):
-                state.error = (f"the {state.backend_name} grammar rejected the sampled token {token_id} "
-                               f"({self._token_text(token_id)!r})")
+                state.error = (
+                    f"the {state.backend_name} grammar rejected the sampled token {token_id} "
+                    f"({self._token_text(token_id)!r})"
+                )
                 return
             state.num_processed += 1
 
@@ -623,8 +672,10 @@ class StructuredOutputManager:
         try:
             return bool(state.reasoning_parser.is_reasoning_end(list(token_ids)))
         except NotImplementedError:
-            logger.warning("reasoning parser %s has no is_reasoning_end: constraining from the first token",
-                           type(state.reasoning_parser).__name__)
+            logger.warning(
+                "reasoning parser %s has no is_reasoning_end: constraining from the first token",
+                type(state.reasoning_parser).__name__,
+            )
             return True
 
     def _token_text(self, token_id: int) -> str:
@@ -660,7 +711,15 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 __all__ = [
-    "BackendOptions", "CompiledConstraint", "Constraint", "Matcher", "StructuredOutputBackend",
-    "StructuredOutputManager", "StructuredOutputMasks", "allocate_bitmask",
-    "parse_backend_option", "parse_constraint", "set_allowed_tokens",
+    "BackendOptions",
+    "CompiledConstraint",
+    "Constraint",
+    "Matcher",
+    "StructuredOutputBackend",
+    "StructuredOutputManager",
+    "StructuredOutputMasks",
+    "allocate_bitmask",
+    "parse_backend_option",
+    "parse_constraint",
+    "set_allowed_tokens",
 ]

@@ -35,8 +35,10 @@ from tokenloom.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
-    "cpu_attention.cpp", "cpu_layers.cpp", "cpu_qlinear.cpp", "cpu_decoder.cpp"))
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_qlinear.cpp", "cpu_decoder.cpp")
+)
 # -ffast-math vectorises exp and the reductions (the kernels keep every value finite); -fopenmp
 # makes at::parallel_for parallel, on torch's own OpenMP pool (the same libgomp.so.1, already loaded)
 COMMON_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
@@ -88,9 +90,14 @@ _V3_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")  # ab
 # results do not depend on it), not a level of its own: a level is a whole compile of the sources.
 # ARM would add a level here (machines=("aarch64", "arm64"), NEON/SVE flags) beside generic.
 LEVELS = (
-    IsaLevel("avx512", "x86-64-v4 (AVX-512 F/BW/VL/DQ/CD) + AVX512-VNNI", _X86,
-             _V3_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"),
-             ("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"), (("avx512_bf16", "-mavx512bf16"),)),
+    IsaLevel(
+        "avx512",
+        "x86-64-v4 (AVX-512 F/BW/VL/DQ/CD) + AVX512-VNNI",
+        _X86,
+        _V3_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"),
+        ("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"),
+        (("avx512_bf16", "-mavx512bf16"),),
+    ),
     IsaLevel("avx2", "x86-64-v3 (AVX2 + FMA + F16C)", _X86, _V3_FLAGS, ("-march=x86-64-v3", "-mtune=native")),
     IsaLevel("generic", "the compiler's baseline for this machine, no explicit vector code", (), (), ()),
 )
@@ -154,8 +161,10 @@ def selected_level() -> IsaLevel:
     if forced not in LEVELS_BY_NAME:
         raise ConfigError(f"{ENV_LEVEL}={forced!r} is not a kernel level: use one of {runnable} (or auto)")
     if all(level.name != forced for level in levels):
-        raise ConfigError(f"{ENV_LEVEL}={forced}: this CPU cannot run the {forced} kernels "
-                          f"({LEVELS_BY_NAME[forced].description}); it runs {runnable}")
+        raise ConfigError(
+            f"{ENV_LEVEL}={forced}: this CPU cannot run the {forced} kernels "
+            f"({LEVELS_BY_NAME[forced].description}); it runs {runnable}"
+        )
     return LEVELS_BY_NAME[forced]
 
 
@@ -218,18 +227,24 @@ def load() -> Any:
             _announce(level, ops)
     if ops is None and mode() == "require":
         level = _selection["level"]
-        raise RuntimeError(f"tokenloom CPU kernels ({level.name}) unavailable: {failure(level)}; "
-                           f"{ENV_SWITCH}=require makes this fatal")
+        raise RuntimeError(
+            f"tokenloom CPU kernels ({level.name}) unavailable: {failure(level)}; {ENV_SWITCH}=require makes this fatal"
+        )
     return ops
 
 
 def _announce(level: IsaLevel, ops: Any) -> None:
     if ops is not None:
-        logger.info("tokenloom CPU kernels: %s level (%s), torch.ops.%s", level.name, level.description,
-                    level.namespace)
+        logger.info(
+            "tokenloom CPU kernels: %s level (%s), torch.ops.%s", level.name, level.description, level.namespace
+        )
     elif failure(level) is not None:
-        logger.warning("tokenloom CPU kernels unavailable (%s level: %s): the slower torch paths run; "
-                       "`tokenloom env` shows each operator's path", level.name, failure(level))
+        logger.warning(
+            "tokenloom CPU kernels unavailable (%s level: %s): the slower torch paths run; "
+            "`tokenloom env` shows each operator's path",
+            level.name,
+            failure(level),
+        )
 
 
 def ops_for(tensor: Any) -> Any:
@@ -300,7 +315,12 @@ def status() -> dict[str, Any]:
         "cpu": _cpuinfo_field("model name") or platform.processor() or platform.machine(),
         "levels": [level.name for level in levels],
         "avx512_bf16": "avx512_bf16" in cpu_flags(),
-        "mode": mode(), "level": None, "forced": False, "namespace": None, "build_directory": None, "problem": None,
+        "mode": mode(),
+        "level": None,
+        "forced": False,
+        "namespace": None,
+        "build_directory": None,
+        "problem": None,
     }
     ops = None
     if not enabled():
@@ -317,21 +337,27 @@ def status() -> dict[str, Any]:
             info["build_directory"] = str(build_directory(level))
             if ops is None:
                 info["problem"] = f"the {level.name} library did not build or load: {failure(level)}"
-    info["operators"] = {name: info["level"] if ops is not None and hasattr(ops, name) else f"torch: {fallback}"
-                         for name, fallback in OPERATORS.items()}
+    info["operators"] = {
+        name: info["level"] if ops is not None and hasattr(ops, name) else f"torch: {fallback}"
+        for name, fallback in OPERATORS.items()
+    }
     return info
 
 
 def report() -> list[str]:
     """:func:`status` as lines of text."""
     info = status()
-    lines = [f"CPU: {info['cpu']}",
-             f"kernel levels this CPU runs: {', '.join(info['levels'])}"
-             + (" (with AVX512-BF16)" if info["avx512_bf16"] and "avx512" in info["levels"] else "")]
+    lines = [
+        f"CPU: {info['cpu']}",
+        f"kernel levels this CPU runs: {', '.join(info['levels'])}"
+        + (" (with AVX512-BF16)" if info["avx512_bf16"] and "avx512" in info["levels"] else ""),
+    ]
     if info["problem"] is None:
         level = LEVELS_BY_NAME[info["level"]]
-        lines.append(f"tokenloom CPU kernels: {level.name} level{f' (forced by {ENV_LEVEL})' if info['forced'] else ''}"
-                     f", {level.description}: torch.ops.{level.namespace}, built in {info['build_directory']}")
+        lines.append(
+            f"tokenloom CPU kernels: {level.name} level{f' (forced by {ENV_LEVEL})' if info['forced'] else ''}"
+            f", {level.description}: torch.ops.{level.namespace}, built in {info['build_directory']}"
+        )
     else:
         lines.append(f"tokenloom CPU kernels: unavailable, {info['problem']}")
     lines.append("operators:")
@@ -344,9 +370,12 @@ def env_main(argv: list[str]) -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="tokenloom env", description="Show the CPU kernel level tokenloom uses "
-                                     f"and the path each operator takes ({ENV_LEVEL} forces a lower level, "
-                                     f"{ENV_SWITCH}=0 turns the kernels off, =require makes a missing one fatal).")
+    parser = argparse.ArgumentParser(
+        prog="tokenloom env",
+        description="Show the CPU kernel level tokenloom uses "
+        f"and the path each operator takes ({ENV_LEVEL} forces a lower level, "
+        f"{ENV_SWITCH}=0 turns the kernels off, =require makes a missing one fatal).",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     options = parser.parse_args(argv)
     if options.json:

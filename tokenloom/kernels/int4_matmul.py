@@ -69,8 +69,9 @@ class Int4Weight:
 
 def can_pack(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether the kernel takes a weight of this shape and grouping."""
-    return out_features % _ROW_MULTIPLE == 0 and group_size > 0 and in_features % group_size == 0 \
-        and group_size % 2 == 0
+    return (
+        out_features % _ROW_MULTIPLE == 0 and group_size > 0 and in_features % group_size == 0 and group_size % 2 == 0
+    )
 
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
@@ -79,20 +80,29 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
     kernel when it is built and takes the grouping, else for torch's."""
     out_features, in_features = codes.shape
     group_size = in_features // scales.shape[1]
-    if scales.shape != zeros.shape or scales.shape[0] != out_features or not can_pack(out_features, in_features,
-                                                                                      group_size):
+    if (
+        scales.shape != zeros.shape
+        or scales.shape[0] != out_features
+        or not can_pack(out_features, in_features, group_size)
+    ):
         raise ValueError(
             f"cannot pack a {tuple(codes.shape)} int4 weight with {tuple(scales.shape)} group scales: out features "
             f"must be a multiple of {_ROW_MULTIPLE} and in features a multiple of an even group size"
         )
     kernel = _native_kernel()
     if kernel is not None and group_size == NATIVE_GROUP_SIZE:
-        return Int4Weight(packed=_pack_native(codes, scales.float(), zeros.float()), out_features=out_features,
-                          group_size=group_size, dtype=dtype, kernel=kernel)
+        return Int4Weight(
+            packed=_pack_native(codes, scales.float(), zeros.float()),
+            out_features=out_features,
+            group_size=group_size,
+            dtype=dtype,
+            kernel=kernel,
+        )
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return Int4Weight(packed=packed, out_features=out_features, group_size=group_size, dtype=dtype,
-                      scales_and_zeros=scales_and_zeros)
+    return Int4Weight(
+        packed=packed, out_features=out_features, group_size=group_size, dtype=dtype, scales_and_zeros=scales_and_zeros
+    )
 
 
 def _pack_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -115,8 +125,8 @@ def interleave_block_pairs(blocks: torch.Tensor) -> torch.Tensor:
     blocks stored in pairs group by group (``[pair, groups, 2, group_bytes]``; an odd last block
     alone), so a tile of two blocks reads one stream."""
     count, groups, group_bytes = blocks.shape
-    paired = blocks[:count - count % 2].view(count // 2, 2, groups, group_bytes).transpose(1, 2)
-    return torch.cat([paired.reshape(-1), blocks[count - count % 2:].reshape(-1)]).view(count, -1)
+    paired = blocks[: count - count % 2].view(count // 2, 2, groups, group_bytes).transpose(1, 2)
+    return torch.cat([paired.reshape(-1), blocks[count - count % 2 :].reshape(-1)]).view(count, -1)
 
 
 def _native_kernel():
@@ -137,8 +147,12 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     else:
         if rows.dtype != weight.dtype:
             rows = rows.to(weight.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows if rows.is_contiguous() else rows.contiguous(),
-                                                         weight.packed, weight.group_size, weight.scales_and_zeros)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows if rows.is_contiguous() else rows.contiguous(),
+            weight.packed,
+            weight.group_size,
+            weight.scales_and_zeros,
+        )
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     if bias is not None:

@@ -45,8 +45,12 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weight | None:
     the kernel is not built here or the shape does not suit it."""
     kernel = _kernel()
     out_features, in_features = codes.shape
-    if kernel is None or out_features % _BLOCK_ROWS or in_features % GROUP_SIZE \
-            or scales.shape != (out_features, in_features // GROUP_SIZE):
+    if (
+        kernel is None
+        or out_features % _BLOCK_ROWS
+        or in_features % GROUP_SIZE
+        or scales.shape != (out_features, in_features // GROUP_SIZE)
+    ):
         return None
     blocks, groups = out_features // _BLOCK_ROWS, in_features // GROUP_SIZE
     unsigned = (codes.to(torch.int16) + _CODE_OFFSET).to(torch.uint8)

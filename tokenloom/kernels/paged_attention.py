@@ -116,8 +116,14 @@ class ReferencePagedAttention:
 
     def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None, logits_soft_cap=None):
         return reference_paged_attention(
-            query, key, value, kv_cache, attn_metadata,
-            scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            scale=scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
 
@@ -155,8 +161,12 @@ def _attend_sequence(
     ``mask`` (``[Q, K]`` allowed) or ``is_causal`` (queries are the last ``Q`` keys)."""
     num_queries, num_q_heads, _ = query.shape
     num_kv_heads = key.shape[1]
-    if (is_causal and logits_soft_cap is None and query.dtype != torch.float32
-            and _BMM_CAUSAL_ROWS[0] <= num_queries <= _BMM_CAUSAL_ROWS[1]):
+    if (
+        is_causal
+        and logits_soft_cap is None
+        and query.dtype != torch.float32
+        and _BMM_CAUSAL_ROWS[0] <= num_queries <= _BMM_CAUSAL_ROWS[1]
+    ):
         return _causal_attention_bmm(query, key, value, scale)
     if logits_soft_cap is None:
         # SDPA's own GQA beats folding query heads for many query rows (and is_causal
@@ -241,8 +251,10 @@ def _fold_query_heads(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     so GQA needs no repeated K/V (rows are ordered group-major: row = g * Q + q)."""
     num_queries, num_q_heads, head_size = query.shape
     group_size = num_q_heads // num_kv_heads
-    return query.view(num_queries, num_kv_heads, group_size, head_size).permute(1, 2, 0, 3).reshape(
-        num_kv_heads, group_size * num_queries, head_size
+    return (
+        query.view(num_queries, num_kv_heads, group_size, head_size)
+        .permute(1, 2, 0, 3)
+        .reshape(num_kv_heads, group_size * num_queries, head_size)
     )
 
 
@@ -250,8 +262,10 @@ def _unfold_query_heads(folded: torch.Tensor, num_queries: int) -> torch.Tensor:
     """Inverse of :func:`_fold_query_heads`: ``[Hkv, G*Q, D]`` -> ``[Q, Hq, D]``."""
     num_kv_heads, rows, head_size = folded.shape
     group_size = rows // num_queries
-    return folded.view(num_kv_heads, group_size, num_queries, head_size).permute(2, 0, 1, 3).reshape(
-        num_queries, num_kv_heads * group_size, head_size
+    return (
+        folded.view(num_kv_heads, group_size, num_queries, head_size)
+        .permute(2, 0, 1, 3)
+        .reshape(num_queries, num_kv_heads * group_size, head_size)
     )
 
 
@@ -281,7 +295,8 @@ class _DecodeGroup:
         if self.additive_mask is None:
             allowed = self.mask[:, 0]
             self.additive_mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
-                ~allowed, float("-inf"))
+                ~allowed, float("-inf")
+            )
         return self.additive_mask
 
 
@@ -401,18 +416,39 @@ class TorchPagedAttention:
                 output[group.token_indices] = self._decode(
                     query[group.token_indices], kv_cache, group, scale, logits_soft_cap
                 )
-        self._attend_prefills(query, key, value, kv_cache, attn_metadata, plan, output, scale, sliding_window,
-                              logits_soft_cap)
+        self._attend_prefills(
+            query, key, value, kv_cache, attn_metadata, plan, output, scale, sliding_window, logits_soft_cap
+        )
         return output
 
     __call__ = forward
 
-    def _attend_prefills(self, query, key, value, kv_cache, attn_metadata, plan: _StepPlan, output,
-                         scale, sliding_window, logits_soft_cap) -> None:
+    def _attend_prefills(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        plan: _StepPlan,
+        output,
+        scale,
+        sliding_window,
+        logits_soft_cap,
+    ) -> None:
         for seq_index in plan.prefill_seq_indices:
             self._prefill_sequence(
-                query, key, value, kv_cache, attn_metadata, plan.query_starts[seq_index], seq_index, output,
-                scale, sliding_window, logits_soft_cap,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                plan.query_starts[seq_index],
+                seq_index,
+                output,
+                scale,
+                sliding_window,
+                logits_soft_cap,
             )
 
     # -- planning --------------------------------------------------------------------
@@ -448,8 +484,12 @@ class TorchPagedAttention:
         whole_batch = len(groups) == 1 and len(decode_seqs) == len(query_lens)
         return _StepPlan(
             query_starts,
-            [self._plan_decode_group(attn_metadata, group, first_positions, sliding_window, query_starts, whole_batch)
-             for group in groups],
+            [
+                self._plan_decode_group(
+                    attn_metadata, group, first_positions, sliding_window, query_starts, whole_batch
+                )
+                for group in groups
+            ],
             prefill_seqs,
         )
 
@@ -458,7 +498,10 @@ class TorchPagedAttention:
         device = attn_metadata.block_tables.device
         seq_lens = [attn_metadata.seq_lens_cpu[index] for index in group]
         gather = _plan_context_gather(
-            attn_metadata.block_tables, group, [first_positions[index] for index in group], seq_lens,
+            attn_metadata.block_tables,
+            group,
+            [first_positions[index] for index in group],
+            seq_lens,
             attn_metadata.block_size,
         )
         query_positions = torch.tensor(seq_lens, device=device).unsqueeze(1) - 1
@@ -476,7 +519,7 @@ class TorchPagedAttention:
         if workspace is None or workspace.numel() < 2 * numel or workspace.dtype != kv_cache.dtype:
             workspace = self._workspace = torch.empty(2 * numel, dtype=kv_cache.dtype, device=kv_cache.device)
         keys = workspace[:numel].view(block_ids.numel(), *block_shape)
-        values = workspace[numel:2 * numel].view(block_ids.numel(), *block_shape)
+        values = workspace[numel : 2 * numel].view(block_ids.numel(), *block_shape)
         torch.index_select(kv_cache[0], 0, block_ids, out=keys)
         torch.index_select(kv_cache[1], 0, block_ids, out=values)
         return keys.flatten(0, 1), values.flatten(0, 1)
@@ -494,14 +537,28 @@ class TorchPagedAttention:
         # enable_gqa is several times slower here in bfloat16)
         folded_query = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_size)
         output = _attend_folded(
-            folded_query, keys.transpose(1, 2), values.transpose(1, 2),
-            scale=scale, mask=group.mask, logits_soft_cap=logits_soft_cap,
+            folded_query,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            scale=scale,
+            mask=group.mask,
+            logits_soft_cap=logits_soft_cap,
         )
         return output.reshape(num_seqs, num_q_heads, head_size)
 
     def _prefill_sequence(
-        self, query, key, value, kv_cache, attn_metadata, start, seq_index, output,
-        scale, sliding_window, logits_soft_cap,
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        start,
+        seq_index,
+        output,
+        scale,
+        sliding_window,
+        logits_soft_cap,
     ) -> None:
         query_len, seq_len = attn_metadata.query_lens_cpu[seq_index], attn_metadata.seq_lens_cpu[seq_index]
         tokens = slice(start, start + query_len)
@@ -509,8 +566,13 @@ class TorchPagedAttention:
         if context_len == 0 and (sliding_window is None or sliding_window >= query_len):
             # nothing cached before these tokens and no window cut: plain causal attention
             output[tokens] = _attend_sequence(
-                query[tokens], key[tokens], value[tokens],
-                scale=scale, mask=None, is_causal=True, logits_soft_cap=logits_soft_cap,
+                query[tokens],
+                key[tokens],
+                value[tokens],
+                scale=scale,
+                mask=None,
+                is_causal=True,
+                logits_soft_cap=logits_soft_cap,
             )
             return
         first_position = 0 if sliding_window is None else max(0, context_len - sliding_window + 1)
@@ -523,8 +585,13 @@ class TorchPagedAttention:
             query_positions, gather.key_positions[0], causal=True, sliding_window=sliding_window
         )
         output[tokens] = _attend_sequence(
-            query[tokens], seq_keys.to(query.dtype), seq_values.to(query.dtype),
-            scale=scale, mask=allowed, is_causal=False, logits_soft_cap=logits_soft_cap,
+            query[tokens],
+            seq_keys.to(query.dtype),
+            seq_values.to(query.dtype),
+            scale=scale,
+            mask=allowed,
+            is_causal=False,
+            logits_soft_cap=logits_soft_cap,
         )
 
     def _bidirectional(self, query, key, value, attn_metadata, scale, sliding_window, logits_soft_cap) -> torch.Tensor:
@@ -538,8 +605,13 @@ class TorchPagedAttention:
                 positions = torch.arange(query_len, device=query.device)
                 mask = attention_allowed(positions, positions, causal=False, sliding_window=sliding_window)
             output[tokens] = _attend_sequence(
-                query[tokens], key[tokens], value[tokens],
-                scale=scale, mask=mask, is_causal=False, logits_soft_cap=logits_soft_cap,
+                query[tokens],
+                key[tokens],
+                value[tokens],
+                scale=scale,
+                mask=mask,
+                is_causal=False,
+                logits_soft_cap=logits_soft_cap,
             )
         return output
 
@@ -573,11 +645,18 @@ class NativeCpuPagedAttention(TorchPagedAttention):
         self._native_metadata = None
         self._native_plan: _NativeDecodePlan | None = None
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None,
-                logits_soft_cap=None):
+    def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None, logits_soft_cap=None):
         if attn_metadata.bidirectional or kv_cache is None or query.dtype != kv_cache.dtype:
-            return super().forward(query, key, value, kv_cache, attn_metadata, scale=scale,
-                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+            return super().forward(
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                scale=scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
         self._ops.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         decode = self._decode_plan(attn_metadata)
@@ -585,13 +664,31 @@ class NativeCpuPagedAttention(TorchPagedAttention):
             whole_batch = decode.token_indices is None
             rows = query if whole_batch else query[decode.token_indices]
             decode_output = output if whole_batch else torch.empty_like(rows)
-            self._ops.paged_decode_attention(decode_output, rows, kv_cache, decode.block_tables, decode.seq_lens,
-                                             scale, sliding_window or 0, logits_soft_cap or 0.0)
+            self._ops.paged_decode_attention(
+                decode_output,
+                rows,
+                kv_cache,
+                decode.block_tables,
+                decode.seq_lens,
+                scale,
+                sliding_window or 0,
+                logits_soft_cap or 0.0,
+            )
             if whole_batch:
                 return output
             output[decode.token_indices] = decode_output
-        self._attend_prefills(query, key, value, kv_cache, attn_metadata, self._plan(attn_metadata, sliding_window,
-                              kv_cache), output, scale, sliding_window, logits_soft_cap)
+        self._attend_prefills(
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            self._plan(attn_metadata, sliding_window, kv_cache),
+            output,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+        )
         return output
 
     __call__ = forward
@@ -599,8 +696,9 @@ class NativeCpuPagedAttention(TorchPagedAttention):
     def _make_plan(self, attn_metadata, sliding_window, elements_per_block) -> _StepPlan:
         # decodes are the native kernel's: the torch plan keeps only the prefills
         query_lens = attn_metadata.query_lens_cpu
-        return _StepPlan(_query_starts(query_lens), [],
-                         [index for index, query_len in enumerate(query_lens) if query_len > 1])
+        return _StepPlan(
+            _query_starts(query_lens), [], [index for index, query_len in enumerate(query_lens) if query_len > 1]
+        )
 
     def whole_decode_plan(self, attn_metadata) -> _NativeDecodePlan | None:
         """The step's decode plan (``block_tables``, ``seq_lens`` as the kernel takes them) when
@@ -626,5 +724,6 @@ class NativeCpuPagedAttention(TorchPagedAttention):
             return _NativeDecodePlan(None, block_tables.contiguous(), seq_lens.contiguous())
         rows = torch.tensor(decode_seqs, device=block_tables.device)
         token_indices = attn_metadata.query_start_loc[rows].to(torch.long)
-        return _NativeDecodePlan(token_indices, block_tables.index_select(0, rows).contiguous(),
-                                 seq_lens.index_select(0, rows).contiguous())
+        return _NativeDecodePlan(
+            token_indices, block_tables.index_select(0, rows).contiguous(), seq_lens.index_select(0, rows).contiguous()
+        )

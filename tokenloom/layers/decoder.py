@@ -72,15 +72,15 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        value = qkv[:, q_size + kv_size:]
+        value = qkv[:, q_size + kv_size :]
         if self.q_norm is None:
             # queries and keys sit side by side in qkv: one rotation covers both
-            rotated = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size])
-            query, key = rotated[:, :self.num_heads], rotated[:, self.num_heads:]
+            rotated = self.rotary_emb.rotate(positions, qkv[:, : q_size + kv_size])
+            query, key = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
         else:
             num_tokens = qkv.shape[0]
             query = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_size))
-            key = self.k_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_size))
+            key = self.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_size))
             query, key = self.rotary_emb(positions, query, key)
         return self.o_proj(self.attn(query, key, value, attn_metadata))
 

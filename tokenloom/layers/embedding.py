@@ -60,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = math.ceil(num_embeddings / tp_size)  # equal shapes on every rank; tail rows stay zero
         # uninitialised but the tail: zero-filling a large vocabulary costs more than loading it
         weight = torch.empty(rows, embedding_dim, dtype=params_dtype or torch.get_default_dtype())
-        weight[self.vocab_end - self.vocab_start:].zero_()
+        weight[self.vocab_end - self.vocab_start :].zero_()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.int8_groups: tuple[torch.Tensor, torch.Tensor] | None = None  # see load_checkpoint_weight
         self.keeps_int8_groups = False
@@ -83,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"vocab {self.num_embeddings} x {self.embedding_dim}"
             )
         local_rows = self.vocab_end - self.vocab_start
-        self.weight.data[:local_rows].copy_(tensor[self.vocab_start:self.vocab_end])
+        self.weight.data[:local_rows].copy_(tensor[self.vocab_start : self.vocab_end])
         # an LM head (or the embedding tied to one) keeps a checkpoint tensor of int8 groups
         # (GGUF Q8_0) as such, for ParallelLMHead.process_weights_after_loading to pack
         int8_groups = getattr(loaded_weight, "int8_groups", None)
@@ -107,8 +107,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         :meth:`process_weights_after_loading`) for batches of up to ``SMALL_BATCH_ROWS`` rows.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, bias: bool = False,
-                 small_batch_dtype: torch.dtype | None = None, **kwargs):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        bias: bool = False,
+        small_batch_dtype: torch.dtype | None = None,
+        **kwargs,
+    ):
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.small_batch_dtype = small_batch_dtype
         self.small_batch_weight: torch.Tensor | None = None
@@ -138,27 +145,33 @@ class ParallelLMHead(VocabParallelEmbedding):
         source = self._tied_to if self._tied_to is not None else self
         # bfloat16, or float32 the platform chose (it asked for a small-batch copy: the dtype was
         # not the user's, so it need not stay exact)
-        inexact = self.weight.dtype == torch.bfloat16 or (self.weight.dtype == torch.float32
-                                                          and self.small_batch_dtype is not None)
+        inexact = self.weight.dtype == torch.bfloat16 or (
+            self.weight.dtype == torch.float32 and self.small_batch_dtype is not None
+        )
         if source.int8_groups is not None and inexact and self.bias is None:
             codes, scales = source.int8_groups
             self.int8_weight = pack_int8(codes, scales) if codes.shape[0] == self.weight.shape[0] else None
         source.int8_groups = None  # packed (or not needed): not kept twice
-        if self.int8_weight is None and self.small_batch_dtype is not None \
-                and self.small_batch_dtype != self.weight.dtype:
+        if (
+            self.int8_weight is None
+            and self.small_batch_dtype is not None
+            and self.small_batch_dtype != self.weight.dtype
+        ):
             self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
         if self.int8_weight is None and packable(self.weight):
             self.packed_weight = pack_weight(self.weight)
 
     def _use_small_batch_copy(self, hidden_states: torch.Tensor) -> bool:
-        return (self.small_batch_weight is not None
-                and hidden_states.shape[0] <= SMALL_BATCH_ROWS
-                and bool(hidden_states.abs().max() < _FLOAT16_MAX))
+        return (
+            self.small_batch_weight is not None
+            and hidden_states.shape[0] <= SMALL_BATCH_ROWS
+            and bool(hidden_states.abs().max() < _FLOAT16_MAX)
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
         if self.int8_weight is not None:
-            return int8_linear(hidden_states, self.int8_weight)[:, :self.num_embeddings]
+            return int8_linear(hidden_states, self.int8_weight)[:, : self.num_embeddings]
         if self._use_small_batch_copy(hidden_states):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()
             if self.bias is not None:
@@ -169,11 +182,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             raise NotImplementedError("gathering logits across tensor-parallel ranks is not implemented")
-        return logits[:, :self.num_embeddings].float()
+        return logits[:, : self.num_embeddings].float()
 
     def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
         if param_name == "bias" and self.bias is not None:
             tensor = materialize(loaded_weight, self.bias.dtype)
-            self.bias.data[:self.vocab_end - self.vocab_start].copy_(tensor[self.vocab_start:self.vocab_end])
+            self.bias.data[: self.vocab_end - self.vocab_start].copy_(tensor[self.vocab_start : self.vocab_end])
             return
         super().load_checkpoint_weight(param_name, loaded_weight, shard_id)

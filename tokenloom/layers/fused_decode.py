@@ -37,25 +37,46 @@ class FusedDecodeLayer:
         self.modules = (input_layernorm, self_attn, post_attention_layernorm, mlp)
         self._arguments: Any = _UNCHECKED  # the operator and its per-layer arguments, or None
 
-    def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                 attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._arguments is _UNCHECKED:
             self._arguments = self._check_layer(hidden_states)
-        if self._arguments is None or hidden_states.dtype != self._arguments[1].dtype or hidden_states.dim() != 2 \
-                or attn_metadata.bidirectional:
+        if (
+            self._arguments is None
+            or hidden_states.dtype != self._arguments[1].dtype
+            or hidden_states.dim() != 2
+            or attn_metadata.bidirectional
+        ):
             return None
         backend = attn_metadata.backend
         decode = backend.whole_decode_plan(attn_metadata) if isinstance(backend, NativeCpuPagedAttention) else None
         if decode is None or positions.dtype != torch.long or not attn_metadata.kv_caches:
             return None
-        operator, input_norm, post_norm, eps, weights, cos_cache, sin_cache, layer_index, heads, kv_heads, scale = \
+        operator, input_norm, post_norm, eps, weights, cos_cache, sin_cache, layer_index, heads, kv_heads, scale = (
             self._arguments
+        )
         kv_cache = attn_metadata.kv_caches[layer_index]
         if kv_cache is None or kv_cache.dtype != hidden_states.dtype:
             return None
-        return operator(hidden_states, residual, positions, input_norm, post_norm, eps, weights, cos_cache, sin_cache,
-                        kv_cache, attn_metadata.slot_mapping, decode.block_tables, decode.seq_lens, heads, kv_heads,
-                        scale)
+        return operator(
+            hidden_states,
+            residual,
+            positions,
+            input_norm,
+            post_norm,
+            eps,
+            weights,
+            cos_cache,
+            sin_cache,
+            kv_cache,
+            attn_metadata.slot_mapping,
+            decode.block_tables,
+            decode.seq_lens,
+            heads,
+            kv_heads,
+            scale,
+        )
 
     def _check_layer(self, hidden_states: torch.Tensor) -> tuple | None:
         """The operator's per-layer arguments when the layer is one it computes exactly."""
@@ -66,18 +87,36 @@ class FusedDecodeLayer:
         projections = (self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         int4 = [getattr(projection, "int4_weight", None) for projection in projections]
         attention, rotary = self_attn.attn, self_attn.rotary_emb
-        if (operator is None
-                or input_layernorm.weight.dtype not in _DTYPES
-                or any(type(norm) is not RMSNorm or norm.weight.dtype != input_layernorm.weight.dtype
-                       or norm.eps != input_layernorm.eps for norm in norms)
-                or any(weight is None or weight.kernel is None for weight in int4)
-                or any(projection.bias is not None or projection.tp_size != 1 for projection in projections)
-                or getattr(self_attn, "q_norm", None) is not None
-                or type(rotary) is not RotaryEmbedding or rotary.cos_cache.dtype != input_layernorm.weight.dtype
-                or attention.sliding_window or attention.logits_soft_cap
-                or type(mlp.act_fn) is not SiluAndMul):
+        if (
+            operator is None
+            or input_layernorm.weight.dtype not in _DTYPES
+            or any(
+                type(norm) is not RMSNorm
+                or norm.weight.dtype != input_layernorm.weight.dtype
+                or norm.eps != input_layernorm.eps
+                for norm in norms
+            )
+            or any(weight is None or weight.kernel is None for weight in int4)
+            or any(projection.bias is not None or projection.tp_size != 1 for projection in projections)
+            or getattr(self_attn, "q_norm", None) is not None
+            or type(rotary) is not RotaryEmbedding
+            or rotary.cos_cache.dtype != input_layernorm.weight.dtype
+            or attention.sliding_window
+            or attention.logits_soft_cap
+            or type(mlp.act_fn) is not SiluAndMul
+        ):
             return None
         weights = [weight.packed for weight in int4]
-        return (operator, input_layernorm.weight, post_attention_layernorm.weight, input_layernorm.eps, weights,
-                rotary.cos_cache, rotary.sin_cache, attention.layer_index, self_attn.num_heads, self_attn.num_kv_heads,
-                attention.scale)
+        return (
+            operator,
+            input_layernorm.weight,
+            post_attention_layernorm.weight,
+            input_layernorm.eps,
+            weights,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            attention.layer_index,
+            self_attn.num_heads,
+            self_attn.num_kv_heads,
+            attention.scale,
+        )

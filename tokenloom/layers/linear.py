@@ -102,7 +102,7 @@ class LinearBase(nn.Module):
                 raise ModelLoadError(f"the checkpoint has a bias for a {type(self).__name__} built without one")
             tensor = self._slice_for_rank(materialize(loaded_weight, self.bias.dtype), checkpoint_start, size, dim=0)
             self._check_rows(tensor, size, "bias")
-            self.bias.data[offset:offset + size].copy_(tensor)
+            self.bias.data[offset : offset + size].copy_(tensor)
             return
         if param_name != "weight":
             raise ModelLoadError(f"{type(self).__name__} has no parameter {param_name!r}")

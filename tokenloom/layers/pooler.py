@@ -8,7 +8,8 @@ the hidden states of the sequences whose prompt completed this step.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ class Pooler(nn.Module):
         self.softmax = softmax
 
     @classmethod
-    def from_config(cls, pooler_config: Any, *, default_pooling_type: str) -> "Pooler":
+    def from_config(cls, pooler_config: Any, *, default_pooling_type: str) -> Pooler:
         """A pooler from a ``PoolerConfig`` (any object with ``pooling_type``, ``normalize``,
         ``softmax``; None fields, or no config, take the defaults)."""
 
@@ -45,8 +46,11 @@ class Pooler(nn.Module):
             value = getattr(pooler_config, name, None) if pooler_config is not None else None
             return default if value is None else value
 
-        return cls(setting("pooling_type", default_pooling_type), normalize=setting("normalize", True),
-                   softmax=setting("softmax", False))
+        return cls(
+            setting("pooling_type", default_pooling_type),
+            normalize=setting("normalize", True),
+            softmax=setting("softmax", False),
+        )
 
     def pool(self, hidden_states: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
         """``hidden_states [sum(seq_lens), H]`` holding the sequences end to end ->
@@ -64,8 +68,14 @@ class Pooler(nn.Module):
         sums.index_add_(0, sequence_ids, hidden_states.float())
         return sums / lengths.unsqueeze(1).to(torch.float32)
 
-    def finish(self, pooled: torch.Tensor, *, dimensions: int | None = None, normalize: bool | None = None,
-               softmax: bool | None = None) -> torch.Tensor:
+    def finish(
+        self,
+        pooled: torch.Tensor,
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        softmax: bool | None = None,
+    ) -> torch.Tensor:
         """Per-request post-processing of ``pooled [n, H]`` (the same options for all rows):
         keep the first ``dimensions`` values, then normalize / softmax (None: this pooler's
         setting)."""
@@ -77,8 +87,9 @@ class Pooler(nn.Module):
             pooled = pooled.softmax(dim=-1)
         return pooled
 
-    def forward(self, hidden_states: torch.Tensor, seq_lens: Sequence[int],
-                params: Sequence[Any] | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, seq_lens: Sequence[int], params: Sequence[Any] | None = None
+    ) -> list[torch.Tensor]:
         """One float32 CPU tensor per sequence; ``params[i]`` (a ``PoolingParams`` or None)
         carries sequence ``i``'s ``dimensions`` / ``normalize`` / ``softmax``."""
         pooled = self.pool(hidden_states, seq_lens)

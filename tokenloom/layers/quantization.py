@@ -74,7 +74,7 @@ class UnquantizedMethod(QuantizationMethod):
                 f"weight shape {tuple(tensor.shape)} does not fit rows {output_offset}:{output_offset + output_size} "
                 f"of a parameter of shape {tuple(layer.weight.shape)}"
             )
-        layer.weight.data[output_offset:output_offset + output_size].copy_(tensor)
+        layer.weight.data[output_offset : output_offset + output_size].copy_(tensor)
 
     def process_weights_after_loading(self, layer):
         if packable(layer.weight):

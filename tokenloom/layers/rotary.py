@@ -41,7 +41,7 @@ def rope_parameters_from_config(config: Any, layer_type: str | None = None) -> d
 
 def _base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    return 1.0 / (base ** exponents)
+    return 1.0 / (base**exponents)
 
 
 def _yarn_inv_freq(parameters: dict, base: float, rotary_dim: int, max_position_embeddings: int):
@@ -169,12 +169,12 @@ class RotaryEmbedding(nn.Module):
             return heads
         cos, sin = self._step_tables(positions)
         half = self.rotary_dim // 2
-        rotary = heads[..., :self.rotary_dim]
+        rotary = heads[..., : self.rotary_dim]
         # rotate_half(x) * sin == swapped halves * [-sin, sin]
         swapped = rotary.unflatten(-1, (2, half)).flip(-2).flatten(-2)
         rotated = rotary * cos + swapped * sin
         if self.rotary_dim < self.head_size:
-            rotated = torch.cat([rotated, heads[..., self.rotary_dim:]], dim=-1)
+            rotated = torch.cat([rotated, heads[..., self.rotary_dim :]], dim=-1)
         return rotated
 
     def forward(
@@ -201,6 +201,10 @@ def get_rope(
     rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor") or 1.0))
     inv_freq, attention_scaling, table_len = compute_inv_freq(rope_parameters, rotary_dim, max_position_embeddings)
     return RotaryEmbedding(
-        head_size, rotary_dim, inv_freq, max(table_len, max_position or 0),
-        attention_scaling=attention_scaling, dtype=dtype,
+        head_size,
+        rotary_dim,
+        inv_freq,
+        max(table_len, max_position or 0),
+        attention_scaling=attention_scaling,
+        dtype=dtype,
     )

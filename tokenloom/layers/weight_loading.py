@@ -7,7 +7,8 @@ names it; a checkpoint tensor the model has no place for is logged and skipped.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -79,8 +79,7 @@ class PluginInfo:
         """Why a plugin that loaded registered nothing, for ``tokenloom plugins``."""
         if self.hooks:
             return f"its hooks ({', '.join(self.hooks)}) ran and called register for nothing"
-        return ("it implements no hook (functions marked @hookimpl) and marks no class "
-                "(@register_tool_parser(\"name\"))")
+        return 'it implements no hook (functions marked @hookimpl) and marks no class (@register_tool_parser("name"))'
 
 
 @dataclass
@@ -153,16 +152,24 @@ def load_plugins(
     modules = list(modules)
     files = list(files)
     enabled = enabled_entry_point_names()
-    key = (tuple(modules), tuple(os.path.abspath(f) for f in files), entry_points,
-           tuple(sorted(enabled)) if enabled is not None else None)
+    key = (
+        tuple(modules),
+        tuple(os.path.abspath(f) for f in files),
+        entry_points,
+        tuple(sorted(enabled)) if enabled is not None else None,
+    )
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _load(modules, files, entry_points, enabled)
         plugin_set = _cache[key]
     if strict and plugin_set.failures:
-        raise PluginError("--strict-plugins: " + "; ".join(
-            f"plugin {failure.name!r} ({failure.origin}) failed to load: {failure.cause}"
-            for failure in plugin_set.failures))
+        raise PluginError(
+            "--strict-plugins: "
+            + "; ".join(
+                f"plugin {failure.name!r} ({failure.origin}) failed to load: {failure.cause}"
+                for failure in plugin_set.failures
+            )
+        )
     return plugin_set
 
 
@@ -211,9 +218,12 @@ def _load(modules: list[str], files: list[str], entry_points: bool, enabled: set
         discovered = sorted(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP), key=_builtin_first)
         if enabled is not None:
             for missing in sorted(enabled - {entry_point.name for entry_point in discovered}):
-                fail(missing, ENABLED_PLUGINS_ENV,
-                     f"{ENABLED_PLUGINS_ENV} names {missing!r} but no installed plugin has that name; installed: "
-                     + ", ".join(sorted({entry_point.name for entry_point in discovered})))
+                fail(
+                    missing,
+                    ENABLED_PLUGINS_ENV,
+                    f"{ENABLED_PLUGINS_ENV} names {missing!r} but no installed plugin has that name; installed: "
+                    + ", ".join(sorted({entry_point.name for entry_point in discovered})),
+                )
         for entry_point in discovered:
             if enabled is not None and entry_point.name not in enabled:
                 continue
@@ -252,8 +262,9 @@ def _unknown_hooks(manager: pluggy.PluginManager, module: ModuleType) -> str | N
         if attr in known or manager.parse_hookimpl_opts(module, attr) is None:
             continue
         suggestion = closest_match(attr, known)
-        return (f"{attr!r} is marked @hookimpl but is not a tokenloom hook"
-                + (f"; did you mean {suggestion!r}?" if suggestion else f"; hooks: {', '.join(known)}"))
+        return f"{attr!r} is marked @hookimpl but is not a tokenloom hook" + (
+            f"; did you mean {suggestion!r}?" if suggestion else f"; hooks: {', '.join(known)}"
+        )
     return None
 
 
@@ -270,21 +281,30 @@ def _unmarked_hooks(manager: pluggy.PluginManager, module: ModuleType) -> str | 
         near = difflib.get_close_matches(attr, known, n=1, cutoff=0.85)
         hook = attr if attr in known else near[0] if near else None
         if hook is not None:
-            return (f"{attr!r} looks like the {hook} hook but is not marked: decorate it with @hookimpl "
-                    "(from tokenloom.plugin_api import hookimpl)"
-                    + (f" and name it {hook!r}" if attr != hook else ""))
+            return (
+                f"{attr!r} looks like the {hook} hook but is not marked: decorate it with @hookimpl "
+                "(from tokenloom.plugin_api import hookimpl)" + (f" and name it {hook!r}" if attr != hook else "")
+            )
     return None
 
 
-def _call_hooks(manager: pluggy.PluginManager, module: ModuleType, info: PluginInfo,
-                registries: dict[str, Registry]) -> str | None:
+def _call_hooks(
+    manager: pluggy.PluginManager, module: ModuleType, info: PluginInfo, registries: dict[str, Registry]
+) -> str | None:
     """Call the plugin's hooks (and register its marked classes) into ``registries``; the
     cause of the first failure, or None."""
     for kind in PLUGIN_KINDS:
         registry = registries[kind.name]
 
-        def register(name: str, target: Any, *, override: bool = False, _registry: Registry = registry,
-                     _kind: str = kind.name, **options: Any) -> None:
+        def register(
+            name: str,
+            target: Any,
+            *,
+            override: bool = False,
+            _registry: Registry = registry,
+            _kind: str = kind.name,
+            **options: Any,
+        ) -> None:
             _registry.register(name, target, plugin_name=info.name, override=override, **options)
             info.registered.setdefault(_kind, []).append(name)
 

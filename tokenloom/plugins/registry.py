@@ -54,14 +54,18 @@ class RegistryEntry:
             try:
                 self._resolved = resolve_target(self.target) if isinstance(self.target, str) else self.target
             except PluginError as exc:
-                raise PluginError(f"{self.kind or 'plugin'} {self.name!r} (registered by plugin "
-                                  f"{self.plugin_name!r}): {exc}") from exc
+                raise PluginError(
+                    f"{self.kind or 'plugin'} {self.name!r} (registered by plugin {self.plugin_name!r}): {exc}"
+                ) from exc
         return self._resolved
 
 
 # frames of the code that imports plugins and registers their classes, not the plugins'
-_LOADING_MACHINERY = ("<frozen", os.path.dirname(__file__) + os.sep,
-                      os.path.join(os.path.dirname(os.path.dirname(__file__)), "plugin_api.py"))
+_LOADING_MACHINERY = (
+    "<frozen",
+    os.path.dirname(__file__) + os.sep,
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "plugin_api.py"),
+)
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -72,9 +76,13 @@ def describe_exception(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError) and exc.filename:
         places = [f"{exc.filename}:{exc.lineno}"]
     else:
-        places = [f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_tb(exc.__traceback__)
-                  if not frame.filename.startswith(_LOADING_MACHINERY)
-                  and "/importlib/" not in frame.filename and "/importlib_metadata/" not in frame.filename]
+        places = [
+            f"{frame.filename}:{frame.lineno}"
+            for frame in traceback.extract_tb(exc.__traceback__)
+            if not frame.filename.startswith(_LOADING_MACHINERY)
+            and "/importlib/" not in frame.filename
+            and "/importlib_metadata/" not in frame.filename
+        ]
     where = ""
     if places:
         where = f" (at {places[0]}" + (f", raised in {places[-1]}" if len(places) > 1 else "") + ")"
@@ -104,7 +112,9 @@ def resolve_target(path: str) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise PluginError(f"plugin target {path!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+            raise PluginError(
+                f"plugin target {path!r}: module {module_name!r} has no attribute {attr_path!r}"
+            ) from None
     return obj
 
 

@@ -32,7 +32,7 @@ class CallTagToolParser(SectionToolParser):
         section = json_object_section(text, 0, self.argument_keys)
         if not isinstance(section, Section):
             return section  # None (malformed) or NEED_MORE
-        rest = text[section.length:].lstrip()
+        rest = text[section.length :].lstrip()
         end = section.length + (len(text) - section.length - len(rest))
         if rest.startswith(CLOSE_TAG):
             return Section(section.calls, end + len(CLOSE_TAG))

@@ -23,7 +23,7 @@ class ExampleModelSource(ModelSource):
         return model.startswith(PREFIX)
 
     def resolve(self, model: str, *, revision: str | None = None, download_dir: str | None = None) -> ResolvedModel:
-        name = model[len(PREFIX):]
+        name = model[len(PREFIX) :]
         if not name or os.sep in name or name in (".", ".."):
             raise ModelLoadError(f"{model!r}: write example:NAME, where NAME is a model in ${MODELS_ENV}")
         directories = model_directories()
@@ -37,7 +37,8 @@ class ExampleModelSource(ModelSource):
                 return ResolvedModel(path=candidate + ".gguf", name=name, source="example", load_format="gguf")
         available = sorted(
             entry.removesuffix(".gguf")
-            for directory in directories if os.path.isdir(directory)
+            for directory in directories
+            if os.path.isdir(directory)
             for entry in os.listdir(directory)
             if os.path.isdir(os.path.join(directory, entry)) or entry.endswith(".gguf")
         )

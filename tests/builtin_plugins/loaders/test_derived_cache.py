@@ -65,8 +65,9 @@ def _damage(path, how: str) -> None:
     path.write_bytes(data)
 
 
-@pytest.mark.parametrize("how", ["flipped byte", "truncated", "padded", "empty", "garbage header", "other format",
-                                 "other key"])
+@pytest.mark.parametrize(
+    "how", ["flipped byte", "truncated", "padded", "empty", "garbage header", "other format", "other key"]
+)
 def test_an_unsound_entry_is_a_logged_miss_and_a_rewrite_heals_it(cache, caplog, how):
     cache.write(KEY, b"a payload long enough", {"x": 1})
     _damage(cache.path(KEY), how)
@@ -102,8 +103,9 @@ def _write_and_read_many(directory: str, worker: int, rounds: int, queue) -> Non
 def test_concurrent_writers_and_readers_only_ever_see_whole_entries(tmp_path):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    workers = [context.Process(target=_write_and_read_many, args=(str(tmp_path), worker, 40, queue))
-               for worker in range(4)]
+    workers = [
+        context.Process(target=_write_and_read_many, args=(str(tmp_path), worker, 40, queue)) for worker in range(4)
+    ]
     for process in workers:
         process.start()
     results = [queue.get(timeout=120) for _ in workers]

@@ -13,14 +13,20 @@ from tokenloom.errors import ModelLoadError
 
 
 def test_reads_config_and_tokenizer_through_the_real_format_and_yields_no_weights(tmp_path):
-    path = write_metadata_only_gguf(str(tmp_path / "m.gguf"), "llama", tokenizer=byte_level_vocab(),
-                                    extra={"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2})
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"),
+        "llama",
+        tokenizer=byte_level_vocab(),
+        extra={"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2},
+    )
     dummy = DummyLoadFormat()
     assert isinstance(dummy.delegate(path), GGUFLoadFormat)
     config = dummy.load_config(path, ModelConfig(hf_overrides={"rms_norm_eps": 0.5}))
     assert config.architectures == ["LlamaForCausalLM"] and config.rms_norm_eps == 0.5
-    assert dummy.load_tokenizer(path, ModelConfig())("hello").input_ids == GGUFLoadFormat().load_tokenizer(
-        path, ModelConfig())("hello").input_ids
+    assert (
+        dummy.load_tokenizer(path, ModelConfig())("hello").input_ids
+        == GGUFLoadFormat().load_tokenizer(path, ModelConfig())("hello").input_ids
+    )
     assert list(dummy.iterate_weights(path, ModelConfig(), LoadConfig())) == []
     assert dummy.quantization(path) is None
     assert dummy.initializes_randomly is True

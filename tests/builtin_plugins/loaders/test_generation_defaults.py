@@ -12,14 +12,25 @@ from tokenloom.errors import ModelLoadError
 
 
 def test_hf_generation_config_under_sampling_param_names(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.9, "top_k": None, "max_new_tokens": 128, "do_sample": True, "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.6,
+                "top_p": 0.9,
+                "top_k": None,
+                "max_new_tokens": 128,
+                "do_sample": True,
+                "eos_token_id": 2,
+            }
+        )
+    )
     assert generation_defaults(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 128}
 
 
 def test_gguf_sampling_metadata(tmp_path):
-    path = write_metadata_only_gguf(str(tmp_path / "m.gguf"), "llama",
-                                    extra={"general.sampling.temp": 0.7, "general.sampling.top_k": 40})
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"), "llama", extra={"general.sampling.temp": 0.7, "general.sampling.top_k": 40}
+    )
     assert generation_defaults(path) == {"temperature": 0.7, "top_k": 40}
 
 

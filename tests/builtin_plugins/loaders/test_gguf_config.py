@@ -19,15 +19,27 @@ from tokenloom.core.config import ModelConfig
 from tokenloom.core.model_loader import apply_rope_overrides, resolve_dtype
 
 # what write_minimal_gguf states, under transformers' names
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=256)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=7,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def write_minimal_gguf(path: str, architecture: str) -> str:
     """Only the keys tokenloom requires: no vocabulary size, RoPE base, head size or special tokens."""
     writer = GGUFWriter(path, architecture)
-    for key, value in {"embedding_length": 64, "feed_forward_length": 128, "block_count": 7,
-                       "attention.head_count": 4, "attention.head_count_kv": 2, "context_length": 256}.items():
+    for key, value in {
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "block_count": 7,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "context_length": 256,
+    }.items():
         writer.add_uint32(f"{architecture}.{key}", value)
     writer.add_float32(f"{architecture}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
@@ -38,8 +50,11 @@ def write_minimal_gguf(path: str, architecture: str) -> str:
 def transformers_config(architecture: str, **fields):
     import transformers
 
-    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "gemma3": transformers.Gemma3TextConfig}
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+    }
     return classes[architecture](**fields)
 
 
@@ -105,10 +120,12 @@ def test_dtype_is_read_without_touching_the_deprecated_torch_dtype():
 def test_reading_a_gguf_config_does_not_import_transformers(tmp_path):
     # transformers' config classes take seconds to import: the server's start-up must not pay for them
     path = write_minimal_gguf(str(tmp_path / "m.gguf"), "llama")
-    code = ("import sys; from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat; "
-            "from tokenloom.core.config import ModelConfig; "
-            f"config = GGUFLoadFormat().load_config({path!r}, ModelConfig()); "
-            "assert config.hidden_size == 64; "
-            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'transformers'))")
+    code = (
+        "import sys; from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat; "
+        "from tokenloom.core.config import ModelConfig; "
+        f"config = GGUFLoadFormat().load_config({path!r}, ModelConfig()); "
+        "assert config.hidden_size == 64; "
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'transformers'))"
+    )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "[]"

@@ -53,10 +53,12 @@ def tiny_gguf(request, tmp_path_factory):
     architecture = request.param
     config, state_dict = tiny_model_state_dict(architecture)
     directory = tmp_path_factory.mktemp(architecture)
-    path = write_model_gguf(str(directory / "model.gguf"), architecture, config, state_dict,
-                            quant_type=GGMLQuantizationType.Q8_0)
-    return SimpleNamespace(architecture=architecture, config=config, state_dict=state_dict, path=path,
-                           directory=str(directory))
+    path = write_model_gguf(
+        str(directory / "model.gguf"), architecture, config, state_dict, quant_type=GGMLQuantizationType.Q8_0
+    )
+    return SimpleNamespace(
+        architecture=architecture, config=config, state_dict=state_dict, path=path, directory=str(directory)
+    )
 
 
 def test_config_equals_transformers_conversion(tiny_gguf):
@@ -71,10 +73,21 @@ def test_config_equals_transformers_conversion(tiny_gguf):
         assert ours_dict.pop("query_pre_attn_scalar") == tiny_gguf.config.head_dim
         reference_dict.pop("query_pre_attn_scalar")
     assert ours_dict == reference_dict
-    assert ours.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "gemma3": "Gemma3ForCausalLM"}[tiny_gguf.architecture]]
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                "intermediate_size", "max_position_embeddings", "tie_word_embeddings"):
+    assert ours.architectures == [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[
+            tiny_gguf.architecture
+        ]
+    ]
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "intermediate_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
         assert getattr(ours, key) == getattr(tiny_gguf.config, key), key
 
 
@@ -116,10 +129,14 @@ def test_quantization_is_gguf_only_when_a_tensor_is_quantized(tiny_gguf, tmp_pat
 
 
 def test_float_tensors_are_views_of_the_file_not_copies(tmp_path):
-    path = write_metadata_only_gguf(str(tmp_path / "m.gguf"), "llama", tensors={
-        "token_embd.weight": np.arange(64, dtype=np.float32).reshape(2, 32),
-        "output_norm.weight": np.ones(32, dtype=np.float16),
-    })
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"),
+        "llama",
+        tensors={
+            "token_embd.weight": np.arange(64, dtype=np.float32).reshape(2, 32),
+            "output_norm.weight": np.ones(32, dtype=np.float16),
+        },
+    )
     weights = dict(GGUFLoadFormat().iterate_weights(path, None, None))
     embedding = weights["model.embed_tokens.weight"]
     assert embedding.dtype == torch.float32 and embedding.shape == (2, 32)
@@ -138,7 +155,9 @@ def test_hf_overrides_apply_to_the_config(tiny_gguf):
 
 
 def test_iterate_weights_shows_a_progress_bar_when_asked(tiny_gguf, capsys):
-    names = [name for name, _ in GGUFLoadFormat().iterate_weights(tiny_gguf.path, None, LoadConfig(use_tqdm_on_load=True))]
+    names = [
+        name for name, _ in GGUFLoadFormat().iterate_weights(tiny_gguf.path, None, LoadConfig(use_tqdm_on_load=True))
+    ]
     assert names and "loading GGUF tensors" in capsys.readouterr().err
 
 
@@ -149,19 +168,38 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(vocabulary, tmp_path):
     vocab = byte_level_vocab() if vocabulary == "byte_level" else sentencepiece_vocab()
     architecture = "gemma3" if vocabulary == "gemma" else "llama"
     extra = {f"{architecture}.attention.key_length": 16} if architecture == "gemma3" else {}
-    path = write_metadata_only_gguf(str(tmp_path / "tok.gguf"), architecture, tokenizer=vocab, extra={
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, **extra})
+    path = write_metadata_only_gguf(
+        str(tmp_path / "tok.gguf"),
+        architecture,
+        tokenizer=vocab,
+        extra={"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, **extra},
+    )
     ours = GGUFLoadFormat().load_tokenizer(path, ModelConfig())
     reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
-    texts = ["hello world", " hello  world ", "hello<|im_start|>world<|im_end|>", "<think>hello</think>",
-             "abcd\n\n\tab", "日本 🤗", "<s>hello</s>", "  ", "", "<start_of_turn>ab<end_of_turn>", "12 12"]
+    texts = [
+        "hello world",
+        " hello  world ",
+        "hello<|im_start|>world<|im_end|>",
+        "<think>hello</think>",
+        "abcd\n\n\tab",
+        "日本 🤗",
+        "<s>hello</s>",
+        "  ",
+        "",
+        "<start_of_turn>ab<end_of_turn>",
+        "12 12",
+    ]
     for text in texts:
         ids = ours(text).input_ids
         assert ids == reference(text).input_ids, text
         for skip in (False, True):
             assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip), text
     assert (ours.bos_token, ours.eos_token, ours.unk_token, ours.pad_token) == (
-        reference.bos_token, reference.eos_token, reference.unk_token, reference.pad_token)
+        reference.bos_token,
+        reference.eos_token,
+        reference.unk_token,
+        reference.pad_token,
+    )
     assert ours.chat_template == reference.chat_template
 
 
@@ -193,8 +231,10 @@ def test_missing_and_ambiguous_paths_are_clear_errors(tmp_path):
 def test_unknown_architecture_names_the_file_the_architecture_and_the_supported_ones(tmp_path):
     path = write_metadata_only_gguf(str(tmp_path / "mamba.gguf"), "mamba")
     load_format = GGUFLoadFormat()
-    for action in (lambda: load_format.load_config(path, ModelConfig()),
-                   lambda: list(load_format.iterate_weights(path, None, None))):
+    for action in (
+        lambda: load_format.load_config(path, ModelConfig()),
+        lambda: list(load_format.iterate_weights(path, None, None)),
+    ):
         with pytest.raises(ModelLoadError) as error:
             action()
         message = str(error.value)

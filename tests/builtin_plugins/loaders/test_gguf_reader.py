@@ -27,8 +27,11 @@ def sample_gguf(tmp_path):
     writer.add_uint64("general.big", 2**40)
     writer.add_tensor("dense.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
     writer.add_tensor("half.weight", np.ones((2, 8), dtype=np.float16))
-    writer.add_tensor("quant.weight", quantize(np.ones((2, 64), np.float32), GGMLQuantizationType.Q8_0),
-                      raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor(
+        "quant.weight",
+        quantize(np.ones((2, 64), np.float32), GGMLQuantizationType.Q8_0),
+        raw_dtype=GGMLQuantizationType.Q8_0,
+    )
     finish(writer)
     return path
 

@@ -34,8 +34,11 @@ def write_sample(path: str, alignment: int | None = None, extra: dict | None = N
     writer.add_array("llama.some_ints", [1, -2, 3])
     writer.add_array("tokenizer.ggml.tokens", ["a", "bé", "<|x|>"])
     writer.add_tensor("dense.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
-    writer.add_tensor("quant.weight", quantize(np.ones((1, 32), np.float32), GGMLQuantizationType.Q8_0),
-                      raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor(
+        "quant.weight",
+        quantize(np.ones((1, 32), np.float32), GGMLQuantizationType.Q8_0),
+        raw_dtype=GGMLQuantizationType.Q8_0,
+    )
     finish(writer)
 
 
@@ -76,8 +79,9 @@ def test_every_truncation(sample_bytes, tmp_path, cut):
 
 
 @FUZZ_SETTINGS
-@given(flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)),
-                      min_size=1, max_size=8))
+@given(
+    flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)), min_size=1, max_size=8)
+)
 def test_flipped_bytes(sample_bytes, tmp_path, flips):
     data = bytearray(sample_bytes)
     for position, mask in flips:
@@ -92,7 +96,7 @@ def test_flipped_bytes(sample_bytes, tmp_path, flips):
 def test_extreme_values_in_any_field(sample_bytes, tmp_path, position, value, width):
     data = bytearray(sample_bytes)
     position %= len(data) - width
-    data[position:position + width] = (value % 2 ** (8 * width)).to_bytes(width, "little")
+    data[position : position + width] = (value % 2 ** (8 * width)).to_bytes(width, "little")
     open_bytes(bytes(data), str(tmp_path))
 
 
@@ -103,7 +107,7 @@ def test_an_alignment_that_is_not_a_power_of_two(tmp_path, alignment):
     data = bytearray(open(path, "rb").read())
     key = b"general.alignment"
     value_at = data.index(key) + len(key) + 4  # after the key and its value type
-    data[value_at:value_at + 4] = struct.pack("<I", alignment)
+    data[value_at : value_at + 4] = struct.pack("<I", alignment)
     with open(path, "wb") as handle:
         handle.write(data)
     with pytest.raises(ModelLoadError, match="general.alignment must be a power of two") as error:
@@ -114,14 +118,14 @@ def test_an_alignment_that_is_not_a_power_of_two(tmp_path, alignment):
 def test_too_many_dimensions_and_a_tensor_listed_twice(sample_bytes, tmp_path):
     dims_at = sample_bytes.index(b"dense.weight") + len(b"dense.weight")
     data = bytearray(sample_bytes)
-    data[dims_at:dims_at + 4] = struct.pack("<I", 2**32 - 1)
+    data[dims_at : dims_at + 4] = struct.pack("<I", 2**32 - 1)
     path = tmp_path / "dims.gguf"
     path.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="4294967295 dimensions"):
         GGUFFile(str(path))
     twice = bytearray(sample_bytes)
     second_name_at = sample_bytes.index(b"quant.weight")
-    twice[second_name_at:second_name_at + len(b"quant.weight")] = b"dense.weight"
+    twice[second_name_at : second_name_at + len(b"quant.weight")] = b"dense.weight"
     path = tmp_path / "twice.gguf"
     path.write_bytes(bytes(twice))
     with pytest.raises(ModelLoadError, match="lists tensor 'dense.weight' twice"):

@@ -24,7 +24,7 @@ TEXTS = [
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n\n# done\t\ttabs",
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>",
     "<bos><start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
-    "{\"key\": [1, 2.5, -3e10], \"nested\": {\"a\": null}}",
+    '{"key": [1, 2.5, -3e10], "nested": {"a": null}}',
     "     \n\n\n    ",
     "Ünïcödé façade naïve café — “quotes” … ½",
     "x" * 300,
@@ -45,7 +45,7 @@ def real_model(request, smollm2_gguf):
     return request.param, path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformers_config(path):
     """transformers' config conversion (slow: it parses the whole vocabulary), once per file."""
     from transformers import AutoConfig
@@ -57,20 +57,53 @@ def test_config_equals_transformers_conversion(real_model):
     name, path = real_model
     ours = GGUFLoadFormat().load_config(path, ModelConfig())
     reference = transformers_config(path)
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rope_parameters", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
-                "bos_token_id", "eos_token_id", "pad_token_id", "intermediate_size"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rope_parameters",
+        "vocab_size",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "intermediate_size",
+    ):
         assert getattr(ours, key) == getattr(reference, key), key
     ours_dict, reference_dict = ours.to_dict(), reference.to_dict()
     for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version"):
         ours_dict.pop(key, None), reference_dict.pop(key, None)
     assert ours_dict == reference_dict
-    expected = {"smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
-                                bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"]),
-                "gemma3": dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
-                               head_dim=256, vocab_size=262144, sliding_window=512, bos_token_id=2, eos_token_id=1,
-                               architectures=["Gemma3ForCausalLM"])}[name]
+    expected = {
+        "smollm2": dict(
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            bos_token_id=1,
+            eos_token_id=2,
+            architectures=["LlamaForCausalLM"],
+        ),
+        "gemma3": dict(
+            hidden_size=640,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            sliding_window=512,
+            bos_token_id=2,
+            eos_token_id=1,
+            architectures=["Gemma3ForCausalLM"],
+        ),
+    }[name]
     for key, value in expected.items():
         assert getattr(ours, key) == value, key
 
@@ -94,14 +127,19 @@ def test_tokenizer_gives_the_same_ids_and_text_as_transformers_and_is_faster(rea
     assert ours(TEXTS[0], add_special_tokens=False).input_ids == reference(TEXTS[0], add_special_tokens=False).input_ids
     assert len(ours) == len(reference)
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.unk_token_id) == (
-        reference.bos_token_id, reference.eos_token_id, reference.pad_token_id, reference.unk_token_id)
+        reference.bos_token_id,
+        reference.eos_token_id,
+        reference.pad_token_id,
+        reference.unk_token_id,
+    )
     assert ours.chat_template == reference.chat_template
 
 
 def test_smollm2_tokenizer_carries_its_chat_template(smollm2_gguf):
     tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, ModelConfig())
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -129,6 +167,9 @@ def test_every_weight_maps_to_transformers_with_equal_dequantized_values(real_mo
 def test_smollm2_quantization_and_whole_model_dequantization(smollm2_gguf):
     load_format = GGUFLoadFormat()
     assert load_format.quantization(smollm2_gguf) == "gguf"
-    types = {weight.type_name for _, weight in load_format.iterate_weights(smollm2_gguf, None, None)
-             if isinstance(weight, GGUFWeight)}
+    types = {
+        weight.type_name
+        for _, weight in load_format.iterate_weights(smollm2_gguf, None, None)
+        if isinstance(weight, GGUFWeight)
+    }
     assert types == {"Q4_1", "Q8_0"}

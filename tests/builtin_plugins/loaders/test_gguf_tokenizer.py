@@ -26,14 +26,29 @@ from tokenloom.builtin_plugins.loaders.gguf_tokenizer import (
 from tokenloom.core.config import ModelConfig
 
 TEXTS = [
-    "hello world", " hello  world ", "hello<|im_start|>world<|im_end|>", "<think>hello</think>", "abcd\n\n\tab",
-    "日本 🤗", "<s>hello</s>", "  ", "", "<start_of_turn>ab<end_of_turn>", "12 12",
+    "hello world",
+    " hello  world ",
+    "hello<|im_start|>world<|im_end|>",
+    "<think>hello</think>",
+    "abcd\n\n\tab",
+    "日本 🤗",
+    "<s>hello</s>",
+    "  ",
+    "",
+    "<start_of_turn>ab<end_of_turn>",
+    "12 12",
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>",
-    "<bos><start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n", "Ünïcödé façade — “quotes” … ½",
-    "def f(x):\n    return x  # done\t\ttabs", "x" * 300,
+    "<bos><start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
+    "Ünïcödé façade — “quotes” … ½",
+    "def f(x):\n    return x  # done\t\ttabs",
+    "x" * 300,
 ]
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <think> there"},
-        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "日本 🤗"}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi <think> there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "日本 🤗"},
+]
 
 
 _build_backend = gguf_tokenizer.build_backend
@@ -62,8 +77,9 @@ def builds(monkeypatch) -> list[str]:
     return built
 
 
-def _vocabulary_gguf(directory, vocabulary: str, name: str = "tok.gguf", chat_template: str | None = None,
-                     **extra) -> str:
+def _vocabulary_gguf(
+    directory, vocabulary: str, name: str = "tok.gguf", chat_template: str | None = None, **extra
+) -> str:
     vocab = byte_level_vocab() if vocabulary == "byte_level" else sentencepiece_vocab()
     architecture = "gemma3" if vocabulary == "gemma" else "llama"
     if architecture == "gemma3":
@@ -72,8 +88,12 @@ def _vocabulary_gguf(directory, vocabulary: str, name: str = "tok.gguf", chat_te
         vocab["chat_template"] = "{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}"
     if chat_template is not None:
         vocab["chat_template"] = chat_template
-    return write_metadata_only_gguf(str(directory / name), architecture, tokenizer=vocab, extra={
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, **extra})
+    return write_metadata_only_gguf(
+        str(directory / name),
+        architecture,
+        tokenizer=vocab,
+        extra={"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, **extra},
+    )
 
 
 def assert_same_behaviour(ours, reference) -> None:
@@ -91,12 +111,21 @@ def assert_same_behaviour(ours, reference) -> None:
     assert ours.all_special_ids == reference.all_special_ids
     assert ours.added_tokens_decoder == reference.added_tokens_decoder
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.unk_token_id) == (
-        reference.bos_token_id, reference.eos_token_id, reference.pad_token_id, reference.unk_token_id)
+        reference.bos_token_id,
+        reference.eos_token_id,
+        reference.pad_token_id,
+        reference.unk_token_id,
+    )
     assert ours.chat_template == reference.chat_template
     for add_generation_prompt in (False, True):
         rendered = ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=add_generation_prompt)
-        assert rendered == reference.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=add_generation_prompt)
-        assert ours(rendered, add_special_tokens=False).input_ids == reference(rendered, add_special_tokens=False).input_ids
+        assert rendered == reference.apply_chat_template(
+            CHAT, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert (
+            ours(rendered, add_special_tokens=False).input_ids
+            == reference(rendered, add_special_tokens=False).input_ids
+        )
 
 
 @pytest.mark.parametrize("vocabulary", ["byte_level", "sentencepiece", "gemma"])
@@ -118,7 +147,8 @@ def test_the_real_smollm2_tokenizer_from_the_cache_equals_the_one_built_from_the
     assert builds == [smollm2_gguf]
     assert_same_behaviour(from_cache, from_file)
     assert from_cache.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True).endswith(
-        "<|im_start|>user\nHi <think> there<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nHi <think> there<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_the_load_format_uses_the_cache_under_the_cache_dir_env_var(tmp_path, monkeypatch, builds):
@@ -193,8 +223,9 @@ def test_two_processes_building_the_same_entry_at_once_both_get_the_tokenizer(tm
     expected = gguf_to_hf_tokenizer(GGUFFile(path, string_arrays=STRING_ARRAYS))("hello<|im_start|>world").input_ids
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    processes = [context.Process(target=_load_in_a_process, args=(path, str(tmp_path / "cache"), queue))
-                 for _ in range(2)]
+    processes = [
+        context.Process(target=_load_in_a_process, args=(path, str(tmp_path / "cache"), queue)) for _ in range(2)
+    ]
     for process in processes:
         process.start()
     results = [queue.get(timeout=120) for _ in processes]
@@ -204,8 +235,10 @@ def test_two_processes_building_the_same_entry_at_once_both_get_the_tokenizer(tm
     assert results == [expected, expected]
     directory = tmp_path / "cache" / TOKENIZER_CACHE_KIND
     assert [entry.name for entry in directory.iterdir()] == [f"{tokenizer_cache_key(GGUFFile(path))}.entry"]
-    assert DerivedCache(TOKENIZER_CACHE_KIND, root=tmp_path / "cache").read(
-        tokenizer_cache_key(GGUFFile(path))) is not None
+    assert (
+        DerivedCache(TOKENIZER_CACHE_KIND, root=tmp_path / "cache").read(tokenizer_cache_key(GGUFFile(path)))
+        is not None
+    )
 
 
 def test_merges_are_stored_space_joined_unless_a_piece_holds_a_space():

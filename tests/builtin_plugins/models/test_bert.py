@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
-
 from helpers.attention import build_attention_metadata
 from helpers.model_parity import perturb_parameters
+
 from tokenloom.builtin_plugins.models.modeling_bert import BertModel
 from tokenloom.core.model_interface import ModelContext
 from tokenloom.core.pooling import PoolerConfig
@@ -25,8 +25,17 @@ PROMPTS = [[101, 7, 8, 9, 102], [101, 5, 102], [101] + list(range(20, 45)) + [10
 def tiny_config(**overrides):
     from transformers import BertConfig
 
-    values = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-                  max_position_embeddings=64, type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12)
+    values = dict(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        hidden_act="gelu",
+        layer_norm_eps=1e-12,
+    )
     return BertConfig(**{**values, **overrides})
 
 
@@ -40,8 +49,15 @@ def hf_bert(request):
 
 
 def build(hf_model, pooler_config=None, weights=None):
-    model = BertModel(ModelContext(hf_config=hf_model.config, dtype=torch.float32, device=torch.device("cpu"),
-                                   runner="pooling", pooler_config=pooler_config))
+    model = BertModel(
+        ModelContext(
+            hf_config=hf_model.config,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            runner="pooling",
+            pooler_config=pooler_config,
+        )
+    )
     loaded = model.load_weights(weights if weights is not None else hf_model.state_dict().items())
     return model.eval(), loaded
 
@@ -66,7 +82,7 @@ def test_hidden_states_match_transformers(hf_bert, backend):
     for prompt in PROMPTS:
         with torch.no_grad():
             expected = hf_bert(torch.tensor([prompt])).last_hidden_state[0]
-        torch.testing.assert_close(hidden_states[start:start + len(prompt)], expected, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(hidden_states[start : start + len(prompt)], expected, atol=2e-5, rtol=1e-4)
         start += len(prompt)
 
 
@@ -96,8 +112,11 @@ def test_checkpoints_with_a_bert_prefix_and_gamma_beta_names_load(hf_bert):
 def test_a_missing_weight_is_named():
     from transformers import BertModel as HFBertModel
 
-    weights = [(name, tensor) for name, tensor in HFBertModel(tiny_config()).state_dict().items()
-               if "layer.1.attention.self.key" not in name]
+    weights = [
+        (name, tensor)
+        for name, tensor in HFBertModel(tiny_config()).state_dict().items()
+        if "layer.1.attention.self.key" not in name
+    ]
     with pytest.raises(ModelLoadError, match=r"encoder\.layer\.1\.attention\.self\.qkv_proj"):
         build(HFBertModel(tiny_config()), weights=weights)
 
@@ -113,19 +132,28 @@ def test_bert_is_an_encoder_without_kv_cache_or_logits(hf_bert):
 
 def test_unsupported_configs_are_config_errors():
     with pytest.raises(ConfigError, match="absolute"):
-        BertModel(ModelContext(hf_config=tiny_config(position_embedding_type="relative_key"), dtype=torch.float32,
-                               device=torch.device("cpu")))
+        BertModel(
+            ModelContext(
+                hf_config=tiny_config(position_embedding_type="relative_key"),
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+            )
+        )
     with pytest.raises(ConfigError, match="activation"):
-        BertModel(ModelContext(hf_config=tiny_config(hidden_act="swish"), dtype=torch.float32,
-                               device=torch.device("cpu")))
+        BertModel(
+            ModelContext(hf_config=tiny_config(hidden_act="swish"), dtype=torch.float32, device=torch.device("cpu"))
+        )
 
 
 @pytest.mark.hook("register_models")
 def test_the_entry_point_module_registers_bert_as_a_pooling_model_without_importing_torch():
-    code = ("import sys; import tokenloom.builtin_plugins.models.bert as bert; found = []; "
-            "bert.register_models(lambda name, target, **options: found.append((name, target, options))); "
-            "print(found); print('torch' in sys.modules)")
+    code = (
+        "import sys; import tokenloom.builtin_plugins.models.bert as bert; found = []; "
+        "bert.register_models(lambda name, target, **options: found.append((name, target, options))); "
+        "print(found); print('torch' in sys.modules)"
+    )
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
-    assert lines[0] == ("[('BertModel', 'tokenloom.builtin_plugins.models.modeling_bert:BertModel', "
-                        "{'runner': 'pooling'})]")
+    assert lines[0] == (
+        "[('BertModel', 'tokenloom.builtin_plugins.models.modeling_bert:BertModel', {'runner': 'pooling'})]"
+    )
     assert lines[1] == "False"

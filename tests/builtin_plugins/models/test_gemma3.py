@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.model_parity import assert_close_to_float32, assert_matches_transformers, build_model, perturb_parameters
 from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditionalGeneration
 
-from helpers.model_parity import assert_close_to_float32, assert_matches_transformers, build_model, perturb_parameters
 from tokenloom.builtin_plugins.models.gemma3 import register_models
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
@@ -19,8 +19,16 @@ PROMPTS = [[2, 17, 99, 3, 42, 7, 8, 140, 66], [2, 120, 4], [2, 33, 61, 5, 90, 11
 
 def tiny_text_config(**overrides):
     settings = dict(
-        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, max_position_embeddings=128,
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        max_position_embeddings=128,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -90,10 +98,15 @@ def test_gemma3_legacy_config_fields_select_the_local_rope_base():
 
 def test_gemma3_conditional_generation_text_part_matches_transformers():
     torch.manual_seed(5)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    config = Gemma3Config(text_config=tiny_text_config().to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                          image_token_index=150)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Gemma3Config(
+        text_config=tiny_text_config().to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=150,
+    )
     hf_model = perturb_parameters(HFGemma3ForConditionalGeneration(config).eval(), seed=5)
     weights = hf_model.state_dict()
     assert any("vision_tower" in name for name in weights)

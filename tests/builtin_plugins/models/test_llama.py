@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.model_parity import assert_close_to_float32, assert_matches_transformers, build_model, perturb_parameters
 from transformers import LlamaConfig, MistralConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import MistralForCausalLM as HFMistralForCausalLM
 
-from helpers.model_parity import assert_close_to_float32, assert_matches_transformers, build_model, perturb_parameters
 from tokenloom.builtin_plugins.models.llama import register_models
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM, MistralForCausalLM
 from tokenloom.errors import ModelLoadError
@@ -18,8 +18,15 @@ from tokenloom.errors import ModelLoadError
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8], [120, 4], [33, 61, 2, 90, 11, 150, 23, 8, 77, 5, 64]]
 
 TINY = dict(
-    vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -34,8 +41,16 @@ def hf_llama(seed=0, **overrides):
         {"tie_word_embeddings": False},
         {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
         {"num_key_value_heads": 4, "head_dim": 8},
-        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
     ],
     ids=["untied", "tied-bias", "mha-head-dim", "llama3-rope"],
 )
@@ -76,14 +91,18 @@ class PackedTensor:
 def test_packed_weights_are_dequantized_on_load():
     hf_model = hf_llama(seed=2)
     model, _ = build_model(
-        LlamaForCausalLM, hf_model.config, ((name, PackedTensor(tensor)) for name, tensor in hf_model.state_dict().items())
+        LlamaForCausalLM,
+        hf_model.config,
+        ((name, PackedTensor(tensor)) for name, tensor in hf_model.state_dict().items()),
     )
     assert_matches_transformers(model, hf_model, PROMPTS[:2], num_new_tokens=3)
 
 
 def test_missing_weight_is_named():
     hf_model = hf_llama()
-    weights = [(name, tensor) for name, tensor in hf_model.state_dict().items() if "layers.1.self_attn.v_proj" not in name]
+    weights = [
+        (name, tensor) for name, tensor in hf_model.state_dict().items() if "layers.1.self_attn.v_proj" not in name
+    ]
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight \(shard v\)"):
         build_model(LlamaForCausalLM, hf_model.config, weights)
 

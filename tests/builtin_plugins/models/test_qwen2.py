@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.model_parity import assert_matches_transformers, build_model, perturb_parameters
 from transformers import Qwen2Config
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
-from helpers.model_parity import assert_matches_transformers, build_model, perturb_parameters
-from tokenloom.builtin_plugins.models.qwen2 import register_models
 from tokenloom.builtin_plugins.models.modeling_qwen2 import Qwen2ForCausalLM
+from tokenloom.builtin_plugins.models.qwen2 import register_models
 
 PROMPTS = [[9, 14, 130, 3, 57, 71], [100, 6, 28], [45, 2, 19, 88, 110, 7, 36, 52, 9, 140]]
 TINY = dict(
-    vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, rope_theta=1000000.0,
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rope_theta=1000000.0,
 )
 
 
@@ -23,8 +29,10 @@ TINY = dict(
     "overrides, windows",
     [
         ({"tie_word_embeddings": True}, [None, None, None]),
-        ({"tie_word_embeddings": False, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-         [None, 4, 4]),
+        (
+            {"tie_word_embeddings": False, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+            [None, 4, 4],
+        ),
     ],
     ids=["tied", "sliding-window"],
 )

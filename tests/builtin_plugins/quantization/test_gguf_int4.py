@@ -14,8 +14,9 @@ from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int
 from tokenloom.kernels.int4_matmul import dequantize_int4
 
 
-@pytest.mark.parametrize("quant_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                                        GGMLQuantizationType.Q4_K])
+@pytest.mark.parametrize(
+    "quant_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K]
+)
 def test_codes_scales_and_zeros_give_the_dequantized_values(quant_type):
     if quant_type == GGMLQuantizationType.Q4_K:  # gguf cannot quantize to Q4_K: random valid blocks
         packed = random_blocks(int(quant_type), num_blocks=12, seed=3).reshape(6, -1)

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.usefixtures("isa_level")
 def q8_weight(rows: int, cols: int, seed: int, name: str = "blk.0.attn_q.weight") -> GGUFWeight:
     values = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
     packed = quantize(values, GGMLQuantizationType.Q8_0)
-    return GGUFWeight(torch.from_numpy(packed.copy()), int(GGMLQuantizationType.Q8_0), (rows, cols), name=name,
-                      path="/m/model.gguf")
+    return GGUFWeight(
+        torch.from_numpy(packed.copy()), int(GGMLQuantizationType.Q8_0), (rows, cols), name=name, path="/m/model.gguf"
+    )
 
 
 def make_layer(method: QuantizationMethod, input_size: int, output_size: int, dtype=torch.float32) -> nn.Module:
@@ -78,8 +79,13 @@ def test_shape_mismatch_names_the_tensor():
 def test_unsupported_quant_type_names_tensor_file_and_type():
     method = GGUFQuantizationMethod()
     layer = make_layer(method, 32, 2)
-    weight = GGUFWeight(torch.zeros(2, 18, dtype=torch.uint8), int(GGMLQuantizationType.IQ4_NL), (2, 32),
-                        name="blk.7.ffn_down.weight", path="/m/model.gguf")
+    weight = GGUFWeight(
+        torch.zeros(2, 18, dtype=torch.uint8),
+        int(GGMLQuantizationType.IQ4_NL),
+        (2, 32),
+        name="blk.7.ffn_down.weight",
+        path="/m/model.gguf",
+    )
     with pytest.raises(ModelLoadError) as error:
         method.load_weight(layer, weight, 0, 2)
     assert all(part in str(error.value) for part in ("blk.7.ffn_down.weight", "/m/model.gguf", "IQ4_NL"))
@@ -121,15 +127,17 @@ def test_a_bfloat16_layer_of_4_bit_shards_keeps_them_packed(int4_kernel):
     one_row, many_rows = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
     # the int4 kernel runs for one row, close to the exact dequantized weight
     expected = one_row.float() @ dense.T
-    torch.testing.assert_close(method.apply(layer, one_row, None).float(), expected, rtol=0,
-                               atol=0.03 * expected.abs().max().item())
+    torch.testing.assert_close(
+        method.apply(layer, one_row, None).float(), expected, rtol=0, atol=0.03 * expected.abs().max().item()
+    )
     assert torch.equal(method.apply(layer, one_row, None), int4_linear(one_row, layer.int4_weight))
     if int4_kernel == "tokenloom":  # every batch: no dense weight is kept
         assert layer.weight.is_meta and layer.weight.shape == (32, 64)
         assert torch.equal(method.apply(layer, many_rows, None), int4_linear(many_rows, layer.int4_weight))
     else:  # large batches on the dense weight
-        assert torch.equal(method.apply(layer, many_rows, None),
-                           torch.nn.functional.linear(many_rows, dense.to(torch.bfloat16)))
+        assert torch.equal(
+            method.apply(layer, many_rows, None), torch.nn.functional.linear(many_rows, dense.to(torch.bfloat16))
+        )
 
 
 def test_a_float32_layer_runs_the_int4_kernel_unless_float32_was_asked_for(int4_kernel):
@@ -182,7 +190,9 @@ def test_int4_path_is_skipped_for_mixed_shards_and_in_dequantize_mode():
 @pytest.mark.hook("register_quantization_methods")
 def test_hook_registers_gguf_lazily_by_module_path():
     registered = []
-    gguf_quantization.register_quantization_methods(register=lambda name, target, **o: registered.append((name, target)))
+    gguf_quantization.register_quantization_methods(
+        register=lambda name, target, **o: registered.append((name, target))
+    )
     assert registered == [("gguf", "tokenloom.builtin_plugins.quantization.gguf:GGUFQuantizationMethod")]
     method_class = resolve_target(registered[0][1])
     assert issubclass(method_class, QuantizationMethod) and method_class.name == "gguf"

@@ -17,7 +17,7 @@ def parser_for(name: str, tokenizer=None):
     return resolve_target(f"tokenloom.builtin_plugins.reasoning_parsers.{module}:{cls}")(tokenizer)
 
 
-REASONING = "Two plus two is four; 2² = 4 — easy. {\"json\": [1]}"
+REASONING = 'Two plus two is four; 2² = 4 — easy. {"json": [1]}'
 ANSWER = "The answer is 4. 答案是四。"
 
 CASES = [
@@ -89,19 +89,22 @@ def ids(text: str) -> list[int]:
     return [ord(char) for char in text]
 
 
-@pytest.mark.parametrize("name,output,ended", [
-    # the contract for the empty output (PLUGINS.md): False while the model may still open a
-    # section (qwen3) or is in one from the start (deepseek_r1)
-    ("deepseek_r1", "", False),
-    ("qwen3", "", False),
-    ("deepseek_r1", "still thinking", False),
-    ("deepseek_r1", "done</think>", True),
-    ("qwen3", "<think>thinking", False),
-    ("qwen3", "<thi", False),
-    ("qwen3", "No thinking here", True),
-    ("granite", "Here is my thought process: hmm Here is my response:", True),
-    ("mistral", "[THINK]hmm", False),
-])
+@pytest.mark.parametrize(
+    "name,output,ended",
+    [
+        # the contract for the empty output (PLUGINS.md): False while the model may still open a
+        # section (qwen3) or is in one from the start (deepseek_r1)
+        ("deepseek_r1", "", False),
+        ("qwen3", "", False),
+        ("deepseek_r1", "still thinking", False),
+        ("deepseek_r1", "done</think>", True),
+        ("qwen3", "<think>thinking", False),
+        ("qwen3", "<thi", False),
+        ("qwen3", "No thinking here", True),
+        ("granite", "Here is my thought process: hmm Here is my response:", True),
+        ("mistral", "[THINK]hmm", False),
+    ],
+)
 def test_is_reasoning_end(name, output, ended):
     assert parser_for(name, CharTokenizer()).is_reasoning_end(ids(output)) is ended
 

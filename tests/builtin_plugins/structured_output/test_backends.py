@@ -42,8 +42,11 @@ VOCAB_SIZE = 49152
 EOS = 2
 # the pure-Python backend is slow per token: fewer walks keep the suite quick
 WALKS = {"xgrammar": 3, "outlines": 3, "lm-format-enforcer": 2}
-CASES = ([("json", name) for name in SCHEMAS] + [("regex", name) for name in REGEXES]
-         + [("choice", name) for name in CHOICES])
+CASES = (
+    [("json", name) for name in SCHEMAS]
+    + [("regex", name) for name in REGEXES]
+    + [("choice", name) for name in CHOICES]
+)
 SPECS = {"json": SCHEMAS, "regex": REGEXES, "choice": CHOICES}
 
 # exactly what each backend refuses (anything else refused is a regression, anything here
@@ -51,9 +54,21 @@ SPECS = {"json": SCHEMAS, "regex": REGEXES, "choice": CHOICES}
 EXPECTED_REFUSALS = {
     "xgrammar": set(),
     "outlines": {"city_population", "probability", "many_types"},  # big integer ranges, number bounds
-    "lm-format-enforcer": {"city_population", "probability", "many_types", "mixed_enum", "optional_fields",
-                           "all_optional", "nullable_type_list", "string_length_bounds", "date_format",
-                           "max_length_text", "uuid_format", "one_of", "prefix_items"},
+    "lm-format-enforcer": {
+        "city_population",
+        "probability",
+        "many_types",
+        "mixed_enum",
+        "optional_fields",
+        "all_optional",
+        "nullable_type_list",
+        "string_length_bounds",
+        "date_format",
+        "max_length_text",
+        "uuid_format",
+        "one_of",
+        "prefix_items",
+    },
 }
 
 
@@ -146,9 +161,17 @@ def test_xgrammar_grammars_ebnf_and_lark(backends, tokenizer):
 
 def test_xgrammar_structural_tags_constrain_only_inside_the_tag(backends, tokenizer):
     backend = backends["xgrammar"]
-    tag = {"type": "structural_tag", "structures": [
-        {"begin": "<call>", "schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
-                                       "required": ["city"]}, "end": "</call>"}], "triggers": ["<call>"]}
+    tag = {
+        "type": "structural_tag",
+        "structures": [
+            {
+                "begin": "<call>",
+                "schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]},
+                "end": "</call>",
+            }
+        ],
+        "triggers": ["<call>"],
+    }
     matcher = backend.new_matcher(backend.compile(Constraint("structural_tag", tag)))
     assert len(allowed_tokens(matcher)) > 40000  # free text before the trigger
     for token_id in tokenizer.encode("Sure. <call>", add_special_tokens=False):
@@ -173,8 +196,9 @@ def test_outlines_takes_a_whitespace_pattern_and_the_others_refuse_it(backends, 
     assert "whitespace pattern" in backends["lm-format-enforcer"].supports(constraint)
     compiled = backends["outlines"].compile(constraint)
     text = tokenizer.decode(random_walk(backends["outlines"], compiled, random.Random(2)))
-    assert re.fullmatch(r'\{  "read"  :  (true|false)  ,  "write"  :  (true|false)  ,  "exec"  :  (true|false)  \}',
-                        text), text
+    assert re.fullmatch(
+        r'\{  "read"  :  (true|false)  ,  "write"  :  (true|false)  ,  "exec"  :  (true|false)  \}', text
+    ), text
 
 
 def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
@@ -185,7 +209,8 @@ def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
     assert "maximum, minimum" in backends["outlines"].supports(Constraint("json", SCHEMAS["probability"]))
     assert backends["outlines"].supports(Constraint("json", SCHEMAS["person"])) is None  # 0..120: an enum
     assert "uniqueItems" in backends["xgrammar"].supports(
-        Constraint("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}))
+        Constraint("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    )
     assert "optional" in backends["lm-format-enforcer"].supports(Constraint("json", SCHEMAS["optional_fields"]))
     unbounded = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     assert "number rule" in backends["lm-format-enforcer"].supports(Constraint("json", unbounded))
@@ -230,21 +255,26 @@ def test_the_json_control_byte_filter_reads_where_a_row_is(tokenizer):
     between_tokens = row.clone()
     set_allowed_tokens(between_tokens, [newline, tab_ish, letter])
     control_filter.apply(between_tokens)  # no sentinel: outside a string, whitespace stays
-    assert unpack_bitmask(between_tokens[None], VOCAB_SIZE)[0].nonzero().flatten().tolist() == \
-        sorted([newline, tab_ish, letter])
+    assert unpack_bitmask(between_tokens[None], VOCAB_SIZE)[0].nonzero().flatten().tolist() == sorted(
+        [newline, tab_ish, letter]
+    )
     control_filter.apply(row)  # the sentinel was allowed: inside a string, no control byte at all
     assert unpack_bitmask(row[None], VOCAB_SIZE)[0].nonzero().flatten().tolist() == [letter]
 
 
 def test_small_integer_ranges_become_enums_for_backends_without_bounds():
-    schema = {"type": "object", "properties": {
-        "age": {"type": "integer", "minimum": 0, "maximum": 3, "description": "years"},
-        "odd": {"type": "integer", "exclusiveMinimum": 0.5, "exclusiveMaximum": 7, "multipleOf": 2},
-        "picked": {"type": "integer", "minimum": 1, "maximum": 9, "enum": [2, 5, 12]},
-        "huge": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "half_open": {"type": "integer", "minimum": 0},
-        "real": {"type": "number", "minimum": 0, "maximum": 1},
-        "values": {"enum": [{"type": "integer", "minimum": 0, "maximum": 1}]}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 3, "description": "years"},
+            "odd": {"type": "integer", "exclusiveMinimum": 0.5, "exclusiveMaximum": 7, "multipleOf": 2},
+            "picked": {"type": "integer", "minimum": 1, "maximum": 9, "enum": [2, 5, 12]},
+            "huge": {"type": "integer", "minimum": 0, "maximum": 100000},
+            "half_open": {"type": "integer", "minimum": 0},
+            "real": {"type": "number", "minimum": 0, "maximum": 1},
+            "values": {"enum": [{"type": "integer", "minimum": 0, "maximum": 1}]},
+        },
+    }
     converted = enumerate_integer_ranges(schema)["properties"]
     assert converted["age"] == {"type": "integer", "description": "years", "enum": [0, 1, 2, 3]}
     assert converted["odd"]["enum"] == [2, 4, 6]

@@ -13,9 +13,14 @@ Call = tuple[str, dict]
 WEATHER: Call = ("get_weather", {"city": "Paris", "unit": "celsius"})
 TIME: Call = ("get_time", {"zone": "Europe/Paris"})
 TRANSLATE: Call = ("translate", {"text": "Grüße aus Zürich 👋", "target": "日本語"})
-SEARCH: Call = ("search", {"query": "a {b} [c]", "quote": 'she said "hi"\n',
-                           "filters": {"tags": ["x", "y"], "range": {"min": 1, "max": 2.5}, "exact": True,
-                                       "missing": None}})
+SEARCH: Call = (
+    "search",
+    {
+        "query": "a {b} [c]",
+        "quote": 'she said "hi"\n',
+        "filters": {"tags": ["x", "y"], "range": {"min": 1, "max": 2.5}, "exact": True, "missing": None},
+    },
+)
 EMPTY: Call = ("list_files", {})
 
 PLAIN_TEXT = "The weather in Paris is sunny, 22 °C. Braces {like these} and [brackets] stay text."
@@ -27,8 +32,9 @@ def dumps(value) -> str:
 
 
 def hermes(calls: list[Call]) -> str:
-    return "\n".join(f'<tool_call>\n{{"name": "{name}", "arguments": {dumps(arguments)}}}\n</tool_call>'
-                     for name, arguments in calls)
+    return "\n".join(
+        f'<tool_call>\n{{"name": "{name}", "arguments": {dumps(arguments)}}}\n</tool_call>' for name, arguments in calls
+    )
 
 
 def mistral(calls: list[Call]) -> str:
@@ -48,8 +54,9 @@ def llama4_json(calls: list[Call]) -> str:
 
 
 def pythonic(calls: list[Call]) -> str:
-    written = [f"{name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})"
-               for name, arguments in calls]
+    written = [
+        f"{name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})" for name, arguments in calls
+    ]
     return "[" + ", ".join(written) + "]"
 
 
@@ -62,12 +69,16 @@ def granite_20b_fc(calls: list[Call]) -> str:
 
 
 def internlm(calls: list[Call]) -> str:
-    return "".join(f"<|action_start|><|plugin|>\n{dumps({'name': name, 'parameters': arguments})}<|action_end|>"
-                   for name, arguments in calls)
+    return "".join(
+        f"<|action_start|><|plugin|>\n{dumps({'name': name, 'parameters': arguments})}<|action_end|>"
+        for name, arguments in calls
+    )
 
 
 def jamba(calls: list[Call]) -> str:
-    return "<tool_calls>" + dumps([{"name": name, "arguments": arguments} for name, arguments in calls]) + "</tool_calls>"
+    return (
+        "<tool_calls>" + dumps([{"name": name, "arguments": arguments} for name, arguments in calls]) + "</tool_calls>"
+    )
 
 
 def phi4_mini_json(calls: list[Call]) -> str:
@@ -75,8 +86,10 @@ def phi4_mini_json(calls: list[Call]) -> str:
 
 
 def deepseek_v3(calls: list[Call]) -> str:
-    body = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{dumps(arguments)}\n```<｜tool▁call▁end｜>"
-                   for name, arguments in calls)
+    body = "".join(
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{dumps(arguments)}\n```<｜tool▁call▁end｜>"
+        for name, arguments in calls
+    )
     return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
 
 
@@ -137,7 +150,9 @@ def malformed_case(parser: str, name: str, output: str) -> Case:
 
 
 MALFORMED = [
-    malformed_case("hermes", "bad_json", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>'),
+    malformed_case(
+        "hermes", "bad_json", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>'
+    ),
     malformed_case("hermes", "truncated", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
     malformed_case("hermes", "no_name", '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>'),
     malformed_case("mistral", "bad_json", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}]'),
@@ -145,35 +160,64 @@ MALFORMED = [
     malformed_case("mistral", "no_args_v11", "[TOOL_CALLS]get_weather and more"),
     malformed_case("llama3_json", "not_a_call", '{"answer": 42, "unit": "apples"}'),
     malformed_case("llama3_json", "truncated", '{"name": "get_weather", "parameters": {"city": "Par'),
-    malformed_case("llama4_json", "bad_json", '<|python_start|>{"name": "get_weather", "parameters": {city}}<|python_end|>'),
+    malformed_case(
+        "llama4_json", "bad_json", '<|python_start|>{"name": "get_weather", "parameters": {city}}<|python_end|>'
+    ),
     malformed_case("pythonic", "not_calls", "[1, 2, 3] are the first numbers."),
     malformed_case("pythonic", "positional", '[get_weather("Paris")]'),
     malformed_case("pythonic", "truncated", '[get_weather(city="Par'),
     malformed_case("granite", "object_not_array", '<|tool_call|>{"name": "get_weather", "arguments": {}}'),
     malformed_case("granite", "truncated", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Pa'),
-    malformed_case("granite-20b-fc", "bad_json", '<function_call> {"name": "get_weather", "arguments": {"city": Paris}}'),
+    malformed_case(
+        "granite-20b-fc", "bad_json", '<function_call> {"name": "get_weather", "arguments": {"city": Paris}}'
+    ),
     malformed_case("internlm", "interpreter", "<|action_start|><|interpreter|>\nprint(1)<|action_end|>"),
     malformed_case("internlm", "unclosed", '<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {}}'),
-    malformed_case("jamba", "bad_json", '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}</tool_calls>'),
+    malformed_case(
+        "jamba", "bad_json", '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}</tool_calls>'
+    ),
     malformed_case("phi4_mini_json", "prose", "Python's functools module has lru_cache."),
     malformed_case("phi4_mini_json", "truncated", 'functools[{"name": "get_weather", "arguments": {'),
-    malformed_case("deepseek_v3", "bad_json", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-                                               "```json\n{\"city\": Paris}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    malformed_case(
+        "deepseek_v3",
+        "bad_json",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": Paris}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    ),
     malformed_case(EXAMPLE_PARSER, "bad_json", '<function=get_weather>{"city": Paris}</function>'),
     malformed_case(EXAMPLE_PARSER, "unclosed", '<function=get_weather>{"city": "Paris"}'),
-    malformed_case("deepseek_v3", "truncated", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"),
+    malformed_case(
+        "deepseek_v3",
+        "truncated",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{",
+    ),
 ]
 
 EXTRA = [
     Case("mistral", "v11_parallel", mistral_v11([WEATHER, TIME]), None, (WEATHER, TIME)),
     Case("mistral", "v11_text_before", TEXT_BEFORE + mistral_v11([SEARCH]), TEXT_BEFORE, (SEARCH,)),
-    Case("llama3_json", "trailing_text", llama3_json([WEATHER]) + "\nI will tell you soon.", "I will tell you soon.",
-         (WEATHER,)),
+    Case(
+        "llama3_json",
+        "trailing_text",
+        llama3_json([WEATHER]) + "\nI will tell you soon.",
+        "I will tell you soon.",
+        (WEATHER,),
+    ),
     Case("llama4_json", "bare", llama3_json([WEATHER, TIME]), None, (WEATHER, TIME)),
-    Case("hermes", "text_between_calls", f"First:\n{hermes([WEATHER])}\nthen:\n{hermes([TIME])}\nDone.",
-         "First:\n\nthen:\n\nDone.", (WEATHER, TIME)),
-    Case("hermes", "one_bad_one_good", '<tool_call>{"name": 1}</tool_call>' + hermes([TIME]),
-         '<tool_call>{"name": 1}</tool_call>', (TIME,)),
+    Case(
+        "hermes",
+        "text_between_calls",
+        f"First:\n{hermes([WEATHER])}\nthen:\n{hermes([TIME])}\nDone.",
+        "First:\n\nthen:\n\nDone.",
+        (WEATHER, TIME),
+    ),
+    Case(
+        "hermes",
+        "one_bad_one_good",
+        '<tool_call>{"name": 1}</tool_call>' + hermes([TIME]),
+        '<tool_call>{"name": 1}</tool_call>',
+        (TIME,),
+    ),
     Case("deepseek_v3", "no_end_marker", deepseek_v3([WEATHER]).removesuffix("<｜tool▁calls▁end｜>"), None, (WEATHER,)),
     Case("granite", "bare_array", dumps([{"name": WEATHER[0], "arguments": WEATHER[1]}]), None, (WEATHER,)),
     Case("pythonic", "dotted_name", "[weather.current(city='Paris')]", None, (("weather.current", {"city": "Paris"}),)),
@@ -182,8 +226,14 @@ EXTRA = [
 
 def tool_definition(call: Call) -> dict:
     name, arguments = call
-    return {"type": "function", "function": {"name": name, "description": f"Calls {name}.", "parameters": {
-        "type": "object", "properties": {key: {} for key in arguments}}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"Calls {name}.",
+            "parameters": {"type": "object", "properties": {key: {} for key in arguments}},
+        },
+    }
 
 
 # the tools a request offers for the calls the cases make

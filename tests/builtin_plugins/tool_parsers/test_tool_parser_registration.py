@@ -59,8 +59,10 @@ def test_every_registered_name_resolves_to_a_parser():
     from tokenloom.core.parsers import ReasoningParser, ToolParser
     from tokenloom.plugins.registry import resolve_target
 
-    for table, package, interface in ((TOOL_PARSERS, "tool_parsers", ToolParser),
-                                      (REASONING_PARSERS, "reasoning_parsers", ReasoningParser)):
+    for table, package, interface in (
+        (TOOL_PARSERS, "tool_parsers", ToolParser),
+        (REASONING_PARSERS, "reasoning_parsers", ReasoningParser),
+    ):
         for name, target in table.items():
             parser_class = resolve_target(f"tokenloom.builtin_plugins.{package}.{target}")
             assert issubclass(parser_class, interface), name

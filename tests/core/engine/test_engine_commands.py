@@ -55,18 +55,22 @@ def test_the_engine_thread_applies_commands_in_order():
         async_llm._loop = asyncio.get_running_loop()
         async_llm._streams = {"a": asyncio.Queue(), "p": asyncio.Queue()}
         pooling = PoolingParams(dimensions=2)
-        for command in (AddRequest("a", SamplingParams(n=2), PREPARED, 3, 4.0),
-                        AddRequest("gone", SamplingParams(), PREPARED, 0, 5.0),  # its client left
-                        AddPoolingRequest("p", pooling, PREPARED, 0, 6.0),
-                        AbortRequest("a")):
+        for command in (
+            AddRequest("a", SamplingParams(n=2), PREPARED, 3, 4.0),
+            AddRequest("gone", SamplingParams(), PREPARED, 0, 5.0),  # its client left
+            AddPoolingRequest("p", pooling, PREPARED, 0, 6.0),
+            AbortRequest("a"),
+        ):
             async_llm._send(command)
         async_llm._drain_commands()
         return pooling
 
     pooling = asyncio.run(run())
-    assert engine.calls == [("add", "a", SamplingParams(n=2), 3, 4.0, PREPARED),
-                            ("add_pooling", "p", pooling, 0, 6.0, PREPARED),
-                            ("abort", "a")]
+    assert engine.calls == [
+        ("add", "a", SamplingParams(n=2), 3, 4.0, PREPARED),
+        ("add_pooling", "p", pooling, 0, 6.0, PREPARED),
+        ("abort", "a"),
+    ]
 
 
 def test_a_refused_add_fails_its_own_stream_only():

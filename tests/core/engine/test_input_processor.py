@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt, sequence_id
-from tokenloom.core.request import PoolingParams, RequestOutputKind, RequestStatus, SamplingParams
+from tokenloom.core.request import PoolingParams, RequestOutputKind, SamplingParams, SequenceStatus
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
 
@@ -39,13 +39,16 @@ def test_prompts_as_text_token_ids_and_dicts():
     assert processor().prepare_prompt([5, 6, 7, 8], SamplingParams(truncate_prompt_tokens=2)).prompt_token_ids == [7, 8]
 
 
-@pytest.mark.parametrize(("prompt", "message"), [
-    ([], "the prompt is empty"),
-    ([3, 100], "token id 100 is out of the vocabulary"),
-    ([3, True], "prompt must be a string or a list of token ids"),
-    (3.5, "prompt must be a string or a list of token ids"),
-    ({"text": "x"}, "needs 'prompt' or 'prompt_token_ids'"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], "the prompt is empty"),
+        ([3, 100], "token id 100 is out of the vocabulary"),
+        ([3, True], "prompt must be a string or a list of token ids"),
+        (3.5, "prompt must be a string or a list of token ids"),
+        ({"text": "x"}, "needs 'prompt' or 'prompt_token_ids'"),
+    ],
+)
 def test_bad_prompts_are_refused_naming_the_prompt(prompt, message):
     with pytest.raises(InvalidRequestError, match=message) as refused:
         processor().prepare_prompt(prompt, SamplingParams())
@@ -81,7 +84,7 @@ def test_the_sequences_of_a_request():
     [single] = processor().build_sequences("r", prepared, SamplingParams(seed=7), priority=2, arrival_time=5.0)
     assert (single.request_id, single.parent_id, single.index, single.sampling_params.seed) == ("r", "r", 0, 7)
     assert (single.priority, single.arrival_time, single.eos_token_ids, single.prompt) == (2, 5.0, {2}, "abc")
-    assert single.status is RequestStatus.WAITING
+    assert single.status is SequenceStatus.WAITING
 
     sequences = processor().build_sequences("r", prepared, SamplingParams(n=3, seed=7))
     assert [seq.request_id for seq in sequences] == ["r#0", "r#1", "r#2"] == [sequence_id("r", i, 3) for i in range(3)]

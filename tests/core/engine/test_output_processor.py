@@ -8,7 +8,7 @@ import pytest
 from tokenloom.core.batch import ModelRunnerOutput, TokenLogprobs
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
-from tokenloom.core.request import PoolingParams, Request, RequestOutputKind, RequestStatus, SamplingParams
+from tokenloom.core.request import PoolingParams, RequestOutputKind, SamplingParams, Sequence, SequenceStatus
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -16,8 +16,14 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def new_request(tokenizer, request_id: str, params: SamplingParams) -> tuple[OutputProcessor, RequestState]:
-    limits = ModelLimits(max_model_len=256, vocab_size=len(tokenizer), block_size=16, num_blocks=64,
-                         max_logprobs=5, eos_token_ids=(tokenizer.eos_token_id,))
+    limits = ModelLimits(
+        max_model_len=256,
+        vocab_size=len(tokenizer),
+        block_size=16,
+        num_blocks=64,
+        max_logprobs=5,
+        eos_token_ids=(tokenizer.eos_token_id,),
+    )
     prepared = PreparedPrompt(encode(tokenizer, "Say it:"), "Say it:")
     sequences = InputProcessor(tokenizer, limits).build_sequences(request_id, prepared, params, arrival_time=1.0)
     processor = OutputProcessor(tokenizer)
@@ -26,8 +32,14 @@ def new_request(tokenizer, request_id: str, params: SamplingParams) -> tuple[Out
     return processor, state
 
 
-def advance(processor: OutputProcessor, state: RequestState, seq: Request, token_ids: list[int],
-            runner_output: ModelRunnerOutput | None = None, status: RequestStatus | None = None) -> str | None:
+def advance(
+    processor: OutputProcessor,
+    state: RequestState,
+    seq: Sequence,
+    token_ids: list[int],
+    runner_output: ModelRunnerOutput | None = None,
+    status: SequenceStatus | None = None,
+) -> str | None:
     """One step: the scheduler appended ``token_ids`` (and maybe finished ``seq``)."""
     seq.output_token_ids.extend(token_ids)
     if status is not None:
@@ -45,11 +57,13 @@ def test_delta_outputs_carry_only_what_is_new(smollm2_tokenizer):
     assert [(c.index, c.text, c.token_ids) for c in output.outputs] == [(0, "Hello", hello)]  # nothing new in #1
     assert output.request_id == "r" and not output.finished and output.metrics.first_token_time == 2.0
     assert processor.make_output(state) is None  # nothing new at all
-    advance(processor, state, first, world, status=RequestStatus.FINISHED_LENGTH)
-    advance(processor, state, second, hello, status=RequestStatus.FINISHED_LENGTH)
+    advance(processor, state, first, world, status=SequenceStatus.FINISHED_LENGTH)
+    advance(processor, state, second, hello, status=SequenceStatus.FINISHED_LENGTH)
     output = processor.make_output(state)
-    assert [(c.index, c.text, c.finish_reason) for c in output.outputs] == [(0, " world", "length"),
-                                                                              (1, "Hello", "length")]
+    assert [(c.index, c.text, c.finish_reason) for c in output.outputs] == [
+        (0, " world", "length"),
+        (1, "Hello", "length"),
+    ]
     assert output.finished and state.finished
     assert processor.generation_tokens_total == 2 * len(hello) + len(world)
 
@@ -63,7 +77,7 @@ def test_cumulative_and_final_only_outputs(smollm2_tokenizer):
     processor, state = new_request(smollm2_tokenizer, "f", SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY))
     advance(processor, state, state.sequences[0], tokens[:1])
     assert processor.make_output(state) is None
-    advance(processor, state, state.sequences[0], tokens[1:], status=RequestStatus.FINISHED_LENGTH)
+    advance(processor, state, state.sequences[0], tokens[1:], status=SequenceStatus.FINISHED_LENGTH)
     assert processor.make_output(state).outputs[0].text == "one two"
 
 
@@ -74,11 +88,14 @@ def test_a_stop_string_is_reported_for_the_engine_to_finish(smollm2_tokenizer):
     assert state.texts[0] == "go "  # "ST" may turn out to start the stop string: held back
     assert advance(processor, state, seq, encode(smollm2_tokenizer, "OP and more")) == "STOP"
     assert seq.stop_reason == "STOP" and not seq.finished  # the engine finishes it in the scheduler
-    seq.status = RequestStatus.FINISHED_STOPPED
+    seq.status = SequenceStatus.FINISHED_STOPPED
     processor.update_text(state, seq)
     output = processor.make_output(state)
     assert (output.outputs[0].text, output.outputs[0].finish_reason, output.outputs[0].stop_reason) == (
-        "go ", "stop", "STOP")
+        "go ",
+        "stop",
+        "STOP",
+    )
 
 
 def test_the_stop_token_is_not_part_of_the_text(smollm2_tokenizer):
@@ -86,8 +103,13 @@ def test_the_stop_token_is_not_part_of_the_text(smollm2_tokenizer):
     processor, state = new_request(smollm2_tokenizer, "e", params)
     seq = state.sequences[0]
     seq.stop_reason = smollm2_tokenizer.eos_token_id
-    advance(processor, state, seq, encode(smollm2_tokenizer, "Hi") + [smollm2_tokenizer.eos_token_id],
-            status=RequestStatus.FINISHED_STOPPED)
+    advance(
+        processor,
+        state,
+        seq,
+        encode(smollm2_tokenizer, "Hi") + [smollm2_tokenizer.eos_token_id],
+        status=SequenceStatus.FINISHED_STOPPED,
+    )
     assert processor.make_output(state).outputs[0].text == "Hi"
 
 
@@ -111,8 +133,14 @@ def test_logprobs_ranks_and_decoded_tokens(smollm2_tokenizer):
 def test_a_worker_error_becomes_the_stop_reason(smollm2_tokenizer):
     processor, state = new_request(smollm2_tokenizer, "w", SamplingParams())
     seq = state.sequences[0]
-    advance(processor, state, seq, [], ModelRunnerOutput(errors={"w": "sampler failed"}),
-            status=RequestStatus.FINISHED_ERROR)
+    advance(
+        processor,
+        state,
+        seq,
+        [],
+        ModelRunnerOutput(errors={"w": "sampler failed"}),
+        status=SequenceStatus.FINISHED_ERROR,
+    )
     output = processor.make_output(state)
     assert (output.outputs[0].finish_reason, output.outputs[0].stop_reason) == ("error", "sampler failed")
 
@@ -126,18 +154,18 @@ def test_request_ids_and_sequence_ids_are_tracked_until_popped(smollm2_tokenizer
 
 
 def test_pooling_output(smollm2_tokenizer):
-    sequence = Request("p", [1, 2], SamplingParams(max_tokens=1), pooling_params=PoolingParams())
+    sequence = Sequence("p", [1, 2], SamplingParams(max_tokens=1), pooling_params=PoolingParams())
     state = OutputProcessor.new_pooling_state("p", PreparedPrompt([1, 2], None), PoolingParams(), sequence)
-    sequence.status = RequestStatus.FINISHED_STOPPED
+    sequence.status = SequenceStatus.FINISHED_STOPPED
     output = OutputProcessor.make_pooling_output(state, ModelRunnerOutput(pooled={"p": [0.5, 0.25]}))
     assert (output.request_id, output.outputs.data, output.finished, output.error) == ("p", [0.5, 0.25], True, None)
-    sequence.status, sequence.stop_reason = RequestStatus.FINISHED_ERROR, "out of memory"
+    sequence.status, sequence.stop_reason = SequenceStatus.FINISHED_ERROR, "out of memory"
     assert OutputProcessor.make_pooling_output(state, ModelRunnerOutput()).error == "out of memory"
 
 
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
 def test_a_finished_request_always_reports(smollm2_tokenizer, kind):
     processor, state = new_request(smollm2_tokenizer, "k", SamplingParams(output_kind=kind))
-    advance(processor, state, state.sequences[0], [], status=RequestStatus.FINISHED_ABORTED)
+    advance(processor, state, state.sequences[0], [], status=SequenceStatus.FINISHED_ABORTED)
     output = processor.make_output(state)
     assert output is not None and output.finished and output.outputs[0].finish_reason == "abort"

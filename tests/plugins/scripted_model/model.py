@@ -26,7 +26,7 @@ SCENARIO_FILE = "scenarios.json"
 def last_occurrence(history: list[int], needle: list[int], end: int) -> int:
     """Start of the last occurrence of ``needle`` in ``history[:end]``, or -1."""
     for start in range(end - len(needle), -1, -1):
-        if history[start:start + len(needle)] == needle:
+        if history[start : start + len(needle)] == needle:
             return start
     return -1
 
@@ -55,7 +55,7 @@ class Script:
         # the tokens generated so far are the longest scripted prefix that ends the history
         # (the template may have put more tokens, e.g. an empty think block, after `start`)
         for generated in range(min(len(response), len(history) - start), -1, -1):
-            if generated == 0 or history[len(history) - generated:] == response[:generated]:
+            if generated == 0 or history[len(history) - generated :] == response[:generated]:
                 return response[generated] if generated < len(response) else self.eos_token_id
         return self.eos_token_id
 
@@ -94,14 +94,21 @@ class ScriptedForCausalLM(nn.Module):
         query_ends = attn_metadata.query_start_loc.tolist()[1:]
         for row, (seq_len, query_end) in enumerate(zip(attn_metadata.seq_lens_cpu, query_ends)):
             token_positions = torch.arange(seq_len, device=input_ids.device)
-            slots = attn_metadata.block_tables[row, token_positions // block_size] * block_size + token_positions % block_size
+            slots = (
+                attn_metadata.block_tables[row, token_positions // block_size] * block_size
+                + token_positions % block_size
+            )
             history = (keys[slots].long() * ID_BASE + values[slots].long()).tolist()
             next_ids[query_end - 1] = self.script.next_token(history)
         return torch.stack([next_ids // ID_BASE, next_ids % ID_BASE], dim=1).to(self.logit_margin.dtype)
 
     def compute_logits(self, hidden_states):
         next_ids = hidden_states[:, 0].round().long() * ID_BASE + hidden_states[:, 1].round().long()
-        logits = torch.full((hidden_states.shape[0], self.vocab_size), -float(self.logit_margin), dtype=torch.float32,
-                            device=hidden_states.device)
+        logits = torch.full(
+            (hidden_states.shape[0], self.vocab_size),
+            -float(self.logit_margin),
+            dtype=torch.float32,
+            device=hidden_states.device,
+        )
         logits[torch.arange(hidden_states.shape[0]), next_ids] = 0.0
         return logits

@@ -50,8 +50,9 @@ def write_model_dir(directory: str, tokenizer, scenarios: dict[str, str]) -> str
         json.dump(config, config_file, indent=2)
     table = {
         "response_start_ids": ids(RESPONSE_START),
-        "scenarios": {name: {"marker_ids": ids(marker(name)), "response_ids": ids(text)}
-                      for name, text in scenarios.items()},
+        "scenarios": {
+            name: {"marker_ids": ids(marker(name)), "response_ids": ids(text)} for name, text in scenarios.items()
+        },
     }
     with open(os.path.join(directory, "scenarios.json"), "w", encoding="utf-8") as scenario_file:
         json.dump(table, scenario_file, ensure_ascii=False)

@@ -13,27 +13,33 @@ from tokenloom.errors import ConfigError, TokenloomError
 # command -> (module, summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "latency": ("tokenloom.api.bench.latency", "the latency of one batch, in this process (vLLM's `bench latency`)"),
-    "throughput": ("tokenloom.api.bench.throughput",
-                   "offline throughput over many prompts, in this process (vLLM's `bench throughput`)"),
-    "serve": ("tokenloom.api.bench.serve",
-              "TTFT, TPOT, ITL and throughput of any OpenAI-compatible server (vLLM's `bench serve`)"),
+    "throughput": (
+        "tokenloom.api.bench.throughput",
+        "offline throughput over many prompts, in this process (vLLM's `bench throughput`)",
+    ),
+    "serve": (
+        "tokenloom.api.bench.serve",
+        "TTFT, TPOT, ITL and throughput of any OpenAI-compatible server (vLLM's `bench serve`)",
+    ),
 }
 EXIT_FAILED = 1
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS)) + 2
-    return "\n".join([
-        "usage: tokenloom bench {latency,throughput,serve} [flags]",
-        "",
-        "Benchmarks with vLLM's flags, summaries and JSON result keys.",
-        "",
-        "commands:",
-        *(f"  {name:<{width}}{summary}" for name, (_, summary) in COMMANDS.items()),
-        "",
-        "Run `tokenloom bench <command> --help` for a command's flags; docs/benchmarking.md compares",
-        "tokenloom with vLLM side by side.",
-    ])
+    return "\n".join(
+        [
+            "usage: tokenloom bench {latency,throughput,serve} [flags]",
+            "",
+            "Benchmarks with vLLM's flags, summaries and JSON result keys.",
+            "",
+            "commands:",
+            *(f"  {name:<{width}}{summary}" for name, (_, summary) in COMMANDS.items()),
+            "",
+            "Run `tokenloom bench <command> --help` for a command's flags; docs/benchmarking.md compares",
+            "tokenloom with vLLM side by side.",
+        ]
+    )
 
 
 def run(argv: list[str]) -> int:

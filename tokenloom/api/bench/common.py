@@ -7,7 +7,8 @@ import argparse
 import json
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tokenloom.errors import ConfigError
 
@@ -28,7 +29,7 @@ class BenchParser(argparse.ArgumentParser):
 
 
 def help_request(argv: Sequence[str]) -> str | None:
-    """"" for plain ``--help``, the part after ``--help=`` otherwise, None without a help flag."""
+    """ "" for plain ``--help``, the part after ``--help=`` otherwise, None without a help flag."""
     for token in argv:
         if token == "--":
             break

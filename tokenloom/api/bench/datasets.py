@@ -46,8 +46,16 @@ def allowed_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     return allowed
 
 
-def random_token_requests(rng: Any, num_requests: int, input_len: int, output_len: int, allowed_ids: list[int], *,
-                          range_ratio: float = 0.0, prefix_len: int = 0) -> list[SampleRequest]:
+def random_token_requests(
+    rng: Any,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    allowed_ids: list[int],
+    *,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+) -> list[SampleRequest]:
     """Prompts of exactly the drawn lengths, as token ids: a shared random prefix, then a run of
     consecutive allowed ids from a random offset (distinct prompts, no accidental prefix hits)."""
     input_lens = sample_lengths(rng, num_requests, input_len, range_ratio, minimum=0 if prefix_len else 1)
@@ -61,23 +69,34 @@ def random_token_requests(rng: Any, num_requests: int, input_len: int, output_le
     return requests
 
 
-def random_text_requests(rng: Any, tokenizer: Any, num_requests: int, input_len: int, output_len: int, *,
-                         range_ratio: float = 0.0, prefix_len: int = 0) -> list[SampleRequest]:
+def random_text_requests(
+    rng: Any,
+    tokenizer: Any,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    *,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+) -> list[SampleRequest]:
     """vLLM's random dataset: random token ids decoded to text, re-encoded and trimmed or
     topped up until the text is ``prefix_len + input_len`` tokens long (or close to it: some
     token sequences never survive a decode/encode round trip exactly)."""
     vocab_size = int(getattr(tokenizer, "vocab_size", 0) or len(tokenizer))
     allowed = allowed_token_ids(tokenizer, vocab_size)
-    requests = random_token_requests(rng, num_requests, input_len, output_len, allowed,
-                                     range_ratio=range_ratio, prefix_len=prefix_len)
+    requests = random_token_requests(
+        rng, num_requests, input_len, output_len, allowed, range_ratio=range_ratio, prefix_len=prefix_len
+    )
     for request in requests:
-        request.prompt, request.prompt_len = decode_to_length(rng, tokenizer, request.prompt, request.prompt_len,
-                                                              allowed)
+        request.prompt, request.prompt_len = decode_to_length(
+            rng, tokenizer, request.prompt, request.prompt_len, allowed
+        )
     return requests
 
 
-def decode_to_length(rng: Any, tokenizer: Any, token_ids: list[int], target_len: int,
-                     allowed_ids: list[int]) -> tuple[str, int]:
+def decode_to_length(
+    rng: Any, tokenizer: Any, token_ids: list[int], target_len: int, allowed_ids: list[int]
+) -> tuple[str, int]:
     """Text that encodes to ``target_len`` tokens when possible; returns (text, its length)."""
     text = tokenizer.decode(token_ids)
     encoded = tokenizer.encode(text, add_special_tokens=False)
@@ -94,8 +113,15 @@ def decode_to_length(rng: Any, tokenizer: Any, token_ids: list[int], target_len:
     return text, len(encoded)
 
 
-def sharegpt_requests(rng: Any, path: str, tokenizer: Any, num_requests: int, *, output_len: int | None = None,
-                      max_model_len: int | None = None) -> list[SampleRequest]:
+def sharegpt_requests(
+    rng: Any,
+    path: str,
+    tokenizer: Any,
+    num_requests: int,
+    *,
+    output_len: int | None = None,
+    max_model_len: int | None = None,
+) -> list[SampleRequest]:
     """Prompts from a ShareGPT-format JSON file (a list of ``{"conversations": [{"from": "human",
     "value": ...}, {"from": "gpt", "value": ...}, ...]}``): each conversation's first turn is
     the prompt and the second's length the output length (unless ``output_len`` fixes it).
@@ -120,8 +146,11 @@ def sharegpt_requests(rng: Any, path: str, tokenizer: Any, num_requests: int, *,
         requests.append(SampleRequest(prompt, prompt_len, completion_len))
     if not requests:
         limit = f", and fits --max-model-len {max_model_len}" if max_model_len is not None else ""
-        raise ConfigError(f"--dataset-path {path}: no conversation has a prompt and reply of {SHAREGPT_MIN_LEN} to "
-                          f"{SHAREGPT_MAX_PROMPT_LEN} tokens{limit}", param="dataset-path")
+        raise ConfigError(
+            f"--dataset-path {path}: no conversation has a prompt and reply of {SHAREGPT_MIN_LEN} to "
+            f"{SHAREGPT_MAX_PROMPT_LEN} tokens{limit}",
+            param="dataset-path",
+        )
     if len(requests) < num_requests:
         print(f"the dataset holds {len(requests)} usable conversations; repeating them to make {num_requests} requests")
         picks = rng.integers(0, len(requests), size=num_requests - len(requests))
@@ -136,8 +165,9 @@ def _load_sharegpt(path: str) -> list[tuple[str, str]]:
     except OSError as exc:
         raise ConfigError(f"--dataset-path {path}: {exc.strerror}", param="dataset-path") from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--dataset-path {path}: not valid JSON ({exc.msg} at line {exc.lineno})",
-                          param="dataset-path") from None
+        raise ConfigError(
+            f"--dataset-path {path}: not valid JSON ({exc.msg} at line {exc.lineno})", param="dataset-path"
+        ) from None
     if not isinstance(data, list):
         raise ConfigError(f"--dataset-path {path}: expected a JSON list of ShareGPT entries", param="dataset-path")
     pairs = []
@@ -146,11 +176,18 @@ def _load_sharegpt(path: str) -> list[tuple[str, str]]:
         if not isinstance(turns, list) or len(turns) < 2:
             continue
         first, second = turns[0], turns[1]
-        if isinstance(first, dict) and isinstance(second, dict) and isinstance(first.get("value"), str) \
-                and isinstance(second.get("value"), str):
+        if (
+            isinstance(first, dict)
+            and isinstance(second, dict)
+            and isinstance(first.get("value"), str)
+            and isinstance(second.get("value"), str)
+        ):
             pairs.append((first["value"], second["value"]))
     if not pairs:
-        raise ConfigError(f"--dataset-path {path}: no entry has a \"conversations\" list of at least two turns "
-                          "(ShareGPT format: [{\"conversations\": [{\"from\": \"human\", \"value\": ...}, "
-                          "{\"from\": \"gpt\", \"value\": ...}]}])", param="dataset-path")
+        raise ConfigError(
+            f'--dataset-path {path}: no entry has a "conversations" list of at least two turns '
+            '(ShareGPT format: [{"conversations": [{"from": "human", "value": ...}, '
+            '{"from": "gpt", "value": ...}]}])',
+            param="dataset-path",
+        )
     return pairs

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from tokenloom.api.flags import FLAG_BY_NAME, FLAGS
 from tokenloom.errors import ConfigError
@@ -27,12 +28,17 @@ class EngineFlags:
 
 
 def engine_flag_names() -> list[str]:
-    return sorted(name for flag in FLAGS if flag.group != SERVER_GROUP or flag.key in ACCEPTED_SERVER_FLAGS
-                  for name in flag.option_strings)
+    return sorted(
+        name
+        for flag in FLAGS
+        if flag.group != SERVER_GROUP or flag.key in ACCEPTED_SERVER_FLAGS
+        for name in flag.option_strings
+    )
 
 
-def parse_engine_flags(tokens: Sequence[str], command: str, bench_parser: argparse.ArgumentParser,
-                       defaults: dict[str, Any] | None = None) -> EngineFlags:
+def parse_engine_flags(
+    tokens: Sequence[str], command: str, bench_parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None
+) -> EngineFlags:
     """Parse what the bench's own parser left over as engine flags; ``defaults`` are engine
     arguments the bench sets unless given (vLLM's bench latency turns prefix caching off)."""
     from tokenloom.api.cli import parse_serve_args
@@ -57,16 +63,22 @@ def _check_names(tokens: Sequence[str], command: str, bench_parser: argparse.Arg
             name = name.split(".", 1)[0].replace("_", "-")
         flag = FLAG_BY_NAME.get(name)
         if flag is None:
-            known = engine_flag_names() + [option for action in bench_parser._actions
-                                           for option in action.option_strings]
+            known = engine_flag_names() + [
+                option for action in bench_parser._actions for option in action.option_strings
+            ]
             hint = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            raise ConfigError(f"unrecognized argument: {name}"
-                              + (f"; did you mean {hint[0]}?" if hint else f"; see tokenloom bench {command} --help"),
-                              param=name.lstrip("-"))
+            raise ConfigError(
+                f"unrecognized argument: {name}"
+                + (f"; did you mean {hint[0]}?" if hint else f"; see tokenloom bench {command} --help"),
+                param=name.lstrip("-"),
+            )
         if flag.group == SERVER_GROUP and flag.key not in ACCEPTED_SERVER_FLAGS:
-            raise ConfigError(f"{flag.name} is a flag of the HTTP server; `tokenloom bench {command}` runs the engine "
-                              "in this process and takes engine flags only (use `tokenloom bench serve` against a "
-                              "running server)", param=flag.name[2:])
+            raise ConfigError(
+                f"{flag.name} is a flag of the HTTP server; `tokenloom bench {command}` runs the engine "
+                "in this process and takes engine flags only (use `tokenloom bench serve` against a "
+                "running server)",
+                param=flag.name[2:],
+            )
 
 
 def _is_number(token: str) -> bool:

@@ -7,11 +7,20 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from tokenloom.api.bench.common import (LATENCY_PERCENTAGES, BenchParser, help_request, mean, non_negative_int,
-                                        percentile, positive_int, write_json)
+from tokenloom.api.bench.common import (
+    LATENCY_PERCENTAGES,
+    BenchParser,
+    help_request,
+    mean,
+    non_negative_int,
+    percentile,
+    positive_int,
+    write_json,
+)
 from tokenloom.api.bench.engine_flags import ENGINE_FLAGS_HELP, parse_engine_flags, print_help
 from tokenloom.errors import ConfigError
 
@@ -21,28 +30,41 @@ PROFILE_DIR_ENV = "TOKENLOOM_TORCH_PROFILER_DIR"
 
 
 def build_parser() -> BenchParser:
-    parser = BenchParser(prog="tokenloom bench latency", description=(
-        "Benchmark the latency of a single batch of requests: random token-id prompts, generated "
-        "with ignore_eos so every iteration produces the same number of tokens."),
-        epilog=ENGINE_FLAGS_HELP.format(command=COMMAND))
+    parser = BenchParser(
+        prog="tokenloom bench latency",
+        description=(
+            "Benchmark the latency of a single batch of requests: random token-id prompts, generated "
+            "with ignore_eos so every iteration produces the same number of tokens."
+        ),
+        epilog=ENGINE_FLAGS_HELP.format(command=COMMAND),
+    )
     parser.add_argument("--input-len", type=positive_int, default=32, help="prompt tokens per request")
     parser.add_argument("--output-len", type=positive_int, default=128, help="generated tokens per request")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="requests in the batch")
     parser.add_argument("--n", type=positive_int, default=1, help="number of generated sequences per prompt")
-    parser.add_argument("--use-beam-search", action="store_true",
-                        help="time beam search (width --n) instead of sampling")
-    parser.add_argument("--num-iters-warmup", type=non_negative_int, default=10,
-                        help="number of iterations to run for warmup")
+    parser.add_argument(
+        "--use-beam-search", action="store_true", help="time beam search (width --n) instead of sampling"
+    )
+    parser.add_argument(
+        "--num-iters-warmup", type=non_negative_int, default=10, help="number of iterations to run for warmup"
+    )
     parser.add_argument("--num-iters", type=positive_int, default=30, help="number of iterations to run")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile the generation of a single batch with the torch profiler (after the warmup) "
-                             "instead of timing it")
-    parser.add_argument("--profile-result-dir", default=None,
-                        help=f"where --profile writes its Chrome trace (unset: ${PROFILE_DIR_ENV}, else "
-                             "./tokenloom_profile)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the generation of a single batch with the torch profiler (after the warmup) instead of timing it",
+    )
+    parser.add_argument(
+        "--profile-result-dir",
+        default=None,
+        help=f"where --profile writes its Chrome trace (unset: ${PROFILE_DIR_ENV}, else ./tokenloom_profile)",
+    )
     parser.add_argument("--output-json", default=None, help="path to save the latency results in JSON format")
-    parser.add_argument("--disable-detokenize", action="store_true",
-                        help="do not detokenize responses (leave detokenization out of the measured time)")
+    parser.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="do not detokenize responses (leave detokenization out of the measured time)",
+    )
     return parser
 
 
@@ -75,14 +97,25 @@ def run(argv: list[str]) -> int:
     llm = LLM(plugins=engine.plugins, **engine.engine_kwargs)
     needed = options.input_len + options.output_len
     if llm.engine.max_model_len < needed:
-        raise ConfigError(f"--input-len {options.input_len} + --output-len {options.output_len} = {needed} tokens do "
-                          f"not fit the context length {llm.engine.max_model_len}; shorten them or raise "
-                          "--max-model-len", param="input-len")
+        raise ConfigError(
+            f"--input-len {options.input_len} + --output-len {options.output_len} = {needed} tokens do "
+            f"not fit the context length {llm.engine.max_model_len}; shorten them or raise "
+            "--max-model-len",
+            param="input-len",
+        )
     prompts = random_prompts(llm, options.batch_size, options.input_len, seed=engine.engine_kwargs.get("seed", 0))
-    generate = batch_generator(llm, prompts, n=options.n, output_len=options.output_len,
-                               detokenize=not options.disable_detokenize, beam_search=options.use_beam_search)
-    print(f"Benchmarking {llm.engine.model_name}: batch {options.batch_size}, {options.input_len} input and "
-          f"{options.output_len} output tokens, n={options.n}")
+    generate = batch_generator(
+        llm,
+        prompts,
+        n=options.n,
+        output_len=options.output_len,
+        detokenize=not options.disable_detokenize,
+        beam_search=options.use_beam_search,
+    )
+    print(
+        f"Benchmarking {llm.engine.model_name}: batch {options.batch_size}, {options.input_len} input and "
+        f"{options.output_len} output tokens, n={options.n}"
+    )
 
     from tqdm import tqdm
 
@@ -116,8 +149,9 @@ def random_prompts(llm: Any, batch_size: int, input_len: int, seed: int | None) 
     return [{"prompt_token_ids": [int(token) for token in row]} for row in token_ids]
 
 
-def batch_generator(llm: Any, prompts: list, *, n: int, output_len: int, detokenize: bool,
-                    beam_search: bool = False) -> Callable[[], list]:
+def batch_generator(
+    llm: Any, prompts: list, *, n: int, output_len: int, detokenize: bool, beam_search: bool = False
+) -> Callable[[], list]:
     """A function generating the whole batch once, with vLLM's latency sampling settings (or beam
     search of width ``n``, as vLLM's --use-beam-search)."""
     from tokenloom import BeamSearchParams, SamplingParams
@@ -126,8 +160,9 @@ def batch_generator(llm: Any, prompts: list, *, n: int, output_len: int, detoken
         beam_params = BeamSearchParams(beam_width=n, max_tokens=output_len, ignore_eos=True)
         return lambda: llm.beam_search(prompts, beam_params)
 
-    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len,
-                            detokenize=detokenize)
+    params = SamplingParams(
+        n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len, detokenize=detokenize
+    )
     return lambda: llm.generate(prompts, params, use_tqdm=False)
 
 

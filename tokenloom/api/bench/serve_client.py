@@ -38,8 +38,16 @@ def endpoint_kind(endpoint: str) -> str:
     return CHAT if endpoint.rstrip("/").endswith("chat/completions") else COMPLETIONS
 
 
-def build_payload(kind: str, model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = False,
-                  sampling: dict[str, Any] | None = None, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_payload(
+    kind: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    ignore_eos: bool = False,
+    sampling: dict[str, Any] | None = None,
+    extra_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The streamed request body; ``sampling`` (temperature, top_p, ...) and ``extra_body`` are
     merged in last, so they may override anything."""
     payload: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
@@ -62,8 +70,9 @@ def request_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def send_request(client: Any, url: str, kind: str, payload: dict[str, Any], prompt_len: int,
-                       headers: dict[str, str] | None = None) -> RequestResult:
+async def send_request(
+    client: Any, url: str, kind: str, payload: dict[str, Any], prompt_len: int, headers: dict[str, str] | None = None
+) -> RequestResult:
     """POST ``payload`` with ``httpx.AsyncClient`` and read the SSE stream; never raises:
     a failure is ``success=False`` with the reason in ``error``."""
     result = RequestResult(prompt_len=prompt_len)
@@ -117,7 +126,7 @@ def _sse_data(line: str) -> str | None:
     line = line.strip()
     if not line or line.startswith(":") or not line.startswith("data:"):
         return None
-    data = line[len("data:"):].strip()
+    data = line[len("data:") :].strip()
     return None if data == "[DONE]" else data
 
 

@@ -7,8 +7,9 @@ peak concurrent requests over one-second buckets."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tokenloom.api.bench.common import mean, percentile, percentile_label, std
 from tokenloom.api.bench.serve_client import RequestResult
@@ -32,10 +33,14 @@ class MetricStats:
     percentiles: list[tuple[float, float]]  # (percent, value)
 
     @classmethod
-    def of(cls, seconds: Sequence[float], percents: Sequence[float]) -> "MetricStats":
+    def of(cls, seconds: Sequence[float], percents: Sequence[float]) -> MetricStats:
         values = [value * 1000 for value in seconds]
-        return cls(mean(values), percentile(values, 50), std(values),
-                   [(percent, percentile(values, percent)) for percent in percents])
+        return cls(
+            mean(values),
+            percentile(values, 50),
+            std(values),
+            [(percent, percentile(values, percent)) for percent in percents],
+        )
 
 
 @dataclass
@@ -63,8 +68,9 @@ class ServeMetrics:
         return (self.total_input + self.total_output) / self.duration
 
 
-def calculate_metrics(results: Sequence[RequestResult], duration: float, percents: Sequence[float],
-                      count_tokens: Callable[[str], int]) -> ServeMetrics:
+def calculate_metrics(
+    results: Sequence[RequestResult], duration: float, percents: Sequence[float], count_tokens: Callable[[str], int]
+) -> ServeMetrics:
     """Figures over the successful requests. ``count_tokens`` counts a generated text's tokens
     for servers that send no usage chunk."""
     output_lens: list[int] = []
@@ -86,9 +92,14 @@ def calculate_metrics(results: Sequence[RequestResult], duration: float, percent
     peak_tokens, peak_requests = peaks(successful)
     samples = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
     return ServeMetrics(
-        completed=len(successful), failed=len(results) - len(successful), total_input=total_input,
-        total_output=sum(output_lens), duration=duration, max_output_tokens_per_s=peak_tokens,
-        max_concurrent_requests=peak_requests, output_lens=output_lens,
+        completed=len(successful),
+        failed=len(results) - len(successful),
+        total_input=total_input,
+        total_output=sum(output_lens),
+        duration=duration,
+        max_output_tokens_per_s=peak_tokens,
+        max_concurrent_requests=peak_requests,
+        output_lens=output_lens,
         stats={name: MetricStats.of(values, percents) for name, values in samples.items()},
     )
 
@@ -117,8 +128,9 @@ def peaks(results: Sequence[RequestResult]) -> tuple[float, int]:
     return float(max(tokens)), max(in_flight)
 
 
-def summary_lines(metrics: ServeMetrics, selected: Sequence[str], *, max_concurrency: int | None,
-                  request_rate: float) -> list[str]:
+def summary_lines(
+    metrics: ServeMetrics, selected: Sequence[str], *, max_concurrency: int | None, request_rate: float
+) -> list[str]:
     """The summary table, line for line as vLLM prints it."""
 
     def row(label: str, value: Any, decimals: bool = True) -> str:
@@ -144,8 +156,11 @@ def summary_lines(metrics: ServeMetrics, selected: Sequence[str], *, max_concurr
     for name in selected:
         label, heading = METRICS[name]
         stats = metrics.stats[name]
-        lines += [f"{heading:-^{WIDTH}}", row(f"Mean {label} (ms):", stats.mean),
-                  row(f"Median {label} (ms):", stats.median)]
+        lines += [
+            f"{heading:-^{WIDTH}}",
+            row(f"Mean {label} (ms):", stats.mean),
+            row(f"Median {label} (ms):", stats.median),
+        ]
         lines += [row(f"P{percentile_label(percent)} {label} (ms):", value) for percent, value in stats.percentiles]
     lines.append("=" * WIDTH)
     return lines

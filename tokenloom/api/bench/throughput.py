@@ -19,27 +19,50 @@ COMMAND = "throughput"
 
 
 def build_parser() -> BenchParser:
-    parser = BenchParser(prog="tokenloom bench throughput", description=(
-        "Benchmark offline throughput: every prompt is submitted at once and the engine batches them."),
-        epilog=ENGINE_FLAGS_HELP.format(command=COMMAND))
-    parser.add_argument("--dataset-name", choices=("random", "sharegpt"), default=None,
-                        help="random token-id prompts, or a ShareGPT-format JSON file (--dataset-path); unset: "
-                             "sharegpt with --dataset-path, else random")
-    parser.add_argument("--dataset-path", "--dataset", dest="dataset_path", default=None,
-                        help="path to a ShareGPT-format JSON file")
-    parser.add_argument("--input-len", type=positive_int, default=None,
-                        help="prompt tokens per request (random dataset: required)")
-    parser.add_argument("--output-len", type=positive_int, default=None,
-                        help="generated tokens per request (random: default 128; sharegpt: overrides the reply length)")
+    parser = BenchParser(
+        prog="tokenloom bench throughput",
+        description=("Benchmark offline throughput: every prompt is submitted at once and the engine batches them."),
+        epilog=ENGINE_FLAGS_HELP.format(command=COMMAND),
+    )
+    parser.add_argument(
+        "--dataset-name",
+        choices=("random", "sharegpt"),
+        default=None,
+        help="random token-id prompts, or a ShareGPT-format JSON file (--dataset-path); unset: "
+        "sharegpt with --dataset-path, else random",
+    )
+    parser.add_argument(
+        "--dataset-path", "--dataset", dest="dataset_path", default=None, help="path to a ShareGPT-format JSON file"
+    )
+    parser.add_argument(
+        "--input-len", type=positive_int, default=None, help="prompt tokens per request (random dataset: required)"
+    )
+    parser.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=None,
+        help="generated tokens per request (random: default 128; sharegpt: overrides the reply length)",
+    )
     parser.add_argument("--n", type=positive_int, default=1, help="number of generated sequences per prompt")
     parser.add_argument("--num-prompts", type=positive_int, default=1000, help="number of prompts to process")
-    parser.add_argument("--prefix-len", type=non_negative_int, default=0,
-                        help="random dataset: a shared random prefix of this many tokens before each prompt")
-    parser.add_argument("--random-range-ratio", type=ratio, default=0.0,
-                        help="random dataset: draw lengths uniformly from [len*(1-r), len*(1+r)]")
+    parser.add_argument(
+        "--prefix-len",
+        type=non_negative_int,
+        default=0,
+        help="random dataset: a shared random prefix of this many tokens before each prompt",
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=ratio,
+        default=0.0,
+        help="random dataset: draw lengths uniformly from [len*(1-r), len*(1+r)]",
+    )
     parser.add_argument("--output-json", default=None, help="path to save the throughput results in JSON format")
-    parser.add_argument("--disable-detokenize", action="store_true",
-                        help="do not detokenize responses (leave detokenization out of the measured time)")
+    parser.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="do not detokenize responses (leave detokenization out of the measured time)",
+    )
     return parser
 
 
@@ -75,11 +98,13 @@ def run(argv: list[str]) -> int:
     options, rest = parser.parse_known_args(argv)
     dataset_name = options.dataset_name or ("sharegpt" if options.dataset_path else "random")
     if dataset_name == "random" and options.input_len is None:
-        raise ConfigError("the random dataset needs --input-len (and optionally --output-len, default 128)",
-                          param="input-len")
+        raise ConfigError(
+            "the random dataset needs --input-len (and optionally --output-len, default 128)", param="input-len"
+        )
     if dataset_name == "sharegpt" and not options.dataset_path:
-        raise ConfigError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)",
-                          param="dataset-path")
+        raise ConfigError(
+            "--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)", param="dataset-path"
+        )
     engine = parse_engine_flags(rest, COMMAND, parser)
     for warning in engine.warnings:
         print(f"tokenloom bench throughput: warning: {warning}", file=sys.stderr)
@@ -93,20 +118,40 @@ def run(argv: list[str]) -> int:
     max_model_len = llm.engine.max_model_len
     if dataset_name == "random":
         output_len = options.output_len or 128
-        longest = options.prefix_len + int(np.ceil(options.input_len * (1 + options.random_range_ratio))) \
+        longest = (
+            options.prefix_len
+            + int(np.ceil(options.input_len * (1 + options.random_range_ratio)))
             + int(np.ceil(output_len * (1 + options.random_range_ratio)))
+        )
         if longest > max_model_len:
-            raise ConfigError(f"requests of up to {longest} tokens (prefix, input and output) do not fit the context "
-                              f"length {max_model_len}; shorten them or raise --max-model-len", param="input-len")
+            raise ConfigError(
+                f"requests of up to {longest} tokens (prefix, input and output) do not fit the context "
+                f"length {max_model_len}; shorten them or raise --max-model-len",
+                param="input-len",
+            )
         allowed = allowed_token_ids(llm.get_tokenizer(), llm.engine.model_info.vocab_size)
-        requests = random_token_requests(rng, options.num_prompts, options.input_len, output_len, allowed,
-                                         range_ratio=options.random_range_ratio, prefix_len=options.prefix_len)
+        requests = random_token_requests(
+            rng,
+            options.num_prompts,
+            options.input_len,
+            output_len,
+            allowed,
+            range_ratio=options.random_range_ratio,
+            prefix_len=options.prefix_len,
+        )
     else:
         if llm.get_tokenizer() is None:
-            raise ConfigError("the sharegpt dataset needs the tokenizer: remove --skip-tokenizer-init",
-                              param="skip-tokenizer-init")
-        requests = sharegpt_requests(rng, options.dataset_path, llm.get_tokenizer(), options.num_prompts,
-                                     output_len=options.output_len, max_model_len=max_model_len)
+            raise ConfigError(
+                "the sharegpt dataset needs the tokenizer: remove --skip-tokenizer-init", param="skip-tokenizer-init"
+            )
+        requests = sharegpt_requests(
+            rng,
+            options.dataset_path,
+            llm.get_tokenizer(),
+            options.num_prompts,
+            output_len=options.output_len,
+            max_model_len=max_model_len,
+        )
     result = measure_throughput(llm, requests, n=options.n, detokenize=not options.disable_detokenize)
     print_result(result)
     if options.output_json:
@@ -114,16 +159,28 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def measure_throughput(llm: Any, requests: list[SampleRequest], *, n: int = 1, detokenize: bool = True,
-                       use_tqdm: bool = True) -> ThroughputResult:
+def measure_throughput(
+    llm: Any, requests: list[SampleRequest], *, n: int = 1, detokenize: bool = True, use_tqdm: bool = True
+) -> ThroughputResult:
     """Generate every request at once (vLLM's sampling settings: temperature 1, ignore_eos) and
     count the tokens the engine actually took in and produced."""
     from tokenloom import SamplingParams
 
-    prompts = [{"prompt_token_ids": request.prompt} if isinstance(request.prompt, list) else request.prompt
-               for request in requests]
-    params = [SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=request.expected_output_len,
-                             detokenize=detokenize) for request in requests]
+    prompts = [
+        {"prompt_token_ids": request.prompt} if isinstance(request.prompt, list) else request.prompt
+        for request in requests
+    ]
+    params = [
+        SamplingParams(
+            n=n,
+            temperature=1.0,
+            top_p=1.0,
+            ignore_eos=True,
+            max_tokens=request.expected_output_len,
+            detokenize=detokenize,
+        )
+        for request in requests
+    ]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - started
@@ -137,7 +194,9 @@ def measure_throughput(llm: Any, requests: list[SampleRequest], *, n: int = 1, d
 
 def print_result(result: ThroughputResult) -> None:
     figures = result.to_json()
-    print(f"Throughput: {figures['requests_per_second']:.2f} requests/s, {figures['tokens_per_second']:.2f} total "
-          f"tokens/s, {figures['output_tokens_per_second']:.2f} output tokens/s")
+    print(
+        f"Throughput: {figures['requests_per_second']:.2f} requests/s, {figures['tokens_per_second']:.2f} total "
+        f"tokens/s, {figures['output_tokens_per_second']:.2f} output tokens/s"
+    )
     print(f"Total num prompt tokens:  {result.total_prompt_tokens}")
     print(f"Total num output tokens:  {result.total_output_tokens}")

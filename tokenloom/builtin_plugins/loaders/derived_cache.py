@@ -69,7 +69,7 @@ class DerivedCache:
                 header = json.loads(data[:header_end])
             except ValueError:
                 problem = "has a header that is not JSON"
-        payload = data[header_end + 1:]
+        payload = data[header_end + 1 :]
         if problem is None:
             problem = _header_problem(header, key, payload)
         if problem is not None:
@@ -81,13 +81,15 @@ class DerivedCache:
         """Store ``payload`` and ``fields`` (JSON-able) under ``key``, replacing any entry
         atomically; returns the entry's path, or None when it could not be written (a
         read-only or full disk: logged, and the caller carries on without the cache)."""
-        header = json.dumps({
-            "format": FILE_FORMAT,
-            "key": key,
-            "payload_bytes": len(payload),
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
-            "fields": fields or {},
-        })  # json.dumps escapes newlines: the header stays one line
+        header = json.dumps(
+            {
+                "format": FILE_FORMAT,
+                "key": key,
+                "payload_bytes": len(payload),
+                "payload_sha256": hashlib.sha256(payload).hexdigest(),
+                "fields": fields or {},
+            }
+        )  # json.dumps escapes newlines: the header stays one line
         path = self.path(key)
         temporary = None
         try:

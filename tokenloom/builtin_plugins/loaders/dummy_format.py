@@ -8,7 +8,8 @@ expected to fill the parameters with small seeded random values (``--seed``). Ne
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
 

@@ -15,11 +15,22 @@ from tokenloom.builtin_plugins.loaders.hf_files import model_directory
 from tokenloom.errors import ModelLoadError
 
 # generation_config.json keys that are sampling defaults, under SamplingParams' names
-HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+HF_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 # llama.cpp's general.sampling.* keys
-GGUF_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-             "penalty_repeat": "repetition_penalty"}
+GGUF_KEYS = {
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
 
 
 def generation_defaults(path: str) -> dict[str, Any]:

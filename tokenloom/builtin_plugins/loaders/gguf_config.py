@@ -11,7 +11,8 @@ defaults below track the installed transformers.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, SkippedStringArray
 from tokenloom.errors import ModelLoadError
@@ -46,7 +47,7 @@ class GGUFModelConfig:
     def num_labels(self) -> int:
         return len(self.id2label)
 
-    def get_text_config(self, *args: Any, **kwargs: Any) -> "GGUFModelConfig":
+    def get_text_config(self, *args: Any, **kwargs: Any) -> GGUFModelConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,10 +64,17 @@ class GGUFModelConfig:
 def _pretrained_config_defaults() -> dict[str, Any]:
     """What transformers' PreTrainedConfig sets on every config."""
     return {
-        "architectures": None, "output_hidden_states": False, "return_dict": True, "dtype": None,
-        "chunk_size_feed_forward": 0, "is_encoder_decoder": False,
-        "id2label": {0: "LABEL_0", 1: "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1},
-        "problem_type": None, "_name_or_path": "", "output_attentions": False,
+        "architectures": None,
+        "output_hidden_states": False,
+        "return_dict": True,
+        "dtype": None,
+        "chunk_size_feed_forward": 0,
+        "is_encoder_decoder": False,
+        "id2label": {0: "LABEL_0", 1: "LABEL_1"},
+        "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+        "problem_type": None,
+        "_name_or_path": "",
+        "output_attentions": False,
     }
 
 
@@ -99,8 +107,12 @@ def _common(gguf: GGUFFile) -> dict[str, Any]:
     }
     if vocab_size is not None:
         fields["vocab_size"] = int(vocab_size)
-    for config_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                                 ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
+    for config_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+        ("unk_token_id", "unknown_token_id"),
+    ):
         token_id = gguf.get(f"tokenizer.ggml.{gguf_key}")
         if token_id is not None:
             fields[config_key] = int(token_id)
@@ -114,25 +126,47 @@ def _rope_theta(gguf: GGUFFile, default: float) -> float:
 
 def _llama_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
-        **_pretrained_config_defaults(), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": 32000, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
-        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1,
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        **_pretrained_config_defaults(),
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pretraining_tp": 1,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
         **_common(gguf),
     }
     fields["rope_parameters"] = {"rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA), "rope_type": "default"}
     head_dim = gguf.arch_get("rope.dimension_count")
-    fields["head_dim"] = int(head_dim) if head_dim is not None else fields["hidden_size"] // fields["num_attention_heads"]
+    fields["head_dim"] = (
+        int(head_dim) if head_dim is not None else fields["hidden_size"] // fields["num_attention_heads"]
+    )
     return GGUFModelConfig(**fields)
 
 
 def _qwen2_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
-        **_pretrained_config_defaults(), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-        "vocab_size": 151936, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
+        **_pretrained_config_defaults(),
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
         # llama.cpp states no sliding window for Qwen2, and transformers' default is off
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28,
-        "attention_dropout": 0.0, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "attention_dropout": 0.0,
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
         **_common(gguf),
     }
     fields["rope_parameters"] = {"rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA), "rope_type": "default"}
@@ -142,11 +176,22 @@ def _qwen2_config(gguf: GGUFFile) -> GGUFModelConfig:
 
 def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
-        **_pretrained_config_defaults(), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-        "vocab_size": 262_208, "hidden_activation": "gelu_pytorch_tanh", "initializer_range": 0.02,
-        "use_cache": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "attention_bias": False,
-        "attention_dropout": 0.0, "sliding_window": 4096, "final_logit_softcapping": None,
-        "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        **_pretrained_config_defaults(),
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 262_208,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
         "_sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
         **_common(gguf),
     }

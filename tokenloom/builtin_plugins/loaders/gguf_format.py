@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, GGUFTensorInfo, find_gguf_file
@@ -21,9 +22,14 @@ logger = logging.getLogger(__name__)
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _DECODER_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
 }
 # per architecture: GGUF block tensor -> Hugging Face sub-module of model.layers.N
 BLOCK_NAMES: dict[str, dict[str, str]] = {
@@ -127,11 +133,15 @@ class GGUFLoadFormat(LoadFormat):
         num_heads = gguf.arch_get("attention.head_count")
         num_kv_heads = gguf.arch_get("attention.head_count_kv", num_heads)
         tensors = list(gguf.tensors.values())
-        for info in hf_files.with_progress(tensors, load_config, total=len(tensors), description="loading GGUF tensors"):
+        for info in hf_files.with_progress(
+            tensors, load_config, total=len(tensors), description="loading GGUF tensors"
+        ):
             hf_name = hf_tensor_name(architecture, info.name)
             if hf_name is None:
                 if info.name not in IGNORED_TENSORS:
-                    logger.warning("GGUF tensor %s of %s has no Hugging Face counterpart; skipped", info.name, gguf.path)
+                    logger.warning(
+                        "GGUF tensor %s of %s has no Hugging Face counterpart; skipped", info.name, gguf.path
+                    )
                 continue
             weight = _tensor(gguf, info)
             if architecture in ROPE_PERMUTED_ARCHITECTURES and info.name.endswith((".attn_q.weight", ".attn_k.weight")):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,19 @@ MAX_TENSOR_DIMS = 4
 
 # GGUF metadata value types (gguf.GGUFValueType): scalar struct formats, and numpy dtypes for arrays
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_ARRAY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_ARRAY_DTYPES = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -76,8 +89,7 @@ class GGUFFile:
             self._parse()
         except ModelLoadError:
             raise
-        except (struct.error, UnicodeDecodeError, IndexError, ValueError, OverflowError, MemoryError,
-                TypeError) as exc:
+        except (struct.error, UnicodeDecodeError, IndexError, ValueError, OverflowError, MemoryError, TypeError) as exc:
             # a file from anywhere must fail as a load error naming itself, whatever its bytes
             raise ModelLoadError(
                 f"GGUF file {self.path} is truncated or corrupt ({type(exc).__name__}: {exc}); "
@@ -107,7 +119,7 @@ class GGUFFile:
 
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's raw bytes as a uint8 view of the mapping (no copy)."""
-        return self._mapped[info.offset:info.offset + info.nbytes]
+        return self._mapped[info.offset : info.offset + info.nbytes]
 
     # -- parsing -----------------------------------------------------------------------------
 
@@ -137,8 +149,10 @@ class GGUFFile:
             name, position = self._read_string(position)
             (num_dims,) = struct.unpack_from("<I", buffer, position)
             if num_dims > MAX_TENSOR_DIMS:
-                raise ModelLoadError(f"GGUF file {self.path} is corrupt: tensor {name!r} claims {num_dims} "
-                                     f"dimensions (ggml tensors have at most {MAX_TENSOR_DIMS})")
+                raise ModelLoadError(
+                    f"GGUF file {self.path} is corrupt: tensor {name!r} claims {num_dims} "
+                    f"dimensions (ggml tensors have at most {MAX_TENSOR_DIMS})"
+                )
             dims = struct.unpack_from(f"<{num_dims}Q", buffer, position + 4)
             ggml_type, relative_offset = struct.unpack_from("<IQ", buffer, position + 4 + 8 * num_dims)
             position += 4 + 8 * num_dims + 12
@@ -163,10 +177,15 @@ class GGUFFile:
     def _alignment(self) -> int:
         """``general.alignment``: a power of two (GGUF's rule), 32 when absent."""
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)) or alignment < 1 \
-                or alignment & (alignment - 1):
-            raise ModelLoadError(f"GGUF file {self.path} is corrupt: general.alignment must be a power of two, "
-                                 f"got {alignment!r}")
+        if (
+            isinstance(alignment, bool)
+            or not isinstance(alignment, (int, np.integer))
+            or alignment < 1
+            or alignment & (alignment - 1)
+        ):
+            raise ModelLoadError(
+                f"GGUF file {self.path} is corrupt: general.alignment must be a power of two, got {alignment!r}"
+            )
         return int(alignment)
 
     def _read_string(self, position: int) -> tuple[str, int]:
@@ -174,7 +193,7 @@ class GGUFFile:
         start = position + 8
         if start + length > len(self._header):
             raise ValueError(f"a string at byte {position} runs past the end of the file")
-        return self._header[start:start + length].decode("utf-8"), start + length
+        return self._header[start : start + length].decode("utf-8"), start + length
 
     def _read_value(self, position: int, value_type: int, key: str) -> tuple[Any, int]:
         buffer = self._header
@@ -214,7 +233,7 @@ class GGUFFile:
             position += 8
             if position + length > size:
                 raise ValueError(f"a string at byte {position - 8} runs past the end of the file")
-            append(raw[position:position + length].decode("utf-8"))
+            append(raw[position : position + length].decode("utf-8"))
             position += length
         return values, position
 

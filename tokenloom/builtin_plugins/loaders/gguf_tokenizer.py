@@ -45,8 +45,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 
 
@@ -75,11 +80,16 @@ def load_gguf_tokenizer(path: str, *, cache: DerivedCache | None = None):
             backend = Tokenizer.from_str(entry.payload.decode("utf-8"))
             init_kwargs = entry.fields["init_kwargs"]
         except Exception as exc:  # noqa: BLE001 - a sound file the library cannot read: rebuild it
-            logger.warning("cached tokenizer %s does not load (%s: %s); building it again", cache.path(key),
-                           type(exc).__name__, exc)
+            logger.warning(
+                "cached tokenizer %s does not load (%s: %s); building it again",
+                cache.path(key),
+                type(exc).__name__,
+                exc,
+            )
         else:
-            logger.debug("tokenizer of %s from the cache (%s) in %.2fs", path, cache.path(key),
-                         time.perf_counter() - started)
+            logger.debug(
+                "tokenizer of %s from the cache (%s) in %.2fs", path, cache.path(key), time.perf_counter() - started
+            )
             return _wrap(backend, init_kwargs)
     backend, init_kwargs = build_backend(GGUFFile(path, string_arrays=STRING_ARRAYS))
     # serialized before the wrapper adopts it, so a cached backend is wrapped from the same state
@@ -96,8 +106,9 @@ def serialized_backend(backend) -> bytes:
     space, which only the pair form can say."""
     document = json.loads(backend.to_str())
     merges = document.get("model", {}).get("merges")
-    if merges and all(isinstance(merge, list) and len(merge) == 2 and " " not in merge[0] and " " not in merge[1]
-                      for merge in merges):
+    if merges and all(
+        isinstance(merge, list) and len(merge) == 2 and " " not in merge[0] and " " not in merge[1] for merge in merges
+    ):
         document["model"]["merges"] = [f"{left} {right}" for left, right in merges]
     return json.dumps(document, ensure_ascii=False).encode("utf-8")
 
@@ -107,8 +118,9 @@ def tokenizer_cache_key(gguf: GGUFFile) -> str:
     architecture), this module's source and the ``tokenizers`` version."""
     import tokenizers
 
-    digest = hashlib.sha256(f"{TOKENIZER_CACHE_KIND}/{TOKENIZER_CACHE_VERSION}/tokenizers {tokenizers.__version__}/"
-                            .encode())
+    digest = hashlib.sha256(
+        f"{TOKENIZER_CACHE_KIND}/{TOKENIZER_CACHE_VERSION}/tokenizers {tokenizers.__version__}/".encode()
+    )
     digest.update(_builder_digest())
     keys = sorted(key for key in gguf.metadata_spans if key.startswith("tokenizer.") or key in _KEYED_METADATA)
     for key in keys:
@@ -141,7 +153,9 @@ def build_backend(gguf: GGUFFile) -> tuple[Any, dict[str, Any]]:
         backend = _byte_level_bpe(gguf, tokens)
         add_bos_default = False
     elif tokenizer_model == "llama":
-        backend = _gemma_bpe(gguf, tokens) if gguf.architecture.startswith("gemma") else _sentencepiece_bpe(gguf, tokens)
+        backend = (
+            _gemma_bpe(gguf, tokens) if gguf.architecture.startswith("gemma") else _sentencepiece_bpe(gguf, tokens)
+        )
         # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise
         add_bos_default = True
     else:
@@ -153,8 +167,12 @@ def build_backend(gguf: GGUFFile) -> tuple[Any, dict[str, Any]]:
     _add_special_tokens(backend, gguf, tokens, byte_level=tokenizer_model == "gpt2")
 
     named_tokens = {}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         token_id = gguf.get(f"tokenizer.ggml.{key}")
         if token_id is not None and 0 <= token_id < len(tokens):
             named_tokens[name] = backend.id_to_token(int(token_id))
@@ -190,16 +208,26 @@ def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]):
         key = token if alphabet.issuperset(token) else "".join(spelling[b] for b in token.encode("utf-8"))
         vocab[key] = index
     merges = [tuple(merge.split(" ")) for merge in gguf.get("tokenizer.ggml.merges") or []]
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                   end_of_word_suffix="", fuse_unk=False))
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     split = PRE_TOKENIZER_SPLITS.get(gguf.get("tokenizer.ggml.pre"))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -229,14 +257,20 @@ def _sentencepiece_bpe(gguf: GGUFFile, tokens: list[str]):
     else:
         scores = gguf.get("tokenizer.ggml.scores")
         if scores is None:
-            raise ModelLoadError(f"GGUF file {gguf.path} has neither merges nor scores for its sentencepiece vocabulary")
+            raise ModelLoadError(
+                f"GGUF file {gguf.path} has neither merges nor scores for its sentencepiece vocabulary"
+            )
         merges = _merges_from_vocab(vocab, dict(zip(tokens, scores.tolist())))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_UNDERLINE, prepend_scheme="first", split=False)
-    backend.decoder = decoders.Sequence([
-        decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(content=" ", left=1),
-    ])
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(SPIECE_UNDERLINE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
     return backend
 
 
@@ -250,11 +284,21 @@ def _gemma_bpe(gguf: GGUFFile, tokens: list[str]):
     positions = {token: -index for index, token in enumerate(tokens)}
     unknown_id = gguf.get("tokenizer.ggml.unknown_token_id")
     unknown = tokens[unknown_id] if unknown_id is not None else "<unk>"
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocab(vocab, positions), fuse_unk=True,
-                                   unk_token=unknown, byte_fallback=True, dropout=None))
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_vocab(vocab, positions),
+            fuse_unk=True,
+            unk_token=unknown,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
     backend.normalizer = normalizers.Replace(" ", SPIECE_UNDERLINE)
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     return backend
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from tokenloom.errors import ModelLoadError
+
 
 def model_directory(path: str) -> str:
     """The directory holding a model's config: ``path`` itself, or the directory of a file."""
@@ -38,7 +40,9 @@ def load_hf_config(path: str, model_config: Any) -> Any:
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for bad configs
-        raise ModelLoadError(f"cannot read {os.path.join(directory, 'config.json')}: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(
+            f"cannot read {os.path.join(directory, 'config.json')}: {type(exc).__name__}: {exc}"
+        ) from exc
     return apply_hf_overrides(config, getattr(model_config, "hf_overrides", None))
 
 
@@ -54,7 +58,9 @@ def load_hf_tokenizer(path: str, model_config: Any) -> Any:
         )
     use_fast = getattr(model_config, "tokenizer_mode", "auto") != "slow"
     try:
-        return AutoTokenizer.from_pretrained(directory, use_fast=use_fast, local_files_only=True, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(
+            directory, use_fast=use_fast, local_files_only=True, trust_remote_code=False
+        )
     except Exception as exc:  # transformers raises many kinds for missing/broken tokenizer files
         raise ModelLoadError(f"cannot load a tokenizer from {directory}: {type(exc).__name__}: {exc}") from exc
 
@@ -63,8 +69,9 @@ def is_ignored(relative_path: str, ignore_patterns: Iterable[str] | None) -> boo
     return any(fnmatch.fnmatch(relative_path, pattern) for pattern in ignore_patterns or ())
 
 
-def weight_files(path: str, extensions: tuple[str, ...], index_names: tuple[str, ...],
-                 ignore_patterns: Iterable[str] | None = None) -> list[str]:
+def weight_files(
+    path: str, extensions: tuple[str, ...], index_names: tuple[str, ...], ignore_patterns: Iterable[str] | None = None
+) -> list[str]:
     """The weight files of a model: ``path`` itself if it is one; else the shards named by an index
     file (e.g. ``model.safetensors.index.json``); else every top-level file with one of
     ``extensions``. ``ignore_patterns`` are fnmatch globs on paths relative to the directory."""
@@ -85,8 +92,11 @@ def weight_files(path: str, extensions: tuple[str, ...], index_names: tuple[str,
                 )
             return files
     return sorted(
-        os.path.join(path, name) for name in os.listdir(path)
-        if name.endswith(extensions) and os.path.isfile(os.path.join(path, name)) and not is_ignored(name, ignore_patterns)
+        os.path.join(path, name)
+        for name in os.listdir(path)
+        if name.endswith(extensions)
+        and os.path.isfile(os.path.join(path, name))
+        and not is_ignored(name, ignore_patterns)
     )
 
 
@@ -99,8 +109,9 @@ def _shards_from_index(index_path: str) -> list[str]:
         raise ModelLoadError(f"cannot read the shard index {index_path}: {type(exc).__name__}: {exc}") from exc
 
 
-def with_progress(items: Iterable[Any], load_config: Any, *, total: int | None, description: str,
-                  unit: str = "tensor") -> Iterator[Any]:
+def with_progress(
+    items: Iterable[Any], load_config: Any, *, total: int | None, description: str, unit: str = "tensor"
+) -> Iterator[Any]:
     """``items``, under a tqdm bar when ``--use-tqdm-on-load`` is on."""
     if not getattr(load_config, "use_tqdm_on_load", False):
         yield from items

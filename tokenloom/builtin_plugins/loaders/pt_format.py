@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
 from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
@@ -40,8 +41,9 @@ class PtLoadFormat(LoadFormat):
         files = [f for f in files if os.path.basename(f) != "training_args.bin"]
         if not files:
             raise ModelLoadError(f"no .bin/.pt weight files in {path} (after --ignore-patterns)")
-        for file in hf_files.with_progress(files, load_config, total=len(files),
-                                           description="loading pt shards", unit="shard"):
+        for file in hf_files.with_progress(
+            files, load_config, total=len(files), description="loading pt shards", unit="shard"
+        ):
             state_dict = _load_state_dict(torch, file)
             for name in list(state_dict):
                 # popped so a shard's tensors are released as they are consumed
@@ -58,8 +60,10 @@ def _load_state_dict(torch, file: str) -> dict:
             # files in torch's legacy (pre-zip) format cannot be memory-mapped
             state_dict = torch.load(file, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as exc:
-        raise ModelLoadError(f"cannot read PyTorch weight file {file} ({type(exc).__name__}: {exc}); "
-                             "it is truncated, corrupt or not a state dict of tensors") from exc
+        raise ModelLoadError(
+            f"cannot read PyTorch weight file {file} ({type(exc).__name__}: {exc}); "
+            "it is truncated, corrupt or not a state dict of tensors"
+        ) from exc
     if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
         state_dict = state_dict["state_dict"]
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
 from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
@@ -33,8 +34,9 @@ class SafetensorsLoadFormat(LoadFormat):
         files = hf_files.weight_files(path, EXTENSIONS, INDEX_NAMES, getattr(load_config, "ignore_patterns", None))
         if not files:
             raise ModelLoadError(f"no .safetensors files in {path} (after --ignore-patterns)")
-        for file in hf_files.with_progress(files, load_config, total=len(files),
-                                           description="loading safetensors shards", unit="shard"):
+        for file in hf_files.with_progress(
+            files, load_config, total=len(files), description="loading safetensors shards", unit="shard"
+        ):
             try:
                 with safe_open(file, framework="pt", device="cpu") as shard:
                     for name in shard.keys():

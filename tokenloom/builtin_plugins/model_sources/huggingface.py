@@ -25,7 +25,9 @@ _TRUE_VALUES = {"1", "on", "yes", "true"}
 
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, read now rather than at import."""
-    return any(os.environ.get(name, "").strip().lower() in _TRUE_VALUES for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(name, "").strip().lower() in _TRUE_VALUES for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def hub_reachable(endpoint: str | None = None, timeout: float = REACHABILITY_TIMEOUT_S) -> bool:
@@ -82,10 +84,16 @@ class HuggingFaceModelSource(ModelSource):
         try:
             path = snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=ALLOW_PATTERNS)
             if not any(name.endswith(".safetensors") for name in os.listdir(path)):
-                path = snapshot_download(model, revision=revision, cache_dir=download_dir,
-                                         allow_patterns=ALLOW_PATTERNS + FALLBACK_WEIGHT_PATTERNS)
+                path = snapshot_download(
+                    model,
+                    revision=revision,
+                    cache_dir=download_dir,
+                    allow_patterns=ALLOW_PATTERNS + FALLBACK_WEIGHT_PATTERNS,
+                )
         except Exception as exc:  # huggingface_hub raises many HTTP/IO kinds; all mean "not downloaded"
-            raise ModelLoadError(f"cannot download {model!r} from the Hugging Face Hub: {type(exc).__name__}: {exc}") from exc
+            raise ModelLoadError(
+                f"cannot download {model!r} from the Hugging Face Hub: {type(exc).__name__}: {exc}"
+            ) from exc
         return ResolvedModel(path=path, name=model, source="huggingface")
 
 

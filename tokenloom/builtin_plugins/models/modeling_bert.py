@@ -11,7 +11,8 @@ the model keeps no KV cache (its ``KVCacheSpec`` has no layers). Every input is 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,8 +52,9 @@ class BertEmbeddings(nn.Module):
             raise ConfigError(f"BertModel supports absolute position embeddings only, not {position_type!r}")
         hidden_size = config.hidden_size
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden_size, params_dtype=dtype)
-        self.position_embeddings = VocabParallelEmbedding(config.max_position_embeddings, hidden_size,
-                                                          params_dtype=dtype)
+        self.position_embeddings = VocabParallelEmbedding(
+            config.max_position_embeddings, hidden_size, params_dtype=dtype
+        )
         self.token_type_embeddings = VocabParallelEmbedding(config.type_vocab_size, hidden_size, params_dtype=dtype)
         self.LayerNorm = nn.LayerNorm(hidden_size, eps=config.layer_norm_eps, dtype=dtype)
 
@@ -69,7 +71,7 @@ class BertSelfAttention(nn.Module):
             raise ConfigError(f"hidden_size {config.hidden_size} is not divisible by {num_heads} attention heads")
         head_size = config.hidden_size // num_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_size, num_heads, bias=True, **linear_options)
-        self.attn = Attention(num_heads, head_size, head_size ** -0.5, layer_index=layer_index)
+        self.attn = Attention(num_heads, head_size, head_size**-0.5, layer_index=layer_index)
         self.q_size = self.qkv_proj.q_size
 
     def forward(self, hidden_states: torch.Tensor, attn_metadata) -> torch.Tensor:
@@ -84,8 +86,9 @@ class BertResidualOutput(nn.Module):
     def __init__(self, input_size: int, config: Any, linear_options: dict[str, Any]):
         super().__init__()
         self.dense = RowParallelLinear(input_size, config.hidden_size, bias=True, **linear_options)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps,
-                                      dtype=linear_options["params_dtype"])
+        self.LayerNorm = nn.LayerNorm(
+            config.hidden_size, eps=config.layer_norm_eps, dtype=linear_options["params_dtype"]
+        )
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dense(hidden_states) + residual)
@@ -107,8 +110,9 @@ class BertIntermediate(nn.Module):
         super().__init__()
         activation = _ACTIVATIONS.get(config.hidden_act)
         if activation is None:
-            raise ConfigError(f"unsupported BERT activation {config.hidden_act!r}; supported: "
-                              f"{', '.join(sorted(_ACTIVATIONS))}")
+            raise ConfigError(
+                f"unsupported BERT activation {config.hidden_act!r}; supported: {', '.join(sorted(_ACTIVATIONS))}"
+            )
         self.activation = activation
         self.dense = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True, **linear_options)
 
@@ -131,8 +135,9 @@ class BertLayer(nn.Module):
 class BertEncoder(nn.Module):
     def __init__(self, config: Any, linear_options: dict[str, Any]):
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(config, index, linear_options)
-                                   for index in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(
+            BertLayer(config, index, linear_options) for index in range(config.num_hidden_layers)
+        )
 
     def forward(self, hidden_states: torch.Tensor, attn_metadata) -> torch.Tensor:
         for layer in self.layer:
@@ -157,8 +162,11 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(config, linear_options)
         self.pooler = Pooler.from_config(ctx.pooler_config, default_pooling_type=self.default_pooling_type)
         # prefill-only and bidirectional: nothing is cached between steps
-        self.kv_cache_spec = KVCacheSpec(num_layers=0, num_kv_heads=config.num_attention_heads,
-                                         head_size=config.hidden_size // config.num_attention_heads)
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=0,
+            num_kv_heads=config.num_attention_heads,
+            head_size=config.hidden_size // config.num_attention_heads,
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         if not attn_metadata.bidirectional:
@@ -166,13 +174,15 @@ class BertModel(nn.Module):
             attn_metadata = dataclasses.replace(attn_metadata, bidirectional=True)
         max_positions = self.config.max_position_embeddings
         if positions.numel() and int(positions.max()) >= max_positions:
-            raise ConfigError(f"BertModel has {max_positions} position embeddings; a sequence is longer "
-                              "(lower --max-model-len)")
+            raise ConfigError(
+                f"BertModel has {max_positions} position embeddings; a sequence is longer (lower --max-model-len)"
+            )
         return self.encoder(self.embeddings(input_ids, positions), attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        raise ConfigError("BertModel is an encoder without a language-model head: it pools (embeddings, "
-                          "scores) and cannot generate")
+        raise ConfigError(
+            "BertModel is an encoder without a language-model head: it pools (embeddings, scores) and cannot generate"
+        )
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:

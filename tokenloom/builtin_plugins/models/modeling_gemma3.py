@@ -24,7 +24,7 @@ _LEGACY_LOCAL_ROPE_THETA = 10000.0
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, model: "Gemma3ForCausalLM", layer_index: int, layer_type: str):
+    def __init__(self, model: Gemma3ForCausalLM, layer_index: int, layer_type: str):
         super().__init__()
         config = model.config
         hidden_size, eps, dtype = config.hidden_size, config.rms_norm_eps, model.dtype
@@ -99,6 +99,5 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         for prefix, replacement in self._TEXT_PREFIXES:
             if name.startswith(prefix):
-                return replacement + name[len(prefix):]
+                return replacement + name[len(prefix) :]
         return None
-

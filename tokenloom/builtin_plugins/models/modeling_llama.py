@@ -39,8 +39,9 @@ class LlamaDecoderLayer(nn.Module):
             **model.linear_options(),
         )
         # the whole layer as one CPU operator for decode steps it can take (else None)
-        self.fused_decode = FusedDecodeLayer(self.input_layernorm, self.self_attn, self.post_attention_layernorm,
-                                             self.mlp)
+        self.fused_decode = FusedDecodeLayer(
+            self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
+        )
 
     def forward(self, positions, hidden_states, residual, attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
         fused = self.fused_decode(positions, hidden_states, residual, attn_metadata)
@@ -64,4 +65,3 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama with every layer attending over ``config.sliding_window`` (when set)."""
-

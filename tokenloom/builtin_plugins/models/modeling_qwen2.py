@@ -12,4 +12,3 @@ from tokenloom.builtin_plugins.models.modeling_llama import LlamaDecoderLayer, L
 class Qwen2ForCausalLM(LlamaForCausalLM):
     def make_layer(self, layer_index: int) -> nn.Module:
         return LlamaDecoderLayer(self, layer_index, qkv_bias=True, output_bias=False)
-

@@ -58,8 +58,16 @@ def _as_torch_dtype(dtype: Any):
 
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-             "fp16": torch.float16, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
+    names = {
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp16": torch.float16,
+        "float32": torch.float32,
+        "float": torch.float32,
+        "fp32": torch.float32,
+    }
     return names.get(str(dtype).removeprefix("torch."), torch.float32)
 
 

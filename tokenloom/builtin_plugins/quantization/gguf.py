@@ -54,8 +54,11 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                     f"GGUF tensor {loaded_weight.name!r} of {loaded_weight.path} has shape {tuple(loaded_weight.shape)}, "
                     f"but the layer expects {output_size} rows of {tuple(layer.weight.shape[1:])}"
                 )
-            if (self.mode == "auto" and is_int4_type(loaded_weight.ggml_type)
-                    and self._int4_dtype(layer.weight.dtype) is not None):
+            if (
+                self.mode == "auto"
+                and is_int4_type(loaded_weight.ggml_type)
+                and self._int4_dtype(layer.weight.dtype) is not None
+            ):
                 # kept as blocks until the whole layer is loaded: packed, and dequantized only if needed
                 layer._int4_shards = {**getattr(layer, "_int4_shards", {}), output_offset: loaded_weight}
                 return
@@ -67,13 +70,15 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         layer.int4_weight = None
         # all rows from 4-bit shards: no shard of another type was loaded
         if shards and sum(shard.shape[0] for shard in shards.values()) == layer.weight.shape[0]:
-            codes, scales, zeros = (torch.cat([int4_groups(shards[offset])[part] for offset in sorted(shards)])
-                                    for part in range(3))
+            codes, scales, zeros = (
+                torch.cat([int4_groups(shards[offset])[part] for offset in sorted(shards)]) for part in range(3)
+            )
             if can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
                 layer.int4_weight = pack_int4(codes, scales, zeros, self._int4_dtype(layer.weight.dtype))
                 if layer.int4_weight.kernel is not None:  # it takes every batch: no dense weight
-                    layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype,
-                                                            device="meta"), requires_grad=False)
+                    layer.weight = nn.Parameter(
+                        torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False
+                    )
                     return
         for offset, shard in shards.items():  # the dense weight, for batches the int4 kernel does not take
             super().load_weight(layer, shard.dequantize(layer.weight.dtype), offset, shard.shape[0])

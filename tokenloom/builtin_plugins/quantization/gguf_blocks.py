@@ -8,17 +8,30 @@ as ggml's reference (and ``gguf.quants``), so results match bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from math import prod
-from typing import Callable
 
 import torch
 
-from tokenloom.errors import ModelLoadError
-
 from tokenloom.builtin_plugins.quantization.ggml_types import (  # noqa: F401  (re-exported)
-    BF16, F16, F32, GGML_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, tensor_nbytes, type_name,
+    BF16,
+    F16,
+    F32,
+    GGML_TYPES,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    tensor_nbytes,
+    type_name,
 )
+from tokenloom.errors import ModelLoadError
 
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 
@@ -31,11 +44,15 @@ _BLOCKS_PER_CHUNK = 1 << 15
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 scalar at byte ``start`` of each block, as ``[num_blocks, 1]`` float32."""
-    if (start % 2 == 0 and blocks.shape[1] % 2 == 0 and blocks.storage_offset() % 2 == 0
-            and blocks.stride() == (blocks.shape[1], 1)):
+    if (
+        start % 2 == 0
+        and blocks.shape[1] % 2 == 0
+        and blocks.storage_offset() % 2 == 0
+        and blocks.stride() == (blocks.shape[1], 1)
+    ):
         # read in place through a float16 view of whole blocks rather than copying the two bytes out
-        return blocks.view(torch.float16)[:, start // 2:start // 2 + 1].float()
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+        return blocks.view(torch.float16)[:, start // 2 : start // 2 + 1].float()
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -154,9 +171,16 @@ def _dequantize_q3_k(blocks):
 
 
 DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    Q4_0: _dequantize_q4_0, Q4_1: _dequantize_q4_1, Q5_0: _dequantize_q5_0, Q5_1: _dequantize_q5_1,
-    Q8_0: _dequantize_q8_0, Q2_K: _dequantize_q2_k, Q3_K: _dequantize_q3_k, Q4_K: _dequantize_q4_k,
-    Q5_K: _dequantize_q5_k, Q6_K: _dequantize_q6_k,
+    Q4_0: _dequantize_q4_0,
+    Q4_1: _dequantize_q4_1,
+    Q5_0: _dequantize_q5_0,
+    Q5_1: _dequantize_q5_1,
+    Q8_0: _dequantize_q8_0,
+    Q2_K: _dequantize_q2_k,
+    Q3_K: _dequantize_q3_k,
+    Q4_K: _dequantize_q4_k,
+    Q5_K: _dequantize_q5_k,
+    Q6_K: _dequantize_q6_k,
 }
 
 SUPPORTED_TYPES = sorted(set(DEQUANTIZERS) | set(FLOAT_TYPES))
@@ -166,8 +190,15 @@ def supported_type_names() -> str:
     return ", ".join(type_name(t) for t in SUPPORTED_TYPES)
 
 
-def dequantize_blocks(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
-                      dtype: torch.dtype = torch.float32, *, tensor_name: str = "", path: str = "") -> torch.Tensor:
+def dequantize_blocks(
+    data: torch.Tensor,
+    ggml_type: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    *,
+    tensor_name: str = "",
+    path: str = "",
+) -> torch.Tensor:
     """Raw GGUF bytes of one tensor -> a dense ``shape`` tensor of ``dtype``."""
     data = data.reshape(-1)
     if ggml_type in FLOAT_TYPES:
@@ -183,8 +214,8 @@ def dequantize_blocks(data: torch.Tensor, ggml_type: int, shape: tuple[int, ...]
     blocks = data.view(-1, block_bytes)
     out = torch.empty(blocks.shape[0], block_values, dtype=dtype)
     for start in range(0, blocks.shape[0], _BLOCKS_PER_CHUNK):
-        chunk = blocks[start:start + _BLOCKS_PER_CHUNK]
-        out[start:start + chunk.shape[0]] = dequantizer(chunk)
+        chunk = blocks[start : start + _BLOCKS_PER_CHUNK]
+        out[start : start + chunk.shape[0]] = dequantizer(chunk)
     return out.view(shape)
 
 
@@ -215,8 +246,9 @@ class GGUFWeight:
         return self.ggml_type in DEQUANTIZERS or self.ggml_type in FLOAT_TYPES
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_blocks(self.data, self.ggml_type, tuple(self.shape), dtype,
-                                 tensor_name=self.name, path=self.path)
+        return dequantize_blocks(
+            self.data, self.ggml_type, tuple(self.shape), dtype, tensor_name=self.name, path=self.path
+        )
 
     def int8_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Q8_0 only: the int8 codes ``[rows, cols]`` and the float32 scale of each 32 of them
@@ -228,14 +260,19 @@ class GGUFWeight:
         blocks = self.data.reshape(-1, 34)
         return _int8(blocks, 2, 34).reshape(rows, cols), _f16(blocks, 0).reshape(rows, cols // 32)
 
-    def permute_rows(self, row_order: torch.Tensor) -> "GGUFWeight":
+    def permute_rows(self, row_order: torch.Tensor) -> GGUFWeight:
         """Rows reordered (``new[i] = old[row_order[i]]``); copies the packed bytes once."""
         return GGUFWeight(self.data.index_select(0, row_order), self.ggml_type, self.shape, self.name, self.path)
 
-    def narrow_rows(self, start: int, length: int) -> "GGUFWeight":
+    def narrow_rows(self, start: int, length: int) -> GGUFWeight:
         """Rows ``start:start+length`` (a tensor-parallel shard, or one part of a fused weight)."""
-        return GGUFWeight(self.data[start:start + length], self.ggml_type,
-                          torch.Size((length, *self.shape[1:])), self.name, self.path)
+        return GGUFWeight(
+            self.data[start : start + length],
+            self.ggml_type,
+            torch.Size((length, *self.shape[1:])),
+            self.name,
+            self.path,
+        )
 
     def __repr__(self) -> str:
         return f"GGUFWeight(name={self.name!r}, type={self.type_name}, shape={tuple(self.shape)})"

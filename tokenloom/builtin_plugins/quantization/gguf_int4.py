@@ -7,7 +7,15 @@ from __future__ import annotations
 import torch
 
 from tokenloom.builtin_plugins.quantization.gguf_blocks import (
-    GGML_TYPES, Q4_0, Q4_1, Q4_K, GGUFWeight, _f16, _k_scales_and_mins, _nibbles, _split_32s,
+    GGML_TYPES,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    GGUFWeight,
+    _f16,
+    _k_scales_and_mins,
+    _nibbles,
+    _split_32s,
 )
 from tokenloom.kernels.int4_matmul import CODE_OFFSET
 

@@ -41,7 +41,7 @@ class _TrimmedText:
         if not self.started:
             combined = combined.lstrip()
         body = combined.rstrip()
-        self.held = combined[len(body):]
+        self.held = combined[len(body) :]
         if body:
             self.started = True
         return body
@@ -70,7 +70,7 @@ class _Split:
             opening = self.buffer.lstrip()
             marker = next((m for m in parser.start_markers if opening.startswith(m)), None)
             if marker is not None:
-                self.state, self.buffer = _REASONING, opening[len(marker):]
+                self.state, self.buffer = _REASONING, opening[len(marker) :]
             elif not final and any(m.startswith(opening) for m in parser.start_markers):
                 return "", ""  # may still become a start marker
             elif parser.starts_in_reasoning:
@@ -81,12 +81,12 @@ class _Split:
             index, marker = find_first_marker(self.buffer, parser.end_markers)
             if marker is not None:
                 reasoning += [self.reasoning.add(self.buffer[:index]), self.reasoning.close()]
-                self.buffer = self.buffer[index + len(marker):]
+                self.buffer = self.buffer[index + len(marker) :]
                 self.state, self.answer = _CONTENT, _TrimmedText(keep_trailing=True)
             else:
                 keep = 0 if final else partial_marker_length(self.buffer, parser.end_markers)
-                reasoning.append(self.reasoning.add(self.buffer[:len(self.buffer) - keep]))
-                self.buffer = self.buffer[len(self.buffer) - keep:]
+                reasoning.append(self.reasoning.add(self.buffer[: len(self.buffer) - keep]))
+                self.buffer = self.buffer[len(self.buffer) - keep :]
                 if final:
                     reasoning.append(self.reasoning.close())
         if self.state == _CONTENT:
@@ -116,11 +116,15 @@ class MarkedReasoningParser(ReasoningParser):
     def adjust_request(self, request: RequestT) -> RequestT:
         return keep_special_tokens(request) if self.markers_are_special_tokens else request
 
-    def extract_reasoning(self, model_output: str, request: ChatCompletionRequest | None = None) -> tuple[str | None, str | None]:
+    def extract_reasoning(
+        self, model_output: str, request: ChatCompletionRequest | None = None
+    ) -> tuple[str | None, str | None]:
         reasoning, content = _Split(self).feed(model_output, final=True)
         return reasoning or None, content or None
 
-    def extract_reasoning_delta(self, delta_text: str, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def extract_reasoning_delta(
+        self, delta_text: str, request: ChatCompletionRequest | None = None
+    ) -> DeltaMessage | None:
         return self._message(*self._stream.feed(delta_text, final=False))
 
     def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:

@@ -14,8 +14,19 @@ from tokenloom.core.byte_level import bytes_to_unicode
 # keywords whose values are subschemas (or maps / lists of them)
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMAS = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
 
 
 def schema_keywords(schema: Any) -> set[str]:
@@ -42,15 +53,35 @@ def schema_keywords(schema: Any) -> set[str]:
 
 
 # JSON-schema keywords that no built-in backend enforces (xgrammar ignores exactly these)
-KEYWORDS_NO_BACKEND_ENFORCES = frozenset({
-    "multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
-    "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
-})
+KEYWORDS_NO_BACKEND_ENFORCES = frozenset(
+    {
+        "multipleOf",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "propertyNames",
+    }
+)
 # ...and what schema-to-regex/parser enforcement (outlines, lm-format-enforcer) ignores too;
 # small integer ranges are enforced anyway, as enums
 KEYWORDS_REGEX_BACKENDS_IGNORE = KEYWORDS_NO_BACKEND_ENFORCES | {
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "patternProperties", "minProperties",
-    "maxProperties", "allOf",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "patternProperties",
+    "minProperties",
+    "maxProperties",
+    "allOf",
 }
 
 
@@ -163,7 +194,7 @@ _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def decoder_kind(tokenizer: Any) -> str:
-    """"byte_level" (GPT-2 style), "sentencepiece" (▁ for spaces, <0xNN> byte tokens) or "raw"."""
+    """ "byte_level" (GPT-2 style), "sentencepiece" (▁ for spaces, <0xNN> byte tokens) or "raw"."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         try:
@@ -207,7 +238,6 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:
     return result
 
 
-
 class JsonControlByteFilter:
     """Keeps raw control characters out of JSON that xgrammar and lm-format-enforcer would let
     into some strings (xgrammar's length-bounded strings, every lm-format-enforcer string),
@@ -248,5 +278,6 @@ class JsonControlByteFilter:
         import torch
 
         inside = bool(self._sentinel_words.numel()) and bool(
-            (bitmask_row.index_select(0, self._sentinel_words).to(torch.int64) & self._sentinel_bits).any())
+            (bitmask_row.index_select(0, self._sentinel_words).to(torch.int64) & self._sentinel_bits).any()
+        )
         bitmask_row.bitwise_and_(self._inside_string if inside else self._outside_string)

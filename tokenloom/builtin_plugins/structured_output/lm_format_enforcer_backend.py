@@ -13,12 +13,12 @@ import threading
 from typing import Any
 
 from tokenloom.builtin_plugins.structured_output.common import (
-    enumerate_integer_ranges,
-    decoder_kind,
+    KEYWORDS_REGEX_BACKENDS_IGNORE,
     JsonControlByteFilter,
+    decoder_kind,
+    enumerate_integer_ranges,
     subschemas,
     token_bytes,
-    KEYWORDS_REGEX_BACKENDS_IGNORE,
     unsupported_keywords_reason,
 )
 from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend, allocate_bitmask
@@ -26,7 +26,9 @@ from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutp
 # what lm-format-enforcer's JSON parser does not enforce: outputs could break these (small
 # integer ranges are enforced anyway, as enums)
 UNSUPPORTED_JSON_KEYWORDS = KEYWORDS_REGEX_BACKENDS_IGNORE | {
-    "oneOf", "prefixItems", "format",
+    "oneOf",
+    "prefixItems",
+    "format",
     # leading whitespace inside a string is not counted, so strings can exceed it
     "maxLength",
 }
@@ -77,10 +79,13 @@ class LMFormatEnforcerMatcher(Matcher):
 
 # Found by walking its masks at random and validating what came out (tests/builtin_plugins/
 # structured_output): these schema shapes let invalid JSON through.
-OPEN_OBJECT_REASON = ("lm-format-enforcer can close an object right after a comma when a property is optional "
-                      "or the object has no fixed properties; make every property required")
-NUMBER_REASON = ("lm-format-enforcer's number rule admits exponents in integers and '-0.'; use an enum of numbers, "
-                 "or xgrammar")
+OPEN_OBJECT_REASON = (
+    "lm-format-enforcer can close an object right after a comma when a property is optional "
+    "or the object has no fixed properties; make every property required"
+)
+NUMBER_REASON = (
+    "lm-format-enforcer's number rule admits exponents in integers and '-0.'; use an enum of numbers, or xgrammar"
+)
 
 
 def _unsupported_node(node: dict) -> str | None:
@@ -122,8 +127,9 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
             return "lm-format-enforcer takes no whitespace pattern (use outlines)"
         if constraint.kind == "json":
             schema = enumerate_integer_ranges(constraint.spec)
-            return unsupported_keywords_reason("lm-format-enforcer", schema, UNSUPPORTED_JSON_KEYWORDS) \
-                or next(filter(None, map(_unsupported_node, subschemas(schema))), None)
+            return unsupported_keywords_reason("lm-format-enforcer", schema, UNSUPPORTED_JSON_KEYWORDS) or next(
+                filter(None, map(_unsupported_node, subschemas(schema))), None
+            )
         return None
 
     def tokenizer_data(self):
@@ -150,7 +156,8 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
                     return tokenizer.decode(token_ids).rstrip("\ufffd")
 
                 self._tokenizer_data = TokenEnforcerTokenizerData(
-                    regular_tokens, decode, list(self.eos_token_ids), True, self.vocab_size)
+                    regular_tokens, decode, list(self.eos_token_ids), True, self.vocab_size
+                )
                 self._json_filter = JsonControlByteFilter(self.tokenizer, self.vocab_size)
             return self._tokenizer_data
 

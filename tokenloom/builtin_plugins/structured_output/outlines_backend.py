@@ -10,10 +10,10 @@ import threading
 from typing import Any
 
 from tokenloom.builtin_plugins.structured_output.common import (
-    enumerate_integer_ranges,
-    choice_regex,
-    token_bytes,
     KEYWORDS_REGEX_BACKENDS_IGNORE,
+    choice_regex,
+    enumerate_integer_ranges,
+    token_bytes,
     unsupported_keywords_reason,
 )
 from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
@@ -72,13 +72,13 @@ class OutlinesBackend(StructuredOutputBackend):
 
     def supports(self, constraint: Constraint) -> str | None:
         if constraint.kind == "grammar":
-            return ("outlines (outlines-core) compiles regular languages only, not context-free grammars; "
-                    "use xgrammar")
+            return "outlines (outlines-core) compiles regular languages only, not context-free grammars; use xgrammar"
         if constraint.kind == "structural_tag":
             return "outlines has no structural tags; use xgrammar"
         if constraint.kind == "json":
-            return unsupported_keywords_reason("outlines", enumerate_integer_ranges(constraint.spec),
-                                               UNSUPPORTED_JSON_KEYWORDS)
+            return unsupported_keywords_reason(
+                "outlines", enumerate_integer_ranges(constraint.spec), UNSUPPORTED_JSON_KEYWORDS
+            )
         return None
 
     def vocabulary(self):

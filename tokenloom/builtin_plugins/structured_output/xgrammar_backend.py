@@ -13,9 +13,9 @@ import threading
 from typing import Any
 
 from tokenloom.builtin_plugins.structured_output.common import (
-    ebnf_string,
-    JsonControlByteFilter,
     KEYWORDS_NO_BACKEND_ENFORCES,
+    JsonControlByteFilter,
+    ebnf_string,
     unsupported_keywords_reason,
 )
 from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
@@ -74,8 +74,9 @@ class XGrammarBackend(StructuredOutputBackend):
             if self._compiler is None:
                 import xgrammar
 
-                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self.eos_token_ids)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
                 self._json_filter = JsonControlByteFilter(self.tokenizer, self.vocab_size)
             return self._compiler
@@ -89,14 +90,21 @@ class XGrammarBackend(StructuredOutputBackend):
         compiler = self.compiler()
         kind, spec = constraint.kind, constraint.spec
         if kind == "json":
-            return compiler.compile_json_schema(json.dumps(spec), any_whitespace=constraint.any_whitespace,
-                                                max_whitespace_cnt=MAX_JSON_WHITESPACE,
-                                                separators=None if constraint.any_whitespace else COMPACT)
+            return compiler.compile_json_schema(
+                json.dumps(spec),
+                any_whitespace=constraint.any_whitespace,
+                max_whitespace_cnt=MAX_JSON_WHITESPACE,
+                separators=None if constraint.any_whitespace else COMPACT,
+            )
         if kind == "json_object":
             # not strict: "an object" must admit any properties
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=constraint.any_whitespace,
-                                                strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE,
-                                                separators=None if constraint.any_whitespace else COMPACT)
+            return compiler.compile_json_schema(
+                '{"type": "object"}',
+                any_whitespace=constraint.any_whitespace,
+                strict_mode=False,
+                max_whitespace_cnt=MAX_JSON_WHITESPACE,
+                separators=None if constraint.any_whitespace else COMPACT,
+            )
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "choice":
@@ -114,8 +122,12 @@ class XGrammarBackend(StructuredOutputBackend):
         import xgrammar
 
         if "structures" in spec:  # vLLM's first format: begin/schema/end items plus triggers
-            tags = [xgrammar.StructuralTagItem(begin=item["begin"], schema=json.dumps(item.get("schema", {})),
-                                               end=item["end"]) for item in spec["structures"]]
+            tags = [
+                xgrammar.StructuralTagItem(
+                    begin=item["begin"], schema=json.dumps(item.get("schema", {})), end=item["end"]
+                )
+                for item in spec["structures"]
+            ]
             return compiler.compile_structural_tag(tags, spec.get("triggers") or [])
         return compiler.compile_structural_tag(json.dumps(spec))
 

@@ -32,9 +32,23 @@ if TYPE_CHECKING:
     from tokenloom.plugin_api import ChatCompletionRequest, RequestT
 
 # the formats' modules import these from here too
-__all__ = ["NEED_MORE", "ParsedCall", "arguments_json", "Section", "SectionToolParser", "call_from_object", "calls_from_array",
-           "find_first_marker", "json_array_section", "json_object_section", "json_value_end", "keep_special_tokens",
-           "load_json", "partial_marker_length", "skip_whitespace"]
+__all__ = [
+    "NEED_MORE",
+    "ParsedCall",
+    "arguments_json",
+    "Section",
+    "SectionToolParser",
+    "call_from_object",
+    "calls_from_array",
+    "find_first_marker",
+    "json_array_section",
+    "json_object_section",
+    "json_value_end",
+    "keep_special_tokens",
+    "load_json",
+    "partial_marker_length",
+    "skip_whitespace",
+]
 
 
 @dataclass(frozen=True)
@@ -128,7 +142,9 @@ def call_from_object(value: Any, argument_keys: tuple[str, ...] = ("arguments", 
     return ParsedCall(name.strip(), json.dumps(arguments, ensure_ascii=False))
 
 
-def calls_from_array(value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> list[ParsedCall] | None:
+def calls_from_array(
+    value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> list[ParsedCall] | None:
     """A non-empty JSON array of call objects as calls; None if any element is not a call."""
     if not isinstance(value, list) or not value:
         return None
@@ -137,8 +153,9 @@ def calls_from_array(value: Any, argument_keys: tuple[str, ...] = ("arguments", 
     return parsed if len(parsed) == len(calls) else None
 
 
-def json_array_section(text: str, start: int,
-                       argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> SectionResult:
+def json_array_section(
+    text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> SectionResult:
     """The section made of the JSON array of calls at ``text[start:]`` (whitespace allowed
     before it): a :class:`Section`, None (malformed) or NEED_MORE."""
     position = skip_whitespace(text, start)
@@ -153,8 +170,9 @@ def json_array_section(text: str, start: int,
     return Section(calls, end) if calls else None
 
 
-def json_object_section(text: str, start: int,
-                        argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> SectionResult:
+def json_object_section(
+    text: str, start: int, argument_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> SectionResult:
     """The section made of one JSON call object at ``text[start:]`` (whitespace allowed before it)."""
     position = skip_whitespace(text, start)
     if position == len(text):
@@ -184,8 +202,8 @@ class _ContentJoiner:
         if not core:
             self.held_whitespace = combined
             return ""
-        leading = combined[:len(combined) - len(combined.lstrip())]
-        trailing = combined[len(combined.rstrip()):]
+        leading = combined[: len(combined) - len(combined.lstrip())]
+        trailing = combined[len(combined.rstrip()) :]
         if self.call_since_content and not self.seen_content:
             leading = ""  # calls opened the output
         self.held_whitespace = trailing
@@ -221,8 +239,11 @@ class _Scan:
         content: list[str] = []
         calls: list[tuple[int, ParsedCall]] = []
         waiting_at = self.section_waiting_at
-        if not final and waiting_at is not None and not any(
-                char in self.parser.section_closers for char in self.buffer[max(waiting_at - 1, 0):]):
+        if (
+            not final
+            and waiting_at is not None
+            and not any(char in self.parser.section_closers for char in self.buffer[max(waiting_at - 1, 0) :])
+        ):
             # an unfinished section can only be decided once a closing character arrives:
             # skip re-reading it (deciding later is always safe, deciding wrong never is)
             return "", calls
@@ -265,10 +286,10 @@ class _Scan:
         index, marker = find_first_marker(buffer, parser.start_markers)
         if marker is None:
             keep = 0 if final else partial_marker_length(buffer, parser.start_markers)
-            return ([buffer[:len(buffer) - keep]], len(buffer) - keep) if keep < len(buffer) else None
+            return ([buffer[: len(buffer) - keep]], len(buffer) - keep) if keep < len(buffer) else None
         if index > 0:
             return [buffer[:index]], index
-        section = parser.parse_section(buffer[len(marker):], final)
+        section = parser.parse_section(buffer[len(marker) :], final)
         if section is NEED_MORE and not final:
             self.section_waiting_at = len(buffer)
             return None
@@ -313,8 +334,9 @@ class SectionToolParser(ToolParser):
 
     def extract(self, model_output: str, request: ChatCompletionRequest | None = None) -> ExtractedToolCalls:
         content, calls = _Scan(self).feed(model_output, final=True)
-        tool_calls = [ToolCall(name=call.name, arguments=call.arguments, id=self.new_call_id() or "")
-                      for _, call in calls]
+        tool_calls = [
+            ToolCall(name=call.name, arguments=call.arguments, id=self.new_call_id() or "") for _, call in calls
+        ]
         return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
     def extract_delta(self, delta_text: str, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
@@ -326,6 +348,8 @@ class SectionToolParser(ToolParser):
     def _message(self, content: str, calls: list[tuple[int, ParsedCall]]) -> DeltaMessage | None:
         if not content and not calls:
             return None
-        deltas = [ToolCallDelta(index=index, id=self.new_call_id(), name=call.name, arguments=call.arguments)
-                  for index, call in calls]
+        deltas = [
+            ToolCallDelta(index=index, id=self.new_call_id(), name=call.name, arguments=call.arguments)
+            for index, call in calls
+        ]
         return DeltaMessage(content=content or None, tool_calls=deltas)

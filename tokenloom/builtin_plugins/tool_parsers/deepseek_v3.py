@@ -18,8 +18,11 @@ from tokenloom.builtin_plugins.tool_parsers.base import NEED_MORE, ParsedCall, S
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
-_CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<type>[^<\n]*)<｜tool▁sep｜>(?P<name>[^\n<]+)\n"
-                   r"```(?:json)?\s*\n(?P<arguments>.*?)\n?```\s*<｜tool▁call▁end｜>", re.DOTALL)
+_CALL = re.compile(
+    r"\s*<｜tool▁call▁begin｜>(?P<type>[^<\n]*)<｜tool▁sep｜>(?P<name>[^\n<]+)\n"
+    r"```(?:json)?\s*\n(?P<arguments>.*?)\n?```\s*<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
 
 
 def parse_calls(block: str) -> list[ParsedCall] | None:

@@ -29,11 +29,11 @@ class InternLMToolParser(SectionToolParser):
 
     def parse_section(self, text: str, final: bool):
         position = skip_whitespace(text, 0)
-        head = text[position:position + len(PLUGIN)]
+        head = text[position : position + len(PLUGIN)]
         if head != PLUGIN:
             return NEED_MORE if PLUGIN.startswith(head) else None
         end = text.find(ACTION_END, position)
         if end < 0:
             return NEED_MORE
-        call = call_from_object(load_json(text[position + len(PLUGIN):end]), self.argument_keys)
+        call = call_from_object(load_json(text[position + len(PLUGIN) : end]), self.argument_keys)
         return Section([call], end + len(ACTION_END)) if call else None

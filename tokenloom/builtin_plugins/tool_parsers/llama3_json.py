@@ -51,7 +51,7 @@ class Llama3JsonToolParser(SectionToolParser):
                 continue
             marker = self.section_end_marker
             if marker:
-                rest = text[after:after + len(marker)]
+                rest = text[after : after + len(marker)]
                 if rest == marker:
                     return Section(calls, after + len(marker))
                 if marker.startswith(rest) and not final:

@@ -57,7 +57,7 @@ class MistralToolParser(SectionToolParser):
         name_match = _NAME.match(text, position)
         if name_match is None:
             return None
-        rest = text[name_match.end():name_match.end() + len(ARGS)]
+        rest = text[name_match.end() : name_match.end() + len(ARGS)]
         if rest != ARGS:
             # the name may go on, or [ARGS] may be arriving
             return NEED_MORE if ARGS.startswith(rest) else None

@@ -13,7 +13,13 @@ from __future__ import annotations
 import ast
 import json
 
-from tokenloom.builtin_plugins.tool_parsers.base import NEED_MORE, ParsedCall, Section, SectionToolParser, skip_whitespace
+from tokenloom.builtin_plugins.tool_parsers.base import (
+    NEED_MORE,
+    ParsedCall,
+    Section,
+    SectionToolParser,
+    skip_whitespace,
+)
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
@@ -26,7 +32,7 @@ def python_list_end(text: str, start: int) -> int | None:
     while position < len(text):
         char = text[position]
         if char in "'\"":
-            quote = text[position:position + 3] if text.startswith(char * 3, position) else char
+            quote = text[position : position + 3] if text.startswith(char * 3, position) else char
             position += len(quote)
             while position < len(text) and not text.startswith(quote, position):
                 position += 2 if text[position] == "\\" else 1
@@ -91,7 +97,7 @@ class PythonicToolParser(SectionToolParser):
         if calls is None:
             return None
         after = skip_whitespace(text, end)
-        rest = text[after:after + len(PYTHON_END)]
+        rest = text[after : after + len(PYTHON_END)]
         if rest == PYTHON_END:
             return Section(calls, after + len(PYTHON_END))
         if PYTHON_END.startswith(rest) and not final:

@@ -16,5 +16,13 @@ from tokenloom.core.engine.input_processor import InputProcessor, PreparedPrompt
 from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine, choose_platform
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 
-__all__ = ["AsyncLLM", "EngineStats", "InputProcessor", "LLMEngine", "OutputProcessor", "PreparedPrompt",
-           "RequestState", "choose_platform"]
+__all__ = [
+    "AsyncLLM",
+    "EngineStats",
+    "InputProcessor",
+    "LLMEngine",
+    "OutputProcessor",
+    "PreparedPrompt",
+    "RequestState",
+    "choose_platform",
+]

@@ -149,8 +149,9 @@ class AsyncLLM:
             self._thread = None
             raise
 
-    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, *, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]:
         await self._admit(request_id)
         prepared = self.engine.prepare_prompt(prompt, sampling_params)
         grammar = self.engine.submit_structured_output(sampling_params)
@@ -162,8 +163,9 @@ class AsyncLLM:
             async for item in outputs:
                 yield item
 
-    async def encode(self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *,
-                     priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+    async def encode(
+        self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """The pooled output of one prompt (a single, final item); bad input raises here,
         before anything is queued."""
         await self._admit(request_id)
@@ -183,8 +185,9 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
-    async def _outputs(self, command: AddRequest | AddPoolingRequest,
-                       kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
+    async def _outputs(
+        self, command: AddRequest | AddPoolingRequest, kind: type[OutputT]
+    ) -> AsyncGenerator[OutputT, None]:
         """Queue ``command`` (an add) and yield the request's outputs (of type ``kind``) until
         the finished one; closing this early aborts the request."""
         request_id = command.request_id
@@ -198,8 +201,7 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 if not isinstance(item, kind):  # the engine thread answers by the command's kind
-                    raise EngineDeadError(f"request {request_id!r} got a {type(item).__name__}, "
-                                          f"not a {kind.__name__}")
+                    raise EngineDeadError(f"request {request_id!r} got a {type(item).__name__}, not a {kind.__name__}")
                 finished = item.finished
                 yield item
         finally:
@@ -241,12 +243,23 @@ class AsyncLLM:
             return  # the client went away before the engine saw the request
         try:
             if isinstance(command, AddRequest):
-                engine.add_request(command.request_id, None, command.sampling_params, priority=command.priority,
-                                   arrival_time=command.arrival_time, prepared=command.prepared)
+                engine.add_request(
+                    command.request_id,
+                    None,
+                    command.sampling_params,
+                    priority=command.priority,
+                    arrival_time=command.arrival_time,
+                    prepared=command.prepared,
+                )
             else:
-                engine.add_pooling_request(command.request_id, None, command.pooling_params,
-                                           priority=command.priority, arrival_time=command.arrival_time,
-                                           prepared=command.prepared)
+                engine.add_pooling_request(
+                    command.request_id,
+                    None,
+                    command.pooling_params,
+                    priority=command.priority,
+                    arrival_time=command.arrival_time,
+                    prepared=command.prepared,
+                )
         except Exception as exc:
             self._deliver([(command.request_id, exc)])
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.pooling import check_pooling_params, prepare_pooling_prompt
-from tokenloom.core.request import PoolingParams, Request, RequestOutputKind, SamplingParams, unwrap_prompt
+from tokenloom.core.request import PoolingParams, RequestOutputKind, SamplingParams, Sequence, unwrap_prompt
 from tokenloom.core.sampling_metadata import SamplingState, tokenize_bad_words
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
@@ -51,8 +51,9 @@ class InputProcessor:
         prompt = unwrap_prompt(prompt, "prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("the tokenizer was skipped (--skip-tokenizer-init): send token ids",
-                                          param="prompt")
+                raise InvalidRequestError(
+                    "the tokenizer was skipped (--skip-tokenizer-init): send token ids", param="prompt"
+                )
             text = prompt
             token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -60,14 +61,15 @@ class InputProcessor:
             vocab_size = self.limits.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary [0, {vocab_size})",
-                                          param="prompt")
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is out of the vocabulary [0, {vocab_size})", param="prompt"
+                )
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens:]
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
         self.check_fits(len(token_ids), params)
         return PreparedPrompt(token_ids, text)
 
@@ -77,12 +79,16 @@ class InputProcessor:
         if num_prompt_tokens + 1 > max_model_len:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's context length is "
-                f"{max_model_len}: shorten the prompt (or use truncate_prompt_tokens)", param="prompt")
+                f"{max_model_len}: shorten the prompt (or use truncate_prompt_tokens)",
+                param="prompt",
+            )
         block_size, num_blocks = self.limits.block_size, self.limits.num_blocks
         if -(-(num_prompt_tokens + 1) // block_size) > num_blocks:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens, more than the whole KV cache holds "
-                f"({num_blocks} blocks of {block_size})", param="prompt")
+                f"({num_blocks} blocks of {block_size})",
+                param="prompt",
+            )
         SamplingState(params, []).validate(self.limits.vocab_size)  # token ids in params are in range
         max_logprobs = self.limits.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -93,8 +99,9 @@ class InputProcessor:
     def prepare_pooling_prompt(self, prompt: Any, params: PoolingParams) -> PreparedPrompt:
         """Tokenize, truncate and validate a pooling prompt and its params."""
         check_pooling_params(params, self.hf_config)
-        token_ids, text = prepare_pooling_prompt(prompt, params, self.tokenizer, self.limits.vocab_size,
-                                                 self.limits.max_model_len)
+        token_ids, text = prepare_pooling_prompt(
+            prompt, params, self.tokenizer, self.limits.vocab_size, self.limits.max_model_len
+        )
         return PreparedPrompt(token_ids, text)
 
     def with_bad_words(self, params: SamplingParams) -> SamplingParams:
@@ -105,8 +112,15 @@ class InputProcessor:
         extra["bad_words_token_ids"] = tokenize_bad_words(self.tokenizer, params.bad_words)
         return params.clone(extra_args=extra)
 
-    def build_sequences(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams, *,
-                        priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+    def build_sequences(
+        self,
+        request_id: str,
+        prepared: PreparedPrompt,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> list[Sequence]:
         """The ``params.n`` sequences of one request, ids ``request_id`` (n = 1) or
         ``request_id#index``; seeded requests give each sequence its own seed."""
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -115,28 +129,43 @@ class InputProcessor:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + index)  # distinct but reproducible
-            sequences.append(Request(
-                request_id=sequence_id(request_id, index, params.n),
-                prompt_token_ids=list(prepared.prompt_token_ids),
-                sampling_params=child_params,
-                eos_token_ids=set(self.limits.eos_token_ids),
-                arrival_time=arrival_time,
-                priority=priority,
-                parent_id=request_id,
-                index=index,
-                prompt=prepared.prompt,
-            ))
+            sequences.append(
+                Sequence(
+                    request_id=sequence_id(request_id, index, params.n),
+                    prompt_token_ids=list(prepared.prompt_token_ids),
+                    sampling_params=child_params,
+                    eos_token_ids=set(self.limits.eos_token_ids),
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    parent_id=request_id,
+                    index=index,
+                    prompt=prepared.prompt,
+                )
+            )
         return sequences
 
-    def build_pooling_sequence(self, request_id: str, prepared: PreparedPrompt, params: PoolingParams, *,
-                               priority: int = 0, arrival_time: float | None = None) -> Request:
+    def build_pooling_sequence(
+        self,
+        request_id: str,
+        prepared: PreparedPrompt,
+        params: PoolingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Sequence:
         """The one prefill-only sequence of a pooling request."""
         # the sampling params are inert: the runner pools this request and never samples it
         sampling_params = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        return Request(request_id=request_id, prompt_token_ids=list(prepared.prompt_token_ids),
-                       sampling_params=sampling_params,
-                       arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                       priority=priority, parent_id=request_id, prompt=prepared.prompt, pooling_params=params)
+        return Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prepared.prompt_token_ids),
+            sampling_params=sampling_params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+            parent_id=request_id,
+            prompt=prepared.prompt,
+            pooling_params=params,
+        )
 
 
 def sequence_id(request_id: str, index: int, n: int) -> str:

@@ -24,10 +24,10 @@ from tokenloom.core.pooling import POOLING
 from tokenloom.core.request import (
     PoolingParams,
     PoolingRequestOutput,
-    Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
+    Sequence,
+    SequenceStatus,
 )
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
@@ -66,23 +66,38 @@ class LLMEngine:
         self.max_model_len = self.model_info.max_model_len
         executor_name = config.parallel.distributed_executor_backend or DEFAULT_EXECUTOR
         executor_class: type[Executor] = plugins.registry("executor").get(executor_name)
-        self.executor = executor_class(WorkerSpec(config=config, model_info=self.model_info, platform=self.platform,
-                                                  plugin_tables=plugins.to_plain()))
+        self.executor = executor_class(
+            WorkerSpec(
+                config=config, model_info=self.model_info, platform=self.platform, plugin_tables=plugins.to_plain()
+            )
+        )
         self.num_blocks = self.executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
         self.structured_outputs = self._structured_output_manager()
-        self.input_processor = InputProcessor(self.tokenizer, ModelLimits(
-            max_model_len=self.max_model_len, vocab_size=self.model_info.vocab_size,
-            block_size=config.cache.block_size, num_blocks=self.num_blocks,
-            max_logprobs=config.model.max_logprobs, eos_token_ids=tuple(self.model_info.eos_token_ids),
-        ), hf_config=self.model_info.hf_config)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            ModelLimits(
+                max_model_len=self.max_model_len,
+                vocab_size=self.model_info.vocab_size,
+                block_size=config.cache.block_size,
+                num_blocks=self.num_blocks,
+                max_logprobs=config.model.max_logprobs,
+                eos_token_ids=tuple(self.model_info.eos_token_ids),
+            ),
+            hf_config=self.model_info.hf_config,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         # constrained requests whose grammar is still compiling: kept out of the scheduler
         self._awaiting_grammar: list[tuple[RequestState, concurrent.futures.Future[CompiledConstraint]]] = []
         self.prompt_tokens_total = 0
-        logger.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    time.perf_counter() - started, self.model_info.architecture, self.num_blocks,
-                    config.cache.block_size, self.max_model_len)
+        logger.info(
+            "engine ready in %.2fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+            time.perf_counter() - started,
+            self.model_info.architecture,
+            self.num_blocks,
+            config.cache.block_size,
+            self.max_model_len,
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> LLMEngine:
@@ -112,22 +127,36 @@ class LLMEngine:
     def prepare_pooling_prompt(self, prompt: Any, params: PoolingParams) -> PreparedPrompt:
         """Tokenize, truncate and validate a pooling prompt and its params."""
         if self.runner_type != POOLING:
-            raise InvalidRequestError(f"{self.model_name} is served for generation: it does not pool (start it with "
-                                      "--runner pooling or --convert embed for embeddings)", param="model")
+            raise InvalidRequestError(
+                f"{self.model_name} is served for generation: it does not pool (start it with "
+                "--runner pooling or --convert embed for embeddings)",
+                param="model",
+            )
         return self.input_processor.prepare_pooling_prompt(prompt, params)
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
-                    arrival_time: float | None = None, prepared: PreparedPrompt | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prepared: PreparedPrompt | None = None,
+    ) -> None:
         """Admit a generate request: all of its ``n`` sequences, or (raising) none of them."""
         self._check_id_free(request_id)
         if self.runner_type == POOLING:
-            raise InvalidRequestError(f"{self.model_name} is served as a pooling model (embeddings, scores): it "
-                                      "does not generate text", param="model")
+            raise InvalidRequestError(
+                f"{self.model_name} is served as a pooling model (embeddings, scores): it does not generate text",
+                param="model",
+            )
         prepared = prepared or self.input_processor.prepare_prompt(prompt, params)
         params = self.input_processor.with_bad_words(params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        sequences = self.input_processor.build_sequences(request_id, prepared, params, priority=priority,
-                                                         arrival_time=arrival_time)
+        sequences = self.input_processor.build_sequences(
+            request_id, prepared, params, priority=priority, arrival_time=arrival_time
+        )
         for seq in sequences:
             self._check_id_free(seq.request_id)
         state = self.output_processor.new_request_state(request_id, prepared, params, sequences, arrival_time)
@@ -141,15 +170,23 @@ class LLMEngine:
         self.output_processor.add(state)
         self.prompt_tokens_total += len(prepared.prompt_token_ids)
 
-    def add_pooling_request(self, request_id: str, prompt: Any, params: PoolingParams | None = None, *,
-                            priority: int = 0, arrival_time: float | None = None,
-                            prepared: PreparedPrompt | None = None) -> None:
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: PoolingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prepared: PreparedPrompt | None = None,
+    ) -> None:
         """Queue a prefill-only request whose output is its pooled hidden states."""
         self._check_id_free(request_id)
         params = params or PoolingParams()
         prepared = prepared or self.prepare_pooling_prompt(prompt, params)
-        sequence = self.input_processor.build_pooling_sequence(request_id, prepared, params, priority=priority,
-                                                               arrival_time=arrival_time)
+        sequence = self.input_processor.build_pooling_sequence(
+            request_id, prepared, params, priority=priority, arrival_time=arrival_time
+        )
         state = self.output_processor.new_pooling_state(request_id, prepared, params, sequence)
         self.scheduler.add_requests([sequence])
         self.output_processor.add(state)
@@ -166,7 +203,7 @@ class LLMEngine:
             state = self.output_processor.pop(request_id)
             if state is None:
                 continue
-            self.scheduler.finish_requests(state.sequence_ids, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(state.sequence_ids, SequenceStatus.FINISHED_ABORTED)
             self._forget_constraint(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -179,9 +216,13 @@ class LLMEngine:
             return None
         reasoning_parser = self.config.structured_output.reasoning_parser
         return StructuredOutputManager(
-            self.config.structured_output, self.plugins.registry("structured_output_backend"), self.tokenizer,
-            self.model_info.vocab_size, self.model_info.eos_token_ids,
-            self.plugins.registry("reasoning_parser").get(reasoning_parser) if reasoning_parser else None)
+            self.config.structured_output,
+            self.plugins.registry("structured_output_backend"),
+            self.tokenizer,
+            self.model_info.vocab_size,
+            self.model_info.eos_token_ids,
+            self.plugins.registry("reasoning_parser").get(reasoning_parser) if reasoning_parser else None,
+        )
 
     def submit_structured_output(self, params: SamplingParams) -> concurrent.futures.Future[CompiledConstraint] | None:
         """Check the request's constraint and start compiling it (or find it in the cache): a
@@ -190,8 +231,10 @@ class LLMEngine:
         if params.structured_outputs is None:
             return None
         if self.structured_outputs is None:
-            raise InvalidRequestError("structured outputs need the tokenizer, which this server skipped "
-                                      "(--skip-tokenizer-init)", param="structured_outputs")
+            raise InvalidRequestError(
+                "structured outputs need the tokenizer, which this server skipped (--skip-tokenizer-init)",
+                param="structured_outputs",
+            )
         return self.structured_outputs.submit(*self.structured_outputs.resolve(params.structured_outputs))
 
     def _admit_constrained(self, state: RequestState, compiled: CompiledConstraint) -> None:
@@ -209,8 +252,11 @@ class LLMEngine:
     def _admit_compiled_requests(self, touched: dict[str, RequestState]) -> None:
         if not self.scheduler.has_unfinished_requests():
             # nothing else to run: wait (briefly, so commands are still read) for a compile
-            concurrent.futures.wait([grammar for _, grammar in self._awaiting_grammar], timeout=GRAMMAR_WAIT_SECONDS,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(
+                [grammar for _, grammar in self._awaiting_grammar],
+                timeout=GRAMMAR_WAIT_SECONDS,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
         waiting = []
         for state, grammar in self._awaiting_grammar:
             if not grammar.done():
@@ -221,23 +267,23 @@ class LLMEngine:
             except Exception as exc:  # e.g. the schema did not compile: this request fails alone
                 message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
                 for seq in state.sequences:
-                    seq.status = RequestStatus.FINISHED_ERROR
+                    seq.status = SequenceStatus.FINISHED_ERROR
                     seq.stop_reason = message
                 touched[state.request_id] = state
         self._awaiting_grammar = waiting
 
-    def _advance_grammar(self, seq: Request) -> None:
+    def _advance_grammar(self, seq: Sequence) -> None:
         """Feed the step's tokens to the sequence's matcher; a backend failure fails it alone."""
         assert self.structured_outputs is not None  # only called when there is a manager
         error = self.structured_outputs.advance(seq)
-        if error is None or seq.status is RequestStatus.FINISHED_ERROR:
+        if error is None or seq.status is SequenceStatus.FINISHED_ERROR:
             return
         seq.stop_reason = error
         if seq.finished:
             # it ended on the end-of-sequence token the failed row was limited to
-            seq.status = RequestStatus.FINISHED_ERROR
+            seq.status = SequenceStatus.FINISHED_ERROR
         else:
-            self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_ERROR)
+            self.scheduler.finish_requests([seq.request_id], SequenceStatus.FINISHED_ERROR)
 
     def _forget_constraint(self, state: RequestState) -> None:
         if self.structured_outputs is not None:
@@ -253,7 +299,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if self.structured_outputs is not None:
             scheduler_output.structured_output = self.structured_outputs.grammar_bitmask(
-                scheduler_output, self.scheduler.get_request)
+                scheduler_output, self.scheduler.get_request
+            )
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
         else:
@@ -269,12 +316,12 @@ class LLMEngine:
                     self._advance_grammar(seq)
                 if self.output_processor.process_sequence(state, seq, runner_output, now) is not None:
                     # a stop string ended it: the scheduler frees it, then its text is final
-                    self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
+                    self.scheduler.finish_requests([seq.request_id], SequenceStatus.FINISHED_STOPPED)
                     self.output_processor.update_text(state, seq)
             except Exception as exc:  # one request's failure never stops the others
                 logger.exception("request %s failed while processing its output", state.request_id)
                 seq.stop_reason = f"{type(exc).__name__}: {exc}"
-                self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_ERROR)
+                self.scheduler.finish_requests([seq.request_id], SequenceStatus.FINISHED_ERROR)
             touched[state.request_id] = state
         outputs: list[RequestOutput | PoolingRequestOutput] = []
         for state in touched.values():

@@ -22,12 +22,12 @@ from tokenloom.core.request import (
     PoolingOutput,
     PoolingParams,
     PoolingRequestOutput,
-    Request,
     RequestMetrics,
     RequestOutput,
     RequestOutputKind,
-    RequestStatus,
     SamplingParams,
+    Sequence,
+    SequenceStatus,
 )
 
 
@@ -39,7 +39,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    sequences: list[Request]
+    sequences: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     arrival_time: float
     # per sequence: text / tokens / logprobs already sent (for DELTA outputs)
@@ -75,8 +75,14 @@ class OutputProcessor:
 
     # -- request state --------------------------------------------------------------------
 
-    def new_request_state(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams,
-                          sequences: list[Request], arrival_time: float) -> RequestState:
+    def new_request_state(
+        self,
+        request_id: str,
+        prepared: PreparedPrompt,
+        params: SamplingParams,
+        sequences: list[Sequence],
+        arrival_time: float,
+    ) -> RequestState:
         """The state of a generate request (not yet registered: see :meth:`add`)."""
         n = len(sequences)
         return RequestState(
@@ -95,13 +101,25 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def new_pooling_state(request_id: str, prepared: PreparedPrompt, params: PoolingParams,
-                          sequence: Request) -> RequestState:
+    def new_pooling_state(
+        request_id: str, prepared: PreparedPrompt, params: PoolingParams, sequence: Sequence
+    ) -> RequestState:
         """The state of a pooling request (not yet registered: see :meth:`add`)."""
-        return RequestState(request_id=request_id, prompt=prepared.prompt, prompt_token_ids=prepared.prompt_token_ids,
-                            sampling_params=sequence.sampling_params, sequences=[sequence], detokenizers=[None],
-                            arrival_time=sequence.arrival_time, sent_text=[0], sent_tokens=[0], texts=[""],
-                            num_processed_tokens=[0], logprobs=[None], pooling_params=params)
+        return RequestState(
+            request_id=request_id,
+            prompt=prepared.prompt,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=sequence.sampling_params,
+            sequences=[sequence],
+            detokenizers=[None],
+            arrival_time=sequence.arrival_time,
+            sent_text=[0],
+            sent_tokens=[0],
+            texts=[""],
+            num_processed_tokens=[0],
+            logprobs=[None],
+            pooling_params=params,
+        )
 
     def id_in_use(self, request_id: str) -> bool:
         """True when ``request_id`` names an admitted request or one of its sequences."""
@@ -134,8 +152,9 @@ class OutputProcessor:
 
     # -- one step's tokens --------------------------------------------------------------
 
-    def process_sequence(self, state: RequestState, seq: Request, runner_output: ModelRunnerOutput,
-                         now: float) -> str | None:
+    def process_sequence(
+        self, state: RequestState, seq: Sequence, runner_output: ModelRunnerOutput, now: float
+    ) -> str | None:
         """Take in the step's new tokens of ``seq``: logprobs, text, stop strings.
 
         :returns: the stop string that ended an unfinished sequence in this step (the engine
@@ -144,7 +163,7 @@ class OutputProcessor:
         index = seq.index
         if seq.request_id in runner_output.errors:
             seq.stop_reason = runner_output.errors[seq.request_id]
-        new_token_ids = seq.output_token_ids[state.num_processed_tokens[index]:]
+        new_token_ids = seq.output_token_ids[state.num_processed_tokens[index] :]
         state.num_processed_tokens[index] = len(seq.output_token_ids)
         self.generation_tokens_total += len(new_token_ids)
         if new_token_ids and state.first_token_time is None:
@@ -161,8 +180,12 @@ class OutputProcessor:
         detokenizer = state.detokenizers[index]
         if detokenizer is None:
             return None
-        if (new_token_ids and seq.status is RequestStatus.FINISHED_STOPPED and not isinstance(seq.stop_reason, str)
-                and not seq.sampling_params.include_stop_str_in_output):
+        if (
+            new_token_ids
+            and seq.status is SequenceStatus.FINISHED_STOPPED
+            and not isinstance(seq.stop_reason, str)
+            and not seq.sampling_params.include_stop_str_in_output
+        ):
             # the EOS or stop_token_ids token that ended the output is not part of its text
             # (it would show whenever special tokens are kept, e.g. for tool-call parsers)
             new_token_ids = new_token_ids[:-1]
@@ -175,7 +198,7 @@ class OutputProcessor:
             self.update_text(state, seq)
         return stopped_by
 
-    def update_text(self, state: RequestState, seq: Request) -> None:
+    def update_text(self, state: RequestState, seq: Sequence) -> None:
         """The text of ``seq`` that may be shown: all of it once finished, else what can no
         longer turn out to start a stop string."""
         detokenizer = state.detokenizers[seq.index]
@@ -223,22 +246,24 @@ class OutputProcessor:
             token_ids = seq.output_token_ids
             logprobs = state.logprobs[i]
             if delta:
-                text, token_ids = text[state.sent_text[i]:], token_ids[state.sent_tokens[i]:]
+                text, token_ids = text[state.sent_text[i] :], token_ids[state.sent_tokens[i] :]
                 if logprobs is not None:
-                    logprobs = logprobs[state.sent_tokens[i]:]
+                    logprobs = logprobs[state.sent_tokens[i] :]
                 if not text and not token_ids and not seq.finished:
                     continue
                 state.sent_text[i] = len(state.texts[i])
                 state.sent_tokens[i] = len(seq.output_token_ids)
-            completions.append(CompletionOutput(
-                index=i,
-                text=text,
-                token_ids=list(token_ids),
-                cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
-                logprobs=list(logprobs) if logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
+                    logprobs=list(logprobs) if logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         if delta and not completions:
             return None
         prompt_logprobs = None if delta and state.sent_prompt_logprobs else state.prompt_logprobs
@@ -267,9 +292,14 @@ class OutputProcessor:
     def make_pooling_output(state: RequestState, runner_output: ModelRunnerOutput) -> PoolingRequestOutput:
         sequence = state.sequences[0]
         error = None
-        if sequence.status is RequestStatus.FINISHED_ERROR:
+        if sequence.status is SequenceStatus.FINISHED_ERROR:
             error = str(sequence.stop_reason or "the request failed in the worker")
         pooled = runner_output.pooled.get(sequence.request_id)
-        return PoolingRequestOutput(request_id=state.request_id, outputs=PoolingOutput(data=pooled),
-                                    prompt_token_ids=state.prompt_token_ids, finished=state.finished,
-                                    prompt=state.prompt, error=error)
+        return PoolingRequestOutput(
+            request_id=state.request_id,
+            outputs=PoolingOutput(data=pooled),
+            prompt_token_ids=state.prompt_token_ids,
+            finished=state.finished,
+            prompt=state.prompt,
+            error=error,
+        )
