@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         json_value_end,
     )
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
-    from tokenloom.core.executor import Executor
+    from tokenloom.core.executor import Executor, WorkerSpec
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import KVCacheSpec, ModelContext, ModelProtocol
     from tokenloom.core.parsers import (
@@ -61,6 +61,7 @@ _LAZY = {
     # interfaces
     "Platform": "tokenloom.core.platform",
     "Executor": "tokenloom.core.executor",
+    "WorkerSpec": "tokenloom.core.executor",
     "ModelSource": "tokenloom.core.model_files",
     "ResolvedModel": "tokenloom.core.model_files",
     "LoadFormat": "tokenloom.core.model_files",
@@ -119,6 +120,7 @@ __all__ = [
     "register_tool_parser",
     "Platform",
     "Executor",
+    "WorkerSpec",
     "ModelSource",
     "ResolvedModel",
     "LoadFormat",

@@ -115,10 +115,7 @@ class ServingContext:
         the most sequences one engine step runs. More could never run together, and each
         sample costs its own KV blocks and detokenizer, so a larger ``n`` is only a way for one
         client to crowd out the others."""
-        limit = getattr(self.engine, "max_num_seqs", None)
-        if limit is None:  # AsyncLLM keeps it on its engine's scheduler config
-            config = getattr(getattr(self.engine, "engine", None), "config", None)
-            limit = getattr(getattr(config, "scheduler", None), "max_num_seqs", None)
+        limit = getattr(self.engine, "max_num_seqs", None)  # test fakes may not have it
         return int(limit) if limit is not None else DEFAULT_MAX_NUM_SEQS
 
     def num_samples(self, request: SamplingRequest) -> int:

@@ -114,6 +114,10 @@ class AsyncLLM:
         return self.engine.config.model.max_logprobs
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.scheduler.max_num_seqs
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.errored
 
