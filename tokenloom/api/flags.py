@@ -7,6 +7,9 @@ vLLM itself ignores it, or it concerns something tokenloom never does) or
 ``unimplemented`` (rejected by name, unless given the value that changes nothing).
 Implemented flags take their help text and default from the config dataclasses' attribute
 docstrings. Importing this module is cheap: no torch, no plugins.
+
+Long on purpose: most of it is the catalogue itself, one entry per vLLM ``serve`` flag, as
+data; the parsing helpers are a small part.
 """
 
 from __future__ import annotations

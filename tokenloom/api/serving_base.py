@@ -2,6 +2,9 @@
 tokenization and length checks, SamplingParams from a request, logprob token strings,
 usage, request logging, and running prompts through the engine (merged, timed for the
 metrics, aborted when the client goes away).
+
+Over ~400 lines on purpose: these are the checks every endpoint (completions, chat, the
+Responses and Messages layers) must apply identically; one place keeps them from drifting.
 """
 
 from __future__ import annotations

@@ -2,7 +2,12 @@
 as OpenAI chat responses or SSE chunks (role delta first), with chat logprobs, echo,
 named tool choice, and the ``--tool-call-parser`` / ``--reasoning-parser`` plugins (the reasoning
 parser reads the output first, the tool parser its content; ``parallel_tool_calls: false``
-keeps the first call)."""
+keeps the first call).
+
+Over ~400 lines: whole and streamed answers share the per-choice parser state of one run
+(:class:`_ChatRun`), which the Responses and Messages layers reuse; the SSE chunk formatting
+is the seam to split at if it grows.
+"""
 
 from __future__ import annotations
 

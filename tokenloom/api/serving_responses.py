@@ -2,7 +2,11 @@
 become chat messages, the chat path renders, runs and parses them (same tool and reasoning
 parsers, same structured outputs), and its message or streamed deltas come back as output
 items and Responses events. Stored responses (``store``, ``previous_response_id``, GET,
-DELETE, cancel of ``background`` ones) live in memory, LRU-bounded, and are lost on restart."""
+DELETE, cancel of ``background`` ones) live in memory, LRU-bounded, and are lost on restart.
+
+Over ~400 lines: the input-item translation, the streamed event writer and the response
+store are one API's three halves; the store is the seam to split at if it grows.
+"""
 
 from __future__ import annotations
 
