@@ -1,9 +1,12 @@
 """Plugins for the engine tests, loaded as a ``--plugin`` module: xgrammar whose compile waits
 for the test's signal (``gated``), xgrammar whose matchers break after a few tokens
-(``breaking``), and a reasoning parser whose reasoning is the first three tokens."""
+(``breaking``), xgrammar whose compile of a schema titled "stall" takes a minute (``stalling``:
+a stand-in for a pathological schema, whose compile time depends on the machine), and a
+reasoning parser whose reasoning is the first three tokens."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 from tokenloom.builtin_plugins.structured_output.xgrammar_backend import XGrammarBackend
@@ -23,6 +26,15 @@ class GatedXGrammarBackend(XGrammarBackend):
             raise TimeoutError("the test never opened the compile gate")
         if constraint.kind == "regex" and constraint.spec == "refuse":
             raise ValueError("refusing to compile on purpose")
+        return super().compile(constraint)
+
+
+class StallingXGrammarBackend(XGrammarBackend):
+    def compile(self, constraint):
+        if constraint.kind == "json":
+            schema = json.loads(constraint.spec) if isinstance(constraint.spec, str) else constraint.spec
+            if isinstance(schema, dict) and schema.get("title") == "stall":
+                threading.Event().wait(60)
         return super().compile(constraint)
 
 
@@ -57,6 +69,7 @@ class BreakingXGrammarBackend(XGrammarBackend):
 def register_structured_output_backends(register):
     register("gated", "tests.core.grammar_test_backends:GatedXGrammarBackend")
     register("breaking", "tests.core.grammar_test_backends:BreakingXGrammarBackend")
+    register("stalling", "tests.core.grammar_test_backends:StallingXGrammarBackend")
 
 
 class FirstTokensReasoningParser(ReasoningParser):
