@@ -86,9 +86,8 @@ def uvicorn_config(app: Any, server: Any):
 
 
 # The engine thread and the event loop share the GIL: each torch op releases it, and getting
-# it back waits up to this long while the loop runs Python (default 5 ms). Measured on a 2-core
-# AVX2 CPU with vLLM's client, concurrency 1: TPOT 43.9 ms at 5 ms, 38.3 at 1 ms, 35.2 at 0.5 ms,
-# 42.9 at 0.1 ms (switching too often); concurrency 8 unchanged.
+# it back waits up to this long while the loop runs Python (default 5 ms); the value chosen and
+# its measurement: docs/design.md, "AsyncLLM".
 GIL_SWITCH_INTERVAL_SECONDS = 0.0005
 
 
