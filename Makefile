@@ -39,11 +39,12 @@ install: $(KERNELS)
 serve: $(KERNELS)
 	$(VENV)/bin/tokenloom serve $(MODEL) --host $(HOST) --port $(PORT)
 
-# a kernel that does not build or load fails the run instead of leaving its tests on torch's path
-test: $(KERNELS)
+# the lint checks first; a kernel that does not build or load fails the run instead of leaving
+# its tests on torch's path
+test: lint $(KERNELS)
 	TOKENLOOM_CPU_KERNELS=require $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# ruff (format and lint) and mypy, configured in pyproject.toml; CI runs it before the tests
+# ruff (format and lint) and mypy, configured in pyproject.toml; `make test` runs it first
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
