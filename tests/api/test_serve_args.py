@@ -129,6 +129,8 @@ SAMPLES = {
     "--enable-reasoning": ["--enable-reasoning", "--reasoning-parser", "qwen3"],
     "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.5"],
     "--block-size": ["--block-size", "32"],
+    "--generation-config": ["--generation-config", "vllm"],
+    "--override-generation-config": ["--override-generation-config", '{"temperature": 0.5}'],
     "--config": None,  # a file: tested on its own
 }
 
@@ -198,8 +200,6 @@ def test_engine_and_server_flags_land_on_their_fields():
     assert serve_args.engine_kwargs == {
         "model": "qwen",
         "max_model_len": 4096,
-        "tensor_parallel_size": 1,
-        "pipeline_parallel_size": 1,
         "cache_dtype": "auto",
         "served_model_name": ["a", "b"],
         "max_num_seqs": 8,
@@ -220,19 +220,19 @@ def test_engine_and_server_flags_land_on_their_fields():
 def test_boolean_flags_take_no_forms_and_explicit_values():
     kwargs = parse(
         "--no-enable-prefix-caching",
-        "--enforce-eager",
+        "--disable-sliding-window",
         "--enable-chunked-prefill",
         "false",
-        "--trust-remote-code=true",
+        "--skip-tokenizer-init=true",
         "--guided-decoding-disable-fallback",
         "True",
     ).engine_kwargs
-    assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
-    assert kwargs["enable_chunked_prefill"] is False and kwargs["trust_remote_code"] is True
+    assert kwargs["enable_prefix_caching"] is False and kwargs["disable_sliding_window"] is True
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["skip_tokenizer_init"] is True
     assert kwargs["guided_decoding_disable_fallback"] is True
-    assert parse("--enforce-eager", "smollm2").engine_kwargs["model"] == "smollm2"  # never eats the model
+    assert parse("--disable-sliding-window", "smollm2").engine_kwargs["model"] == "smollm2"  # never eats the model
     with pytest.raises(ConfigError, match="expected true or false"):
-        parse("--enforce-eager=maybe")
+        parse("--disable-sliding-window=maybe")
 
 
 def test_human_readable_sizes_and_underscored_flag_names():
@@ -256,12 +256,12 @@ def test_json_flags_take_vllm_dotted_form_and_merge():
         "--hf-overrides.a.c",
         "x",
         "--hf-overrides.rope_theta=5e5",
-        "--model-loader-extra-config.items+",
+        "--rope-scaling.items+",
         "p",
-        "--model-loader-extra-config.items+=q,r",
+        "--rope-scaling.items+=q,r",
     ).engine_kwargs
     assert kwargs["hf_overrides"] == {"a": {"b": 1, "c": "x"}, "rope_theta": 500000.0}
-    assert kwargs["model_loader_extra_config"] == {"items": ["p", "q", "r"]}
+    assert kwargs["rope_scaling"] == {"items": ["p", "q", "r"]}
     with pytest.raises(ConfigError, match="expected a JSON object"):
         parse("--rope-scaling", "[1, 2]")
 

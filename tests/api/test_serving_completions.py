@@ -478,13 +478,14 @@ async def test_null_fields_mean_the_default(client, engine):
     assert engine.requests[0].params.n == 1 and engine.requests[0].params.temperature == 1.0
 
 
-async def test_request_log_respects_max_log_len_and_can_be_disabled(make_app, caplog):
+async def test_requests_are_logged_only_with_enable_log_requests_and_max_log_len_honoured(make_app, caplog):
     caplog.set_level("INFO", logger="tokenloom.api")
-    async with client_for(make_app(max_log_len=5)) as http_client:
+    async with client_for(make_app(enable_log_requests=True, max_log_len=5)) as http_client:
         await http_client.post("/v1/completions", json={"prompt": "abcdefghijklmnop", "max_tokens": 1})
     [logged] = [r.getMessage() for r in caplog.records if "received request" in r.getMessage()]
     assert "'abcde'" in logged and "abcdef" not in logged
+    assert "prompt_token_ids: [" in logged and logged.split("prompt_token_ids: [")[1].split("]")[0].count(",") <= 4
     caplog.clear()
-    async with client_for(make_app(disable_log_requests=True)) as http_client:
+    async with client_for(make_app()) as http_client:  # the default: prompts are private data, never logged
         await http_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
-    assert not [r for r in caplog.records if "received request" in r.getMessage()]
+    assert not [r for r in caplog.records if "received request" in r.getMessage() or "'Hi'" in r.getMessage()]

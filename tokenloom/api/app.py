@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenloom import __version__
 from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, install_error_handlers, request_id_of
 from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
-from tokenloom.api.middleware import install_middleware
+from tokenloom.api.middleware import ServerLoad, install_middleware
 from tokenloom.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -132,6 +132,7 @@ def build_app(
     app.state.engine = engine
     app.state.serving = ctx
     app.state.metrics = metrics
+    app.state.server_load = ServerLoad()  # counted only with --enable-server-load-tracking
     install_error_handlers(app)
     routes = _routes(ctx, renderer, completions, chat, metrics)
     if getattr(engine, "runner_type", "generate") != "pooling":
@@ -230,6 +231,7 @@ def _routes(
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
         ctx.check_model(request.model)
         ctx.warn_unknown_fields(request, "/tokenize")
+        ctx.require_tokenizer("/tokenize", "prompt")
         if request.messages is not None:
             text = await renderer.render_async(
                 request.messages,
@@ -256,6 +258,7 @@ def _routes(
     @router.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         ctx.check_model(request.model)
+        ctx.require_tokenizer("/detokenize", "tokens")
         ctx.check_token_ids(request.tokens, "tokens")
         return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens)).model_dump())
 
@@ -266,6 +269,11 @@ def _routes(
     router.add_api_route("/health", health, methods=["GET"], operation_id="health")
     router.add_api_route("/ping", health, methods=["GET"], operation_id="ping")
     router.add_api_route("/ping", health, methods=["POST"], operation_id="ping_post")
+
+    @router.get("/load")
+    async def server_load(raw_request: Request) -> JSONResponse:
+        # vLLM's route: requests in flight, counted under --enable-server-load-tracking (0 without)
+        return JSONResponse({"server_load": raw_request.app.state.server_load.in_flight})
 
     @router.get("/version")
     async def version() -> JSONResponse:

@@ -8,6 +8,7 @@ Order, outermost first (a request meets them top-down; :func:`install_middleware
     RequestIdMiddleware    every response, errors included, can carry X-Request-Id
     ApiKeyMiddleware       401 before the body is even read
     BodySizeLimitMiddleware 413 for bodies over --max-request-body-bytes
+    ServerLoadMiddleware   with --enable-server-load-tracking: counts requests in flight
     the routes
 """
 
@@ -34,7 +35,7 @@ logger = logging.getLogger("tokenloom.api")
 REQUEST_ID_SCOPE_KEY = "tokenloom.request_id"
 REQUEST_ID_HEADER = b"x-request-id"
 # reachable without the API key (load balancers and probes have no key)
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/load"})
 # Anthropic's Messages routes, whose clients expect Anthropic's error shape
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
@@ -146,6 +147,49 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class ServerLoad:
+    """``--enable-server-load-tracking``'s counter: requests in flight on the model's routes,
+    what ``GET /load`` reports as ``server_load`` (vLLM's route, for load balancers)."""
+
+    # the routes that occupy the engine (vLLM counts its generation and pooling routes)
+    TRACKED_PATHS = frozenset(
+        {
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/embeddings",
+            "/pooling",
+            "/v1/score",
+            "/v1/rerank",
+            "/v2/rerank",
+        }
+    )
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+
+class ServerLoadMiddleware:
+    """Counts a tracked request from its arrival until its response is sent in full: a
+    streamed response counts until its last chunk, and a failed or disconnected request is
+    uncounted as its handler ends."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad):
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) not in ServerLoad.TRACKED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= 1
+
+
 class BodySizeLimitMiddleware:
     """413 for a body over ``max_bytes``: by Content-Length up front, else by counting the
     streamed chunks (chunked uploads have no length) before the app sees any of them."""
@@ -248,6 +292,8 @@ def install_middleware(
             "web page opened in a browser that can reach it can use it; set --api-key (or "
             "TOKENLOOM_API_KEY), or narrow --allowed-origins"
         )
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if api_keys:
         app.add_middleware(

@@ -198,6 +198,10 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+    # vLLM's: each choice also carries prompt_token_ids and token_ids (a stream: the prompt's
+    # in a choice's first chunk, each chunk's new ids); how a --skip-tokenizer-init server's
+    # outputs are read, since their text is empty
+    return_token_ids: bool | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -313,6 +317,8 @@ class CompletionChoice(ResponseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(ResponseModel):
@@ -331,6 +337,8 @@ class CompletionStreamChoice(ResponseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in a choice's first chunk
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's new ids
 
 
 class CompletionStreamResponse(ResponseModel):

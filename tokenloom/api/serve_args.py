@@ -119,6 +119,11 @@ def _check_combinations(given: dict[str, Any], engine: dict[str, Any], server: d
         raise ConfigError(
             "--enable-reasoning needs --reasoning-parser NAME (which alone enables reasoning)", param="enable-reasoning"
         )
+    if given.get("disable_log_requests") and server.get("enable_log_requests"):
+        raise ConfigError(
+            "--enable-log-requests and --disable-log-requests (its deprecated opposite) contradict; give one",
+            param="disable-log-requests",
+        )
     if server.get("enable_auto_tool_choice") and not server.get("tool_call_parser"):
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME", param="tool-call-parser")
     port = server.get("port")

@@ -81,6 +81,7 @@ def uvicorn_config(app: Any, server: Any):
         ssl_ca_certs=server.ssl_ca_certs,
         ssl_cert_reqs=server.ssl_cert_reqs,
         root_path=server.root_path or "",
+        access_log=not server.disable_uvicorn_access_log,
         timeout_keep_alive=5,
     )
 

@@ -51,9 +51,11 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     """Represent tokens in logprobs as ``token_id:N`` strings."""
     max_log_len: int | None = None
-    """Maximum prompt characters/ids printed in request logs."""
-    disable_log_requests: bool = False
-    """Do not log each request."""
+    """Maximum prompt characters (and prompt token ids) printed per request when
+    --enable-log-requests logs requests; unlimited by default."""
+    enable_log_requests: bool = False
+    """Log each request's prompt, prompt token ids and sampling parameters at INFO (off by
+    default, as in vLLM: prompts in server logs are private data)."""
     disable_log_stats: bool = False
     """Do not log the periodic engine stats line."""
     chat_template: str | None = None
@@ -79,8 +81,7 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False
     """Report cached prompt tokens in usage.prompt_tokens_details."""
     enable_server_load_tracking: bool = False
-    """Track in-flight requests for /load."""
-    disable_frontend_multiprocessing: bool = False
-    """Run the HTTP server and the engine in one process."""
+    """Count the requests in flight on the generation and pooling routes; GET /load answers
+    ``{"server_load": N}`` (vLLM's route: a load balancer's view of this server)."""
     max_request_body_bytes: int = 32 * 1024 * 1024
     """Largest accepted request body; larger ones get 413."""

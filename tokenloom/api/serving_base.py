@@ -73,10 +73,19 @@ class ServingContext:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer  # None under --skip-tokenizer-init
+        self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else int(engine.vocab_size)
         self.served_model_names = list(getattr(engine, "served_model_names", None) or [engine.model_name])
         self.max_model_len = int(engine.max_model_len)
+        # --generation-config: defaults for requests that leave a sampling field unset, and
+        # max_tokens (the model's max_new_tokens) caps every request
+        self.generation_defaults: dict[str, Any] = dict(getattr(engine, "generation_defaults", None) or {})
         self._warned_fields: set[str] = set()
+        if self.generation_defaults:
+            logger.info(
+                "request defaults from the generation config (--generation-config vllm ignores them): %s",
+                ", ".join(f"{name}={value}" for name, value in sorted(self.generation_defaults.items())),
+            )
 
     # -- checks -----------------------------------------------------------------------
 
@@ -105,8 +114,18 @@ class ServingContext:
                 self._warned_fields.add(key)
                 logger.warning("%s: ignoring unknown request field %r (logged once)", endpoint, name)
 
+    def require_tokenizer(self, what: str, param: str) -> None:
+        """A 400 saying why, when ``what`` needs the tokenizer the server skipped."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"{what} needs the tokenizer, and this server was started with --skip-tokenizer-init: "
+                "send prompts as token ids to /v1/completions (\"prompt\": [1, 2, 3]); outputs come back "
+                "as token ids with empty text",
+                param=param,
+            )
+
     def check_logprobs(self, requested: int | None, param: str) -> None:
-        max_logprobs = getattr(self.engine, "max_logprobs", 20)
+        max_logprobs = getattr(self.engine, "max_logprobs", 20)  # -1 (no cap) is resolved by the engine
         if requested is not None and requested > max_logprobs:
             raise InvalidRequestError(
                 f"{param} must be at most {max_logprobs} (the server's --max-logprobs), got {requested}", param=param
@@ -152,17 +171,18 @@ class ServingContext:
         return f"{prefix}-{request.request_id or request_id_of(raw_request)}"
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.require_tokenizer("a text prompt", "prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def check_token_id_list_size(self, token_ids: list[int] | None, param: str) -> None:
-        vocab_size = len(self.tokenizer)
+        vocab_size = self.vocab_size
         if token_ids is not None and len(token_ids) > vocab_size:
             raise InvalidRequestError(
                 f"{param} has {len(token_ids)} ids, more than the vocabulary's {vocab_size}", param=param
             )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab_size = len(self.tokenizer)
+        vocab_size = self.vocab_size
         bad = next((token for token in token_ids if token < 0 or token >= vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
@@ -197,10 +217,13 @@ class ServingContext:
                 "tokens; shorten the prompt (or set truncate_prompt_tokens)",
                 param="prompt",
             )
+        cap = self.generation_defaults.get("max_tokens")  # the model's max_new_tokens
         if requested is None:
-            return limit - num_prompt_tokens
+            return min(limit - num_prompt_tokens, cap) if cap is not None else limit - num_prompt_tokens
         if requested < 1:
             raise InvalidRequestError(f"{param} must be at least 1, got {requested}", param=param)
+        if cap is not None:
+            requested = min(requested, cap)  # as vLLM: the generation config's cap wins
         if num_prompt_tokens + requested > limit:
             raise ContextLengthError(
                 f"this model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
@@ -223,16 +246,25 @@ class ServingContext:
         def default(value, fallback):
             return fallback if value is None else value
 
+        def model_default(value, name: str, fallback):
+            """The request's value, else the generation config's, else OpenAI's default."""
+            return value if value is not None else self.generation_defaults.get(name, fallback)
+
         self.check_token_id_list_size(request.allowed_token_ids, "allowed_token_ids")
+        if self.tokenizer is None:
+            # without a tokenizer these would be dropped silently (no text to match, no words to tokenize)
+            for name in ("stop", "bad_words"):
+                if getattr(request, name):
+                    self.require_tokenizer(name, name)
         return SamplingParams(
             n=n,
             presence_penalty=default(request.presence_penalty, 0.0),
             frequency_penalty=default(request.frequency_penalty, 0.0),
-            repetition_penalty=default(request.repetition_penalty, 1.0),
-            temperature=default(request.temperature, 1.0),
-            top_p=default(request.top_p, 1.0),
-            top_k=default(request.top_k, 0),
-            min_p=default(request.min_p, 0.0),
+            repetition_penalty=model_default(request.repetition_penalty, "repetition_penalty", 1.0),
+            temperature=model_default(request.temperature, "temperature", 1.0),
+            top_p=model_default(request.top_p, "top_p", 1.0),
+            top_k=model_default(request.top_k, "top_k", 0),
+            min_p=model_default(request.min_p, "min_p", 0.0),
             seed=request.seed,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
@@ -245,6 +277,7 @@ class ServingContext:
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            detokenize=self.tokenizer is not None,
             logit_bias=request.logit_bias,
             allowed_token_ids=request.allowed_token_ids,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
@@ -255,7 +288,7 @@ class ServingContext:
         )
 
     def log_request(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if self.config.disable_log_requests:
+        if not self.config.enable_log_requests:  # prompts in server logs are private data: opt in
             return
         limit = self.config.max_log_len
         shown_prompt = prompt[:limit] if (limit is not None and isinstance(prompt, str)) else prompt
@@ -276,7 +309,7 @@ class ServingContext:
         return self.config.return_tokens_as_token_ids
 
     def token_text(self, token_id: int, logprob: Logprob | None, as_token_id: bool) -> str:
-        if as_token_id:
+        if as_token_id or self.tokenizer is None:  # no tokenizer: no text to show
             return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token

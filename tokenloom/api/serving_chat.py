@@ -196,6 +196,7 @@ class ChatHandler:
         ctx.check_ready()
         model_name = ctx.check_model(request.model)
         ctx.warn_unknown_fields(request, "/v1/chat/completions")
+        ctx.require_tokenizer("a chat request (its template renders text)", "messages")
         num_samples = ctx.num_samples(request)
         if request.top_logprobs is not None:
             if request.top_logprobs < 0:

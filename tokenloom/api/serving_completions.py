@@ -135,7 +135,9 @@ class _CompletionRun:
         self.model_name = model_name
         self.prompt_ids = prompt_ids
         self.prompt_texts = [
-            prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids) for prompt, ids in zip(prompts, prompt_ids)
+            # without a tokenizer (--skip-tokenizer-init) text fields are empty, as in vLLM
+            prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if ctx.tokenizer is not None else "")
+            for prompt, ids in zip(prompts, prompt_ids)
         ]
         self.as_token_ids = ctx.return_token_ids(request)
         self.created = int(time.time())
@@ -199,6 +201,8 @@ class _CompletionRun:
                         prompt_logprobs=self.ctx.prompt_logprobs_json(prompt_logprobs.get(prompt_index))
                         if self.request.prompt_logprobs is not None
                         else None,
+                        prompt_token_ids=list(self.prompt_ids[prompt_index]) if self.request.return_token_ids else None,
+                        token_ids=list(state.token_ids) if self.request.return_token_ids else None,
                     )
                 )
         num_generated = sum(len(state.token_ids) for state in states.values())
@@ -268,7 +272,8 @@ class _CompletionRun:
             state.add(choice)
             text = (self.prompt_texts[prompt_index] if echo_now else "") + choice.text
             has_logprobs = self.request.logprobs is not None and (choice.token_ids or echo_now)
-            if not text and choice.finish_reason is None and not has_logprobs:
+            with_ids = bool(self.request.return_token_ids)
+            if not text and choice.finish_reason is None and not has_logprobs and not (with_ids and choice.token_ids):
                 continue
             logprobs = self.logprobs_for(
                 prompt_index,
@@ -289,6 +294,8 @@ class _CompletionRun:
                         logprobs=logprobs,
                         finish_reason=choice.finish_reason,
                         stop_reason=choice.stop_reason,
+                        prompt_token_ids=list(self.prompt_ids[prompt_index]) if with_ids and first_chunk else None,
+                        token_ids=list(choice.token_ids) if with_ids else None,
                     )
                 ],
                 usage=self.usage_so_far(states, cached_tokens) if continuous_usage else None,

@@ -24,7 +24,9 @@ class ModelConfig:
     tokenizer: str | None = None
     """Name or path of the tokenizer; defaults to the model's."""
     tokenizer_mode: str = "auto"
-    """``auto`` uses the fast tokenizer when there is one, ``slow`` forces the slow one."""
+    """``auto`` uses the fast tokenizer when there is one, ``slow`` forces the slow one
+    (``mistral`` and ``custom`` are refused: tokenloom reads Hugging Face and GGUF
+    tokenizers only)."""
     revision: str | None = None
     """The model revision (branch, tag or commit) on the Hugging Face Hub."""
     tokenizer_revision: str | None = None
@@ -47,13 +49,20 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Accepted for compatibility; tokenloom never runs model code from the model's files."""
     max_logprobs: int = 20
-    """Maximum number of log probabilities to return per token (logprobs, prompt_logprobs)."""
+    """Maximum number of log probabilities to return per token (logprobs, prompt_logprobs);
+    -1: no cap (up to the whole vocabulary)."""
     logprobs_mode: str = "raw_logprobs"
     """What logprobs hold: raw_logprobs, processed_logprobs, raw_logits, processed_logits."""
     skip_tokenizer_init: bool = False
     """Skip tokenizer initialisation; prompts must then be token ids."""
     generation_config: str = "auto"
-    """``auto`` reads generation defaults from the model; ``vllm`` ignores them."""
+    """Where request defaults come from: ``auto`` reads the model's generation_config.json
+    (or a GGUF's general.sampling.* keys), ``vllm`` ignores them, a folder path reads its
+    generation_config.json. They set temperature, top_p, top_k, min_p and repetition_penalty
+    for requests that leave them unset, and max_new_tokens caps every request's max_tokens."""
+    override_generation_config: dict[str, Any] | None = None
+    """JSON dict of generation defaults applied over --generation-config's, by their
+    generation_config.json names, e.g. ``{"temperature": 0.5, "max_new_tokens": 256}``."""
     enforce_eager: bool = False
     """Always run the model eagerly (no torch.compile)."""
     task: str = "auto"
@@ -236,6 +245,7 @@ class EngineArgs:
     logprobs_mode: str = ModelConfig.logprobs_mode
     skip_tokenizer_init: bool = ModelConfig.skip_tokenizer_init
     generation_config: str = ModelConfig.generation_config
+    override_generation_config: dict[str, Any] | None = ModelConfig.override_generation_config
     enforce_eager: bool = ModelConfig.enforce_eager
     task: str = ModelConfig.task
     runner: str = ModelConfig.runner
@@ -345,12 +355,27 @@ def validate_engine_config(config: EngineConfig) -> None:
     timeout = config.structured_output.compile_timeout
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         bad("structured-outputs-compile-timeout", f"must be a positive number of seconds, got {timeout!r}")
-    if config.model.max_logprobs < 0:
-        bad("max-logprobs", f"must be non-negative, got {config.model.max_logprobs}")
+    if config.model.max_logprobs < -1:
+        bad("max-logprobs", f"must be -1 (no cap) or at least 0, got {config.model.max_logprobs}")
     for flag, size in (
         ("tensor-parallel-size", config.parallel.tensor_parallel_size),
         ("pipeline-parallel-size", config.parallel.pipeline_parallel_size),
         ("data-parallel-size", config.parallel.data_parallel_size),
     ):
-        if size < 1:
-            bad(flag, f"must be at least 1, got {size}")
+        # never ignored: a user asking for 2 ranks must not silently get one
+        if size != 1:
+            bad(flag, f"only 1 is accepted (tokenloom has no distributed executor yet), got {size}")
+    if config.model.tokenizer_mode not in ("auto", "slow"):
+        bad(
+            "tokenizer-mode",
+            f"{config.model.tokenizer_mode!r} is not implemented: tokenloom reads Hugging Face tokenizers "
+            "(tokenizer.json) and GGUF vocabularies; use auto or slow",
+        )
+    if config.model.tokenizer_revision is not None:
+        bad("tokenizer-revision", "is not implemented: pass a local tokenizer directory to --tokenizer")
+    from tokenloom.core.generation_config import check_generation_config_choice, check_override
+
+    check_generation_config_choice(config.model.generation_config)
+    check_override(config.model.override_generation_config)
+    if config.load.model_loader_extra_config:
+        bad("model-loader-extra-config", "is not implemented: no tokenloom load format takes extra options")

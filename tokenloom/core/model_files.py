@@ -58,6 +58,13 @@ class LoadFormat:
         """The quantization method the weights need (e.g. "gguf"), or None."""
         return None
 
+    def generation_defaults(self, path: str) -> dict[str, Any]:
+        """The request defaults the files recommend (``--generation-config auto``), under
+        SamplingParams' names: temperature, top_p, top_k, min_p, repetition_penalty, and
+        max_tokens (generation_config.json's max_new_tokens). Runs in the main process; a
+        format whose files state none keeps this default, ``{}``."""
+        return {}
+
     def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
         """Yield ``(hf_parameter_name, tensor)`` one at a time (never all in memory)."""
         raise NotImplementedError

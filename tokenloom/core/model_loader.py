@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.config import EngineConfig, ModelConfig
+from tokenloom.core.generation_config import resolve_generation_defaults
 from tokenloom.core.pooling import (
     GENERATE,
     POOLING,
@@ -57,6 +58,8 @@ class ModelInfo:
     # resolved PoolerConfig
     runner: str = "generate"
     pooler_config: Any = None
+    # the request defaults in force (--generation-config), under SamplingParams' names
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_source(
@@ -150,6 +153,11 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
         hf_config=hf_config,
         runner=runner,
         pooler_config=pooler_config,
+        generation_defaults=resolve_generation_defaults(
+            model_config.generation_config,
+            model_config.override_generation_config,
+            lambda: getattr(load_format, "generation_defaults", lambda path: {})(resolved.path),
+        ),
     )
     return info, tokenizer
 

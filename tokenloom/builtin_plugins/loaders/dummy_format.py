@@ -52,6 +52,9 @@ class DummyLoadFormat(LoadFormat):
     def quantization(self, path: str) -> str | None:
         return None  # random weights are dense, whatever the files hold
 
+    def generation_defaults(self, path: str) -> dict[str, Any]:
+        return self.delegate(path).generation_defaults(path)
+
     def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
         return iter(())
 

@@ -6,23 +6,12 @@ The chat template travels with the tokenizer (``tokenizer.chat_template``), not 
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, find_gguf_file
 from tokenloom.builtin_plugins.loaders.hf_files import model_directory
-from tokenloom.errors import ModelLoadError
+from tokenloom.core.generation_config import read_generation_config_json
 
-# generation_config.json keys that are sampling defaults, under SamplingParams' names
-HF_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 # llama.cpp's general.sampling.* keys
 GGUF_KEYS = {
     "temp": "temperature",
@@ -40,15 +29,7 @@ def generation_defaults(path: str) -> dict[str, Any]:
         gguf = GGUFFile(gguf_file)
         values = {name: gguf.get(f"general.sampling.{key}") for key, name in GGUF_KEYS.items()}
         return {name: _plain(value) for name, value in values.items() if value is not None}
-    config_path = os.path.join(model_directory(path), "generation_config.json")
-    if not os.path.isfile(config_path):
-        return {}
-    try:
-        with open(config_path, encoding="utf-8") as handle:
-            values = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
-    return {name: values[key] for key, name in HF_KEYS.items() if values.get(key) is not None}
+    return read_generation_config_json(model_directory(path))
 
 
 def _plain(value: Any) -> Any:

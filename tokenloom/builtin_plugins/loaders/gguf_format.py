@@ -122,6 +122,11 @@ class GGUFLoadFormat(LoadFormat):
         gguf = GGUFFile(gguf_path(path))
         return "gguf" if any(info.ggml_type not in FLOAT_TYPES for info in gguf.tensors.values()) else None
 
+    def generation_defaults(self, path: str) -> dict[str, Any]:
+        from tokenloom.builtin_plugins.loaders.generation_defaults import generation_defaults
+
+        return generation_defaults(path)
+
     def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
         gguf = GGUFFile(gguf_path(path))
         architecture = gguf.architecture

@@ -34,6 +34,11 @@ class PtLoadFormat(LoadFormat):
     def load_tokenizer(self, path: str, model_config: Any) -> Any:
         return hf_files.load_hf_tokenizer(path, model_config)
 
+    def generation_defaults(self, path: str) -> dict[str, Any]:
+        from tokenloom.builtin_plugins.loaders.generation_defaults import generation_defaults
+
+        return generation_defaults(path)
+
     def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
         import torch
 

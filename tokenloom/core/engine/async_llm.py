@@ -111,7 +111,17 @@ class AsyncLLM:
 
     @property
     def max_logprobs(self) -> int:
-        return self.engine.config.model.max_logprobs
+        """``--max-logprobs``, with -1 (no cap) resolved to the vocabulary size."""
+        return self.engine.max_logprobs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_info.vocab_size
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The request defaults in force (``--generation-config``), under SamplingParams' names."""
+        return dict(self.engine.model_info.generation_defaults)
 
     @property
     def max_num_seqs(self) -> int:

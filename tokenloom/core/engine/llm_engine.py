@@ -64,6 +64,10 @@ class LLMEngine:
         self.model_info: ModelInfo
         self.model_info, self.tokenizer = resolve_model(config, plugins)
         self.max_model_len = self.model_info.max_model_len
+        # vLLM's -1: no cap, i.e. as many as the vocabulary has
+        self.max_logprobs = (
+            config.model.max_logprobs if config.model.max_logprobs >= 0 else max(1, self.model_info.vocab_size)
+        )
         executor_name = config.parallel.distributed_executor_backend or DEFAULT_EXECUTOR
         executor_class: type[Executor] = plugins.registry("executor").get(executor_name)
         self.executor = executor_class(
@@ -81,7 +85,7 @@ class LLMEngine:
                 vocab_size=self.model_info.vocab_size,
                 block_size=config.cache.block_size,
                 num_blocks=self.num_blocks,
-                max_logprobs=config.model.max_logprobs,
+                max_logprobs=self.max_logprobs,
                 eos_token_ids=tuple(self.model_info.eos_token_ids),
             ),
             hf_config=self.model_info.hf_config,
