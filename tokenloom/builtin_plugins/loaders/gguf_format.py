@@ -16,6 +16,7 @@ from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, GGUFTensorInfo, find_gguf_file
+from tokenloom.errors import ConfigError
 from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,13 @@ class GGUFLoadFormat(LoadFormat):
         tokenizer_path = getattr(model_config, "tokenizer", None)
         if tokenizer_path and find_gguf_file(tokenizer_path) is None:
             return hf_files.load_hf_tokenizer(path, model_config)
+        if getattr(model_config, "tokenizer_mode", "auto") == "slow":
+            # never a silent fast tokenizer for a user who asked for the slow one
+            raise ConfigError(
+                "--tokenizer-mode slow: a GGUF file's vocabulary builds a fast tokenizer only; use "
+                "--tokenizer-mode auto, or pass --tokenizer with a Hugging Face tokenizer directory",
+                param="tokenizer-mode",
+            )
         return load_gguf_tokenizer(gguf_path(tokenizer_path or path))
 
     def quantization(self, path: str) -> str | None:
