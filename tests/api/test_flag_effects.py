@@ -233,7 +233,9 @@ def test_generation_config_defaults_from_a_folder_with_the_override_on_top(tiny_
         override_generation_config={"temperature": 0.9, "min_p": 0.1},
     )
     assert llm.engine.model_info.generation_defaults == {"temperature": 0.9, "top_k": 7, "max_tokens": 5, "min_p": 0.1}
-    assert LLM(model=tiny_llama_dir, dtype="float32", generation_config="vllm").engine.model_info.generation_defaults == {}
+    assert (
+        LLM(model=tiny_llama_dir, dtype="float32", generation_config="vllm").engine.model_info.generation_defaults == {}
+    )
 
 
 def test_generation_config_choices_and_override_keys_are_checked_before_loading():
@@ -243,3 +245,36 @@ def test_generation_config_choices_and_override_keys_are_checked_before_loading(
         EngineArgs(override_generation_config={"do_sample": True}).create_engine_config()
     with pytest.raises(ConfigError, match="temperature must be a number"):
         EngineArgs(override_generation_config={"temperature": "hot"}).create_engine_config()
+
+
+def test_guided_decoding_server_options_shape_every_json_constraint():
+    from tokenloom.core.config import StructuredOutputConfig
+    from tokenloom.core.structured_output import StructuredOutputManager, parse_constraint
+    from tokenloom.plugins.registry import Registry
+
+    def options(**config):
+        registry = Registry("structured_output_backend", "--guided-decoding-backend")
+        return StructuredOutputManager(StructuredOutputConfig(**config), registry, None, 10, [0], None).options
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    default = parse_constraint({"json": schema}, options())[0]
+    assert default.any_whitespace and "additionalProperties" not in default.spec
+    strict = parse_constraint(
+        {"json": schema}, options(disable_any_whitespace=True, disable_additional_properties=True)
+    )[0]
+    assert not strict.any_whitespace and strict.spec["additionalProperties"] is False
+
+
+def test_kv_cache_memory_bytes_sets_the_budget(tiny_llm):
+    runner = runner_of(tiny_llm)
+    config = runner.config
+    blocks = {}
+    try:
+        for budget in (1 << 20, 2 << 20):
+            cache = dataclasses.replace(config.cache, kv_cache_memory_bytes=budget)
+            scheduler = dataclasses.replace(config.scheduler, max_num_seqs=100_000)  # no "useful" cap
+            runner.config = dataclasses.replace(config, cache=cache, scheduler=scheduler)
+            blocks[budget] = runner.determine_num_blocks()
+    finally:
+        runner.config = config
+    assert blocks[2 << 20] in (2 * blocks[1 << 20], 2 * blocks[1 << 20] + 1)

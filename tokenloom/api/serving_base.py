@@ -119,7 +119,7 @@ class ServingContext:
         if self.tokenizer is None:
             raise InvalidRequestError(
                 f"{what} needs the tokenizer, and this server was started with --skip-tokenizer-init: "
-                "send prompts as token ids to /v1/completions (\"prompt\": [1, 2, 3]); outputs come back "
+                'send prompts as token ids to /v1/completions ("prompt": [1, 2, 3]); outputs come back '
                 "as token ids with empty text",
                 param=param,
             )
