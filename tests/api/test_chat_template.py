@@ -5,6 +5,7 @@ fails, and the trust flag and time/size limits that bound templates."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -290,6 +291,16 @@ def test_smollm2_template_renders_the_second_turn_like_transformers(tokenizer):
             '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
             '<|start_header_id|>ipython<|end_header_id|>\n\n{"temperature": 21}<|eot_id|>',
         ),
+        (
+            "tool_chat_template_mistral.jinja",
+            '[/INST][TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call-1"}]',
+            '[TOOL_RESULTS] {"content": "{\\"temperature\\": 21}", "call_id": "call-1"}[/TOOL_RESULTS]',
+        ),
+        (
+            "tool_chat_template_mistral_parallel.jinja",
+            '[/INST][TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call-1"}]',
+            '[TOOL_RESULTS] {"content": "{\\"temperature\\": 21}", "call_id": "call-1"}[/TOOL_RESULTS]',
+        ),
     ],
 )
 def test_example_tool_templates_write_the_call_and_result_back(tokenizer, template_name, written_call, written_result):
@@ -298,6 +309,42 @@ def test_example_tool_templates_write_the_call_and_result_back(tokenizer, templa
         rendered = renderer.render(TOOL_HISTORY, tools=tools)
         assert written_call in rendered and written_result in rendered
         assert ("Current weather" in rendered) == bool(tools)
+
+
+@pytest.mark.parametrize(
+    "template_name", ["tool_chat_template_mistral.jinja", "tool_chat_template_mistral_parallel.jinja"]
+)
+def test_mistral_templates_keep_the_last_nine_characters_of_call_ids_and_put_tools_before_the_last_turn(
+    tokenizer, template_name
+):
+    renderer = ChatRenderer(tokenizer, server_template=load_chat_template(str(EXAMPLES / template_name)))
+    long_call = {**WEATHER_CALL, "id": "chatcmpl-tool-0123456789abcdef"}
+    history = [
+        {"role": "system", "content": "Be brief."},
+        TOOL_HISTORY[0],
+        {**TOOL_HISTORY[1], "tool_calls": [long_call]},
+        {**TOOL_HISTORY[2], "tool_call_id": long_call["id"]},
+        {"role": "assistant", "content": "21 degrees."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    rendered = renderer.render(history, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    assert '"id": "789abcdef"' in rendered and '"call_id": "789abcdef"' in rendered
+    assert "0123456" not in rendered
+    # tools and the system message go in front of the last user turn only
+    assert rendered.index("[AVAILABLE_TOOLS]") > rendered.index("21 degrees.")
+    assert rendered.endswith("Be brief.\n\nThanks[/INST]")
+    assert rendered.count("[INST]") == 2
+    assert ("[TOOL_CALLS] followed by a JSON list" in rendered) == template_name.endswith("_parallel.jinja")
+
+
+def test_every_example_template_the_seed_documents_name_exists():
+    seeds = Path(os.environ.get("TOKENLOOM_SEEDS_DIR", Path(__file__).resolve().parents[3] / "shared" / "seeds"))
+    if not seeds.is_dir():
+        pytest.skip(f"vLLM's seed documents are not at {seeds}")
+    text = "".join(path.read_text(encoding="utf-8") for path in sorted(seeds.glob("0*.txt")))
+    named = set(re.findall(r"examples/[A-Za-z0-9_./-]+\.jinja", text))
+    assert named  # the seeds name some: the check is not vacuous
+    assert [path for path in sorted(named) if not (EXAMPLES.parent / path).is_file()] == []
 
 
 def test_an_openai_format_template_renders_the_tool_history(tokenizer):
