@@ -54,7 +54,8 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     """What logprobs hold: raw_logprobs, processed_logprobs, raw_logits, processed_logits."""
     skip_tokenizer_init: bool = False
-    """Skip tokenizer initialisation; prompts must then be token ids."""
+    """Run without a tokenizer: prompts must be token ids (/v1/completions), outputs are token
+    ids (``return_token_ids``) with empty text; text prompts, chat and /tokenize get a 400."""
     generation_config: str = "auto"
     """Where request defaults come from: ``auto`` reads the model's generation_config.json
     (or a GGUF's general.sampling.* keys), ``vllm`` ignores them, a folder path reads its
