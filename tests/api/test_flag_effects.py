@@ -278,3 +278,16 @@ def test_kv_cache_memory_bytes_sets_the_budget(tiny_llm):
     finally:
         runner.config = config
     assert blocks[2 << 20] in (2 * blocks[1 << 20], 2 * blocks[1 << 20] + 1)
+
+
+async def test_without_a_tokenizer_embeddings_take_token_ids_and_refuse_text():
+    from tests.api.test_serving_pooling import FakePoolingEngine, app_for
+
+    engine = FakePoolingEngine(None)
+    engine.vocab_size = 1000  # what AsyncLLM reports when --skip-tokenizer-init leaves no tokenizer
+    async with client_for(app_for(engine)) as http_client:
+        ids = await http_client.post("/v1/embeddings", json={"input": [5, 6, 7]})
+        assert ids.status_code == 200, ids.text
+        text = await http_client.post("/v1/embeddings", json={"input": "hello"})
+        assert text.status_code == 400
+        assert "--skip-tokenizer-init" in text.json()["error"]["message"]

@@ -99,6 +99,7 @@ class PoolingHandler:
                 raise InvalidRequestError(f"{param}[{index}] is an empty string", param=param)
         token_ids: list[list[int] | None] = [None] * len(inputs)
         if texts:
+            self.ctx.require_tokenizer("a text input", param)
             kwargs = {"truncation": True, "max_length": truncate} if truncate is not None else {}
             encoded = self.ctx.tokenizer(
                 [text for _, text in texts], add_special_tokens=options.add_special_tokens, **kwargs
