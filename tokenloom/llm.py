@@ -43,6 +43,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling parameters ``generate`` uses when given none, with the
+        request defaults of the model's generation config (``generation_config``,
+        ``override_generation_config``)."""
+        return SamplingParams(**self.engine.model_info.generation_defaults)
+
     def generate(
         self,
         prompts: Any,
@@ -56,7 +62,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         )

@@ -233,6 +233,11 @@ def test_generation_config_defaults_from_a_folder_with_the_override_on_top(tiny_
         override_generation_config={"temperature": 0.9, "min_p": 0.1},
     )
     assert llm.engine.model_info.generation_defaults == {"temperature": 0.9, "top_k": 7, "max_tokens": 5, "min_p": 0.1}
+    # offline too, as vLLM's LLM: generate() without sampling params takes them
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens, defaults.min_p) == (0.9, 7, 5, 0.1)
+    [output] = llm.generate({"prompt_token_ids": [1, 2, 3]})
+    assert len(output.outputs[0].token_ids) <= 5
     assert (
         LLM(model=tiny_llama_dir, dtype="float32", generation_config="vllm").engine.model_info.generation_defaults == {}
     )

@@ -65,7 +65,8 @@ class ModelConfig:
     """JSON dict of generation defaults applied over --generation-config's, by their
     generation_config.json names, e.g. ``{"temperature": 0.5, "max_new_tokens": 256}``."""
     enforce_eager: bool = False
-    """Always run the model eagerly (no torch.compile)."""
+    """Accepted for compatibility: tokenloom always runs the model eagerly (no torch.compile,
+    no CUDA graphs)."""
     task: str = "auto"
     """Deprecated vLLM name for the runner: auto, generate, embed, score, classify, reward."""
     runner: str = "auto"
