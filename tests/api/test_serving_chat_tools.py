@@ -194,3 +194,19 @@ async def test_chat_template_kwargs_reach_the_template(make_app, tokenizer):
     thinking, not_thinking = (tokenizer.decode(request.prompt_token_ids) for request in engine.requests)
     assert thinking.endswith("<|im_start|>assistant\n")
     assert not_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+async def test_a_malformed_mistral_call_comes_back_without_its_marker(make_app, tokenizer):
+    # vLLM answers with the tool parser's content even when no call was made: for mistral, the
+    # output without [TOOL_CALLS], trimmed
+    reply = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}]'
+    _, app = app_with(make_app, tokenizer, reply, tool_call_parser="mistral")
+    body = {"messages": USER, "tools": TOOLS, "max_tokens": 200}
+    async with client_for(app) as http_client:
+        whole = (await http_client.post("/v1/chat/completions", json=body)).json()
+        [choice] = whole["choices"]
+        expected = '[{"name": "get_weather", "arguments": {"city": "Paris"}]'
+        assert choice["message"]["content"] == expected and choice["message"]["tool_calls"] == []
+        assert choice["finish_reason"] == "stop"
+        events = sse_events((await http_client.post("/v1/chat/completions", json={**body, "stream": True})).text)
+        assert streamed_message(events)["content"] == expected
