@@ -182,7 +182,11 @@ def ids(text: str) -> list[int]:
         ("step3", "hmm</think>", True),
         ("openai_gptoss", "", False),
         ("openai_gptoss", "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant", False),
-        ("openai_gptoss", "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>", True),
+        (
+            "openai_gptoss",
+            "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>",
+            True,
+        ),
         ("openai_gptoss", "Plain text", True),
     ],
 )
@@ -198,3 +202,12 @@ def test_only_special_token_markers_are_kept_in_the_text():
         assert parser_for(name).adjust_request(request).skip_special_tokens is False
     for name in ("qwen3", "glm45", "seed_oss", "step3", "hunyuan_a13b"):  # plain text in their vocabularies
         assert parser_for(name).adjust_request(request) is request
+
+
+@pytest.mark.parametrize("name,output,reasoning,content", CASES, ids=IDS)
+def test_every_cut_into_two_streams_the_non_streaming_result(name, output, reasoning, content):
+    # plugin_testing's exhaustive check (every 2-way cut, a sample of 3-way ones), the one
+    # third-party parsers are held to
+    from tokenloom.plugin_testing import assert_reasoning_parser_streams_like_extract
+
+    assert_reasoning_parser_streams_like_extract(lambda: parser_for(name), output, max_three_way=60)

@@ -101,6 +101,7 @@ def function_tags(calls: list[Call]) -> str:
 # the parser registered by the example --tool-parser-plugin file
 EXAMPLE_PARSER = "llama3_function_tags"
 
+
 def llama4_pythonic(calls: list[Call]) -> str:
     return "<|python_start|>" + pythonic(calls) + "<|python_end|>"
 
