@@ -104,8 +104,10 @@ def assert_reasoning_parser_streams_like_extract(
 ) -> None:
     """Streaming ``output`` through a fresh parser gives, for every split into deltas, the
     ``(reasoning_content, content)`` that
-    :meth:`~tokenloom.plugin_api.ReasoningParser.extract_reasoning` gives on the whole text."""
-    expected = parser_factory().extract_reasoning(output, request)
+    :meth:`~tokenloom.plugin_api.ReasoningParser.extract_reasoning` gives on the whole text
+    (an empty string there, e.g. an empty reasoning section, streams as nothing: it counts as None)."""
+    reasoning, content = parser_factory().extract_reasoning(output, request)
+    expected = (reasoning or None, content or None)
     for pieces in splits(output, max_three_way=max_three_way):
         reasoning_parser = parser_factory()
         messages = _messages(

@@ -31,7 +31,12 @@ TOOLS = [
     for name, arguments in (WEATHER, TIME)
 ]
 CALLS_REPLY = "Let me check.\n" + hermes([WEATHER, TIME])
-THINKING_REPLY = "<think>\nThe user wants the weather: call the tool.\n</think>\n\n" + hermes([WEATHER])
+THOUGHT = "The user wants the weather: call the tool."
+# markers right against the text: the Responses and Messages shape tests use it too
+THINKING_REPLY = f"<think>{THOUGHT}</think>" + hermes([WEATHER])
+# as Qwen3 writes it: vLLM keeps the newlines, so the reasoning is "\n...\n" and the content
+# before the call (hermes: model_output[:index of <tool_call>]) is "\n\n"
+QWEN3_THINKING_REPLY = f"<think>\n{THOUGHT}\n</think>\n\n" + hermes([WEATHER])
 
 
 def app_with(make_app, tokenizer, reply: str, **config):
@@ -71,7 +76,7 @@ async def test_auto_tool_choice_returns_calls_streamed_and_whole(make_app, token
         whole = (await http_client.post("/v1/chat/completions", json=body)).json()
         [choice] = whole["choices"]
         assert choice["finish_reason"] == "tool_calls"
-        assert choice["message"]["content"] == "Let me check."
+        assert choice["message"]["content"] == "Let me check.\n"  # as vLLM: the text before the call, verbatim
         assert calls_of(choice["message"]["tool_calls"]) == [WEATHER, TIME]
         assert all(
             call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
@@ -84,7 +89,7 @@ async def test_auto_tool_choice_returns_calls_streamed_and_whole(make_app, token
 
         events = sse_events((await http_client.post("/v1/chat/completions", json={**body, "stream": True})).text)
         message = streamed_message(events)
-        assert message["content"] == "Let me check."
+        assert message["content"] == "Let me check.\n"
         assert [(call["name"], json.loads(call["arguments"])) for _, call in sorted(message["tool_calls"].items())] == [
             WEATHER,
             TIME,
@@ -144,20 +149,27 @@ async def test_tool_history_is_accepted_and_rendered(make_app, tokenizer):
         assert "<tool_response>\n22 degrees, sunny\n</tool_response>" in prompt
 
 
-async def test_reasoning_and_tool_calls_in_one_response(make_app, tokenizer):
-    _, app = app_with(make_app, tokenizer, THINKING_REPLY, reasoning_parser="qwen3")
+@pytest.mark.parametrize(
+    "reply,reasoning,content",
+    [(THINKING_REPLY, THOUGHT, None), (QWEN3_THINKING_REPLY, f"\n{THOUGHT}\n", "\n\n")],
+    ids=["tight", "qwen3_newlines"],
+)
+async def test_reasoning_and_tool_calls_in_one_response(make_app, tokenizer, reply, reasoning, content):
+    _, app = app_with(make_app, tokenizer, reply, reasoning_parser="qwen3")
     body = {"messages": USER, "tools": TOOLS, "max_tokens": 200}
     async with client_for(app) as http_client:
         whole = (await http_client.post("/v1/chat/completions", json=body)).json()
         [choice] = whole["choices"]
-        assert choice["message"]["reasoning_content"] == "The user wants the weather: call the tool."
-        assert choice["message"]["content"] is None
+        assert choice["message"]["reasoning_content"] == reasoning
+        assert choice["message"]["content"] == content
         assert calls_of(choice["message"]["tool_calls"]) == [WEATHER]
         assert choice["finish_reason"] == "tool_calls"
         events = sse_events((await http_client.post("/v1/chat/completions", json={**body, "stream": True})).text)
         message = streamed_message(events)
-        assert message["reasoning_content"] == "The user wants the weather: call the tool."
-        assert message["content"] == "" and [call["name"] for call in message["tool_calls"].values()] == ["get_weather"]
+        assert message["reasoning_content"] == reasoning
+        assert message["content"] == (content or "") and [call["name"] for call in message["tool_calls"].values()] == [
+            "get_weather"
+        ]
 
 
 async def test_reasoning_held_back_at_the_end_is_flushed(make_app, tokenizer):
@@ -182,3 +194,19 @@ async def test_chat_template_kwargs_reach_the_template(make_app, tokenizer):
     thinking, not_thinking = (tokenizer.decode(request.prompt_token_ids) for request in engine.requests)
     assert thinking.endswith("<|im_start|>assistant\n")
     assert not_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+async def test_a_malformed_mistral_call_comes_back_without_its_marker(make_app, tokenizer):
+    # vLLM answers with the tool parser's content even when no call was made: for mistral, the
+    # output without [TOOL_CALLS], trimmed
+    reply = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}]'
+    _, app = app_with(make_app, tokenizer, reply, tool_call_parser="mistral")
+    body = {"messages": USER, "tools": TOOLS, "max_tokens": 200}
+    async with client_for(app) as http_client:
+        whole = (await http_client.post("/v1/chat/completions", json=body)).json()
+        [choice] = whole["choices"]
+        expected = '[{"name": "get_weather", "arguments": {"city": "Paris"}]'
+        assert choice["message"]["content"] == expected and choice["message"]["tool_calls"] == []
+        assert choice["finish_reason"] == "stop"
+        events = sse_events((await http_client.post("/v1/chat/completions", json={**body, "stream": True})).text)
+        assert streamed_message(events)["content"] == expected

@@ -368,6 +368,10 @@ class _ChatRun:
                 content = extracted.content
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
+            elif extracted.content:
+                # no call: the parser's content still stands when it has one, as in vLLM (mistral
+                # returns a malformed call without its [TOOL_CALLS] marker)
+                content = extracted.content
         if self.echo_text:
             content = self.echo_text + (content or "")
         message = ChatMessage(role=self.role, content=content, reasoning_content=reasoning, tool_calls=tool_calls)

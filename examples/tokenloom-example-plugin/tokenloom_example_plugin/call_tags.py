@@ -3,7 +3,8 @@ anywhere in the output; the text around them is the message content.
 
 A call whose body is not a JSON object with a string ``name`` (and, if present, an object
 ``arguments``, or JSON text of one) is not a tool call: it stays in the content, tags
-included, as does a ``<call>`` that is never closed. Whitespace between a call and the content is dropped.
+included, as does a ``<call>`` that is never closed. The text before the first call is kept as
+written; whitespace between a call and the end of the output or the next call is dropped.
 
 Built on :class:`~tokenloom.plugin_api.SectionToolParser`, the base of tokenloom's own
 parsers: it finds the start tag, holds back text that may begin one, streams with the code

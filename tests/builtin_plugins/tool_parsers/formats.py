@@ -101,20 +101,32 @@ def function_tags(calls: list[Call]) -> str:
 # the parser registered by the example --tool-parser-plugin file
 EXAMPLE_PARSER = "llama3_function_tags"
 
-# how each parser's model writes calls after some text (the bare formats need their marker)
+
+def llama4_pythonic(calls: list[Call]) -> str:
+    return "<|python_start|>" + pythonic(calls) + "<|python_end|>"
+
+
+# how each parser's model writes calls after some text (the bare formats need their marker),
+# and that text as the parser returns it: verbatim up to the call, whitespace included, as
+# vLLM returns it (its parsers take the content as ``model_output[:start of the first call]``)
 FORMATS = {
-    "hermes": (hermes, lambda calls: TEXT_BEFORE + "\n" + hermes(calls)),
-    "mistral": (mistral, lambda calls: TEXT_BEFORE + mistral(calls)),
-    "llama3_json": (llama3_json, lambda calls: TEXT_BEFORE + "<|python_tag|>" + llama3_json(calls)),
-    "llama4_json": (llama4_json, lambda calls: TEXT_BEFORE + "\n\n" + llama4_json(calls)),
-    "pythonic": (pythonic, lambda calls: TEXT_BEFORE + "<|python_start|>" + pythonic(calls) + "<|python_end|>"),
-    "granite": (granite, lambda calls: TEXT_BEFORE + " " + granite(calls)),
-    "granite-20b-fc": (granite_20b_fc, lambda calls: TEXT_BEFORE + "\n" + granite_20b_fc(calls)),
-    "internlm": (internlm, lambda calls: TEXT_BEFORE + internlm(calls)),
-    "jamba": (jamba, lambda calls: TEXT_BEFORE + "\n" + jamba(calls)),
-    "phi4_mini_json": (phi4_mini_json, lambda calls: TEXT_BEFORE + " " + phi4_mini_json(calls)),
-    "deepseek_v3": (deepseek_v3, lambda calls: TEXT_BEFORE + deepseek_v3(calls)),
-    EXAMPLE_PARSER: (function_tags, lambda calls: TEXT_BEFORE + function_tags(calls)),
+    "hermes": (hermes, lambda calls: TEXT_BEFORE + "\n" + hermes(calls), TEXT_BEFORE + "\n"),
+    "mistral": (mistral, lambda calls: TEXT_BEFORE + mistral(calls), TEXT_BEFORE),
+    "llama3_json": (llama3_json, lambda calls: TEXT_BEFORE + "<|python_tag|>" + llama3_json(calls), TEXT_BEFORE),
+    "llama4_json": (llama4_json, lambda calls: TEXT_BEFORE + "\n\n" + llama4_json(calls), TEXT_BEFORE + "\n\n"),
+    "pythonic": (
+        pythonic,
+        lambda calls: TEXT_BEFORE + "<|python_start|>" + pythonic(calls) + "<|python_end|>",
+        TEXT_BEFORE,
+    ),
+    "llama4_pythonic": (llama4_pythonic, lambda calls: TEXT_BEFORE + " " + llama4_pythonic(calls), TEXT_BEFORE + " "),
+    "granite": (granite, lambda calls: TEXT_BEFORE + " " + granite(calls), TEXT_BEFORE + " "),
+    "granite-20b-fc": (granite_20b_fc, lambda calls: TEXT_BEFORE + "\n" + granite_20b_fc(calls), TEXT_BEFORE + "\n"),
+    "internlm": (internlm, lambda calls: TEXT_BEFORE + internlm(calls), TEXT_BEFORE),
+    "jamba": (jamba, lambda calls: TEXT_BEFORE + "\n" + jamba(calls), TEXT_BEFORE + "\n"),
+    "phi4_mini_json": (phi4_mini_json, lambda calls: TEXT_BEFORE + " " + phi4_mini_json(calls), TEXT_BEFORE + " "),
+    "deepseek_v3": (deepseek_v3, lambda calls: TEXT_BEFORE + deepseek_v3(calls), TEXT_BEFORE),
+    EXAMPLE_PARSER: (function_tags, lambda calls: TEXT_BEFORE + function_tags(calls), TEXT_BEFORE),
 }
 
 
@@ -134,11 +146,11 @@ class Case:
 
 
 def standard_cases(parser: str) -> list[Case]:
-    write, write_after_text = FORMATS[parser]
+    write, write_after_text, text_before = FORMATS[parser]
     return [
         Case(parser, "single", write([WEATHER]), None, (WEATHER,)),
         Case(parser, "parallel", write([WEATHER, TIME]), None, (WEATHER, TIME)),
-        Case(parser, "text_before", write_after_text([WEATHER]), TEXT_BEFORE, (WEATHER,)),
+        Case(parser, "text_before", write_after_text([WEATHER]), text_before, (WEATHER,)),
         Case(parser, "unicode_nested", write([TRANSLATE, SEARCH, EMPTY]), None, (TRANSLATE, SEARCH, EMPTY)),
         Case(parser, "plain_text", PLAIN_TEXT, PLAIN_TEXT),
     ]
@@ -155,9 +167,18 @@ MALFORMED = [
     ),
     malformed_case("hermes", "truncated", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
     malformed_case("hermes", "no_name", '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>'),
-    malformed_case("mistral", "bad_json", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}]'),
-    malformed_case("mistral", "truncated_v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par'),
-    malformed_case("mistral", "no_args_v11", "[TOOL_CALLS]get_weather and more"),
+    # vLLM's mistral parser returns a malformed call as content without its [TOOL_CALLS] marker,
+    # trimmed: model_output.replace("[TOOL_CALLS]", "").strip()
+    Case(
+        "mistral",
+        "bad_json",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}]',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}]',
+    ),
+    Case("mistral", "truncated_v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', 'get_weather[ARGS]{"city": "Par'),
+    Case("mistral", "no_args_v11", "[TOOL_CALLS]get_weather and more", "get_weather and more"),
+    Case("mistral", "spaced_bad_json", "[TOOL_CALLS] [{bad json}] \n", "[{bad json}]"),
+    Case("mistral", "text_then_bad_json", "Checking. [TOOL_CALLS][{bad", "Checking. [{bad"),
     malformed_case("llama3_json", "not_a_call", '{"answer": 42, "unit": "apples"}'),
     malformed_case("llama3_json", "truncated", '{"name": "get_weather", "parameters": {"city": "Par'),
     malformed_case(
@@ -166,6 +187,8 @@ MALFORMED = [
     malformed_case("pythonic", "not_calls", "[1, 2, 3] are the first numbers."),
     malformed_case("pythonic", "positional", '[get_weather("Paris")]'),
     malformed_case("pythonic", "truncated", '[get_weather(city="Par'),
+    malformed_case("llama4_pythonic", "not_calls", "<|python_start|>[1, 2, 3]<|python_end|>"),
+    malformed_case("llama4_pythonic", "truncated", '<|python_start|>[get_weather(city="Par'),
     malformed_case("granite", "object_not_array", '<|tool_call|>{"name": "get_weather", "arguments": {}}'),
     malformed_case("granite", "truncated", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Pa'),
     malformed_case(
@@ -220,6 +243,32 @@ EXTRA = [
     ),
     Case("deepseek_v3", "no_end_marker", deepseek_v3([WEATHER]).removesuffix("<｜tool▁calls▁end｜>"), None, (WEATHER,)),
     Case("granite", "bare_array", dumps([{"name": WEATHER[0], "arguments": WEATHER[1]}]), None, (WEATHER,)),
+    Case("llama4_pythonic", "bare", pythonic([WEATHER, TIME]), None, (WEATHER, TIME)),
+    # text before a call comes back byte for byte as vLLM returns it (model_output[:index of the
+    # first call marker]; None only when that is empty), whitespace included
+    Case("hermes", "newline_before", "\n" + hermes([WEATHER]), "\n", (WEATHER,)),
+    Case(
+        "hermes",
+        "blank_line_before",
+        "I'll check the weather for you.\n\n" + hermes([WEATHER, TIME]),
+        "I'll check the weather for you.\n\n",
+        (WEATHER, TIME),
+    ),
+    Case(
+        "granite-20b-fc",
+        "text_newline_before",
+        "Sure, calling it for you.\n" + granite_20b_fc([WEATHER, TIME]),
+        "Sure, calling it for you.\n",
+        (WEATHER, TIME),
+    ),
+    Case(
+        "internlm",
+        "text_newline_before",
+        "Let me look it up for you.\n" + internlm([WEATHER]),
+        "Let me look it up for you.\n",
+        (WEATHER,),
+    ),
+    Case("mistral", "text_newline_before", "Checking.\n" + mistral([WEATHER]), "Checking.\n", (WEATHER,)),
     Case("pythonic", "dotted_name", "[weather.current(city='Paris')]", None, (("weather.current", {"city": "Paris"}),)),
 ]
 

@@ -12,6 +12,11 @@ REASONING_PARSERS = {
     "qwen3": "qwen3:Qwen3ReasoningParser",
     "granite": "granite:GraniteReasoningParser",
     "mistral": "mistral:MistralReasoningParser",
+    "glm45": "glm45:Glm45ReasoningParser",
+    "hunyuan_a13b": "hunyuan_a13b:HunyuanA13BReasoningParser",
+    "seed_oss": "seed_oss:SeedOssReasoningParser",
+    "step3": "step3:Step3ReasoningParser",
+    "openai_gptoss": "openai_gptoss:GptOssReasoningParser",
 }
 
 

@@ -1,10 +1,17 @@
-"""What every built-in reasoning parser shares: :class:`MarkedReasoningParser` splits an
-output into a reasoning section, between a start and an end marker, and the answer after
-it, streaming with the same code that splits whole outputs (so any split into deltas gives
-the same result).
+"""What every marker-based built-in reasoning parser shares: :class:`MarkedReasoningParser`
+splits an output into a reasoning section, between a start and an end marker, and the
+answer after it, streaming with the same code that splits whole outputs (so any split into
+deltas gives the same result).
 
-Whitespace around the reasoning, and between it and the answer, is dropped; an output with
-no reasoning section is all content, unchanged.
+The text is kept as the model wrote it, as vLLM keeps it: the reasoning is everything
+between the markers and the content everything after the end marker, whitespace included
+(``"<think>\\nHmm.\\n</think>\\n\\nYes."`` is ``("\\nHmm.\\n", "\\n\\nYes.")``). Only the
+markers themselves, and whitespace before a start marker that opens the output, are
+dropped. An output with no reasoning section is all content, unchanged.
+
+What a whole output gives, like vLLM's parsers: a section that was opened and closed gives
+its reasoning even when empty (``""``, unless :attr:`empty_reasoning_is_none`), and
+``None`` for an empty answer; an output with no section gives ``(None, output)``.
 """
 
 from __future__ import annotations
@@ -27,30 +34,6 @@ if TYPE_CHECKING:
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 
 
-class _TrimmedText:
-    """A stream of text with leading whitespace dropped and trailing whitespace held back
-    (dropped at the end when ``keep_trailing`` is False)."""
-
-    def __init__(self, keep_trailing: bool):
-        self.keep_trailing = keep_trailing
-        self.started = False
-        self.held = ""
-
-    def add(self, text: str) -> str:
-        combined = self.held + text
-        if not self.started:
-            combined = combined.lstrip()
-        body = combined.rstrip()
-        self.held = combined[len(body) :]
-        if body:
-            self.started = True
-        return body
-
-    def close(self) -> str:
-        held, self.held = self.held, ""
-        return held if self.keep_trailing else ""
-
-
 class _Split:
     """One split of one output, fed piece by piece: the state a streaming parser keeps."""
 
@@ -58,43 +41,54 @@ class _Split:
         self.parser = parser
         self.state = _START
         self.buffer = ""
-        self.reasoning = _TrimmedText(keep_trailing=False)
-        self.answer: _TrimmedText | None = None  # the content after a reasoning section
+        self.section_opened = False  # a reasoning section began (by marker or from the start)
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         """What ``text`` completes: (reasoning, content)."""
         parser = self.parser
         self.buffer += text
-        reasoning, content = [], []
+        reasoning, content = "", ""
         if self.state == _START:
             opening = self.buffer.lstrip()
             marker = next((m for m in parser.start_markers if opening.startswith(m)), None)
             if marker is not None:
+                # the marker (and any whitespace before it) is not part of the reasoning
                 self.state, self.buffer = _REASONING, opening[len(marker) :]
             elif not final and any(m.startswith(opening) for m in parser.start_markers):
-                return "", ""  # may still become a start marker
+                return "", ""  # may still become a start marker (whitespace-only too)
             elif parser.starts_in_reasoning:
-                self.state = _REASONING
+                self.state = _REASONING  # the template opened the section: keep every character
             else:
                 self.state = _CONTENT
+            self.section_opened = self.state == _REASONING
         if self.state == _REASONING:
             index, marker = find_first_marker(self.buffer, parser.end_markers)
             if marker is not None:
-                reasoning += [self.reasoning.add(self.buffer[:index]), self.reasoning.close()]
+                reasoning = self.buffer[:index]
                 self.buffer = self.buffer[index + len(marker) :]
-                self.state, self.answer = _CONTENT, _TrimmedText(keep_trailing=True)
+                self.state = _CONTENT
             else:
                 keep = 0 if final else partial_marker_length(self.buffer, parser.end_markers)
-                reasoning.append(self.reasoning.add(self.buffer[: len(self.buffer) - keep]))
+                reasoning = self.buffer[: len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep :]
-                if final:
-                    reasoning.append(self.reasoning.close())
         if self.state == _CONTENT:
-            content.append(self.answer.add(self.buffer) if self.answer else self.buffer)
-            if final and self.answer:
-                content.append(self.answer.close())
-            self.buffer = ""
-        return "".join(reasoning), "".join(content)
+            content = self._content(final)
+        return reasoning, content
+
+    def _content(self, final: bool) -> str:
+        """The answer text in the buffer, with :attr:`~MarkedReasoningParser.answer_end_markers` dropped."""
+        markers = self.parser.answer_end_markers
+        pieces = []
+        while markers:
+            index, marker = find_first_marker(self.buffer, markers)
+            if marker is None:
+                break
+            pieces.append(self.buffer[:index])
+            self.buffer = self.buffer[index + len(marker) :]
+        keep = 0 if final or not markers else partial_marker_length(self.buffer, markers)
+        pieces.append(self.buffer[: len(self.buffer) - keep])
+        self.buffer = self.buffer[len(self.buffer) - keep :]
+        return "".join(pieces)
 
 
 class MarkedReasoningParser(ReasoningParser):
@@ -103,11 +97,15 @@ class MarkedReasoningParser(ReasoningParser):
 
     start_markers: tuple[str, ...] = ()
     end_markers: tuple[str, ...] = ()
+    # markers that close the answer (dropped wherever they appear in it), e.g. "</answer>"
+    answer_end_markers: tuple[str, ...] = ()
     # True: the output is reasoning from its first character even without a start marker
     # (the chat template put the start marker in the prompt); False: only after one
     starts_in_reasoning = False
     # True when the markers are special tokens, which must be kept in the decoded text
     markers_are_special_tokens = False
+    # True: an empty reasoning section gives None rather than ""
+    empty_reasoning_is_none = False
 
     def __init__(self, tokenizer: ParserTokenizer | None = None) -> None:
         super().__init__(tokenizer)
@@ -119,8 +117,13 @@ class MarkedReasoningParser(ReasoningParser):
     def extract_reasoning(
         self, model_output: str, request: ChatCompletionRequest | None = None
     ) -> tuple[str | None, str | None]:
-        reasoning, content = _Split(self).feed(model_output, final=True)
-        return reasoning or None, content or None
+        split = _Split(self)
+        reasoning, content = split.feed(model_output, final=True)
+        if not split.section_opened:
+            return None, content
+        if not reasoning and self.empty_reasoning_is_none:
+            return None, content or None
+        return reasoning, content or None
 
     def extract_reasoning_delta(
         self, delta_text: str, request: ChatCompletionRequest | None = None

@@ -1,7 +1,7 @@
 """``deepseek_r1``: DeepSeek-R1 and its distills. The chat template opens ``<think>`` in the
 prompt, so the output is reasoning from its start (an echoed ``<think>`` is dropped) up to
-``</think>``; the answer follows. An output that never closes its reasoning is all
-reasoning::
+``</think>``; the answer follows, both kept as written (whitespace included, as vLLM keeps
+them). An output that never closes its reasoning is all reasoning::
 
     Two plus two is four.</think>The answer is 4.
 """

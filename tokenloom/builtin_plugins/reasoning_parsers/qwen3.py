@@ -8,6 +8,9 @@ off with ``chat_template_kwargs: {"enable_thinking": false}``) is all content::
 
     The answer is 4.
 
+gives the reasoning ``"\nTwo plus two is four.\n"`` and the content ``"\n\nThe answer is 4."``,
+whitespace kept as vLLM keeps it.
+
 For Qwen3 "Thinking-2507" models, whose template opens ``<think>`` in the prompt, use
 ``deepseek_r1``.
 """

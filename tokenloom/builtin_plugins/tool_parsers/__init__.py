@@ -13,6 +13,7 @@ TOOL_PARSERS = {
     "llama3_json": "llama3_json:Llama3JsonToolParser",
     "llama4_json": "llama4_json:Llama4JsonToolParser",
     "pythonic": "pythonic:PythonicToolParser",
+    "llama4_pythonic": "llama4_pythonic:Llama4PythonicToolParser",
     "granite": "granite:GraniteToolParser",
     "granite-20b-fc": "granite_20b_fc:Granite20bFCToolParser",
     "internlm": "internlm:InternLMToolParser",

@@ -5,8 +5,13 @@ the very code that parses whole outputs, so any split into deltas gives the same
 
 A call is sent once its section is complete and valid: a section that turns out malformed
 (bad JSON, never closed) must come back as plain content, and a sent delta cannot be taken
-back. Content is sent as soon as it cannot be the start of a marker. Whitespace between a
-call and the start or end of the output, or another call, is dropped.
+back. Content is sent as soon as it cannot be the start of a marker.
+
+Content is kept as the model wrote it, as vLLM keeps it: the text before the first call is
+returned verbatim, whitespace included (``"Let me check.\n<tool_call>..."`` gives the
+content ``"Let me check.\n"``); an output with no call is all content, unchanged. After a
+call, whitespace between it and the end of the output or another call is dropped (vLLM
+drops all text after a call; tokenloom keeps text that is more than whitespace).
 """
 
 from __future__ import annotations
@@ -187,16 +192,22 @@ def json_object_section(
 
 
 class _ContentJoiner:
-    """Joins the content pieces around calls. Whitespace next to a call is held until it is
-    known to separate content from content (kept) or to border a call at the start or the
-    end of the output (dropped); content with no call around it passes unchanged."""
+    """Joins the content pieces around calls. Content before the first call passes
+    verbatim. After a call, whitespace is held until it is known to separate content from
+    content (kept) or to border a call or the end of the output (dropped)."""
 
     def __init__(self) -> None:
         self.held_whitespace = ""
         self.seen_content = False
+        self.any_call = False
         self.call_since_content = False
+        # a malformed section's marker was dropped: trailing whitespace goes too (as vLLM strips it)
+        self.strip_end = False
 
     def add_content(self, text: str) -> str:
+        if not self.any_call:
+            self.seen_content = self.seen_content or bool(text.strip())
+            return text
         combined = self.held_whitespace + text
         core = combined.strip()
         if not core:
@@ -214,11 +225,26 @@ class _ContentJoiner:
     def add_call(self) -> None:
         if not self.seen_content:
             self.held_whitespace = ""
+        self.any_call = True
         self.call_since_content = True
+
+    def drop_marker(self) -> None:
+        """A malformed section's marker, left out of the content like a call."""
+        self.add_call()
+        self.strip_end = True
 
     def finish(self) -> str:
         held, self.held_whitespace = self.held_whitespace, ""
-        return "" if self.call_since_content else held
+        return "" if self.call_since_content or self.strip_end else held
+
+
+class _DroppedMarker:
+    def __repr__(self) -> str:
+        return "DROPPED_MARKER"
+
+
+# a piece of _Scan._step: a malformed section's marker that the format leaves out of the content
+_DROPPED_MARKER = _DroppedMarker()
 
 
 class _Scan:
@@ -259,13 +285,15 @@ class _Scan:
                     self.joiner.add_call()
                     calls.append((self.num_calls, piece))
                     self.num_calls += 1
+                elif piece is _DROPPED_MARKER:
+                    self.joiner.drop_marker()
                 else:
                     content.append(self.joiner.add_content(piece))
         if final:
             content.append(self.joiner.finish())
         return "".join(content), calls
 
-    def _step(self, final: bool) -> tuple[list[str | ParsedCall], int] | None:
+    def _step(self, final: bool) -> tuple[list[str | ParsedCall | _DroppedMarker], int] | None:
         """The pieces at the start of the buffer and how many characters they span, or None
         when nothing can be decided before more text arrives."""
         parser, buffer = self.parser, self.buffer
@@ -281,8 +309,9 @@ class _Scan:
                     self.section_waiting_at = len(buffer)
                     return None
                 if isinstance(section, Section):
+                    # whitespace before a call that opens the output is no content
                     leading = len(buffer) - len(body)
-                    return [buffer[:leading], *section.calls], leading + section.length
+                    return list(section.calls), leading + section.length
         index, marker = find_first_marker(buffer, parser.start_markers)
         if marker is None:
             keep = 0 if final else partial_marker_length(buffer, parser.start_markers)
@@ -295,7 +324,9 @@ class _Scan:
             return None
         if isinstance(section, Section):
             return list(section.calls), len(marker) + section.length
-        return [marker], len(marker)  # not a call: the marker is plain text, and scanning goes on after it
+        # not a call: the marker is plain text (or dropped, for a format that drops it), and
+        # scanning goes on after it
+        return [marker if parser.malformed_marker_kept else _DROPPED_MARKER], len(marker)
 
 
 class SectionToolParser(ToolParser):
@@ -312,6 +343,9 @@ class SectionToolParser(ToolParser):
     # the characters a section's text can end with (closing brackets, the ">" of an end
     # marker): an unfinished section is read again only once one of them has arrived
     section_closers: str = "}])>"
+    # False: the marker of a malformed section is left out of the content, with the whitespace
+    # after it and at the end of the output (vLLM's mistral parser does so); True: kept as text
+    malformed_marker_kept: bool = True
 
     def __init__(self, tokenizer: ParserTokenizer | None = None) -> None:
         super().__init__(tokenizer)

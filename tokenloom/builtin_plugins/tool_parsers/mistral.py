@@ -8,6 +8,9 @@ formats Mistral's tokenizers use, possibly after some text:
   ``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}``.
 
 Call ids are 9 random letters and digits: Mistral's chat templates reject any other shape.
+A malformed call comes back as content without its ``[TOOL_CALLS]`` marker and with the
+whitespace around it trimmed, as vLLM returns it (``[TOOL_CALLS][{"name": ...]`` gives
+``[{"name": ...]``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def new_mistral_call_id() -> str:
 
 class MistralToolParser(SectionToolParser):
     start_markers = (TOOL_CALLS,)
+    malformed_marker_kept = False
 
     def new_call_id(self) -> str:
         return new_mistral_call_id()
