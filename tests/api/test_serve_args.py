@@ -129,6 +129,7 @@ SAMPLES = {
     "--enable-reasoning": ["--enable-reasoning", "--reasoning-parser", "qwen3"],
     "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.5"],
     "--block-size": ["--block-size", "32"],
+    "--attention-backend": ["--attention-backend", "torch"],
     "--config": None,  # a file: tested on its own
 }
 

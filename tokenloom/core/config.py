@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.core.platform import attention_backend_target
 from tokenloom.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -128,7 +129,13 @@ class ParallelConfig:
 @dataclass
 class DeviceConfig:
     device: str = "auto"
-    """Device platform plugin; ``auto`` picks the first available."""
+    """Device platform plugin; ``auto`` picks the available one of highest priority (a GPU
+    before the CPU)."""
+    attention_backend: str = "auto"
+    """Paged attention backend: auto (the platform's choice), torch, cpu_native, reference or
+    triton (on the CPU only under TRITON_INTERPRET=1); vLLM's names (TORCH_SDPA, TRITON_ATTN)
+    are accepted. Unset, the TOKENLOOM_ATTENTION_BACKEND or VLLM_ATTENTION_BACKEND environment
+    variable decides."""
 
 
 @dataclass
@@ -266,6 +273,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     # -> DeviceConfig
     device: str = DeviceConfig.device
+    attention_backend: str = DeviceConfig.attention_backend
     # -> LoadConfig
     load_format: str = LoadConfig.load_format
     download_dir: str | None = LoadConfig.download_dir
@@ -329,6 +337,7 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("block-size", f"must be a positive power of two, got {config.cache.block_size}")
     if not 0.0 < config.cache.gpu_memory_utilization <= 1.0:
         bad("gpu-memory-utilization", f"must be in (0, 1], got {config.cache.gpu_memory_utilization}")
+    attention_backend_target(config.device.attention_backend)  # a name that is no backend fails here
     if config.cache.num_gpu_blocks_override is not None and config.cache.num_gpu_blocks_override < 1:
         bad("num-gpu-blocks-override", f"must be at least 1, got {config.cache.num_gpu_blocks_override}")
     if config.scheduler.max_num_seqs < 1:

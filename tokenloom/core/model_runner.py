@@ -14,6 +14,7 @@ import torch
 from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.model_loader import ModelInfo, build_model
+from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -54,7 +55,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.attention_backend = resolve_target(platform.attention_backend())()
+        self.attention_backend = resolve_target(attention_backend_target(config.device.attention_backend, platform))()
         self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode)
         # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
@@ -99,7 +100,7 @@ class ModelRunner:
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         else:
-            budget = int(cache.gpu_memory_utilization * self.platform.available_memory_bytes()) - KV_SAFETY_MARGIN_BYTES
+            budget = self.platform.kv_cache_budget_bytes(cache.gpu_memory_utilization) - KV_SAFETY_MARGIN_BYTES
             default_cap = self.platform.default_kv_cache_bytes()
             if default_cap is not None:
                 budget = min(budget, default_cap)
@@ -328,12 +329,13 @@ class ModelRunner:
         for i, state in enumerate(states):
             used = -(-seq_lens[i] // block_size)
             block_tables[i, :used] = torch.tensor(state.block_ids[:used], dtype=torch.int64)
-        device = self.device
+        # built on the host, then copied the platform's way (pinned, asynchronous on a GPU)
+        to_device = self.platform.host_to_device
         attn_metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            block_tables=block_tables.to(device),
+            slot_mapping=to_device(torch.tensor(slot_mapping, dtype=torch.int64)),
+            query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int64)),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int64)),
+            block_tables=to_device(block_tables),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
@@ -343,8 +345,8 @@ class ModelRunner:
             backend=self.attention_backend,
         )
         return PreparedBatch(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)),
+            positions=to_device(torch.tensor(positions, dtype=torch.int64)),
             attn_metadata=attn_metadata,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
