@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.core.platform import attention_backend_target
+from tokenloom.core.platform import check_attention_backend
 from tokenloom.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -337,7 +337,7 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("block-size", f"must be a positive power of two, got {config.cache.block_size}")
     if not 0.0 < config.cache.gpu_memory_utilization <= 1.0:
         bad("gpu-memory-utilization", f"must be in (0, 1], got {config.cache.gpu_memory_utilization}")
-    attention_backend_target(config.device.attention_backend)  # a name that is no backend fails here
+    check_attention_backend(config.device.attention_backend)
     if config.cache.num_gpu_blocks_override is not None and config.cache.num_gpu_blocks_override < 1:
         bad("num-gpu-blocks-override", f"must be at least 1, got {config.cache.num_gpu_blocks_override}")
     if config.scheduler.max_num_seqs < 1:

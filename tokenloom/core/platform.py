@@ -37,15 +37,14 @@ def requested_attention_backend(flag_value: str | None) -> tuple[str, str]:
     return "auto", "--attention-backend"
 
 
-def attention_backend_target(flag_value: str | None, platform: Platform | None = None) -> str | None:
-    """``"module:Class"`` of the attention backend the flag or environment asks for, the
-    platform's own choice for ``auto`` (None for ``auto`` without a platform: only the name
-    is being checked). ConfigError for a name that is no backend, listing those there are."""
+def _named_attention_backend(flag_value: str | None) -> str | None:
+    """``"module:Class"`` of the backend the flag or environment names; None for ``auto``.
+    ConfigError for a name that is no backend, listing those there are."""
     name, source = requested_attention_backend(flag_value)
     key = name.strip().lower()
     key = ATTENTION_BACKEND_ALIASES.get(key, key)
     if key == "auto":
-        return None if platform is None else platform.attention_backend()
+        return None
     if key not in ATTENTION_BACKENDS:
         known = ", ".join(["auto", *ATTENTION_BACKENDS])
         raise ConfigError(
@@ -54,6 +53,18 @@ def attention_backend_target(flag_value: str | None, platform: Platform | None =
             param="attention-backend",
         )
     return ATTENTION_BACKENDS[key]
+
+
+def check_attention_backend(flag_value: str | None) -> None:
+    """ConfigError now (in the main process, before any model loads) for a backend name, from
+    the flag or the environment, that is no backend."""
+    _named_attention_backend(flag_value)
+
+
+def attention_backend_target(flag_value: str | None, platform: Platform) -> str:
+    """``"module:Class"`` of the attention backend the flag or environment asks for, or the
+    platform's own choice for ``auto``."""
+    return _named_attention_backend(flag_value) or platform.attention_backend()
 
 
 class Platform:

@@ -50,19 +50,32 @@ def make_step(seq_specs, num_q_heads, num_kv_heads, head_size, dtype, seed, bloc
     return torch.cat(queries), torch.cat(keys), torch.cat(values), cache, metadata
 
 
-def run_both(seq_specs, num_q_heads, num_kv_heads, head_size, dtype=torch.float32, seed=0, window=None, soft_cap=None,
-             backend=None, block_size=BLOCK_SIZE):
-    query, key, value, cache, metadata = make_step(seq_specs, num_q_heads, num_kv_heads, head_size, dtype, seed,
-                                                   block_size)
+def run_both(
+    seq_specs,
+    num_q_heads,
+    num_kv_heads,
+    head_size,
+    dtype=torch.float32,
+    seed=0,
+    window=None,
+    soft_cap=None,
+    backend=None,
+    block_size=BLOCK_SIZE,
+):
+    query, key, value, cache, metadata = make_step(
+        seq_specs, num_q_heads, num_kv_heads, head_size, dtype, seed, block_size
+    )
     reference_cache = cache.clone()
     scale = head_size**-0.5
     expected = reference_paged_attention(
         query, key, value, reference_cache, metadata, scale=scale, sliding_window=window, logits_soft_cap=soft_cap
     )
-    backend = backend or TritonPagedAttention(partition_size=32, prefill_block_m=16, prefill_block_n=16,
-                                              decode_block_n=16)
-    actual = backend.forward(query, key, value, cache, metadata, scale=scale, sliding_window=window,
-                             logits_soft_cap=soft_cap)
+    backend = backend or TritonPagedAttention(
+        partition_size=32, prefill_block_m=16, prefill_block_n=16, decode_block_n=16
+    )
+    actual = backend.forward(
+        query, key, value, cache, metadata, scale=scale, sliding_window=window, logits_soft_cap=soft_cap
+    )
     # the cache holds exactly what the reference wrote (garbage elsewhere untouched)
     assert torch.equal(cache, reference_cache)
     return actual, expected

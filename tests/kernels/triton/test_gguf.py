@@ -52,3 +52,45 @@ def test_no_rows_and_bad_inputs():
         gguf_matmul(torch.ones(1, 64), blocks, 12, 16)
     with pytest.raises(ConfigError, match="does not hold 16 rows of 96 inputs"):
         gguf_matmul(torch.ones(1, 96), blocks, 2, 16)
+
+
+def test_the_gguf_method_keeps_blocks_on_a_gpu_and_multiplies_them_with_the_kernel(monkeypatch):
+    """The gguf quantization method as on a GPU (``runs_on`` faked: the interpreter runs the
+    kernel on CPU tensors): a fused layer of Q4_1 shards keeps them as stored, no dense
+    weight, and computes what the dequantized weight computes; a layer mixing Q4_1 and Q8_0
+    shards is dequantized."""
+    from torch import nn
+
+    from tokenloom.builtin_plugins.quantization import gguf as gguf_method_module
+    from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
+    from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
+
+    monkeypatch.setattr(gguf_method_module.triton_gguf, "runs_on", lambda weight: True)
+    method = GGUFQuantizationMethod()
+
+    def shard(ggml_type, rows, seed):
+        blocks, dense = quantized_weight(ggml_type, rows, 64, seed)
+        return GGUFWeight(blocks, ggml_type, (rows, 64), name=f"w{seed}"), dense
+
+    layer = nn.Module()
+    method.create_weights(layer, 64, 48, torch.float32)
+    (first, first_dense), (second, second_dense) = shard(3, 32, 1), shard(3, 16, 2)
+    method.load_weight(layer, first, 0, 32)
+    method.load_weight(layer, second, 32, 16)
+    method.process_weights_after_loading(layer)
+    assert layer.weight.is_meta and layer.gguf_type == 3
+    assert torch.equal(layer.gguf_blocks, torch.cat([first.data, second.data]))
+    x = torch.randn(3, 64)
+    expected = x @ torch.cat([first_dense, second_dense]).T
+    torch.testing.assert_close(method.apply(layer, x, None), expected, atol=1e-4, rtol=1e-4)
+
+    mixed = nn.Module()
+    method.create_weights(mixed, 64, 48, torch.float32)
+    (q8, q8_dense) = shard(8, 16, 3)
+    method.load_weight(mixed, first, 0, 32)
+    method.load_weight(mixed, q8, 32, 16)
+    method.process_weights_after_loading(mixed)
+    assert mixed.gguf_blocks is None
+    torch.testing.assert_close(
+        mixed.weight.to_dense() if mixed.weight.is_mkldnn else mixed.weight, torch.cat([first_dense, q8_dense])
+    )

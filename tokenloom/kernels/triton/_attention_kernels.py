@@ -237,7 +237,9 @@ def decode_split_kernel(
             block_tables_ptr + seq * stride_table_seq + key_positions // KV_BLOCK_SIZE, mask=key_mask, other=0
         ).to(tl.int64)
         offsets = (
-            block_ids * stride_cache_block + (key_positions % KV_BLOCK_SIZE) * stride_cache_offset + kv_head * stride_cache_head
+            block_ids * stride_cache_block
+            + (key_positions % KV_BLOCK_SIZE) * stride_cache_offset
+            + kv_head * stride_cache_head
         )
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         keys = tl.load(key_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -292,7 +294,9 @@ def decode_reduce_kernel(
     overall_max = tl.max(maxima, axis=0)
     weights = tl.where(maxima == float("-inf"), 0.0, tl.exp(maxima - overall_max))
     dims = tl.arange(0, BLOCK_D)
-    outputs = tl.load(partial_output_ptr + partial[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
+    outputs = tl.load(
+        partial_output_ptr + partial[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0
+    )
     output = tl.sum(outputs * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
     tl.store(
         output_ptr + token.to(tl.int64) * stride_output_token + head * stride_output_head + dims,

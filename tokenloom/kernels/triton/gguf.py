@@ -15,6 +15,14 @@ BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 SUPPORTED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 
+def runs_on(weight: torch.Tensor) -> bool:
+    """True when a layer whose (dense, not yet loaded) weight is ``weight`` should keep GGUF
+    blocks for :func:`gguf_matmul`: it lives on a GPU and triton is installed."""
+    import importlib.util
+
+    return weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 def gguf_matmul(
     x: torch.Tensor,
     weight_blocks: torch.Tensor,
