@@ -21,7 +21,7 @@ PROMPTS = [
     SHARED + "1, 2, 3, 4,",
     "Once upon a time, in a land far away, there lived a",
 ]
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
