@@ -76,8 +76,9 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of the device's memory the engine may use (on the CPU, of available RAM,
-    capped by ``--kv-cache-memory-bytes`` when given)."""
+    """Fraction of the device's memory the engine may use: on a GPU, of its total memory, for
+    weights, activations and KV cache together (as in vLLM); on the CPU, of available RAM for
+    the KV cache (capped at 4 GiB unless ``--kv-cache-memory-bytes`` is given)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of memory for the KV cache; overrides the utilization-based size."""
     num_gpu_blocks_override: int | None = None

@@ -100,6 +100,8 @@ class ModelRunner:
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         else:
+            if getattr(self.platform, "profiles_activations", False) and self.info.runner != "pooling":
+                self.profile_run()
             budget = self.platform.kv_cache_budget_bytes(cache.gpu_memory_utilization) - KV_SAFETY_MARGIN_BYTES
             default_cap = self.platform.default_kv_cache_bytes()
             if default_cap is not None:
@@ -115,6 +117,57 @@ class ModelRunner:
                 "lower --max-model-len or raise --kv-cache-memory-bytes / --gpu-memory-utilization"
             )
         return int(num_blocks)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """One forward pass of the largest step the scheduler may make: the token budget as
+        prompts of at most ``max_model_len`` tokens (at most ``max_num_seqs`` of them), logits
+        for every prompt, over a throwaway KV cache just large enough. The platform's memory
+        profile, taken after it, then holds the peak activations too, as vLLM's does. Returns
+        the number of tokens run."""
+        spec = self.model.kv_cache_spec
+        scheduler = self.config.scheduler
+        remaining = scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        query_lens: list[int] = []
+        while remaining > 0 and len(query_lens) < scheduler.max_num_seqs:
+            query_lens.append(min(remaining, self.info.max_model_len))
+            remaining -= query_lens[-1]
+        block_size = self.block_size
+        blocks_per_seq = [-(-query_len // block_size) for query_len in query_lens]
+        shape = (2, sum(blocks_per_seq), block_size, spec.num_kv_heads, spec.head_size)
+        kv_caches = [self.platform.zeros(shape, self.kv_cache_dtype()) for _ in range(spec.num_layers)]
+        block_tables = torch.zeros((len(query_lens), max(blocks_per_seq)), dtype=torch.int64)
+        first_block = 0
+        for row, num_blocks in enumerate(blocks_per_seq):
+            block_tables[row, :num_blocks] = torch.arange(first_block, first_block + num_blocks)
+            first_block += num_blocks
+        positions = torch.cat([torch.arange(query_len) for query_len in query_lens])
+        slot_mapping = torch.cat(
+            [
+                block_tables[row, torch.arange(query_len) // block_size] * block_size
+                + torch.arange(query_len) % block_size
+                for row, query_len in enumerate(query_lens)
+            ]
+        )
+        query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0)
+        to_device = self.platform.host_to_device
+        attn_metadata = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            query_start_loc=to_device(query_start_loc),
+            seq_lens=to_device(torch.tensor(query_lens, dtype=torch.int64)),
+            block_tables=to_device(block_tables),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=list(query_lens),
+            max_query_len=max(query_lens),
+            max_seq_len=max(query_lens),
+            block_size=block_size,
+            kv_caches=kv_caches,
+            backend=self.attention_backend,
+        )
+        input_ids = to_device(torch.zeros(len(positions), dtype=torch.int64))
+        hidden_states = self.model(input_ids, to_device(positions), attn_metadata)
+        self.model.compute_logits(hidden_states.index_select(0, attn_metadata.query_start_loc[1:] - 1))
+        return len(positions)
 
     def _pooling_step_blocks(self) -> int:
         """Blocks one step of pooling requests can hold: they are freed in the step that

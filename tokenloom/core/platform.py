@@ -79,6 +79,9 @@ class Platform:
     #: ``--device auto`` takes the available platform with the highest priority (ties: the
     #: first registered); accelerators rank above the CPU, which is always available
     auto_priority: int = 0
+    #: True: before :meth:`kv_cache_budget_bytes` the model runner runs one forward pass of the
+    #: largest step (throwaway KV cache), so a memory profile includes peak activations
+    profiles_activations: bool = False
 
     @classmethod
     def is_available(cls) -> bool:

@@ -180,3 +180,4 @@ def test_attention_backend_is_triton_and_registration():
     register_platforms(lambda name, target: registered.setdefault(name, target))
     assert registered == {"cuda": "tokenloom.builtin_plugins.platforms.cuda:CudaPlatform"}
     assert cuda.CudaPlatform.auto_priority > 0
+    assert cuda.CudaPlatform.profiles_activations  # the runner's largest-step pass precedes the budget

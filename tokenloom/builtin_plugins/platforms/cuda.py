@@ -82,6 +82,8 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     #: ``--device auto`` prefers a GPU whenever one is present
     auto_priority = 100
+    #: the model runner runs a largest-step forward pass before the KV budget is measured
+    profiles_activations = True
 
     def __init__(self) -> None:
         self._baseline: MemorySnapshot | None = None
