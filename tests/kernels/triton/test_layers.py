@@ -117,3 +117,14 @@ def test_gpu_tensors_get_the_triton_operators_and_cpu_tensors_do_not():
 
     assert cpu_native.ops_for(OnGpu()) is triton_layers
     assert cpu_native.ops_for(torch.ones(1)) is not triton_layers
+
+
+def test_rotary_leaves_a_position_outside_the_table_unrotated():
+    # a kernel cannot raise as the CPU operator does; the runner never makes such a position
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    rope = rotary.RotaryEmbedding(64, 64, inv_freq, max_position=8)
+    heads = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(4))
+    before = heads.clone()
+    triton_layers.rotary_embedding_(heads, torch.tensor([3, 8, -1]), rope.cos_cache, rope.sin_cache)
+    assert not torch.equal(heads[0], before[0])
+    assert torch.equal(heads[1:], before[1:])
