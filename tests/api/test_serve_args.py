@@ -131,6 +131,7 @@ SAMPLES = {
     "--block-size": ["--block-size", "32"],
     "--generation-config": ["--generation-config", "vllm"],
     "--override-generation-config": ["--override-generation-config", '{"temperature": 0.5}'],
+    "--attention-backend": ["--attention-backend", "torch"],
     "--config": None,  # a file: tested on its own
 }
 

@@ -731,6 +731,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     # -- DeviceConfig ---------------------------------------------------------------------------
     implemented("--device", "DeviceConfig"),
+    implemented("--attention-backend", "DeviceConfig"),
     # -- MultiModalConfig -----------------------------------------------------------------------
     unimplemented(
         "--limit-mm-per-prompt", "MultiModalConfig", "Maximum media items per prompt, per modality.", kind="json"

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.core.platform import check_attention_backend
 from tokenloom.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -86,8 +87,9 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of the device's memory the engine may use (on the CPU, of available RAM,
-    capped by ``--kv-cache-memory-bytes`` when given)."""
+    """Fraction of the device's memory the engine may use: on a GPU, of its total memory, for
+    weights, activations and KV cache together (as in vLLM); on the CPU, of available RAM for
+    the KV cache (capped at 4 GiB unless ``--kv-cache-memory-bytes`` is given)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of memory for the KV cache; overrides the utilization-based size."""
     num_gpu_blocks_override: int | None = None
@@ -139,7 +141,13 @@ class ParallelConfig:
 @dataclass
 class DeviceConfig:
     device: str = "auto"
-    """Device platform plugin; ``auto`` picks the first available."""
+    """Device platform plugin; ``auto`` picks the available one of highest priority (a GPU
+    before the CPU)."""
+    attention_backend: str = "auto"
+    """Paged attention backend: auto (the platform's choice), torch, cpu_native, reference or
+    triton (on the CPU only under TRITON_INTERPRET=1); vLLM's names (TORCH_SDPA, TRITON_ATTN)
+    are accepted. Unset, the TOKENLOOM_ATTENTION_BACKEND or VLLM_ATTENTION_BACKEND environment
+    variable decides."""
 
 
 @dataclass
@@ -278,6 +286,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     # -> DeviceConfig
     device: str = DeviceConfig.device
+    attention_backend: str = DeviceConfig.attention_backend
     # -> LoadConfig
     load_format: str = LoadConfig.load_format
     download_dir: str | None = LoadConfig.download_dir
@@ -341,6 +350,7 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("block-size", f"must be a positive power of two, got {config.cache.block_size}")
     if not 0.0 < config.cache.gpu_memory_utilization <= 1.0:
         bad("gpu-memory-utilization", f"must be in (0, 1], got {config.cache.gpu_memory_utilization}")
+    check_attention_backend(config.device.attention_backend)
     if config.cache.num_gpu_blocks_override is not None and config.cache.num_gpu_blocks_override < 1:
         bad("num-gpu-blocks-override", f"must be at least 1, got {config.cache.num_gpu_blocks_override}")
     if config.scheduler.max_num_seqs < 1:

@@ -14,6 +14,7 @@ import torch
 from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.model_loader import ModelInfo, build_model
+from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -54,7 +55,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.attention_backend = resolve_target(platform.attention_backend())()
+        self.attention_backend = resolve_target(attention_backend_target(config.device.attention_backend, platform))()
         self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode)
         # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
@@ -99,7 +100,9 @@ class ModelRunner:
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         else:
-            budget = int(cache.gpu_memory_utilization * self.platform.available_memory_bytes()) - KV_SAFETY_MARGIN_BYTES
+            if getattr(self.platform, "profiles_activations", False) and self.info.runner != "pooling":
+                self.profile_run()
+            budget = self.platform.kv_cache_budget_bytes(cache.gpu_memory_utilization) - KV_SAFETY_MARGIN_BYTES
             default_cap = self.platform.default_kv_cache_bytes()
             if default_cap is not None:
                 budget = min(budget, default_cap)
@@ -114,6 +117,57 @@ class ModelRunner:
                 "lower --max-model-len or raise --kv-cache-memory-bytes / --gpu-memory-utilization"
             )
         return int(num_blocks)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """One forward pass of the largest step the scheduler may make: the token budget as
+        prompts of at most ``max_model_len`` tokens (at most ``max_num_seqs`` of them), logits
+        for every prompt, over a throwaway KV cache just large enough. The platform's memory
+        profile, taken after it, then holds the peak activations too, as vLLM's does. Returns
+        the number of tokens run."""
+        spec = self.model.kv_cache_spec
+        scheduler = self.config.scheduler
+        remaining = scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        query_lens: list[int] = []
+        while remaining > 0 and len(query_lens) < scheduler.max_num_seqs:
+            query_lens.append(min(remaining, self.info.max_model_len))
+            remaining -= query_lens[-1]
+        block_size = self.block_size
+        blocks_per_seq = [-(-query_len // block_size) for query_len in query_lens]
+        shape = (2, sum(blocks_per_seq), block_size, spec.num_kv_heads, spec.head_size)
+        kv_caches = [self.platform.zeros(shape, self.kv_cache_dtype()) for _ in range(spec.num_layers)]
+        block_tables = torch.zeros((len(query_lens), max(blocks_per_seq)), dtype=torch.int64)
+        first_block = 0
+        for row, num_blocks in enumerate(blocks_per_seq):
+            block_tables[row, :num_blocks] = torch.arange(first_block, first_block + num_blocks)
+            first_block += num_blocks
+        positions = torch.cat([torch.arange(query_len) for query_len in query_lens])
+        slot_mapping = torch.cat(
+            [
+                block_tables[row, torch.arange(query_len) // block_size] * block_size
+                + torch.arange(query_len) % block_size
+                for row, query_len in enumerate(query_lens)
+            ]
+        )
+        query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0)
+        to_device = self.platform.host_to_device
+        attn_metadata = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            query_start_loc=to_device(query_start_loc),
+            seq_lens=to_device(torch.tensor(query_lens, dtype=torch.int64)),
+            block_tables=to_device(block_tables),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=list(query_lens),
+            max_query_len=max(query_lens),
+            max_seq_len=max(query_lens),
+            block_size=block_size,
+            kv_caches=kv_caches,
+            backend=self.attention_backend,
+        )
+        input_ids = to_device(torch.zeros(len(positions), dtype=torch.int64))
+        hidden_states = self.model(input_ids, to_device(positions), attn_metadata)
+        self.model.compute_logits(hidden_states.index_select(0, attn_metadata.query_start_loc[1:] - 1))
+        return len(positions)
 
     def _pooling_step_blocks(self) -> int:
         """Blocks one step of pooling requests can hold: they are freed in the step that
@@ -328,12 +382,13 @@ class ModelRunner:
         for i, state in enumerate(states):
             used = -(-seq_lens[i] // block_size)
             block_tables[i, :used] = torch.tensor(state.block_ids[:used], dtype=torch.int64)
-        device = self.device
+        # built on the host, then copied the platform's way (pinned, asynchronous on a GPU)
+        to_device = self.platform.host_to_device
         attn_metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            block_tables=block_tables.to(device),
+            slot_mapping=to_device(torch.tensor(slot_mapping, dtype=torch.int64)),
+            query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int64)),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int64)),
+            block_tables=to_device(block_tables),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
@@ -343,8 +398,8 @@ class ModelRunner:
             backend=self.attention_backend,
         )
         return PreparedBatch(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)),
+            positions=to_device(torch.tensor(positions, dtype=torch.int64)),
             attn_metadata=attn_metadata,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,

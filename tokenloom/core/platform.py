@@ -3,7 +3,68 @@ and which attention backend runs there). Implementations are plugins."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from tokenloom.errors import ConfigError
+
+# --attention-backend names -> "module:Class" (plain data: the core never imports kernels);
+# vLLM's VLLM_ATTENTION_BACKEND spellings of the same backends are accepted as aliases
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch": "tokenloom.kernels.paged_attention:TorchPagedAttention",
+    "cpu_native": "tokenloom.kernels.paged_attention:NativeCpuPagedAttention",
+    "reference": "tokenloom.kernels.paged_attention:ReferencePagedAttention",
+    "triton": "tokenloom.kernels.triton.attention:TritonPagedAttention",
+}
+ATTENTION_BACKEND_ALIASES: dict[str, str] = {
+    "torch_sdpa": "torch",
+    "cpu_attn": "cpu_native",
+    "triton_attn": "triton",
+    "triton_attn_vllm_v1": "triton",
+}
+ATTENTION_BACKEND_ENV_VARS = ("TOKENLOOM_ATTENTION_BACKEND", "VLLM_ATTENTION_BACKEND")
+
+
+def requested_attention_backend(flag_value: str | None) -> tuple[str, str]:
+    """``(name, where it came from)``: the flag when it is not ``auto``, else the first of
+    TOKENLOOM_ATTENTION_BACKEND / VLLM_ATTENTION_BACKEND that is set, else ``auto``."""
+    if flag_value and flag_value != "auto":
+        return flag_value, "--attention-backend"
+    for variable in ATTENTION_BACKEND_ENV_VARS:
+        value = os.environ.get(variable, "").strip()
+        if value:
+            return value, variable
+    return "auto", "--attention-backend"
+
+
+def _named_attention_backend(flag_value: str | None) -> str | None:
+    """``"module:Class"`` of the backend the flag or environment names; None for ``auto``.
+    ConfigError for a name that is no backend, listing those there are."""
+    name, source = requested_attention_backend(flag_value)
+    key = name.strip().lower()
+    key = ATTENTION_BACKEND_ALIASES.get(key, key)
+    if key == "auto":
+        return None
+    if key not in ATTENTION_BACKENDS:
+        known = ", ".join(["auto", *ATTENTION_BACKENDS])
+        raise ConfigError(
+            f"{source}: no attention backend {name!r} in tokenloom; choose one of {known} "
+            f"(vLLM's spellings {', '.join(name.upper() for name in ATTENTION_BACKEND_ALIASES)} are accepted)",
+            param="attention-backend",
+        )
+    return ATTENTION_BACKENDS[key]
+
+
+def check_attention_backend(flag_value: str | None) -> None:
+    """ConfigError now (in the main process, before any model loads) for a backend name, from
+    the flag or the environment, that is no backend."""
+    _named_attention_backend(flag_value)
+
+
+def attention_backend_target(flag_value: str | None, platform: Platform) -> str:
+    """``"module:Class"`` of the attention backend the flag or environment asks for, or the
+    platform's own choice for ``auto``."""
+    return _named_attention_backend(flag_value) or platform.attention_backend()
 
 
 class Platform:
@@ -15,6 +76,12 @@ class Platform:
 
     #: the torch device type, e.g. "cpu"
     device_type: str = "cpu"
+    #: ``--device auto`` takes the available platform with the highest priority (ties: the
+    #: first registered); accelerators rank above the CPU, which is always available
+    auto_priority: int = 0
+    #: True: before :meth:`kv_cache_budget_bytes` the model runner runs one forward pass of the
+    #: largest step (throwaway KV cache), so a memory profile includes peak activations
+    profiles_activations: bool = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -41,6 +108,17 @@ class Platform:
     def available_memory_bytes(self) -> int:
         """Memory free right now, for sizing the KV cache."""
         raise NotImplementedError
+
+    def kv_cache_budget_bytes(self, gpu_memory_utilization: float) -> int:
+        """Bytes the KV cache may take when neither --kv-cache-memory-bytes nor
+        --num-gpu-blocks-override is given; called once after the model is loaded. By default
+        ``gpu_memory_utilization`` of the memory available now (a GPU platform subtracts what
+        its memory profile measured instead)."""
+        return int(gpu_memory_utilization * self.available_memory_bytes())
+
+    def host_to_device(self, tensor: Any) -> Any:
+        """A host tensor (the step's token ids, positions, block tables) on this device."""
+        return tensor.to(self.torch_device())
 
     def default_kv_cache_bytes(self) -> int | None:
         """A cap on the KV cache when neither --kv-cache-memory-bytes nor

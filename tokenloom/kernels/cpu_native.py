@@ -20,7 +20,9 @@ takes (``tokenloom env``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -249,11 +251,24 @@ def _announce(level: IsaLevel, ops: Any) -> None:
 
 def ops_for(tensor: Any) -> Any:
     """The operators when they can run on ``tensor`` (a CPU tensor, operators loaded), else None:
-    the layers' switch between a fused operator and their torch code."""
+    the layers' switch between a fused operator and their torch code. A GPU tensor gets the
+    same operators as Triton kernels (:mod:`tokenloom.kernels.triton.layers`) when triton is
+    installed."""
+    if tensor.device.type == "cuda":
+        return _triton_ops()
     ops = _selection.get("ops", _UNSET)
     if ops is _UNSET:
         ops = load()
     return ops if ops is not None and tensor.device.type == "cpu" else None
+
+
+@functools.cache
+def _triton_ops() -> Any:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from tokenloom.kernels.triton import layers
+
+    return layers
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """The paged ``Attention`` module a model layer calls: it reshapes flat projections into
-heads and hands them, with this layer's KV cache, to the attention backend the platform
-chose (``attn_metadata.backend``)."""
+heads and hands them, with this layer's KV cache, to the step's attention backend
+(``attn_metadata.backend``: the platform's choice, or the one ``--attention-backend`` /
+``VLLM_ATTENTION_BACKEND`` names, resolved by the model runner through
+:func:`tokenloom.core.platform.attention_backend_target`)."""
 
 from __future__ import annotations
 

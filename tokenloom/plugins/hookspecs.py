@@ -47,7 +47,8 @@ def register_platforms(register: Register) -> None:
     :returns: nothing.
 
     Called once in the main process at plugin load. The engine picks the platform named by
-    ``--device`` (``auto``: the first registered platform whose ``is_available()`` is true).
+    ``--device`` (``auto``: the available platform of highest ``auto_priority``, the first
+    registered among equals).
     """
 
 

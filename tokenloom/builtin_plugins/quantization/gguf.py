@@ -13,6 +13,10 @@ bfloat16 or better, so a float32 model uses them only when the platform chose fl
 (``--dtype auto`` on a CPU without native bfloat16); ``--dtype float32`` keeps float32 exact.
 Every other weight, and every weight in mode ``"dequantize"``, is dequantized at load into a
 dense weight of the model dtype.
+
+On a GPU (with triton installed) a layer whose weight is all Q4_0, all Q4_1 or all Q8_0 blocks
+keeps them as stored in device memory and multiplies them with the Triton dequantize-matmul
+(:mod:`tokenloom.kernels.triton.gguf`); other layers are dequantized as above.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  
 from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int4_type
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.int4_matmul import INT4_DTYPES, can_pack, int4_linear, pack_int4, prefers_int4
+from tokenloom.kernels.triton import gguf as triton_gguf
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
 
 MODES = ("auto", "dequantize")
@@ -56,6 +61,14 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                 )
             if (
                 self.mode == "auto"
+                and loaded_weight.ggml_type in triton_gguf.BLOCK_BYTES
+                and triton_gguf.runs_on(layer.weight)
+            ):
+                # kept as stored until the whole layer is loaded: one type for every shard, or dense
+                layer._gguf_block_shards = {**getattr(layer, "_gguf_block_shards", {}), output_offset: loaded_weight}
+                return
+            if (
+                self.mode == "auto"
                 and is_int4_type(loaded_weight.ggml_type)
                 and self._int4_dtype(layer.weight.dtype) is not None
             ):
@@ -65,6 +78,8 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         super().load_weight(layer, dequantize_to(loaded_weight, layer.weight.dtype), output_offset, output_size)
 
     def process_weights_after_loading(self, layer) -> None:
+        if self._keep_gguf_blocks(layer):
+            return
         shards = getattr(layer, "_int4_shards", {})
         layer._int4_shards = {}
         layer.int4_weight = None
@@ -84,6 +99,25 @@ class GGUFQuantizationMethod(UnquantizedMethod):
             super().load_weight(layer, shard.dequantize(layer.weight.dtype), offset, shard.shape[0])
         super().process_weights_after_loading(layer)
 
+    def _keep_gguf_blocks(self, layer) -> bool:
+        """A GPU layer loaded wholly from blocks of one Triton-multiplied type keeps them (and
+        no dense weight): True. Other block shards are dequantized into the dense weight."""
+        shards = getattr(layer, "_gguf_block_shards", {})
+        layer._gguf_block_shards = {}
+        layer.gguf_blocks = None
+        types = {shard.ggml_type for shard in shards.values()}
+        if len(types) == 1 and sum(shard.shape[0] for shard in shards.values()) == layer.weight.shape[0]:
+            device = layer.weight.device
+            layer.gguf_blocks = torch.cat([shards[offset].data for offset in sorted(shards)]).to(device)
+            layer.gguf_type = types.pop()
+            layer.weight = nn.Parameter(
+                torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False
+            )
+            return True
+        for offset, shard in shards.items():
+            super().load_weight(layer, shard.dequantize(layer.weight.dtype), offset, shard.shape[0])
+        return False
+
     def _int4_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The activation dtype the int4 kernel runs in for a layer of ``dtype``; None when
         the layer must stay dense (float32 the user asked for by name)."""
@@ -92,6 +126,9 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         return torch.bfloat16 if dtype == torch.float32 and not self.exact_dtype else None
 
     def apply(self, layer, x, bias):
+        gguf_blocks = getattr(layer, "gguf_blocks", None)
+        if gguf_blocks is not None:
+            return triton_gguf.gguf_matmul(x, gguf_blocks, layer.gguf_type, gguf_blocks.shape[0], bias)
         int4_weight = getattr(layer, "int4_weight", None)
         if int4_weight is not None and prefers_int4(x, int4_weight):
             return int4_linear(x, int4_weight, bias)

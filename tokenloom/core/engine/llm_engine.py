@@ -365,12 +365,14 @@ class LLMEngine:
 
 def choose_platform(name: str, plugins: PluginSet) -> str:
     """The device platform plugin's name: ``name`` itself (checked to exist), or for ``auto``
-    the first registered platform that is available."""
+    the available platform of highest ``auto_priority`` (a GPU before the CPU), the first
+    registered among equals."""
     registry = plugins.registry("platform")
     if name != "auto":
         registry.entry(name)
         return name
-    for entry in registry.entries():
+    ranked = sorted(registry.entries(), key=lambda entry: -getattr(entry.resolve(), "auto_priority", 0))
+    for entry in ranked:
         if entry.resolve().is_available():
             return str(entry.name)
     raise EngineDeadError(f"no available device platform among {', '.join(registry.names()) or 'none'}")
