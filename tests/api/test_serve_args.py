@@ -420,8 +420,8 @@ def test_config_file_values_go_through_the_same_checks(tmp_path):
         parse("--config", write_config(tmp_path, "max_model_lenght: 5\n"))
     with pytest.raises(ConfigError, match="invalid int value"):
         parse("--config", write_config(tmp_path, "max-num-seqs: lots\n"))
-    with pytest.raises(NotImplementedFlagError, match="does not implement --enable-lora"):
-        parse("--config", write_config(tmp_path, "enable-lora: true\n"))
+    with pytest.raises(NotImplementedFlagError, match="does not implement --enable-lora-bias"):
+        parse("--config", write_config(tmp_path, "enable-lora-bias: true\n"))
     with pytest.raises(ConfigError, match="expected a mapping"):
         parse("--config", write_config(tmp_path, "- a\n- b\n"))
     with pytest.raises(ConfigError, match="No such file"):
