@@ -26,12 +26,16 @@ def save_random_adapter(base_model, directory, *, r, alpha, targets, seed, use_r
     return str(directory)
 
 
-def peft_greedy(base_model_factory, adapter_dir, prompts_ids, max_new_tokens, *, merged=False, pad_token_id=0):
+def peft_greedy(base_model, adapter_dir, prompts_ids, max_new_tokens, *, merged=False, pad_token_id=0):
     """transformers + PEFT greedy continuation of each prompt (token ids), the adapter applied
-    beside the base weights, or merged into them."""
+    beside the base weights, or merged into them. ``base_model``: a factory of a fresh model
+    (needed to merge), or a model to wrap and give back unchanged."""
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(base_model_factory(), adapter_dir).eval()
+    reuse = not callable(base_model) or isinstance(base_model, torch.nn.Module)
+    if reuse and merged:
+        raise ValueError("merging changes the base weights: pass a factory of fresh models")
+    model = PeftModel.from_pretrained(base_model if reuse else base_model(), adapter_dir).eval()
     if merged:
         model = model.merge_and_unload().eval()
     results = []
@@ -47,4 +51,6 @@ def peft_greedy(base_model_factory, adapter_dir, prompts_ids, max_new_tokens, *,
                 pad_token_id=pad_token_id,
             )
         results.append(generated[0, len(ids) :].tolist())
+    if reuse:
+        model.unload()  # the LoRA layers out again: base_model is as it was
     return results

@@ -16,7 +16,7 @@ from tokenloom import LLM, LoRARequest, SamplingParams
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "Here is a Python function that reverses a string:\n"]
-NUM_TOKENS = 16
+NUM_TOKENS = 12
 
 
 def load_dequantized(smollm2_gguf):
@@ -29,8 +29,14 @@ def load_dequantized(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def adapters(smollm2_gguf, tmp_path_factory):
-    base = load_dequantized(smollm2_gguf)
+def dequantized(smollm2_gguf):
+    """transformers' SmolLM2 on the GGUF's dequantized weights, loaded once (it is slow)."""
+    return load_dequantized(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def adapters(dequantized, tmp_path_factory):
+    base = dequantized
     root = tmp_path_factory.mktemp("smollm2-adapters")
     return {
         "all": save_random_adapter(base, root / "all", r=8, alpha=16, targets=ALL_PROJECTIONS, seed=1, scale=0.05),
@@ -55,16 +61,18 @@ def greedy(llm, prompts, lora_request=None):
     return [output.outputs[0].token_ids for output in llm.generate(inputs, params, lora_request=lora_request)]
 
 
-def test_float32_greedy_ids_equal_transformers_peft(smollm2_gguf, adapters, prompt_ids):
+@pytest.mark.timeout(1800)
+def test_float32_greedy_ids_equal_transformers_peft(smollm2_gguf, dequantized, adapters, prompt_ids):
     llm = LLM(model=smollm2_gguf, dtype="float32", max_model_len=256, enable_lora=True, max_loras=2)
     base = greedy(llm, prompt_ids)
     for index, (name, path) in enumerate(adapters.items()):
         got = greedy(llm, prompt_ids, LoRARequest(name, index + 1, path))
-        expected = peft_greedy(lambda: load_dequantized(smollm2_gguf), path, prompt_ids, NUM_TOKENS, pad_token_id=2)
+        expected = peft_greedy(dequantized, path, prompt_ids, NUM_TOKENS, pad_token_id=2)
         assert got == expected, name
         assert got != base, name
 
 
+@pytest.mark.timeout(1800)
 def test_int4_base_stays_packed_and_mixed_batch_equals_alone(smollm2_gguf, adapters, prompt_ids):
     llm = LLM(model=smollm2_gguf, max_model_len=256, enable_lora=True, max_loras=2)
     model = llm.engine.executor.worker.runner.model

@@ -110,8 +110,8 @@ class ServedModels:
 
     def add_static(self, modules: list[LoRAModulePath]) -> None:
         """The ``--lora-modules`` adapters, each checked now: a bad one stops the start-up."""
-        if modules:
-            self._need_lora()
+        if modules and not self.lora_enabled:
+            raise ConfigError("--lora-modules needs --enable-lora", param="enable-lora")
         for module in modules:
             self._check_new_name(module.name)
             request = self._new_request(module.name, module.path, module.base_model_name)
