@@ -78,7 +78,8 @@ async def test_adapters_are_listed_and_picked_by_model(make_app, lora_engine):
         response = await client.post("/v1/completions", json={"model": "sql", "prompt": "Hi", "max_tokens": 3})
         assert response.status_code == 200 and response.json()["model"] == "sql"
         response = await client.post(
-            "/v1/chat/completions", json={"model": "sql", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+            "/v1/chat/completions",
+            json={"model": "sql", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
         )
         assert response.status_code == 200
         base = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 3})
@@ -142,16 +143,28 @@ def test_lora_modules_need_enable_lora_and_good_adapters(make_app, tokenizer):
     with pytest.raises(LoRAAdapterError, match="more than --max-lora-rank"):
         make_app(engine=LoRAFakeEngine(tokenizer), lora_modules=["a=/bad"])
     with pytest.raises(Exception, match="is for base model 'other'"):
-        make_app(engine=LoRAFakeEngine(tokenizer), lora_modules=['{"name": "a", "path": "/a", "base_model_name": "other"}'])
+        make_app(
+            engine=LoRAFakeEngine(tokenizer), lora_modules=['{"name": "a", "path": "/a", "base_model_name": "other"}']
+        )
 
 
 def test_lora_requests_info_gauge():
     stats = SimpleNamespace(
-        num_running=1, num_waiting=2, kv_cache_usage=0.5, prompt_tokens_total=0, generation_tokens_total=0,
-        prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-        running_lora_adapters=["chat", "sql"], waiting_lora_adapters=["x"], max_lora=4,
+        num_running=1,
+        num_waiting=2,
+        kv_cache_usage=0.5,
+        prompt_tokens_total=0,
+        generation_tokens_total=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        running_lora_adapters=["chat", "sql"],
+        waiting_lora_adapters=["x"],
+        max_lora=4,
     )
-    families = {family.name: family for family in EngineStatsCollector(SimpleNamespace(stats=lambda: stats), "m").collect()}
+    families = {
+        family.name: family for family in EngineStatsCollector(SimpleNamespace(stats=lambda: stats), "m").collect()
+    }
     [sample] = families["vllm:lora_requests_info"].samples
     assert sample.labels == {"max_lora": "4", "waiting_lora_adapters": "x", "running_lora_adapters": "chat,sql"}
     stats.max_lora = 0

@@ -99,7 +99,9 @@ def test_static_adapter_is_listed_with_its_parent_and_used_by_name(client):
 
 def test_runtime_load_use_list_unload(server, client, adapter_dirs):
     expected = complete(client, "static")
-    unauthorized = post(server, "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapter_dirs["good"]}, key=None)
+    unauthorized = post(
+        server, "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapter_dirs["good"]}, key=None
+    )
     assert unauthorized.status_code == 401
     response = post(server, "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": adapter_dirs["good"]})
     assert response.status_code == 200, response.text

@@ -5,10 +5,10 @@ keyed by adapter: two adapters never share KV, the same adapter does."""
 from __future__ import annotations
 
 import pytest
+
 from tests.core.test_block_manager import collide_every_hash, prefill
 from tests.core.test_block_manager import make_request as make_plain_request
 from tests.core.test_scheduler import FakeWorker, expected_tokens, make_request, run
-
 from tokenloom.core.block_manager import BlockManager
 from tokenloom.core.config import CacheConfig, SchedulerConfig
 from tokenloom.core.scheduler import Scheduler

@@ -20,7 +20,9 @@ def test_mixed_slots_get_their_own_delta_on_a_plain_projection():
     layer.weight.data.copy_(randn(6, 8, seed=0))
     state = LoRABatchState(max_loras=3, max_rank=4, dtype=torch.float64)
     layer.lora = LinearLoRA(8, 6, [(0, 6)], state)
-    adapters = {slot: (randn(rank, 8, seed=10 + slot), randn(6, rank, seed=20 + slot)) for slot, rank in [(0, 2), (2, 4)]}
+    adapters = {
+        slot: (randn(rank, 8, seed=10 + slot), randn(6, rank, seed=20 + slot)) for slot, rank in [(0, 2), (2, 4)]
+    }
     for slot, (lora_a, lora_b) in adapters.items():
         layer.lora.set_slot(slot, 0, lora_a, lora_b)
     x = randn(5, 8, seed=1)

@@ -171,17 +171,19 @@ def test_adapter_of_another_base_model_is_refused(llm, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     other = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
-        )
+        LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
     )
     path = save_random_adapter(other, tmp_path / "other", r=4, alpha=4, targets=["q_proj"], seed=0)
-    with pytest.raises(InvalidRequestError, match=r"layers\.0\.self_attn\.q_proj maps 32 -> 32 features.*maps 64 -> 64"):
+    with pytest.raises(
+        InvalidRequestError, match=r"layers\.0\.self_attn\.q_proj maps 32 -> 32 features.*maps 64 -> 64"
+    ):
         greedy(llm, [[1, 2, 3]], LoRARequest("other", 50, path))
 
 
 def test_adapter_targeting_the_lm_head_is_refused_by_name(tiny_llama_dir, llm, tmp_path):
-    path = save_random_adapter(load_base(tiny_llama_dir), tmp_path / "head", r=4, alpha=4, targets=["q_proj", "lm_head"], seed=0)
+    path = save_random_adapter(
+        load_base(tiny_llama_dir), tmp_path / "head", r=4, alpha=4, targets=["q_proj", "lm_head"], seed=0
+    )
     with pytest.raises(InvalidRequestError, match="lm_head"):
         greedy(llm, [[1, 2, 3]], LoRARequest("head", 51, path))
 

@@ -20,7 +20,9 @@ RUNTIME_LORA_UPDATING_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "TOKENLOOM_ALLO
 
 
 def runtime_lora_updating_allowed() -> bool:
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in RUNTIME_LORA_UPDATING_ENV)
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in RUNTIME_LORA_UPDATING_ENV
+    )
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,14 @@ def parse_lora_modules(values: list[str] | None) -> list[LoRAModulePath]:
             try:
                 entry = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"--lora-modules: {value!r} is not valid JSON ({exc.msg})", param="lora-modules") from None
-            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
+                raise ConfigError(
+                    f"--lora-modules: {value!r} is not valid JSON ({exc.msg})", param="lora-modules"
+                ) from None
+            if (
+                not isinstance(entry, dict)
+                or not isinstance(entry.get("name"), str)
+                or not isinstance(entry.get("path"), str)
+            ):
                 raise ConfigError(
                     f'--lora-modules: {value!r} needs string "name" and "path" (and may give "base_model_name")',
                     param="lora-modules",
@@ -53,9 +61,7 @@ def parse_lora_modules(values: list[str] | None) -> list[LoRAModulePath]:
             continue
         name, sep, path = text.partition("=")
         if not sep or not name or not path:
-            raise ConfigError(
-                f"--lora-modules: {value!r} is neither name=path nor a JSON object", param="lora-modules"
-            )
+            raise ConfigError(f"--lora-modules: {value!r} is neither name=path nor a JSON object", param="lora-modules")
         modules.append(LoRAModulePath(name.strip(), path.strip()))
     names = [module.name for module in modules]
     duplicates = sorted({name for name in names if names.count(name) > 1})

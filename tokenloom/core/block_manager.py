@@ -20,6 +20,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.core.request import Sequence
 from tokenloom.errors import ConfigError, TokenloomError
@@ -37,7 +38,7 @@ class _CachedBlock:
     follow that exact content."""
 
     serial: int
-    parent: tuple
+    parent: tuple[Any, ...]
     token_ids: tuple[int, ...]
 
 
@@ -325,7 +326,7 @@ class BlockManager:
         return cached.serial
 
     @staticmethod
-    def _root_ref(request: Sequence) -> tuple:
+    def _root_ref(request: Sequence) -> tuple[Any, ...]:
         lora_id = _lora_id(request)
         if lora_id is None:
             return ("root", request.sampling_params.cache_salt)

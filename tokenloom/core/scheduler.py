@@ -373,8 +373,7 @@ class Scheduler:
         return {
             request.lora_request.lora_int_id
             for request in self.requests.values()
-            if request.lora_request is not None
-            and request.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+            if request.lora_request is not None and request.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
         }
 
     def update_from_output(

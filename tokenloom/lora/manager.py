@@ -28,9 +28,7 @@ _PROJECTION_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z
 class LoRAModelManager:
     """One per model runner, built after the model's weights are loaded."""
 
-    def __init__(
-        self, model: nn.Module, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype
-    ):
+    def __init__(self, model: nn.Module, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype):
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)

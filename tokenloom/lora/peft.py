@@ -35,7 +35,9 @@ SUPPORTED_PROJECTIONS: dict[str, str] = {
 # module names PEFT may target or save that tokenloom does not adapt yet
 UNSUPPORTED_MODULES = ("embed_tokens", "lm_head", "wte", "embed_out")
 
-_LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z0-9_]+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
+_LORA_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z0-9_]+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
+)
 
 
 class LoRAAdapterError(InvalidRequestError):
