@@ -212,3 +212,19 @@ def test_missing_adapter_and_reused_id_are_refused(llm, lora_requests, tmp_path)
     greedy(llm, [[1, 2, 3]], first)
     with pytest.raises(InvalidRequestError, match="lora_int_id 1 already names adapter 'all-r8'"):
         greedy(llm, [[1, 2, 3]], LoRARequest("imposter", first.lora_int_id, lora_requests["mlp-r16-bin"].lora_path))
+
+
+def test_adapter_paths_resolve_through_model_source_plugins(tiny_llama_dir, adapter_dirs, prompt_ids, alone):
+    from tests.lora import adapter_source_plugin
+
+    adapter_source_plugin.ADAPTER_FOLDERS["sql"] = adapter_dirs["all-r8"]
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        enable_lora=True,
+        max_lora_rank=16,
+        plugins=["tests.lora.adapter_source_plugin"],
+    )
+    assert greedy(llm, prompt_ids, LoRARequest("sql", 7, "test-adapters:sql")) == alone["all-r8"]
+    with pytest.raises(InvalidRequestError, match="cannot find 'test-adapters:nope': no packaged adapter 'nope'"):
+        greedy(llm, prompt_ids, LoRARequest("nope", 8, "test-adapters:nope"))
