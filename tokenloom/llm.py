@@ -96,8 +96,10 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         use_tqdm: bool = False,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template and generate."""
+        """Render each conversation with the chat template and generate (with ``lora_request``'s
+        adapter, as :meth:`generate`)."""
         from tokenloom.chat_template import ChatRenderer
 
         renderer = ChatRenderer(self.engine.tokenizer)
@@ -113,7 +115,7 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(prompt_text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def encode(
         self,

@@ -307,7 +307,12 @@ class Scheduler:
         while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             lora_id = None if request.lora_request is None else request.lora_request.lora_int_id
-            if lora_id is not None and lora_id not in running_loras and len(running_loras) >= (self.max_loras or 0):
+            if (
+                lora_id is not None
+                and self.max_loras is not None
+                and lora_id not in running_loras
+                and len(running_loras) >= self.max_loras
+            ):
                 # every adapter slot is taken by running requests: it waits (and, so nothing
                 # starves, so do the requests behind it) until one of those adapters is done
                 break
