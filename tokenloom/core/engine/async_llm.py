@@ -268,6 +268,8 @@ class AsyncLLM:
             return  # the client went away before the engine saw the request
         try:
             if isinstance(command, AddRequest):
+                # the adapter only when there is one: engines without LoRA keep their signature
+                lora = {} if command.lora_request is None else {"lora_request": command.lora_request}
                 engine.add_request(
                     command.request_id,
                     None,
@@ -275,7 +277,7 @@ class AsyncLLM:
                     priority=command.priority,
                     arrival_time=command.arrival_time,
                     prepared=command.prepared,
-                    lora_request=command.lora_request,
+                    **lora,
                 )
             else:
                 engine.add_pooling_request(
