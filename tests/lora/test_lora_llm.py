@@ -228,3 +228,21 @@ def test_adapter_paths_resolve_through_model_source_plugins(tiny_llama_dir, adap
     assert greedy(llm, prompt_ids, LoRARequest("sql", 7, "test-adapters:sql")) == alone["all-r8"]
     with pytest.raises(InvalidRequestError, match="cannot find 'test-adapters:nope': no packaged adapter 'nope'"):
         greedy(llm, prompt_ids, LoRARequest("nope", 8, "test-adapters:nope"))
+
+
+def test_an_adapter_gone_before_its_first_step_fails_its_requests_only(
+    tiny_llama_dir, adapter_dirs, prompt_ids, alone, tmp_path
+):
+    import shutil
+
+    path = shutil.copytree(adapter_dirs["all-r8"], tmp_path / "vanishing")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=2)
+    request = LoRARequest("vanishing", 9, str(path))
+    assert llm.engine.add_lora(request)  # checked in the engine's process...
+    shutil.rmtree(path)  # ...but gone before the worker reads it
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    inputs = [{"prompt_token_ids": ids} for ids in prompt_ids[:2]]
+    outputs = llm.generate(inputs, params, lora_request=[request, None])
+    assert outputs[0].outputs[0].finish_reason == "error"
+    assert outputs[1].outputs[0].token_ids == alone[None][1]
+    assert not llm.engine.has_unfinished_requests()
