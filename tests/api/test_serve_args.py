@@ -484,3 +484,34 @@ def test_check_plugin_choices_imports_every_api_route_and_middleware(hermes_only
     serve_args.plugins = manager.load_plugins()
     with pytest.raises(ConfigError, match="--middleware 'json:no_such_middleware'"):
         check_plugin_choices(serve_args)
+
+
+def test_lora_flags_reach_the_engine_and_server():
+    serve_args = parse(
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "32",
+        "--max-cpu-loras",
+        "8",
+        "--lora-dtype",
+        "bfloat16",
+        "--lora-modules",
+        "a=/adapters/a",
+        '{"name": "b", "path": "org/b", "base_model_name": "smollm2"}',
+        "--fully-sharded-loras",
+    )
+    assert {key: serve_args.engine_kwargs[key] for key in ("enable_lora", "max_loras", "max_lora_rank")} == {
+        "enable_lora": True,
+        "max_loras": 4,
+        "max_lora_rank": 32,
+    }
+    assert serve_args.engine_kwargs["max_cpu_loras"] == 8 and serve_args.engine_kwargs["lora_dtype"] == "bfloat16"
+    assert serve_args.server.lora_modules == [
+        "a=/adapters/a",
+        '{"name": "b", "path": "org/b", "base_model_name": "smollm2"}',
+    ]
+    assert len(serve_args.warnings) == 1 and "--fully-sharded-loras" in serve_args.warnings[0]
+    with pytest.raises(NotImplementedFlagError, match="--lora-extra-vocab-size"):
+        parse("--lora-extra-vocab-size", "512")

@@ -723,7 +723,13 @@ FLAGS: tuple[Flag, ...] = (
     # -- LoRAConfig ------------------------------------------------------------------------------
     implemented("--enable-lora", "LoRAConfig", **_bool()),
     unimplemented("--enable-lora-bias", "LoRAConfig", "LoRA adapters with biases.", **_bool()),
-    unimplemented("--fully-sharded-loras", "LoRAConfig", "Shard all LoRA computation.", **_bool()),
+    noop(
+        "--fully-sharded-loras",
+        "LoRAConfig",
+        "it splits LoRA matmuls across tensor-parallel ranks, and tokenloom runs LoRA on one rank",
+        "Shard all LoRA computation.",
+        **_bool(),
+    ),
     implemented("--max-loras", "LoRAConfig", kind="int"),
     implemented("--max-lora-rank", "LoRAConfig", kind="int"),
     unimplemented("--lora-extra-vocab-size", "LoRAConfig", "Extra vocabulary a LoRA may add.", kind="int", default=256),
