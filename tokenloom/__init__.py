@@ -19,6 +19,7 @@ _LAZY = {
     "BeamSearchParams": "tokenloom.core.beam_search",
     "AsyncLLM": "tokenloom.core.engine",
     "LLMEngine": "tokenloom.core.engine",
+    "LoRARequest": "tokenloom.lora.request",
 }
 
 __all__ = ["__version__", *_LAZY]

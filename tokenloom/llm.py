@@ -56,8 +56,12 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list (text, token ids, or ``{"prompt_token_ids": [...]}``)."""
+        """Generate for one prompt or a list (text, token ids, or ``{"prompt_token_ids": [...]}``).
+
+        ``lora_request``: a :class:`~tokenloom.lora.request.LoRARequest` for every prompt, or a
+        list with one (or None for the base model) per prompt; needs ``enable_lora=True``."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -68,11 +72,22 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        lora_requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(lora_requests) != len(prompts):
+            raise ValueError(f"got {len(lora_requests)} LoRA requests for {len(prompts)} prompts")
+        # every adapter is checked before any prompt is queued, so a bad one leaves nothing behind
+        lora_requests = [self.engine.resolve_lora(request) for request in lora_requests]
         request_ids = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = str(next(self._request_counter))
             params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            self.engine.add_request(request_id, prompt, params, priority=priority[index] if priority else 0)
+            self.engine.add_request(
+                request_id,
+                prompt,
+                params,
+                priority=priority[index] if priority else 0,
+                lora_request=lora_requests[index],
+            )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -87,8 +102,10 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         use_tqdm: bool = False,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template and generate."""
+        """Render each conversation with the chat template and generate (with ``lora_request``'s
+        adapter, as :meth:`generate`)."""
         from tokenloom.chat_template import ChatRenderer
 
         renderer = ChatRenderer(self.engine.tokenizer)
@@ -104,7 +121,7 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(prompt_text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def encode(
         self,

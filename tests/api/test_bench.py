@@ -414,6 +414,12 @@ def test_serve_initial_request_fails_fast_on_a_wrong_model(tiny_server, tiny_lla
     assert code == 2 and "initial test request" in err and "HTTP 404" in err
 
 
+def test_serve_lora_modules_name_the_adapter_in_each_request(tiny_server, tiny_llama_dir, capsys):
+    argv = serve_argv(tiny_server, tiny_llama_dir, "--num-prompts", "1", "--random-input-len", "8")
+    code, _, err = run_cli([*argv, "--lora-modules", "no-such-adapter"], capsys)
+    assert code == 2 and "HTTP 404" in err and "no-such-adapter" in err
+
+
 # -- the pieces -------------------------------------------------------------------------------------------
 
 

@@ -421,8 +421,8 @@ def test_config_file_values_go_through_the_same_checks(tmp_path):
         parse("--config", write_config(tmp_path, "max_model_lenght: 5\n"))
     with pytest.raises(ConfigError, match="invalid int value"):
         parse("--config", write_config(tmp_path, "max-num-seqs: lots\n"))
-    with pytest.raises(NotImplementedFlagError, match="does not implement --enable-lora"):
-        parse("--config", write_config(tmp_path, "enable-lora: true\n"))
+    with pytest.raises(NotImplementedFlagError, match="does not implement --enable-lora-bias"):
+        parse("--config", write_config(tmp_path, "enable-lora-bias: true\n"))
     with pytest.raises(ConfigError, match="expected a mapping"):
         parse("--config", write_config(tmp_path, "- a\n- b\n"))
     with pytest.raises(ConfigError, match="No such file"):
@@ -485,3 +485,34 @@ def test_check_plugin_choices_imports_every_api_route_and_middleware(hermes_only
     serve_args.plugins = manager.load_plugins()
     with pytest.raises(ConfigError, match="--middleware 'json:no_such_middleware'"):
         check_plugin_choices(serve_args)
+
+
+def test_lora_flags_reach_the_engine_and_server():
+    serve_args = parse(
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "32",
+        "--max-cpu-loras",
+        "8",
+        "--lora-dtype",
+        "bfloat16",
+        "--lora-modules",
+        "a=/adapters/a",
+        '{"name": "b", "path": "org/b", "base_model_name": "smollm2"}',
+        "--fully-sharded-loras",
+    )
+    assert {key: serve_args.engine_kwargs[key] for key in ("enable_lora", "max_loras", "max_lora_rank")} == {
+        "enable_lora": True,
+        "max_loras": 4,
+        "max_lora_rank": 32,
+    }
+    assert serve_args.engine_kwargs["max_cpu_loras"] == 8 and serve_args.engine_kwargs["lora_dtype"] == "bfloat16"
+    assert serve_args.server.lora_modules == [
+        "a=/adapters/a",
+        '{"name": "b", "path": "org/b", "base_model_name": "smollm2"}',
+    ]
+    assert len(serve_args.warnings) == 1 and "--fully-sharded-loras" in serve_args.warnings[0]
+    with pytest.raises(NotImplementedFlagError, match="--lora-extra-vocab-size"):
+        parse("--lora-extra-vocab-size", "512")

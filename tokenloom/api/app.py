@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenloom import __version__
@@ -24,16 +24,18 @@ from tokenloom.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler, tokenize_off_loop_if_large
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_messages import MessagesHandler, messages_routes
+from tokenloom.api.serving_models import parse_lora_modules, runtime_lora_updating_allowed
 from tokenloom.api.serving_pooling import pooling_routes
 from tokenloom.api.serving_responses import ResponsesHandler, ResponseStore, responses_routes, store_size_from_env
 from tokenloom.chat_template import ChatRenderer, load_chat_template
@@ -123,6 +125,7 @@ def build_app(
         config.chat_template_content_format,
         trust_request_chat_template=config.trust_request_chat_template,
     )
+    ctx.models.add_static(parse_lora_modules(config.lora_modules))
     completions = CompletionsHandler(ctx)
     chat = ChatHandler(ctx, renderer, config.response_role, tool_parser_class, reasoning_parser_class)
 
@@ -221,11 +224,19 @@ def _routes(
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
-        cards = [
-            ModelCard(id=name, root=engine.model_name, max_model_len=ctx.max_model_len)
-            for name in ctx.served_model_names
-        ]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=ctx.models.model_cards(engine.model_name)).model_dump())
+
+    if runtime_lora_updating_allowed():
+        # vLLM's runtime adapter routes, only when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true
+        @router.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            await ctx.models.load(request.lora_name, request.lora_path, request.base_model_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+        @router.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            await ctx.models.unload(request.lora_name, request.lora_int_id)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @router.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:

@@ -281,7 +281,7 @@ FLAGS: tuple[Flag, ...] = (
         default=False,
     ),
     server("--max-request-body-bytes", kind="size", tokenloom_only=True),
-    unimplemented("--lora-modules", "Frontend", "LoRA adapters to serve, as name=path or JSON.", nargs="+"),
+    server("--lora-modules", nargs="+"),
     unimplemented("--prompt-adapters", "Frontend", "Prompt adapters to serve, as name=path.", nargs="+"),
     unimplemented(
         "--headless",
@@ -782,23 +782,23 @@ FLAGS: tuple[Flag, ...] = (
     ),
     unimplemented("--video-pruning-rate", "MultiModalConfig", "Fraction of video tokens to prune.", kind="float"),
     # -- LoRAConfig ------------------------------------------------------------------------------
-    unimplemented("--enable-lora", "LoRAConfig", "Serve LoRA adapters.", **_bool()),
+    implemented("--enable-lora", "LoRAConfig", **_bool()),
     unimplemented("--enable-lora-bias", "LoRAConfig", "LoRA adapters with biases.", **_bool()),
-    unimplemented("--fully-sharded-loras", "LoRAConfig", "Shard all LoRA computation.", **_bool()),
-    unimplemented("--max-loras", "LoRAConfig", "LoRAs in one batch.", kind="int", default=1),
-    unimplemented("--max-lora-rank", "LoRAConfig", "Largest LoRA rank.", kind="int", default=16),
-    unimplemented("--lora-extra-vocab-size", "LoRAConfig", "Extra vocabulary a LoRA may add.", kind="int", default=256),
-    unimplemented(
-        "--lora-dtype",
+    noop(
+        "--fully-sharded-loras",
         "LoRAConfig",
-        "Data type of LoRA weights.",
-        choices=("auto", "float16", "bfloat16", "float32"),
-        default="auto",
+        "it splits LoRA matmuls across tensor-parallel ranks, and tokenloom runs LoRA on one rank",
+        "Shard all LoRA computation.",
+        **_bool(),
     ),
+    implemented("--max-loras", "LoRAConfig", kind="int"),
+    implemented("--max-lora-rank", "LoRAConfig", kind="int"),
+    unimplemented("--lora-extra-vocab-size", "LoRAConfig", "Extra vocabulary a LoRA may add.", kind="int", default=256),
+    implemented("--lora-dtype", "LoRAConfig", choices=("auto", "float16", "bfloat16", "float32")),
     unimplemented(
         "--long-lora-scaling-factors", "LoRAConfig", "Scaling factors of long-context LoRAs.", kind="float", nargs="+"
     ),
-    unimplemented("--max-cpu-loras", "LoRAConfig", "LoRAs kept in CPU memory.", kind="int"),
+    implemented("--max-cpu-loras", "LoRAConfig", kind="int"),
     unimplemented("--default-mm-loras", "LoRAConfig", "LoRA to apply per input modality.", kind="json"),
     # -- PromptAdapterConfig ---------------------------------------------------------------------
     unimplemented("--enable-prompt-adapter", "PromptAdapterConfig", "Serve prompt adapters.", **_bool()),

@@ -78,6 +78,19 @@ class EngineStatsCollector:
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens_total)
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_cache_queries)
+        max_lora = getattr(stats, "max_lora", 0)
+        if max_lora:
+            # vLLM's info gauge: the adapters in use are labels, the value the time they were read
+            lora_info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on LoRA requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora_info.add_metric(
+                [str(max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)],
+                time.time(),
+            )
+            yield lora_info
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
 

@@ -272,6 +272,21 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # -- responses -------------------------------------------------------------------------
 
 

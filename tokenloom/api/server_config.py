@@ -85,3 +85,7 @@ class ServerConfig:
     ``{"server_load": N}`` (vLLM's route: a load balancer's view of this server)."""
     max_request_body_bytes: int = 32 * 1024 * 1024
     """Largest accepted request body; larger ones get 413."""
+    lora_modules: list[str] = field(default_factory=list)
+    """LoRA adapters to serve (needs --enable-lora), each ``name=path`` or a JSON object
+    ``{"name": ..., "path": ..., "base_model_name": ...}``; the path is a folder, a packaged
+    adapter or a Hub id (resolved like a model). Requests pick one by its name as ``model``."""

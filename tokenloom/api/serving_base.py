@@ -23,8 +23,9 @@ from tokenloom.api.http_errors import request_id_of
 from tokenloom.api.metrics import RequestTimer, ServerMetrics
 from tokenloom.api.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from tokenloom.api.server_config import ServerConfig
+from tokenloom.api.serving_models import ServedModels
 from tokenloom.core.request import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
-from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError, NotFoundError
+from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class ServingContext:
         # --generation-config: defaults for requests that leave a sampling field unset, and
         # max_tokens (the model's max_new_tokens) caps every request
         self.generation_defaults: dict[str, Any] = dict(getattr(engine, "generation_defaults", None) or {})
+        # the base model's names and the LoRA adapters a request's ``model`` may name
+        self.models = ServedModels(engine, self.served_model_names, self.max_model_len)
         self._warned_fields: set[str] = set()
         if self.generation_defaults:
             logger.info(
@@ -96,16 +99,9 @@ class ServingContext:
             raise EngineDeadError("the engine is not running yet (or is shutting down); retry shortly")
 
     def check_model(self, requested: str | None) -> str:
-        """The model name for the response: the requested name when it is one we serve."""
-        if requested is None or requested == "":
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise NotFoundError(
-                f"the model {requested!r} does not exist; this server serves "
-                f"{', '.join(repr(name) for name in self.served_model_names)}",
-                param="model",
-            )
-        return requested
+        """The model name for the response: the requested name when it is one we serve (the
+        base model's or a LoRA adapter's)."""
+        return self.models.check_model(requested)
 
     def warn_unknown_fields(self, request: Any, endpoint: str) -> None:
         for name in request.unknown_fields():
@@ -348,12 +344,23 @@ class ServingContext:
     # -- the engine -------------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one prompt, observed for the metrics; leaving early
-        (an error, a cancelled task, a closed generator) aborts the request in the engine."""
+        """The engine's outputs for one prompt (with ``lora_request``'s adapter, if any),
+        observed for the metrics; leaving early (an error, a cancelled task, a closed
+        generator) aborts the request in the engine."""
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
-        stream = self.engine.generate(prompt_token_ids, params, request_id, priority=priority)
+        if lora_request is None:
+            stream = self.engine.generate(prompt_token_ids, params, request_id, priority=priority)
+        else:
+            stream = self.engine.generate(
+                prompt_token_ids, params, request_id, priority=priority, lora_request=lora_request
+            )
         finished = False
         # DELTA outputs only carry the choices that moved, so remember how each one ended
         finish_reasons: dict[int, str] = {}
@@ -384,17 +391,21 @@ class ServingContext:
             logger.warning("aborting request %s failed: %s", request_id, exc)
 
     async def generate_all(
-        self, prompts: list[tuple[list[int], SamplingParams]], request_id: str, priority: int
+        self,
+        prompts: list[tuple[list[int], SamplingParams]],
+        request_id: str,
+        priority: int,
+        lora_request: Any = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Several ``(prompt_token_ids, params)`` at once, as ``(prompt_index, output)`` in
         arrival order."""
         if len(prompts) == 1:
             prompt_token_ids, params = prompts[0]
-            async for output in self.generate(prompt_token_ids, params, request_id, priority):
+            async for output in self.generate(prompt_token_ids, params, request_id, priority, lora_request):
                 yield 0, output
             return
         streams = [
-            self.generate(prompt_token_ids, params, f"{request_id}-{index}", priority)
+            self.generate(prompt_token_ids, params, f"{request_id}-{index}", priority, lora_request)
             for index, (prompt_token_ids, params) in enumerate(prompts)
         ]
         async for item in merge_streams(streams):

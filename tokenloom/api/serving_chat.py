@@ -260,7 +260,8 @@ class ChatHandler:
         ctx.log_request(request_id, prompt_text, prompt_ids, params)
 
         run = _ChatRun(self, request, request_id, model_name, prompt_ids, tool_mode)
-        return run, ctx.generate_all([(prompt_ids, params)], request_id, request.priority)
+        lora_request = ctx.models.lora_request_for(model_name)
+        return run, ctx.generate_all([(prompt_ids, params)], request_id, request.priority, lora_request)
 
 
 class _ChatRun:

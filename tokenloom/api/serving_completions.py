@@ -113,7 +113,7 @@ class CompletionsHandler:
         for index, (ids, params) in enumerate(engine_inputs):
             ctx.log_request(request_id if len(prompts) == 1 else f"{request_id}-{index}", prompts[index], ids, params)
         run = _CompletionRun(ctx, request, request_id, model_name, prompts, prompt_ids)
-        outputs = ctx.generate_all(engine_inputs, request_id, request.priority)
+        outputs = ctx.generate_all(engine_inputs, request_id, request.priority, ctx.models.lora_request_for(model_name))
         return await respond(raw_request, run, outputs, request_id, request.stream)
 
 

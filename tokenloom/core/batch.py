@@ -28,6 +28,8 @@ class NewRequestData:
     num_computed_tokens: int
     # a pooling request's PoolingParams (None for generation): the worker pools, never samples
     pooling_params: Any = None
+    # the LoRA adapter it runs with (a tokenloom.lora.request.LoRARequest, plain data; None: the base model)
+    lora_request: Any = None
 
 
 @dataclass

@@ -9,7 +9,8 @@ it holds and what it follows (the cached block before it, or the request's ``cac
 the first block), and a lookup compares both, so even a crafted collision of the (optional,
 ``builtin``) Python hash cannot serve one request's KV into another's context; ``sha256`` (the
 default) makes collisions infeasible in the first place. Requests with different
-``cache_salt`` values never share a block.
+``cache_salt`` values, or different LoRA adapters (the same tokens give other K/V), never share
+a block.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.core.request import Sequence
 from tokenloom.errors import ConfigError, TokenloomError
@@ -36,7 +38,7 @@ class _CachedBlock:
     follow that exact content."""
 
     serial: int
-    parent: tuple[str, int | str | None]
+    parent: tuple[Any, ...]
     token_ids: tuple[int, ...]
 
 
@@ -308,11 +310,14 @@ class BlockManager:
         """The parent of the first block: derived from the request's cache salt, so requests
         with different salts have different hashes for every block (and never share one)."""
         salt = request.sampling_params.cache_salt
+        lora_id = _lora_id(request)
         if self.hash_algo == "sha256":
             return hashlib.sha256(
-                b"tokenloom-prefix-root\0" + (b"" if salt is None else b"salt\0" + salt.encode("utf-8"))
+                b"tokenloom-prefix-root\0"
+                + (b"" if salt is None else b"salt\0" + salt.encode("utf-8"))
+                + (b"" if lora_id is None else b"\0lora\0" + str(lora_id).encode("ascii"))
             ).digest()
-        return ("root", salt)
+        return self._root_ref(request)
 
     def _serial_of(self, block_id: int) -> int:
         cached = self._cached_block[block_id]
@@ -321,8 +326,11 @@ class BlockManager:
         return cached.serial
 
     @staticmethod
-    def _root_ref(request: Sequence) -> tuple[str, int | str | None]:
-        return ("root", request.sampling_params.cache_salt)
+    def _root_ref(request: Sequence) -> tuple[Any, ...]:
+        lora_id = _lora_id(request)
+        if lora_id is None:
+            return ("root", request.sampling_params.cache_salt)
+        return ("root", request.sampling_params.cache_salt, "lora", lora_id)
 
     def _block_token_ids(self, request: Sequence, block_index: int) -> tuple[int, ...]:
         # sliced from the two lists directly: request.all_token_ids copies the whole sequence
@@ -336,3 +344,9 @@ class BlockManager:
         if start >= num_prompt:
             return tuple(output[start - num_prompt : end - num_prompt])
         return tuple(prompt[start:]) + tuple(output[: end - num_prompt])
+
+
+def _lora_id(request: Sequence) -> int | None:
+    """The id of the LoRA adapter the request runs with (None: the base model)."""
+    lora_request = request.lora_request
+    return None if lora_request is None else lora_request.lora_int_id

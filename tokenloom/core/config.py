@@ -183,6 +183,25 @@ class StructuredOutputConfig:
     with a fresh thread."""
 
 
+LORA_DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
+
+
+@dataclass
+class LoRAConfig:
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT format) beside the base model: requests pick one by name."""
+    max_loras: int = 1
+    """Distinct LoRA adapters that can run in one batch (the worker's adapter slots)."""
+    max_lora_rank: int = 16
+    """The largest LoRA rank served; an adapter of a higher rank is refused."""
+    max_cpu_loras: int | None = None
+    """LoRA adapters kept read in memory (least recently used leave first); at least
+    --max-loras, which is the default."""
+    lora_dtype: str = "auto"
+    """Data type of the LoRA weights and their matmuls: auto (the model's), float16, bfloat16,
+    float32."""
+
+
 @dataclass
 class EngineConfig:
     """The grouped configuration the engine and its executor receive, as the user gave it:
@@ -196,6 +215,7 @@ class EngineConfig:
     device: DeviceConfig
     load: LoadConfig
     structured_output: StructuredOutputConfig
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
 
 _GROUPS: tuple[tuple[str, type], ...] = (
@@ -205,6 +225,7 @@ _GROUPS: tuple[tuple[str, type], ...] = (
     ("parallel", ParallelConfig),
     ("device", DeviceConfig),
     ("load", LoadConfig),
+    ("lora", LoRAConfig),
 )
 
 
@@ -293,6 +314,12 @@ class EngineArgs:
     ignore_patterns: list[str] | None = LoadConfig.ignore_patterns
     use_tqdm_on_load: bool = LoadConfig.use_tqdm_on_load
     model_loader_extra_config: dict[str, Any] | None = LoadConfig.model_loader_extra_config
+    # -> LoRAConfig
+    enable_lora: bool = LoRAConfig.enable_lora
+    max_loras: int = LoRAConfig.max_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
+    lora_dtype: str = LoRAConfig.lora_dtype
     # -> StructuredOutputConfig, by vLLM's engine-argument names
     guided_decoding_backend: str = StructuredOutputConfig.backend
     guided_decoding_disable_fallback: bool = StructuredOutputConfig.disable_fallback
@@ -335,6 +362,7 @@ class EngineArgs:
             device=DeviceConfig(**groups["device"]),
             load=LoadConfig(**groups["load"]),
             structured_output=StructuredOutputConfig(**structured),
+            lora=LoRAConfig(**groups["lora"]),
         )
         validate_engine_config(config)
         return config
@@ -369,6 +397,15 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("structured-outputs-compile-timeout", f"must be a positive number of seconds, got {timeout!r}")
     if config.model.max_logprobs < -1:
         bad("max-logprobs", f"must be -1 (no cap) or at least 0, got {config.model.max_logprobs}")
+    lora = config.lora
+    if lora.max_loras < 1:
+        bad("max-loras", f"must be at least 1, got {lora.max_loras}")
+    if lora.max_lora_rank < 1:
+        bad("max-lora-rank", f"must be at least 1, got {lora.max_lora_rank}")
+    if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+        bad("max-cpu-loras", f"must be at least --max-loras ({lora.max_loras}), got {lora.max_cpu_loras}")
+    if lora.lora_dtype not in LORA_DTYPE_CHOICES:
+        bad("lora-dtype", f"must be one of {', '.join(LORA_DTYPE_CHOICES)}, got {lora.lora_dtype!r}")
     for flag, size in (
         ("tensor-parallel-size", config.parallel.tensor_parallel_size),
         ("pipeline-parallel-size", config.parallel.pipeline_parallel_size),

@@ -41,6 +41,7 @@ class CachedRequestState:
     prompt_logprobs: int | None = None
     bad_words: list[list[int]] = field(default_factory=list)
     pooling_params: Any = None  # set for a pooling request (PoolingParams)
+    lora_request: Any = None  # the LoRA adapter it runs with (tokenloom.lora.request.LoRARequest)
 
 
 class ModelRunner:
@@ -61,6 +62,8 @@ class ModelRunner:
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
         self.model: Any = None
         self.dtype: torch.dtype | None = None
+        # the LoRA slots and adapter cache (tokenloom.lora.manager.LoRAModelManager) with --enable-lora
+        self.lora_manager: Any = None
         # blocks at or above this id have never been in a block table: nothing was written there
         self._kv_high_water = 0
         # blocks below this id have been mapped by prefault_kv_cache (or used)
@@ -77,6 +80,18 @@ class ModelRunner:
                 f"{self.info.architecture} has no pooler: it cannot run as a pooling model "
                 "(--runner pooling, --task embed, --convert embed)",
                 param="runner",
+            )
+        lora = self.config.lora
+        if lora.enable_lora:
+            from tokenloom.lora.manager import LoRAModelManager
+
+            dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+            self.lora_manager = LoRAModelManager(
+                self.model,
+                max_loras=lora.max_loras,
+                max_lora_rank=lora.max_lora_rank,
+                max_cpu_loras=lora.max_cpu_loras or lora.max_loras,
+                dtype=dtypes.get(lora.lora_dtype, self.dtype),
             )
 
     def kv_cache_dtype(self) -> torch.dtype:
@@ -208,6 +223,7 @@ class ModelRunner:
             ),
             prompt_logprobs=params.prompt_logprobs,
             pooling_params=new.pooling_params,
+            lora_request=new.lora_request,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -252,13 +268,26 @@ class ModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         states = [self.requests[req_id] for req_id in req_ids]
         batch = self._prepare_inputs(states, scheduler_output.num_scheduled_tokens)
-        hidden_states = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        lora_errors: dict[int, str] = {}
+        if self.lora_manager is not None:
+            lora_errors = self.lora_manager.prepare_step(
+                [state.lora_request for state in states], batch.attn_metadata.query_lens_cpu
+            )
+            for row, message in lora_errors.items():
+                output.errors[states[row].req_id] = message
+        try:
+            hidden_states = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.finish_step()
         if self.info.runner == "pooling":
             self._pool(states, batch, hidden_states, output)
             return output
 
         # rows whose known tokens are all computed after this step sample the next token
-        sampling_rows = [i for i, state in enumerate(states) if batch.seq_lens[i] == len(state.token_ids)]
+        sampling_rows = [
+            i for i, state in enumerate(states) if batch.seq_lens[i] == len(state.token_ids) and i not in lora_errors
+        ]
         if sampling_rows:
             last_token_index = torch.tensor(
                 [batch.query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device

@@ -260,6 +260,8 @@ class Sequence:
     last_token_time: float | None = None
     # set for a pooling request: prefill-only, finished once its prompt is computed
     pooling_params: PoolingParams | None = None
+    # the LoRA adapter this sequence runs with (a tokenloom.lora.request.LoRARequest; None: the base model)
+    lora_request: Any = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None:

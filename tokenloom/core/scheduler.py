@@ -108,7 +108,13 @@ class Scheduler:
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, max_model_len: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        *,
+        max_loras: int | None = None,
     ):
         if max_model_len < 2:
             raise ConfigError(
@@ -132,6 +138,9 @@ class Scheduler:
         if not self.long_prefill_token_threshold and self.max_num_partial_prefills > 1:
             self.long_prefill_token_threshold = max(1, int(max_model_len * LONG_PREFILL_SHARE))
         self.use_priority = scheduler_config.scheduling_policy == "priority"
+        # LoRA adapters the worker holds slots for: at most this many distinct ones run at once
+        # (None: the engine serves no adapters)
+        self.max_loras = max_loras
         self.block_manager = BlockManager(
             num_blocks,
             cache_config.block_size,
@@ -294,8 +303,19 @@ class Scheduler:
                 if r.num_tokens - r.num_computed_tokens - num_scheduled_tokens.get(r.request_id, 0) > 1
             )
         now = time.monotonic()
+        running_loras = self.running_lora_ids()
         while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            lora_id = None if request.lora_request is None else request.lora_request.lora_int_id
+            if (
+                lora_id is not None
+                and self.max_loras is not None
+                and lora_id not in running_loras
+                and len(running_loras) >= self.max_loras
+            ):
+                # every adapter slot is taken by running requests: it waits (and, so nothing
+                # starves, so do the requests behind it) until one of those adapters is done
+                break
             computed_blocks, num_cached_tokens = None, 0
             # a prefix hit would skip the prompt positions whose logprobs were asked for (or
             # the hidden states a pooling request pools)
@@ -331,6 +351,8 @@ class Scheduler:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = num_cached_tokens
             self.running.append(request)
+            if lora_id is not None:
+                running_loras.add(lora_id)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             new_reqs.append(
@@ -342,9 +364,22 @@ class Scheduler:
                     block_ids=self.block_manager.get_block_table(request.request_id),
                     num_computed_tokens=num_cached_tokens,
                     pooling_params=request.pooling_params,
+                    lora_request=request.lora_request,
                 )
             )
         return new_reqs
+
+    def running_lora_ids(self) -> set[int]:
+        """The ids of the LoRA adapters of the running requests."""
+        return {request.lora_request.lora_int_id for request in self.running if request.lora_request is not None}
+
+    def waiting_lora_ids(self) -> set[int]:
+        """The ids of the LoRA adapters of the waiting requests."""
+        return {
+            request.lora_request.lora_int_id
+            for request in self.requests.values()
+            if request.lora_request is not None and request.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+        }
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput

@@ -8,7 +8,8 @@ SwiGLU) whose four projections hold int4 weights packed for tokenloom's kernel
 calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
 calls per layer; in bfloat16, or float32 (what a CPU without native bfloat16 runs). Anything
 else (prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps,
-tensor parallelism, another attention backend) takes the layer's own Python path.
+tensor parallelism, another attention backend, a LoRA adapter on any token of the step) takes
+the layer's own Python path.
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ class FusedDecodeLayer:
 
     def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp):
         self.modules = (input_layernorm, self_attn, post_attention_layernorm, mlp)
+        self.projections = (self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         self._arguments: Any = _UNCHECKED  # the operator and its per-layer arguments, or None
 
     def __call__(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if any(projection.lora is not None and projection.lora.state.active for projection in self.projections):
+            return None  # the operator has no LoRA path: the layer's Python path adds the deltas
         if self._arguments is _UNCHECKED:
             self._arguments = self._check_layer(hidden_states)
         if (

@@ -47,6 +47,9 @@ class LinearBase(nn.Module):
 
     #: shard ids a fused layer loads (``None``: one unfused checkpoint tensor)
     shard_ids: tuple[Any, ...] = (None,)
+    #: the LoRA path beside the base matmul (a :class:`tokenloom.lora.layers.LinearLoRA`, set
+    #: when the engine serves adapters): ``add_delta(x, output)`` adds each token's adapter delta
+    lora: Any = None
 
     def __init__(
         self,
@@ -75,7 +78,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        output = self.quant_method.apply(self, x, self.bias)
+        return output if self.lora is None else self.lora.add_delta(x, output)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # a weight packed for the CPU matmul (UnquantizedMethod) is saved as the plain tensor
@@ -182,7 +186,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tensor_parallel_all_reduce(self.quant_method.apply(self, x, bias), self.tp_size)
+        output = tensor_parallel_all_reduce(self.quant_method.apply(self, x, bias), self.tp_size)
+        return output if self.lora is None else self.lora.add_delta(x, output)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 from collections.abc import Sequence
 from datetime import datetime
@@ -58,6 +59,12 @@ def build_parser() -> BenchParser:
     )
     server.add_argument(
         "--served-model-name", default=None, help="model name for requests when it differs from --model"
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapter names the server serves: each request names one of them, at random (seeded)",
     )
     server.add_argument(
         "--tokenizer",
@@ -235,10 +242,16 @@ def run(argv: list[str]) -> int:
     }
     sampling.setdefault("temperature", 0.0)  # greedy unless asked, as vLLM's client does
 
+    # vLLM's --lora-modules: an adapter per request, drawn once so every run sends the same mix
+    lora_rng = random.Random(options.seed)
+    adapter_of = (
+        {id(request): lora_rng.choice(options.lora_modules) for request in requests} if options.lora_modules else {}
+    )
+
     def payload_for(request: SampleRequest) -> dict[str, Any]:
         return build_payload(
             kind,
-            options.served_model_name or model,
+            adapter_of.get(id(request)) or options.served_model_name or model,
             request.prompt,
             request.expected_output_len,
             ignore_eos=options.ignore_eos,

@@ -163,16 +163,37 @@ class AsyncLLM:
             self._thread = None
             raise
 
+    def resolve_lora(self, lora_request: Any) -> Any:
+        """The adapter checked against the model, its path local (see LLMEngine.resolve_lora);
+        thread-safe, it reads the adapter's files the first time."""
+        return self.engine.resolve_lora(lora_request)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Check an adapter (reading its files off the event loop) so requests can name it."""
+        await asyncio.to_thread(self.resolve_lora, lora_request)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
     async def generate(
-        self, prompt: Any, sampling_params: SamplingParams, request_id: str, *, priority: int = 0
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         await self._admit(request_id)
+        if lora_request is not None:
+            lora_request = await asyncio.to_thread(self.resolve_lora, lora_request)
         prepared = self.engine.prepare_prompt(prompt, sampling_params)
         grammar = self.engine.submit_structured_output(sampling_params)
         if grammar is not None:
             # compiled off both loops; a bad constraint fails here, before anything is scheduled
             await asyncio.wrap_future(grammar)
-        command = AddRequest(request_id, sampling_params, prepared, priority, time.monotonic())
+        command = AddRequest(request_id, sampling_params, prepared, priority, time.monotonic(), lora_request)
         async with contextlib.aclosing(self._outputs(command, RequestOutput)) as outputs:
             async for item in outputs:
                 yield item
@@ -257,6 +278,8 @@ class AsyncLLM:
             return  # the client went away before the engine saw the request
         try:
             if isinstance(command, AddRequest):
+                # the adapter only when there is one: engines without LoRA keep their signature
+                lora = {} if command.lora_request is None else {"lora_request": command.lora_request}
                 engine.add_request(
                     command.request_id,
                     None,
@@ -264,6 +287,7 @@ class AsyncLLM:
                     priority=command.priority,
                     arrival_time=command.arrival_time,
                     prepared=command.prepared,
+                    **lora,
                 )
             else:
                 engine.add_pooling_request(

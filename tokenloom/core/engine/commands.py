@@ -4,6 +4,7 @@ put on one queue and applied by the engine thread between steps, in order."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.core.engine.input_processor import PreparedPrompt
 from tokenloom.core.request import PoolingParams, SamplingParams
@@ -19,6 +20,8 @@ class AddRequest:
     prepared: PreparedPrompt
     priority: int
     arrival_time: float
+    # the LoRA adapter it runs with, already checked (tokenloom.lora.request.LoRARequest), or None
+    lora_request: Any = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -19,7 +20,7 @@ from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
-from tokenloom.core.model_loader import ModelInfo, resolve_model
+from tokenloom.core.model_loader import ModelInfo, resolve_model, resolve_source
 from tokenloom.core.pooling import POOLING
 from tokenloom.core.request import (
     PoolingParams,
@@ -51,6 +52,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # LoRA (vLLM's lora_requests_info): the adapters of running and waiting requests, by name
+    running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    max_lora: int = 0
 
 
 class LLMEngine:
@@ -76,7 +81,14 @@ class LLMEngine:
             )
         )
         self.num_blocks = self.executor.initialize()
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            self.num_blocks,
+            self.max_model_len,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+        )
+        self.lora_catalog = self._lora_catalog()
         self.structured_outputs = self._structured_output_manager()
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -122,6 +134,52 @@ class LLMEngine:
         """The admitted, unfinished requests by id."""
         return self.output_processor.requests
 
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def _lora_catalog(self) -> Any:
+        if not self.config.lora.enable_lora:
+            return None
+        from tokenloom.lora.catalog import LoRACatalog
+
+        def resolve_path(tag: str) -> str:
+            return resolve_source(tag, self.plugins, self.config.model, self.config.load.download_dir).path
+
+        return LoRACatalog(
+            max_lora_rank=self.config.lora.max_lora_rank,
+            hf_config=self.model_info.hf_config,
+            resolve_path=resolve_path,
+            model_name=self.model_name,
+        )
+
+    def resolve_lora(self, lora_request: Any) -> Any:
+        """The adapter checked against this model and its path made local (a LoRARequest); a
+        bad one raises InvalidRequestError naming what does not fit. None passes through."""
+        if lora_request is None:
+            return None
+        if self.lora_catalog is None:
+            raise InvalidRequestError(
+                f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} was asked for, but this "
+                "engine serves no adapters: start it with --enable-lora (LLM(..., enable_lora=True))",
+                param="lora_request",
+            )
+        if self.runner_type == POOLING:
+            raise InvalidRequestError("LoRA adapters are served for generation only", param="lora_request")
+        return self.lora_catalog.resolve(lora_request)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Check an adapter now (vLLM's ``add_lora``), so requests naming it are not the first
+        to find out it does not fit; the worker reads it when a request first runs with it."""
+        self.resolve_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already admitted with it run to completion. The worker's
+        copy leaves its caches as the least recently used."""
+        if self.lora_catalog is None or self.lora_catalog.name_of(lora_int_id) is None:
+            return False
+        self.lora_catalog.forget(lora_int_id)
+        return True
+
     # -- requests ---------------------------------------------------------------------
 
     def prepare_prompt(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
@@ -147,14 +205,17 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         prepared: PreparedPrompt | None = None,
+        lora_request: Any = None,
     ) -> None:
-        """Admit a generate request: all of its ``n`` sequences, or (raising) none of them."""
+        """Admit a generate request: all of its ``n`` sequences, or (raising) none of them.
+        ``lora_request`` (a :class:`~tokenloom.lora.request.LoRARequest`) runs it with an adapter."""
         self._check_id_free(request_id)
         if self.runner_type == POOLING:
             raise InvalidRequestError(
                 f"{self.model_name} is served as a pooling model (embeddings, scores): it does not generate text",
                 param="model",
             )
+        lora_request = self.resolve_lora(lora_request)
         prepared = prepared or self.input_processor.prepare_prompt(prompt, params)
         params = self.input_processor.with_bad_words(params)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -163,6 +224,7 @@ class LLMEngine:
         )
         for seq in sequences:
             self._check_id_free(seq.request_id)
+            seq.lora_request = lora_request
         state = self.output_processor.new_request_state(request_id, prepared, params, sequences, arrival_time)
         grammar = self.submit_structured_output(params)
         if grammar is not None and not grammar.done():
@@ -355,7 +417,21 @@ class LLMEngine:
             num_preemptions=scheduler_stats.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.output_processor.generation_tokens_total,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.lora_catalog is None:
+            return {}
+
+        def names(lora_ids: set[int]) -> list[str]:
+            return sorted(str(self.lora_catalog.name_of(lora_id) or lora_id) for lora_id in lora_ids)
+
+        return {
+            "running_lora_adapters": names(self.scheduler.running_lora_ids()),
+            "waiting_lora_adapters": names(self.scheduler.waiting_lora_ids()),
+            "max_lora": self.config.lora.max_loras,
+        }
 
     def shutdown(self) -> None:
         if self.structured_outputs is not None:

@@ -1,0 +1,103 @@
+"""PEFT adapter files read exactly: scaling (alpha / r, rsLoRA's alpha / sqrt(r)) folded into B,
+both weight files, canonical names whatever the checkpoint's prefix, and each refusal naming
+what to change."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tokenloom.lora.peft import LoRAAdapterError, load_peft_adapter, module_shapes_from_config
+
+SHAPES = {"layers.0.self_attn.q_proj": (8, 8), "layers.0.mlp.down_proj": (16, 8)}
+
+
+def write_adapter(directory, tensors, *, safetensors=True, **config):
+    directory.mkdir(parents=True, exist_ok=True)
+    base = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "down_proj"], "bias": "none"}
+    (directory / "adapter_config.json").write_text(json.dumps({**base, **config}))
+    if safetensors:
+        save_file(tensors, str(directory / "adapter_model.safetensors"))
+    else:
+        torch.save(tensors, str(directory / "adapter_model.bin"))
+    return str(directory)
+
+
+def tensors(prefix="base_model.model.model.", rank=2):
+    generator = torch.Generator().manual_seed(0)
+    return {
+        f"{prefix}layers.0.self_attn.q_proj.lora_A.weight": torch.randn(rank, 8, generator=generator),
+        f"{prefix}layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, rank, generator=generator),
+        f"{prefix}layers.0.mlp.down_proj.lora_A.weight": torch.randn(rank, 16, generator=generator),
+        f"{prefix}layers.0.mlp.down_proj.lora_B.weight": torch.randn(8, rank, generator=generator),
+    }
+
+
+@pytest.mark.parametrize("safetensors", [True, False])
+@pytest.mark.parametrize("rslora", [False, True])
+def test_scaling_is_folded_into_b(tmp_path, safetensors, rslora):
+    source = tensors()
+    path = write_adapter(tmp_path / "a", source, safetensors=safetensors, use_rslora=rslora)
+    adapter = load_peft_adapter(path, max_lora_rank=4, module_shapes=SHAPES)
+    scaling = 4 / math.sqrt(2) if rslora else 4 / 2
+    assert adapter.scaling == pytest.approx(scaling) and adapter.rank == 2
+    lora_a, lora_b = adapter.weights["layers.0.self_attn.q_proj"]
+    assert torch.equal(lora_a, source["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
+    assert torch.equal(lora_b, source["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"] * scaling)
+    assert adapter.target_modules == ["down_proj", "q_proj"]
+
+
+def test_multimodal_prefixes_map_to_the_same_names(tmp_path):
+    path = write_adapter(tmp_path / "a", tensors(prefix="base_model.model.model.language_model."))
+    adapter = load_peft_adapter(path, max_lora_rank=4, module_shapes=SHAPES)
+    assert set(adapter.weights) == set(SHAPES)
+
+
+@pytest.mark.parametrize(
+    ("config", "rank", "shapes", "message"),
+    [
+        ({}, 2, {**SHAPES, "layers.0.self_attn.q_proj": (4, 8)}, r"q_proj maps 8 -> 8 features, but .* maps 4 -> 8"),
+        ({"r": 8}, 8, SHAPES, r"rank 8, more than --max-lora-rank 4"),
+        ({}, 2, {"layers.0.self_attn.q_proj": (8, 8)}, r"targets layers\.0\.mlp\.down_proj, which .* does not have"),
+        ({"use_dora": True}, 2, SHAPES, "DoRA"),
+        ({"peft_type": "IA3"}, 2, SHAPES, "IA3 adapter"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, 2, SHAPES, "targets embed_tokens"),
+        ({"rank_pattern": {"q_proj": 4}}, 2, SHAPES, "rank_pattern"),
+    ],
+)
+def test_refusals_name_what_does_not_fit(tmp_path, config, rank, shapes, message):
+    path = write_adapter(tmp_path / "a", tensors(rank=rank), **{"r": rank, **config})
+    with pytest.raises(LoRAAdapterError, match=message):
+        load_peft_adapter(path, max_lora_rank=4, module_shapes=shapes)
+
+
+def test_missing_half_and_unknown_tensors_are_refused(tmp_path):
+    half = tensors()
+    del half["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    with pytest.raises(LoRAAdapterError, match="no lora_B weight for layers.0.mlp.down_proj"):
+        load_peft_adapter(write_adapter(tmp_path / "half", half), max_lora_rank=4, module_shapes=SHAPES)
+    odd = {**tensors(), "base_model.model.model.layers.0.self_attn.rotary.lora_A.weight": torch.zeros(2, 8)}
+    with pytest.raises(LoRAAdapterError, match="targets self_attn.rotary; supported targets are self_attn.q_proj"):
+        load_peft_adapter(write_adapter(tmp_path / "odd", odd), max_lora_rank=4, module_shapes=SHAPES)
+    stray = {**tensors(), "base_model.model.model.norm.weight": torch.zeros(8)}
+    with pytest.raises(LoRAAdapterError, match="does not know how to apply: base_model.model.model.norm.weight"):
+        load_peft_adapter(write_adapter(tmp_path / "stray", stray), max_lora_rank=4, module_shapes=SHAPES)
+    with pytest.raises(LoRAAdapterError, match="has no adapter_config.json"):
+        load_peft_adapter(str(tmp_path), max_lora_rank=4, module_shapes=SHAPES)
+
+
+def test_module_shapes_from_a_gqa_config():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    shapes = module_shapes_from_config(config)
+    assert len(shapes) == 14
+    assert shapes["layers.1.self_attn.k_proj"] == (64, 32)
+    assert shapes["layers.1.self_attn.o_proj"] == (64, 64)
+    assert shapes["layers.0.mlp.down_proj"] == (96, 64)

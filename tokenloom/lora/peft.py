@@ -1,0 +1,249 @@
+"""LoRA adapters in PEFT's format (``adapter_config.json`` with ``adapter_model.safetensors``
+or ``adapter_model.bin``): read, checked against the base model and ``--max-lora-rank``, and
+turned into ``(A, B)`` pairs per projection, keyed by a canonical module name
+(``layers.3.self_attn.q_proj``) that is the same for every Llama-family checkpoint layout.
+
+Everything refused here is refused by name (the key, the option, the module), so a user
+knows what to change. The checks run in the engine's process when an adapter is first used
+(an :class:`LoRAAdapterError` is a 400) and again in the worker against the real layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloom.errors import InvalidRequestError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+# the projections of a Llama/Qwen2/Gemma 3 decoder layer an adapter may target, by block
+SUPPORTED_PROJECTIONS: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+# module names PEFT may target or save that tokenloom does not adapt yet
+UNSUPPORTED_MODULES = ("embed_tokens", "lm_head", "wte", "embed_out")
+
+_LORA_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z0-9_]+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
+)
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """An adapter that cannot be served with this model and these settings (400)."""
+
+
+@dataclass
+class PeftAdapter:
+    """One adapter's weights, ready for the worker's slots.
+
+    ``weights[name] = (lora_a [rank, in], lora_b [out, rank])`` in float32, with the adapter's
+    scaling (``alpha / rank``, or rsLoRA's ``alpha / sqrt(rank)``) already multiplied into B.
+    """
+
+    path: str
+    rank: int
+    scaling: float
+    base_model_name: str | None
+    weights: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def target_modules(self) -> list[str]:
+        """The kinds of projection the adapter changes (``q_proj``, ``down_proj``...)."""
+        return sorted({name.rsplit(".", 1)[1] for name in self.weights})
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def canonical_name(layer_index: int, block: str, projection: str) -> str:
+    return f"layers.{layer_index}.{block}.{projection}"
+
+
+def find_adapter_files(path: str) -> tuple[str, str]:
+    """``(config file, weight file)`` of the adapter folder at ``path``."""
+    if not os.path.isdir(path):
+        raise LoRAAdapterError(f"LoRA adapter path {path} is not a directory holding {CONFIG_FILE}", param="lora_path")
+    config_file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        raise LoRAAdapterError(f"LoRA adapter folder {path} has no {CONFIG_FILE}", param="lora_path")
+    for weight_name in WEIGHT_FILES:
+        weight_file = os.path.join(path, weight_name)
+        if os.path.isfile(weight_file):
+            return config_file, weight_file
+    raise LoRAAdapterError(f"LoRA adapter folder {path} has neither {' nor '.join(WEIGHT_FILES)}", param="lora_path")
+
+
+def read_adapter_config(config_file: str) -> dict[str, Any]:
+    try:
+        with open(config_file, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LoRAAdapterError(f"cannot read {config_file}: {exc}", param="lora_path") from None
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"{config_file} does not hold a JSON object", param="lora_path")
+    return config
+
+
+def check_adapter_config(config: dict[str, Any], max_lora_rank: int, where: str) -> tuple[int, float]:
+    """The adapter's ``(rank, scaling)``; raises for what tokenloom does not serve."""
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoRAAdapterError(f"{where} is a {peft_type} adapter; only LORA adapters are served", param="lora_path")
+    if config.get("use_dora"):
+        raise LoRAAdapterError(f"{where} is a DoRA adapter (use_dora: true), which tokenloom does not serve")
+    if config.get("bias", "none") not in ("none", None):
+        raise LoRAAdapterError(
+            f"{where} trains biases (bias: {config['bias']!r}); only bias 'none' adapters are served "
+            "(--enable-lora-bias is not implemented)"
+        )
+    for option in ("rank_pattern", "alpha_pattern"):
+        if config.get(option):
+            raise LoRAAdapterError(f"{where} sets {option}; per-module ranks and alphas are not supported yet")
+    modules_to_save = [name for name in (config.get("modules_to_save") or []) if name]
+    if modules_to_save:
+        raise LoRAAdapterError(
+            f"{where} saves whole modules ({', '.join(modules_to_save)}: modules_to_save), which tokenloom does not serve"
+        )
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    unsupported = [name for name in targets if name in UNSUPPORTED_MODULES]
+    if unsupported:
+        raise LoRAAdapterError(
+            f"{where} targets {', '.join(unsupported)}; tokenloom applies LoRA to the attention and MLP "
+            f"projections ({', '.join(SUPPORTED_PROJECTIONS)}) only"
+        )
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise LoRAAdapterError(f"{where} has no valid rank r ({rank!r})")
+    if rank > max_lora_rank:
+        raise LoRAAdapterError(
+            f"{where} has rank {rank}, more than --max-lora-rank {max_lora_rank}: restart with a larger --max-lora-rank",
+            param="max_lora_rank",
+        )
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise LoRAAdapterError(f"{where} has no valid lora_alpha ({alpha!r})")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def _load_tensors(weight_file: str) -> dict[str, Any]:
+    import torch
+
+    try:
+        if weight_file.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(weight_file, device="cpu")
+        return torch.load(weight_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: say which
+        raise LoRAAdapterError(f"cannot read LoRA weights {weight_file}: {type(exc).__name__}: {exc}") from None
+
+
+def load_peft_adapter(
+    path: str,
+    *,
+    max_lora_rank: int,
+    module_shapes: dict[str, tuple[int, int]],
+    base_model_description: str = "this model",
+) -> PeftAdapter:
+    """Read the adapter at ``path`` and check every tensor against ``module_shapes``
+    (canonical name -> ``(input features, output features)`` of the base projection)."""
+    import torch
+
+    config_file, weight_file = find_adapter_files(path)
+    config = read_adapter_config(config_file)
+    where = f"LoRA adapter {path}"
+    rank, scaling = check_adapter_config(config, max_lora_rank, where)
+    base_model_name = config.get("base_model_name_or_path")
+    pairs: dict[str, dict[str, Any]] = {}
+    for key, tensor in _load_tensors(weight_file).items():
+        if any(f".{name}." in f".{key}" for name in UNSUPPORTED_MODULES) or "lora_embedding" in key:
+            raise LoRAAdapterError(
+                f"{where} has weights for an embedding or LM head ({key}); tokenloom applies LoRA to the "
+                f"attention and MLP projections only"
+            )
+        match = _LORA_KEY.search(key)
+        if match is None:
+            raise LoRAAdapterError(f"{where} holds a tensor tokenloom does not know how to apply: {key}")
+        layer_index, block, projection, side = int(match[1]), match[2], match[3], match[4]
+        if SUPPORTED_PROJECTIONS.get(projection) != block:
+            raise LoRAAdapterError(
+                f"{where} targets {block}.{projection}; supported targets are "
+                f"{', '.join(f'{b}.{p}' for p, b in SUPPORTED_PROJECTIONS.items())}"
+            )
+        pairs.setdefault(canonical_name(layer_index, block, projection), {})[side] = tensor
+    if not pairs:
+        raise LoRAAdapterError(f"{where} holds no LoRA weights")
+    adapter = PeftAdapter(path=path, rank=rank, scaling=scaling, base_model_name=base_model_name)
+    mismatch_hint = f" (the adapter's base model is {base_model_name})" if base_model_name else ""
+    for name, sides in sorted(pairs.items()):
+        if set(sides) != {"A", "B"}:
+            missing = "lora_B" if "A" in sides else "lora_A"
+            raise LoRAAdapterError(f"{where} has no {missing} weight for {name}")
+        if name not in module_shapes:
+            raise LoRAAdapterError(
+                f"{where} targets {name}, which {base_model_description} does not have{mismatch_hint}: "
+                "was it trained for another base model?"
+            )
+        lora_a, lora_b = sides["A"].to(torch.float32), sides["B"].to(torch.float32)
+        in_features, out_features = module_shapes[name]
+        module_rank = lora_a.shape[0]
+        if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_b.shape[1] != module_rank:
+            raise LoRAAdapterError(
+                f"{where}: {name}'s lora_A {tuple(lora_a.shape)} and lora_B {tuple(lora_b.shape)} do not pair up"
+            )
+        if module_rank > max_lora_rank:
+            raise LoRAAdapterError(
+                f"{where}: {name} has rank {module_rank}, more than --max-lora-rank {max_lora_rank}",
+                param="max_lora_rank",
+            )
+        if module_rank != rank:
+            raise LoRAAdapterError(f"{where}: {name} has rank {module_rank} but the adapter's r is {rank}")
+        if lora_a.shape[1] != in_features or lora_b.shape[0] != out_features:
+            raise LoRAAdapterError(
+                f"{where}: {name} maps {lora_a.shape[1]} -> {lora_b.shape[0]} features, but "
+                f"{base_model_description}'s {name} maps {in_features} -> {out_features}{mismatch_hint}: "
+                "the adapter was trained for another base model"
+            )
+        adapter.weights[name] = (lora_a.contiguous(), (lora_b * scaling).contiguous())
+    return adapter
+
+
+def module_shapes_from_config(hf_config: Any) -> dict[str, tuple[int, int]]:
+    """Canonical name -> ``(in, out)`` of every adaptable projection of a Llama-family
+    decoder, from its Hugging Face config (the engine's process has no model to ask)."""
+    config = getattr(hf_config, "text_config", None) or hf_config
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_size = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = config.intermediate_size
+    per_layer = {
+        "self_attn.q_proj": (hidden, heads * head_size),
+        "self_attn.k_proj": (hidden, kv_heads * head_size),
+        "self_attn.v_proj": (hidden, kv_heads * head_size),
+        "self_attn.o_proj": (heads * head_size, hidden),
+        "mlp.gate_proj": (hidden, intermediate),
+        "mlp.up_proj": (hidden, intermediate),
+        "mlp.down_proj": (intermediate, hidden),
+    }
+    return {
+        f"layers.{index}.{suffix}": shape
+        for index in range(config.num_hidden_layers)
+        for suffix, shape in per_layer.items()
+    }
