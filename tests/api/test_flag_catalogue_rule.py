@@ -36,6 +36,14 @@ CONFIG_MODULES = frozenset(
 
 # flag -> the test that shows what it does (path relative to the checkout :: test name)
 BEHAVIOUR_TESTS: dict[str, str] = {
+    # -- LoRA (issue 22) and the attention backend (issue 25)
+    "--enable-lora": "tests/e2e/test_lora_server.py::test_static_adapter_is_listed_with_its_parent_and_used_by_name",
+    "--lora-modules": "tests/api/test_serving_models.py::test_adapters_are_listed_and_picked_by_model",
+    "--max-loras": "tests/lora/test_lora_llm.py::test_adapter_slots_follow_lru",
+    "--max-cpu-loras": "tests/lora/test_lora_llm.py::test_adapter_slots_follow_lru",
+    "--max-lora-rank": "tests/lora/test_lora_llm.py::test_rank_above_max_lora_rank_is_refused",
+    "--lora-dtype": "tests/lora/test_lora_llm.py::test_lora_dtype_sets_the_adapter_weights_dtype",
+    "--attention-backend": "tests/e2e/test_triton_backend.py::test_greedy_completions_over_http_equal_the_torch_backends",
     # -- the command line itself
     "--config": "tests/api/test_serve_args.py::test_config_file_precedence_command_line_over_file_over_defaults",
     "--structured-outputs-config": "tests/api/test_serve_args.py::test_old_and_new_names_of_the_same_setting",

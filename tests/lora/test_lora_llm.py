@@ -151,6 +151,21 @@ def test_adapter_slots_follow_lru(tiny_llama_dir, prompt_ids, lora_requests, alo
     assert greedy(llm, prompt_ids[:1], lora_requests[names[0]]) == alone[names[0]][:1]
 
 
+def test_lora_dtype_sets_the_adapter_weights_dtype(tiny_llama_dir, prompt_ids, lora_requests, alone):
+    """--lora-dtype bfloat16 over a float32 base: the adapter slots hold bfloat16, and the
+    adapter still changes the output (its delta runs, in the adapter's dtype)."""
+    from tokenloom.lora.layers import lora_of
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_lora_rank=16, lora_dtype="bfloat16")
+    model = llm.engine.executor.worker.runner.model
+    loras = [lora for module in model.modules() if (lora := lora_of(module)) is not None]
+    assert loras and {lora.lora_a.dtype for lora in loras} == {torch.bfloat16}
+    assert {lora.lora_b.dtype for lora in loras} == {torch.bfloat16}
+    base = greedy(llm, prompt_ids[:1])
+    adapted = greedy(llm, prompt_ids[:1], lora_requests["all-r8"])
+    assert base == alone[None][:1] and adapted != base
+
+
 # ---- what is refused, and how ---------------------------------------------------------------
 
 
