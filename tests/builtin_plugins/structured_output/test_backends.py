@@ -228,9 +228,10 @@ def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
     # a schema cannot switch llguidance to ignoring what it does not implement
     lenient = {"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True, "coerce_one_of": True}}
     assert "uniqueItems" in backends["guidance"].supports(Constraint("json", lenient))
-    assert "unknown format" in backends["guidance"].supports(
-        Constraint("json", {"type": "string", "format": "colour"})
-    ).lower()
+    assert (
+        "unknown format"
+        in backends["guidance"].supports(Constraint("json", {"type": "string", "format": "colour"})).lower()
+    )
     other_tag_form = Constraint("structural_tag", {"type": "structural_tag", "format": {"type": "const_string"}})
     assert "structures and triggers" in backends["guidance"].supports(other_tag_form)
     assert "maximum, minimum" in backends["outlines"].supports(Constraint("json", SCHEMAS["probability"]))

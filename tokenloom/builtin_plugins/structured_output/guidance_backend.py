@@ -175,12 +175,18 @@ class GuidanceBackend(StructuredOutputBackend):
         triggers = spec.get("triggers") or []
         structures = spec.get("structures") or []
         if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
-            raise InvalidRequestError("structural_tag.triggers must be a list of non-empty strings", param="structural_tag")
+            raise InvalidRequestError(
+                "structural_tag.triggers must be a list of non-empty strings", param="structural_tag"
+            )
         if not isinstance(structures, list) or not structures:
             raise InvalidRequestError("structural_tag.structures must be a non-empty list", param="structural_tag")
         tags = []
         for index, item in enumerate(structures):
-            if not isinstance(item, dict) or not isinstance(item.get("begin"), str) or not isinstance(item.get("end"), str):
+            if (
+                not isinstance(item, dict)
+                or not isinstance(item.get("begin"), str)
+                or not isinstance(item.get("end"), str)
+            ):
                 raise InvalidRequestError(
                     f"structural_tag.structures[{index}] needs begin and end strings", param="structural_tag"
                 )
