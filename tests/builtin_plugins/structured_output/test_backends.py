@@ -69,9 +69,7 @@ EXPECTED_REFUSALS = {
         "optional_fields",
         "all_optional",
         "nullable_type_list",
-        "string_length_bounds",
         "date_format",
-        "max_length_text",
         "uuid_format",
         "one_of",
         "prefix_items",
@@ -279,6 +277,27 @@ def test_rollback_over_the_end_of_sequence_token_undoes_it_alone(backends, token
         assert matcher.accept_token(EOS) and matcher.is_terminated()
         matcher.rollback(1)
         assert not matcher.is_terminated() and allowed_tokens(matcher) == after_yes
+
+
+def test_lm_format_enforcer_internal_errors_fail_the_request_instead_of_ending_it(backends):
+    from lmformatenforcer import CharacterLevelParser
+
+    class BrokenParser(CharacterLevelParser):
+        def add_character(self, new_character):
+            return self
+
+        def get_allowed_characters(self):
+            raise KeyError("a bug inside the parser")
+
+        def can_end(self):
+            return False
+
+    backend = backends["lm-format-enforcer"]
+    backend.tokenizer_data()
+    matcher = backend.new_matcher((BrokenParser(), None, None))
+    assert allowed_tokens(matcher) == [EOS]  # the library's answer to its own errors
+    with pytest.raises(RuntimeError, match="failed inside its parser"):
+        matcher.accept_token(EOS)
 
 
 def test_token_bytes_of_a_byte_level_vocabulary(tokenizer):
