@@ -239,7 +239,11 @@ def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
     )
     assert "optional" in backends["lm-format-enforcer"].supports(Constraint("json", SCHEMAS["optional_fields"]))
     unbounded = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    assert "number rule" in backends["lm-format-enforcer"].supports(Constraint("json", unbounded))
+    assert backends["lm-format-enforcer"].supports(Constraint("json", unbounded)) is None  # exact number rule
+    flag = {"type": "object", "properties": {"on": {"const": True}}, "required": ["on"]}
+    assert "string or a number" in backends["lm-format-enforcer"].supports(Constraint("json", flag))
+    coded = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}
+    assert "pattern with minLength or maxLength" in backends["lm-format-enforcer"].supports(Constraint("json", coded))
     assert "no fixed properties" in backends["lm-format-enforcer"].supports(Constraint("json_object", None))
 
 
