@@ -48,7 +48,7 @@ def _listed_properties_only(schema: Any) -> Any:
 
 def _close_listed_objects(schema: Any) -> Any:
     if isinstance(schema, list):
-        return [_listed_properties_only(item) for item in schema]
+        return [_close_listed_objects(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     copy = {
