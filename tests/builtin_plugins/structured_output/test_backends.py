@@ -268,6 +268,24 @@ def test_reset_and_rollback_return_to_earlier_masks(backends, tokenizer, backend
     assert allowed_tokens(matcher) == start and not matcher.is_terminated()
 
 
+def test_guidance_generates_only_the_listed_properties_unless_the_schema_opens_the_object(backends, tokenizer):
+    backend = backends["guidance"]
+
+    def another_property_may_follow(schema: dict) -> bool:
+        matcher = backend.new_matcher(backend.compile(Constraint("json", schema, any_whitespace=False)))
+        for token_id in tokenizer.encode('{"a":true', add_special_tokens=False):
+            assert matcher.accept_token(token_id)
+        return any(tokenizer.decode([token_id]).startswith(",") for token_id in allowed_tokens(matcher))
+
+    listed = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    assert not another_property_may_follow(listed)
+    assert another_property_may_follow({**listed, "additionalProperties": True})
+    # allOf branches merge: closing each would leave no object that has both properties
+    merged = {"allOf": [listed, {"properties": {"b": {"type": "null"}}, "required": ["b"]}]}
+    assert backend.supports(Constraint("json", merged)) is None
+    assert another_property_may_follow(merged)
+
+
 @pytest.mark.parametrize("backend_name", ["xgrammar", "guidance", "lm-format-enforcer"])
 def test_rollback_over_the_end_of_sequence_token_undoes_it_alone(backends, tokenizer, backend_name):
     backend = backends[backend_name]
