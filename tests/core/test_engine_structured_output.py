@@ -27,6 +27,7 @@ SCHEMA = {
 }
 REGEX = r"[0-9]{3}-[a-z]{2}"
 CHOICES = ["apple", "banana split", "cherry"]
+GRAMMAR = 'start: WORD (" " WORD)* "."\nWORD: "red" | "green"\n'
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away", "1, 2, 3,"]
 
 
@@ -51,7 +52,7 @@ def constraint(kind: str, backend: str | None = None) -> dict:
     return {kind: value, **options, **({"backend": backend} if backend else {})}
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines", "lm-format-enforcer"])
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance", "outlines", "lm-format-enforcer"])
 def test_every_backend_makes_random_weights_produce_valid_output(llm, backend):
     kinds = ["json", "regex", "choice"]
     params = [
@@ -63,6 +64,27 @@ def test_every_backend_makes_random_weights_produce_valid_output(llm, backend):
     for output, kind in zip(outputs, [kind for kind in kinds for _ in range(2)]):
         assert output.outputs[0].finish_reason == "stop"
         check(kind, output.outputs[0].text)
+
+
+@pytest.mark.parametrize(
+    "flags", [["--guided-decoding-backend", "guidance"], ["--structured-outputs-config", '{"backend": "guidance"}']]
+)
+def test_guidance_as_the_server_default_from_either_flag(tiny_llama_dir, flags):
+    from tokenloom.api.serve_args import check_plugin_choices, parse_serve_args
+    from tokenloom.plugins.manager import load_plugins
+
+    serve_args = parse_serve_args([tiny_llama_dir, *flags, "--dtype", "float32"], {})
+    serve_args.plugins = load_plugins()
+    check_plugin_choices(serve_args)  # the name is registered and its class imports
+    engine_kwargs = {key: value for key, value in serve_args.engine_kwargs.items() if key.startswith("guided_")}
+    llm = LLM(model=tiny_llama_dir, dtype="float32", **engine_kwargs)
+    manager = llm.engine.structured_outputs
+    assert manager.resolve({"regex": REGEX})[0] == "guidance"
+    # what guidance cannot express falls back, in auto's order
+    assert manager.resolve({"json": SCHEMA, "whitespace_pattern": " ?"})[0] == "outlines"
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs={"grammar": GRAMMAR})
+    text = llm.generate([PROMPTS[0]], params)[0].outputs[0].text
+    assert re.fullmatch(r"(red|green)( (red|green))*\.", text), text
 
 
 def test_greedy_output_is_the_same_when_preemption_rebuilds_the_matchers(tiny_llama_dir, llm):
@@ -176,7 +198,7 @@ def test_the_constraint_starts_after_the_reasoning_section(tiny_llama_dir):
         ({"grammar": "root ::= missing", "backend": "xgrammar"}, 'Rule "missing" is not defined'),
         ({"grammar": 'root ::= "a"', "backend": "outlines"}, "outlines (outlines-core) compiles regular languages"),
         ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "xgrammar cannot compile"),
-        ({"regex": "a", "backend": "guidance"}, "unknown guided_decoding_backend 'guidance'"),
+        ({"regex": "a", "backend": "grammarly"}, "unknown guided_decoding_backend 'grammarly'"),
     ],
 )
 def test_bad_constraints_fail_in_the_prepare_step(llm, bad, message):

@@ -19,6 +19,7 @@ from tests.builtin_plugins.structured_output.cases import CHOICES, GRAMMAR_EBNF,
 from tests.e2e.conftest import API_KEY, start_server, stop_server
 from tokenloom.api.protocol import ChatCompletionRequest
 from tokenloom.api.serving_chat import required_tool_calls_schema
+from tokenloom.builtin_plugins.structured_output.guidance_backend import GuidanceBackend
 from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_backend import LMFormatEnforcerBackend
 from tokenloom.builtin_plugins.structured_output.outlines_backend import OutlinesBackend
 from tokenloom.builtin_plugins.structured_output.xgrammar_backend import XGrammarBackend
@@ -31,7 +32,12 @@ MODEL = "smollm2"
 SEEDS = (1, 2)
 MAX_TOKENS = 300
 CONCURRENCY = 24
-BACKENDS = {"xgrammar": XGrammarBackend, "outlines": OutlinesBackend, "lm-format-enforcer": LMFormatEnforcerBackend}
+BACKENDS = {
+    "xgrammar": XGrammarBackend,
+    "guidance": GuidanceBackend,
+    "outlines": OutlinesBackend,
+    "lm-format-enforcer": LMFormatEnforcerBackend,
+}
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +291,67 @@ async def test_n_samples_logprobs_and_stop_strings_compose_with_constraints(clie
     assert re.fullmatch(r"20[0-9]{2}", stopped.choices[0].text) and stopped.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.anyio
+async def test_lm_format_enforcer_serves_integers_numbers_and_max_length(client):
+    """Issue 19 item 17: the backend named in the request serves ordinary schemas with
+    unbounded integers and numbers and a maxLength (it used to refuse them with a 400)."""
+    schema = SCHEMAS["measurement"]
+    forms = [
+        {"guided_json": schema, "guided_decoding_backend": "lm-format-enforcer"},
+        {"structured_outputs": {"json": schema, "backend": "lm-format-enforcer"}},
+    ]
+    prompt = "Describe an apple on sale as JSON with an integer count, a price and a short label."
+    jobs = [
+        generate(client, endpoint, prompt, forms[seed % 2], seed)
+        for seed in range(1, 7)
+        for endpoint in ("chat", "completions")
+    ]
+    for text, finish_reason in await gather_limited(jobs):
+        assert finish_reason == "stop", text
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        assert type(value["count"]) is int and len(value["label"]) <= 8, text
+
+
+@pytest.mark.anyio
+async def test_guidance_grammars_and_structural_tags(client):
+    sentence = r"(The cat|A dog|My friend) (sees|likes|chases) (the ball|a bird|the moon)\."
+    for grammar, pattern in ((GRAMMAR_EBNF, sentence), (GRAMMAR_LARK, r"[1-9][0-9]?[+-][1-9][0-9]?=[1-9][0-9]?")):
+        response = await client.completions.create(
+            model=MODEL,
+            prompt="Say something:",
+            temperature=1.0,
+            seed=3,
+            max_tokens=60,
+            extra_body={"guided_grammar": grammar, "guided_decoding_backend": "guidance"},
+        )
+        assert re.fullmatch(pattern, response.choices[0].text), response.choices[0].text
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<call>", "schema": city, "end": "</call>"}],
+        "triggers": ["<call>"],
+    }
+    texts = []
+    for seed in range(1, 5):
+        response = await client.chat.completions.create(
+            model=MODEL,
+            messages=user("Look up the weather: write <call> followed by a JSON object with a city, then </call>."),
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+            response_format=tag,
+            extra_body={"guided_decoding_backend": "guidance"},
+        )
+        texts.append(response.choices[0].message.content)
+    for text in texts:
+        # free text around the tags; inside each, exactly the schema and the end string
+        for inside in re.findall(r"<call>(.*?)(?:</call>|$)", text, flags=re.S):
+            if text.endswith(inside):
+                continue  # cut by max_tokens inside the tag
+            jsonschema.validate(json.loads(inside), city)
+
+
 TOOLS = [
     {
         "type": "function",
@@ -465,7 +532,15 @@ def test_the_required_tool_calls_schema_takes_exactly_calls_of_the_tools():
         ({"guided_json": "{not json"}, "guided_json is not valid JSON"),
         ({"guided_regex": "a(b"}, "cannot compile a regex"),
         ({"guided_grammar": "root ::= missing"}, 'Rule "missing" is not defined'),
-        ({"guided_regex": "a", "guided_decoding_backend": "guidance"}, "unknown guided_decoding_backend 'guidance'"),
+        ({"guided_regex": "a", "guided_decoding_backend": "grammarly"}, "unknown guided_decoding_backend 'grammarly'"),
+        (
+            {"guided_json": {"type": "array", "uniqueItems": True}, "guided_decoding_backend": "guidance"},
+            'guidance cannot enforce this JSON schema: Unimplemented keys: ["uniqueItems"]',
+        ),
+        (
+            {"guided_grammar": "start: missing", "guided_decoding_backend": "guidance"},
+            "guidance cannot compile a grammar",
+        ),
         ({"guided_grammar": GRAMMAR_EBNF, "guided_decoding_backend": "outlines"}, "regular languages only"),
         (
             {"guided_json": SCHEMAS["probability"], "guided_decoding_backend": "lm-format-enforcer"},

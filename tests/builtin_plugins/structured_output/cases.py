@@ -309,6 +309,32 @@ SCHEMAS.update(
     }
 )
 
+# unbounded integers and numbers, and a maxLength: lm-format-enforcer takes these through
+# tokenloom's exact number and string rules (its own admit 1e-5 as an integer, and leading
+# spaces past maxLength)
+SCHEMAS.update(
+    {
+        "measurement": {
+            "type": "object",
+            "properties": {
+                "count": {"type": "integer"},
+                "price": {"type": "number"},
+                "label": {"type": "string", "maxLength": 8},
+            },
+            "required": ["count", "price", "label"],
+        },
+        "readings": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+        "short_words": {
+            "type": "object",
+            "properties": {
+                "first": {"type": "string", "minLength": 2, "maxLength": 4},
+                "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+            },
+            "required": ["first", "ids"],
+        },
+    }
+)
+
 REGEXES: dict[str, str] = {
     "phone": r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}",
     "email": r"[a-z]{2,8}@[a-z]{2,6}\.(com|org|net)",

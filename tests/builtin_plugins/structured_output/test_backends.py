@@ -31,17 +31,23 @@ from tokenloom.builtin_plugins.structured_output.common import (
     escape_regex,
     token_bytes,
 )
+from tokenloom.builtin_plugins.structured_output.guidance_backend import GuidanceBackend
 from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_backend import LMFormatEnforcerBackend
 from tokenloom.builtin_plugins.structured_output.outlines_backend import OutlinesBackend
 from tokenloom.builtin_plugins.structured_output.xgrammar_backend import XGrammarBackend
 from tokenloom.core.sampler import unpack_bitmask
 from tokenloom.core.structured_output import BackendOptions, Constraint, allocate_bitmask, set_allowed_tokens
 
-BACKENDS = {"xgrammar": XGrammarBackend, "outlines": OutlinesBackend, "lm-format-enforcer": LMFormatEnforcerBackend}
+BACKENDS = {
+    "xgrammar": XGrammarBackend,
+    "guidance": GuidanceBackend,
+    "outlines": OutlinesBackend,
+    "lm-format-enforcer": LMFormatEnforcerBackend,
+}
 VOCAB_SIZE = 49152
 EOS = 2
 # the pure-Python backend is slow per token: fewer walks keep the suite quick
-WALKS = {"xgrammar": 3, "outlines": 3, "lm-format-enforcer": 2}
+WALKS = {"xgrammar": 3, "guidance": 3, "outlines": 3, "lm-format-enforcer": 2}
 CASES = (
     [("json", name) for name in SCHEMAS]
     + [("regex", name) for name in REGEXES]
@@ -53,6 +59,7 @@ SPECS = {"json": SCHEMAS, "regex": REGEXES, "choice": CHOICES}
 # accepted a claim it cannot keep)
 EXPECTED_REFUSALS = {
     "xgrammar": set(),
+    "guidance": set(),
     "outlines": {"city_population", "probability", "many_types"},  # big integer ranges, number bounds
     "lm-format-enforcer": {
         "city_population",
@@ -62,9 +69,7 @@ EXPECTED_REFUSALS = {
         "optional_fields",
         "all_optional",
         "nullable_type_list",
-        "string_length_bounds",
         "date_format",
-        "max_length_text",
         "uuid_format",
         "one_of",
         "prefix_items",
@@ -147,8 +152,9 @@ def test_random_walks_over_the_masks_satisfy_the_constraint(backends, tokenizer,
     assert finished or kind == "json"  # regexes and choices here are short: a walk always ends
 
 
-def test_xgrammar_grammars_ebnf_and_lark(backends, tokenizer):
-    backend = backends["xgrammar"]
+@pytest.mark.parametrize("backend_name", ["xgrammar", "guidance"])
+def test_grammars_ebnf_and_lark(backends, tokenizer, backend_name):
+    backend = backends[backend_name]
     rng = random.Random(0)
     sentence = re.compile(r"(The cat|A dog|My friend) (sees|likes|chases) (the ball|a bird|the moon)\.")
     expression = re.compile(r"[1-9][0-9]?[+-][1-9][0-9]?=[1-9][0-9]?")
@@ -159,8 +165,9 @@ def test_xgrammar_grammars_ebnf_and_lark(backends, tokenizer):
             assert token_ids is not None and pattern.fullmatch(tokenizer.decode(token_ids))
 
 
-def test_xgrammar_structural_tags_constrain_only_inside_the_tag(backends, tokenizer):
-    backend = backends["xgrammar"]
+@pytest.mark.parametrize("backend_name", ["xgrammar", "guidance"])
+def test_structural_tags_constrain_only_inside_the_tag(backends, tokenizer, backend_name):
+    backend = backends[backend_name]
     tag = {
         "type": "structural_tag",
         "structures": [
@@ -178,6 +185,10 @@ def test_xgrammar_structural_tags_constrain_only_inside_the_tag(backends, tokeni
         assert matcher.accept_token(token_id)
     inside = {tokenizer.decode([t]) for t in allowed_tokens(matcher)}
     assert inside and all(text.strip() == "" or text.lstrip().startswith("{") for text in inside)
+    assert not matcher.accept_token(tokenizer.encode("Paris", add_special_tokens=False)[0])
+    for token_id in tokenizer.encode('{"city": "Rome"}</call> Done.', add_special_tokens=False):
+        assert matcher.accept_token(token_id)
+    assert len(allowed_tokens(matcher)) > 40000  # free text again after the tag
 
 
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
@@ -194,6 +205,7 @@ def test_outlines_takes_a_whitespace_pattern_and_the_others_refuse_it(backends, 
     constraint = Constraint("json", SCHEMAS["flags"], whitespace_pattern="[ ]{2}")
     assert "whitespace pattern" in backends["xgrammar"].supports(constraint)
     assert "whitespace pattern" in backends["lm-format-enforcer"].supports(constraint)
+    assert "whitespace pattern" in backends["guidance"].supports(constraint)
     compiled = backends["outlines"].compile(constraint)
     text = tokenizer.decode(random_walk(backends["outlines"], compiled, random.Random(2)))
     assert re.fullmatch(
@@ -206,6 +218,20 @@ def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
     assert backends["xgrammar"].supports(grammar) is None
     assert "regular languages only" in backends["outlines"].supports(grammar)
     assert "no grammars" in backends["lm-format-enforcer"].supports(grammar)
+    assert backends["guidance"].supports(grammar) is None
+    unique = Constraint("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    assert 'Unimplemented keys: ["uniqueItems"]' in backends["guidance"].supports(unique)
+    overlapping = Constraint("json", {"oneOf": [{"type": "integer"}, {"type": "number"}]})
+    assert "oneOf" in backends["guidance"].supports(overlapping)
+    # a schema cannot switch llguidance to ignoring what it does not implement
+    lenient = {"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True, "coerce_one_of": True}}
+    assert "uniqueItems" in backends["guidance"].supports(Constraint("json", lenient))
+    assert (
+        "unknown format"
+        in backends["guidance"].supports(Constraint("json", {"type": "string", "format": "colour"})).lower()
+    )
+    other_tag_form = Constraint("structural_tag", {"type": "structural_tag", "format": {"type": "const_string"}})
+    assert "structures and triggers" in backends["guidance"].supports(other_tag_form)
     assert "maximum, minimum" in backends["outlines"].supports(Constraint("json", SCHEMAS["probability"]))
     assert backends["outlines"].supports(Constraint("json", SCHEMAS["person"])) is None  # 0..120: an enum
     assert "uniqueItems" in backends["xgrammar"].supports(
@@ -213,7 +239,11 @@ def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
     )
     assert "optional" in backends["lm-format-enforcer"].supports(Constraint("json", SCHEMAS["optional_fields"]))
     unbounded = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    assert "number rule" in backends["lm-format-enforcer"].supports(Constraint("json", unbounded))
+    assert backends["lm-format-enforcer"].supports(Constraint("json", unbounded)) is None  # exact number rule
+    flag = {"type": "object", "properties": {"on": {"const": True}}, "required": ["on"]}
+    assert "string or a number" in backends["lm-format-enforcer"].supports(Constraint("json", flag))
+    coded = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}
+    assert "pattern with minLength or maxLength" in backends["lm-format-enforcer"].supports(Constraint("json", coded))
     assert "no fixed properties" in backends["lm-format-enforcer"].supports(Constraint("json_object", None))
 
 
@@ -236,6 +266,60 @@ def test_reset_and_rollback_return_to_earlier_masks(backends, tokenizer, backend
         assert allowed_tokens(matcher) == masks[-2]
     matcher.reset()
     assert allowed_tokens(matcher) == start and not matcher.is_terminated()
+
+
+def test_guidance_generates_only_the_listed_properties_unless_the_schema_opens_the_object(backends, tokenizer):
+    backend = backends["guidance"]
+
+    def another_property_may_follow(schema: dict) -> bool:
+        matcher = backend.new_matcher(backend.compile(Constraint("json", schema, any_whitespace=False)))
+        for token_id in tokenizer.encode('{"a":true', add_special_tokens=False):
+            assert matcher.accept_token(token_id)
+        return any(tokenizer.decode([token_id]).startswith(",") for token_id in allowed_tokens(matcher))
+
+    listed = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    assert not another_property_may_follow(listed)
+    assert another_property_may_follow({**listed, "additionalProperties": True})
+    # allOf branches merge: closing each would leave no object that has both properties
+    merged = {"allOf": [listed, {"properties": {"b": {"type": "null"}}, "required": ["b"]}]}
+    assert backend.supports(Constraint("json", merged)) is None
+    assert another_property_may_follow(merged)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "guidance", "lm-format-enforcer"])
+def test_rollback_over_the_end_of_sequence_token_undoes_it_alone(backends, tokenizer, backend_name):
+    backend = backends[backend_name]
+    # "yes" may end or go on; after "yes" alone the grammar is complete (llguidance has stopped)
+    for choices, only_the_end in ((("yes", "yes please"), False), (("yes",), True)):
+        matcher = backend.new_matcher(backend.compile(Constraint("choice", choices)))
+        for token_id in tokenizer.encode("yes", add_special_tokens=False):
+            assert matcher.accept_token(token_id)
+        after_yes = allowed_tokens(matcher)
+        assert EOS in after_yes and (len(after_yes) == 1) == only_the_end
+        assert matcher.accept_token(EOS) and matcher.is_terminated()
+        matcher.rollback(1)
+        assert not matcher.is_terminated() and allowed_tokens(matcher) == after_yes
+
+
+def test_lm_format_enforcer_internal_errors_fail_the_request_instead_of_ending_it(backends):
+    from lmformatenforcer import CharacterLevelParser
+
+    class BrokenParser(CharacterLevelParser):
+        def add_character(self, new_character):
+            return self
+
+        def get_allowed_characters(self):
+            raise KeyError("a bug inside the parser")
+
+        def can_end(self):
+            return False
+
+    backend = backends["lm-format-enforcer"]
+    backend.tokenizer_data()
+    matcher = backend.new_matcher((BrokenParser(), None, None))
+    assert allowed_tokens(matcher) == [EOS]  # the library's answer to its own errors
+    with pytest.raises(RuntimeError, match="failed inside its parser"):
+        matcher.accept_token(EOS)
 
 
 def test_token_bytes_of_a_byte_level_vocabulary(tokenizer):
@@ -298,14 +382,14 @@ def test_the_entry_point_module_registers_the_backends_lazily():
         "import tokenloom.builtin_plugins.structured_output as plugin\n"
         "registered = []\n"
         "plugin.register_structured_output_backends(register=lambda name, target: registered.append((name, target)))\n"
-        "heavy = [m for m in ('torch', 'xgrammar', 'outlines_core', 'lmformatenforcer') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'xgrammar', 'llguidance', 'outlines_core', 'lmformatenforcer') if m in sys.modules]\n"
         "print(registered, heavy)\n"
     )
     output = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     registered, heavy = output.strip().rsplit(" ", 1)[0], output.strip().rsplit(" ", 1)[1]
     assert heavy == "[]", f"importing the entry point pulled in {heavy}"
     assert registered.startswith("[('xgrammar', 'tokenloom.builtin_plugins.structured_output.xgrammar_backend:")
-    assert "('outlines', " in registered and "('lm-format-enforcer', " in registered
+    assert "('guidance', " in registered and "('outlines', " in registered and "('lm-format-enforcer', " in registered
 
 
 @pytest.mark.hook("register_structured_output_backends")
@@ -313,7 +397,8 @@ def test_the_installed_entry_point_fills_the_registry_in_preference_order():
     from tokenloom.plugins.manager import load_plugins
 
     registry = load_plugins().registry("structured_output_backend")
-    assert registry.names()[:3] == ["xgrammar", "outlines", "lm-format-enforcer"]
+    # vLLM's auto tries xgrammar, then guidance
+    assert registry.names()[:4] == ["xgrammar", "guidance", "outlines", "lm-format-enforcer"]
     assert registry.get("outlines") is OutlinesBackend
 
 

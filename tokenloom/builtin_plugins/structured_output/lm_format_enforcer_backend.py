@@ -5,7 +5,8 @@ per token, but it needs no compile step). No grammars.
 
 Tokens that are not whole UTF-8 text are left out of the vocabulary (lm-format-enforcer reads
 each token as characters), and for JSON masks keep raw control characters out of strings,
-which its string rule would admit."""
+which its string rule would admit. Its JSON number and string rules are replaced by exact ones
+(lm_format_enforcer_json), so integers, numbers and ``maxLength`` are served."""
 
 from __future__ import annotations
 
@@ -25,13 +26,7 @@ from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutp
 
 # what lm-format-enforcer's JSON parser does not enforce: outputs could break these (small
 # integer ranges are enforced anyway, as enums)
-UNSUPPORTED_JSON_KEYWORDS = KEYWORDS_REGEX_BACKENDS_IGNORE | {
-    "oneOf",
-    "prefixItems",
-    "format",
-    # leading whitespace inside a string is not counted, so strings can exceed it
-    "maxLength",
-}
+UNSUPPORTED_JSON_KEYWORDS = KEYWORDS_REGEX_BACKENDS_IGNORE | {"oneOf", "prefixItems", "format"}
 
 
 class LMFormatEnforcerMatcher(Matcher):
@@ -57,6 +52,11 @@ class LMFormatEnforcerMatcher(Matcher):
         if not self._enforcer.get_allowed_tokens(self._token_ids).is_token_allowed(token_id):
             return False
         if token_id in self._eos_token_ids:
+            state = self._enforcer.prefix_states.get(tuple(self._token_ids))
+            if state is not None and not state.parser.can_end():
+                # lm-format-enforcer answers an internal error with "only end-of-sequence" (and
+                # a log line): ending here would pass off unfinished output as complete
+                raise RuntimeError("lm-format-enforcer failed inside its parser and allowed only the end")
             self._terminated = True
         else:
             self._token_ids.append(token_id)
@@ -83,9 +83,30 @@ OPEN_OBJECT_REASON = (
     "lm-format-enforcer can close an object right after a comma when a property is optional "
     "or the object has no fixed properties; make every property required"
 )
-NUMBER_REASON = (
-    "lm-format-enforcer's number rule admits exponents in integers and '-0.'; use an enum of numbers, or xgrammar"
-)
+CONST_REASON = "lm-format-enforcer takes a const that is a string or a number only; use an enum, or xgrammar"
+
+
+def _numeric_consts_as_enums(schema: Any) -> Any:
+    """A copy of ``schema`` where ``const: 5`` is ``enum: [5]``: lm-format-enforcer's const rule
+    reads its value as a string, and its enum rule writes numbers."""
+    if isinstance(schema, list):
+        return [_numeric_consts_as_enums(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    node = {
+        key: value if key in ("enum", "const", "default", "examples") else _numeric_consts_as_enums(value)
+        for key, value in schema.items()
+    }
+    value = node.get("const")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        del node["const"]
+        node["enum"] = [item for item in node.get("enum", [value]) if item == value and not isinstance(item, bool)]
+    return node
+
+
+def lm_format_enforcer_schema(schema: Any) -> Any:
+    """The schema as handed to lm-format-enforcer (and checked against its limits)."""
+    return _numeric_consts_as_enums(enumerate_integer_ranges(schema))
 
 
 def _unsupported_node(node: dict) -> str | None:
@@ -93,18 +114,20 @@ def _unsupported_node(node: dict) -> str | None:
     if isinstance(types, list) and set(node) - {"type", "title", "description"}:
         return "lm-format-enforcer drops the other keywords of a schema whose type is a list; use anyOf"
     types = set(types) if isinstance(types, list) else {types}
-    if types & {"integer", "number"} and "enum" not in node and "const" not in node:
-        return NUMBER_REASON
+    if "const" in node and not isinstance(node["const"], str):  # numeric ones are enums by now
+        return CONST_REASON
     if "array" in types and not isinstance(node.get("items"), dict):
         return "lm-format-enforcer needs a schema for array items"
     if "object" in types or "properties" in node:
         properties = node.get("properties")
         if not isinstance(properties, dict) or set(properties) - set(node.get("required") or []):
             return OPEN_OBJECT_REASON
-    if "pattern" in node and "minLength" in node:
-        return "lm-format-enforcer cannot combine a string pattern with minLength"
+    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+        return "lm-format-enforcer cannot combine a string pattern with minLength or maxLength"
     if "enum" in node:
         values = node["enum"]
+        if not values:
+            return "the schema allows no value here (an empty enum, or a const outside the enum)"
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
         if not (numbers or all(isinstance(v, str) for v in values)):
             return "lm-format-enforcer needs enum values that are all strings or all numbers"
@@ -126,7 +149,7 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
         if constraint.whitespace_pattern is not None:
             return "lm-format-enforcer takes no whitespace pattern (use outlines)"
         if constraint.kind == "json":
-            schema = enumerate_integer_ranges(constraint.spec)
+            schema = lm_format_enforcer_schema(constraint.spec)
             return unsupported_keywords_reason("lm-format-enforcer", schema, UNSUPPORTED_JSON_KEYWORDS) or next(
                 filter(None, map(_unsupported_node, subschemas(schema))), None
             )
@@ -164,13 +187,15 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
     def compile(self, constraint: Constraint) -> tuple[Any, int | None, Any]:
         """(parser, the maximum run of whitespace in JSON or None for the default, the JSON
         control-byte filter or None)."""
-        from lmformatenforcer import JsonSchemaParser, RegexParser, StringParser, UnionParser
+        from lmformatenforcer import RegexParser, StringParser, UnionParser
+
+        from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_json import StrictJsonSchemaParser
 
         kind = constraint.kind
         max_whitespaces = None
         if kind in ("json", "json_object"):
-            schema = enumerate_integer_ranges(constraint.spec) if kind == "json" else {"type": "object"}
-            parser = JsonSchemaParser(schema)
+            schema = lm_format_enforcer_schema(constraint.spec) if kind == "json" else {"type": "object"}
+            parser = StrictJsonSchemaParser.for_schema(schema)
             max_whitespaces = None if constraint.any_whitespace else 0
         elif kind == "regex":
             parser = RegexParser(constraint.spec)
