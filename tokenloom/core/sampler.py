@@ -7,7 +7,9 @@ Order of processing: structured-output masks, allowed tokens, bad words, min_tok
 bias, presence/frequency penalties, repetition penalty; then greedy rows take the argmax and
 the others go through temperature, min-p, top-k, top-p and an exponential race
 (``probs / Exponential(1)``, argmax) whose noise comes from the row's own generator when it
-has a seed.
+has a seed, and otherwise from the sampler's generator, seeded once from ``--seed`` (vLLM's
+meaning: two engines started with the same seed sample the same tokens for the same sequence
+of steps).
 """
 
 from __future__ import annotations
@@ -50,13 +52,30 @@ class SamplerOutput:
 class Sampler:
     """Turns a step's ``[num_rows, vocab]`` float32 logits into one token per row."""
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs"):
+    def __init__(self, logprobs_mode: str = "raw_logprobs", seed: int | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(
                 f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}",
                 param="logprobs_mode",
             )
         self.logprobs_mode = logprobs_mode
+        # the noise of unseeded random rows: its own generator rather than torch's global one,
+        # so that nothing else drawing random numbers in the process shifts the sampled tokens
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator on ``device``: seeded with ``--seed``, or from the OS's
+        entropy when the seed is None."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[device] = generator
+        return generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -74,7 +93,9 @@ class Sampler:
             random_rows = metadata.random_rows
             random_logits = processed if random_rows is None else processed[random_rows]
             random_logits = _apply_temperature_and_truncation(random_logits, metadata)
-            random_tokens = _sample_exponential_race(random_logits, metadata.generators)
+            random_tokens = _sample_exponential_race(
+                random_logits, metadata.generators, self.generator(random_logits.device)
+            )
             if random_rows is None:
                 token_ids = random_tokens
             else:
@@ -181,11 +202,14 @@ def _apply_temperature_and_truncation(logits: torch.Tensor, metadata: SamplingMe
     return logits
 
 
-def _sample_exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _sample_exponential_race(
+    logits: torch.Tensor, generators: dict[int, torch.Generator], shared_generator: torch.Generator | None = None
+) -> torch.Tensor:
     """argmax(p / q) with q ~ Exponential(1) picks token i with probability p_i; a seeded row
-    draws its q from its own generator, so its tokens do not depend on the batch."""
+    draws its q from its own generator, so its tokens do not depend on the batch; the other
+    rows draw theirs from ``shared_generator`` (the engine's ``--seed``)."""
     probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
+    noise = torch.empty_like(probs).exponential_(generator=shared_generator)
     for position, generator in generators.items():
         noise[position].exponential_(generator=generator)
     # a zero draw would turn 0/0 into NaN, which argmax would pick
