@@ -348,10 +348,8 @@ FLAGS: tuple[Flag, ...] = (
         "--allowed-local-media-path", "ModelConfig", "Directory that requests may read local media from.", default=""
     ),
     unimplemented("--allowed-media-domains", "ModelConfig", "Domains that media URLs may come from.", nargs="+"),
-    unimplemented(
-        "--logits-processor-pattern", "ModelConfig", "Regex of logits-processor names that requests may name."
-    ),
-    unimplemented("--logits-processors", "ModelConfig", "Logits-processor classes to load.", nargs="+"),
+    implemented("--logits-processor-pattern", "ModelConfig"),
+    implemented("--logits-processors", "ModelConfig", nargs="+"),
     unimplemented("--io-processor-plugin", "ModelConfig", "An IOProcessor plugin to load at start-up."),
     unimplemented("--override-attention-dtype", "ModelConfig", "Run attention in another dtype."),
     unimplemented(

@@ -13,6 +13,7 @@ import torch
 
 from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.config import EngineConfig
+from tokenloom.core.logits_processors import resolve_engine_processors
 from tokenloom.core.model_loader import ModelInfo, build_model
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
@@ -60,6 +61,10 @@ class ModelRunner:
         # generator, so a resumed request draws the random numbers it would have drawn next
         # instead of replaying its first steps' (vLLM keeps its request state the same way)
         self._preempted_generators: dict[str, torch.Generator] = {}
+        # --logits-processors: applied to every request (checked here, before the model loads)
+        self.engine_logits_processors = resolve_engine_processors(
+            config.model.logits_processors, plugins.registry("logits_processor")
+        )
         # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
         self.model: Any = None
@@ -149,6 +154,7 @@ class ModelRunner:
             bad_words_token_ids=bad_words,
             eos_token_ids=self.info.eos_token_ids,
             device=self.device,
+            engine_logits_processors=self.engine_logits_processors,
         )
         kept_generator = self._preempted_generators.pop(new.req_id, None)
         if kept_generator is not None and new.output_token_ids:

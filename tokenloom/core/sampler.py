@@ -85,8 +85,14 @@ class Sampler:
         if wants_logprobs and mode.startswith("raw"):
             logprobs_source = logits[metadata.logprob_rows]
 
-        processed = _apply_logits_processors(logits.clone(), metadata) if metadata.modifies_logits else logits
-        errors = _failed_rows(processed) if metadata.modifies_logits else {}
+        processor_errors: dict[int, str] = {}
+        if metadata.modifies_logits:
+            processed = logits.clone()
+            processor_errors = _apply_request_processors(processed, metadata)
+            processed = _apply_logits_processors(processed, metadata)
+            errors = {**_failed_rows(processed), **processor_errors}
+        else:
+            processed, errors = logits, {}
         if metadata.all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:
@@ -140,6 +146,28 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
     return allowed[:, :vocab_size]
+
+
+def _apply_request_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> dict[int, str]:
+    """Run each row's logits processors on its row, in place; a processor that raises, or
+    returns something other than a row of the same shape, fails that row alone (row -> why)."""
+    errors: dict[int, str] = {}
+    for row, state in metadata.processor_rows:
+        try:
+            row_logits = logits[row]
+            for processor in state.logits_processors():
+                result = processor(state.prompt_token_ids, state.output_token_ids, row_logits)
+                if not isinstance(result, torch.Tensor) or result.shape != row_logits.shape:
+                    raise TypeError(
+                        f"a logits processor returned {type(result).__name__} "
+                        f"{tuple(getattr(result, 'shape', ()))}, not a tensor of shape {tuple(row_logits.shape)}"
+                    )
+                row_logits = result
+            logits[row] = row_logits
+        except Exception as exc:  # the processor is user code: fail this request, not the step
+            errors[row] = f"a logits processor failed: {type(exc).__name__}: {exc}"
+            logits[row] = float("-inf")
+    return errors
 
 
 def _apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
