@@ -91,7 +91,8 @@ def test_no_repeat_ngram_refuses_a_bad_size():
     with pytest.raises(ValueError, match="ngram_size"):
         build_processor(
             LogitsProcessorSpec(
-                "n", "tokenloom.builtin_plugins.logits_processors.no_repeat_ngram:NoRepeatNGramLogitsProcessor",
+                "n",
+                "tokenloom.builtin_plugins.logits_processors.no_repeat_ngram:NoRepeatNGramLogitsProcessor",
                 kwargs={"ngram_size": 0},
             )
         )
@@ -128,7 +129,10 @@ def test_a_qualified_name_matching_the_pattern_is_imported_and_one_that_does_not
 
 
 def test_bad_entries_and_bad_arguments_are_the_requests_400():
-    resolver = LogitsProcessorResolver(registry_with(ngram="tokenloom.builtin_plugins.logits_processors.no_repeat_ngram:NoRepeatNGramLogitsProcessor"), None)
+    resolver = LogitsProcessorResolver(
+        registry_with(ngram="tokenloom.builtin_plugins.logits_processors.no_repeat_ngram:NoRepeatNGramLogitsProcessor"),
+        None,
+    )
     with pytest.raises(InvalidRequestError, match="could not be built: ValueError: ngram_size"):
         resolver.resolve([{"qualname": "ngram", "kwargs": {"ngram_size": -1}}])
     with pytest.raises(InvalidRequestError, match="qualname"):
@@ -141,7 +145,10 @@ def test_engine_processors_come_from_the_registry_or_an_import_path():
     specs = resolve_engine_processors(
         ["ban", f"{MODULE}.boost_last_output_token"], registry_with(ban=f"{MODULE}:BanTokens")
     )
-    assert [(spec.name, spec.construct) for spec in specs] == [("ban", True), (f"{MODULE}.boost_last_output_token", False)]
+    assert [(spec.name, spec.construct) for spec in specs] == [
+        ("ban", True),
+        (f"{MODULE}.boost_last_output_token", False),
+    ]
     with pytest.raises(ConfigError, match="--logits-processors: 'no.such.Processor'") as refused:
         resolve_engine_processors(["no.such.Processor"], registry_with())
     assert refused.value.param == "logits-processors"

@@ -152,14 +152,25 @@ def refused(call) -> dict:
 
 
 def test_streamed_beam_search_is_refused(client):
-    body = refused(lambda: list(client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=4, stream=True, extra_body={"use_beam_search": True}
-    )))
+    body = refused(
+        lambda: list(
+            client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, stream=True, extra_body={"use_beam_search": True}
+            )
+        )
+    )
     assert body["param"] == "stream" and "use_beam_search" in body["message"]
-    body = refused(lambda: list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
-        extra_body={"use_beam_search": True},
-    )))
+    body = refused(
+        lambda: list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=4,
+                stream=True,
+                extra_body={"use_beam_search": True},
+            )
+        )
+    )
     assert body["param"] == "stream"
 
 
@@ -173,12 +184,20 @@ def test_beam_search_with_a_field_it_cannot_honour_is_refused_by_name(client):
 
 def test_a_qualified_logits_processor_allowed_by_the_pattern_runs_on_the_request(client):
     greedy = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        logprobs=0,
         extra_body={"return_tokens_as_token_ids": True},
     )
     first = token_ids_of(greedy.choices[0])[0]
     banned = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        logprobs=0,
         extra_body={
             "return_tokens_as_token_ids": True,
             "logits_processors": [{"qualname": "tests.e2e.ban_token_processor.BanTokens", "args": [first]}],
@@ -210,14 +229,20 @@ def test_the_registered_no_repeat_ngram_processor_prevents_repeated_bigrams(clie
 
 
 def test_a_logits_processor_the_pattern_does_not_allow_is_refused(client):
-    body = refused(lambda: client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"logits_processors": ["os.system"]}
-    ))
+    body = refused(
+        lambda: client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"logits_processors": ["os.system"]}
+        )
+    )
     assert body["param"] == "logits_processors" and "--logits-processor-pattern" in body["message"]
-    body = refused(lambda: client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=2,
-        extra_body={"logits_processors": [{"qualname": "no_repeat_ngram", "kwargs": {"ngram_size": 0}}]},
-    ))
+    body = refused(
+        lambda: client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=2,
+            extra_body={"logits_processors": [{"qualname": "no_repeat_ngram", "kwargs": {"ngram_size": 0}}]},
+        )
+    )
     assert body["param"] == "logits_processors" and "ngram_size" in body["message"]
 
 
@@ -225,27 +250,45 @@ def test_a_logits_processor_the_pattern_does_not_allow_is_refused(client):
 
 
 def test_priority_under_fcfs_is_refused(client):
-    body = refused(lambda: client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 5}
-    ))
+    body = refused(
+        lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 5})
+    )
     assert body["param"] == "priority" and "--scheduling-policy priority" in body["message"]
     # 0 is the default and means nothing under fcfs: accepted
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"priority": 0}).choices
 
 
 def test_a_forced_tool_choice_without_tools_is_refused(client):
-    body = refused(lambda: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    ))
+    body = refused(
+        lambda: client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+    )
     assert body["param"] == "tool_choice" and "tools" in body["message"]
 
 
 def test_an_unimportable_logits_processors_flag_stops_the_server_with_its_name():
     result = subprocess.run(
-        [sys.executable, "-m", "tokenloom", "serve", "smollm2", "--max-model-len", "256",
-         "--logits-processors", "no.such.Processor", "--port", "1"],
-        capture_output=True, text=True, timeout=240, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            "-m",
+            "tokenloom",
+            "serve",
+            "smollm2",
+            "--max-model-len",
+            "256",
+            "--logits-processors",
+            "no.such.Processor",
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO_ROOT,
     )
     assert result.returncode != 0
     assert "--logits-processors" in result.stderr + result.stdout

@@ -408,13 +408,16 @@ class ServingContext:
             ]
             timer.on_output(sum(len(output.token_ids) for output in outputs))
             timer.on_finish([output.finish_reason or "length" for output in outputs])
-            yield prompt_index, RequestOutput(
-                request_id=request_id,
-                prompt=None,
-                prompt_token_ids=prompt_token_ids,
-                prompt_logprobs=None,
-                outputs=outputs,
-                finished=True,
+            yield (
+                prompt_index,
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=None,
+                    prompt_token_ids=prompt_token_ids,
+                    prompt_logprobs=None,
+                    outputs=outputs,
+                    finished=True,
+                ),
             )
 
     def log_request(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -100,7 +100,10 @@ class CompletionsHandler:
             ctx.check_beam_search(request, num_samples, structured)
             ctx.check_priority(request.priority)
             beam_inputs = [
-                (ids, ctx.beam_search_params(request, num_samples, ctx.resolve_max_tokens(len(ids), request.max_tokens)))
+                (
+                    ids,
+                    ctx.beam_search_params(request, num_samples, ctx.resolve_max_tokens(len(ids), request.max_tokens)),
+                )
                 for ids in prompt_ids
             ]
             request_id = ctx.engine_request_id(raw_request, request, "cmpl")

@@ -85,7 +85,9 @@ class BeamSearch:
         self.eos_token_ids = set(eos_token_ids)
         self.finishing_ids = self.eos_token_ids | set(params.stop_token_ids)
         self.num_prompts = len(prompts_token_ids)
-        self.live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(list(ids), len(ids))] for ids in prompts_token_ids]
+        self.live: list[list[BeamSearchSequence]] = [
+            [BeamSearchSequence(list(ids), len(ids))] for ids in prompts_token_ids
+        ]
         self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts_token_ids]
         self.num_steps = 0
 

@@ -37,7 +37,9 @@ class LogitsProcessor:
     given with ``--logits-processors``); an instance may keep state for that request's life.
     """
 
-    def __call__(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], logits: torch.Tensor
+    ) -> torch.Tensor:
         """Return the request's logits for the next token.
 
         :param prompt_token_ids: the request's prompt.
@@ -132,7 +134,9 @@ class LogitsProcessorResolver:
         if requested is None:
             return []
         if not isinstance(requested, list):
-            raise InvalidRequestError(f"{param} must be a list of names or {{qualname, args, kwargs}} objects", param=param)
+            raise InvalidRequestError(
+                f"{param} must be a list of names or {{qualname, args, kwargs}} objects", param=param
+            )
         if len(requested) > MAX_REQUEST_LOGITS_PROCESSORS:
             raise InvalidRequestError(
                 f"{param} names {len(requested)} processors; at most {MAX_REQUEST_LOGITS_PROCESSORS} are allowed",
@@ -152,15 +156,19 @@ class LogitsProcessorResolver:
         return specs
 
     def _spec(self, entry: Any, where: str) -> LogitsProcessorSpec:
+        args: list[Any]
+        kwargs: dict[str, Any]
         if isinstance(entry, str):
             name, args, kwargs, explicit = entry, [], {}, False
         elif isinstance(entry, dict) and isinstance(entry.get("qualname"), str):
             name, args, kwargs, explicit = entry["qualname"], entry.get("args") or [], entry.get("kwargs") or {}, True
             if not isinstance(args, list) or not isinstance(kwargs, dict):
-                raise InvalidRequestError(f"{where}: args must be a list and kwargs an object", param="logits_processors")
+                raise InvalidRequestError(
+                    f"{where}: args must be a list and kwargs an object", param="logits_processors"
+                )
         else:
             raise InvalidRequestError(
-                f"{where} must be a name or an object {{\"qualname\": ..., \"args\": [...], \"kwargs\": {{...}}}}",
+                f'{where} must be a name or an object {{"qualname": ..., "args": [...], "kwargs": {{...}}}}',
                 param="logits_processors",
             )
         if self.registry is not None and name in self.registry:
@@ -196,7 +204,7 @@ def resolve_engine_processors(names: list[str] | None, registry: Registry | None
     specs = []
     for name in names or []:
         registered = registry is not None and name in registry
-        target = registry.entry(name).target_path if registered else _qualified_target(name)
+        target = registry.entry(name).target_path if registry is not None and registered else _qualified_target(name)
         try:
             resolved = resolve_target(target)
             spec = LogitsProcessorSpec(name, target, construct=registered or inspect.isclass(resolved))
