@@ -42,6 +42,12 @@ def boost_last_output_token(output_token_ids, logits):
     return logits
 
 
+def force_token_five(prompt_token_ids, output_token_ids, logits):
+    logits[:5] = float("-inf")
+    logits[6:] = float("-inf")
+    return logits
+
+
 def broken_processor(prompt_token_ids, output_token_ids, logits):
     raise ValueError("boom")
 
@@ -212,3 +218,36 @@ def test_raw_logprobs_are_taken_before_the_processor_and_processed_after():
     raw, processed = chosen_logprob("raw_logits"), chosen_logprob("processed_logits")
     assert raw.token_ids == [2] and raw.logprobs == [1.0] and raw.rank == 2
     assert processed.token_ids == [2] and processed.rank == 1
+
+
+# -- through the engine ----------------------------------------------------------------------------
+
+
+def test_engine_logits_processors_apply_to_every_request_and_request_ones_offline(tiny_llama_dir):
+    from tokenloom import LLM
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", logits_processors=[f"{MODULE}.force_token_five"])
+    outputs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True))
+    assert [output.outputs[0].token_ids for output in outputs] == [[5] * 4, [5] * 4]
+    # offline, a request may hand its own callables to the in-process worker
+    plain = LLM(model=tiny_llama_dir, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logits_processors=[force_token_five])
+    assert plain.generate(["Hello"], params)[0].outputs[0].token_ids == [5, 5, 5]
+
+
+def test_a_failing_processor_ends_its_request_with_an_error_and_spares_the_others(tiny_llama_dir):
+    from tokenloom import LLM
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32")
+    failing = SamplingParams(temperature=0.0, max_tokens=3, logits_processors=[broken_processor])
+    healthy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("bad", "Hello", failing)
+    engine.add_request("good", "Hello", healthy)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished["bad"].outputs[0].finish_reason == "error"
+    assert len(finished["good"].outputs[0].token_ids) == 3
