@@ -523,7 +523,11 @@ FLAGS: tuple[Flag, ...] = (
         "ParallelConfig",
         "Worker class to run.",
         default="auto",
-        note="executors are plugins: register one with register_executors",
+        note=(
+            "tokenloom's worker is not a public interface that another class could honestly stand in for; "
+            "what owns and runs the workers is: register an executor with register_executors and pick it "
+            "with --distributed-executor-backend"
+        ),
     ),
     unimplemented("--worker-extension-cls", "ParallelConfig", "Class mixed into the worker.", default=""),
     cpu_noop(
@@ -615,7 +619,15 @@ FLAGS: tuple[Flag, ...] = (
         default=0,
     ),
     unimplemented(
-        "--scheduler-cls", "SchedulerConfig", "Scheduler class to use.", default="vllm.core.scheduler.Scheduler"
+        "--scheduler-cls",
+        "SchedulerConfig",
+        "Scheduler class to use.",
+        default="vllm.core.scheduler.Scheduler",
+        note=(
+            "the engine drives its scheduler through more than a documented interface (queues, block "
+            "manager, preemption, pooling admission), so no other class could honour it yet; use "
+            "--scheduling-policy fcfs|priority"
+        ),
     ),
     unimplemented(
         "--num-scheduler-steps",
