@@ -37,7 +37,8 @@ class ModelConfig:
     served_model_name: list[str] | None = None
     """The model name(s) the API answers to; the first is reported. Defaults to ``--model``."""
     seed: int | None = 0
-    """Random seed for weight initialisation (dummy weights) and unseeded sampling."""
+    """Random seed for weight initialisation (dummy weights) and unseeded sampling: two engines
+    started with the same seed sample the same tokens for the same sequence of requests."""
     hf_overrides: dict[str, Any] | None = None
     """JSON dict of values to override in the model's Hugging Face config."""
     rope_scaling: dict[str, Any] | None = None
