@@ -546,3 +546,11 @@ async def test_logits_processors_reach_sampling_params_as_specs(client, engine):
     assert engine.requests[0].params.logits_processors == [
         LogitsProcessorSpec("ban", "tests.core.test_logits_processors:BanTokens", (4,), {})
     ]
+
+
+@pytest.mark.parametrize("extra", [{"length_penalty": 0.5}, {"early_stopping": True}], ids=["length_penalty", "early"])
+async def test_beam_search_options_without_beam_search_are_refused(client, engine, extra):
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **extra})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == next(iter(extra))
+    assert "use_beam_search" in response.json()["error"]["message"]

@@ -225,6 +225,15 @@ class ServingContext:
 
         self.check_token_id_list_size(request.allowed_token_ids, "allowed_token_ids")
         self.check_priority(request.priority)
+        for param, given in (
+            ("length_penalty", request.length_penalty != 1.0),
+            ("early_stopping", request.early_stopping),
+        ):
+            if given:
+                raise InvalidRequestError(
+                    f"{param} only applies to beam search: set use_beam_search to true, or remove {param}",
+                    param=param,
+                )
         logits_processors = None
         if request.logits_processors is not None:
             resolver = getattr(self.engine, "logits_processor_resolver", None)
