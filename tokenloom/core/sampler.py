@@ -3,7 +3,8 @@ and prompt logprobs. Its inputs, the per-request :class:`SamplingState` and the 
 :class:`SamplingMetadata` (tensors only for the features some row uses), live in
 :mod:`tokenloom.core.sampling_metadata` and are re-exported here.
 
-Order of processing: structured-output masks, allowed tokens, bad words, min_tokens, logit
+Order of processing: logits processors (``--logits-processors``, then the request's own),
+structured-output masks, allowed tokens, bad words, min_tokens, logit
 bias, presence/frequency penalties, repetition penalty; then greedy rows take the argmax and
 the others go through temperature, min-p, top-k, top-p and an exponential race
 (``probs / Exponential(1)``, argmax) whose noise comes from the row's own generator when it
