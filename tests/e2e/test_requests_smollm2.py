@@ -80,11 +80,10 @@ def test_seed_flag_makes_unseeded_sampling_repeat_what_an_engine_with_that_seed_
     params = SamplingParams(ignore_eos=True, **explicit)
     offline = [llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids for prompt in prompts]
     assert served == offline
-    # a different seed draws differently (the check above is not vacuous)
-    other = LLM(model=smollm2_gguf, max_model_len=1024, seed=SEED + 1)
-    assert [
-        other.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids for prompt in prompts
-    ] != offline
+    # the same requests again draw on from where the generator stands: other tokens, so the
+    # equality above is the seed's doing and not a distribution too peaked to sample differently
+    again = [llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids for prompt in prompts]
+    assert again != offline
 
 
 # -- beam search -----------------------------------------------------------------------------------
