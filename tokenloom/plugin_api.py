@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     )
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
     from tokenloom.core.executor import Executor, WorkerSpec
+    from tokenloom.core.logits_processors import LogitsProcessor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import KVCacheSpec, ModelContext, ModelProtocol
     from tokenloom.core.parsers import (
@@ -70,6 +71,7 @@ _LAZY = {
     "KVCacheSpec": "tokenloom.core.model_interface",
     "QuantizationMethod": "tokenloom.layers.quantization",
     "StructuredOutputBackend": "tokenloom.core.structured_output",
+    "LogitsProcessor": "tokenloom.core.logits_processors",
     "Matcher": "tokenloom.core.structured_output",
     "Constraint": "tokenloom.core.structured_output",
     "BackendOptions": "tokenloom.core.structured_output",
@@ -129,6 +131,7 @@ __all__ = [
     "KVCacheSpec",
     "QuantizationMethod",
     "StructuredOutputBackend",
+    "LogitsProcessor",
     "Matcher",
     "Constraint",
     "BackendOptions",

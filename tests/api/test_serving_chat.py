@@ -379,3 +379,24 @@ async def test_reasoning_parser_from_the_registry(make_app, tokenizer):
 def test_unknown_parser_name_fails_at_start_up_listing_the_known_ones(make_app):
     with pytest.raises(UnknownNameError, match="tags"):
         make_app(plugins=plugin_set(), tool_call_parser="tagz")
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
+@pytest.mark.parametrize("tools", [None, []], ids=["absent", "empty"])
+async def test_a_forced_tool_choice_without_tools_is_a_400(client, engine, tool_choice, tools):
+    body = {"messages": USER_HI, "tool_choice": tool_choice}
+    if tools is not None:
+        body["tools"] = tools
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tool_choice"
+    assert "tools" in response.json()["error"]["message"]
+    assert not engine.requests
+
+
+async def test_chat_beam_search_cannot_stream(client, engine):
+    body = {"messages": USER_HI, "use_beam_search": True, "stream": True, "max_tokens": 2}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"

@@ -489,3 +489,69 @@ async def test_requests_are_logged_only_with_enable_log_requests_and_max_log_len
     async with client_for(make_app()) as http_client:  # the default: prompts are private data, never logged
         await http_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert not [r for r in caplog.records if "received request" in r.getMessage() or "'Hi'" in r.getMessage()]
+
+
+# -- issue 19: fields that are honoured or refused by name, never dropped -------------------------
+
+
+async def test_priority_is_refused_under_fcfs_and_passed_on_under_priority(client, engine):
+    engine.scheduling_policy = "fcfs"
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "priority": -2})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in response.json()["error"]["message"]
+    assert not engine.requests
+    engine.scheduling_policy = "priority"
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "priority": -2})
+    assert response.status_code == 200 and engine.requests[0].priority == -2
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"stream": True}, "stream"),
+        ({"stop": ["."]}, "stop"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"guided_choice": ["a", "b"]}, "use_beam_search"),
+        ({"n": 11}, "n"),  # 22 logprobs per step, over --max-logprobs 20
+    ],
+)
+async def test_beam_search_refuses_what_it_cannot_honour(client, engine, extra, param):
+    body = {"prompt": "Hi", "max_tokens": 2, "use_beam_search": True, **extra}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert not engine.requests
+
+
+async def test_logits_processors_on_an_engine_without_them_are_refused(client, engine):
+    response = await client.post(
+        "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logits_processors": ["no_repeat_ngram"]}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logits_processors"
+
+
+async def test_logits_processors_reach_sampling_params_as_specs(client, engine):
+    from tokenloom.core.logits_processors import LogitsProcessorResolver, LogitsProcessorSpec
+    from tokenloom.plugins.registry import Registry
+
+    registry = Registry("logits_processor")
+    registry.register("ban", "tests.core.test_logits_processors:BanTokens", plugin_name="test")
+    engine.logits_processor_resolver = LogitsProcessorResolver(registry, None)
+    body = {"prompt": "Hi", "max_tokens": 1, "logits_processors": [{"qualname": "ban", "args": [4]}]}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert engine.requests[0].params.logits_processors == [
+        LogitsProcessorSpec("ban", "tests.core.test_logits_processors:BanTokens", (4,), {})
+    ]
+
+
+@pytest.mark.parametrize("extra", [{"length_penalty": 0.5}, {"early_stopping": True}], ids=["length_penalty", "early"])
+async def test_beam_search_options_without_beam_search_are_refused(client, engine, extra):
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **extra})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == next(iter(extra))
+    assert "use_beam_search" in response.json()["error"]["message"]

@@ -161,3 +161,32 @@ def test_prompt_logprobs_are_not_repeated_when_a_sequence_is_recomputed(tiny_lla
     for output in outputs:
         prompt_ids = output.prompt_token_ids
         check_prompt_logprobs(prompt_ids, output.prompt_logprobs, unchunked_prompt_logprobs[tuple(prompt_ids)], 2)
+
+
+# --- seeds: --seed for unseeded requests, and a request's own seed across preemption -----------
+
+
+def sampled_tokens(llm, params, prompts=PROMPTS):
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+
+
+def test_seeded_requests_sample_the_same_tokens_with_and_without_preemption(tiny_llama_dir):
+    # a random tiny model's distribution is nearly flat: every draw shows in the tokens
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=1234)
+    roomy = LLM(model=tiny_llama_dir, dtype="float32", block_size=4)
+    expected = sampled_tokens(roomy, params)
+    assert roomy.engine.stats().num_preemptions == 0
+    tight = LLM(model=tiny_llama_dir, dtype="float32", block_size=4, num_gpu_blocks_override=10)
+    assert sampled_tokens(tight, params) == expected
+    assert tight.engine.stats().num_preemptions > 0
+    # nothing is left behind for the preempted requests once they finished
+    assert tight.engine.executor.worker.runner._preempted_generators == {}
+
+
+def test_seed_flag_makes_unseeded_sampling_repeatable(tiny_llama_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = sampled_tokens(LLM(model=tiny_llama_dir, dtype="float32", seed=7), params)
+    second = sampled_tokens(LLM(model=tiny_llama_dir, dtype="float32", seed=7), params)
+    other = sampled_tokens(LLM(model=tiny_llama_dir, dtype="float32", seed=8), params)
+    assert first == second
+    assert first != other

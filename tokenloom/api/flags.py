@@ -383,10 +383,8 @@ FLAGS: tuple[Flag, ...] = (
         "--allowed-local-media-path", "ModelConfig", "Directory that requests may read local media from.", default=""
     ),
     unimplemented("--allowed-media-domains", "ModelConfig", "Domains that media URLs may come from.", nargs="+"),
-    unimplemented(
-        "--logits-processor-pattern", "ModelConfig", "Regex of logits-processor names that requests may name."
-    ),
-    unimplemented("--logits-processors", "ModelConfig", "Logits-processor classes to load.", nargs="+"),
+    implemented("--logits-processor-pattern", "ModelConfig"),
+    implemented("--logits-processors", "ModelConfig", nargs="+"),
     unimplemented("--io-processor-plugin", "ModelConfig", "An IOProcessor plugin to load at start-up."),
     unimplemented("--override-attention-dtype", "ModelConfig", "Run attention in another dtype."),
     implemented("--override-generation-config", "ModelConfig", kind="json"),
@@ -585,7 +583,11 @@ FLAGS: tuple[Flag, ...] = (
         "ParallelConfig",
         "Worker class to run.",
         default="auto",
-        note="executors are plugins: register one with register_executors",
+        note=(
+            "tokenloom's worker is not a public interface that another class could honestly stand in for; "
+            "what owns and runs the workers is: register an executor with register_executors and pick it "
+            "with --distributed-executor-backend"
+        ),
     ),
     unimplemented("--worker-extension-cls", "ParallelConfig", "Class mixed into the worker.", default=""),
     cpu_noop(
@@ -677,7 +679,15 @@ FLAGS: tuple[Flag, ...] = (
         default=0,
     ),
     unimplemented(
-        "--scheduler-cls", "SchedulerConfig", "Scheduler class to use.", default="vllm.core.scheduler.Scheduler"
+        "--scheduler-cls",
+        "SchedulerConfig",
+        "Scheduler class to use.",
+        default="vllm.core.scheduler.Scheduler",
+        note=(
+            "the engine drives its scheduler through more than a documented interface (queues, block "
+            "manager, preemption, pooling admission), so no other class could honour it yet; use "
+            "--scheduling-policy fcfs|priority"
+        ),
     ),
     unimplemented(
         "--num-scheduler-steps",

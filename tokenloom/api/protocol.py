@@ -123,7 +123,20 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+    """Lower runs first under ``--scheduling-policy priority``; under ``fcfs`` anything but 0
+    is a 400, as in vLLM."""
     request_id: str | None = None
+    use_beam_search: bool = False
+    """vLLM's beam search: ``best_of`` (or ``n``) beams, the ``n`` best returned; not streamable."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores cumulative logprob / length ** length_penalty."""
+    early_stopping: bool = False
+    """Beam search: stop as soon as ``best_of`` (or ``n``) beams have finished, instead of
+    searching on to ``max_tokens`` for better-scoring longer ones."""
+    logits_processors: list[str | dict[str, Any]] | None = None
+    """vLLM's per-request logits processors: registered names, or qualified names
+    (``pkg.mod.Class``) that match ``--logits-processor-pattern``; each entry a string or
+    ``{"qualname": ..., "args": [...], "kwargs": {...}}``."""
     return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = None
     """vLLM's prefix-cache isolation: only requests with the same salt share cached KV blocks.

@@ -252,6 +252,24 @@ class ServingContext:
             for name in ("stop", "bad_words"):
                 if getattr(request, name):
                     self.require_tokenizer(name, name)
+        self.check_priority(request.priority)
+        for param, given in (
+            ("length_penalty", request.length_penalty != 1.0),
+            ("early_stopping", request.early_stopping),
+        ):
+            if given:
+                raise InvalidRequestError(
+                    f"{param} only applies to beam search: set use_beam_search to true, or remove {param}",
+                    param=param,
+                )
+        logits_processors = None
+        if request.logits_processors is not None:
+            resolver = getattr(self.engine, "logits_processor_resolver", None)
+            if resolver is None:
+                raise InvalidRequestError(
+                    "logits_processors are not supported by this engine", param="logits_processors"
+                )
+            logits_processors = resolver.resolve(request.logits_processors) or None
         return SamplingParams(
             n=n,
             presence_penalty=default(request.presence_penalty, 0.0),
@@ -281,7 +299,164 @@ class ServingContext:
             output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured_outputs,
             cache_salt=request.cache_salt,
+            logits_processors=logits_processors,
         )
+
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority means something only under ``--scheduling-policy priority``;
+        under fcfs a non-zero one is refused rather than ignored."""
+        policy = getattr(self.engine, "scheduling_policy", None)  # test fakes may not say
+        if priority != 0 and policy not in (None, "priority"):
+            raise InvalidRequestError(
+                f"priority {priority} was given, but the server schedules {policy} (first come, first "
+                "served): remove priority, or start the server with --scheduling-policy priority",
+                param="priority",
+            )
+
+    # -- beam search -------------------------------------------------------------------
+
+    def check_beam_search(self, request: SamplingRequest, num_beams: int, structured_outputs: dict | None) -> None:
+        """Refuse, by name, what a beam search cannot honour: it ranks beams by the model's own
+        log-probabilities, so anything that would reshape the distribution (or a stream of
+        partial text) would otherwise be dropped without a word. vLLM refuses streaming too."""
+        if request.stream:
+            raise InvalidRequestError(
+                "use_beam_search cannot be streamed (the best beams are only known at the end); set stream to false",
+                param="stream",
+            )
+        if structured_outputs is not None:
+            raise InvalidRequestError(
+                "use_beam_search cannot be combined with structured outputs (guided_*, structured_outputs, "
+                "response_format, or a tool_choice that forces a call)",
+                param="use_beam_search",
+            )
+        refused = {
+            "stop": bool(request.stop),
+            "logit_bias": bool(request.logit_bias),
+            "allowed_token_ids": request.allowed_token_ids is not None,
+            "bad_words": bool(request.bad_words),
+            "presence_penalty": request.presence_penalty not in (None, 0.0),
+            "frequency_penalty": request.frequency_penalty not in (None, 0.0),
+            "repetition_penalty": request.repetition_penalty not in (None, 1.0),
+            "top_p": request.top_p not in (None, 1.0),
+            "top_k": request.top_k not in (None, 0, -1),
+            "min_p": request.min_p not in (None, 0.0),
+            "min_tokens": request.min_tokens != 0,
+            "prompt_logprobs": request.prompt_logprobs is not None,
+            "logits_processors": bool(request.logits_processors),
+        }
+        for param, given in refused.items():
+            if given:
+                raise InvalidRequestError(
+                    f"{param} is not supported with use_beam_search (beams are ranked by the model's own "
+                    f"log-probabilities); remove {param} or use_beam_search",
+                    param=param,
+                )
+        if not isinstance(request.length_penalty, (int, float)) or request.length_penalty != request.length_penalty:
+            raise InvalidRequestError("length_penalty must be a number", param="length_penalty")
+        max_logprobs = getattr(self.engine, "max_logprobs", 20)
+        if 2 * num_beams > max_logprobs:
+            param = "best_of" if request.best_of is not None else "n"
+            raise InvalidRequestError(
+                f"use_beam_search with {num_beams} beams ({param}) needs the top {2 * num_beams} logprobs of every "
+                f"beam at each step, more than the server's --max-logprobs {max_logprobs}; lower {param} to at most "
+                f"{max_logprobs // 2}",
+                param=param,
+            )
+
+    def beam_search_params(self, request: SamplingRequest, num_beams: int, max_tokens: int) -> Any:
+        from tokenloom.core.beam_search import BeamSearchParams
+
+        return BeamSearchParams(
+            beam_width=num_beams,
+            max_tokens=max_tokens,
+            ignore_eos=request.ignore_eos,
+            # vLLM's default for beam search; the beams are ranked on raw logprobs either way
+            temperature=request.temperature if request.temperature is not None else 0.0,
+            length_penalty=float(request.length_penalty),
+            early_stopping=request.early_stopping,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+        )
+
+    async def beam_search(
+        self,
+        prompts: list[tuple[list[int], Any]],
+        request_id: str,
+        priority: int,
+        num_choices: int,
+        logprobs: int | None,
+        skip_special_tokens: bool,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Beam search for each ``(prompt_token_ids, BeamSearchParams)`` on the engine, as the
+        ``(prompt_index, output)`` pairs :meth:`generate_all` gives: one finished output per
+        prompt, holding its ``num_choices`` best beams. Each step's beams are one-token engine
+        requests that run batched; leaving early (cancelled, client gone) aborts them."""
+        import contextlib
+
+        from tokenloom.core.beam_search import beam_search_async
+
+        eos_token_ids = set(getattr(self.engine, "eos_token_ids", None) or ())
+        if not eos_token_ids and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos_token_ids = {self.tokenizer.eos_token_id}
+        step_counter = iter(range(1 << 62))
+
+        async def one_token(token_ids: list[int], params: SamplingParams, beam_id: str) -> RequestOutput:
+            final = None
+            stream = self.engine.generate(token_ids, params, beam_id, priority=priority)
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    final = output
+            if final is None or final.error:
+                raise RuntimeError(f"beam {beam_id} failed: {final.error if final else 'no output'}")
+            return final
+
+        async def generate(beams: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+            step = next(step_counter)
+            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            tasks = [
+                asyncio.ensure_future(one_token(tokens, params, f"{request_id}-beam-{step}-{index}"))
+                for index, tokens in enumerate(beams)
+            ]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(*tasks, return_exceptions=True)
+
+        def decode(token_ids: list[int]) -> str:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        for prompt_index, (prompt_token_ids, params) in enumerate(prompts):
+            timer = RequestTimer(self.metrics, len(prompt_token_ids))
+            result = (await beam_search_async(generate, [prompt_token_ids], params, eos_token_ids, decode))[0]
+            beams = result.sequences[:num_choices]
+            outputs = [
+                CompletionOutput(
+                    index=index,
+                    text=beam.text or "",
+                    token_ids=beam.output_token_ids,
+                    cumulative_logprob=beam.cum_logprob,
+                    logprobs=beam.logprobs if logprobs is not None else None,
+                    finish_reason=beam.finish_reason,
+                    stop_reason=beam.stop_reason,
+                )
+                for index, beam in enumerate(beams)
+            ]
+            timer.on_output(sum(len(output.token_ids) for output in outputs))
+            timer.on_finish([output.finish_reason or "length" for output in outputs])
+            yield (
+                prompt_index,
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=None,
+                    prompt_token_ids=prompt_token_ids,
+                    prompt_logprobs=None,
+                    outputs=outputs,
+                    finished=True,
+                ),
+            )
 
     def log_request(self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not self.config.enable_log_requests:  # prompts in server logs are private data: opt in

@@ -155,6 +155,13 @@ class ChatHandler:
         :func:`required_tool_calls_schema`), or the named function's definition (its arguments
         are generated under its JSON schema)."""
         choice = request.tool_choice
+        if not request.tools and (isinstance(choice, dict) or choice == "required"):
+            # vLLM refuses a tool_choice without tools: there is nothing to call
+            raise InvalidRequestError(
+                f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} needs tools: "
+                "give the function definitions in tools, or remove tool_choice",
+                param="tool_choice",
+            )
         if not request.tools or choice == "none":
             return None
         if isinstance(choice, dict):
@@ -247,6 +254,20 @@ class ChatHandler:
             structured = {"json": schema, "disable_any_whitespace": True}
         else:
             structured = request.structured_output_constraint()
+        if request.use_beam_search:
+            ctx.check_beam_search(request, num_samples, structured)
+            ctx.check_priority(request.priority)
+            request_id = ctx.engine_request_id(raw_request, request, id_prefix)
+            run = _ChatRun(self, request, request_id, model_name, prompt_ids, tool_mode)
+            beam_params = ctx.beam_search_params(request, num_samples, max_tokens)
+            return run, ctx.beam_search(
+                [(prompt_ids, beam_params)],
+                request_id,
+                request.priority,
+                request.n,
+                logprobs,
+                request.skip_special_tokens,
+            )
         engine_logprobs = logprobs if logprobs is not None else (0 if num_samples > request.n else None)
         params = ctx.sampling_params(
             request,

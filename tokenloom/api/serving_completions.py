@@ -96,6 +96,22 @@ class CompletionsHandler:
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
         structured = request.structured_output_constraint()
+        if request.use_beam_search:
+            ctx.check_beam_search(request, num_samples, structured)
+            ctx.check_priority(request.priority)
+            beam_inputs = [
+                (
+                    ids,
+                    ctx.beam_search_params(request, num_samples, ctx.resolve_max_tokens(len(ids), request.max_tokens)),
+                )
+                for ids in prompt_ids
+            ]
+            request_id = ctx.engine_request_id(raw_request, request, "cmpl")
+            run = _CompletionRun(ctx, request, request_id, model_name, prompts, prompt_ids)
+            outputs = ctx.beam_search(
+                beam_inputs, request_id, request.priority, request.n, request.logprobs, request.skip_special_tokens
+            )
+            return await respond(raw_request, run, outputs, request_id, stream=False)
         engine_inputs = []
         for ids in prompt_ids:
             max_tokens = ctx.resolve_max_tokens(len(ids), request.max_tokens)

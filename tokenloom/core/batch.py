@@ -63,6 +63,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # requests the worker must forget (finished, aborted or preempted since the last step)
     finished_req_ids: set[str] = field(default_factory=set)
+    # those of finished_req_ids that were preempted: they come back as new requests carrying
+    # their output so far, and a seeded one keeps drawing from where its generator stood
+    preempted_req_ids: set[str] = field(default_factory=set)
     # allowed-token masks of the constrained requests that sample this step (set by the engine)
     structured_output: StructuredOutputMasks | None = None
 

@@ -40,7 +40,8 @@ class ModelConfig:
     served_model_name: list[str] | None = None
     """The model name(s) the API answers to; the first is reported. Defaults to ``--model``."""
     seed: int | None = 0
-    """Random seed for weight initialisation (dummy weights) and unseeded sampling."""
+    """Random seed for weight initialisation (dummy weights) and unseeded sampling: two engines
+    started with the same seed sample the same tokens for the same sequence of requests."""
     hf_overrides: dict[str, Any] | None = None
     """JSON dict of values to override in the model's Hugging Face config."""
     rope_scaling: dict[str, Any] | None = None
@@ -80,6 +81,14 @@ class ModelConfig:
     """Disable sliding-window attention, capping the context at the window."""
     quantization: str | None = None
     """Quantization method of the weights; default is what the model's files need."""
+    logits_processors: list[str] | None = None
+    """Logits processors applied to every request, built with no arguments: registered names
+    (the register_logits_processors hook) or import paths (``pkg.mod.Class`` or
+    ``pkg.mod:Class``) of a class, factory or function
+    ``fn(prompt_token_ids, output_token_ids, logits) -> logits``."""
+    logits_processor_pattern: str | None = None
+    """Regex of qualified names (``pkg.mod.Class``) that a request's ``logits_processors`` may
+    import and run; unset, requests may name only registered processors."""
 
 
 @dataclass
@@ -284,6 +293,8 @@ class EngineArgs:
     override_pooler_config: dict[str, Any] | None = ModelConfig.override_pooler_config
     disable_sliding_window: bool = ModelConfig.disable_sliding_window
     quantization: str | None = ModelConfig.quantization
+    logits_processors: list[str] | None = ModelConfig.logits_processors
+    logits_processor_pattern: str | None = ModelConfig.logits_processor_pattern
     # -> CacheConfig
     block_size: int = CacheConfig.block_size
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
@@ -395,6 +406,13 @@ def validate_engine_config(config: EngineConfig) -> None:
     timeout = config.structured_output.compile_timeout
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         bad("structured-outputs-compile-timeout", f"must be a positive number of seconds, got {timeout!r}")
+    if config.model.logits_processor_pattern is not None:
+        import re
+
+        try:
+            re.compile(config.model.logits_processor_pattern)
+        except re.error as exc:
+            bad("logits-processor-pattern", f"is not a valid regular expression: {exc}")
     if config.model.max_logprobs < -1:
         bad("max-logprobs", f"must be -1 (no cap) or at least 0, got {config.model.max_logprobs}")
     lora = config.lora

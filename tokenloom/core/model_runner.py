@@ -13,6 +13,7 @@ import torch
 
 from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.config import EngineConfig
+from tokenloom.core.logits_processors import resolve_engine_processors
 from tokenloom.core.model_loader import ModelInfo, build_model
 from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
@@ -57,7 +58,15 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.attention_backend = resolve_target(attention_backend_target(config.device.attention_backend, platform))()
-        self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode)
+        self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode, seed=config.model.seed)
+        # seeded requests preempted (forgotten here) and not yet resumed: req id -> their
+        # generator, so a resumed request draws the random numbers it would have drawn next
+        # instead of replaying its first steps' (vLLM keeps its request state the same way)
+        self._preempted_generators: dict[str, torch.Generator] = {}
+        # --logits-processors: applied to every request (checked here, before the model loads)
+        self.engine_logits_processors = resolve_engine_processors(
+            config.model.logits_processors, plugins.registry("logits_processor")
+        )
         # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
         self.model: Any = None
@@ -207,20 +216,25 @@ class ModelRunner:
     def _add_request(self, new: NewRequestData) -> None:
         params = new.sampling_params
         bad_words = (params.extra_args or {}).get("bad_words_token_ids", [])
+        sampling = SamplingState(
+            params,
+            prompt_token_ids=list(new.prompt_token_ids),
+            output_token_ids=list(new.output_token_ids),
+            bad_words_token_ids=bad_words,
+            eos_token_ids=self.info.eos_token_ids,
+            device=self.device,
+            engine_logits_processors=self.engine_logits_processors,
+        )
+        kept_generator = self._preempted_generators.pop(new.req_id, None)
+        if kept_generator is not None and new.output_token_ids:
+            sampling.generator = kept_generator
         self.requests[new.req_id] = CachedRequestState(
             req_id=new.req_id,
             token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            sampling=SamplingState(
-                params,
-                prompt_token_ids=list(new.prompt_token_ids),
-                output_token_ids=list(new.output_token_ids),
-                bad_words_token_ids=bad_words,
-                eos_token_ids=self.info.eos_token_ids,
-                device=self.device,
-            ),
+            sampling=sampling,
             prompt_logprobs=params.prompt_logprobs,
             pooling_params=new.pooling_params,
             lora_request=new.lora_request,
@@ -228,7 +242,11 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if req_id not in scheduler_output.preempted_req_ids:
+                self._preempted_generators.pop(req_id, None)  # finished while it waited
+            elif state is not None and state.sampling.generator is not None:
+                self._preempted_generators[req_id] = state.sampling.generator
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
             if new.block_ids:

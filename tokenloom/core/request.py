@@ -103,6 +103,11 @@ class SamplingParams:
     # vLLM's per-request prefix-cache isolation: requests share cached KV blocks only when
     # their salts are equal (None shares with other unsalted requests)
     cache_salt: str | None = None
+    # per-request logits processors, run on this request's logits row each step: plain-data
+    # LogitsProcessorSpecs (what the server resolves a request's names to; they cross to
+    # worker processes) or, offline with the in-process executor, callables
+    # ``fn(prompt_token_ids, output_token_ids, logits) -> logits``
+    logits_processors: list[Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

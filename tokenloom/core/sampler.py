@@ -3,11 +3,14 @@ and prompt logprobs. Its inputs, the per-request :class:`SamplingState` and the 
 :class:`SamplingMetadata` (tensors only for the features some row uses), live in
 :mod:`tokenloom.core.sampling_metadata` and are re-exported here.
 
-Order of processing: structured-output masks, allowed tokens, bad words, min_tokens, logit
+Order of processing: logits processors (``--logits-processors``, then the request's own),
+structured-output masks, allowed tokens, bad words, min_tokens, logit
 bias, presence/frequency penalties, repetition penalty; then greedy rows take the argmax and
 the others go through temperature, min-p, top-k, top-p and an exponential race
 (``probs / Exponential(1)``, argmax) whose noise comes from the row's own generator when it
-has a seed.
+has a seed, and otherwise from the sampler's generator, seeded once from ``--seed`` (vLLM's
+meaning: two engines started with the same seed sample the same tokens for the same sequence
+of steps).
 """
 
 from __future__ import annotations
@@ -50,13 +53,30 @@ class SamplerOutput:
 class Sampler:
     """Turns a step's ``[num_rows, vocab]`` float32 logits into one token per row."""
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs"):
+    def __init__(self, logprobs_mode: str = "raw_logprobs", seed: int | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(
                 f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}",
                 param="logprobs_mode",
             )
         self.logprobs_mode = logprobs_mode
+        # the noise of unseeded random rows: its own generator rather than torch's global one,
+        # so that nothing else drawing random numbers in the process shifts the sampled tokens
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator on ``device``: seeded with ``--seed``, or from the OS's
+        entropy when the seed is None."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[device] = generator
+        return generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -66,15 +86,23 @@ class Sampler:
         if wants_logprobs and mode.startswith("raw"):
             logprobs_source = logits[metadata.logprob_rows]
 
-        processed = _apply_logits_processors(logits.clone(), metadata) if metadata.modifies_logits else logits
-        errors = _failed_rows(processed) if metadata.modifies_logits else {}
+        processor_errors: dict[int, str] = {}
+        if metadata.modifies_logits:
+            processed = logits.clone()
+            processor_errors = _apply_request_processors(processed, metadata)
+            processed = _apply_logits_processors(processed, metadata)
+            errors = {**_failed_rows(processed), **processor_errors}
+        else:
+            processed, errors = logits, {}
         if metadata.all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:
             random_rows = metadata.random_rows
             random_logits = processed if random_rows is None else processed[random_rows]
             random_logits = _apply_temperature_and_truncation(random_logits, metadata)
-            random_tokens = _sample_exponential_race(random_logits, metadata.generators)
+            random_tokens = _sample_exponential_race(
+                random_logits, metadata.generators, self.generator(random_logits.device)
+            )
             if random_rows is None:
                 token_ids = random_tokens
             else:
@@ -119,6 +147,28 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
     return allowed[:, :vocab_size]
+
+
+def _apply_request_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> dict[int, str]:
+    """Run each row's logits processors on its row, in place; a processor that raises, or
+    returns something other than a row of the same shape, fails that row alone (row -> why)."""
+    errors: dict[int, str] = {}
+    for row, state in metadata.processor_rows:
+        try:
+            row_logits = logits[row]
+            for processor in state.logits_processors():
+                result = processor(state.prompt_token_ids, state.output_token_ids, row_logits)
+                if not isinstance(result, torch.Tensor) or result.shape != row_logits.shape:
+                    raise TypeError(
+                        f"a logits processor returned {type(result).__name__} "
+                        f"{tuple(getattr(result, 'shape', ()))}, not a tensor of shape {tuple(row_logits.shape)}"
+                    )
+                row_logits = result
+            logits[row] = row_logits
+        except Exception as exc:  # the processor is user code: fail this request, not the step
+            errors[row] = f"a logits processor failed: {type(exc).__name__}: {exc}"
+            logits[row] = float("-inf")
+    return errors
 
 
 def _apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -181,11 +231,14 @@ def _apply_temperature_and_truncation(logits: torch.Tensor, metadata: SamplingMe
     return logits
 
 
-def _sample_exponential_race(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _sample_exponential_race(
+    logits: torch.Tensor, generators: dict[int, torch.Generator], shared_generator: torch.Generator | None = None
+) -> torch.Tensor:
     """argmax(p / q) with q ~ Exponential(1) picks token i with probability p_i; a seeded row
-    draws its q from its own generator, so its tokens do not depend on the batch."""
+    draws its q from its own generator, so its tokens do not depend on the batch; the other
+    rows draw theirs from ``shared_generator`` (the engine's ``--seed``)."""
     probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
+    noise = torch.empty_like(probs).exponential_(generator=shared_generator)
     for position, generator in generators.items():
         noise[position].exponential_(generator=generator)
     # a zero draw would turn 0/0 into NaN, which argmax would pick

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tokenloom.core.logits_processors import LogitsProcessorSpec, ProcessorFn, build_processor
 from tokenloom.core.request import SamplingParams
 from tokenloom.errors import InvalidRequestError
 
@@ -47,6 +48,7 @@ class SamplingState:
         bad_words_token_ids: list[list[int]] | None = None,
         eos_token_ids: set[int] | list[int] | tuple[int, ...] = (),
         device: torch.device | str = "cpu",
+        engine_logits_processors: list[LogitsProcessorSpec] | tuple[LogitsProcessorSpec, ...] = (),
     ):
         params = sampling_params
         self.sampling_params = params
@@ -65,6 +67,9 @@ class SamplingState:
             min_tokens_banned.update(self.eos_token_ids)
         self.min_tokens_banned_ids = sorted(min_tokens_banned) if params.min_tokens > 0 else []
         self.is_greedy = params.greedy
+        # --logits-processors (every request) first, then the request's own; built on first use
+        self._processor_specs: list[Any] = list(engine_logits_processors) + list(params.logits_processors or [])
+        self._processors: list[ProcessorFn] | None = None
         self.uses_penalties = (
             params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
         )
@@ -96,6 +101,16 @@ class SamplingState:
         # eos ids come from model files, not from the request: drop the unusable ones
         self.min_tokens_banned_ids = [token_id for token_id in self.min_tokens_banned_ids if token_id < vocab_size]
         self._validated_vocab_size = vocab_size
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        return bool(self._processor_specs)
+
+    def logits_processors(self) -> list[ProcessorFn]:
+        """This request's processor instances, built once (in the worker) on first use."""
+        if self._processors is None:
+            self._processors = [build_processor(spec) for spec in self._processor_specs]
+        return self._processors
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
         if self._allowed_mask is None:
@@ -218,10 +233,12 @@ class SamplingMetadata:
     # rows that asked for logprobs, and how many alternatives each wants
     logprob_rows: list[int] = field(default_factory=list)
     num_logprobs: list[int] = field(default_factory=list)
+    # rows with logits processors (--logits-processors, or the request's logits_processors)
+    processor_rows: list[tuple[int, SamplingState]] = field(default_factory=list)
 
     @property
     def modifies_logits(self) -> bool:
-        return any(
+        return bool(self.processor_rows) or any(
             feature is not None for feature in (self.grammar, self.allowed, self.banned, self.bias, self.penalties)
         )
 
@@ -294,6 +311,8 @@ class SamplingMetadata:
                 bias_values.extend(params.logit_bias.values())
             if state.uses_penalties:
                 penalty_states.append((row, state))
+            if state.uses_logits_processors:
+                metadata.processor_rows.append((row, state))
             if params.logprobs is not None:
                 metadata.logprob_rows.append(row)
                 metadata.num_logprobs.append(params.logprobs)

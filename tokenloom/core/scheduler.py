@@ -156,6 +156,7 @@ class Scheduler:
         self._next_admission_seq = 0
         # ids whose state the worker must drop at the next step
         self._finished_req_ids: set[str] = set()
+        self._preempted_req_ids: set[str] = set()
         # requests finished inside schedule(); the next update_from_output returns them
         self._finished_in_schedule: list[Sequence] = []
 
@@ -275,11 +276,13 @@ class Scheduler:
         new_reqs = [] if preempted_this_step else self._schedule_waiting(token_budget, num_scheduled_tokens)
 
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
             finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids & finished_req_ids,
         )
 
     def _num_running_tokens_to_schedule(self, request: Sequence, token_budget: int) -> int:
@@ -488,6 +491,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._admission_seq[request.request_id]
         self._finished_req_ids.add(request.request_id)
+        self._preempted_req_ids.discard(request.request_id)
 
     def _finish_pooled(self, request: Sequence, model_runner_output: ModelRunnerOutput) -> None:
         """A pooling request ends in the step that computed its prompt, freeing its blocks."""
@@ -525,6 +529,7 @@ class Scheduler:
             request.prompt_logprobs = []  # the prompt is recomputed from its first position
         self.num_preemptions += 1
         self._finished_req_ids.add(request.request_id)
+        self._preempted_req_ids.add(request.request_id)
         self.waiting.push_front(request, self._order_key(request))
         logger.warning(
             "request %s preempted (KV cache full, %d preemptions so far); it will be recomputed. "

@@ -170,6 +170,25 @@ def register_structured_output_backends(register: Register) -> None:
 
 
 @hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register logits processors that requests may name in ``logits_processors`` (and
+    ``--logits-processors`` may apply to every request).
+
+    :param register: ``register(name, target)``; ``target`` resolves to a class (or factory)
+        whose instances honour :class:`tokenloom.plugin_api.LogitsProcessor`:
+        ``processor(prompt_token_ids, output_token_ids, logits) -> logits``.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. A request naming a registered processor
+    (``"logits_processors": ["name"]`` or ``[{"qualname": "name", "args": [...], "kwargs":
+    {...}}]``) gets its own instance, built in the worker with those arguments and called on
+    its row of logits (float32, ``[vocab_size]``) at every step, before the built-in masks,
+    biases and penalties. Registered names need no ``--logits-processor-pattern``: installing
+    the plugin is the operator's consent.
+    """
+
+
+@hookspec
 def register_api_routes(register: Register) -> None:
     """Register extra HTTP routes on the OpenAI-compatible server.
 

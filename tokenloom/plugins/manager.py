@@ -57,6 +57,7 @@ PLUGIN_KINDS: tuple[PluginKind, ...] = (
     PluginKind("tool_parser", "register_tool_parsers", "--tool-call-parser"),
     PluginKind("reasoning_parser", "register_reasoning_parsers", "--reasoning-parser"),
     PluginKind("structured_output_backend", "register_structured_output_backends", "--guided-decoding-backend"),
+    PluginKind("logits_processor", "register_logits_processors", "--logits-processors"),
     PluginKind("api_route", "register_api_routes"),
 )
 KIND_BY_NAME = {kind.name: kind for kind in PLUGIN_KINDS}

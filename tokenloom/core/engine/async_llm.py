@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest, EngineCommand
 from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
+from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
 from tokenloom.errors import EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet
@@ -62,6 +63,7 @@ class AsyncLLM:
         self._stats = engine.stats() if engine is not None else None
         self._prefault_budget = PREFAULT_MAX_BYTES
         self._last_step_time = 0.0
+        self._logits_processor_resolver: LogitsProcessorResolver | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> AsyncLLM:
@@ -126,6 +128,26 @@ class AsyncLLM:
     @property
     def max_num_seqs(self) -> int:
         return self.engine.config.scheduler.max_num_seqs
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The tokens that end a generation (beam search finishes a beam on them)."""
+        return set(self.engine.model_info.eos_token_ids)
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self.engine.config.scheduler.scheduling_policy
+
+    @property
+    def logits_processor_resolver(self) -> LogitsProcessorResolver:
+        """Checks a request's ``logits_processors`` against the registered processors and
+        ``--logits-processor-pattern``."""
+        if self._logits_processor_resolver is None:
+            engine = self.engine
+            self._logits_processor_resolver = LogitsProcessorResolver(
+                engine.plugins.registry("logits_processor"), engine.config.model.logits_processor_pattern
+            )
+        return self._logits_processor_resolver
 
     @property
     def is_running(self) -> bool:
