@@ -36,6 +36,8 @@ CONFIG_MODULES = frozenset(
 
 # flag -> the test that shows what it does (path relative to the checkout :: test name)
 BEHAVIOUR_TESTS: dict[str, str] = {
+    "--logits-processors": "tests/core/test_logits_processors.py::test_engine_logits_processors_apply_to_every_request_and_request_ones_offline",
+    "--logits-processor-pattern": "tests/e2e/test_requests_smollm2.py::test_a_qualified_logits_processor_allowed_by_the_pattern_runs_on_the_request",
     # -- LoRA (issue 22) and the attention backend (issue 25)
     "--enable-lora": "tests/e2e/test_lora_server.py::test_static_adapter_is_listed_with_its_parent_and_used_by_name",
     "--lora-modules": "tests/api/test_serving_models.py::test_adapters_are_listed_and_picked_by_model",
@@ -111,7 +113,7 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     ),
     "--max-model-len": "tests/e2e/test_hardening.py::test_a_full_waiting_queue_answers_429_with_retry_after",
     "--served-model-name": "tests/plugins/test_scripted_model.py::test_resolved_model_name_is_not_the_served_name",
-    "--seed": "tests/e2e/test_server_smollm2.py::test_n_greater_than_one_with_seed",
+    "--seed": "tests/core/test_engine_llama.py::test_seed_flag_makes_unseeded_sampling_repeatable",
     "--hf-overrides": "tests/builtin_plugins/loaders/test_gguf_format.py::test_hf_overrides_apply_to_the_config",
     "--rope-scaling": "tests/builtin_plugins/loaders/test_gguf_config.py::test_rope_flags_and_hf_overrides_reach_the_config",
     "--rope-theta": "tests/builtin_plugins/loaders/test_gguf_config.py::test_rope_flags_and_hf_overrides_reach_the_config",
