@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     )
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
     from tokenloom.core.executor import Executor, WorkerSpec
+    from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import KVCacheSpec, ModelContext, ModelProtocol
     from tokenloom.core.parsers import (
@@ -62,6 +63,10 @@ _LAZY = {
     "Platform": "tokenloom.core.platform",
     "Executor": "tokenloom.core.executor",
     "WorkerSpec": "tokenloom.core.executor",
+    "Proposer": "tokenloom.core.spec_decode.proposer",
+    "ProposerSpec": "tokenloom.core.spec_decode.proposer",
+    "DraftRequest": "tokenloom.core.spec_decode.proposer",
+    "Draft": "tokenloom.core.spec_decode.proposer",
     "ModelSource": "tokenloom.core.model_files",
     "ResolvedModel": "tokenloom.core.model_files",
     "LoadFormat": "tokenloom.core.model_files",
@@ -121,6 +126,10 @@ __all__ = [
     "Platform",
     "Executor",
     "WorkerSpec",
+    "Proposer",
+    "ProposerSpec",
+    "DraftRequest",
+    "Draft",
     "ModelSource",
     "ResolvedModel",
     "LoadFormat",

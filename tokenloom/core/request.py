@@ -260,6 +260,8 @@ class Sequence:
     last_token_time: float | None = None
     # set for a pooling request: prefill-only, finished once its prompt is computed
     pooling_params: PoolingParams | None = None
+    # speculative decoding: tokens the proposer drafted, to verify in the next step
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None:
