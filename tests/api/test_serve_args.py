@@ -553,7 +553,9 @@ def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
     serve_args = parse("--speculative-config", '{"method": "ngram"}', "--num-speculative-tokens", "2")
     assert serve_args.engine_kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ConfigError, match="set the speculative num_speculative_tokens to different values"):
-        parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--num-speculative-tokens", "2")
+        parse(
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--num-speculative-tokens", "2"
+        )
 
 
 @pytest.mark.parametrize(
@@ -562,11 +564,15 @@ def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
         ('{"method": "ngram"}', '"num_speculative_tokens" is required'),
         ('{"num_speculative_tokens": 3}', 'give "method"'),
         ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens must be an integer in \[1, 64\]"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
-         r"prompt_lookup_min \(4\) must not exceed prompt_lookup_max \(2\)"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            r"prompt_lookup_min \(4\) must not exceed prompt_lookup_max \(2\)",
+        ),
         ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key 'lookahead'"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "typical_acceptance_sampler"}',
-         "acceptance_method 'typical_acceptance_sampler' is not implemented"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "typical_acceptance_sampler"}',
+            "acceptance_method 'typical_acceptance_sampler' is not implemented",
+        ),
     ],
 )
 def test_bad_speculative_configs_say_what_to_change(options, message):

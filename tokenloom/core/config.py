@@ -445,7 +445,6 @@ class EngineArgs:
         validate_engine_config(config)
         return config
 
-
     def _speculative(self) -> SpeculativeConfig | None:
         options = self.speculative_config
         if options is None:

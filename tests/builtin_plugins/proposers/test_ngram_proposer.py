@@ -12,7 +12,9 @@ from tokenloom.plugins.manager import load_plugins
 def proposer(min_n: int, max_n: int):
     from tokenloom.builtin_plugins.proposers.ngram import NgramProposer
 
-    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+    speculative = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_min=min_n, prompt_lookup_max=max_n
+    )
     return NgramProposer(ProposerSpec(speculative, EngineArgs().create_engine_config(), model_info=None))
 
 
@@ -42,9 +44,7 @@ def test_no_match_or_too_short_proposes_nothing():
 
 
 def test_propose_returns_one_point_mass_draft_per_request():
-    drafts = proposer(1, 2).propose(
-        [DraftRequest("a", [4, 5, 6, 4], 3, 2), DraftRequest("b", [1, 2, 3], 3, 2)]
-    )
+    drafts = proposer(1, 2).propose([DraftRequest("a", [4, 5, 6, 4], 3, 2), DraftRequest("b", [1, 2, 3], 3, 2)])
     assert [draft.token_ids for draft in drafts] == [[5, 6], []]
     assert all(draft.probs is None for draft in drafts)
 

@@ -54,7 +54,9 @@ def test_greedy_batch_is_identical_and_drafts_are_accepted(plain, speculative):
 
 
 def test_single_stream_is_identical(plain, speculative):
-    assert token_ids(speculative, PROMPTS[1], greedy(max_tokens=60)) == token_ids(plain, PROMPTS[1], greedy(max_tokens=60))
+    assert token_ids(speculative, PROMPTS[1], greedy(max_tokens=60)) == token_ids(
+        plain, PROMPTS[1], greedy(max_tokens=60)
+    )
 
 
 def test_mixed_batch_with_every_sampling_parameter(plain, speculative):
@@ -210,7 +212,12 @@ def test_sampled_sequences_follow_the_target_distribution(four_token_model):
         dtype="float32",
         skip_tokenizer_init=True,
         plugins=PROPOSERS,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+        },
         seed=11,
         max_waiting_requests=0,  # all the samples queue at once
     )
@@ -232,5 +239,7 @@ def test_sampled_sequences_follow_the_target_distribution(four_token_model):
         observed = torch.cat([observed[~rare], observed[rare].sum().reshape(1)])
         expected_counts = torch.cat([expected_counts[~rare], expected_counts[rare].sum().reshape(1)])
     statistic = ((observed - expected_counts) ** 2 / expected_counts).sum()
-    pvalue = float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic.double() / 2))
+    pvalue = float(
+        torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic.double() / 2)
+    )
     assert pvalue > 1e-3, (observed, expected_counts)

@@ -378,7 +378,7 @@ def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
     if speculative.method in DRAFT_MODEL_METHODS and speculative.method not in registry.names():
         raise ConfigError(
             f"--speculative-config: method {speculative.method!r} (a draft model) is not implemented yet; "
-            f"use \"method\": \"ngram\" (prompt lookup), or a proposer plugin: {', '.join(registry.names()) or 'none'}",
+            f'use "method": "ngram" (prompt lookup), or a proposer plugin: {", ".join(registry.names()) or "none"}',
             param="speculative-config",
         )
     registry.entry(speculative.method)
