@@ -97,6 +97,7 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
         ("executor", engine.get("distributed_executor_backend"), None),
         # vLLM's option syntax, "xgrammar:disable-any-whitespace", names the backend first
         ("structured_output_backend", backend.split(":")[0] if backend else None, "auto"),
+        ("proposer", (engine.get("speculative_config") or {}).get("method"), None),
     ]
     entries = [
         serve_args.plugins.registry(kind).entry(name)
