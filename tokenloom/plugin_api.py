@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     )
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
     from tokenloom.core.executor import Executor, WorkerSpec
-    from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import KVCacheSpec, ModelContext, ModelProtocol
     from tokenloom.core.parsers import (
@@ -54,6 +53,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         RequestOutput,
         SamplingParams,
     )
+    from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
     from tokenloom.core.structured_output import BackendOptions, Constraint, Matcher, StructuredOutputBackend
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
