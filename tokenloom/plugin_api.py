@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         RequestOutput,
         SamplingParams,
     )
+    from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
     from tokenloom.core.structured_output import BackendOptions, Constraint, Matcher, StructuredOutputBackend
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
@@ -63,6 +64,10 @@ _LAZY = {
     "Platform": "tokenloom.core.platform",
     "Executor": "tokenloom.core.executor",
     "WorkerSpec": "tokenloom.core.executor",
+    "Proposer": "tokenloom.core.spec_decode.proposer",
+    "ProposerSpec": "tokenloom.core.spec_decode.proposer",
+    "DraftRequest": "tokenloom.core.spec_decode.proposer",
+    "Draft": "tokenloom.core.spec_decode.proposer",
     "ModelSource": "tokenloom.core.model_files",
     "ResolvedModel": "tokenloom.core.model_files",
     "LoadFormat": "tokenloom.core.model_files",
@@ -123,6 +128,10 @@ __all__ = [
     "Platform",
     "Executor",
     "WorkerSpec",
+    "Proposer",
+    "ProposerSpec",
+    "DraftRequest",
+    "Draft",
     "ModelSource",
     "ResolvedModel",
     "LoadFormat",

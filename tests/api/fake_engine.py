@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.core.request import (
     CompletionOutput,
@@ -35,6 +36,7 @@ class FakeStats:
     num_preemptions: int = 2
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    spec_decoding: Any = None  # a SpecDecodingStats when the engine speculates
 
 
 @dataclass

@@ -283,6 +283,40 @@ def test_stats_line():
     )
 
 
+def test_stats_line_with_speculative_decoding():
+    from tokenloom.core.scheduler import SpecDecodingStats
+
+    previous_spec = SpecDecodingStats(3, num_drafts=10, num_draft_tokens=30, num_accepted_tokens=12)
+    # since then: 10 drafts of 30 tokens, 18 accepted
+    spec = SpecDecodingStats(3, num_drafts=20, num_draft_tokens=60, num_accepted_tokens=30)
+    stats = FakeStats(prompt_tokens_total=0, generation_tokens_total=0, spec_decoding=spec)
+    line = format_stats_line(stats, (0, 0), 1.0, previous_spec)
+    assert line.endswith(
+        ", spec decode draft acceptance rate: 60.0%, mean acceptance length: 2.80 (18 of 30 draft tokens accepted)"
+    )
+    assert "acceptance rate: 50.0%" in format_stats_line(stats, None, 1.0)  # since start
+
+
+async def test_spec_decoding_metrics_under_vllm_names(client, engine):
+    from tokenloom.core.scheduler import SpecDecodingStats
+
+    spec = SpecDecodingStats(2, num_drafts=5, num_draft_tokens=9, num_accepted_tokens=6)
+    spec.num_accepted_tokens_per_pos = [4, 2]
+    engine.stats = lambda: FakeStats(spec_decoding=spec)
+    text = (await client.get("/metrics")).text
+    assert metric_value(text, 'vllm:spec_decode_num_drafts_total{model_name="smollm2"}') == 5
+    assert metric_value(text, 'vllm:spec_decode_num_draft_tokens_total{model_name="smollm2"}') == 9
+    assert metric_value(text, 'vllm:spec_decode_num_accepted_tokens_total{model_name="smollm2"}') == 6
+    per_position = 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="smollm2",position='
+    assert metric_value(text, per_position + '"0"}') == 4
+    assert metric_value(text, per_position + '"1"}') == 2
+
+
+def test_no_spec_decoding_metrics_without_speculation():
+    stats = FakeStats(prompt_tokens_total=0, generation_tokens_total=0)
+    assert "spec decode" not in format_stats_line(stats, None, 1.0)
+
+
 async def test_periodic_stats_log(engine, caplog):
     caplog.set_level(logging.INFO, logger="tokenloom.api.metrics")
     task = asyncio.ensure_future(log_stats_periodically(engine, interval_s=0.01))

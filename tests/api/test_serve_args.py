@@ -133,6 +133,29 @@ SAMPLES = {
     "--override-generation-config": ["--override-generation-config", '{"temperature": 0.5}'],
     "--attention-backend": ["--attention-backend", "torch"],
     "--config": None,  # a file: tested on its own
+    # speculative decoding needs a method and a number of tokens
+    "--speculative-config": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+    "--speculative-model": ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],
+    "--num-speculative-tokens": ["--num-speculative-tokens", "2", "--speculative-model", "[ngram]"],
+    **{
+        name: [name, value, "--speculative-model", "[ngram]", "--num-speculative-tokens", "2"]
+        for name, value in (
+            ("--speculative-model-quantization", "gguf"),
+            ("--speculative-draft-tensor-parallel-size", "1"),
+            ("--speculative-max-model-len", "512"),
+            ("--speculative-disable-by-batch-size", "4"),
+            ("--ngram-prompt-lookup-max", "4"),
+            ("--ngram-prompt-lookup-min", "2"),
+            ("--spec-decoding-acceptance-method", "rejection_sampler"),
+        )
+    },
+    "--disable-logprobs-during-spec-decoding": [
+        "--disable-logprobs-during-spec-decoding",
+        "--speculative-model",
+        "[ngram]",
+        "--num-speculative-tokens",
+        "2",
+    ],
 }
 
 
@@ -297,8 +320,8 @@ def test_enable_reasoning_is_accepted_with_a_reasoning_parser_only():
 
 
 def test_unimplemented_flags_are_refused_by_name_unless_given_their_default():
-    with pytest.raises(NotImplementedFlagError, match=r"^tokenloom does not implement --speculative-config yet"):
-        parse("--speculative-config", '{"num_speculative_tokens": 3}')
+    with pytest.raises(NotImplementedFlagError, match=r"^tokenloom does not implement --kv-transfer-config yet"):
+        parse("--kv-transfer-config", '{"kv_connector": "x"}')
     with pytest.raises(NotImplementedFlagError, match=r"only its default, --num-scheduler-steps 1, is accepted"):
         parse("--num-scheduler-steps", "8")
     with pytest.raises(NotImplementedFlagError, match="HF_TOKEN"):
@@ -516,3 +539,74 @@ def test_lora_flags_reach_the_engine_and_server():
     assert len(serve_args.warnings) == 1 and "--fully-sharded-loras" in serve_args.warnings[0]
     with pytest.raises(NotImplementedFlagError, match="--lora-extra-vocab-size"):
         parse("--lora-extra-vocab-size", "512")
+
+
+# -- speculative decoding: --speculative-config and the older flags ---------------------------
+
+
+def test_speculative_config_json_becomes_the_engine_config():
+    serve_args = parse(
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 8}',
+    )
+    speculative = serve_args.engine_args.create_engine_config().speculative
+    assert speculative is not None
+    assert (speculative.method, speculative.num_speculative_tokens) == ("ngram", 4)
+    # one bound given: the other equals it, as vLLM does
+    assert (speculative.prompt_lookup_min, speculative.prompt_lookup_max) == (3, 3)
+    assert speculative.disable_by_batch_size == 8
+
+
+def test_older_speculative_flags_map_onto_the_config():
+    serve_args = parse(
+        "--speculative-model",
+        "[ngram]",
+        "--num-speculative-tokens",
+        "5",
+        "--ngram-prompt-lookup-min",
+        "2",
+        "--ngram-prompt-lookup-max",
+        "4",
+        "--speculative-disable-by-batch-size",
+        "3",
+    )
+    assert serve_args.engine_kwargs["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+        "disable_by_batch_size": 3,
+    }
+    speculative = serve_args.engine_args.create_engine_config().speculative
+    assert (speculative.prompt_lookup_min, speculative.prompt_lookup_max) == (2, 4)
+
+
+def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
+    serve_args = parse("--speculative-config", '{"method": "ngram"}', "--num-speculative-tokens", "2")
+    assert serve_args.engine_kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="set the speculative num_speculative_tokens to different values"):
+        parse(
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--num-speculative-tokens", "2"
+        )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ('{"method": "ngram"}', '"num_speculative_tokens" is required'),
+        ('{"num_speculative_tokens": 3}', 'give "method"'),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens must be an integer in \[1, 64\]"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            r"prompt_lookup_min \(4\) must not exceed prompt_lookup_max \(2\)",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key 'lookahead'"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "typical_acceptance_sampler"}',
+            "acceptance_method 'typical_acceptance_sampler' is not implemented",
+        ),
+    ],
+)
+def test_bad_speculative_configs_say_what_to_change(options, message):
+    with pytest.raises(ConfigError, match=message):
+        parse("--speculative-config", options)

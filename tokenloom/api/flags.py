@@ -819,10 +819,24 @@ FLAGS: tuple[Flag, ...] = (
         "--max-prompt-adapter-token", "PromptAdapterConfig", "Tokens per prompt adapter.", kind="int", default=0
     ),
     # -- SpeculativeConfig ------------------------------------------------------------------------
-    unimplemented("--speculative-model", "SpeculativeConfig", "Draft model for speculative decoding."),
-    unimplemented("--speculative-model-quantization", "SpeculativeConfig", "Quantization of the draft model."),
-    unimplemented(
-        "--num-speculative-tokens", "SpeculativeConfig", "Tokens the draft model proposes per step.", kind="int"
+    implemented(
+        "--speculative-model",
+        "SpeculativeConfig",
+        to=CLI,
+        help='Older form of --speculative-config: "[ngram]" for prompt lookup, else a draft model.',
+    ),
+    implemented(
+        "--speculative-model-quantization",
+        "SpeculativeConfig",
+        to=CLI,
+        help="Older form of --speculative-config's quantization: the draft model's.",
+    ),
+    implemented(
+        "--num-speculative-tokens",
+        "SpeculativeConfig",
+        to=CLI,
+        kind="int",
+        help="Older form of --speculative-config's num_speculative_tokens: draft tokens per step.",
     ),
     unimplemented(
         "--speculative-disable-mqa-scorer",
@@ -831,30 +845,48 @@ FLAGS: tuple[Flag, ...] = (
         kind="bool",
         default=False,
     ),
-    unimplemented(
+    implemented(
         "--speculative-draft-tensor-parallel-size",
         "SpeculativeConfig",
-        "Tensor-parallel size of the draft model.",
+        to=CLI,
         kind="int",
         aliases=("-spec-draft-tp",),
+        help="Tensor-parallel size of the draft model; only 1 (the draft runs in the target's worker).",
     ),
-    unimplemented(
-        "--speculative-max-model-len", "SpeculativeConfig", "Longest sequence the draft model sees.", kind="int"
+    implemented(
+        "--speculative-max-model-len",
+        "SpeculativeConfig",
+        to=CLI,
+        kind="int",
+        help="Older form of --speculative-config's max_model_len: the draft model's context length.",
     ),
-    unimplemented(
+    implemented(
         "--speculative-disable-by-batch-size",
         "SpeculativeConfig",
-        "Stop speculating above this many queued requests.",
+        to=CLI,
         kind="int",
+        help="Older form of --speculative-config's disable_by_batch_size: no drafts above this many requests.",
     ),
-    unimplemented("--ngram-prompt-lookup-max", "SpeculativeConfig", "Largest n-gram for prompt lookup.", kind="int"),
-    unimplemented("--ngram-prompt-lookup-min", "SpeculativeConfig", "Smallest n-gram for prompt lookup.", kind="int"),
-    unimplemented(
+    implemented(
+        "--ngram-prompt-lookup-max",
+        "SpeculativeConfig",
+        to=CLI,
+        kind="int",
+        help="Older form of --speculative-config's prompt_lookup_max: the longest n-gram looked up.",
+    ),
+    implemented(
+        "--ngram-prompt-lookup-min",
+        "SpeculativeConfig",
+        to=CLI,
+        kind="int",
+        help="Older form of --speculative-config's prompt_lookup_min: the shortest n-gram looked up.",
+    ),
+    implemented(
         "--spec-decoding-acceptance-method",
         "SpeculativeConfig",
-        "How draft tokens are accepted.",
+        to=CLI,
         choices=("rejection_sampler", "typical_acceptance_sampler"),
-        default="rejection_sampler",
+        help="How drafts are accepted; only rejection_sampler, which keeps the target distribution exactly.",
     ),
     unimplemented(
         "--typical-acceptance-sampler-posterior-threshold",
@@ -868,12 +900,12 @@ FLAGS: tuple[Flag, ...] = (
         "Entropy scaling of the typical acceptance sampler.",
         kind="float",
     ),
-    unimplemented(
+    implemented(
         "--disable-logprobs-during-spec-decoding",
         "SpeculativeConfig",
-        "Skip logprobs while speculating.",
+        to=CLI,
         kind="bool",
-        default=False,
+        help="Accepted for vLLM compatibility: logprobs asked for are always returned while speculating.",
     ),
     # -- ObservabilityConfig ----------------------------------------------------------------------
     unimplemented("--otlp-traces-endpoint", "ObservabilityConfig", "URL to send OpenTelemetry traces to."),
@@ -925,7 +957,17 @@ FLAGS: tuple[Flag, ...] = (
             "reasoning_parser."
         ),
     ),
-    unimplemented("--speculative-config", "VllmConfig", "JSON speculative-decoding settings.", kind="json"),
+    implemented(
+        "--speculative-config",
+        "VllmConfig",
+        to=CLI,
+        kind="json",
+        help=(
+            "JSON speculative-decoding settings, vLLM's keys: method (ngram, or a proposer plugin), "
+            "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size. "
+            "The older --speculative-model / --num-speculative-tokens / --ngram-prompt-lookup-* flags map onto it."
+        ),
+    ),
     unimplemented("--kv-transfer-config", "VllmConfig", "JSON settings of distributed KV-cache transfer.", kind="json"),
     unimplemented("--kv-events-config", "VllmConfig", "JSON settings of KV-cache event publishing.", kind="json"),
     unimplemented("--additional-config", "VllmConfig", "JSON settings for the platform plugin.", kind="json"),
@@ -952,6 +994,21 @@ STRUCTURED_OUTPUTS_KEYS = {
     "disable_any_whitespace": "guided_decoding_disable_any_whitespace",
     "disable_additional_properties": "guided_decoding_disable_additional_properties",
     "reasoning_parser": "reasoning_parser",
+}
+
+
+# the older individual speculative-decoding flags -> the --speculative-config keys they set
+SPECULATIVE_FLAG_KEYS = {
+    "speculative_model": "model",
+    "speculative_model_quantization": "quantization",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "speculative_draft_tensor_parallel_size": "draft_tensor_parallel_size",
+    "speculative_max_model_len": "max_model_len",
+    "speculative_disable_by_batch_size": "disable_by_batch_size",
+    "ngram_prompt_lookup_max": "prompt_lookup_max",
+    "ngram_prompt_lookup_min": "prompt_lookup_min",
+    "spec_decoding_acceptance_method": "acceptance_method",
+    "disable_logprobs_during_spec_decoding": "disable_logprobs",
 }
 
 

@@ -93,6 +93,21 @@ class EngineStatsCollector:
             yield lora_info
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+            yield counter(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens
+            )
+            per_position = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=["model_name", "position"],
+            )
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos or []):
+                per_position.add_metric([self.model_name, str(position)], count)
+            yield per_position
 
 
 class ServerMetrics:
@@ -168,9 +183,13 @@ class RequestTimer:
             self.metrics.count_finished(reason)
 
 
-def format_stats_line(stats: Any, previous_totals: tuple[int, int] | None, elapsed_s: float) -> str:
+def format_stats_line(
+    stats: Any, previous_totals: tuple[int, int] | None, elapsed_s: float, previous_spec: Any = None
+) -> str:
     """One line: throughput since the previous line (``previous_totals`` are its prompt and
-    generation token totals), queue sizes, KV usage, prefix-cache hit rate."""
+    generation token totals), queue sizes, KV usage, prefix-cache hit rate; with speculative
+    decoding, the draft acceptance rate since the previous line (``previous_spec``: its
+    counters)."""
     if previous_totals is not None and elapsed_s > 0:
         prompt_tps = (stats.prompt_tokens_total - previous_totals[0]) / elapsed_s
         generation_tps = (stats.generation_tokens_total - previous_totals[1]) / elapsed_s
@@ -181,12 +200,29 @@ def format_stats_line(stats: Any, previous_totals: tuple[int, int] | None, elaps
         f"prompt throughput: {prompt_tps:.1f} tokens/s, generation throughput: {generation_tps:.1f} tokens/s, "
         f"running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
         f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, prefix cache hit rate: {100 * hit_rate:.1f}%"
+        + _spec_decoding_summary(getattr(stats, "spec_decoding", None), previous_spec)
+    )
+
+
+def _spec_decoding_summary(spec: Any, previous: Any) -> str:
+    if spec is None:
+        return ""
+    drafts = spec.num_drafts - (previous.num_drafts if previous else 0)
+    draft_tokens = spec.num_draft_tokens - (previous.num_draft_tokens if previous else 0)
+    accepted = spec.num_accepted_tokens - (previous.num_accepted_tokens if previous else 0)
+    rate = accepted / draft_tokens if draft_tokens else 0.0
+    # tokens a verifying step yields on average: the accepted drafts plus the one it always samples
+    mean_length = 1 + accepted / drafts if drafts else 1.0
+    return (
+        f", spec decode draft acceptance rate: {100 * rate:.1f}%, mean acceptance length: {mean_length:.2f} "
+        f"({accepted} of {draft_tokens} draft tokens accepted)"
     )
 
 
 async def log_stats_periodically(engine: Any, interval_s: float = STATS_LOG_INTERVAL_S) -> None:
     """Runs until cancelled (the app's lifespan owns the task)."""
     previous, previous_time = None, time.monotonic()
+    previous_spec = None
     while True:
         await asyncio.sleep(interval_s)
         try:
@@ -195,6 +231,8 @@ async def log_stats_periodically(engine: Any, interval_s: float = STATS_LOG_INTE
             logger.warning("could not read engine stats: %s", exc)
             continue
         now = time.monotonic()
-        logger.info(format_stats_line(stats, previous, now - previous_time))
+        logger.info(format_stats_line(stats, previous, now - previous_time, previous_spec))
         # copy the totals: the engine may update its stats object in place
         previous, previous_time = (stats.prompt_tokens_total, stats.generation_tokens_total), now
+        spec = getattr(stats, "spec_decoding", None)
+        previous_spec = spec.copy() if spec is not None else None

@@ -97,6 +97,7 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
         ("executor", engine.get("distributed_executor_backend"), None),
         # vLLM's option syntax, "xgrammar:disable-any-whitespace", names the backend first
         ("structured_output_backend", backend.split(":")[0] if backend else None, "auto"),
+        ("proposer", (engine.get("speculative_config") or {}).get("method"), None),
     ]
     entries = [
         serve_args.plugins.registry(kind).entry(name)
@@ -136,6 +137,8 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
     unimplemented, and rejects two flags that set one field to different values."""
     routed: dict[tuple[str, str], Any] = {}
     setters: dict[tuple[str, str], Flag] = {}
+    speculative: dict[str, Any] = {}  # --speculative-config keys, from the JSON and the older flags
+    speculative_setters: dict[str, str] = {}
 
     def put(slot: tuple[str, str], value: Any, flag: Flag) -> None:
         if slot in routed and routed[slot] != value:
@@ -169,6 +172,19 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
                 if option_value not in ("", None):  # vLLM writes "no reasoning parser" as ""
                     put((ENGINE, catalogue.STRUCTURED_OUTPUTS_KEYS[option]), option_value, flag)
             continue
+        if flag.key == "speculative_config" or flag.key in catalogue.SPECULATIVE_FLAG_KEYS:
+            options = value if flag.key == "speculative_config" else {catalogue.SPECULATIVE_FLAG_KEYS[flag.key]: value}
+            if options.get("model") == "[ngram]":  # vLLM's older spelling of the n-gram method
+                options = {**{k: v for k, v in options.items() if k != "model"}, "method": "ngram"}
+            for option, option_value in options.items():
+                if option in speculative and speculative[option] != option_value:
+                    raise ConfigError(
+                        f"{speculative_setters[option]} and {flag.name} set the speculative {option} to "
+                        "different values; give one",
+                        param=flag.name[2:],
+                    )
+                speculative[option], speculative_setters[option] = option_value, flag.name
+            continue
         if flag.to == CLI:
             continue
         if flag.const is not None:
@@ -176,6 +192,8 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
                 continue
             value = flag.const
         put((flag.to, flag.dest), value, flag)
+    if speculative:
+        routed[(ENGINE, "speculative_config")] = speculative
     return routed
 
 

@@ -66,8 +66,27 @@ class SchedulerOutput:
     # those of finished_req_ids that were preempted: they come back as new requests carrying
     # their output so far, and a seeded one keeps drawing from where its generator stood
     preempted_req_ids: set[str] = field(default_factory=set)
-    # allowed-token masks of the constrained requests that sample this step (set by the engine)
+    # allowed-token masks of the constrained requests that sample this step (set by the engine);
+    # a request verifying k draft tokens has k + 1 consecutive rows, one per position
     structured_output: StructuredOutputMasks | None = None
+    # speculative decoding: the draft tokens each request verifies this step (its scheduled
+    # tokens are its one pending token plus these)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # speculation is on at this batch size: the worker drafts for the requests that sample
+    propose_drafts: bool = False
+
+    def trim_draft_tokens(self, req_id: str, num_kept: int) -> None:
+        """Verify only the first ``num_kept`` drafts of ``req_id`` (e.g. the grammar rejects
+        the next one): its scheduled tokens shrink with them. The block slots stay allocated
+        and are reused by the next step."""
+        drafts = self.scheduled_spec_decode_tokens.get(req_id)
+        if not drafts or num_kept >= len(drafts):
+            return
+        self.num_scheduled_tokens[req_id] -= len(drafts) - num_kept
+        if num_kept:
+            self.scheduled_spec_decode_tokens[req_id] = drafts[:num_kept]
+        else:
+            del self.scheduled_spec_decode_tokens[req_id]
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -101,6 +120,8 @@ class ModelRunnerOutput:
     pooled: dict[str, Any] = field(default_factory=dict)
     # requests that failed inside the worker (e.g. a sampler error): id -> message
     errors: dict[str, str] = field(default_factory=dict)
+    # speculative decoding: the tokens proposed for each request to verify next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -211,6 +211,126 @@ class LoRAConfig:
     float32."""
 
 
+# --speculative-config keys as vLLM names them; the values tokenloom cannot honour are refused
+# by SpeculativeConfig.from_dict (the rest of vLLM's keys are refused as unknown)
+SPECULATIVE_CONFIG_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+    "model",
+    "quantization",
+    "max_model_len",
+    "revision",
+    "draft_tensor_parallel_size",
+    "acceptance_method",
+    "disable_logprobs",
+    "disable_log_stats",
+)
+# vLLM's default n-gram window when neither bound is given
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, from ``--speculative-config`` (vLLM's JSON keys) or the older
+    individual flags: a proposer plugin (``method``) drafts up to ``num_speculative_tokens``
+    tokens per decoding sequence, and the target model verifies them all in one step."""
+
+    method: str = "ngram"
+    """The proposer plugin: ``ngram`` (prompt lookup) or one a plugin registers."""
+    num_speculative_tokens: int = 1
+    """Draft tokens proposed per sequence and step (k): a step checks up to k + 1 tokens."""
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    """ngram: the shortest suffix of the sequence looked up in its earlier tokens."""
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    """ngram: the longest suffix looked up (the longest match is tried first)."""
+    disable_by_batch_size: int | None = None
+    """No speculation while more than this many requests are running or waiting: a full batch
+    already keeps the machine busy, and drafts would only add work."""
+    model: str | None = None
+    """The draft model of a method that runs one (same tokenizer as the target)."""
+    quantization: str | None = None
+    """The draft model's quantization method."""
+    max_model_len: int | None = None
+    """The draft model's context length."""
+    disable_logprobs: bool = False
+    """Accepted for vLLM compatibility: tokenloom always returns the logprobs asked for,
+    computed by the target model at every accepted position."""
+    disable_log_stats: bool = False
+    """Leave the acceptance rate out of the periodic log line."""
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's ``--speculative-config`` object -> a checked config; a ConfigError names the
+        key to change."""
+
+        def bad(message: str) -> ConfigError:
+            return ConfigError(f"--speculative-config: {message}", param="speculative-config")
+
+        for key in options:
+            if key not in SPECULATIVE_CONFIG_KEYS:
+                raise bad(f"unknown key {key!r}; known: {', '.join(SPECULATIVE_CONFIG_KEYS)}")
+        values = dict(options)
+        method = values.pop("method", None)
+        if method is None:
+            method = "draft_model" if values.get("model") else None
+        if method is None:
+            raise bad('give "method" (e.g. "ngram") or a draft "model"')
+        if not isinstance(method, str) or not method:
+            raise bad(f'"method" must be a proposer name, got {method!r}')
+        if values.get("draft_tensor_parallel_size") not in (None, 1):
+            raise bad("draft_tensor_parallel_size must be 1: tokenloom runs the draft in the target's worker")
+        values.pop("draft_tensor_parallel_size", None)
+        if values.get("acceptance_method", "rejection_sampler") != "rejection_sampler":
+            raise bad(
+                f"acceptance_method {values['acceptance_method']!r} is not implemented; "
+                "tokenloom verifies drafts with rejection_sampler, which keeps the target distribution exactly"
+            )
+        values.pop("acceptance_method", None)
+        if values.pop("revision", None) is not None:
+            raise bad("revision is not implemented; pin the draft model by a local path instead")
+        if "num_speculative_tokens" not in values:
+            raise bad('"num_speculative_tokens" is required (the number of draft tokens per step, e.g. 3)')
+        lookup_min, lookup_max = values.pop("prompt_lookup_min", None), values.pop("prompt_lookup_max", None)
+        # one bound given: the other equals it (vLLM's rule)
+        if lookup_min is None and lookup_max is None:
+            lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
+        elif lookup_min is None:
+            lookup_min = lookup_max
+        elif lookup_max is None:
+            lookup_max = lookup_min
+        config = cls(method=method, prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max, **values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def bad(message: str) -> ConfigError:
+            return ConfigError(f"--speculative-config: {message}", param="speculative-config")
+
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 64:
+            raise bad(f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, key)
+            if not is_int(value) or value < 1:
+                raise bad(f"{key} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.disable_by_batch_size is not None and (
+            not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1
+        ):
+            raise bad(f"disable_by_batch_size must be a positive integer, got {self.disable_by_batch_size!r}")
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
+            raise bad(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+
+
 @dataclass
 class EngineConfig:
     """The grouped configuration the engine and its executor receive, as the user gave it:
@@ -225,6 +345,8 @@ class EngineConfig:
     load: LoadConfig
     structured_output: StructuredOutputConfig
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig | None = None
+    """Set when speculative decoding is on."""
 
 
 _GROUPS: tuple[tuple[str, type], ...] = (
@@ -338,6 +460,8 @@ class EngineArgs:
     guided_decoding_disable_additional_properties: bool = StructuredOutputConfig.disable_additional_properties
     reasoning_parser: str | None = StructuredOutputConfig.reasoning_parser
     structured_outputs_compile_timeout: float = StructuredOutputConfig.compile_timeout
+    # -> SpeculativeConfig (vLLM's JSON object; None: no speculative decoding)
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -359,6 +483,8 @@ class EngineArgs:
         groups: dict[str, dict[str, Any]] = {group: {} for group, _ in _GROUPS}
         structured: dict[str, Any] = {}
         for name, value in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)):
+            if name == "speculative_config":
+                continue
             if name in STRUCTURED_OUTPUT_ARGS:
                 structured[STRUCTURED_OUTPUT_ARGS[name]] = value
             else:
@@ -374,9 +500,23 @@ class EngineArgs:
             load=LoadConfig(**groups["load"]),
             structured_output=StructuredOutputConfig(**structured),
             lora=LoRAConfig(**groups["lora"]),
+            speculative=self._speculative(),
         )
         validate_engine_config(config)
         return config
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        options = self.speculative_config
+        if options is None:
+            return None
+        if isinstance(options, SpeculativeConfig):
+            options.validate()
+            return options
+        if not isinstance(options, dict):
+            raise ConfigError(
+                f"--speculative-config must be a JSON object, got {type(options).__name__}", param="speculative-config"
+            )
+        return SpeculativeConfig.from_dict(options) if options else None
 
 
 def validate_engine_config(config: EngineConfig) -> None:

@@ -153,6 +153,10 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
 
     @property
+    def has_stop_strings(self) -> bool:
+        return self._enabled and bool(self._stop_strings)
+
+    @property
     def released_text(self) -> str:
         """The text already returned as deltas (what a streaming client has seen)."""
         return self.output_text[: self._num_released_chars]

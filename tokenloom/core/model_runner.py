@@ -19,6 +19,8 @@ from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
+from tokenloom.core.spec_decode.rejection_sampler import DraftPrefixState, RejectionSampler
 from tokenloom.errors import ConfigError
 from tokenloom.plugins.manager import PluginSet
 from tokenloom.plugins.registry import resolve_target
@@ -43,6 +45,8 @@ class CachedRequestState:
     bad_words: list[list[int]] = field(default_factory=list)
     pooling_params: Any = None  # set for a pooling request (PoolingParams)
     lora_request: Any = None  # the LoRA adapter it runs with (tokenloom.lora.request.LoRARequest)
+    # the proposer's latest draft (its probs are needed when the scheduler verifies it)
+    draft: Draft | None = None
 
 
 class ModelRunner:
@@ -67,6 +71,11 @@ class ModelRunner:
         self.engine_logits_processors = resolve_engine_processors(
             config.model.logits_processors, plugins.registry("logits_processor")
         )
+        self.rejection_sampler = RejectionSampler(logprobs_mode=config.model.logprobs_mode)
+        self.proposer: Proposer | None = None
+        if config.speculative is not None:
+            proposer_class = plugins.registry("proposer").get(config.speculative.method)
+            self.proposer = proposer_class(ProposerSpec(config.speculative, config, info))
         # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
         self.model: Any = None
@@ -247,6 +256,8 @@ class ModelRunner:
                 self._preempted_generators.pop(req_id, None)  # finished while it waited
             elif state is not None and state.sampling.generator is not None:
                 self._preempted_generators[req_id] = state.sampling.generator
+        if self.proposer is not None and scheduler_output.finished_req_ids:
+            self.proposer.remove_requests(set(scheduler_output.finished_req_ids))
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
             if new.block_ids:
@@ -285,7 +296,8 @@ class ModelRunner:
             return output
         req_ids = list(scheduler_output.num_scheduled_tokens)
         states = [self.requests[req_id] for req_id in req_ids]
-        batch = self._prepare_inputs(states, scheduler_output.num_scheduled_tokens)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        batch = self._prepare_inputs(states, scheduler_output.num_scheduled_tokens, spec_tokens)
         lora_errors: dict[int, str] = {}
         if self.lora_manager is not None:
             lora_errors = self.lora_manager.prepare_step(
@@ -302,18 +314,23 @@ class ModelRunner:
             self._pool(states, batch, hidden_states, output)
             return output
 
-        # rows whose known tokens are all computed after this step sample the next token
+        # rows whose known tokens (and drafts) are all computed after this step sample
         sampling_rows = [
-            i for i, state in enumerate(states) if batch.seq_lens[i] == len(state.token_ids) and i not in lora_errors
+            i
+            for i, state in enumerate(states)
+            if batch.seq_lens[i] == len(state.token_ids) + len(spec_tokens.get(state.req_id, ()))
+            and i not in lora_errors
         ]
-        if sampling_rows:
+        if sampling_rows and any(states[i].req_id in spec_tokens for i in sampling_rows):
+            self._verify(scheduler_output, states, sampling_rows, batch, hidden_states, output)
+        elif sampling_rows:
             last_token_index = torch.tensor(
                 [batch.query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device
             )
             logits = self.model.compute_logits(hidden_states.index_select(0, last_token_index)).float()
             sampling_states = [states[i].sampling for i in sampling_rows]
             grammar_rows, grammar_bitmask = self._grammar_bitmask(
-                scheduler_output.structured_output, [states[i].req_id for i in sampling_rows]
+                scheduler_output.structured_output, [states[i].req_id for i in sampling_rows], None
             )
             metadata = SamplingMetadata.build(
                 sampling_states,
@@ -340,7 +357,85 @@ class ModelRunner:
             if state.prompt_logprobs is not None:
                 self._prompt_logprobs(state, i, batch, hidden_states, output)
             state.num_computed_tokens = batch.seq_lens[i]
+        if self.proposer is not None and scheduler_output.propose_drafts and sampling_rows:
+            self._propose([states[i] for i in sampling_rows], output)
         return output
+
+    # -- speculative decoding ----------------------------------------------------------
+
+    def _verify(
+        self,
+        scheduler_output: SchedulerOutput,
+        states: list[CachedRequestState],
+        sampling_rows: list[int],
+        batch: PreparedBatch,
+        hidden_states: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Logits at each verified position (a request's last ``k + 1``), then the rejection
+        sampler: each request gets its accepted drafts and one more token."""
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        row_indices: list[int] = []
+        row_states: list[Any] = []
+        row_req_ids: list[str] = []
+        row_offsets: list[int] = []
+        drafts_per_request: list[list[int]] = []
+        draft_probs: list[torch.Tensor | None] = []
+        for i in sampling_rows:
+            state = states[i]
+            drafts = spec_tokens.get(state.req_id, [])
+            end = batch.query_start_loc[i + 1]
+            row_indices.extend(range(end - len(drafts) - 1, end))
+            for position in range(len(drafts) + 1):
+                row_states.append(DraftPrefixState(state.sampling, drafts[:position]) if position else state.sampling)
+                row_req_ids.append(state.req_id)
+                row_offsets.append(position)
+            drafts_per_request.append(drafts)
+            probs = state.draft.probs if state.draft is not None and drafts else None
+            draft_probs.append(probs[: len(drafts)] if probs is not None else None)
+            state.draft = None
+        index = torch.tensor(row_indices, device=self.device)
+        logits = self.model.compute_logits(hidden_states.index_select(0, index)).float()
+        grammar_rows, grammar_bitmask = self._grammar_bitmask(
+            scheduler_output.structured_output, row_req_ids, row_offsets
+        )
+        metadata = SamplingMetadata.build(
+            row_states, logits.shape[-1], self.device, grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask
+        )
+        verified = self.rejection_sampler(logits, metadata, drafts_per_request, draft_probs)
+        for position, i in enumerate(sampling_rows):
+            state = states[i]
+            if position in verified.errors:
+                output.errors[state.req_id] = verified.errors[position]
+                continue
+            token_ids = verified.token_ids[position]
+            state.token_ids.extend(token_ids)
+            state.sampling.output_token_ids.extend(token_ids)
+            output.sampled_token_ids[state.req_id] = token_ids
+            token_logprobs = verified.logprobs[position]
+            if token_logprobs is not None:
+                output.logprobs[state.req_id] = token_logprobs
+            # the KV computed this step covers the accepted drafts, not the rejected ones
+            num_rejected = len(drafts_per_request[position]) + 1 - len(token_ids)
+            batch.seq_lens[i] -= num_rejected
+
+    def _propose(self, states: list[CachedRequestState], output: ModelRunnerOutput) -> None:
+        """Ask the proposer for the next step's drafts of the requests that just sampled."""
+        assert self.proposer is not None  # only called with speculation configured
+        max_drafts = self.config.speculative.num_speculative_tokens if self.config.speculative else 0
+        requests = [
+            DraftRequest(state.req_id, state.token_ids, state.num_prompt_tokens, max_drafts)
+            for state in states
+            if state.req_id not in output.errors
+        ]
+        if not requests:
+            return
+        drafts = self.proposer.propose(requests)
+        for request, draft in zip(requests, drafts, strict=True):
+            if draft.token_ids:
+                draft.token_ids = list(draft.token_ids[:max_drafts])
+                self.requests[request.req_id].draft = draft
+                output.draft_token_ids[request.req_id] = draft.token_ids
 
     def _pool(
         self,
@@ -371,15 +466,23 @@ class ModelRunner:
         for i, vector in zip(rows, pooled):
             output.pooled[states[i].req_id] = vector
 
-    def _grammar_bitmask(self, masks: Any, req_ids: list[str]) -> tuple[list[int] | None, torch.Tensor | None]:
-        """The sampling rows a structured-output mask applies to, and their mask rows in order."""
+    def _grammar_bitmask(
+        self, masks: Any, req_ids: list[str], offsets: list[int] | None
+    ) -> tuple[list[int] | None, torch.Tensor | None]:
+        """The sampling rows a structured-output mask applies to, and their mask rows in order.
+        A request verifying drafts has consecutive mask rows; ``offsets[row]`` is the sampling
+        row's position among its request's (None: all 0)."""
         if masks is None:
             return None, None
-        mask_row = {req_id: row for row, req_id in enumerate(masks.req_ids)}
+        mask_row: dict[str, int] = {}
+        for row, req_id in enumerate(masks.req_ids):
+            mask_row.setdefault(req_id, row)
         rows = [row for row, req_id in enumerate(req_ids) if req_id in mask_row]
         if not rows:
             return None, None
-        order = torch.tensor([mask_row[req_ids[row]] for row in rows], dtype=torch.long)
+        order = torch.tensor(
+            [mask_row[req_ids[row]] + (offsets[row] if offsets else 0) for row in rows], dtype=torch.long
+        )
         return rows, torch.from_numpy(masks.bitmask).index_select(0, order).to(self.device)
 
     def _prompt_logprobs(
@@ -404,7 +507,12 @@ class ModelRunner:
         targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
         output.prompt_logprobs[state.req_id] = compute_prompt_logprobs(logits, targets, num_logprobs)
 
-    def _prepare_inputs(self, states: list[CachedRequestState], num_scheduled: dict[str, int]) -> PreparedBatch:
+    def _prepare_inputs(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: dict[str, int],
+        spec_tokens: dict[str, list[int]] | None = None,
+    ) -> PreparedBatch:
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -418,6 +526,9 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + count
             token_ids.extend(state.token_ids[start:end])
+            if spec_tokens and state.req_id in spec_tokens:
+                # the drafts follow the pending token, in the lookahead slots
+                token_ids.extend(spec_tokens[state.req_id])
             positions.extend(range(start, end))
             blocks = state.block_ids
             slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))

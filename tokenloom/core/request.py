@@ -267,6 +267,8 @@ class Sequence:
     pooling_params: PoolingParams | None = None
     # the LoRA adapter this sequence runs with (a tokenloom.lora.request.LoRARequest; None: the base model)
     lora_request: Any = None
+    # speculative decoding: tokens the proposer drafted, to verify in the next step
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.block_manager import BlockManager
-from tokenloom.core.config import CacheConfig, SchedulerConfig
+from tokenloom.core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.request import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
@@ -47,6 +47,41 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decoding: SpecDecodingStats | None = None
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding since start, counted like vLLM's ``spec_decode_*`` metrics."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0  # sequence-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [position] how often the draft at that position was accepted
+    num_accepted_tokens_per_pos: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_accepted_tokens_per_pos is None:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_position = self.num_accepted_tokens_per_pos
+        assert per_position is not None  # set in __post_init__
+        for position in range(num_accepted_tokens):
+            per_position[position] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos or []),
+        )
 
 
 class _FCFSQueue:
@@ -113,6 +148,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
         *,
         max_loras: int | None = None,
     ):
@@ -159,6 +195,8 @@ class Scheduler:
         self._preempted_req_ids: set[str] = set()
         # requests finished inside schedule(); the next update_from_output returns them
         self._finished_in_schedule: list[Sequence] = []
+        self.speculative = speculative
+        self.spec_decoding_stats = SpecDecodingStats(speculative.num_speculative_tokens) if speculative else None
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -233,7 +271,9 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_block_ids_by_req: dict[str, list[int]] = {}
+        spec_decode_tokens: dict[str, list[int]] = {}
         preempted_this_step = False
+        speculate = self._speculation_on()
 
         # a snapshot: preemption removes requests from self.running while we walk it
         for request in list(self.running):
@@ -244,6 +284,14 @@ class Scheduler:
             num_new_tokens = self._num_running_tokens_to_schedule(request, token_budget)
             if num_new_tokens == 0:
                 continue
+            # drafts are verified in this step or never: the next step brings new ones
+            drafts, request.draft_token_ids = request.draft_token_ids, []
+            if speculate and drafts and request.num_tokens - request.num_computed_tokens == 1:
+                drafts = drafts[: self._max_draft_tokens(request, token_budget)]
+                if drafts:
+                    # the lookahead slots get KV blocks with the pending token's
+                    num_new_tokens += len(drafts)
+                    spec_decode_tokens[request.request_id] = drafts
             while True:
                 new_block_ids = self.block_manager.allocate_slots(request, num_new_tokens)
                 if new_block_ids is not None:
@@ -257,10 +305,12 @@ class Scheduler:
                     # already scheduled this step: take its tokens back
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_block_ids_by_req[victim.request_id]
+                    spec_decode_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 if victim is request:
                     break
             if new_block_ids is None:
+                spec_decode_tokens.pop(request.request_id, None)
                 continue
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids_by_req[request.request_id] = new_block_ids
@@ -283,7 +333,27 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids & finished_req_ids,
+            scheduled_spec_decode_tokens=spec_decode_tokens,
+            propose_drafts=speculate,
         )
+
+    def _speculation_on(self) -> bool:
+        """Speculate unless more requests are queued than ``disable_by_batch_size``: a full
+        batch already keeps the machine busy and drafts only add work."""
+        if self.speculative is None:
+            return False
+        limit = self.speculative.disable_by_batch_size
+        return limit is None or len(self.running) + len(self.waiting) <= limit
+
+    def _max_draft_tokens(self, request: Sequence, token_budget: int) -> int:
+        """Drafts worth verifying for a decoding request: within the step's token budget (after
+        its pending token), and no more than its output may still grow (max_tokens, the
+        model's context: a draft's position must stay inside it)."""
+        limit = min(token_budget - 1, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        return max(0, limit)
 
     def _num_running_tokens_to_schedule(self, request: Sequence, token_budget: int) -> int:
         num_uncomputed = request.num_tokens - request.num_computed_tokens
@@ -404,7 +474,16 @@ class Scheduler:
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = []
                 request.prompt_logprobs.extend(model_runner_output.prompt_logprobs[req_id])
-            request.num_computed_tokens += num_tokens
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            num_rejected = 0
+            if drafts:
+                # the worker returns the accepted drafts plus one token: the rejected drafts'
+                # positions count as uncomputed, so the next step overwrites their KV slots
+                num_accepted = max(0, len(model_runner_output.sampled_token_ids.get(req_id) or [1]) - 1)
+                num_rejected = len(drafts) - num_accepted
+                if self.spec_decoding_stats is not None:
+                    self.spec_decoding_stats.observe(len(drafts), num_accepted)
+            request.num_computed_tokens += num_tokens - num_rejected
             if request.pooling_params is not None:
                 self._finish_pooled(request, model_runner_output)
                 any_finished = True
@@ -422,9 +501,14 @@ class Scheduler:
                         request.logprobs = []
                     request.logprobs.append(token_logprobs[position])
                 if self._check_stop(request, token_id):
+                    # a stop before the last verified token leaves fewer tokens than were
+                    # computed; blocks are cached only over real tokens
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                     self._finish(request, request.status)
                     any_finished = True
                     break
+            if not request.finished:
+                request.draft_token_ids = list(model_runner_output.draft_token_ids.get(req_id, ()))
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
@@ -523,6 +607,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = SequenceStatus.PREEMPTED
         request.num_preemptions += 1
         if request.num_output_tokens == 0 and request.prompt_logprobs:
@@ -573,4 +658,5 @@ class Scheduler:
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
         )

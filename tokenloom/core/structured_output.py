@@ -586,21 +586,36 @@ class StructuredOutputManager:
         return request_id in self._sequences
 
     def grammar_bitmask(self, scheduler_output: Any, get_request: Callable[[str], Any]) -> StructuredOutputMasks | None:
-        """The bitmask rows of the constrained sequences that sample this step."""
-        rows: list[tuple[str, _SequenceGrammar]] = []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        """The bitmask rows of the constrained sequences that sample this step.
+
+        A sequence verifying draft tokens gets one row per position, each computed with the
+        drafts before it accepted (then taken back); its drafts are cut at the first one the
+        grammar rejects (``scheduler_output.trim_draft_tokens``), which could never be accepted.
+        """
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        rows: list[tuple[str, _SequenceGrammar, Any]] = []
+        for req_id, num_tokens in list(scheduler_output.num_scheduled_tokens.items()):
             state = self._sequences.get(req_id)
             request = get_request(req_id) if state is not None else None
-            if state is None or request is None or request.num_computed_tokens + num_tokens < request.num_tokens:
-                continue  # unconstrained, or a prompt chunk that samples nothing
+            if state is None or request is None:
+                continue
+            num_drafts = len(spec_tokens.get(req_id, ()))
+            if request.num_computed_tokens + num_tokens - num_drafts < request.num_tokens:
+                continue  # a prompt chunk that samples nothing
             if state.error is None:
                 self._sync(request, state)
+            if not state.reasoning_ended or state.error is not None:
+                # while it reasons a draft could end the reasoning, after which the grammar applies
+                scheduler_output.trim_draft_tokens(req_id, 0)
             if state.reasoning_ended:
-                rows.append((req_id, state))
+                rows.append((req_id, state, request))
         if not rows:
             return None
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        for row, (req_id, state) in enumerate(rows):
+        bitmask = allocate_bitmask(sum(1 + len(spec_tokens.get(req_id, ())) for req_id, _, _ in rows), self.vocab_size)
+        row_req_ids: list[str] = []
+        for req_id, state, request in rows:
+            row = len(row_req_ids)
+            row_req_ids.append(req_id)
             try:
                 if state.error is not None or state.matcher.is_terminated():
                     set_allowed_tokens(bitmask[row], self.eos_token_ids)
@@ -610,7 +625,47 @@ class StructuredOutputManager:
                 logger.exception("structured output backend %s failed on request %s", state.backend_name, req_id)
                 state.error = f"{state.backend_name} failed computing the allowed tokens: {clean_error(exc)}"
                 set_allowed_tokens(bitmask[row], self.eos_token_ids)
-        return StructuredOutputMasks([req_id for req_id, _ in rows], bitmask.numpy())
+                scheduler_output.trim_draft_tokens(req_id, 0)
+                continue
+            drafts = spec_tokens.get(req_id)
+            if drafts:
+                num_kept = self._draft_rows(request, state, drafts, bitmask, row + 1)
+                scheduler_output.trim_draft_tokens(req_id, num_kept)
+                row_req_ids.extend([req_id] * num_kept)
+        return StructuredOutputMasks(row_req_ids, bitmask[: len(row_req_ids)].numpy())
+
+    def _draft_rows(
+        self, request: Any, state: _SequenceGrammar, drafts: list[int], bitmask: torch.Tensor, first_row: int
+    ) -> int:
+        """Fill the rows after each draft the grammar accepts (from ``first_row``), then take
+        the drafts back; returns how many drafts it accepted (the rest are never verified)."""
+        matcher = state.matcher
+        num_accepted = num_kept = 0
+        try:
+            for draft in drafts:
+                if matcher.is_terminated() or not matcher.accept_token(draft):
+                    break
+                num_accepted += 1
+                if matcher.is_terminated():
+                    set_allowed_tokens(bitmask[first_row + num_accepted - 1], self.eos_token_ids)
+                else:
+                    matcher.fill_bitmask(bitmask, first_row + num_accepted - 1)
+                num_kept = num_accepted
+        except Exception:  # a backend failing on a draft only costs the speculation
+            logger.exception("structured output backend %s failed on a draft token", state.backend_name)
+            num_kept = 0
+        finally:
+            self._take_back(request, state, num_accepted)
+        return num_kept
+
+    def _take_back(self, request: Any, state: _SequenceGrammar, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        try:
+            state.matcher.rollback(num_tokens)
+        except NotImplementedError:  # a backend without rollback replays the real output
+            self._replay(state, request.output_token_ids)
+            self._sync(request, state)
 
     def advance(self, request: Any) -> str | None:
         """Feed a sequence's new output tokens to its matcher; the error message when the

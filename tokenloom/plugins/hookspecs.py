@@ -68,6 +68,26 @@ def register_executors(register: Register) -> None:
     """
 
 
+@hookspec
+def register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers: what drafts tokens for the target to verify.
+
+    :param register: ``register(method, target)``; ``method`` is what ``--speculative-config``'s
+        ``"method"`` names (``ngram`` is built in), ``target`` resolves to a
+        :class:`tokenloom.plugin_api.Proposer` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load; the engine checks the method named by
+    ``--speculative-config`` exists before the model loads. The proposer is constructed in
+    each worker as ``Proposer(spec)`` with a :class:`tokenloom.plugin_api.ProposerSpec` and
+    asked after every sampling step for at most ``num_speculative_tokens`` draft tokens per
+    sequence (:class:`tokenloom.plugin_api.DraftRequest` in, :class:`tokenloom.plugin_api.Draft`
+    out). Drafts are verified by rejection sampling, so a proposer only changes speed, never
+    the output distribution; a draft that says which distribution it came from (``probs``)
+    is verified against it, one without is taken as a deterministic choice.
+    """
+
+
 # -- what the model is -----------------------------------------------------------------
 
 

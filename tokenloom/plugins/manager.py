@@ -50,6 +50,7 @@ class PluginKind:
 PLUGIN_KINDS: tuple[PluginKind, ...] = (
     PluginKind("platform", "register_platforms", "--device"),
     PluginKind("executor", "register_executors", "--distributed-executor-backend"),
+    PluginKind("proposer", "register_proposers", "--speculative-config"),
     PluginKind("model", "register_models"),
     PluginKind("load_format", "register_load_formats", "--load-format"),
     PluginKind("quantization", "register_quantization_methods", "--quantization"),

@@ -30,9 +30,9 @@ from tokenloom.core.request import (
     Sequence,
     SequenceStatus,
 )
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
 from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
-from tokenloom.errors import EngineDeadError, InvalidRequestError
+from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class EngineStats:
     running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     max_lora: int = 0
+    # speculative decoding counters since start (None when it is off)
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class LLMEngine:
@@ -66,6 +68,7 @@ class LLMEngine:
         self.config = config
         self.plugins = plugins
         self.platform = choose_platform(config.device.device, plugins)
+        check_proposer(config, plugins)
         self.model_info: ModelInfo
         self.model_info, self.tokenizer = resolve_model(config, plugins)
         self.max_model_len = self.model_info.max_model_len
@@ -87,6 +90,7 @@ class LLMEngine:
             self.num_blocks,
             self.max_model_len,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            speculative=config.speculative,
         )
         self.lora_catalog = self._lora_catalog()
         self.structured_outputs = self._structured_output_manager()
@@ -418,6 +422,7 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.output_processor.generation_tokens_total,
             **self._lora_stats(),
+            spec_decoding=scheduler_stats.spec_decoding,
         )
 
     def _lora_stats(self) -> dict[str, Any]:
@@ -437,6 +442,25 @@ class LLMEngine:
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
         self.executor.shutdown()
+
+
+# methods vLLM has that need a second model: refused by name until tokenloom runs draft models
+DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+
+
+def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
+    """The ``--speculative-config`` method names a registered proposer (before the model loads)."""
+    speculative = config.speculative
+    if speculative is None:
+        return
+    registry = plugins.registry("proposer")
+    if speculative.method in DRAFT_MODEL_METHODS and speculative.method not in registry.names():
+        raise ConfigError(
+            f"--speculative-config: method {speculative.method!r} (a draft model) is not implemented yet; "
+            f'use "method": "ngram" (prompt lookup), or a proposer plugin: {", ".join(registry.names()) or "none"}',
+            param="speculative-config",
+        )
+    registry.entry(speculative.method)
 
 
 def choose_platform(name: str, plugins: PluginSet) -> str:

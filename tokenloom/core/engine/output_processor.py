@@ -174,7 +174,8 @@ class OutputProcessor:
             state.prompt_logprobs = [None] + [self.logprob_dict(entry) for entry in seq.prompt_logprobs or []]
         sequence_logprobs = state.logprobs[index]
         if sequence_logprobs is not None:
-            for entry in runner_output.logprobs.get(seq.request_id, []):
+            # a step may verify several tokens and the scheduler keep fewer (a stop token)
+            for entry in runner_output.logprobs.get(seq.request_id, [])[: len(new_token_ids)]:
                 sequence_logprobs.append(self.logprob_dict(entry))
                 seq.cumulative_logprob += entry.logprobs[0]
         detokenizer = state.detokenizers[index]
@@ -190,13 +191,39 @@ class OutputProcessor:
             # (it would show whenever special tokens are kept, e.g. for tool-call parsers)
             new_token_ids = new_token_ids[:-1]
         stopped_by = None
-        if new_token_ids:
+        if len(new_token_ids) > 1 and detokenizer.has_stop_strings and not seq.finished:
+            # several tokens in one step (speculative decoding): the output must end with the
+            # token that completed a stop string, as it would one token at a time
+            for position, token_id in enumerate(new_token_ids):
+                detokenizer.update([token_id])
+                if detokenizer.stop_string is not None:
+                    self._drop_tokens_after(state, seq, len(new_token_ids) - position - 1)
+                    seq.stop_reason = stopped_by = detokenizer.stop_string
+                    break
+        elif new_token_ids:
             detokenizer.update(new_token_ids)
             if detokenizer.stop_string is not None and not seq.finished:
                 seq.stop_reason = stopped_by = detokenizer.stop_string
         if stopped_by is None:
             self.update_text(state, seq)
         return stopped_by
+
+    def _drop_tokens_after(self, state: RequestState, seq: Sequence, num_dropped: int) -> None:
+        """Take back the last ``num_dropped`` output tokens (they followed a stop string)."""
+        if num_dropped <= 0:
+            return
+        del seq.output_token_ids[-num_dropped:]
+        if seq.logprobs is not None:
+            del seq.logprobs[len(seq.output_token_ids) :]
+        sequence_logprobs = state.logprobs[seq.index]
+        if sequence_logprobs is not None:
+            for entry in sequence_logprobs[len(seq.output_token_ids) :]:
+                seq.cumulative_logprob -= next(iter(entry.values())).logprob
+            del sequence_logprobs[len(seq.output_token_ids) :]
+        state.num_processed_tokens[seq.index] = len(seq.output_token_ids)
+        self.generation_tokens_total -= num_dropped
+        # the scheduler caches blocks only over tokens the sequence really holds
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
 
     def update_text(self, state: RequestState, seq: Sequence) -> None:
         """The text of ``seq`` that may be shown: all of it once finished, else what can no

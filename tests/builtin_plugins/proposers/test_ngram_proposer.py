@@ -1,0 +1,60 @@
+"""The built-in ``ngram`` proposer: prompt lookup, longest n-gram first, and its registration."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.core.config import EngineArgs, SpeculativeConfig
+from tokenloom.plugin_api import DraftRequest, ProposerSpec
+from tokenloom.plugins.manager import load_plugins
+
+
+def proposer(min_n: int, max_n: int):
+    from tokenloom.builtin_plugins.proposers.ngram import NgramProposer
+
+    speculative = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_min=min_n, prompt_lookup_max=max_n
+    )
+    return NgramProposer(ProposerSpec(speculative, EngineArgs().create_engine_config(), model_info=None))
+
+
+def test_proposes_what_followed_the_suffix_earlier():
+    # suffix [7, 8] occurred at 1..2, followed by 9, 10, 11
+    assert proposer(1, 3).lookup([5, 7, 8, 9, 10, 11, 12, 7, 8], 3) == [9, 10, 11]
+
+
+def test_longest_match_wins_over_a_more_recent_shorter_one():
+    # [1, 2, 3] matches at the start (then 40); [2, 3] alone also matches later (then 50)
+    tokens = [1, 2, 3, 40, 41, 9, 2, 3, 50, 51, 1, 2, 3]
+    assert proposer(2, 3).lookup(tokens, 2) == [40, 41]
+    assert proposer(2, 2).lookup(tokens, 2) == [50, 51]
+
+
+def test_the_latest_match_with_a_full_draft_else_the_earliest():
+    # a period-1 loop: the latest match of [5, 5] is followed by one token only
+    assert proposer(2, 2).lookup([1, 5, 5, 5, 5, 5], 3) == [5, 5, 5]
+    # [1, 2] matched twice, both followed by a full draft: the latest wins
+    assert proposer(2, 2).lookup([1, 2, 3, 3, 3, 1, 2, 4, 4, 4, 1, 2], 3) == [4, 4, 4]
+
+
+def test_no_match_or_too_short_proposes_nothing():
+    assert proposer(2, 3).lookup([1, 2, 3, 4], 3) == []
+    assert proposer(3, 3).lookup([1, 1], 3) == []
+    assert proposer(1, 1).lookup([1, 2, 1], 0) == []
+
+
+def test_propose_returns_one_point_mass_draft_per_request():
+    drafts = proposer(1, 2).propose([DraftRequest("a", [4, 5, 6, 4], 3, 2), DraftRequest("b", [1, 2, 3], 3, 2)])
+    assert [draft.token_ids for draft in drafts] == [[5, 6], []]
+    assert all(draft.probs is None for draft in drafts)
+
+
+@pytest.mark.hook("register_proposers")
+def test_ngram_is_registered_as_a_proposer():
+    from tokenloom.builtin_plugins.proposers.ngram import NgramProposer
+    from tokenloom.plugin_api import Proposer
+
+    # the entry point (builtin_proposers) loads this module; loading it by name is the same
+    plugins = load_plugins(modules=["tokenloom.builtin_plugins.proposers"])
+    proposer_class = plugins.registry("proposer").get("ngram")
+    assert proposer_class is NgramProposer and issubclass(proposer_class, Proposer)
