@@ -71,7 +71,9 @@ class ModelRunner:
         self.engine_logits_processors = resolve_engine_processors(
             config.model.logits_processors, plugins.registry("logits_processor")
         )
-        self.rejection_sampler = RejectionSampler(logprobs_mode=config.model.logprobs_mode)
+        self.rejection_sampler = RejectionSampler(
+            logprobs_mode=config.model.logprobs_mode, unseeded_generator=self.sampler.generator
+        )
         self.proposer: Proposer | None = None
         if config.speculative is not None:
             proposer_class = plugins.registry("proposer").get(config.speculative.method)

@@ -243,3 +243,30 @@ def test_sampled_sequences_follow_the_target_distribution(four_token_model):
         torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic.double() / 2)
     )
     assert pvalue > 1e-3, (observed, expected_counts)
+
+
+def boost_token_after_last(output_token_ids, logits):
+    """A request logits processor whose effect depends on the output so far: each verified
+    position must see the drafts before it as output."""
+    if output_token_ids:
+        logits[(output_token_ids[-1] + 1) % logits.shape[-1]] += 5.0
+    return logits
+
+
+def test_request_logits_processors_see_each_positions_output(plain, speculative):
+    params = greedy(logits_processors=[boost_token_after_last], max_tokens=30)
+    assert token_ids(speculative, PROMPTS, params) == token_ids(plain, PROMPTS, params)
+    assert token_ids(plain, PROMPTS, params) != token_ids(plain, PROMPTS, greedy(max_tokens=30))
+
+
+def test_seed_flag_makes_speculative_sampling_repeatable(tiny_llama_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=30)
+    runs = [
+        token_ids(
+            LLM(model=tiny_llama_dir, dtype="float32", plugins=PROPOSERS, speculative_config=NGRAM, seed=11),
+            PROMPTS,
+            params,
+        )
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]

@@ -19,6 +19,7 @@ between 1 and ``k + 1`` tokens per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from tokenloom.core.batch import TokenLogprobs
 from tokenloom.core.sampler import (
     LOGPROBS_MODES,
     _apply_logits_processors,
+    _apply_request_processors,
     _apply_temperature_and_truncation,
     _failed_rows,
     _token_logprobs,
@@ -76,10 +78,17 @@ class VerifiedTokens:
 class RejectionSampler:
     """Turns ``[sum(k_i + 1), vocab]`` target logits and the drafts into each sequence's tokens."""
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs"):
+    def __init__(
+        self,
+        logprobs_mode: str = "raw_logprobs",
+        unseeded_generator: Callable[[torch.device], torch.Generator] | None = None,
+    ):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}", param="logprobs_mode")
         self.logprobs_mode = logprobs_mode
+        # the generator of unseeded rows: the plain sampler's (seeded by --seed), so a server's
+        # random draws follow its seed with speculation as without
+        self.unseeded_generator = unseeded_generator
 
     def __call__(
         self,
@@ -94,8 +103,15 @@ class RejectionSampler:
         num_rows = logits.shape[0]
         if num_rows != sum(len(drafts) + 1 for drafts in draft_token_ids):
             raise ValueError("the logits need one row per draft token plus one per sequence")
-        processed = _apply_logits_processors(logits.clone(), metadata) if metadata.modifies_logits else logits
-        failed = _failed_rows(processed) if metadata.modifies_logits else {}
+        failed: dict[int, str] = {}
+        if metadata.modifies_logits:
+            processed = logits.clone()
+            # request logits processors see each position's output with the drafts before it
+            processor_errors = _apply_request_processors(processed, metadata)
+            processed = _apply_logits_processors(processed, metadata)
+            failed = {**_failed_rows(processed), **processor_errors}
+        else:
+            processed = logits
         greedy_ids = processed.argmax(dim=-1).tolist()
 
         # random rows: their probabilities after temperature and truncation
@@ -135,6 +151,8 @@ class RejectionSampler:
                 assert random_probs is not None  # a random row exists, so probabilities were computed
                 probs = random_probs[random_index[row]]
                 generator = generators.get(random_index[row])
+                if generator is None and self.unseeded_generator is not None:
+                    generator = self.unseeded_generator(probs.device)
                 if position == len(drafts):  # every draft accepted: the bonus token
                     tokens.append(_draw(probs, generator))
                     break
