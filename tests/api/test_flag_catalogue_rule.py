@@ -38,6 +38,18 @@ CONFIG_MODULES = frozenset(
 BEHAVIOUR_TESTS: dict[str, str] = {
     "--logits-processors": "tests/core/test_logits_processors.py::test_engine_logits_processors_apply_to_every_request_and_request_ones_offline",
     "--logits-processor-pattern": "tests/e2e/test_requests_smollm2.py::test_a_qualified_logits_processor_allowed_by_the_pattern_runs_on_the_request",
+    # -- speculative decoding (issue 23)
+    "--speculative-config": "tests/e2e/test_spec_decode_smollm2.py::test_single_stream_greedy_is_identical_and_drafts_are_accepted",
+    "--speculative-model": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
+    "--num-speculative-tokens": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
+    "--ngram-prompt-lookup-min": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
+    "--ngram-prompt-lookup-max": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
+    "--speculative-disable-by-batch-size": "tests/core/spec_decode/test_spec_decode_engine.py::test_no_speculation_above_disable_by_batch_size",
+    "--spec-decoding-acceptance-method": "tests/api/test_serve_args.py::test_bad_speculative_configs_say_what_to_change",
+    "--speculative-model-quantization": "tests/api/test_serve_args.py::test_speculative_draft_model_flags_are_refused_for_ngram",
+    "--speculative-max-model-len": "tests/api/test_serve_args.py::test_speculative_draft_model_flags_are_refused_for_ngram",
+    "--speculative-draft-tensor-parallel-size": "tests/api/test_serve_args.py::test_bad_speculative_configs_say_what_to_change",
+    "--disable-logprobs-during-spec-decoding": "tests/e2e/test_spec_decode_smollm2.py::test_concurrent_mixed_batch_is_identical",
     # -- LoRA (issue 22) and the attention backend (issue 25)
     "--enable-lora": "tests/e2e/test_lora_server.py::test_static_adapter_is_listed_with_its_parent_and_used_by_name",
     "--lora-modules": "tests/api/test_serving_models.py::test_adapters_are_listed_and_picked_by_model",

@@ -133,6 +133,9 @@ SAMPLES = {
     "--override-generation-config": ["--override-generation-config", '{"temperature": 0.5}'],
     "--attention-backend": ["--attention-backend", "torch"],
     "--config": None,  # a file: tested on its own
+    # draft-model settings: refused for ngram, tested on their own
+    "--speculative-model-quantization": None,
+    "--speculative-max-model-len": None,
     # speculative decoding needs a method and a number of tokens
     "--speculative-config": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
     "--speculative-model": ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],
@@ -140,9 +143,7 @@ SAMPLES = {
     **{
         name: [name, value, "--speculative-model", "[ngram]", "--num-speculative-tokens", "2"]
         for name, value in (
-            ("--speculative-model-quantization", "gguf"),
             ("--speculative-draft-tensor-parallel-size", "1"),
-            ("--speculative-max-model-len", "512"),
             ("--speculative-disable-by-batch-size", "4"),
             ("--ngram-prompt-lookup-max", "4"),
             ("--ngram-prompt-lookup-min", "2"),
@@ -602,6 +603,14 @@ def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
         ),
         ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key 'lookahead'"),
         (
+            '{"method": "ngram", "num_speculative_tokens": 2, "quantization": "gguf"}',
+            "quantization describes a draft model",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 512}',
+            "max_model_len describes a draft model",
+        ),
+        (
             '{"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "typical_acceptance_sampler"}',
             "acceptance_method 'typical_acceptance_sampler' is not implemented",
         ),
@@ -610,3 +619,16 @@ def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
 def test_bad_speculative_configs_say_what_to_change(options, message):
     with pytest.raises(ConfigError, match=message):
         parse("--speculative-config", options)
+
+
+@pytest.mark.parametrize(
+    "flag, value, key",
+    [
+        ("--speculative-model-quantization", "gguf", "quantization"),
+        ("--speculative-max-model-len", "512", "max_model_len"),
+    ],
+)
+def test_speculative_draft_model_flags_are_refused_for_ngram(flag, value, key):
+    """n-gram lookup runs no draft model: its settings would be read by nothing, so they are refused."""
+    with pytest.raises(ConfigError, match=f"{key} describes a draft model"):
+        parse("--speculative-model", "[ngram]", "--num-speculative-tokens", "2", flag, value)

@@ -280,6 +280,13 @@ class SpeculativeConfig:
             raise bad('give "method" (e.g. "ngram") or a draft "model"')
         if not isinstance(method, str) or not method:
             raise bad(f'"method" must be a proposer name, got {method!r}')
+        if method == "ngram":
+            # nothing would read a draft model's settings: refuse them rather than drop them
+            for key in ("model", "quantization", "max_model_len"):
+                if values.get(key) is not None:
+                    raise bad(
+                        f"{key} describes a draft model, and method 'ngram' runs none (it drafts from the prompt); remove {key}"
+                    )
         if values.get("draft_tensor_parallel_size") not in (None, 1):
             raise bad("draft_tensor_parallel_size must be 1: tokenloom runs the draft in the target's worker")
         values.pop("draft_tensor_parallel_size", None)
