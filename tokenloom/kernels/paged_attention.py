@@ -156,9 +156,7 @@ def reference_paged_attention(
             block_table = attn_metadata.block_tables[seq_index].to(torch.long)
             slots = block_table[key_positions // block_size] * block_size + key_positions % block_size
             seq_keys = dequantize_kv(kv_cache[0].reshape(-1, num_kv_heads, head_size)[slots], k_scale, torch.float32)
-            seq_values = dequantize_kv(
-                kv_cache[1].reshape(-1, num_kv_heads, head_size)[slots], v_scale, torch.float32
-            )
+            seq_values = dequantize_kv(kv_cache[1].reshape(-1, num_kv_heads, head_size)[slots], v_scale, torch.float32)
             query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
         seq_keys = seq_keys.float().repeat_interleave(group_size, dim=1)
         seq_values = seq_values.float().repeat_interleave(group_size, dim=1)

@@ -587,11 +587,18 @@ bool is_fp8_cache(const at::Tensor& kv_cache) {
   return kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
 }
 
+// by its bits: the -ffast-math build assumes every float finite, so std::isfinite is always true
+inline bool positive_and_finite(double value) {
+  uint64_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits != 0 && (bits >> 63) == 0 && ((bits >> 52) & 0x7FF) != 0x7FF;
+}
+
 // the activations' dtype must be the cache's, unless the cache is fp8; scales are for fp8 caches
 void check_cache_dtype(at::ScalarType activations, const at::Tensor& kv_cache, double k_scale, double v_scale,
                        const char* what) {
   if (is_fp8_cache(kv_cache)) {
-    TORCH_CHECK(std::isfinite(k_scale) && std::isfinite(v_scale) && k_scale > 0 && v_scale > 0,
+    TORCH_CHECK(positive_and_finite(k_scale) && positive_and_finite(v_scale),
                 "k_scale and v_scale must be positive and finite, got ", k_scale, " and ", v_scale);
   } else {
     TORCH_CHECK(activations == kv_cache.scalar_type(), what, " and kv_cache must share a dtype (or the cache be fp8)");
