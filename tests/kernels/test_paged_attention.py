@@ -466,3 +466,187 @@ def test_native_decode_windows_and_soft_cap_per_dtype(dtype, window, soft_cap):
     )
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+# -- fp8 KV caches (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2) --------------------------------
+
+FP8_FORMATS = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+
+
+def finite_fp8_codes(cache_dtype) -> torch.Tensor:
+    """Every bit pattern of the format that is a finite number (the kernels never write the others)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    return codes[torch.isfinite(codes.view(cache_dtype).float())]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.037, 0.0051)])
+def test_fp8_write_is_the_same_bytes_in_the_native_kernel_and_torch(cache_dtype, dtype, scales):
+    """The cache write quantizes x * (1 / scale), saturating (values far past the format's range
+    included) and rounding subnormals, identically in both paths."""
+    generator = torch.Generator().manual_seed(21)
+    num_tokens, num_kv_heads, head_size = 23, 3, 72  # 72: vector chunks and a tail
+    magnitudes = torch.logspace(-9, 6, num_tokens).view(-1, 1, 1)  # subnormal .. far past 57344
+    key = (torch.randn(num_tokens, num_kv_heads, head_size, generator=generator) * magnitudes).to(dtype)
+    value = (torch.randn(num_tokens, num_kv_heads, head_size, generator=generator) * magnitudes).to(dtype)
+    slot_mapping = torch.randperm(8 * BLOCK_SIZE, generator=generator)[:num_tokens]
+    torch_cache = torch.zeros(2, 8, BLOCK_SIZE, num_kv_heads, head_size, dtype=cache_dtype)
+    native_cache = torch_cache.clone()
+    write_kv_cache(key, value, torch_cache, slot_mapping, *scales)
+    NativeCpuPagedAttention()._ops.write_kv_cache(key, value, native_cache, slot_mapping, *scales)
+    assert torch.equal(torch_cache.view(torch.uint8), native_cache.view(torch.uint8))
+    stored = torch_cache.float()
+    assert torch.isfinite(stored).all()  # saturated, never inf or NaN
+    limit = paged_attention.FP8_KV_CACHE_LIMITS[cache_dtype]
+    assert stored.abs().max() == limit
+    # what a slot holds stands for the written value, to the format's precision
+    expected = (key.float() / scales[0]).clamp(-limit, limit)
+    written = stored[0].view(-1, num_kv_heads, head_size)[slot_mapping]
+    relative_step = 2.0**-3 if cache_dtype == torch.float8_e4m3fn else 2.0**-2
+    normal = expected.abs() >= (2.0**-6 if cache_dtype == torch.float8_e4m3fn else 2.0**-14)
+    assert ((written - expected).abs() <= relative_step / 2 * expected.abs() + 1e-30)[normal].all()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("head_size", [64, 48])  # the vector widening and the table
+def test_native_decode_reads_every_fp8_code_exactly(cache_dtype, head_size):
+    """A sequence of one key attends to it with weight 1: the output is the cached value times
+    v_scale, so every finite code the kernel widens (register bit tricks, or the table) must
+    come out as torch's own conversion of it."""
+    codes = finite_fp8_codes(cache_dtype)
+    num_seqs = -(-len(codes) // head_size)
+    rows = torch.zeros(num_seqs * head_size, dtype=torch.uint8)
+    rows[: len(codes)] = codes
+    kv_cache = torch.zeros(2, num_seqs, BLOCK_SIZE, 1, head_size, dtype=cache_dtype)
+    kv_cache.view(torch.uint8)[1, :, 0, 0] = rows.view(num_seqs, head_size)
+    metadata = build_attention_metadata(
+        [1] * num_seqs, [1] * num_seqs, [[index] for index in range(num_seqs)], BLOCK_SIZE, [kv_cache]
+    )
+    query = torch.randn(num_seqs, 2, head_size)
+    output = torch.empty_like(query)
+    v_scale = 0.5  # a power of two: the products are exact
+    NativeCpuPagedAttention()._ops.paged_decode_attention(
+        output,
+        query,
+        kv_cache,
+        metadata.block_tables.long(),
+        metadata.seq_lens.long(),
+        0.125,
+        0,
+        0.0,
+        1.0,
+        v_scale,
+    )
+    expected = rows.view(cache_dtype).float().view(num_seqs, 1, head_size) * v_scale
+    torch.testing.assert_close(output, expected.expand(-1, 2, -1), atol=0, rtol=0)
+
+
+def _fp8_decode_step(seq_lens, heads, head_size, block_size, cache_dtype, dtype, scales, seed):
+    """A decode step over an fp8 cache whose context was written with ``scales``."""
+    num_q_heads, num_kv_heads = heads
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-seq_len // block_size) for seq_len in seq_lens) + 2
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=cache_dtype)
+    free_blocks = list(range(num_blocks))
+    random.Random(seed).shuffle(free_blocks)
+    tables = [[free_blocks.pop() for _ in range(-(-seq_len // block_size))] for seq_len in seq_lens]
+    with_context = [(seq_len, table) for seq_len, table in zip(seq_lens, tables) if seq_len > 1]
+    context = build_attention_metadata(
+        [seq_len - 1 for seq_len, _ in with_context],
+        [seq_len - 1 for seq_len, _ in with_context],
+        [table for _, table in with_context],
+        block_size,
+        [kv_cache],
+    )
+    num_context = sum(seq_len - 1 for seq_len in seq_lens)
+    # keys and values of a real model's range: a few units, an outlier now and then
+    context_keys = torch.randn(num_context, num_kv_heads, head_size, generator=generator) * 2
+    context_values = torch.randn(num_context, num_kv_heads, head_size, generator=generator)
+    write_kv_cache(context_keys.to(dtype), context_values.to(dtype), kv_cache, context.slot_mapping, *scales)
+    metadata = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size, [kv_cache])
+    query = torch.randn(len(seq_lens), num_q_heads, head_size, generator=generator).to(dtype)
+    key = (torch.randn(len(seq_lens), num_kv_heads, head_size, generator=generator) * 2).to(dtype)
+    value = torch.randn(len(seq_lens), num_kv_heads, head_size, generator=generator).to(dtype)
+    return query, key, value, kv_cache, metadata
+
+
+@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128, 40])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])  # GQA groups of 3 and 8, and MHA
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_fp8_decode_matches_reference(backend_class, cache_dtype, dtype, head_size, heads, block_size):
+    """Decode over an fp8 cache, keys in runs cut at block ends: 1..40 tokens per sequence, so
+    every sequence length crosses (or stops at) a block boundary somewhere, with scales that
+    are not powers of two."""
+    scales = (0.0123, 0.0071)
+    seq_lens = list(range(1, 41))
+    query, key, value, kv_cache, metadata = _fp8_decode_step(
+        seq_lens, heads, head_size, block_size, cache_dtype, dtype, scales, 31
+    )
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(
+        query, key, value, reference_cache, metadata, scale=head_size**-0.5, k_scale=scales[0], v_scale=scales[1]
+    )
+    output = backend_class().forward(
+        query, key, value, kv_cache, metadata, scale=head_size**-0.5, k_scale=scales[0], v_scale=scales[1]
+    )
+    # the fp8 rounding is the same on both sides (the same bytes in the cache); what differs is
+    # float32 summation order, the output's rounding to bfloat16 and, on the torch path, its
+    # bfloat16 matmuls (the bound of the 16-bit cache's bfloat16 test above)
+    if dtype == torch.float32:
+        tolerance = 1e-5
+    else:
+        tolerance = 1e-2 if backend_class is NativeCpuPagedAttention else 3e-2
+    torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(kv_cache.view(torch.uint8), reference_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize("specs", MIXED_BATCHES)
+@pytest.mark.parametrize("window", [None, 3])
+def test_fp8_mixed_batches_match_reference(backend_class, cache_dtype, specs, window):
+    """Prefills (with and without a cached prefix) next to decodes: a prompt's tokens attend to
+    their own keys and values as the cache holds them, exactly as the reference reads them."""
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, 6, 2, 16, torch.float32, 17)
+    kv_cache = kv_cache.clamp(-400, 400).to(cache_dtype)  # the context, as an fp8 cache holds it
+    metadata.kv_caches = [kv_cache]
+    scales = dict(k_scale=0.25, v_scale=0.0625)
+    expected = reference_paged_attention(
+        query, key, value, kv_cache.clone(), metadata, scale=0.3, sliding_window=window, **scales
+    )
+    output = backend_class().forward(query, key, value, kv_cache, metadata, scale=0.3, sliding_window=window, **scales)
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_caches_stay_close_to_the_16_bit_cache():
+    """Attention over an fp8 cache approximates the full-precision result: e4m3 keeps 3 mantissa
+    bits and e5m2 2, so e4m3 is the closer of the two (on values of a unit's size, where
+    neither format saturates)."""
+    seq_lens = [33, 64, 7]
+    query, key, value, _, metadata = _fp8_decode_step(
+        seq_lens, (8, 2), 64, 16, torch.float32, torch.float32, (1.0, 1.0), 41
+    )
+    exact = reference_paged_attention(query, key, value, metadata.kv_caches[0].clone(), metadata, scale=0.125)
+    errors = {}
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fp8_cache = metadata.kv_caches[0].to(cache_dtype)
+        approximate = reference_paged_attention(query, key, value, fp8_cache, metadata, scale=0.125)
+        errors[cache_dtype] = (approximate - exact).abs().mean().item() / exact.abs().mean().item()
+    assert 0 < errors[torch.float8_e4m3fn] < errors[torch.float8_e5m2] < 0.1
+
+
+def test_native_kernels_refuse_bad_fp8_scales_and_scales_on_a_16_bit_cache():
+    ops = NativeCpuPagedAttention()._ops
+    key = torch.ones(1, 2, 8)
+    slot = torch.tensor([0])
+    fp8_cache = torch.zeros(2, 4, BLOCK_SIZE, 2, 8, dtype=torch.float8_e4m3fn)
+    for bad_scale in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(RuntimeError, match="positive and finite"):
+            ops.write_kv_cache(key, key, fp8_cache, slot, bad_scale, 1.0)
+    with pytest.raises(RuntimeError, match="fp8 kv_cache only"):
+        ops.write_kv_cache(key, key, torch.zeros(2, 4, BLOCK_SIZE, 2, 8), slot, 0.5, 1.0)
+    assert fp8_cache.view(torch.uint8).sum() == 0

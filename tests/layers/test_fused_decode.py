@@ -1,6 +1,6 @@
 """The fused decode layer (``decode_layer``) against the layer's own Python path, on tiny random
 Llama GGUFs with Q4_1 projections (int4 weights for tokenloom's kernel), on every CPU kernel
-level the host runs (``isa_level``)."""
+level the host runs (``isa_level``), with 16-bit and fp8 KV caches."""
 
 from __future__ import annotations
 
@@ -133,3 +133,28 @@ def test_float32_models_asked_for_by_name_are_not_fused(tmp_path_factory):
         outputs = generate(llm, max_tokens=4)
     assert taken["fused"] == 0 and all(len(tokens) == 4 for tokens, _ in outputs)
     assert torch.float32 == llm.engine.executor.worker.runner.dtype
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_cache_is_fused_with_its_scales_and_gives_the_same_bits(tmp_path_factory, isa_level, cache_dtype):
+    """The operator writes and reads an fp8 cache with the layer's scales (here calculated from the
+    first step, which the Python path runs): the same bits as the layer's Python path."""
+    llm = LLM(
+        model=tiny_gguf(tmp_path_factory, "llama"),
+        dtype="bfloat16",
+        max_model_len=128,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        cache_dtype=cache_dtype,
+        calculate_kv_scales=True,
+    )
+    runner = llm.engine.executor.worker.runner
+    assert runner.kv_caches[0].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    patch, taken = count_fused_calls()
+    with patch:
+        fused = generate(llm)
+    assert taken["fused"] > 0
+    assert all(not scales.pending and scales.k_scale != 1.0 for scales in runner.kv_scales)
+    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
+        unfused = generate(llm)
+    assert fused == unfused

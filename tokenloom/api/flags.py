@@ -624,7 +624,7 @@ FLAGS: tuple[Flag, ...] = (
         "cache_dtype",
         choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"),
     ),
-    unimplemented("--calculate-kv-scales", "CacheConfig", "Compute fp8 KV-cache scales on the fly.", **_bool()),
+    implemented("--calculate-kv-scales", "CacheConfig", **_bool()),
     unimplemented("--kv-sharing-fast-prefill", "CacheConfig", "Skip prefill tokens in KV-sharing layers.", **_bool()),
     unimplemented(
         "--mamba-cache-dtype",

@@ -125,6 +125,19 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class KVCacheScales:
+    """One attention layer's fp8 KV-cache scales (vLLM's ``k_scale``/``v_scale``): a cached
+    key element ``q`` stands for ``q * k_scale``, a value element for ``q * v_scale``. Both are
+    1.0 unless ``--calculate-kv-scales`` asks the layer to set them from the first step that
+    writes its cache (``pending`` until then); the model runner keeps one per layer, beside
+    the layer's cache."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    pending: bool = False
+
+
+@dataclass
 class AttentionMetadata:
     """How the flat batch of tokens maps onto sequences and KV-cache slots.
 
@@ -152,6 +165,8 @@ class AttentionMetadata:
     backend: Any = None
     # True when sequences attend both ways (encoder models); no KV cache is written then
     bidirectional: bool = False
+    # one per attention layer when the cache is fp8 (--kv-cache-dtype fp8*), else None
+    kv_scales: list[KVCacheScales] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -111,7 +111,13 @@ class CacheConfig:
     checked against the block's token ids, so a collision costs a miss, never another
     request's KV)."""
     cache_dtype: str = "auto"
-    """KV-cache data type; ``auto`` uses the model dtype."""
+    """KV-cache data type: ``auto`` (the model's dtype), ``bfloat16``, or an 8-bit float
+    cache holding twice the tokens in the same memory: ``fp8`` (= ``fp8_e4m3``) or
+    ``fp8_e5m2``, scaled per layer by k_scale/v_scale (1.0, or see
+    ``--calculate-kv-scales``). ``fp8_inc`` (Intel Gaudi) is refused."""
+    calculate_kv_scales: bool = False
+    """With an fp8 KV cache: set each layer's k_scale and v_scale from the first step's keys
+    and values (max |k| / 200, max |v| / 100, as vLLM) instead of 1.0."""
 
 
 @dataclass
@@ -432,6 +438,7 @@ class EngineArgs:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     prefix_caching_hash_algo: str = CacheConfig.prefix_caching_hash_algo
     cache_dtype: str = CacheConfig.cache_dtype
+    calculate_kv_scales: bool = CacheConfig.calculate_kv_scales
     # -> SchedulerConfig
     max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
@@ -537,6 +544,12 @@ def validate_engine_config(config: EngineConfig) -> None:
     if not 0.0 < config.cache.gpu_memory_utilization <= 1.0:
         bad("gpu-memory-utilization", f"must be in (0, 1], got {config.cache.gpu_memory_utilization}")
     check_attention_backend(config.device.attention_backend)
+    if config.cache.cache_dtype == "fp8_inc":
+        bad(
+            "kv-cache-dtype",
+            "fp8_inc (Intel Neural Compressor's FP8 cache for Gaudi) is not built in tokenloom: "
+            "use fp8, fp8_e4m3 or fp8_e5m2",
+        )
     if config.cache.num_gpu_blocks_override is not None and config.cache.num_gpu_blocks_override < 1:
         bad("num-gpu-blocks-override", f"must be at least 1, got {config.cache.num_gpu_blocks_override}")
     if config.scheduler.max_num_seqs < 1:

@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenloom.core.batch import (
+    AttentionMetadata,
+    KVCacheScales,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.logits_processors import resolve_engine_processors
 from tokenloom.core.model_loader import ModelInfo, build_model
@@ -29,6 +35,19 @@ logger = logging.getLogger(__name__)
 
 # memory left free when the KV cache is sized from --gpu-memory-utilization
 KV_SAFETY_MARGIN_BYTES = 512 * 1024 * 1024
+
+# --kv-cache-dtype values and the cache's element type (None: the model's dtype); fp8 is e4m3,
+# as in vLLM on the CPU and CUDA
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -61,6 +80,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # per layer, when the cache is fp8: the scales its elements are multiplied by
+        self.kv_scales: list[KVCacheScales] | None = None
         self.attention_backend = resolve_target(attention_backend_target(config.device.attention_backend, platform))()
         self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode, seed=config.model.seed)
         # seeded requests preempted (forgotten here) and not yet resumed: req id -> their
@@ -115,9 +136,24 @@ class ModelRunner:
             )
 
     def kv_cache_dtype(self) -> torch.dtype:
-        names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-        if self.config.cache.cache_dtype in names:
-            return names[self.config.cache.cache_dtype]
+        """The cache's element type for ``--kv-cache-dtype``; an fp8 cache needs an attention
+        backend that reads one (ConfigError naming the flag otherwise)."""
+        name = self.config.cache.cache_dtype
+        if name not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype {name}: not a KV-cache type tokenloom builds; use one of "
+                + ", ".join(KV_CACHE_DTYPES),
+                param="kv_cache_dtype",
+            )
+        dtype = KV_CACHE_DTYPES[name]
+        if dtype in FP8_KV_CACHE_DTYPES and not getattr(self.attention_backend, "supports_fp8_kv_cache", False):
+            raise ConfigError(
+                f"--kv-cache-dtype {name}: the attention backend {type(self.attention_backend).__name__} "
+                "cannot read an fp8 KV cache; use --kv-cache-dtype auto with it",
+                param="kv_cache_dtype",
+            )
+        if dtype is not None:
+            return dtype
         if self.dtype is None:
             raise RuntimeError("the KV cache's dtype follows the model's: load the model first")
         return self.dtype
@@ -214,11 +250,20 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [self.platform.zeros(shape, self.kv_cache_dtype()) for _ in range(spec.num_layers)]
+        dtype = self.kv_cache_dtype()
+        self.kv_caches = [self.platform.zeros(shape, dtype) for _ in range(spec.num_layers)]
+        self.kv_scales = None
+        if dtype in FP8_KV_CACHE_DTYPES:
+            pending = self.config.cache.calculate_kv_scales
+            self.kv_scales = [KVCacheScales(pending=pending) for _ in range(spec.num_layers)]
+        elif self.config.cache.calculate_kv_scales:
+            logger.warning("--calculate-kv-scales has no effect: the KV cache is %s, not fp8", dtype)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens, %s, %d bytes per block (%.1f MiB)",
             num_blocks,
             self.block_size,
+            str(dtype).removeprefix("torch."),
+            sum(t[:, 0].numel() * t.element_size() for t in self.kv_caches),
             sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20,
         )
 
@@ -556,6 +601,7 @@ class ModelRunner:
             block_size=block_size,
             kv_caches=self.kv_caches,
             backend=self.attention_backend,
+            kv_scales=self.kv_scales,
         )
         return PreparedBatch(
             input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)),

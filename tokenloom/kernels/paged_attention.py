@@ -7,6 +7,13 @@ token ``p`` of a sequence lives at slot ``block_table[p // block_size] * block_s
 p % block_size``. A query at position ``q`` attends to cached positions ``k`` with
 ``k <= q`` and, under a sliding window ``w``, ``k > q - w`` (the last ``w`` positions,
 itself included), as in Hugging Face transformers.
+
+The cache holds the activations' dtype, or an 8-bit float format (``--kv-cache-dtype fp8``,
+``fp8_e4m3``: ``torch.float8_e4m3fn``; ``fp8_e5m2``: ``torch.float8_e5m2``) with vLLM's
+per-layer scales: an element ``q`` of the key (value) half stands for ``q * k_scale``
+(``q * v_scale``); :func:`quantize_kv` writes it, :func:`dequantize_kv` reads it. Attention
+always reads what the cache holds, so a prompt's own keys and values are rounded to the cache's
+format before its tokens attend to them, as later decode steps see them.
 """
 
 from __future__ import annotations
@@ -19,10 +26,42 @@ import torch.nn.functional as F
 from tokenloom.errors import ConfigError
 from tokenloom.kernels.cpu_native import ops_for
 
+# the 8-bit KV-cache formats and their largest finite value (writes saturate there, as vLLM's
+# kernels do: torch's own cast turns an e5m2 overflow into inf)
+FP8_KV_CACHE_LIMITS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+
+def is_fp8_kv_cache(kv_cache: torch.Tensor | None) -> bool:
+    return kv_cache is not None and kv_cache.dtype in FP8_KV_CACHE_LIMITS
+
+
+def quantize_kv(rows: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` as the fp8 cache stores them: ``rows * (1 / scale)`` in float32 (the reciprocal
+    rounded to float32 first, as the native kernel computes it), saturated, rounded to nearest
+    even."""
+    limit = FP8_KV_CACHE_LIMITS[cache_dtype]
+    return (rows.float() * (1.0 / scale)).clamp_(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What cache elements stand for, in ``dtype``: ``cached * scale`` for an fp8 cache, the
+    elements themselves otherwise."""
+    if cached.dtype not in FP8_KV_CACHE_LIMITS:
+        return cached.to(dtype)
+    return (cached.float() * scale).to(dtype)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Store this step's ``key``/``value`` (``[num_tokens, num_kv_heads, head_size]``) at
-    their flat slots (``block_id * block_size + offset``) in ``kv_cache``."""
+    their flat slots (``block_id * block_size + offset``) in ``kv_cache``; an fp8 cache gets
+    them quantized with the layer's ``k_scale``/``v_scale``."""
     if kv_cache is None:
         raise ConfigError("no KV cache for this attention layer: the runner must allocate one per layer")
     if not kv_cache.is_contiguous():
@@ -31,8 +70,27 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         )
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
     slots = slot_mapping.to(torch.long)
+    if is_fp8_kv_cache(kv_cache):
+        # torch has no index_copy_ for float8: move the bytes
+        for half, rows, scale in ((0, key, k_scale), (1, value, v_scale)):
+            quantized = quantize_kv(rows, scale, kv_cache.dtype).view(torch.uint8)
+            kv_cache[half].view(torch.uint8).view(-1, num_kv_heads, head_size).index_copy_(0, slots, quantized)
+        return
     kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key.to(kv_cache.dtype))
     kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value.to(kv_cache.dtype))
+
+
+def kv_as_cached(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, k_scale: float, v_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key``/``value`` as the cache gives them back (rounded through an fp8 cache's format), in
+    their own dtype: what a prompt's tokens attend to."""
+    if not is_fp8_kv_cache(kv_cache):
+        return key, value
+    return (
+        dequantize_kv(quantize_kv(key, k_scale, kv_cache.dtype), k_scale, key.dtype),
+        dequantize_kv(quantize_kv(value, v_scale, kv_cache.dtype), v_scale, value.dtype),
+    )
 
 
 def attention_allowed(
@@ -73,12 +131,14 @@ def reference_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The readable definition every fast path is tested against: one sequence at a time,
-    token-level slot lookup, float32 softmax."""
+    token-level slot lookup, float32 softmax; every key and value read from the cache."""
     bidirectional = attn_metadata.bidirectional
     if not bidirectional:
-        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, k_scale, v_scale)
     num_q_heads, num_kv_heads, head_size = query.shape[1], key.shape[1], key.shape[2]
     group_size = num_q_heads // num_kv_heads
     block_size = attn_metadata.block_size
@@ -95,8 +155,8 @@ def reference_paged_attention(
             key_positions = torch.arange(seq_len, device=query.device)
             block_table = attn_metadata.block_tables[seq_index].to(torch.long)
             slots = block_table[key_positions // block_size] * block_size + key_positions % block_size
-            seq_keys = kv_cache[0].reshape(-1, num_kv_heads, head_size)[slots]
-            seq_values = kv_cache[1].reshape(-1, num_kv_heads, head_size)[slots]
+            seq_keys = dequantize_kv(kv_cache[0].reshape(-1, num_kv_heads, head_size)[slots], k_scale, torch.float32)
+            seq_values = dequantize_kv(kv_cache[1].reshape(-1, num_kv_heads, head_size)[slots], v_scale, torch.float32)
             query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
         seq_keys = seq_keys.float().repeat_interleave(group_size, dim=1)
         seq_values = seq_values.float().repeat_interleave(group_size, dim=1)
@@ -114,7 +174,23 @@ class ReferencePagedAttention:
     """:func:`reference_paged_attention` as a backend object (slow: for debugging a model
     or checking a new backend end to end)."""
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None, logits_soft_cap=None):
+    # reads an fp8 cache (the model runner refuses --kv-cache-dtype fp8 for a backend without this)
+    supports_fp8_kv_cache = True
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        *,
+        scale,
+        sliding_window=None,
+        logits_soft_cap=None,
+        k_scale=1.0,
+        v_scale=1.0,
+    ):
         return reference_paged_attention(
             query,
             key,
@@ -124,6 +200,8 @@ class ReferencePagedAttention:
             scale=scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 
@@ -382,7 +460,12 @@ class TorchPagedAttention:
 
     Index plans are computed once per step and reused by every layer: the backend keys them
     on the ``AttentionMetadata`` object, so a runner builds a fresh metadata object per step.
+
+    An fp8 cache (with the layer's ``k_scale``/``v_scale``) is read back to the activations'
+    dtype block-wise, after the gather.
     """
+
+    supports_fp8_kv_cache = True
 
     def __init__(self) -> None:
         self._planned_metadata = None
@@ -401,23 +484,37 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``; writes K/V into
-        ``kv_cache`` at ``attn_metadata.slot_mapping`` first (not for bidirectional batches)."""
+        ``kv_cache`` at ``attn_metadata.slot_mapping`` first (not for bidirectional batches).
+        ``k_scale``/``v_scale``: the layer's scales of an fp8 cache."""
         if attn_metadata.bidirectional:
             return self._bidirectional(query, key, value, attn_metadata, scale, sliding_window, logits_soft_cap)
-        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         plan = self._plan(attn_metadata, sliding_window, kv_cache)
         output = torch.empty_like(query)
+        kv_scales = (k_scale, v_scale)
         for group in plan.decode_groups:
             if group.token_indices is None:
-                output = self._decode(query, kv_cache, group, scale, logits_soft_cap)
+                output = self._decode(query, kv_cache, group, scale, logits_soft_cap, kv_scales)
             else:
                 output[group.token_indices] = self._decode(
-                    query[group.token_indices], kv_cache, group, scale, logits_soft_cap
+                    query[group.token_indices], kv_cache, group, scale, logits_soft_cap, kv_scales
                 )
         self._attend_prefills(
-            query, key, value, kv_cache, attn_metadata, plan, output, scale, sliding_window, logits_soft_cap
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            plan,
+            output,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+            kv_scales,
         )
         return output
 
@@ -435,7 +532,10 @@ class TorchPagedAttention:
         scale,
         sliding_window,
         logits_soft_cap,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
+        if plan.prefill_seq_indices:
+            key, value = kv_as_cached(key, value, kv_cache, *kv_scales)
         for seq_index in plan.prefill_seq_indices:
             self._prefill_sequence(
                 query,
@@ -449,6 +549,7 @@ class TorchPagedAttention:
                 scale,
                 sliding_window,
                 logits_soft_cap,
+                kv_scales,
             )
 
     # -- planning --------------------------------------------------------------------
@@ -524,13 +625,13 @@ class TorchPagedAttention:
         torch.index_select(kv_cache[1], 0, block_ids, out=values)
         return keys.flatten(0, 1), values.flatten(0, 1)
 
-    def _decode(self, query, kv_cache, group: _DecodeGroup, scale, logits_soft_cap) -> torch.Tensor:
+    def _decode(self, query, kv_cache, group: _DecodeGroup, scale, logits_soft_cap, kv_scales) -> torch.Tensor:
         num_seqs, num_q_heads, head_size = query.shape
         num_kv_heads = kv_cache.shape[-2]
         keys, values = self._gather(kv_cache, group.gather.block_ids)
         # [B*L, Hkv, D] -> [B, L, Hkv, D]
-        keys = keys.view(num_seqs, -1, num_kv_heads, head_size).to(query.dtype)
-        values = values.view(num_seqs, -1, num_kv_heads, head_size).to(query.dtype)
+        keys = dequantize_kv(keys.view(num_seqs, -1, num_kv_heads, head_size), kv_scales[0], query.dtype)
+        values = dequantize_kv(values.view(num_seqs, -1, num_kv_heads, head_size), kv_scales[1], query.dtype)
         if num_seqs > 1 and logits_soft_cap is None:
             return _decode_all_heads(query, keys, values, group.score_bias(), scale)
         # one query per sequence: its head group as G query rows of the KV head (SDPA's
@@ -559,7 +660,9 @@ class TorchPagedAttention:
         scale,
         sliding_window,
         logits_soft_cap,
+        kv_scales,
     ) -> None:
+        """One prefill sequence; ``key``/``value`` are this step's rows as the cache holds them."""
         query_len, seq_len = attn_metadata.query_lens_cpu[seq_index], attn_metadata.seq_lens_cpu[seq_index]
         tokens = slice(start, start + query_len)
         context_len = seq_len - query_len
@@ -586,8 +689,8 @@ class TorchPagedAttention:
         )
         output[tokens] = _attend_sequence(
             query[tokens],
-            seq_keys.to(query.dtype),
-            seq_values.to(query.dtype),
+            dequantize_kv(seq_keys, kv_scales[0], query.dtype),
+            dequantize_kv(seq_values, kv_scales[1], query.dtype),
             scale=scale,
             mask=allowed,
             is_causal=False,
@@ -630,8 +733,9 @@ class NativeCpuPagedAttention(TorchPagedAttention):
     """:class:`TorchPagedAttention` with decode and the KV-cache write done by tokenloom's CPU
     operators (:mod:`tokenloom.kernels.cpu_native`): each decode query reads its sequence's
     keys and values in place from the cache blocks (no gathered copy, no padding, one call
-    per layer for the whole step). Prefills keep the torch path. Falls back to it wholesale
-    when the activations' dtype is not the cache's."""
+    per layer for the whole step). Prefills keep the torch path. An fp8 cache is read and written
+    by the kernels (its scales passed along); any other cache whose dtype is not the
+    activations' falls back to the torch path wholesale."""
 
     def __init__(self, ops=None) -> None:
         super().__init__()
@@ -645,8 +749,25 @@ class NativeCpuPagedAttention(TorchPagedAttention):
         self._native_metadata = None
         self._native_plan: _NativeDecodePlan | None = None
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, *, scale, sliding_window=None, logits_soft_cap=None):
-        if attn_metadata.bidirectional or kv_cache is None or query.dtype != kv_cache.dtype:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        *,
+        scale,
+        sliding_window=None,
+        logits_soft_cap=None,
+        k_scale=1.0,
+        v_scale=1.0,
+    ):
+        if (
+            attn_metadata.bidirectional
+            or kv_cache is None
+            or (query.dtype != kv_cache.dtype and not is_fp8_kv_cache(kv_cache))
+        ):
             return super().forward(
                 query,
                 key,
@@ -656,8 +777,10 @@ class NativeCpuPagedAttention(TorchPagedAttention):
                 scale=scale,
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
-        self._ops.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        self._ops.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         decode = self._decode_plan(attn_metadata)
         if decode is not None:
@@ -673,6 +796,8 @@ class NativeCpuPagedAttention(TorchPagedAttention):
                 scale,
                 sliding_window or 0,
                 logits_soft_cap or 0.0,
+                k_scale,
+                v_scale,
             )
             if whole_batch:
                 return output
@@ -688,6 +813,7 @@ class NativeCpuPagedAttention(TorchPagedAttention):
             scale,
             sliding_window,
             logits_soft_cap,
+            (k_scale, v_scale),
         )
         return output
 

@@ -10,6 +10,7 @@ calls per layer; in bfloat16, or float32 (what a CPU without native bfloat16 run
 else (prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps,
 tensor parallelism, another attention backend, a LoRA adapter on any token of the step) takes
 the layer's own Python path.
+An fp8 KV cache goes through the operator with the layer's scales, once they are set.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from tokenloom.kernels import cpu_native
-from tokenloom.kernels.paged_attention import NativeCpuPagedAttention
+from tokenloom.kernels.paged_attention import NativeCpuPagedAttention, is_fp8_kv_cache
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.layernorm import RMSNorm
 from tokenloom.layers.rotary import RotaryEmbedding
@@ -61,7 +62,16 @@ class FusedDecodeLayer:
             self._arguments
         )
         kv_cache = attn_metadata.kv_caches[layer_index]
-        if kv_cache is None or kv_cache.dtype != hidden_states.dtype:
+        if kv_cache is None:
+            return None
+        k_scale = v_scale = 1.0
+        if is_fp8_kv_cache(kv_cache):
+            scales = attn_metadata.kv_scales[layer_index] if attn_metadata.kv_scales else None
+            if scales is not None:
+                if scales.pending:  # --calculate-kv-scales: the Python path sets them first
+                    return None
+                k_scale, v_scale = scales.k_scale, scales.v_scale
+        elif kv_cache.dtype != hidden_states.dtype:
             return None
         return operator(
             hidden_states,
@@ -80,6 +90,8 @@ class FusedDecodeLayer:
             heads,
             kv_heads,
             scale,
+            k_scale,
+            v_scale,
         )
 
     def _check_layer(self, hidden_states: torch.Tensor) -> tuple | None:

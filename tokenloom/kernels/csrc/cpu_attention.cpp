@@ -5,7 +5,12 @@
 //
 // Cache layout (one tensor per layer): [2, num_blocks, block_size, num_kv_heads, head_size],
 // contiguous; token p of a sequence lives in slot block_table[p / block_size] * block_size +
-// p % block_size. Activations may be float32, bfloat16 or float16; arithmetic is float32.
+// p % block_size. Activations may be float32, bfloat16 or float16; arithmetic is float32. The
+// cache holds the activations' dtype, or an 8-bit float format (fp8 e4m3fn or e5m2, vLLM's
+// --kv-cache-dtype fp8*) whose elements stand for value * k_scale (keys) or * v_scale (values):
+// the scales are folded into the score scale and the output, and each fp8 element is widened
+// in registers (AVX-512, AVX2: placed in a float16's bits and converted by F16C) or through a
+// 256-entry table (other paths).
 // Head sizes of 64/128/256 take explicit vector code for the build's ISA level (AVX-512, with
 // bfloat16 dot products where the CPU has them, or AVX2+FMA); others, and other CPUs, take
 // generic loops the compiler vectorises.
@@ -70,6 +75,22 @@ template <>
 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* src) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+// e5m2 is the upper byte of a float16 with the same value
+template <>
+inline __m512 load16<c10::Float8_e5m2>(const c10::Float8_e5m2* src) {
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(wide, 8));
+}
+// e4m3fn: the sign to bit 15 and exponent+mantissa to bits 13..7 make the float16 of value / 2^8
+// (subnormals included: F16C widens float16 subnormals exactly)
+template <>
+inline __m512 load16<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src) {
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m256i half_bits =
+      _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8),
+                      _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half_bits), _mm512_set1_ps(256.f));
 }
 
 // lane j of the result = the sum of v[j]'s 16 lanes (a shuffle tree: ~45 instructions for 16
@@ -234,6 +255,40 @@ inline void widen_rows8<c10::Half>(const c10::Half* const* src, int64_t n, int64
 }
 #endif
 
+// fp8 rows through float16 bits (see load16 in the AVX-512 section for the e4m3fn layout)
+template <typename fp8_t>
+inline void widen_fp8_rows8(const fp8_t* const* src, int64_t n, int64_t head_size, float* dst, const float** rows) {
+  constexpr bool e4m3 = std::is_same_v<fp8_t, c10::Float8_e4m3fn>;
+  const __m256 unit = _mm256_set1_ps(e4m3 ? 256.f : 1.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(src[j]);
+    float* out = dst + j * head_size;
+    int64_t i = 0;
+    for (; i + 8 <= head_size; i += 8) {
+      const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bits + i)));
+      const __m128i half_bits =
+          e4m3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8),
+                              _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7))
+               : _mm_slli_epi16(wide, 8);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(half_bits), unit));
+    }
+    if (i < head_size) load_row(src[j] + i, out + i, head_size - i);
+    rows[j] = out;
+  }
+}
+
+template <>
+inline void widen_rows8<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* const* src, int64_t n, int64_t head_size,
+                                            float* dst, const float** rows) {
+  widen_fp8_rows8(src, n, head_size, dst, rows);
+}
+
+template <>
+inline void widen_rows8<c10::Float8_e5m2>(const c10::Float8_e5m2* const* src, int64_t n, int64_t head_size,
+                                          float* dst, const float** rows) {
+  widen_fp8_rows8(src, n, head_size, dst, rows);
+}
+
 template <>
 inline void widen_rows8<float>(const float* const* src, int64_t n, int64_t, float*, const float** rows) {
   for (int64_t j = 0; j < n; ++j) rows[j] = src[j];
@@ -379,11 +434,12 @@ inline void softmax_rows(float* score_rows, int64_t rows, int64_t num_keys, floa
 // One query token per sequence. A work item is a sequence and a range of its KV heads (all of
 // them once there are enough sequences to share out): keys, then values, are read in runs of
 // up to 16 tokens of one block, each KV head's for all of its query heads at once. Scores
-// live in a per-thread scratch buffer, [query head][key].
-template <typename scalar_t, int kHead>
+// live in a per-thread scratch buffer, [query head][key]. scalar_t: the activations' dtype;
+// cache_t: the cache's (the same, or an fp8 format scaled by k_scale / v_scale).
+template <typename scalar_t, typename cache_t, int kHead>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                           int64_t sliding_window, double soft_cap) {
+                           int64_t sliding_window, double soft_cap, double k_scale, double v_scale) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_q_heads = query.size(1);
   const int64_t head_size = query.size(2);
@@ -400,12 +456,15 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
 
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_cache = k_cache + cache_half;
+  const cache_t* k_cache = static_cast<const cache_t*>(kv_cache.data_ptr());
+  const cache_t* v_cache = k_cache + cache_half;
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+  // q . (k_scale k) = k_scale (q . k): the key scale rides on the softmax scale; the value
+  // scale multiplies the weighted sum once, when it is stored
+  const float fscale = static_cast<float>(scale * k_scale);
+  const float value_scale = static_cast<float>(v_scale);
   const float cap = static_cast<float>(soft_cap);
 
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
@@ -414,8 +473,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     std::vector<uint16_t> q_bf16(std::is_same_v<scalar_t, c10::BFloat16> ? rows * head_size : 0);
 #if defined(TOKENLOOM_ATTENTION_AVX2)
     // a run's key or value rows of one head widened to float32 (a float32 cache is read in place)
-    std::vector<float> wide(std::is_same_v<scalar_t, float> ? 0 : 16 * head_size);
-    const scalar_t* run_rows[16];
+    std::vector<float> wide(std::is_same_v<cache_t, float> ? 0 : 16 * head_size);
+    const cache_t* run_rows[16];
     const float* float_rows[16];
 #endif
     for (int64_t item = begin; item < end; ++item) {
@@ -448,7 +507,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           const float* head_q = q_rows.data() + h * group_size * head_size;
           float* head_scores = score_rows + h * group_size * num_keys;
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHead > 0 && kHead % 32 == 0) {
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+                        kHead > 0 && kHead % 32 == 0) {
             score_chunk_bf16<kHead>(q_bf16.data() + h * group_size * head_size, group_size, k_cache, slots, n,
                                     slot_stride, head_offset, fscale, head_scores, num_keys, t0);
             continue;
@@ -464,7 +524,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #endif
 #if defined(__AVX512F__)
           if constexpr (kHead > 0 && kHead % 16 == 0) {
-            score_chunk<scalar_t, kHead>(head_q, group_size, k_cache, slots, n, slot_stride, head_offset, fscale,
+            score_chunk<cache_t, kHead>(head_q, group_size, k_cache, slots, n, slot_stride, head_offset, fscale,
                                          head_scores, num_keys, t0);
             continue;
           }
@@ -494,7 +554,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #endif
 #if defined(__AVX512F__)
           if constexpr (kHead > 0 && kHead % 16 == 0) {
-            accumulate_chunk<scalar_t, kHead>(head_scores, num_keys, t0, group_size, v_cache, slots, n, slot_stride,
+            accumulate_chunk<cache_t, kHead>(head_scores, num_keys, t0, group_size, v_cache, slots, n, slot_stride,
                                               head_offset, head_acc);
             continue;
           }
@@ -507,6 +567,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           }
         }
       });
+      if constexpr (is_fp8_v<cache_t>) {
+        for (int64_t i = 0; i < rows * head_size; ++i) acc_data[i] *= value_scale;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         store_row(acc_data + r * head_size, out_ptr + seq * out_seq_stride + (first_q_head + r) * out_head_stride,
                   head_size);
@@ -520,15 +583,51 @@ void check_cache(const at::Tensor& kv_cache) {
               "kv_cache must be one contiguous [2, num_blocks, block_size, num_kv_heads, head_size] tensor");
 }
 
+bool is_fp8_cache(const at::Tensor& kv_cache) {
+  return kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
+}
+
+// by its bits: the -ffast-math build assumes every float finite, so std::isfinite is always true
+inline bool positive_and_finite(double value) {
+  uint64_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits != 0 && (bits >> 63) == 0 && ((bits >> 52) & 0x7FF) != 0x7FF;
+}
+
+// the activations' dtype must be the cache's, unless the cache is fp8; scales are for fp8 caches
+void check_cache_dtype(at::ScalarType activations, const at::Tensor& kv_cache, double k_scale, double v_scale,
+                       const char* what) {
+  if (is_fp8_cache(kv_cache)) {
+    TORCH_CHECK(positive_and_finite(k_scale) && positive_and_finite(v_scale),
+                "k_scale and v_scale must be positive and finite, got ", k_scale, " and ", v_scale);
+  } else {
+    TORCH_CHECK(activations == kv_cache.scalar_type(), what, " and kv_cache must share a dtype (or the cache be fp8)");
+    TORCH_CHECK(k_scale == 1.0 && v_scale == 1.0, "k_scale and v_scale apply to an fp8 kv_cache only");
+  }
+}
+
+// calls body(cache_t{}) with cache_t the cache's element type: scalar_t itself, or an fp8 format
+template <typename scalar_t, typename Body>
+void dispatch_cache(const at::Tensor& kv_cache, Body body) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return body(c10::Float8_e4m3fn());
+    case at::kFloat8_e5m2:
+      return body(c10::Float8_e5m2());
+    default:
+      return body(scalar_t());
+  }
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, double soft_cap) {
+                            int64_t sliding_window, double soft_cap, double k_scale, double v_scale) {
   check_cache(kv_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_seqs, num_q_heads, head_size] with "
               "contiguous heads");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.scalar_type() == query.scalar_type(),
               "out must match query");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and kv_cache must share a dtype");
+  check_cache_dtype(query.scalar_type(), kv_cache, k_scale, v_scale, "query");
   TORCH_CHECK(query.size(2) == kv_cache.size(4) && query.size(1) % kv_cache.size(3) == 0,
               "query heads must group evenly over the cache's KV heads of the same size");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
@@ -538,62 +637,88 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                   seq_lens.numel() == query.size(0),
               "seq_lens must be a contiguous int64 [num_seqs] tensor");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    switch (query.size(2)) {
-      case 64:
-        return decode_attention_impl<scalar_t, 64>(out, query, kv_cache, block_tables, seq_lens, scale,
-                                                   sliding_window, soft_cap);
-      case 128:
-        return decode_attention_impl<scalar_t, 128>(out, query, kv_cache, block_tables, seq_lens, scale,
-                                                    sliding_window, soft_cap);
-      case 256:
-        return decode_attention_impl<scalar_t, 256>(out, query, kv_cache, block_tables, seq_lens, scale,
-                                                    sliding_window, soft_cap);
-      default:
-        return decode_attention_impl<scalar_t, 0>(out, query, kv_cache, block_tables, seq_lens, scale,
-                                                  sliding_window, soft_cap);
-    }
+    dispatch_cache<scalar_t>(kv_cache, [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      switch (query.size(2)) {
+        case 64:
+          return decode_attention_impl<scalar_t, cache_t, 64>(out, query, kv_cache, block_tables, seq_lens, scale,
+                                                              sliding_window, soft_cap, k_scale, v_scale);
+        case 128:
+          return decode_attention_impl<scalar_t, cache_t, 128>(out, query, kv_cache, block_tables, seq_lens, scale,
+                                                               sliding_window, soft_cap, k_scale, v_scale);
+        case 256:
+          return decode_attention_impl<scalar_t, cache_t, 256>(out, query, kv_cache, block_tables, seq_lens, scale,
+                                                               sliding_window, soft_cap, k_scale, v_scale);
+        default:
+          return decode_attention_impl<scalar_t, cache_t, 0>(out, query, kv_cache, block_tables, seq_lens, scale,
+                                                             sliding_window, soft_cap, k_scale, v_scale);
+      }
+    });
   });
 }
 
-// Stores each token's key and value rows at its flat slot (block_id * block_size + offset).
-template <typename scalar_t>
+// Stores each token's key and value rows at its flat slot (block_id * block_size + offset): a
+// copy into a cache of the activations' dtype, quantized (times 1 / scale) into an fp8 cache.
+template <typename scalar_t, typename cache_t>
 void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                   const at::Tensor& slot_mapping) {
+                   const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   const int64_t slot_stride = num_kv_heads * head_size;
   const int64_t cache_half = kv_cache.size(1) * kv_cache.size(2) * slot_stride;
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
-  scalar_t* v_cache = k_cache + cache_half;
+  cache_t* k_cache = static_cast<cache_t*>(kv_cache.data_ptr());
+  cache_t* v_cache = k_cache + cache_half;
   const scalar_t* k_ptr = key.data_ptr<scalar_t>();
   const scalar_t* v_ptr = value.data_ptr<scalar_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  // the reciprocal as float32, as the torch reference multiplies by it
+  const float k_inverse = static_cast<float>(1.0 / k_scale), v_inverse = static_cast<float>(1.0 / v_scale);
   for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the KV cache's ", num_slots,
+                " slots");
+  }
+  auto store = [&](int64_t t) {
     const int64_t slot = slots[t];
-    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " is outside the KV cache's ", num_slots, " slots");
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      std::memcpy(k_cache + slot * slot_stride + h * head_size, k_ptr + t * key.stride(0) + h * key.stride(1),
-                  head_size * sizeof(scalar_t));
-      std::memcpy(v_cache + slot * slot_stride + h * head_size, v_ptr + t * value.stride(0) + h * value.stride(1),
-                  head_size * sizeof(scalar_t));
+      const scalar_t* key_row = k_ptr + t * key.stride(0) + h * key.stride(1);
+      const scalar_t* value_row = v_ptr + t * value.stride(0) + h * value.stride(1);
+      cache_t* key_slot = k_cache + slot * slot_stride + h * head_size;
+      cache_t* value_slot = v_cache + slot * slot_stride + h * head_size;
+      if constexpr (is_fp8_v<cache_t>) {
+        quantize_row(key_row, key_slot, head_size, k_inverse);
+        quantize_row(value_row, value_slot, head_size, v_inverse);
+      } else {
+        std::memcpy(key_slot, key_row, head_size * sizeof(scalar_t));
+        std::memcpy(value_slot, value_row, head_size * sizeof(scalar_t));
+      }
     }
+  };
+  if constexpr (is_fp8_v<cache_t>) {
+    // quantizing a prompt's rows is real work: share it out (each token owns its slot)
+    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) store(t);
+    });
+  } else {
+    for (int64_t t = 0; t < num_tokens; ++t) store(t);
   }
 }
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
-                    const at::Tensor& slot_mapping) {
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   check_cache(kv_cache);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
               "key and value must be [num_tokens, num_kv_heads, head_size] with contiguous heads");
   TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4),
               "key heads must match the cache's");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
-              "key, value and kv_cache must share a dtype");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
+  check_cache_dtype(key.scalar_type(), kv_cache, k_scale, v_scale, "key, value");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0),
               "slot_mapping must be a contiguous int64 [num_tokens] tensor");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv_cache", [&] {
-    write_kv_impl<scalar_t>(key, value, kv_cache, slot_mapping);
+    dispatch_cache<scalar_t>(kv_cache, [&](auto cache_tag) {
+      write_kv_impl<scalar_t, decltype(cache_tag)>(key, value, kv_cache, slot_mapping, k_scale, v_scale);
+    });
   });
 }
 
@@ -602,8 +727,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 TOKENLOOM_LIBRARY(m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int sliding_window, float soft_cap) -> ()");
-  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+      "Tensor seq_lens, float scale, int sliding_window, float soft_cap, float k_scale=1.0, float v_scale=1.0) -> ()");
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, float k_scale=1.0, "
+      "float v_scale=1.0) -> ()");
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {

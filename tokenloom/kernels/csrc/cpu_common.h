@@ -1,12 +1,18 @@
 // Row loads and stores shared by tokenloom's CPU operators: any float dtype widened to float32
-// and rounded back, written so that the compiler vectorises them (bfloat16 by bit shifts).
+// and rounded back, written so that the compiler vectorises them (bfloat16 by bit shifts), and
+// the 8-bit float formats of an fp8 KV cache (e4m3fn, e5m2) read through a lookup table.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_namespace.h"
 
@@ -33,6 +39,58 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
     float value;
     std::memcpy(&value, &widened, sizeof(value));
     dst[i] = value;
+  }
+}
+
+// -- 8-bit float KV caches ------------------------------------------------------------------
+// A cache element is an fp8 value q; the float it stands for is q * scale (vLLM's per-layer
+// k_scale / v_scale). Writes store fp8(clamp(x * (1 / scale))), rounded to nearest even and
+// saturated to the format's largest finite value as vLLM's kernels do (torch's own cast does
+// not saturate e5m2); the torch reference (kernels/paged_attention.py) computes the same bits.
+
+template <typename T>
+inline constexpr bool is_fp8_v = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+template <typename fp8_t>
+inline constexpr float fp8_max_finite() {
+  return std::is_same_v<fp8_t, c10::Float8_e4m3fn> ? 448.f : 57344.f;
+}
+
+// the 256 values of an fp8 format as float32, built once per format from c10's conversion (1 KiB:
+// stays in L1 while a row is read)
+template <typename fp8_t>
+inline const float* fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int bits = 0; bits < 256; ++bits) {
+      values[bits] = static_cast<float>(fp8_t(static_cast<uint8_t>(bits), fp8_t::from_bits()));
+    }
+    return values;
+  }();
+  return table.data();
+}
+
+template <>
+inline void load_row<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  const float* table = fp8_table<c10::Float8_e4m3fn>();
+  for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]];
+}
+
+template <>
+inline void load_row<c10::Float8_e5m2>(const c10::Float8_e5m2* src, float* dst, int64_t n) {
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  const float* table = fp8_table<c10::Float8_e5m2>();
+  for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]];
+}
+
+// n values times inv_scale, saturated and rounded to the fp8 format
+template <typename fp8_t, typename scalar_t>
+inline void quantize_row(const scalar_t* src, fp8_t* dst, int64_t n, float inv_scale) {
+  constexpr float limit = fp8_max_finite<fp8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float scaled = static_cast<float>(src[i]) * inv_scale;
+    dst[i] = fp8_t(std::min(std::max(scaled, -limit), limit));
   }
 }
 

@@ -21,9 +21,9 @@ at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation);
 // cpu_attention.cpp
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, double soft_cap);
+                            int64_t sliding_window, double soft_cap, double k_scale, double v_scale);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
-                    const at::Tensor& slot_mapping);
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale);
 
 // cpu_qlinear.cpp
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight);
