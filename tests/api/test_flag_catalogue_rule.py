@@ -38,6 +38,7 @@ CONFIG_MODULES = frozenset(
 BEHAVIOUR_TESTS: dict[str, str] = {
     "--logits-processors": "tests/core/test_logits_processors.py::test_engine_logits_processors_apply_to_every_request_and_request_ones_offline",
     "--logits-processor-pattern": "tests/e2e/test_requests_smollm2.py::test_a_qualified_logits_processor_allowed_by_the_pattern_runs_on_the_request",
+    "--calculate-kv-scales": "tests/core/test_model_runner_kv_cache.py::test_calculate_kv_scales_sets_each_layers_scales_from_the_first_step",
     # -- speculative decoding (issue 23)
     "--speculative-config": "tests/e2e/test_spec_decode_smollm2.py::test_single_stream_greedy_is_identical_and_drafts_are_accepted",
     "--speculative-model": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",

@@ -10,6 +10,7 @@ import pytest
 from tokenloom.core.config import (
     _GROUPS,
     ENGINE_ARG_GROUPS,
+    JSON_CONFIG_ARGS,
     STRUCTURED_OUTPUT_ARGS,
     EngineArgs,
     EngineConfig,
@@ -21,7 +22,7 @@ from tokenloom.errors import ConfigError
 def test_engine_args_hold_every_group_field_with_the_groups_defaults():
     # a field added to a config group must be added to EngineArgs too (the CLI routes to it)
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
-    assert set(fields) == set(ENGINE_ARG_GROUPS) | set(STRUCTURED_OUTPUT_ARGS)
+    assert set(fields) == set(ENGINE_ARG_GROUPS) | set(STRUCTURED_OUTPUT_ARGS) | set(JSON_CONFIG_ARGS)
     for _, group in _GROUPS:
         for group_field in dataclasses.fields(group):
             assert fields[group_field.name].default == group_field.default, group_field.name

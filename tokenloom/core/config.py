@@ -383,6 +383,8 @@ def _engine_arg_fields() -> dict[str, str]:
 
 
 ENGINE_ARG_GROUPS = _engine_arg_fields()
+# engine args that hold a whole config as vLLM's JSON, turned into their group by EngineArgs
+JSON_CONFIG_ARGS = ("speculative_config",)
 # structured-output fields take vLLM's engine-arg names
 STRUCTURED_OUTPUT_ARGS = {
     "guided_decoding_backend": "backend",
@@ -497,7 +499,7 @@ class EngineArgs:
         groups: dict[str, dict[str, Any]] = {group: {} for group, _ in _GROUPS}
         structured: dict[str, Any] = {}
         for name, value in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)):
-            if name == "speculative_config":
+            if name in JSON_CONFIG_ARGS:
                 continue
             if name in STRUCTURED_OUTPUT_ARGS:
                 structured[STRUCTURED_OUTPUT_ARGS[name]] = value
