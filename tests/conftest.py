@@ -5,7 +5,13 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import pytest
+# Triton decides when a kernel (or one of triton.language's own @jit helpers) is decorated
+# whether it is compiled or interpreted, so TRITON_INTERPRET must be set before anything in the
+# session imports triton (torch may, while probing for it): the Triton kernels' tests run on the
+# CPU under the interpreter, and nothing else in the suite runs a Triton kernel.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def package_dir(package: str) -> str | None:
