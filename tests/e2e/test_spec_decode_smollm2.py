@@ -108,21 +108,23 @@ SCHEMA = {
 
 
 async def mixed_batch(server) -> list:
-    api = async_client(server)
-    requests = [
-        api.completions.create(model="smollm2", prompt=PROMPTS[0], temperature=0.0, max_tokens=60),
-        api.chat.completions.create(
-            model="smollm2",
-            messages=[{"role": "user", "content": "Give the city of Paris and the days of the week as JSON."}],
-            temperature=0.0,
-            max_tokens=120,
-            response_format={"type": "json_schema", "json_schema": {"name": "week", "schema": SCHEMA}},
-        ),
-        api.completions.create(model="smollm2", prompt=PROMPTS[2], temperature=0.0, max_tokens=60, stop=["Friday"]),
-        api.completions.create(model="smollm2", prompt=PROMPTS[3], temperature=0.0, max_tokens=40, logprobs=2),
-        api.completions.create(model="smollm2", prompt=PROMPTS[1], temperature=0.9, seed=3, max_tokens=40),
-    ]
-    return await asyncio.gather(*requests)
+    # closed inside this event loop: a client left to the garbage collector closes its
+    # connections later, in whichever test's loop is running then, and fails that test
+    async with async_client(server) as api:
+        requests = [
+            api.completions.create(model="smollm2", prompt=PROMPTS[0], temperature=0.0, max_tokens=60),
+            api.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Give the city of Paris and the days of the week as JSON."}],
+                temperature=0.0,
+                max_tokens=120,
+                response_format={"type": "json_schema", "json_schema": {"name": "week", "schema": SCHEMA}},
+            ),
+            api.completions.create(model="smollm2", prompt=PROMPTS[2], temperature=0.0, max_tokens=60, stop=["Friday"]),
+            api.completions.create(model="smollm2", prompt=PROMPTS[3], temperature=0.0, max_tokens=40, logprobs=2),
+            api.completions.create(model="smollm2", prompt=PROMPTS[1], temperature=0.9, seed=3, max_tokens=40),
+        ]
+        return await asyncio.gather(*requests)
 
 
 def test_concurrent_mixed_batch_is_identical(servers):
