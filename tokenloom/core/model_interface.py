@@ -41,6 +41,9 @@ class ModelContext:
     runner: str = "generate"
     # for the pooling runner: the resolved tokenloom.core.pooling.PoolerConfig (None: defaults)
     pooler_config: Any = None
+    # this worker's place among the engine's workers and its tensor-/pipeline-parallel
+    # communicators (tokenloom.core.distributed.ParallelState; None: one worker)
+    parallel: Any = None
 
 
 class ModelProtocol(Protocol):

@@ -82,6 +82,9 @@ class Platform:
     #: True: before :meth:`kv_cache_budget_bytes` the model runner runs one forward pass of the
     #: largest step (throwaway KV cache), so a memory profile includes peak activations
     profiles_activations: bool = False
+    #: the ``torch.distributed`` backend workers of one engine talk through (gloo on the CPU,
+    #: nccl on NVIDIA GPUs); see :mod:`tokenloom.core.distributed`
+    distributed_backend: str = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:

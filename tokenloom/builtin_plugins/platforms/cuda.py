@@ -80,6 +80,7 @@ class CudaPlatform(Platform):
     (``CUDA_VISIBLE_DEVICES`` picks which one)."""
 
     device_type = "cuda"
+    distributed_backend = "nccl"
     #: ``--device auto`` prefers a GPU whenever one is present
     auto_priority = 100
     #: the model runner runs a largest-step forward pass before the KV budget is measured
