@@ -236,9 +236,16 @@ def resolve_dtype(name: str, hf_config: Any, platform: Any) -> torch.dtype:
 
 
 def build_model(
-    config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, *, runner: str = "generate"
+    config: EngineConfig,
+    info: ModelInfo,
+    plugins: PluginSet,
+    platform: Any,
+    *,
+    runner: str = "generate",
+    parallel: Any = None,
 ) -> Any:
-    """Construct the model plugin on the platform's device and load its weights (worker side)."""
+    """Construct the model plugin on the platform's device and load its weights (worker side);
+    ``parallel`` (a ParallelState) tells a sharded model its rank and communicators."""
     import torch
 
     from tokenloom.core.model_interface import ModelContext
@@ -261,6 +268,7 @@ def build_model(
         model_config=config.model,
         runner=runner,
         pooler_config=info.pooler_config,
+        parallel=parallel,
     )
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

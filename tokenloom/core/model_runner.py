@@ -19,6 +19,7 @@ from tokenloom.core.batch import (
     SchedulerOutput,
 )
 from tokenloom.core.config import EngineConfig
+from tokenloom.core.distributed import ParallelState
 from tokenloom.core.logits_processors import resolve_engine_processors
 from tokenloom.core.model_loader import ModelInfo, build_model
 from tokenloom.core.platform import attention_backend_target
@@ -71,8 +72,10 @@ class CachedRequestState:
 class ModelRunner:
     """Owns the model, its KV cache and the per-request state; one per worker."""
 
-    def __init__(self, config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any):
+    def __init__(self, config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, parallel: Any = None):
         self.config = config
+        # this worker's place and communicators (tokenloom.core.distributed.ParallelState)
+        self.parallel = parallel if parallel is not None else ParallelState.single()
         self.info = info
         self.plugins = plugins
         self.platform = platform
@@ -114,7 +117,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model, self.dtype = build_model(
-            self.config, self.info, self.plugins, self.platform, runner=self.info.runner
+            self.config, self.info, self.plugins, self.platform, runner=self.info.runner, parallel=self.parallel
         )
         if self.info.runner == "pooling" and getattr(self.model, "pooler", None) is None:
             raise ConfigError(

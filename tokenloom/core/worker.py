@@ -1,22 +1,24 @@
 """A worker: the platform, the model runner and its KV cache, built from plain data (a
 :class:`~tokenloom.core.executor.WorkerSpec`). Executors own one or more workers; a worker
-never runs plugin discovery."""
+never runs plugin discovery. ``parallel`` is its place among the engine's workers and its
+communicators (one worker alone when omitted)."""
 
 from __future__ import annotations
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.distributed import ParallelState
 from tokenloom.core.executor import WorkerSpec
 from tokenloom.plugins.manager import PluginSet
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, parallel: ParallelState | None = None):
         from tokenloom.core.model_runner import ModelRunner
 
         plugins = PluginSet.from_plain(spec.plugin_tables)
         self.platform = plugins.registry("platform").get(spec.platform)()
         self.platform.configure_threads()
-        self.runner = ModelRunner(spec.config, spec.model_info, plugins, self.platform)
+        self.runner = ModelRunner(spec.config, spec.model_info, plugins, self.platform, parallel)
 
     def load_model(self) -> None:
         self.runner.load_model()
