@@ -383,6 +383,10 @@ class ResponsesEventWriter:
         self.sequence_number += 1
         return event_json(event)
 
+    def part_event(self, event_type: str, item: OutputItem, output_index: int, **fields: Any) -> str:
+        """An event about the one content part of a message or reasoning item."""
+        return self.event(event_type, item_id=item.id, output_index=output_index, content_index=0, **fields)
+
     def snapshot(self) -> dict[str, Any]:
         return self.response.model_dump(mode="json")
 
@@ -404,25 +408,10 @@ class ResponsesEventWriter:
         events.append(
             self.event("response.output_item.added", output_index=output_index, item=added.model_dump(mode="json"))
         )
-        if isinstance(item, MessageItem):
+        if isinstance(item, (MessageItem, ReasoningItem)):
+            empty = OutputText(text="") if isinstance(item, MessageItem) else ReasoningText(text="")
             events.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item.id,
-                    output_index=output_index,
-                    content_index=0,
-                    part=OutputText(text="").model_dump(mode="json"),
-                )
-            )
-        elif isinstance(item, ReasoningItem):
-            events.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item.id,
-                    output_index=output_index,
-                    content_index=0,
-                    part=ReasoningText(text="").model_dump(mode="json"),
-                )
+                self.part_event("response.content_part.added", item, output_index, part=empty.model_dump(mode="json"))
             )
         return events
 
@@ -434,46 +423,16 @@ class ResponsesEventWriter:
         item.status = status
         output_index = self.items.index(item)
         events = []
-        if isinstance(item, MessageItem):
+        if isinstance(item, (MessageItem, ReasoningItem)):
             part = item.content[0]
-            events.append(
-                self.event(
-                    "response.output_text.done",
-                    item_id=item.id,
-                    output_index=output_index,
-                    content_index=0,
-                    text=part.text,
-                    logprobs=[],
+            if isinstance(item, MessageItem):
+                events.append(
+                    self.part_event("response.output_text.done", item, output_index, text=part.text, logprobs=[])
                 )
-            )
+            else:
+                events.append(self.part_event("response.reasoning_text.done", item, output_index, text=part.text))
             events.append(
-                self.event(
-                    "response.content_part.done",
-                    item_id=item.id,
-                    output_index=output_index,
-                    content_index=0,
-                    part=part.model_dump(mode="json"),
-                )
-            )
-        elif isinstance(item, ReasoningItem):
-            part = item.content[0]
-            events.append(
-                self.event(
-                    "response.reasoning_text.done",
-                    item_id=item.id,
-                    output_index=output_index,
-                    content_index=0,
-                    text=part.text,
-                )
-            )
-            events.append(
-                self.event(
-                    "response.content_part.done",
-                    item_id=item.id,
-                    output_index=output_index,
-                    content_index=0,
-                    part=part.model_dump(mode="json"),
-                )
+                self.part_event("response.content_part.done", item, output_index, part=part.model_dump(mode="json"))
             )
         else:
             events.append(
@@ -499,12 +458,8 @@ class ResponsesEventWriter:
                 events += self._open(ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text="")]))
             self.current.content[0].text += delta.reasoning_content
             events.append(
-                self.event(
-                    "response.reasoning_text.delta",
-                    item_id=self.current.id,
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    delta=delta.reasoning_content,
+                self.part_event(
+                    "response.reasoning_text.delta", self.current, len(self.items) - 1, delta=delta.reasoning_content
                 )
             )
         if delta.content:
@@ -512,13 +467,8 @@ class ResponsesEventWriter:
                 events += self._open(MessageItem(id=new_item_id("msg"), content=[OutputText(text="")]))
             self.current.content[0].text += delta.content
             events.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=self.current.id,
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    delta=delta.content,
-                    logprobs=[],
+                self.part_event(
+                    "response.output_text.delta", self.current, len(self.items) - 1, delta=delta.content, logprobs=[]
                 )
             )
         for call in delta.tool_calls or []:

@@ -140,21 +140,19 @@ def init_parallel_state(place: ParallelRank, init_method: str, backend: str) -> 
     dist.init_process_group(backend=backend, init_method=init_method, rank=place.rank, world_size=place.world_size)
     tp_groups = [[pp * place.tp_size + tp for tp in range(place.tp_size)] for pp in range(place.pp_size)]
     pp_groups = [[pp * place.tp_size + tp for pp in range(place.pp_size)] for tp in range(place.tp_size)]
-    tp_comm = pp_comm = None
-    for ranks in tp_groups:  # every process creates every group, in the same order
-        comm = TorchDistributedCommunicator(ranks) if place.rank in ranks else _create_foreign_group(ranks)
-        if place.rank in ranks:
-            tp_comm = comm
-    for ranks in pp_groups:
-        comm = TorchDistributedCommunicator(ranks) if place.rank in ranks else _create_foreign_group(ranks)
-        if place.rank in ranks:
-            pp_comm = comm
+    # every process creates every group, in the same order (new_group is collective)
+    tp_comm = [_group(ranks, place.rank) for ranks in tp_groups][place.pp_rank]
+    pp_comm = [_group(ranks, place.rank) for ranks in pp_groups][place.tp_rank]
     assert tp_comm is not None and pp_comm is not None
     return ParallelState(place=place, tp=tp_comm, pp=pp_comm)
 
 
-def _create_foreign_group(ranks: list[int]) -> None:
-    """Take part in creating a group this process is not in (``new_group`` is collective)."""
+def _group(ranks: list[int], rank: int) -> TorchDistributedCommunicator | None:
+    """The communicator of ``ranks`` when ``rank`` is one of them; otherwise take part in
+    creating that group (``new_group`` is collective) and return None."""
     import torch.distributed as dist
 
+    if rank in ranks:
+        return TorchDistributedCommunicator(ranks)
     dist.new_group(ranks)
+    return None
