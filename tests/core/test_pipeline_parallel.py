@@ -23,7 +23,6 @@ from tokenloom.core.model_loader import resolve_model
 from tokenloom.core.request import SamplingParams, Sequence
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.worker import Worker
-from tokenloom.layers.pipeline import stage_layers
 from tokenloom.plugins.manager import load_plugins
 
 VOCAB_SIZE = 160
@@ -210,25 +209,6 @@ def assert_same_greedy_ids(spec: WorkerSpec, tp_size: int, pp_size: int) -> dict
     assert split["run"]["tokens"] == reference["run"]["tokens"]
     assert all(len(tokens) == MAX_TOKENS for tokens in split["run"]["tokens"].values())
     return split | {"reference": reference}
-
-
-def test_stage_layers_split_evenly_with_the_extra_layers_before_the_last_stage():
-    def split(num_layers, pp_size):
-        return [list(stage_layers(num_layers, ParallelRank.of(r, 1, pp_size))) for r in range(pp_size)]
-
-    assert split(5, 2) == [[0, 1, 2], [3, 4]]
-    assert split(5, 3) == [[0, 1], [2, 3], [4]]
-    assert split(30, 4) == [list(range(0, 7)), list(range(7, 15)), list(range(15, 23)), list(range(23, 30))]
-    assert split(4, 4) == [[0], [1], [2], [3]]
-    assert split(7, 1) == [list(range(7))]
-    assert list(stage_layers(7, None)) == list(range(7))
-
-
-def test_more_stages_than_layers_is_a_config_error_naming_both():
-    from tokenloom.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="2 decoder layers, fewer than the 3 pipeline stages"):
-        stage_layers(2, ParallelRank.of(0, 1, 3))
 
 
 def test_llama_two_stages_equal_one_worker(tiny_llama_5_layers):
