@@ -86,7 +86,7 @@ def _decode_steps(rank: int, pp_size: int, init_method: str, spec, num_steps: in
     )
     tokens = prompt + [7]  # every stage follows the same (arbitrary) tokens: only timing matters
     samples = []
-    for step in range(num_steps):
+    for _ in range(num_steps):
         position = len(tokens) - 1
         new_blocks = [4 + position // 16] if position % 16 == 0 else []
         output = SchedulerOutput(

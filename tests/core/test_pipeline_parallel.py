@@ -43,17 +43,20 @@ def free_port() -> int:
 
 def make_spec(model_dir: str, num_blocks: int = 14, **engine_args) -> WorkerSpec:
     # 14 blocks of 4 tokens cannot hold the four sequences at once: some are preempted
-    engine_args = dict(
-        model=model_dir,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        device="cpu",
-        block_size=4,
-        num_gpu_blocks_override=num_blocks,
-        max_num_batched_tokens=8,
-        max_model_len=64,
-        enable_prefix_caching=False,
-    ) | engine_args
+    engine_args = (
+        dict(
+            model=model_dir,
+            dtype="float32",
+            skip_tokenizer_init=True,
+            device="cpu",
+            block_size=4,
+            num_gpu_blocks_override=num_blocks,
+            max_num_batched_tokens=8,
+            max_model_len=64,
+            enable_prefix_caching=False,
+        )
+        | engine_args
+    )
     config = EngineArgs(**engine_args).create_engine_config()
     plugins = load_plugins()
     info, _ = resolve_model(config, plugins)

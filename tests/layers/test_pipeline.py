@@ -49,19 +49,22 @@ def test_a_missing_layer_refuses_to_run():
 
 
 def tiny_config(**overrides) -> Gemma3TextConfig:
-    settings = dict(
-        vocab_size=160,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=4,
-        max_position_embeddings=128,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
-    ) | overrides
+    settings = (
+        dict(
+            vocab_size=160,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            max_position_embeddings=128,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+        )
+        | overrides
+    )
     return Gemma3TextConfig(**settings)
 
 

@@ -444,7 +444,13 @@ class ModelRunner:
 
     # -- pipeline stages ---------------------------------------------------------------
 
-    def _run_model(self, input_ids, positions, attn_metadata, intermediate: IntermediateTensors | None) -> Any:
+    def _run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: IntermediateTensors | None,
+    ) -> Any:
         if self.parallel.place.pp_size == 1:
             return self.model(input_ids, positions, attn_metadata)  # models that know no stages
         return self.model(input_ids, positions, attn_metadata, intermediate_tensors=intermediate)
@@ -478,8 +484,14 @@ class ModelRunner:
         # message per stage boundary instead of two
         return (2, num_tokens, self.model.config.hidden_size)
 
+    def _activation_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            raise RuntimeError("a pipeline stage's activations follow the model's dtype: load the model first")
+        return self.dtype
+
     def _zero_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
-        both = torch.zeros(self._intermediate_shape(num_tokens), dtype=self.dtype, device=self.device)
+        shape = self._intermediate_shape(num_tokens)
+        both = torch.zeros(shape, dtype=self._activation_dtype(), device=self.device)
         return IntermediateTensors(both[0], both[1])
 
     def _send_intermediate_tensors(self, intermediate: IntermediateTensors) -> None:
@@ -488,7 +500,8 @@ class ModelRunner:
 
     def _recv_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
         place = self.parallel.place
-        both = self.parallel.pp.recv(self._intermediate_shape(num_tokens), self.dtype, src=place.pp_rank - 1)
+        shape = self._intermediate_shape(num_tokens)
+        both = self.parallel.pp.recv(shape, self._activation_dtype(), src=place.pp_rank - 1)
         both = both.to(self.device)
         return IntermediateTensors(both[0], both[1])
 

@@ -312,9 +312,7 @@ class Scheduler:
                 if new_block_ids is not None:
                     break
                 # a request with a batch in flight keeps its blocks: that batch writes them
-                victim = max(
-                    (r for r in self.running if r.request_id not in self._in_flight), key=self._order_key
-                )
+                victim = max((r for r in self.running if r.request_id not in self._in_flight), key=self._order_key)
                 if victim is request and len(self.running) == 1:
                     self._finish_unfittable(request)
                     break
