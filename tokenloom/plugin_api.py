@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.executor import Executor, WorkerSpec
     from tokenloom.core.logits_processors import LogitsProcessor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
-    from tokenloom.core.model_interface import KVCacheSpec, ModelContext, ModelProtocol
+    from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext, ModelProtocol
     from tokenloom.core.parsers import (
         DeltaMessage,
         ExtractedToolCalls,
@@ -74,6 +74,7 @@ _LAZY = {
     "ModelProtocol": "tokenloom.core.model_interface",
     "ModelContext": "tokenloom.core.model_interface",
     "KVCacheSpec": "tokenloom.core.model_interface",
+    "IntermediateTensors": "tokenloom.core.model_interface",
     "QuantizationMethod": "tokenloom.layers.quantization",
     "StructuredOutputBackend": "tokenloom.core.structured_output",
     "LogitsProcessor": "tokenloom.core.logits_processors",
@@ -138,6 +139,7 @@ __all__ = [
     "ModelProtocol",
     "ModelContext",
     "KVCacheSpec",
+    "IntermediateTensors",
     "QuantizationMethod",
     "StructuredOutputBackend",
     "LogitsProcessor",

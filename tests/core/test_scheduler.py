@@ -624,3 +624,114 @@ def test_introspection():
     assert scheduler.get_request("b").first_scheduled_time is None
     assert scheduler.get_request("missing") is None
     assert scheduler.has_unfinished_requests()
+
+
+# ---- batches in flight (pipeline parallelism's batch queue) ------------------------------------
+
+
+def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int, max_steps: int = 3000) -> tuple[Run, int]:
+    """Keep up to ``depth`` batches in flight, as the engine's batch queue does: the worker runs
+    each batch when it is scheduled (stages run in order), its result is applied later, oldest
+    first. Returns the run and the most batches that were in flight at once."""
+    from collections import deque
+
+    run_log, queue, most_in_flight = Run(), deque(), 0
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests() and not queue:
+            return run_log, most_in_flight
+        if len(queue) < depth:
+            scheduler_output = scheduler.schedule()
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
+                in_flight = {req_id for batch, _ in queue for req_id in batch.num_scheduled_tokens}
+                assert not in_flight & set(scheduler_output.num_scheduled_tokens), "a request in two batches"
+                assert scheduler.num_requests_in_flight == len(in_flight | set(scheduler_output.num_scheduled_tokens))
+                queue.append((scheduler_output, worker.execute(scheduler_output)))
+                most_in_flight = max(most_in_flight, len(queue))
+                run_log.outputs.append(scheduler_output)
+                if len(queue) < depth:
+                    continue
+            else:
+                changed = scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
+                run_log.finished.update((r.request_id, r) for r in changed if r.finished)
+        if queue:
+            batch, result = queue.popleft()
+            changed = scheduler.update_from_output(batch, result)
+            run_log.finished.update((r.request_id, r) for r in changed if r.finished)
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("num_blocks", [200, 24], ids=["roomy", "preempting"])
+def test_batches_in_flight_never_share_a_request_and_outputs_stay_exact(depth, num_blocks):
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=8, max_num_partial_prefills=4)
+    worker = FakeWorker(num_blocks, 4)
+    prompts = {f"r{i}": [(i * 7 + j) % 50 + 3 for j in range(1 + (i * 13) % 30)] for i in range(8)}
+    for req_id, prompt in prompts.items():
+        scheduler.add_request(make_request(req_id, prompt, max_tokens=4 + len(prompt) % 5, ignore_eos=True))
+    result, most_in_flight = run_pipelined(scheduler, worker, depth)
+    assert most_in_flight == depth
+    for req_id, prompt in prompts.items():
+        assert result.finished[req_id].output_token_ids == expected_tokens(prompt, 4 + len(prompt) % 5)
+    assert (scheduler.num_preemptions > 0) == (num_blocks == 24)
+    assert scheduler.block_manager.num_free_blocks == num_blocks and scheduler.num_requests_in_flight == 0
+
+
+def test_a_request_in_flight_is_neither_scheduled_again_nor_preempted():
+    # two blocks of 4 tokens, two 4-token prompts: after their prefill the cache is full
+    scheduler = make_scheduler(num_blocks=2, max_num_batched_tokens=4, scheduling_policy="priority")
+    worker = FakeWorker(2, 4)
+    scheduler.add_request(make_request("low", [3, 4, 5, 6], priority=1, max_tokens=4, ignore_eos=True))
+    scheduler.add_request(make_request("vip", [7, 8, 9, 10], priority=0, max_tokens=4, ignore_eos=True))
+    vip_prefill = scheduler.schedule()
+    assert vip_prefill.num_scheduled_tokens == {"vip": 4}
+    low_prefill = scheduler.schedule()  # "vip" is in flight: the next batch is "low"'s
+    assert low_prefill.num_scheduled_tokens == {"low": 4}
+    assert scheduler.schedule().is_empty  # both in flight
+    vip_result, low_result = worker.execute(vip_prefill), worker.execute(low_prefill)
+    scheduler.update_from_output(vip_prefill, vip_result)
+    # "vip" needs a third block; the natural victim, "low", has its batch in flight: "vip" waits
+    waiting = scheduler.schedule()
+    assert waiting.is_empty and scheduler.num_preemptions == 0
+    assert scheduler.get_request("low").status is SequenceStatus.RUNNING
+    scheduler.update_from_output(waiting, ModelRunnerOutput())
+    scheduler.update_from_output(low_prefill, low_result)
+    # with "low"'s result applied it can give its block up
+    decode = scheduler.schedule()
+    assert decode.num_scheduled_tokens == {"vip": 1} and decode.preempted_req_ids == {"low"}
+    scheduler.update_from_output(decode, worker.execute(decode))
+
+
+def test_an_aborted_request_s_result_in_flight_is_dropped():
+    scheduler = make_scheduler()
+    worker = FakeWorker(64, 4)
+    scheduler.add_request(make_request("gone", [5, 6, 7], max_tokens=4, ignore_eos=True))
+    scheduler.add_request(make_request("kept", [8, 9], max_tokens=4, ignore_eos=True))
+    first = scheduler.schedule()
+    first_result = worker.execute(first)
+    scheduler.finish_requests("gone", SequenceStatus.FINISHED_ABORTED)
+    assert scheduler.schedule().finished_req_ids == {"gone"}  # "kept" is still in flight
+    changed = scheduler.update_from_output(first, first_result)
+    assert [r.request_id for r in changed] == ["kept"] and scheduler.num_requests_in_flight == 0
+    assert scheduler.block_manager.num_free_blocks == 64 - 1
+
+
+def test_step_token_ids_are_sent_only_for_stages_that_do_not_sample():
+    for send_token_ids in (False, True):
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=3),
+            CacheConfig(block_size=4),
+            num_blocks=16,
+            max_model_len=64,
+            send_token_ids=send_token_ids,
+        )
+        worker = FakeWorker(16, 4)
+        scheduler.add_request(make_request("r", [5, 6, 7, 8, 9], max_tokens=3, ignore_eos=True))
+        windows = []
+        while scheduler.has_unfinished_requests():
+            scheduler_output = scheduler.schedule()
+            windows += [cached.new_token_ids for cached in scheduler_output.scheduled_cached_reqs]
+            scheduler.update_from_output(scheduler_output, worker.execute(scheduler_output))
+        sampled = expected_tokens([5, 6, 7, 8, 9], 3)
+        # the prompt's second chunk, then each decode step's one pending (sampled) token
+        expected = [[8, 9], [sampled[0]], [sampled[1]]] if send_token_ids else [[], [], []]
+        assert windows == expected

@@ -39,6 +39,10 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # the tokens this step computes (from num_computed_tokens on, drafts excluded), sent only
+    # under pipeline parallelism: a stage before the last never samples, so it learns the
+    # tokens the last stage sampled from here (vLLM V1 does the same)
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

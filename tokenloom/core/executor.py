@@ -4,6 +4,7 @@ Implementations (one process, several processes, Ray) are plugins."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,10 @@ class Executor:
     """Registered with ``register_executors``; constructed once, in the main process, with a
     :class:`WorkerSpec` to ship to the workers it starts."""
 
+    max_concurrent_batches: int = 1
+    """How many batches the engine may keep in flight (:meth:`execute_async`); above 1 the
+    engine overlaps steps, as pipeline stages need (vLLM's batch queue)."""
+
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
         self.config = spec.config
@@ -47,6 +52,17 @@ class Executor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers; called by the engine loop, one step at a time."""
         raise NotImplementedError
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future[ModelRunnerOutput]:
+        """Start one step and return at once with its future; the engine calls it (instead of
+        :meth:`execute`) when :attr:`max_concurrent_batches` > 1, in scheduling order, with up
+        to that many futures unresolved. This default runs the step before returning."""
+        future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
+        try:
+            future.set_result(self.execute(scheduler_output))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def prefault_kv_cache(self, max_bytes: int) -> int:
         """Optional: while the engine is idle, make the workers map up to ``max_bytes`` more of

@@ -25,6 +25,17 @@ class KVCacheSpec:
 
 
 @dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next: the hidden states after its last layer and the
+    residual not yet added to them (both ``[num_tokens, hidden_size]``). A model split into
+    stages returns this from ``forward`` on every stage but the last, and receives it as
+    ``intermediate_tensors`` on every stage but the first."""
+
+    hidden_states: Any
+    residual: Any
+
+
+@dataclass
 class ModelContext:
     """Everything a model plugin's constructor receives."""
 
@@ -54,7 +65,12 @@ class ModelProtocol(Protocol):
     def forward(self, input_ids: Any, positions: Any, attn_metadata: Any) -> Any:
         """Run the flat batch: ``input_ids`` and ``positions`` are ``[num_tokens]``; returns
         hidden states ``[num_tokens, hidden_size]``. K/V are written to
-        ``attn_metadata.kv_caches[layer]`` at ``attn_metadata.slot_mapping``."""
+        ``attn_metadata.kv_caches[layer]`` at ``attn_metadata.slot_mapping``.
+
+        A model that splits into pipeline stages (``ctx.parallel.place.pp_size > 1``) also
+        takes ``intermediate_tensors=`` (an :class:`IntermediateTensors`, on every stage but
+        the first, which embeds ``input_ids``) and returns an :class:`IntermediateTensors` on
+        every stage but the last; ``layer`` then counts the stage's own layers from 0."""
 
     def compute_logits(self, hidden_states: Any) -> Any:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float logits."""

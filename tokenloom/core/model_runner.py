@@ -21,6 +21,7 @@ from tokenloom.core.batch import (
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.distributed import ParallelState
 from tokenloom.core.logits_processors import resolve_engine_processors
+from tokenloom.core.model_interface import IntermediateTensors
 from tokenloom.core.model_loader import ModelInfo, build_model
 from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
@@ -76,6 +77,12 @@ class ModelRunner:
         self.config = config
         # this worker's place and communicators (tokenloom.core.distributed.ParallelState)
         self.parallel = parallel if parallel is not None else ParallelState.single()
+        if self.parallel.place.pp_size > 1 and config.speculative is not None:
+            raise ConfigError(
+                "speculative decoding does not run with pipeline parallelism yet: drop --speculative-config "
+                "or use --pipeline-parallel-size 1",
+                param="speculative_config",
+            )
         self.info = info
         self.plugins = plugins
         self.platform = platform
@@ -119,6 +126,12 @@ class ModelRunner:
         self.model, self.dtype = build_model(
             self.config, self.info, self.plugins, self.platform, runner=self.info.runner, parallel=self.parallel
         )
+        if self.parallel.place.pp_size > 1 and getattr(self.model, "stage", None) is None:
+            raise ConfigError(
+                f"{self.info.architecture} cannot be split into pipeline stages (its model plugin builds "
+                "every layer); use --pipeline-parallel-size 1",
+                param="pipeline_parallel_size",
+            )
         if self.info.runner == "pooling" and getattr(self.model, "pooler", None) is None:
             raise ConfigError(
                 f"{self.info.architecture} has no pooler: it cannot run as a pooling model "
@@ -239,8 +252,12 @@ class ModelRunner:
             backend=self.attention_backend,
         )
         input_ids = to_device(torch.zeros(len(positions), dtype=torch.int64))
-        hidden_states = self.model(input_ids, to_device(positions), attn_metadata)
-        self.model.compute_logits(hidden_states.index_select(0, attn_metadata.query_start_loc[1:] - 1))
+        intermediate = None
+        if not self.parallel.place.is_first_stage:
+            intermediate = self._zero_intermediate_tensors(len(positions))
+        hidden_states = self._run_model(input_ids, to_device(positions), attn_metadata, intermediate)
+        if self.parallel.place.is_last_stage:
+            self.model.compute_logits(hidden_states.index_select(0, attn_metadata.query_start_loc[1:] - 1))
         return len(positions)
 
     def _pooling_step_blocks(self) -> int:
@@ -312,10 +329,15 @@ class ModelRunner:
             self._add_request(new)
             if new.block_ids:
                 self._kv_high_water = max(self._kv_high_water, max(new.block_ids) + 1)
+        stage_samples = self.parallel.place.is_last_stage
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids and not stage_samples:
+                # a stage that never samples learns the sampled tokens from the scheduler
+                start = cached.num_computed_tokens
+                state.token_ids[start : start + len(cached.new_token_ids)] = cached.new_token_ids
             if cached.new_block_ids:
                 self._kv_high_water = max(self._kv_high_water, max(cached.new_block_ids) + 1)
 
@@ -339,8 +361,14 @@ class ModelRunner:
         return count * bytes_per_block
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. A pipeline stage before the last sends its hidden states on to the
+        next stage and returns None; the last stage samples and returns the step's output."""
         self._update_states(scheduler_output)
+        place = self.parallel.place
+        if not place.is_last_stage:
+            self._execute_stage(scheduler_output)
+            return None
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return output
@@ -355,8 +383,11 @@ class ModelRunner:
             )
             for row, message in lora_errors.items():
                 output.errors[states[row].req_id] = message
+        intermediate = None
+        if not place.is_first_stage:
+            intermediate = self._recv_intermediate_tensors(len(batch.positions))
         try:
-            hidden_states = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            hidden_states = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata, intermediate)
         finally:
             if self.lora_manager is not None:
                 self.lora_manager.finish_step()
@@ -410,6 +441,69 @@ class ModelRunner:
         if self.proposer is not None and scheduler_output.propose_drafts and sampling_rows:
             self._propose([states[i] for i in sampling_rows], output)
         return output
+
+    # -- pipeline stages ---------------------------------------------------------------
+
+    def _run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: IntermediateTensors | None,
+    ) -> Any:
+        if self.parallel.place.pp_size == 1:
+            return self.model(input_ids, positions, attn_metadata)  # models that know no stages
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors=intermediate)
+
+    def _execute_stage(self, scheduler_output: SchedulerOutput) -> None:
+        """A stage before the last: run its layers over the step's tokens (received from the
+        previous stage unless this is the first) and send the result to the next stage. Every
+        stage sees the same scheduler outputs in the same order, so sends and receives pair up."""
+        if scheduler_output.is_empty:
+            return
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        states = [self.requests[req_id] for req_id in req_ids]
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        batch = self._prepare_inputs(states, scheduler_output.num_scheduled_tokens, spec_tokens)
+        intermediate = None
+        if not self.parallel.place.is_first_stage:
+            intermediate = self._recv_intermediate_tensors(len(batch.positions))
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step([state.lora_request for state in states], batch.attn_metadata.query_lens_cpu)
+        try:
+            result = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata, intermediate)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.finish_step()
+        self._send_intermediate_tensors(result)
+        for i, state in enumerate(states):
+            state.num_computed_tokens = batch.seq_lens[i]
+
+    def _intermediate_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        # hidden states and residual travel as one [2, num_tokens, hidden_size] tensor: one
+        # message per stage boundary instead of two
+        return (2, num_tokens, self.model.config.hidden_size)
+
+    def _activation_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            raise RuntimeError("a pipeline stage's activations follow the model's dtype: load the model first")
+        return self.dtype
+
+    def _zero_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
+        shape = self._intermediate_shape(num_tokens)
+        both = torch.zeros(shape, dtype=self._activation_dtype(), device=self.device)
+        return IntermediateTensors(both[0], both[1])
+
+    def _send_intermediate_tensors(self, intermediate: IntermediateTensors) -> None:
+        both = torch.stack([intermediate.hidden_states, intermediate.residual]).cpu()
+        self.parallel.pp.send(both, dst=self.parallel.place.pp_rank + 1)
+
+    def _recv_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
+        place = self.parallel.place
+        shape = self._intermediate_shape(num_tokens)
+        both = self.parallel.pp.recv(shape, self._activation_dtype(), src=place.pp_rank - 1)
+        both = both.to(self.device)
+        return IntermediateTensors(both[0], both[1])
 
     # -- speculative decoding ----------------------------------------------------------
 

@@ -7,6 +7,11 @@ Chunked prefill disabled means a prompt is never split: one that does not fit th
 remaining budget waits (head of line), and one longer than the whole budget (possible for a
 resumed request with its output) runs whole, alone in a step, once nothing else is scheduled.
 
+With pipeline parallelism the engine keeps several batches in flight (vLLM V1's batch
+queue): ``schedule()`` may run again before the previous batch's ``update_from_output``, and a
+request with a batch in flight is never scheduled again (nor preempted) until its result is
+applied, so a request is in at most one batch and every batch sees its latest tokens.
+
 Over ~400 lines on purpose: admission, ``schedule()``, ``update_from_output()`` and preemption
 keep one set of invariants together (a request is in exactly one of the waiting queue and the
 running list, holds blocks only while running, and every finished id reaches the worker once);
@@ -151,7 +156,10 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         *,
         max_loras: int | None = None,
+        send_token_ids: bool = False,
     ):
+        """:param send_token_ids: put each step's tokens in ``CachedRequestData.new_token_ids``
+        (pipeline parallelism: the stages before the last never sample)."""
         if max_model_len < 2:
             raise ConfigError(
                 f"max_model_len must be at least 2 (one prompt and one output token), got {max_model_len}",
@@ -195,6 +203,11 @@ class Scheduler:
         self._preempted_req_ids: set[str] = set()
         # requests finished inside schedule(); the next update_from_output returns them
         self._finished_in_schedule: list[Sequence] = []
+        # requests scheduled in a batch whose result update_from_output has not applied yet
+        # (several batches in flight under pipeline parallelism), by id: the object scheduled,
+        # so a result never lands on a later request that reuses an aborted request's id
+        self._in_flight: dict[str, Sequence] = {}
+        self.send_token_ids = send_token_ids
         self.speculative = speculative
         self.spec_decoding_stats = SpecDecodingStats(speculative.num_speculative_tokens) if speculative else None
 
@@ -281,6 +294,8 @@ class Scheduler:
                 break
             if request.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.request_id in self._in_flight:
+                continue  # its tokens are not known until its batch comes back
             num_new_tokens = self._num_running_tokens_to_schedule(request, token_budget)
             if num_new_tokens == 0:
                 continue
@@ -296,9 +311,14 @@ class Scheduler:
                 new_block_ids = self.block_manager.allocate_slots(request, num_new_tokens)
                 if new_block_ids is not None:
                     break
-                victim = max(self.running, key=self._order_key)
+                # a request with a batch in flight keeps its blocks: that batch writes them
+                victim = max((r for r in self.running if r.request_id not in self._in_flight), key=self._order_key)
                 if victim is request and len(self.running) == 1:
                     self._finish_unfittable(request)
+                    break
+                if victim is request and any(r.request_id in self._in_flight for r in self.running):
+                    # only requests in flight could give blocks back: wait for their results
+                    new_block_ids = None
                     break
                 preempted_this_step = True
                 if victim.request_id in num_scheduled_tokens:
@@ -318,7 +338,10 @@ class Scheduler:
 
         cached_reqs = [
             CachedRequestData(
-                req_id=req_id, new_block_ids=block_ids, num_computed_tokens=self.requests[req_id].num_computed_tokens
+                req_id=req_id,
+                new_block_ids=block_ids,
+                num_computed_tokens=self.requests[req_id].num_computed_tokens,
+                new_token_ids=self._step_token_ids(req_id, num_scheduled_tokens, spec_decode_tokens),
             )
             for req_id, block_ids in new_block_ids_by_req.items()
         ]
@@ -327,6 +350,8 @@ class Scheduler:
 
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, set()
+        for req_id in num_scheduled_tokens:
+            self._in_flight[req_id] = self.requests[req_id]
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -336,6 +361,21 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_decode_tokens,
             propose_drafts=speculate,
         )
+
+    def _step_token_ids(
+        self, req_id: str, num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]]
+    ) -> list[int]:
+        if not self.send_token_ids:
+            return []
+        request = self.requests[req_id]
+        start = request.num_computed_tokens
+        end = start + num_scheduled_tokens[req_id] - len(spec_decode_tokens.get(req_id, ()))
+        return request.all_token_ids[start:end]
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests scheduled in batches whose results are not applied yet."""
+        return len(self._in_flight)
 
     def _speculation_on(self) -> bool:
         """Speculate unless more requests are queued than ``disable_by_batch_size``: a full
@@ -379,6 +419,8 @@ class Scheduler:
         running_loras = self.running_lora_ids()
         while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.request_id in self._in_flight:
+                break  # its id's aborted predecessor has a batch in flight: after that result
             lora_id = None if request.lora_request is None else request.lora_request.lora_int_id
             if (
                 lora_id is not None
@@ -467,9 +509,12 @@ class Scheduler:
         now = time.monotonic()
         any_finished = False
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            scheduled = self._in_flight.pop(req_id, None)
             request = self.requests.get(req_id)
             if request is None or request.status is not SequenceStatus.RUNNING or req_id in errors:
                 continue  # finished or aborted since schedule(); errors are handled below
+            if scheduled is not None and scheduled is not request:
+                continue  # a new request reusing the id of one aborted while in flight
             if request.num_output_tokens == 0 and req_id in model_runner_output.prompt_logprobs:
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = []

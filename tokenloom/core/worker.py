@@ -29,5 +29,6 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output; None on a pipeline stage before the last (it samples nothing)."""
         return self.runner.execute(scheduler_output)

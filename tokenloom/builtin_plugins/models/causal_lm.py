@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.core.model_interface import KVCacheSpec, ModelContext
+from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.pipeline import MissingLayer, number_attention_layers, stage_layers
 from tokenloom.layers.pooler import Pooler
 from tokenloom.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from tokenloom.layers.weight_loading import DECODER_STACKED_PARAMS, load_checkpoint_weights
@@ -59,9 +60,22 @@ class DecoderStack(nn.Module):
 
     Each layer is called as ``layer(positions, hidden_states, residual, attn_metadata)`` and
     returns ``(hidden_states, residual)``: the residual add is fused into the next norm.
+
+    On a pipeline stage only the layers of ``stage`` run (the others are
+    :class:`~tokenloom.layers.pipeline.MissingLayer`); a stage after the first starts from
+    the previous stage's :class:`IntermediateTensors`, and a stage before the last returns its own.
     """
 
-    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module, embedding_multiplier=None):
+    def __init__(
+        self,
+        embed_tokens: nn.Module,
+        layers: list[nn.Module],
+        norm: nn.Module,
+        embedding_multiplier=None,
+        *,
+        stage: range | None = None,
+        is_last_stage: bool = True,
+    ):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
@@ -70,14 +84,29 @@ class DecoderStack(nn.Module):
             self.register_buffer("embedding_multiplier", embedding_multiplier, persistent=False)
         else:
             self.embedding_multiplier = None
+        stage = stage if stage is not None else range(len(layers))
+        # a tuple, not a ModuleList: the layers are registered once, under ``layers``
+        self._stage_layers = tuple(layers[stage.start : stage.stop])
+        self.is_last_stage = is_last_stage
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        if self.embedding_multiplier is not None:
-            hidden_states = hidden_states * self.embedding_multiplier
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate_tensors is None:
+            hidden_states = self.embed_tokens(input_ids)
+            if self.embedding_multiplier is not None:
+                hidden_states = hidden_states * self.embedding_multiplier
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for layer in self._stage_layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -104,29 +133,49 @@ class DecoderForCausalLM(nn.Module):
         self.sliding_windows = sliding_windows_of(config, ctx.model_config)
         self._ropes: dict[str, RotaryEmbedding] = {}
         hidden_size = config.hidden_size
-        embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden_size, params_dtype=self.dtype)
-        layers = [self.make_layer(index) for index in range(config.num_hidden_layers)]
-        norm = self.norm_class(hidden_size, config.rms_norm_eps, params_dtype=self.dtype)
-        self.model = DecoderStack(embed_tokens, layers, norm, self.embedding_multiplier())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # pipeline parallelism: this worker builds its stage's layers only, the embedding on
+        # the first stage (and on the last when the LM head shares its weight), the final
+        # norm and the LM head on the last; every other module is a parameterless placeholder
+        place = ctx.parallel.place if ctx.parallel is not None else None
+        self.stage = stage_layers(config.num_hidden_layers, place)
+        self.is_first_stage = place is None or place.is_first_stage
+        self.is_last_stage = place is None or place.is_last_stage
+        embed_tokens: nn.Module = MissingLayer()
+        if self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings):
+            embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden_size, params_dtype=self.dtype)
+        layers = [
+            self.make_layer(index) if index in self.stage else MissingLayer()
+            for index in range(config.num_hidden_layers)
+        ]
+        # the stage's KV caches are its own layers' only: attention layer i reads cache i - stage.start
+        number_attention_layers(layers[self.stage.start : self.stage.stop])
+        norm: nn.Module = MissingLayer()
+        if self.is_last_stage:
+            norm = self.norm_class(hidden_size, config.rms_norm_eps, params_dtype=self.dtype)
+        self.model = DecoderStack(
+            embed_tokens, layers, norm, self.embedding_multiplier(), stage=self.stage, is_last_stage=self.is_last_stage
+        )
         # float32 the platform chose (a CPU without native bfloat16): a float16 copy of the
         # head for decode steps reads half the bytes
         small_batch_dtype = torch.float16 if self.dtype == torch.float32 and not ctx.exact_dtype else None
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, hidden_size, params_dtype=self.dtype, small_batch_dtype=small_batch_dtype
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(embed_tokens)
+        self.lm_head: nn.Module = MissingLayer()
+        if self.is_last_stage:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, hidden_size, params_dtype=self.dtype, small_batch_dtype=small_batch_dtype
+            )
+            if self.tie_word_embeddings:
+                self.lm_head.tie_to(embed_tokens)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # --convert embed: the pooling runner pools the final hidden states (the last token's by default)
         self.pooler = (
             Pooler.from_config(ctx.pooler_config, default_pooling_type="LAST") if ctx.runner == "pooling" else None
         )
         self.kv_cache_spec = KVCacheSpec(
-            num_layers=config.num_hidden_layers,
+            num_layers=len(self.stage),
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_size=self.head_size,
-            sliding_windows=list(self.sliding_windows),
+            sliding_windows=self.sliding_windows[self.stage.start : self.stage.stop],
         )
 
     # -- what subclasses customise -----------------------------------------------------
@@ -171,8 +220,14 @@ class DecoderForCausalLM(nn.Module):
 
     # -- ModelProtocol -----------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden_states)
@@ -186,5 +241,13 @@ class DecoderForCausalLM(nn.Module):
             weights,
             stacked_params=self.stacked_params,
             rename=self.checkpoint_name,
-            skip_prefixes=("lm_head.",) if self.tie_word_embeddings else (),
+            skip_prefixes=self.skipped_weight_prefixes(),
         )
+
+    def skipped_weight_prefixes(self) -> tuple[str, ...]:
+        """Model names the checkpoint need not fill here: a tied LM head, and every module of
+        another pipeline stage (their tensors are skipped without being read)."""
+        prefixes = [path + "." for path, module in self.named_modules() if isinstance(module, MissingLayer)]
+        if self.tie_word_embeddings:
+            prefixes.append("lm_head.")
+        return tuple(prefixes)

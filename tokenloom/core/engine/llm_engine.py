@@ -11,11 +11,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.core.batch import ModelRunnerOutput
+from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
@@ -91,7 +92,11 @@ class LLMEngine:
             self.max_model_len,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             speculative=config.speculative,
+            send_token_ids=config.parallel.pipeline_parallel_size > 1,
         )
+        # batches handed to the executor whose results are not applied yet, oldest first
+        # (more than one only when the executor overlaps steps: pipeline parallelism)
+        self._batch_queue: deque[tuple[SchedulerOutput, concurrent.futures.Future[ModelRunnerOutput]]] = deque()
         self.lora_catalog = self._lora_catalog()
         self.structured_outputs = self._structured_output_manager()
         self.input_processor = InputProcessor(
@@ -277,7 +282,7 @@ class LLMEngine:
             self._forget_constraint(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or bool(self._batch_queue)
 
     # -- structured outputs -----------------------------------------------------------
 
@@ -366,16 +371,61 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         if self._awaiting_grammar:
             self._admit_compiled_requests(touched)
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_with_batch_queue(touched)
+        scheduler_output = self._schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
+        else:
+            runner_output = self.executor.execute(scheduler_output)
+        return self._apply(scheduler_output, runner_output, touched)
+
+    def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
         if self.structured_outputs is not None:
             scheduler_output.structured_output = self.structured_outputs.grammar_bitmask(
                 scheduler_output, self.scheduler.get_request
             )
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
-            runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
+        return scheduler_output
+
+    def _step_with_batch_queue(self, touched: dict[str, RequestState]) -> list[RequestOutput | PoolingRequestOutput]:
+        """One step with up to ``executor.max_concurrent_batches`` batches in flight (vLLM V1's
+        batch queue): while the queue has room, schedule a batch from the requests with none
+        in flight and hand it to the executor; return at once if the oldest batch is still
+        running and there is room for another. Otherwise wait for the oldest batch (the queue
+        is full, or nothing more could be scheduled) and apply its result."""
+        queue = self._batch_queue
+        max_batches = self.executor.max_concurrent_batches
+        outputs: list[RequestOutput | PoolingRequestOutput] = []
+        if len(queue) < max_batches:
+            scheduler_output = self._schedule()
+            if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+                # nothing new could run; requests the scheduler finished itself come out here
+                outputs = self._apply(scheduler_output, ModelRunnerOutput(), touched)
+                touched = {}
+            else:
+                queue.append((scheduler_output, self.executor.execute_async(scheduler_output)))
+                if len(queue) < max_batches and not queue[0][1].done():
+                    return self._apply(None, None, touched)
+        if not queue:
+            return outputs
+        scheduler_output, future = queue.popleft()
+        return outputs + self._apply(scheduler_output, future.result(), touched)
+
+    def _apply(
+        self,
+        scheduler_output: SchedulerOutput | None,
+        runner_output: ModelRunnerOutput | None,
+        touched: dict[str, RequestState],
+    ) -> list[RequestOutput | PoolingRequestOutput]:
+        """Apply one batch's result (None: none, only ``touched``): the scheduler's tokens and
+        stops, grammars, detokenization and stop strings; returns the outputs of every request
+        touched."""
+        changed: list[Sequence] = []
+        if scheduler_output is not None and runner_output is not None:
+            changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         else:
-            runner_output = self.executor.execute(scheduler_output)
-        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+            runner_output = ModelRunnerOutput()
         now = time.monotonic()
         for seq in changed:
             state = self.output_processor.owner(seq.request_id)
