@@ -4,6 +4,7 @@ Implementations (one process, several processes, Ray) are plugins."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,10 @@ class Executor:
     """Registered with ``register_executors``; constructed once, in the main process, with a
     :class:`WorkerSpec` to ship to the workers it starts."""
 
+    max_concurrent_batches: int = 1
+    """How many steps the engine may have in flight at once (:meth:`execute_async` before the
+    previous result is back): 1 here; an executor with pipeline stages takes one per stage."""
+
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
         self.config = spec.config
@@ -48,6 +53,18 @@ class Executor:
         """Run one step on the workers; called by the engine loop, one step at a time."""
         raise NotImplementedError
 
+    def execute_async(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future[ModelRunnerOutput]:
+        """Start one step and return at once with a future of its output, so the engine can
+        schedule the next batch while this one runs (up to :attr:`max_concurrent_batches` in
+        flight; outputs complete in the order the steps were sent). This default runs
+        :meth:`execute` now and returns a done future (its exception, if it raised)."""
+        future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
+        try:
+            future.set_result(self.execute(scheduler_output))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
     def prefault_kv_cache(self, max_bytes: int) -> int:
         """Optional: while the engine is idle, make the workers map up to ``max_bytes`` more of
         KV-cache memory that no request has used yet (a lazily zeroed cache otherwise pays a
@@ -59,7 +76,9 @@ class Executor:
         return 0
 
     def check_health(self) -> None:
-        """Raise when a worker has died."""
+        """Raise :class:`~tokenloom.errors.EngineDeadError` naming the worker when one has died
+        (or stopped answering). Called by the engine on its thread, between steps (also while
+        idle, about once a second) and after a step failed; cheap: no round trip per call."""
 
     def shutdown(self) -> None:
         """Stop the workers and free their memory; idempotent."""

@@ -37,7 +37,6 @@ from tokenloom.plugins.manager import PluginSet, load_plugins
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_EXECUTOR = "uni"
 # how long an idle step waits for a grammar compile before looking at new commands again
 GRAMMAR_WAIT_SECONDS = 0.05
 
@@ -76,7 +75,7 @@ class LLMEngine:
         self.max_logprobs = (
             config.model.max_logprobs if config.model.max_logprobs >= 0 else max(1, self.model_info.vocab_size)
         )
-        executor_name = config.parallel.distributed_executor_backend or DEFAULT_EXECUTOR
+        executor_name = config.parallel.executor_backend
         executor_class: type[Executor] = plugins.registry("executor").get(executor_name)
         self.executor = executor_class(
             WorkerSpec(
@@ -374,7 +373,11 @@ class LLMEngine:
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
         else:
-            runner_output = self.executor.execute(scheduler_output)
+            try:
+                runner_output = self.executor.execute(scheduler_output)
+            except Exception:
+                self.executor.check_health()  # a dead worker is the cause to report, when it is one
+                raise
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         for seq in changed:
@@ -406,6 +409,10 @@ class LLMEngine:
                 self.output_processor.pop(state.request_id)
                 self._forget_constraint(state)
         return outputs
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when a worker has died (the executor's check: no round trip)."""
+        self.executor.check_health()
 
     def decode_token(self, token_id: int) -> str | None:
         return self.output_processor.decode_token(token_id)
