@@ -159,13 +159,6 @@ class ParallelConfig:
         """Workers of one engine: ``tp * pp``."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    @property
-    def executor_backend(self) -> str:
-        """The executor to use: the one named, else vLLM's rule (``mp`` for several workers)."""
-        if self.distributed_executor_backend:
-            return self.distributed_executor_backend
-        return "mp" if self.world_size > 1 else "uni"
-
 
 @dataclass
 class DeviceConfig:

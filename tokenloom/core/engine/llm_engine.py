@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.batch import ModelRunnerOutput
-from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.config import EngineArgs, EngineConfig, ParallelConfig
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
@@ -75,7 +75,7 @@ class LLMEngine:
         self.max_logprobs = (
             config.model.max_logprobs if config.model.max_logprobs >= 0 else max(1, self.model_info.vocab_size)
         )
-        executor_name = config.parallel.executor_backend
+        executor_name = choose_executor(config.parallel)
         executor_class: type[Executor] = plugins.registry("executor").get(executor_name)
         self.executor = executor_class(
             WorkerSpec(
@@ -468,6 +468,14 @@ def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
             param="speculative-config",
         )
     registry.entry(speculative.method)
+
+
+def choose_executor(parallel: ParallelConfig) -> str:
+    """The executor plugin's name: ``--distributed-executor-backend`` when given, else vLLM's
+    rule: ``mp`` (worker processes) for several workers, ``uni`` for one."""
+    if parallel.distributed_executor_backend:
+        return parallel.distributed_executor_backend
+    return "mp" if parallel.world_size > 1 else "uni"
 
 
 def choose_platform(name: str, plugins: PluginSet) -> str:
