@@ -193,9 +193,7 @@ class RayExecutor(Executor):
             for rank in range(self.world_size)
         ]
         self.worker_pids = self._get([actor.start.remote(launch) for actor, launch in zip(self.actors, launches)])
-        self._watch_refs = [
-            actor.wait_for_stop.options(concurrency_group="watch").remote() for actor in self.actors
-        ]
+        self._watch_refs = [actor.wait_for_stop.options(concurrency_group="watch").remote() for actor in self.actors]
         logger.info(
             "ray executor: %d workers started in %.2fs on %d node(s) (rendezvous %s:%d)",
             self.world_size,

@@ -162,7 +162,10 @@ class CpuPlatform(Platform):
         torch.set_num_threads(num_threads)
         if num_local_workers > 1:
             logger.info(
-                "CPU platform: %d torch threads (%d cores shared by %d workers)", num_threads, num_cores, num_local_workers
+                "CPU platform: %d torch threads (%d cores shared by %d workers)",
+                num_threads,
+                num_cores,
+                num_local_workers,
             )
         else:
             logger.info("CPU platform: %d torch threads", num_threads)
