@@ -96,4 +96,6 @@ def test_a_killed_worker_ends_the_open_stream_and_the_server_answers_503(tp3_ser
         client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)
     assert refused.value.status_code == 503
     error = refused.value.response.json()["error"]
-    assert "dead" in error["message"] and error["type"]
+    assert "stopped after an error" in error["message"] and "SIGKILL" in error["message"]
+    health = httpx.get(tp3_server.base_url + "/health", timeout=5)
+    assert health.status_code == 503 and "worker" in health.json()["error"]["message"]

@@ -1,5 +1,7 @@
 """The ``ray`` executor on a local two-node Ray cluster (``ray.cluster_utils.Cluster``): the
-two workers of ``-tp 2`` placed one per node (STRICT_SPREAD) give the greedy ids of ``uni``;
+two workers of ``-pp 2`` placed one per node (STRICT_SPREAD) give the greedy ids of ``uni``
+(the second stage's worker returns the step; until pipeline stages split the model each
+worker computes all of it);
 a killed actor fails check_health; shutdown leaves no actor and no worker process; without Ray
 installed the error names the extra to install."""
 
@@ -44,13 +46,13 @@ def test_workers_spread_over_two_nodes_give_the_greedy_ids_of_uni(two_node_clust
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster.address)
     monkeypatch.setenv("TOKENLOOM_RAY_PLACEMENT_STRATEGY", "STRICT_SPREAD")
     expected = greedy_ids(LLM(model=tiny_llama_dir, dtype="float32"))
-    llm = LLM(model=tiny_llama_dir, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray")
     executor = llm.engine.executor
     try:
         assert type(executor).__name__ == "RayExecutor"
         assert len(set(executor.worker_node_ids)) == 2  # one worker on each node
         assert greedy_ids(llm) == expected
-        assert executor.max_concurrent_batches == 1
+        assert (executor.output_rank, executor.max_concurrent_batches) == (1, 2)
         actor_ids = [actor._actor_id.hex() for actor in executor.actors]
         pids = list(executor.worker_pids)
 

@@ -156,6 +156,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.errored
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped (e.g. which worker died, and how); None while it runs."""
+        return self._dead_reason
+
     def stats(self) -> EngineStats:
         return self._stats if self._stats is not None else self.engine.stats()
 
