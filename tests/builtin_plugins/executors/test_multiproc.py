@@ -135,6 +135,31 @@ def test_a_killed_worker_kills_the_engine_and_shutdown_leaves_no_process(tiny_ll
     assert not [child for child in multiprocessing.active_children() if child.pid in pids]
 
 
+def test_a_script_that_exits_without_shutdown_leaves_no_worker(tiny_llama_dir, tmp_path):
+    """The executor's finalizer runs at interpreter exit: no orphan processes."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "exits.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        from tokenloom import LLM
+
+        if __name__ == "__main__":
+            llm = LLM(model={tiny_llama_dir!r}, dtype="float32", tensor_parallel_size=2)
+            print(*llm.engine.executor.worker_pids)
+        """)
+    )
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert len(pids) == 2
+    assert_gone(pids)
+
+
 def test_a_model_that_fails_to_load_in_the_workers_raises_its_error_and_leaves_nothing(tiny_llama_dir, tmp_path):
     import shutil
 
