@@ -34,7 +34,7 @@ from tokenloom.builtin_plugins.executors.worker_host import (
     output_rank,
 )
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import Executor
+from tokenloom.core.executor import Executor, WorkerSpec
 from tokenloom.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class WorkerProcessGroup:
                 call = self._pending[rank].popleft()
                 call.answer(rank, status, payload)
             for item in ready:
-                rank = sentinels.get(item)  # type: ignore[call-overload]
+                rank = sentinels.get(item)
                 if rank is not None and not self._closing:
                     conn = self.conns[rank]
                     if conn.poll():
@@ -273,7 +273,7 @@ class WorkerProcessGroup:
 class MultiprocExecutor(Executor):
     """``tp * pp`` worker processes on this machine, one per rank, sharing its cores."""
 
-    def __init__(self, spec):
+    def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
         parallel = self.config.parallel
         self.tp_size = parallel.tensor_parallel_size
@@ -282,7 +282,7 @@ class MultiprocExecutor(Executor):
         self.max_concurrent_batches = self.pp_size
         self.output_rank = output_rank(self.tp_size, self.pp_size)
         self.group: WorkerProcessGroup | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def worker_pids(self) -> list[int]:
@@ -312,7 +312,7 @@ class MultiprocExecutor(Executor):
             self._wait(self.group.started, "start")
             logger.info("mp executor: %d workers started in %.2fs", self.world_size, time.perf_counter() - started)
             load_times = self._wait(self.group.call("load_model"), "load_model")
-            num_blocks = min(self._wait(self.group.call("determine_num_blocks"), "determine_num_blocks"))
+            num_blocks: int = min(self._wait(self.group.call("determine_num_blocks"), "determine_num_blocks"))
             allocate_times = self._wait(self.group.call("allocate_kv_cache", num_blocks), "allocate_kv_cache")
         except BaseException:
             self.shutdown()
@@ -354,7 +354,8 @@ class MultiprocExecutor(Executor):
 
     def prefault_kv_cache(self, max_bytes: int) -> int:
         # every worker maps the same share of its own cache; report one worker's bytes
-        return int(self._live_group().call("prefault_kv_cache", max_bytes, combine=min).future.result())
+        mapped: int = self._live_group().call("prefault_kv_cache", max_bytes, combine=min).future.result()
+        return mapped
 
     def check_health(self) -> None:
         self._live_group().check_alive()

@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenloom.builtin_plugins.executors.worker_host import WorkerHost, WorkerLaunch, free_port, output_rank
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import Executor
+from tokenloom.core.executor import Executor, WorkerSpec
 from tokenloom.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class RayWorker:
     def node_and_port(self) -> tuple[str, str, int]:
         import ray
 
-        ip = ray.util.get_node_ip_address()
+        ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
         return ray.get_runtime_context().get_node_id(), ip, free_port(ip)
 
     def start(self, launch: WorkerLaunch) -> int:
@@ -99,7 +99,7 @@ class RayWorker:
 class RayExecutor(Executor):
     """``tp * pp`` Ray actors placed by a placement group (one CPU bundle each)."""
 
-    def __init__(self, spec):
+    def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
         parallel = self.config.parallel
         self.tp_size = parallel.tensor_parallel_size
@@ -203,7 +203,7 @@ class RayExecutor(Executor):
             rank0_port,
         )
         load_times = self._get([actor.load_model.remote() for actor in self.actors])
-        num_blocks = min(self._get([actor.determine_num_blocks.remote() for actor in self.actors]))
+        num_blocks: int = min(self._get([actor.determine_num_blocks.remote() for actor in self.actors]))
         allocate_times = self._get([actor.allocate_kv_cache.remote(num_blocks) for actor in self.actors])
         self._collector = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenloom-ray-results")
         logger.info(
@@ -253,7 +253,8 @@ class RayExecutor(Executor):
     def prefault_kv_cache(self, max_bytes: int) -> int:
         if not self.actors:
             return 0
-        return min(self._get([actor.prefault_kv_cache.remote(max_bytes) for actor in self.actors], timeout=None))
+        mapped: int = min(self._get([actor.prefault_kv_cache.remote(max_bytes) for actor in self.actors], timeout=None))
+        return mapped
 
     def check_health(self) -> None:
         if self._dead_reason is None and self._watch_refs:
