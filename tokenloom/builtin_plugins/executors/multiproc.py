@@ -141,18 +141,24 @@ class WorkerProcessGroup:
         self.dead_reason: str | None = None
         self._wake_reader, self._wake_writer = context.Pipe(duplex=False)
         started = self._register("start", lambda pids: pids)
-        for launch in launches:
-            parent_end, child_end = context.Pipe()
-            process = context.Process(
-                target=run_worker_process,
-                args=(launch, child_end),
-                name=f"tokenloom-worker-{launch.rank}",
-                daemon=True,  # multiprocessing's exit handler terminates them if all else fails
-            )
-            process.start()
-            child_end.close()  # so the worker's death reads as EOF here
-            self.processes.append(process)
-            self.conns.append(parent_end)
+        try:
+            for launch in launches:
+                parent_end, child_end = context.Pipe()
+                process = context.Process(
+                    target=run_worker_process,
+                    args=(launch, child_end),
+                    name=f"tokenloom-worker-{launch.rank}",
+                    daemon=True,  # multiprocessing's exit handler terminates them if all else fails
+                )
+                process.start()
+                child_end.close()  # so the worker's death reads as EOF here
+                self.processes.append(process)
+                self.conns.append(parent_end)
+        except BaseException:  # e.g. the spawn failed: the ones already started go too
+            for process in self.processes:
+                process.kill()
+                process.join(timeout=2.0)
+            raise
         self._reader = threading.Thread(target=self._read_replies, name="tokenloom-mp-replies", daemon=True)
         self._reader.start()
         self.started = started
