@@ -219,6 +219,8 @@ class RayExecutor(Executor):
         return num_blocks
 
     def _get(self, refs: list[Any], timeout: float | None = START_TIMEOUT_SECONDS) -> list[Any]:
+        if self._ray is None:
+            raise EngineDeadError("the ray executor is shut down")
         try:
             return list(self._ray.get(refs, timeout=timeout))
         except self._ray.exceptions.GetTimeoutError:
@@ -244,8 +246,22 @@ class RayExecutor(Executor):
         # one object in the store that every actor reads, not a copy per call
         step_ref = self._ray.put(scheduler_output)
         refs = [actor.execute.remote(step_ref) for actor in self.actors]
-        rank = self.output_rank
-        return self._collector.submit(lambda: self._get(refs, timeout=None)[rank])
+        return self._collector.submit(self._collect_step, refs)
+
+    def _collect_step(self, refs: list[Any]) -> ModelRunnerOutput:
+        """The output rank's result, once every worker has answered. A worker's error or death
+        is raised as soon as it shows, not after the others: once the model is split, the
+        survivors of a dead worker wait for it forever inside their collectives."""
+        pending = list(refs)
+        while pending:
+            if self._ray is None:
+                raise EngineDeadError("the ray executor is shut down")
+            done, pending = self._ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            self._get(done, timeout=None)  # raises the worker's error, or EngineDeadError
+            if pending:
+                self.check_health()
+        output: ModelRunnerOutput = self._get([refs[self.output_rank]], timeout=None)[0]
+        return output
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(scheduler_output).result()
