@@ -61,6 +61,12 @@ async def test_health_ping_version(client, engine):
     engine.errored = True
     dead = await client.get("/health")
     assert dead.status_code == 503 and dead.json()["error"]["type"] == "ServiceUnavailableError"
+    engine.dead_reason = "the engine's worker 1 (pid 7) was killed by SIGKILL"  # the cause, when known
+    dead = await client.get("/health")
+    assert (
+        dead.status_code == 503
+        and "(the engine's worker 1 (pid 7) was killed by SIGKILL)" in dead.json()["error"]["message"]
+    )
 
 
 async def test_unknown_routes_and_methods_use_the_error_shape(client):

@@ -187,9 +187,11 @@ def test_plugins_lists_a_file_plugin_as_json_and_text(tmp_path, monkeypatch, cap
         "origin": f"file {plugin_file}",
         "registered": {"tool_parser": ["shout"]},
     } in listing["plugins"]
-    assert {"name": "uniproc_executor", "origin": "tokenloom 0.1.0", "registered": {"executor": ["uni"]}} in listing[
-        "plugins"
-    ]
+    assert {
+        "name": "uniproc_executor",
+        "origin": "tokenloom 0.1.0",
+        "registered": {"executor": ["uni", "mp", "ray"]},
+    } in listing["plugins"]
     assert [failure["name"] for failure in listing["failures"]] == ["not_installed"]
 
     assert main(["plugins", "--tool-parser-plugin", str(plugin_file)]) == 0
@@ -248,7 +250,8 @@ def test_plugins_check_imports_every_target_and_names_the_broken_ones(tmp_path, 
     )
     assert main(["plugins", "--check", "--tool-parser-plugin", str(plugin_file)]) == 1
     out = capsys.readouterr().out
-    assert "check: 2 of 3 registered targets import" in out  # the executor, 'fine' and not 'typo'
+    # the three executors, 'fine' and not 'typo'
+    assert "check: 4 of 5 registered targets import" in out
     assert (
         "  tool_parser 'typo': tool_parser 'typo' (registered by plugin 'typo_targets.py'): plugin target "
         "'json:JSONDecodr': module 'json' has no attribute 'JSONDecodr'"

@@ -156,6 +156,8 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     # -- ParallelConfig
     "--distributed-executor-backend": "tests/api/test_flag_effects.py::test_distributed_executor_backend_names_the_executor",
     "--worker-use-ray": "tests/api/test_flag_effects.py::test_distributed_executor_backend_names_the_executor",
+    "--tensor-parallel-size": "tests/builtin_plugins/executors/test_multiproc.py::test_two_worker_processes_give_the_greedy_ids_of_uni",
+    "--pipeline-parallel-size": "tests/api/test_flag_effects.py::test_tensor_and_pipeline_parallel_sizes_choose_the_mp_executor_and_data_parallel_is_refused",
     # -- CacheConfig
     "--block-size": "tests/core/test_engine_llama.py::test_greedy_matches_under_preemption",
     "--gpu-memory-utilization": "tests/api/test_flag_effects.py::test_gpu_memory_utilization_scales_the_kv_cache",
@@ -300,10 +302,10 @@ def test_the_static_check_catches_an_unread_field():
     # a read of the same name from something that is not a config does not count
     assert not is_read("model", "seed", {"seed": {"request", "self.request"}})
     assert is_read("model", "seed", {"seed": {"request", "self.config.model"}})
-    # a read inside the config modules is no use (validation is not behaviour): the parallel
-    # sizes are only checked there, so counting those modules would find them, and the rule does not
-    assert is_read("parallel", "tensor_parallel_size", attribute_reads(frozenset()))
-    assert not is_read("parallel", "tensor_parallel_size", reads)
+    # a read inside the config modules is no use (validation is not behaviour): a tokenizer
+    # revision is only refused there, so counting those modules would find it, and the rule does not
+    assert is_read("model", "tokenizer_revision", attribute_reads(frozenset()))
+    assert not is_read("model", "tokenizer_revision", reads)
 
 
 def test_every_implemented_flag_has_a_behaviour_test_and_only_those():

@@ -165,8 +165,8 @@ def test_distributed_executor_backend_names_the_executor(tiny_llama_dir):
     assert type(LLM(model=tiny_llama_dir, distributed_executor_backend="uni").engine.executor).__name__ == (
         "UniProcExecutor"
     )
-    with pytest.raises(UnknownNameError, match="'ray'.*uni"):
-        LLM(model=tiny_llama_dir, distributed_executor_backend="ray")
+    with pytest.raises(UnknownNameError, match="'rayy'.*mp, ray, uni"):
+        LLM(model=tiny_llama_dir, distributed_executor_backend="rayy")
 
 
 def test_quantization_named_must_be_registered(tiny_llama_dir):
@@ -211,15 +211,23 @@ def test_tokenizer_mode_slow_on_a_gguf_vocabulary_is_refused_not_ignored(smollm2
         GGUFLoadFormat().load_tokenizer(smollm2_gguf, ModelConfig(tokenizer_mode="slow"))
 
 
-def test_tensor_pipeline_and_data_parallel_sizes_above_one_are_refused_by_name():
-    for name, flag in (
-        ("tensor_parallel_size", "--tensor-parallel-size"),
-        ("pipeline_parallel_size", "--pipeline-parallel-size"),
-        ("data_parallel_size", "--data-parallel-size"),
-    ):
-        with pytest.raises(ConfigError, match=f"^{flag}: only 1 is accepted"):
-            EngineArgs(**{name: 2}).create_engine_config()
-        EngineArgs(**{name: 1}).create_engine_config()
+def test_tensor_and_pipeline_parallel_sizes_choose_the_mp_executor_and_data_parallel_is_refused():
+    from tokenloom.core.engine.llm_engine import choose_executor
+
+    config = EngineArgs(tensor_parallel_size=3, pipeline_parallel_size=2).create_engine_config()
+    assert (config.parallel.world_size, choose_executor(config.parallel)) == (6, "mp")
+    assert choose_executor(EngineArgs().create_engine_config().parallel) == "uni"
+    ray = EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray").create_engine_config()
+    assert choose_executor(ray.parallel) == "ray"
+    with pytest.raises(ConfigError, match="^--tensor-parallel-size: must be a whole number of at least 1, got 0"):
+        EngineArgs(tensor_parallel_size=0).create_engine_config()
+    with pytest.raises(ConfigError, match="^--pipeline-parallel-size: must be a whole number of at least 1, got -2"):
+        EngineArgs(pipeline_parallel_size=-2).create_engine_config()
+    with pytest.raises(ConfigError, match="^--distributed-executor-backend uni runs one worker .* needs 2 workers"):
+        EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni").create_engine_config()
+    with pytest.raises(ConfigError, match="^--data-parallel-size: only 1 is accepted"):
+        EngineArgs(data_parallel_size=2).create_engine_config()
+    EngineArgs(data_parallel_size=1).create_engine_config()
 
 
 def test_generation_config_defaults_from_a_folder_with_the_override_on_top(tiny_llama_dir, tmp_path):

@@ -175,12 +175,11 @@ def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(no_tokenizer_serv
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["-tp", "0"], "--tensor-parallel-size: must be a whole number of at least 1, got 0"),
         (
-            ["-tp", "2"],
-            "tokenloom does not implement --tensor-parallel-size yet (only its default, "
-            "--tensor-parallel-size 1, is accepted); tokenloom has no distributed executor yet",
+            ["--pipeline-parallel-size", "2", "--distributed-executor-backend", "uni"],
+            "--distributed-executor-backend uni runs one worker in the engine's process, but -tp 1 -pp 2 needs 2 workers",
         ),
-        (["--pipeline-parallel-size", "4"], "only its default, --pipeline-parallel-size 1, is accepted"),
         (["-dp", "2"], "only its default, --data-parallel-size 1, is accepted"),
         (["--tokenizer-mode", "mistral"], "--tokenizer-mode: 'mistral' is not implemented"),
         (["--tokenizer-revision", "v2"], "tokenloom does not implement --tokenizer-revision yet"),

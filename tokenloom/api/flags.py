@@ -466,24 +466,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     # -- ParallelConfig ---------------------------------------------------------------------------
     implemented("--distributed-executor-backend", "ParallelConfig"),
-    unimplemented(
-        "--tensor-parallel-size",
-        "ParallelConfig",
-        "Number of tensor-parallel ranks.",
-        kind="int",
-        aliases=("-tp",),
-        default=1,
-        note="tokenloom has no distributed executor yet: the model runs in one process",
-    ),
-    unimplemented(
-        "--pipeline-parallel-size",
-        "ParallelConfig",
-        "Number of pipeline stages.",
-        kind="int",
-        aliases=("-pp",),
-        default=1,
-        note="tokenloom has no distributed executor yet: the model runs in one process",
-    ),
+    implemented("--tensor-parallel-size", "ParallelConfig", kind="int", aliases=("-tp",), default=1),
+    implemented("--pipeline-parallel-size", "ParallelConfig", kind="int", aliases=("-pp",), default=1),
     unimplemented(
         "--data-parallel-size",
         "ParallelConfig",

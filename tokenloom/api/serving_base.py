@@ -94,7 +94,11 @@ class ServingContext:
 
     def check_ready(self) -> None:
         if getattr(self.engine, "errored", False):
-            raise EngineDeadError("the engine has stopped after an error; see the server log and restart the server")
+            reason = getattr(self.engine, "dead_reason", None)  # e.g. which worker died, and how
+            cause = f" ({reason})" if reason else ""
+            raise EngineDeadError(
+                f"the engine has stopped after an error{cause}; see the server log and restart the server"
+            )
         if not getattr(self.engine, "is_running", True):
             raise EngineDeadError("the engine is not running yet (or is shutting down); retry shortly")
 

@@ -144,13 +144,20 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    """Number of tensor-parallel ranks."""
+    """Number of tensor-parallel ranks (one worker process each)."""
     pipeline_parallel_size: int = 1
-    """Number of pipeline stages."""
+    """Number of pipeline stages (one worker process per stage and tensor-parallel rank)."""
     data_parallel_size: int = 1
     """Number of data-parallel replicas."""
     distributed_executor_backend: str | None = None
-    """Executor plugin that owns the workers (``uni`` by default)."""
+    """Executor plugin that owns the workers: ``uni`` (one worker in the engine's process),
+    ``mp`` (worker processes on this machine) or ``ray`` (Ray actors, across machines); by
+    default ``mp`` when ``tp * pp > 1``, else ``uni``."""
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: ``tp * pp``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -535,6 +542,23 @@ class EngineArgs:
         return SpeculativeConfig.from_dict(options) if options else None
 
 
+def check_worker_grid(parallel: ParallelConfig) -> None:
+    """``-tp``/``-pp`` are positive, and the executor named can hold ``tp * pp`` workers."""
+    for flag, size in (
+        ("tensor-parallel-size", parallel.tensor_parallel_size),
+        ("pipeline-parallel-size", parallel.pipeline_parallel_size),
+    ):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"--{flag}: must be a whole number of at least 1, got {size!r}", param=flag)
+    if parallel.distributed_executor_backend == "uni" and parallel.world_size > 1:
+        raise ConfigError(
+            f"--distributed-executor-backend uni runs one worker in the engine's process, but "
+            f"-tp {parallel.tensor_parallel_size} -pp {parallel.pipeline_parallel_size} needs "
+            f"{parallel.world_size} workers: use mp (worker processes on this machine, the default) or ray",
+            param="distributed-executor-backend",
+        )
+
+
 def validate_engine_config(config: EngineConfig) -> None:
     """Checks that need no model files: value ranges and choices."""
 
@@ -586,11 +610,8 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("max-cpu-loras", f"must be at least --max-loras ({lora.max_loras}), got {lora.max_cpu_loras}")
     if lora.lora_dtype not in LORA_DTYPE_CHOICES:
         bad("lora-dtype", f"must be one of {', '.join(LORA_DTYPE_CHOICES)}, got {lora.lora_dtype!r}")
-    for flag, size in (
-        ("tensor-parallel-size", config.parallel.tensor_parallel_size),
-        ("pipeline-parallel-size", config.parallel.pipeline_parallel_size),
-        ("data-parallel-size", config.parallel.data_parallel_size),
-    ):
+    check_worker_grid(config.parallel)
+    for flag, size in (("data-parallel-size", config.parallel.data_parallel_size),):
         # never ignored: a user asking for 2 ranks must not silently get one
         if size != 1:
             bad(flag, f"only 1 is accepted (tokenloom has no distributed executor yet), got {size}")

@@ -35,8 +35,8 @@ class Executor:
     :class:`WorkerSpec` to ship to the workers it starts."""
 
     max_concurrent_batches: int = 1
-    """How many batches the engine may keep in flight (:meth:`execute_async`); above 1 the
-    engine overlaps steps, as pipeline stages need (vLLM's batch queue)."""
+    """How many steps the engine may have in flight at once (:meth:`execute_async` before the
+    previous result is back): 1 here; an executor with pipeline stages takes one per stage."""
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
@@ -54,9 +54,10 @@ class Executor:
         raise NotImplementedError
 
     def execute_async(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future[ModelRunnerOutput]:
-        """Start one step and return at once with its future; the engine calls it (instead of
-        :meth:`execute`) when :attr:`max_concurrent_batches` > 1, in scheduling order, with up
-        to that many futures unresolved. This default runs the step before returning."""
+        """Start one step and return at once with a future of its output, so the engine can
+        schedule the next batch while this one runs (up to :attr:`max_concurrent_batches` in
+        flight; outputs complete in the order the steps were sent). This default runs
+        :meth:`execute` now and returns a done future (its exception, if it raised)."""
         future: concurrent.futures.Future[ModelRunnerOutput] = concurrent.futures.Future()
         try:
             future.set_result(self.execute(scheduler_output))
@@ -75,7 +76,9 @@ class Executor:
         return 0
 
     def check_health(self) -> None:
-        """Raise when a worker has died."""
+        """Raise :class:`~tokenloom.errors.EngineDeadError` naming the worker when one has died
+        (or stopped answering). Called by the engine on its thread, between steps (also while
+        idle, about once a second) and after a step failed; cheap: no round trip per call."""
 
     def shutdown(self) -> None:
         """Stop the workers and free their memory; idempotent."""

@@ -134,5 +134,7 @@ class Platform:
 
         return torch.zeros(shape, dtype=dtype, device=self.torch_device())
 
-    def configure_threads(self) -> None:
-        """Set thread counts that fit the machine (called once in the worker)."""
+    def configure_threads(self, num_local_workers: int = 1) -> None:
+        """Set thread counts that fit the machine (called once in the worker, before the model
+        loads). ``num_local_workers``: how many of the engine's workers run on this machine,
+        sharing its cores (the ``mp`` executor's ``tp * pp`` processes)."""

@@ -1,7 +1,8 @@
 """A worker: the platform, the model runner and its KV cache, built from plain data (a
 :class:`~tokenloom.core.executor.WorkerSpec`). Executors own one or more workers; a worker
 never runs plugin discovery. ``parallel`` is its place among the engine's workers and its
-communicators (one worker alone when omitted)."""
+communicators (one worker alone when omitted); ``num_local_workers`` how many workers share
+this machine's cores (each takes its share of the threads)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from tokenloom.plugins.manager import PluginSet
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, parallel: ParallelState | None = None):
+    def __init__(self, spec: WorkerSpec, parallel: ParallelState | None = None, num_local_workers: int = 1):
         from tokenloom.core.model_runner import ModelRunner
 
         plugins = PluginSet.from_plain(spec.plugin_tables)
         self.platform = plugins.registry("platform").get(spec.platform)()
-        self.platform.configure_threads()
+        if num_local_workers > 1:
+            self.platform.configure_threads(num_local_workers=num_local_workers)
+        else:  # a platform plugin written before workers shared a machine takes no argument
+            self.platform.configure_threads()
         self.runner = ModelRunner(spec.config, spec.model_info, plugins, self.platform, parallel)
 
     def load_model(self) -> None:

@@ -61,7 +61,7 @@ def register_executors(register: Register) -> None:
     :returns: nothing.
 
     Called once in the main process at plugin load. ``--distributed-executor-backend``
-    names the executor (``uni`` by default). The executor is constructed in the main
+    names the executor (by default ``uni`` for one worker, ``mp`` when ``tp * pp > 1``). The executor is constructed in the main
     process as ``Executor(spec)`` with a :class:`tokenloom.plugin_api.WorkerSpec` (the engine
     config, the model's info, the platform's name and the resolved plugin tables: plain data);
     it starts whatever workers it owns and ships them that spec, never re-running discovery.

@@ -124,3 +124,13 @@ def test_zeros_are_zero_and_writable(dtype):
 
 def test_default_kv_cache_is_capped_like_vllm_cpu():
     assert CpuPlatform().default_kv_cache_bytes() == 4 * 1024**3
+
+
+@pytest.mark.parametrize("num_local_workers", [2, 3, 64])
+def test_workers_on_one_machine_share_its_cores(num_local_workers):
+    previous = torch.get_num_threads()
+    try:
+        CpuPlatform().configure_threads(num_local_workers=num_local_workers)
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // num_local_workers)
+    finally:
+        torch.set_num_threads(previous)

@@ -1,4 +1,5 @@
-"""The ``uni`` executor: one worker in the engine's own process (the default)."""
+"""The ``uni`` executor: one worker in the engine's own process (the default for one worker);
+this module's hook also registers the ``mp`` and ``ray`` executors."""
 
 from __future__ import annotations
 
@@ -29,4 +30,8 @@ class UniProcExecutor(Executor):
 
 @hookimpl
 def register_executors(register):
+    # the built-in executors, registered together under the one entry point executors have had
+    # (targets are imported on first use: ``ray`` needs the optional extra only when chosen)
     register("uni", "tokenloom.builtin_plugins.executors.uniproc:UniProcExecutor")
+    register("mp", "tokenloom.builtin_plugins.executors.multiproc:MultiprocExecutor")
+    register("ray", "tokenloom.builtin_plugins.executors.ray_executor:RayExecutor")

@@ -152,12 +152,23 @@ class CpuPlatform(Platform):
             available = min(available, max(limit - usage, 0))
         return available
 
-    def configure_threads(self) -> None:
+    def configure_threads(self, num_local_workers: int = 1) -> None:
+        """Workers on one machine split its cores: more threads than cores makes OpenMP's
+        busy-waiting workers steal each other's time slices."""
         import torch
 
         num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(num_cores)
-        logger.info("CPU platform: %d torch threads", num_cores)
+        num_threads = max(1, num_cores // max(1, num_local_workers))
+        torch.set_num_threads(num_threads)
+        if num_local_workers > 1:
+            logger.info(
+                "CPU platform: %d torch threads (%d cores shared by %d workers)",
+                num_threads,
+                num_cores,
+                num_local_workers,
+            )
+        else:
+            logger.info("CPU platform: %d torch threads", num_threads)
 
 
 @hookimpl

@@ -131,7 +131,7 @@ class CudaPlatform(Platform):
         free, _ = torch.cuda.mem_get_info(self.torch_device())
         return int(free)
 
-    def configure_threads(self) -> None:
+    def configure_threads(self, num_local_workers: int = 1) -> None:
         """Called once in the worker before the model loads: the baseline of the memory
         profile. The torch thread count stays torch's default (the CPU only feeds the GPU)."""
         import torch

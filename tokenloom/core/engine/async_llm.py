@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 PREFAULT_MAX_BYTES = 1 << 30
 PREFAULT_CHUNK_BYTES = 1 << 20
 PREFAULT_AFTER_IDLE_SECONDS = 0.05
+# how often the engine thread asks the executor whether its workers live (idle or busy)
+HEALTH_CHECK_INTERVAL_SECONDS = 1.0
 
 # what a request's stream carries: its outputs, or the exception that ended it
 StreamItem = RequestOutput | PoolingRequestOutput | BaseException
@@ -63,6 +65,7 @@ class AsyncLLM:
         self._stats = engine.stats() if engine is not None else None
         self._prefault_budget = PREFAULT_MAX_BYTES
         self._last_step_time = 0.0
+        self._last_health_check = 0.0
         self._logits_processor_resolver: LogitsProcessorResolver | None = None
 
     @classmethod
@@ -152,6 +155,11 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.errored
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped (e.g. which worker died, and how); None while it runs."""
+        return self._dead_reason
 
     def stats(self) -> EngineStats:
         return self._stats if self._stats is not None else self.engine.stats()
@@ -327,6 +335,7 @@ class AsyncLLM:
         try:
             engine = self.engine
             while not self._stopping:
+                self._check_health_when_due()
                 self._drain_commands()
                 if not engine.has_unfinished_requests():
                     self._stats = engine.stats()
@@ -346,6 +355,14 @@ class AsyncLLM:
             self._dead_reason = f"{type(exc).__name__}: {exc}"
             error = EngineDeadError(f"the engine died: {self._dead_reason}")
             self._deliver([(request_id, error) for request_id in list(self._streams)])
+
+    def _check_health_when_due(self) -> None:
+        """A worker that died between steps (or while idle) kills the engine now, not at the
+        next request: streams end, /health answers 503."""
+        now = time.monotonic()
+        if now - self._last_health_check >= HEALTH_CHECK_INTERVAL_SECONDS:
+            self._last_health_check = now
+            self.engine.check_health()
 
     def _prefault_idle(self) -> bool:
         """Once idle for ``PREFAULT_AFTER_IDLE_SECONDS``, map the next slice of never-used

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.config import EngineArgs, EngineConfig, ParallelConfig
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
@@ -38,7 +38,6 @@ from tokenloom.plugins.manager import PluginSet, load_plugins
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_EXECUTOR = "uni"
 # how long an idle step waits for a grammar compile before looking at new commands again
 GRAMMAR_WAIT_SECONDS = 0.05
 
@@ -77,7 +76,7 @@ class LLMEngine:
         self.max_logprobs = (
             config.model.max_logprobs if config.model.max_logprobs >= 0 else max(1, self.model_info.vocab_size)
         )
-        executor_name = config.parallel.distributed_executor_backend or DEFAULT_EXECUTOR
+        executor_name = choose_executor(config.parallel)
         executor_class: type[Executor] = plugins.registry("executor").get(executor_name)
         self.executor = executor_class(
             WorkerSpec(
@@ -377,7 +376,11 @@ class LLMEngine:
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
         else:
-            runner_output = self.executor.execute(scheduler_output)
+            try:
+                runner_output = self.executor.execute(scheduler_output)
+            except Exception:
+                self.executor.check_health()  # a dead worker is the cause to report, when it is one
+                raise
         return self._apply(scheduler_output, runner_output, touched)
 
     def _schedule(self) -> SchedulerOutput:
@@ -410,7 +413,12 @@ class LLMEngine:
         if not queue:
             return outputs
         scheduler_output, future = queue.popleft()
-        return outputs + self._apply(scheduler_output, future.result(), touched)
+        try:
+            runner_output = future.result()
+        except Exception:
+            self.executor.check_health()  # a dead worker is the cause to report, when it is one
+            raise
+        return outputs + self._apply(scheduler_output, runner_output, touched)
 
     def _apply(
         self,
@@ -456,6 +464,10 @@ class LLMEngine:
                 self.output_processor.pop(state.request_id)
                 self._forget_constraint(state)
         return outputs
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when a worker has died (the executor's check: no round trip)."""
+        self.executor.check_health()
 
     def decode_token(self, token_id: int) -> str | None:
         return self.output_processor.decode_token(token_id)
@@ -511,6 +523,14 @@ def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
             param="speculative-config",
         )
     registry.entry(speculative.method)
+
+
+def choose_executor(parallel: ParallelConfig) -> str:
+    """The executor plugin's name: ``--distributed-executor-backend`` when given, else vLLM's
+    rule: ``mp`` (worker processes) for several workers, ``uni`` for one."""
+    if parallel.distributed_executor_backend:
+        return parallel.distributed_executor_backend
+    return "mp" if parallel.world_size > 1 else "uni"
 
 
 def choose_platform(name: str, plugins: PluginSet) -> str:

@@ -1,0 +1,372 @@
+"""The ``mp`` executor: ``tp * pp`` worker processes on this machine (spawned, never forked:
+the engine's process holds threads and maybe a device context), each one
+:class:`~tokenloom.builtin_plugins.executors.worker_host.WorkerHost`. The default when
+``tp * pp > 1``.
+
+Each step's :class:`SchedulerOutput` is pickled once and written to every worker's pipe; the
+output rank's reply is the step's result. Writes never wait for earlier replies, so up to
+``pp_size`` steps are in flight (``execute_async``); a reader thread matches replies to calls in
+the order they were sent and notices at once when a worker process ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from tokenloom.builtin_plugins.executors.worker_host import (
+    WorkerHost,
+    WorkerLaunch,
+    configure_worker_logging,
+    describe_exit,
+    free_port,
+    output_rank,
+)
+from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# how long worker start-up (joining the group, building the model runner) may take before the
+# engine gives up; loading weights is a separate call with the same limit
+START_TIMEOUT_SECONDS = float(os.environ.get("TOKENLOOM_WORKER_START_TIMEOUT", "900"))
+# a worker asked to stop gets this long to leave before it is terminated, then killed
+STOP_GRACE_SECONDS = 5.0
+
+_OK, _ERROR = "ok", "error"
+
+
+class RemoteWorkerError(Exception):
+    """A worker's exception as text, when the exception itself does not pickle."""
+
+
+def _pickled_reply(status: str, payload: Any) -> bytes:
+    try:
+        data = pickle.dumps((status, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)  # an exception with a custom __init__ may pickle but not unpickle
+        return data
+    except Exception:
+        text = "".join(traceback.format_exception(payload)) if isinstance(payload, BaseException) else repr(payload)
+        return pickle.dumps((_ERROR, RemoteWorkerError(text)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def run_worker_process(launch: WorkerLaunch, conn: multiprocessing.connection.Connection) -> None:
+    """A worker process's main: build the host, then answer calls ``(method, args)`` in order
+    until told to stop or the engine's end of the pipe closes (the engine process is gone)."""
+    configure_worker_logging(launch.rank, launch.log_level)
+    try:
+        host = WorkerHost(launch)
+    except BaseException as exc:
+        logger.exception("worker %d failed to start", launch.rank)
+        conn.send_bytes(_pickled_reply(_ERROR, exc))
+        return
+    conn.send_bytes(_pickled_reply(_OK, host.pid()))
+    try:
+        while True:
+            try:
+                method, args = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                logger.warning("worker %d: the engine process went away; stopping", launch.rank)
+                return
+            if method == "stop":
+                conn.send_bytes(_pickled_reply(_OK, None))
+                return
+            try:
+                reply = _pickled_reply(_OK, getattr(host, method)(*args))
+            except Exception as exc:
+                logger.exception("worker %d: %s failed", launch.rank, method)
+                reply = _pickled_reply(_ERROR, exc)
+            conn.send_bytes(reply)
+    finally:
+        host.close()
+
+
+class _Call:
+    """One call sent to every worker: its future completes when all have answered."""
+
+    def __init__(self, method: str, num_workers: int, combine: Callable[[list[Any]], Any]):
+        self.method = method
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.replies: list[Any] = [None] * num_workers
+        self.remaining = num_workers
+        self.error: BaseException | None = None
+        self.combine = combine
+
+    def answer(self, rank: int, status: str, payload: Any) -> None:
+        if status == _ERROR and self.error is None:
+            self.error = payload
+        self.replies[rank] = payload
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            if self.error is not None:
+                self.future.set_exception(self.error)
+            else:
+                try:
+                    self.future.set_result(self.combine(self.replies))
+                except Exception as exc:
+                    self.future.set_exception(exc)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class WorkerProcessGroup:
+    """The worker processes, their pipes and the reader thread. Separate from the executor so a
+    finalizer can stop the processes when the executor is dropped without ``shutdown``."""
+
+    def __init__(self, launches: list[WorkerLaunch]):
+        context = multiprocessing.get_context("spawn")
+        self.num_workers = len(launches)
+        self.processes: list[Any] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self._pending: list[collections.deque[_Call]] = [collections.deque() for _ in launches]
+        # held while a call is registered and written: writes reach every pipe in call order.
+        # The reader never takes it: a writer blocked on a full pipe waits for a worker that
+        # may itself wait for the reader to drain its reply.
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self.dead_reason: str | None = None
+        self._wake_reader, self._wake_writer = context.Pipe(duplex=False)
+        started = self._register("start", lambda pids: pids)
+        try:
+            for launch in launches:
+                parent_end, child_end = context.Pipe()
+                process = context.Process(
+                    target=run_worker_process,
+                    args=(launch, child_end),
+                    name=f"tokenloom-worker-{launch.rank}",
+                    daemon=True,  # multiprocessing's exit handler terminates them if all else fails
+                )
+                process.start()
+                child_end.close()  # so the worker's death reads as EOF here
+                self.processes.append(process)
+                self.conns.append(parent_end)
+        except BaseException:  # e.g. the spawn failed: the ones already started go too
+            for process in self.processes:
+                process.kill()
+                process.join(timeout=2.0)
+            raise
+        self._reader = threading.Thread(target=self._read_replies, name="tokenloom-mp-replies", daemon=True)
+        self._reader.start()
+        self.started = started
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def _register(self, method: str, combine: Callable[[list[Any]], Any]) -> _Call:
+        call = _Call(method, self.num_workers, combine)
+        for pending in self._pending:
+            pending.append(call)
+        return call
+
+    def call(self, method: str, *args: Any, combine: Callable[[list[Any]], Any] = list) -> _Call:
+        """Send ``method(*args)`` to every worker (without waiting for earlier calls)."""
+        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            if self.dead_reason is not None:
+                raise EngineDeadError(f"the engine's {self.dead_reason}")
+            if self._closing:
+                raise EngineDeadError("the mp executor is shut down")
+            # registered before it is sent: the reader may see the reply before send returns
+            call = self._register(method, combine)
+            try:
+                for conn in self.conns:
+                    conn.send_bytes(data)
+            except OSError as exc:  # a broken pipe: the worker is gone
+                self._mark_dead(f"pipe to a worker broke while sending {method}: {exc}")
+        if self.dead_reason is not None:  # it died while this call was being registered
+            call.fail(EngineDeadError(f"the engine's {self.dead_reason}"))
+        return call
+
+    def _read_replies(self) -> None:
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        by_conn = {conn: rank for rank, conn in enumerate(self.conns)}
+        while True:
+            ready = multiprocessing.connection.wait([*by_conn, *sentinels, self._wake_reader])
+            if self._closing:
+                return
+            for item in ready:
+                rank = by_conn.get(item)  # type: ignore[call-overload]
+                if rank is None:
+                    continue  # a sentinel: read what the worker wrote before it ended first
+                try:
+                    status, payload = pickle.loads(item.recv_bytes())  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    self._worker_ended(rank)
+                    return
+                call = self._pending[rank].popleft()
+                call.answer(rank, status, payload)
+            for item in ready:
+                rank = sentinels.get(item)
+                if rank is not None and not self._closing:
+                    conn = self.conns[rank]
+                    if conn.poll():
+                        continue  # its last replies first; EOF comes after them
+                    self._worker_ended(rank)
+                    return
+
+    def _worker_ended(self, rank: int) -> None:
+        if self._closing:
+            return
+        process = self.processes[rank]
+        process.join(timeout=1.0)
+        self._mark_dead(f"worker {rank} (pid {process.pid}) {describe_exit(process.exitcode)}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("mp executor: %s; the engine cannot continue", reason)
+        error = EngineDeadError(f"the engine's {reason}")
+        for pending in self._pending:
+            while pending:
+                pending.popleft().fail(error)
+
+    def check_alive(self) -> None:
+        if self.dead_reason is None and not self._closing:
+            for rank, process in enumerate(self.processes):
+                if process.exitcode is not None:
+                    self._mark_dead(f"worker {rank} (pid {process.pid}) {describe_exit(process.exitcode)}")
+                    break
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine's {self.dead_reason}")
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Ask every worker to stop, then terminate (and kill) the ones that do not; idempotent."""
+        with self._send_lock:
+            if self._closing:
+                return
+            self._closing = True
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(pickle.dumps(("stop", ())))
+                except OSError:
+                    pass  # already gone
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=2.0)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=2.0)
+        self._wake_writer.send_bytes(b"")
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5.0)
+        error = EngineDeadError("the mp executor is shut down")
+        for pending in self._pending:
+            while pending:
+                pending.popleft().fail(error)
+        for conn in (*self.conns, self._wake_reader, self._wake_writer):
+            conn.close()
+
+
+class MultiprocExecutor(Executor):
+    """``tp * pp`` worker processes on this machine, one per rank, sharing its cores."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)
+        parallel = self.config.parallel
+        self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
+        self.max_concurrent_batches = self.pp_size
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
+        self.group: WorkerProcessGroup | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [process.pid for process in self.group.processes] if self.group else []
+
+    def initialize(self) -> int:
+        from tokenloom.plugins.manager import PluginSet
+
+        started = time.perf_counter()
+        platform = PluginSet.from_plain(self.spec.plugin_tables).registry("platform").get(self.spec.platform)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        launches = [
+            WorkerLaunch(
+                spec=self.spec,
+                rank=rank,
+                init_method=init_method,
+                distributed_backend=platform.distributed_backend,
+                num_local_workers=self.world_size,
+                log_level=logging.getLogger("tokenloom").getEffectiveLevel(),
+            )
+            for rank in range(self.world_size)
+        ]
+        self.group = WorkerProcessGroup(launches)
+        # the processes go when this executor does, even without shutdown() (and at exit)
+        self._finalizer = weakref.finalize(self, self.group.shutdown)
+        try:
+            self._wait(self.group.started, "start")
+            logger.info("mp executor: %d workers started in %.2fs", self.world_size, time.perf_counter() - started)
+            load_times = self._wait(self.group.call("load_model"), "load_model")
+            num_blocks: int = min(self._wait(self.group.call("determine_num_blocks"), "determine_num_blocks"))
+            allocate_times = self._wait(self.group.call("allocate_kv_cache", num_blocks), "allocate_kv_cache")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "mp executor ready in %.2fs: tp %d x pp %d workers (pids %s), model loaded in %.2fs (slowest worker), "
+            "%d KV blocks on every worker (allocated in %.2fs)",
+            time.perf_counter() - started,
+            self.tp_size,
+            self.pp_size,
+            ", ".join(str(pid) for pid in self.worker_pids),
+            max(load_times),
+            num_blocks,
+            max(allocate_times),
+        )
+        return num_blocks
+
+    def _wait(self, call: _Call, what: str) -> Any:
+        try:
+            return call.future.result(timeout=START_TIMEOUT_SECONDS)
+        except concurrent.futures.TimeoutError:
+            raise EngineDeadError(
+                f"mp executor: the workers did not finish {what} within {START_TIMEOUT_SECONDS:.0f}s "
+                "(TOKENLOOM_WORKER_START_TIMEOUT sets the limit)"
+            ) from None
+
+    def _live_group(self) -> WorkerProcessGroup:
+        if self.group is None:
+            raise EngineDeadError("the mp executor is not initialized (or was shut down)")
+        return self.group
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future[ModelRunnerOutput]:
+        rank = self.output_rank
+        call = self._live_group().call("execute", scheduler_output, combine=lambda replies: replies[rank])
+        return call.future
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(scheduler_output).result()
+
+    def prefault_kv_cache(self, max_bytes: int) -> int:
+        # every worker maps the same share of its own cache; report one worker's bytes
+        mapped: int = self._live_group().call("prefault_kv_cache", max_bytes, combine=min).future.result()
+        return mapped
+
+    def check_health(self) -> None:
+        self._live_group().check_alive()
+
+    def shutdown(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs group.shutdown once
+        self.group = None
