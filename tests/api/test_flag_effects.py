@@ -215,7 +215,6 @@ def test_tensor_pipeline_and_data_parallel_sizes_above_one_are_refused_by_name()
     for name, flag in (
         ("tensor_parallel_size", "--tensor-parallel-size"),
         ("pipeline_parallel_size", "--pipeline-parallel-size"),
-        ("data_parallel_size", "--data-parallel-size"),
     ):
         with pytest.raises(ConfigError, match=f"^{flag}: only 1 is accepted"):
             EngineArgs(**{name: 2}).create_engine_config()
