@@ -44,6 +44,8 @@ REPLICA_START_TIMEOUT_SECONDS = 900.0
 REPLICA_STOP_TIMEOUT_SECONDS = 30.0
 # a replica reports its stats at least this often while idle (and with every batch of outputs)
 STATS_INTERVAL_SECONDS = 0.5
+# the CPUs a Ray replica asks for (and keeps its torch threads to)
+REPLICA_RAY_CPUS = 1
 
 OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
 
@@ -286,12 +288,17 @@ def replica_process_main(
     # the server stops its replicas itself; a Ctrl-C reaching the whole process group must not
     # kill one before the server has ended its streams
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    enter_replica(index, cpu_ids)
+    asyncio.run(_serve_replica(engine_args, tables, inbox, outbox))
+
+
+def enter_replica(index: int, cpu_ids: list[int] | None) -> None:
+    """What a replica's process does first: keep to its cores and prefix its log lines."""
     if cpu_ids and hasattr(os, "sched_setaffinity"):
         # the CPU platform sizes torch's thread pool from the affinity: replicas on separate
         # cores do not fight over them
         os.sched_setaffinity(0, cpu_ids)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [dp replica {index}] %(name)s: %(message)s")
-    asyncio.run(_serve_replica(engine_args, tables, inbox, outbox))
 
 
 async def _serve_replica(engine_args: EngineArgs, tables: dict, inbox: Any, outbox: Any) -> None:
@@ -332,7 +339,12 @@ class RayReplicaActor:
     def __init__(self) -> None:
         self.host: ReplicaHost | None = None
 
-    async def start(self, engine_args: EngineArgs, tables: dict) -> dict[str, Any]:
+    async def start(self, index: int, num_cpus: int, engine_args: EngineArgs, tables: dict) -> dict[str, Any]:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        per_replica = min(num_cpus, len(cores))
+        # Ray counts CPUs but pins none: replicas that share a node take different cores
+        cpu_ids = [cores[(index * per_replica + offset) % len(cores)] for offset in range(per_replica)]
+        enter_replica(index, cpu_ids or None)
         self.host = await _build_host(engine_args, tables)
         return self.host.facts()
 
@@ -451,7 +463,7 @@ class RayReplica(ReplicaHandle):
         super().__init__(index)
         self._ray = ray
         self.actor = ray.remote(RayReplicaActor).options(**actor_options).remote()
-        self._started = self.actor.start.remote(engine_args, tables)
+        self._started = self.actor.start.remote(index, actor_options["num_cpus"], engine_args, tables)
 
     def start(self, on_messages, on_death) -> None:
         ray = self._ray
@@ -508,9 +520,9 @@ def ray_actor_options(parallel: Any, ray: Any) -> list[dict[str, Any]]:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     size = parallel.data_parallel_size
-    env_vars = {name: os.environ[name] for name in ("PYTHONPATH", "TOKENLOOM_PLUGINS") if name in os.environ}
-    base: dict[str, Any] = {"num_cpus": 1, "runtime_env": {"env_vars": env_vars} if env_vars else None}
-    base = {key: value for key, value in base.items() if value is not None}
+    # no runtime_env: every node runs the tokenloom (and plugins) installed there, and a
+    # runtime_env would make Ray start an agent per worker, tens of seconds on a small machine
+    base: dict[str, Any] = {"num_cpus": REPLICA_RAY_CPUS}
     local = parallel.data_parallel_size_local
     if local is None:
         return [dict(base, scheduling_strategy="SPREAD") for _ in range(size)]
