@@ -123,6 +123,37 @@ def test_data_parallel_flags_are_checked_together():
     assert (config.parallel.data_parallel_size, config.parallel.data_parallel_size_local) == (4, 1)
 
 
+class FakeRay:
+    """The two things ray_actor_options asks Ray: this node's id and the cluster's nodes."""
+
+    def __init__(self, node_ids: list[str]):
+        self.node_ids = node_ids
+
+    def get_runtime_context(self):
+        here = self.node_ids[0]
+        return type("Context", (), {"get_node_id": lambda self: here})()
+
+    def nodes(self):
+        return [{"NodeID": node, "Alive": True} for node in self.node_ids] + [{"NodeID": "gone", "Alive": False}]
+
+
+HEAD, W1, W2 = ("%056x" % number for number in (1, 2, 3))  # node ids are 28-byte hex strings
+
+
+def test_ray_replicas_beyond_the_local_count_go_to_other_nodes():
+    from tokenloom.core.engine.data_parallel import ray_actor_options
+
+    parallel = EngineArgs(data_parallel_size=4, data_parallel_size_local=1, data_parallel_backend="ray")
+    options = ray_actor_options(parallel.create_engine_config().parallel, FakeRay([HEAD, W1, W2]))
+    placed = [(option["scheduling_strategy"].node_id, option["scheduling_strategy"].soft) for option in options]
+    assert placed == [(HEAD, False), (W1, False), (W2, False), (W1, False)]
+    assert all(option["num_cpus"] == 1 for option in options)
+    unset = EngineArgs(data_parallel_size=2, data_parallel_backend="ray").create_engine_config().parallel
+    assert [option["scheduling_strategy"] for option in ray_actor_options(unset, FakeRay([HEAD]))] == ["SPREAD"] * 2
+    with pytest.raises(ConfigError, match="leaves 3 replica\\(s\\) for other nodes, but the Ray cluster has only this one"):
+        ray_actor_options(parallel.create_engine_config().parallel, FakeRay([HEAD]))
+
+
 # -- routing, with scripted replicas -----------------------------------------------------------
 
 
