@@ -586,9 +586,9 @@ class DataParallelAsyncLLM:
             if parallel.data_parallel_backend == "ray":
                 ray = import_ray()
                 if not ray.is_initialized():
-                    # RAY_ADDRESS (or a cluster `ray start` made on this machine) is joined; else a
-                    # local Ray starts, and stops with the server
-                    ray.init(log_to_driver=True)
+                    # the cluster RAY_ADDRESS names is joined; without it a private local Ray
+                    # starts (never a `ray start` cluster found by chance) and stops with the server
+                    ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
                     self._ray_started_here = True
                 for index, options in enumerate(ray_actor_options(parallel, ray)):
                     replicas.append(RayReplica(index, replica_args, tables, options))
