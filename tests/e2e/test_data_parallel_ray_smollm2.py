@@ -1,11 +1,16 @@
-"""`tokenloom serve smollm2 -dp 2 --data-parallel-backend ray`: two engine replicas as Ray
-actors on a local Ray the server starts, behind the one API; a small request set (the full
-server module runs against `-dp 2` under mp, tests/e2e/test_server_smollm2.py), then the server
-stops and takes Ray and its actors with it."""
+"""`tokenloom serve smollm2 -dp 2 --data-parallel-size-local 1 --data-parallel-backend ray`
+joining a two-node Ray cluster (``ray.cluster_utils.Cluster``, both nodes on this machine, one
+CPU each): one replica actor per node behind the one API; a small request set (the full server
+module runs against `-dp 2` under mp, tests/e2e/test_server_smollm2.py), then the server stops
+and takes its actors with it, leaving the cluster up."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import time
+from unittest import mock
 
 import httpx
 import openai
@@ -20,8 +25,34 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def ray_server(tmp_path_factory):
-    yield from serve_smollm2(tmp_path_factory, ["-dp", "2", "--data-parallel-backend", "ray"])
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    # a trusted loopback cluster: no token to hand the server
+    with mock.patch.dict(os.environ, {"RAY_AUTH_MODE": "disabled"}):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_server(tmp_path_factory, ray_cluster):
+    with mock.patch.dict(os.environ, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled"}):
+        yield from serve_smollm2(tmp_path_factory, ["-dp", "2", "-dpl", "1", "--data-parallel-backend", "ray"])
+
+
+def replica_actors() -> list[psutil.Process]:
+    """The replica actors' processes: the test's cluster runs them under this process."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "RayReplicaActor" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +100,13 @@ def generation_tokens(server) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
 
 
-def test_stopping_the_server_leaves_no_ray_process(ray_server):
-    descendants = psutil.Process(ray_server.process.pid).children(recursive=True)
-    assert any("ray" in " ".join(proc.cmdline()).lower() for proc in descendants)  # Ray ran under the server
+def test_one_replica_runs_on_each_node_and_stopping_the_server_ends_both(ray_server, ray_cluster):
+    actors = replica_actors()
+    # each actor is a worker of its node's raylet: two parents, two nodes
+    assert len(actors) == 2 and len({actor.ppid() for actor in actors}) == 2
     stop_server(ray_server)
-    _, alive = psutil.wait_procs(descendants, timeout=30)
-    assert not [proc for proc in alive if proc.status() != psutil.STATUS_ZOMBIE], alive
+    deadline = time.monotonic() + 30
+    while replica_actors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert replica_actors() == []
+    assert len(ray_cluster.list_all_nodes()) == 2 and ray_cluster.remaining_processes_alive()  # the cluster stays
