@@ -133,6 +133,8 @@ SAMPLES = {
     "--override-generation-config": ["--override-generation-config", '{"temperature": 0.5}'],
     "--attention-backend": ["--attention-backend", "torch"],
     "--config": None,  # a file: tested on its own
+    # replicas on other nodes need Ray
+    "--data-parallel-size-local": ["--data-parallel-size-local", "1", "-dp", "2", "--data-parallel-backend", "ray"],
     # draft-model settings: refused for ngram, tested on their own
     "--speculative-model-quantization": None,
     "--speculative-max-model-len": None,

@@ -341,3 +341,25 @@ def test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_i
 
     asyncio.run(run())
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_lora_adapters_are_added_to_and_removed_from_every_live_replica():
+    engine, replicas = scripted_engine(3)
+    engine._dead_reasons[2] = "replica 2 gone"
+
+    async def answer(method: str, call, values: list) -> object:
+        task = asyncio.ensure_future(call)
+        while not all(replica.sent and replica.sent[-1][2] == method for replica in replicas[:2]):
+            await asyncio.sleep(0)
+        for replica, value in zip(replicas[:2], values):
+            kind, call_id, sent_method, _ = replica.sent[-1]
+            assert (kind, sent_method) == ("call", method)
+            engine._on_messages(replica.index, [("reply", call_id, True, value)])
+        return await task
+
+    async def run():
+        assert await answer("add_lora", engine.add_lora("adapter"), [True, True]) is True
+        assert await answer("remove_lora", engine.remove_lora(1), [False, True]) is True
+        assert replicas[2].sent == []  # nothing to the dead one
+
+    asyncio.run(run())
