@@ -300,6 +300,7 @@ def collect(engine, request_id: str, prompt: str, max_tokens: int):
     return run()
 
 
+@pytest.mark.slow  # two engine processes
 def test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_its_streams(tiny_llama_dir):
     import psutil
 
