@@ -51,6 +51,10 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--speculative-max-model-len": "tests/api/test_serve_args.py::test_speculative_draft_model_flags_are_refused_for_ngram",
     "--speculative-draft-tensor-parallel-size": "tests/api/test_serve_args.py::test_bad_speculative_configs_say_what_to_change",
     "--disable-logprobs-during-spec-decoding": "tests/e2e/test_spec_decode_smollm2.py::test_concurrent_mixed_batch_is_identical",
+    # -- data parallelism (issue 21)
+    "--data-parallel-size": "tests/core/engine/test_data_parallel.py::test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_its_streams",
+    "--data-parallel-size-local": "tests/core/engine/test_data_parallel.py::test_ray_replicas_beyond_the_local_count_go_to_other_nodes",
+    "--data-parallel-backend": "tests/e2e/test_data_parallel_ray_smollm2.py::test_concurrent_requests_use_both_replicas_and_metrics_sum_them",
     # -- LoRA (issue 22) and the attention backend (issue 25)
     "--enable-lora": "tests/e2e/test_lora_server.py::test_static_adapter_is_listed_with_its_parent_and_used_by_name",
     "--lora-modules": "tests/api/test_serving_models.py::test_adapters_are_listed_and_picked_by_model",
@@ -156,8 +160,8 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     # -- ParallelConfig
     "--distributed-executor-backend": "tests/api/test_flag_effects.py::test_distributed_executor_backend_names_the_executor",
     "--worker-use-ray": "tests/api/test_flag_effects.py::test_distributed_executor_backend_names_the_executor",
-    "--tensor-parallel-size": "tests/builtin_plugins/executors/test_multiproc.py::test_two_worker_processes_give_the_greedy_ids_of_uni",
-    "--pipeline-parallel-size": "tests/api/test_flag_effects.py::test_tensor_and_pipeline_parallel_sizes_choose_the_mp_executor_and_data_parallel_is_refused",
+    "--tensor-parallel-size": "tests/e2e/test_parallel_smollm2.py::test_tp3_greedy_ids_equal_a_one_process_run",
+    "--pipeline-parallel-size": "tests/e2e/test_pipeline_parallel_smollm2.py::test_concurrent_requests_match_one_worker",
     # -- CacheConfig
     "--block-size": "tests/core/test_engine_llama.py::test_greedy_matches_under_preemption",
     "--gpu-memory-utilization": "tests/api/test_flag_effects.py::test_gpu_memory_utilization_scales_the_kv_cache",

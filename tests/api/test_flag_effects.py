@@ -211,7 +211,7 @@ def test_tokenizer_mode_slow_on_a_gguf_vocabulary_is_refused_not_ignored(smollm2
         GGUFLoadFormat().load_tokenizer(smollm2_gguf, ModelConfig(tokenizer_mode="slow"))
 
 
-def test_tensor_and_pipeline_parallel_sizes_choose_the_mp_executor_and_data_parallel_is_refused():
+def test_tensor_and_pipeline_parallel_sizes_choose_the_mp_executor():
     from tokenloom.core.engine.llm_engine import choose_executor
 
     config = EngineArgs(tensor_parallel_size=3, pipeline_parallel_size=2).create_engine_config()
@@ -225,9 +225,6 @@ def test_tensor_and_pipeline_parallel_sizes_choose_the_mp_executor_and_data_para
         EngineArgs(pipeline_parallel_size=-2).create_engine_config()
     with pytest.raises(ConfigError, match="^--distributed-executor-backend uni runs one worker .* needs 2 workers"):
         EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni").create_engine_config()
-    with pytest.raises(ConfigError, match="^--data-parallel-size: only 1 is accepted"):
-        EngineArgs(data_parallel_size=2).create_engine_config()
-    EngineArgs(data_parallel_size=1).create_engine_config()
 
 
 def test_generation_config_defaults_from_a_folder_with_the_override_on_top(tiny_llama_dir, tmp_path):

@@ -133,6 +133,8 @@ SAMPLES = {
     "--override-generation-config": ["--override-generation-config", '{"temperature": 0.5}'],
     "--attention-backend": ["--attention-backend", "torch"],
     "--config": None,  # a file: tested on its own
+    # replicas on other nodes need Ray
+    "--data-parallel-size-local": ["--data-parallel-size-local", "1", "-dp", "2", "--data-parallel-backend", "ray"],
     # draft-model settings: refused for ngram, tested on their own
     "--speculative-model-quantization": None,
     "--speculative-max-model-len": None,
@@ -225,6 +227,8 @@ def test_engine_and_server_flags_land_on_their_fields():
     assert serve_args.engine_kwargs == {
         "model": "qwen",
         "max_model_len": 4096,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
         "cache_dtype": "auto",
         "served_model_name": ["a", "b"],
         "max_num_seqs": 8,

@@ -62,8 +62,8 @@ def stop_server(server: RunningServer) -> None:
         server.process.wait()
 
 
-@pytest.fixture(scope="module")
-def smollm2_server(tmp_path_factory):
+def serve_smollm2(tmp_path_factory, extra_args: list[str] = ()):
+    """The shared SmolLM2 server (with ``extra_args`` added), stopped when the generator ends."""
     log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
     server = start_server(
         [
@@ -74,11 +74,17 @@ def smollm2_server(tmp_path_factory):
             API_KEY,
             "--middleware",
             "tests.e2e.header_middleware.add_served_by_header",
+            *extra_args,
         ],
         log_path,
     )
     yield server
     stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory):
+    yield from serve_smollm2(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -180,7 +180,11 @@ def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(no_tokenizer_serv
             ["--pipeline-parallel-size", "2", "--distributed-executor-backend", "uni"],
             "--distributed-executor-backend uni runs one worker in the engine's process, but -tp 1 -pp 2 needs 2 workers",
         ),
-        (["-dp", "2"], "only its default, --data-parallel-size 1, is accepted"),
+        (
+            ["-dp", "2", "-dpl", "1"],
+            "--data-parallel-size-local: 1 of 2 replicas on this node needs --data-parallel-backend ray",
+        ),
+        (["-dp", "2", "-dpb", "slurm"], "argument --data-parallel-backend/-dpb: invalid choice: 'slurm'"),
         (["--tokenizer-mode", "mistral"], "--tokenizer-mode: 'mistral' is not implemented"),
         (["--tokenizer-revision", "v2"], "tokenloom does not implement --tokenizer-revision yet"),
         (["--model-loader-extra-config", '{"a": 1}'], "tokenloom does not implement --model-loader-extra-config"),

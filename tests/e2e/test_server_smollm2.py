@@ -1,6 +1,7 @@
 """The real `tokenloom serve smollm2` process driven with the official `openai` client and httpx:
 endpoints, streaming equal to non-streaming, usage, stops, logprobs, n > 1, the API key, a
---middleware module, concurrency, disconnects freeing KV blocks, and error statuses."""
+--middleware module, concurrency, disconnects freeing KV blocks, and error statuses; all of it
+once more against a data-parallel server (``-dp 2``: two engine replicas behind the one API)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY
+from tests.e2e.conftest import API_KEY, serve_smollm2
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module", params=[[], ["--data-parallel-size", "2"]], ids=["one-engine", "dp2"])
+def smollm2_server(request, tmp_path_factory):
+    # the API must not tell one engine from two replicas: the same tests pass against both
+    yield from serve_smollm2(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")

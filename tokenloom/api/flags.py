@@ -468,15 +468,7 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--distributed-executor-backend", "ParallelConfig"),
     implemented("--tensor-parallel-size", "ParallelConfig", kind="int", aliases=("-tp",), default=1),
     implemented("--pipeline-parallel-size", "ParallelConfig", kind="int", aliases=("-pp",), default=1),
-    unimplemented(
-        "--data-parallel-size",
-        "ParallelConfig",
-        "Number of data-parallel replicas.",
-        kind="int",
-        aliases=("-dp",),
-        default=1,
-        note="tokenloom has no distributed executor yet: the model runs in one process",
-    ),
+    implemented("--data-parallel-size", "ParallelConfig", kind="int", aliases=("-dp",), default=1),
     implemented(
         "--worker-use-ray",
         "ParallelConfig",
@@ -486,13 +478,7 @@ FLAGS: tuple[Flag, ...] = (
         help="Old spelling of --distributed-executor-backend ray.",
         note="deprecated by vLLM: use --distributed-executor-backend ray",
     ),
-    unimplemented(
-        "--data-parallel-size-local",
-        "ParallelConfig",
-        "Data-parallel replicas on this node.",
-        kind="int",
-        aliases=("-dpl",),
-    ),
+    implemented("--data-parallel-size-local", "ParallelConfig", kind="int", aliases=("-dpl",)),
     unimplemented(
         "--data-parallel-address", "ParallelConfig", "Address of the data-parallel head node.", aliases=("-dpa",)
     ),
@@ -510,13 +496,7 @@ FLAGS: tuple[Flag, ...] = (
     unimplemented(
         "--data-parallel-rank", "ParallelConfig", "Data-parallel rank of this instance.", kind="int", aliases=("-dpn",)
     ),
-    unimplemented(
-        "--data-parallel-backend",
-        "ParallelConfig",
-        "Data-parallel backend: mp or ray.",
-        aliases=("-dpb",),
-        default="mp",
-    ),
+    implemented("--data-parallel-backend", "ParallelConfig", aliases=("-dpb",), default="mp", choices=("mp", "ray")),
     unimplemented("--data-parallel-hybrid-lb", "ParallelConfig", "Hybrid data-parallel load balancing.", **_bool()),
     unimplemented(
         "--decode-context-parallel-size",

@@ -148,7 +148,15 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Number of pipeline stages (one worker process per stage and tensor-parallel rank)."""
     data_parallel_size: int = 1
-    """Number of data-parallel replicas."""
+    """Number of data-parallel replicas: full engines (each with its own scheduler, executor
+    and KV cache) behind one API server, requests balanced by load."""
+    data_parallel_size_local: int | None = None
+    """Data-parallel replicas to run on this node (the rest on other nodes of the Ray cluster,
+    ``--data-parallel-backend ray`` only); unset: all of them under ``mp``, wherever Ray places
+    them under ``ray``."""
+    data_parallel_backend: str = "mp"
+    """Where data-parallel replicas run: ``mp`` (one process each on this machine) or ``ray``
+    (one Ray actor each, on the cluster ``RAY_ADDRESS`` names or a local Ray)."""
     distributed_executor_backend: str | None = None
     """Executor plugin that owns the workers: ``uni`` (one worker in the engine's process),
     ``mp`` (worker processes on this machine) or ``ray`` (Ray actors, across machines); by
@@ -460,6 +468,8 @@ class EngineArgs:
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size
+    data_parallel_size_local: int | None = ParallelConfig.data_parallel_size_local
+    data_parallel_backend: str = ParallelConfig.data_parallel_backend
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     # -> DeviceConfig
     device: str = DeviceConfig.device
@@ -559,6 +569,40 @@ def check_worker_grid(parallel: ParallelConfig) -> None:
         )
 
 
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+
+
+def validate_data_parallel(parallel: ParallelConfig) -> None:
+    """``-dp``, ``--data-parallel-size-local`` and ``--data-parallel-backend`` make sense together."""
+
+    def bad(flag: str, message: str) -> None:
+        raise ConfigError(f"--{flag}: {message}", param=flag)
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    size = parallel.data_parallel_size
+    if not is_int(size) or size < 1:
+        bad("data-parallel-size", f"must be a whole number of at least 1, got {size!r}")
+    if parallel.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+        bad(
+            "data-parallel-backend",
+            f"must be one of {', '.join(DATA_PARALLEL_BACKENDS)}, got {parallel.data_parallel_backend!r}",
+        )
+    local = parallel.data_parallel_size_local
+    if local is None:
+        return
+    if not is_int(local) or not 0 <= local <= size:
+        bad("data-parallel-size-local", f"must be between 0 and --data-parallel-size ({size}), got {local!r}")
+    if local != size and parallel.data_parallel_backend != "ray":
+        # replicas on other machines need something that starts them there: Ray does
+        bad(
+            "data-parallel-size-local",
+            f"{local} of {size} replicas on this node needs --data-parallel-backend ray (the mp backend "
+            "starts every replica on this machine); leave it unset or equal to --data-parallel-size",
+        )
+
+
 def validate_engine_config(config: EngineConfig) -> None:
     """Checks that need no model files: value ranges and choices."""
 
@@ -611,10 +655,7 @@ def validate_engine_config(config: EngineConfig) -> None:
     if lora.lora_dtype not in LORA_DTYPE_CHOICES:
         bad("lora-dtype", f"must be one of {', '.join(LORA_DTYPE_CHOICES)}, got {lora.lora_dtype!r}")
     check_worker_grid(config.parallel)
-    for flag, size in (("data-parallel-size", config.parallel.data_parallel_size),):
-        # never ignored: a user asking for 2 ranks must not silently get one
-        if size != 1:
-            bad(flag, f"only 1 is accepted (tokenloom has no distributed executor yet), got {size}")
+    validate_data_parallel(config.parallel)
     if config.model.tokenizer_mode not in ("auto", "slow"):
         bad(
             "tokenizer-mode",

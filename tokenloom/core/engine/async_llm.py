@@ -71,7 +71,15 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> AsyncLLM:
         """Builds the engine on its own thread (see the class docstring) and returns once it
-        is built; a build error is raised here."""
+        is built; a build error is raised here.
+
+        With ``data_parallel_size > 1`` it returns a
+        :class:`~tokenloom.core.engine.data_parallel.DataParallelAsyncLLM` instead: the same
+        surface over that many replicas, so the server never asks which it has."""
+        if engine_args.data_parallel_size != 1:
+            from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM
+
+            return DataParallelAsyncLLM.from_engine_args(engine_args, plugins)  # type: ignore[return-value]
         async_llm = cls(None)
         async_llm._start_thread(lambda: LLMEngine.from_engine_args(engine_args, plugins))
         return async_llm

@@ -1,0 +1,905 @@
+"""Data parallelism (``-dp N``): N engine replicas, each a whole engine (scheduler, executor,
+KV cache; itself tensor-parallel if asked) in its own process (``mp``) or Ray actor (``ray``),
+behind one API server. :class:`DataParallelAsyncLLM` has :class:`AsyncLLM`'s surface, so the
+server cannot tell one engine from N: it sends each request to the least loaded replica,
+routes aborts to the replica holding the request and sums the replicas' stats.
+
+Each replica runs a plain :class:`AsyncLLM` wrapped by :class:`ReplicaHost`, which turns
+messages (plain tuples, pickled) into calls and the calls' outputs back into messages. The same
+host serves both backends: an ``mp`` replica pipes its messages, a Ray actor hands them out
+from :meth:`RayReplicaActor.next_messages`, which the parent polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.engine.async_llm import AsyncLLM
+from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.logits_processors import LogitsProcessorResolver
+from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
+from tokenloom.plugins.manager import PluginSet
+from tokenloom.plugins.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+# how long start-up waits for every replica to build its engine (loading a big model is slow)
+REPLICA_START_TIMEOUT_SECONDS = 900.0
+# how long shutdown waits for a replica to stop its engine before killing it
+REPLICA_STOP_TIMEOUT_SECONDS = 30.0
+# a replica reports its stats at least this often while idle (and with every batch of outputs)
+STATS_INTERVAL_SECONDS = 0.5
+# the CPUs a Ray replica asks for (and keeps its torch threads to)
+REPLICA_RAY_CPUS = 1
+
+OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
+
+# what the server's engine facts are, read once from the first replica when it is ready
+FACT_NAMES = (
+    "model_name",
+    "served_model_names",
+    "max_model_len",
+    "runner_type",
+    "hf_config",
+    "max_logprobs",
+    "vocab_size",
+    "generation_defaults",
+    "max_num_seqs",
+    "eos_token_ids",
+    "scheduling_policy",
+    "tokenizer",
+)
+
+
+# -- balancing ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the balancer knows of one replica."""
+
+    num_in_flight: int  # requests sent to it and not finished, counted by the server
+    kv_cache_usage: float  # its KV-cache usage (0..1) as last reported
+    alive: bool = True
+
+
+def choose_replica(loads: list[ReplicaLoad]) -> int:
+    """The replica the next request goes to: the live one with the fewest requests in flight,
+    then the lowest KV-cache usage, then the lowest index.
+
+    Requests in flight come first because the server counts them the moment it sends one (a
+    burst spreads evenly), while KV usage arrives a step late and only separates replicas with
+    equal queues: the one whose requests hold less cache has more room for the next one."""
+    candidates = [(load.num_in_flight, load.kv_cache_usage, index) for index, load in enumerate(loads) if load.alive]
+    if not candidates:
+        raise EngineDeadError("every data-parallel replica is dead; see the server log and restart the server")
+    return min(candidates)[2]
+
+
+def sum_stats(replica_stats: list[EngineStats]) -> EngineStats:
+    """The replicas' stats as one engine's: counts and counters summed, KV-cache usage the mean
+    (every replica has a cache of the same size), LoRA adapters merged."""
+    count = max(len(replica_stats), 1)
+    spec_stats = [stats.spec_decoding for stats in replica_stats if stats.spec_decoding is not None]
+    spec_decoding = None
+    if spec_stats:
+        per_position = [
+            sum(values)
+            for values in itertools.zip_longest(
+                *(spec.num_accepted_tokens_per_pos or [] for spec in spec_stats), fillvalue=0
+            )
+        ]
+        spec_decoding = dataclasses.replace(
+            spec_stats[0],
+            num_drafts=sum(spec.num_drafts for spec in spec_stats),
+            num_draft_tokens=sum(spec.num_draft_tokens for spec in spec_stats),
+            num_accepted_tokens=sum(spec.num_accepted_tokens for spec in spec_stats),
+            num_accepted_tokens_per_pos=per_position,
+        )
+
+    def merged(name: str) -> list[str]:
+        return sorted({adapter for stats in replica_stats for adapter in getattr(stats, name)})
+
+    return EngineStats(
+        num_running=sum(stats.num_running for stats in replica_stats),
+        num_waiting=sum(stats.num_waiting for stats in replica_stats),
+        kv_cache_usage=sum(stats.kv_cache_usage for stats in replica_stats) / count,
+        prefix_cache_queries=sum(stats.prefix_cache_queries for stats in replica_stats),
+        prefix_cache_hits=sum(stats.prefix_cache_hits for stats in replica_stats),
+        num_preemptions=sum(stats.num_preemptions for stats in replica_stats),
+        prompt_tokens_total=sum(stats.prompt_tokens_total for stats in replica_stats),
+        generation_tokens_total=sum(stats.generation_tokens_total for stats in replica_stats),
+        running_lora_adapters=merged("running_lora_adapters"),
+        waiting_lora_adapters=merged("waiting_lora_adapters"),
+        max_lora=max((stats.max_lora for stats in replica_stats), default=0),
+        spec_decoding=spec_decoding,
+    )
+
+
+# -- what crosses the process boundary ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackedError:
+    """An exception as plain data: tokenloom's errors take keyword-only arguments (``param``,
+    ``code``) that pickling an exception drops or cannot pass back to ``__init__``."""
+
+    error_class: type
+    message: str
+    attributes: dict[str, Any]
+
+    @classmethod
+    def of(cls, exc: BaseException) -> PackedError:
+        import pickle
+
+        attributes = {}
+        for name, value in vars(exc).items():
+            try:
+                pickle.dumps(value)
+            except Exception:
+                continue
+            attributes[name] = value
+        error_class = type(exc)
+        try:
+            pickle.dumps(error_class)
+        except Exception:  # a class only that process knows: its name still says what went wrong
+            return cls(RuntimeError, f"{error_class.__name__}: {exc}", {})
+        return cls(error_class, str(exc), attributes)
+
+    def unpack(self) -> BaseException:
+        try:
+            exc = self.error_class.__new__(self.error_class)
+            BaseException.__init__(exc, self.message)
+            exc.__dict__.update(self.attributes)
+            return exc
+        except Exception:
+            return RuntimeError(f"{self.error_class.__name__}: {self.message}")
+
+
+def plugin_tables(plugins: PluginSet) -> dict[str, list[tuple[str, str, dict[str, Any]]]]:
+    """The registries as plain data a replica rebuilds them from, with each entry's options
+    (a model's ``runner``, say), which :meth:`PluginSet.to_plain` leaves out: a replica is a
+    whole engine, and the engine reads them."""
+    return {
+        kind: [
+            (name, registry.entry(name).target_path, dict(registry.entry(name).options)) for name in registry.names()
+        ]
+        for kind, registry in plugins.registries.items()
+    }
+
+
+def plugins_from_tables(tables: dict[str, list[tuple[str, str, dict[str, Any]]]]) -> PluginSet:
+    plugins = PluginSet.from_plain({})
+    for kind, entries in tables.items():
+        registry: Registry = plugins.registries.setdefault(kind, Registry(kind))
+        for name, target, options in entries:
+            registry.register(name, target, plugin_name="<resolved by the API server>", **options)
+    return plugins
+
+
+# -- the replica side ---------------------------------------------------------------------------
+
+
+class ReplicaHost:
+    """Runs inside a replica, on its event loop: applies the server's messages to the replica's
+    :class:`AsyncLLM` and queues what goes back (outputs, call replies, stats).
+
+    Messages in: ``("generate", request_id, prompt, sampling_params, priority, lora_request)``,
+    ``("encode", request_id, prompt, pooling_params, priority)``, ``("abort", request_id)``,
+    ``("call", call_id, method, args)``. Messages out: ``("out", request_id, output or
+    PackedError)``, ``("reply", call_id, ok, value or PackedError)``, and last in every batch
+    ``("stats", EngineStats, dead_reason or None)``."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._outbox: list[tuple] = []
+        self._has_mail = asyncio.Event()
+
+    def facts(self) -> dict[str, Any]:
+        return {name: getattr(self.llm, name) for name in FACT_NAMES}
+
+    def handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "generate":
+            _, request_id, prompt, sampling_params, priority, lora_request = message
+            stream = self.llm.generate(
+                prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
+            )
+            self._start(request_id, stream)
+        elif kind == "encode":
+            _, request_id, prompt, pooling_params, priority = message
+            self._start(request_id, self.llm.encode(prompt, pooling_params, request_id, priority=priority))
+        elif kind == "abort":
+            task = self._tasks.pop(message[1], None)
+            if task is not None:
+                task.cancel()  # closing the stream aborts the request in the engine
+        elif kind == "call":
+            _, call_id, method, args = message
+            asyncio.get_running_loop().create_task(self._reply(call_id, method, args))
+        else:
+            logger.error("data-parallel replica: unknown message %r", kind)
+
+    def _start(self, request_id: str, stream: AsyncGenerator) -> None:
+        self._tasks[request_id] = asyncio.get_running_loop().create_task(self._forward(request_id, stream))
+
+    async def _forward(self, request_id: str, stream: AsyncGenerator) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    self._post(("out", request_id, output))
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:
+            self._post(("out", request_id, PackedError.of(exc)))
+        finally:
+            self._tasks.pop(request_id, None)
+
+    async def _reply(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            value = getattr(self.llm, method)(*args)
+            if asyncio.iscoroutine(value):
+                value = await value
+            self._post(("reply", call_id, True, value))
+        except Exception as exc:
+            self._post(("reply", call_id, False, PackedError.of(exc)))
+
+    def _post(self, message: tuple) -> None:
+        self._outbox.append(message)
+        self._has_mail.set()
+
+    async def next_messages(self, timeout: float = STATS_INTERVAL_SECONDS) -> list[tuple]:
+        """What is waiting to go back, at once if anything is, else after ``timeout``; always
+        ends with the replica's stats (a heartbeat when there is nothing else)."""
+        if not self._outbox:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._has_mail.wait(), timeout)
+        self._has_mail.clear()
+        messages, self._outbox = self._outbox, []
+        dead_reason = self.llm._dead_reason or ("the engine stopped" if self.llm.errored else None)
+        messages.append(("stats", self.llm.stats(), dead_reason))
+        return messages
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await self.llm.shutdown()
+
+
+async def _build_host(engine_args: EngineArgs, tables: dict) -> ReplicaHost:
+    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, plugins_from_tables(tables))
+    await llm.start()
+    return ReplicaHost(llm)
+
+
+def replica_process_main(
+    index: int, engine_args: EngineArgs, tables: dict, cpu_ids: list[int] | None, inbox: Any, outbox: Any
+) -> None:
+    """An ``mp`` replica's process: builds the engine, sends ``("ready", facts)`` (or
+    ``("failed", PackedError)``), then serves messages until told to stop or the server goes."""
+    # the server stops its replicas itself; a Ctrl-C reaching the whole process group must not
+    # kill one before the server has ended its streams
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    enter_replica(index, cpu_ids)
+    asyncio.run(_serve_replica(engine_args, tables, inbox, outbox))
+
+
+def enter_replica(index: int, cpu_ids: list[int] | None) -> None:
+    """What a replica's process does first: keep to its cores and prefix its log lines."""
+    if cpu_ids and hasattr(os, "sched_setaffinity"):
+        # the CPU platform sizes torch's thread pool from the affinity: replicas on separate
+        # cores do not fight over them
+        os.sched_setaffinity(0, cpu_ids)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s [dp replica {index}] %(name)s: %(message)s"
+    )
+
+
+async def _serve_replica(engine_args: EngineArgs, tables: dict, inbox: Any, outbox: Any) -> None:
+    try:
+        host = await _build_host(engine_args, tables)
+    except BaseException as exc:
+        outbox.send([("failed", PackedError.of(exc))])
+        return
+    outbox.send([("ready", host.facts())])
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def read() -> None:
+        while True:
+            try:
+                message = inbox.recv()
+            except (EOFError, OSError):  # the server is gone: stop rather than linger as an orphan
+                message = ("shutdown",)
+            if message[0] == "shutdown":
+                loop.call_soon_threadsafe(stop.set)
+                return
+            loop.call_soon_threadsafe(host.handle, message)
+
+    threading.Thread(target=read, name="tokenloom-dp-inbox", daemon=True).start()
+    while not stop.is_set():
+        messages = await host.next_messages()
+        try:
+            outbox.send(messages)
+        except (BrokenPipeError, OSError):
+            break
+    await host.shutdown()
+
+
+class RayReplicaActor:
+    """A ``ray`` replica: an async Ray actor (``ray.remote`` is applied when the server starts
+    it, so importing this module needs no Ray) around a :class:`ReplicaHost`."""
+
+    def __init__(self) -> None:
+        self.host: ReplicaHost | None = None
+
+    async def start(self, index: int, num_cpus: int, engine_args: EngineArgs, tables: dict) -> dict[str, Any]:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        per_replica = min(num_cpus, len(cores))
+        # Ray counts CPUs but pins none: replicas that share a node take different cores
+        cpu_ids = [cores[(index * per_replica + offset) % len(cores)] for offset in range(per_replica)]
+        enter_replica(index, cpu_ids or None)
+        self.host = await _build_host(engine_args, tables)
+        return self.host.facts()
+
+    async def handle(self, message: tuple) -> None:
+        self.host.handle(message)
+
+    async def next_messages(self, timeout: float) -> list[tuple]:
+        return await self.host.next_messages(timeout)
+
+    async def shutdown(self) -> None:
+        if self.host is not None:
+            await self.host.shutdown()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+# -- the server side: one handle per replica ----------------------------------------------------
+
+
+class ReplicaHandle:
+    """The server's end of one replica. A receiver thread hands each batch of messages to
+    ``on_messages(index, messages)`` and, once, the reason it died to ``on_death(index, reason)``."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.ready: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self.closing = False
+        self._send_lock = threading.Lock()
+
+    def start(self, on_messages: Callable[[int, list[tuple]], None], on_death: Callable[[int, str], None]) -> None:
+        raise NotImplementedError
+
+    def send(self, message: tuple) -> None:
+        """Queue ``message`` for the replica; EngineDeadError when it cannot be reached."""
+        raise NotImplementedError
+
+    def stop(self, timeout: float) -> None:
+        """Stop the replica's engine and end the process or actor (killed after ``timeout``)."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """End the replica at once (tests use it to play a crash)."""
+        raise NotImplementedError
+
+
+class ProcessReplica(ReplicaHandle):
+    """An ``mp`` replica: a spawned process and two one-way pipes."""
+
+    def __init__(self, index: int, engine_args: EngineArgs, tables: dict, cpu_ids: list[int] | None):
+        super().__init__(index)
+        context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive fork
+        inbox_reader, self._inbox = context.Pipe(duplex=False)
+        self._outbox, outbox_writer = context.Pipe(duplex=False)
+        # not a daemon: a replica running -tp N starts worker processes of its own
+        self.process = context.Process(
+            target=replica_process_main,
+            args=(index, engine_args, tables, cpu_ids, inbox_reader, outbox_writer),
+            name=f"tokenloom-dp-replica-{index}",
+        )
+        self.process.start()
+        inbox_reader.close()
+        outbox_writer.close()
+
+    def start(self, on_messages, on_death) -> None:
+        def receive() -> None:
+            while True:
+                try:
+                    messages = self._outbox.recv()
+                except (EOFError, OSError):
+                    break
+                if messages and messages[0][0] == "ready":
+                    self.ready.set_result(messages[0][1])
+                elif messages and messages[0][0] == "failed":
+                    self.ready.set_exception(messages[0][1].unpack())
+                    return
+                else:
+                    on_messages(self.index, messages)
+            self.process.join(timeout=5)
+            reason = (
+                f"data-parallel replica {self.index} (pid {self.process.pid}) exited with code {self.process.exitcode}"
+            )
+            if not self.ready.done():  # died while building: start-up raises it
+                self.ready.set_exception(EngineDeadError(reason))
+            elif not self.closing:
+                on_death(self.index, reason)
+
+        threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
+
+    def send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._inbox.send(message)
+        except (BrokenPipeError, OSError) as exc:
+            raise EngineDeadError(f"data-parallel replica {self.index} cannot be reached: {exc}") from None
+
+    def stop(self, timeout: float) -> None:
+        self.closing = True
+        with contextlib.suppress(EngineDeadError):
+            self.send(("shutdown",))
+        self.process.join(timeout)
+        if self.process.is_alive():
+            logger.warning("data-parallel replica %d did not stop in %.0f s: killing it", self.index, timeout)
+            self.process.kill()
+            self.process.join(5)
+        self._inbox.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+class RayReplica(ReplicaHandle):
+    """A ``ray`` replica: an actor the server polls for messages."""
+
+    def __init__(self, index: int, engine_args: EngineArgs, tables: dict, actor_options: dict[str, Any]):
+        import ray
+
+        super().__init__(index)
+        self._ray = ray
+        self.actor = ray.remote(RayReplicaActor).options(**actor_options).remote()
+        self._started = self.actor.start.remote(index, actor_options["num_cpus"], engine_args, tables)
+
+    def start(self, on_messages, on_death) -> None:
+        ray = self._ray
+
+        def receive() -> None:
+            try:
+                self.ready.set_result(ray.get(self._started))
+            except BaseException as exc:
+                self.ready.set_exception(exc)
+                return
+            while not self.closing:
+                try:
+                    messages = ray.get(self.actor.next_messages.remote(STATS_INTERVAL_SECONDS))
+                except BaseException as exc:  # RayActorError and kin: the actor or its node is gone
+                    if not self.closing:
+                        on_death(self.index, f"data-parallel replica {self.index} (Ray actor) died: {exc}")
+                    return
+                on_messages(self.index, messages)
+
+        threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.actor.handle.remote(message)
+        except Exception as exc:
+            raise EngineDeadError(f"data-parallel replica {self.index} cannot be reached: {exc}") from None
+
+    def stop(self, timeout: float) -> None:
+        self.closing = True
+        with contextlib.suppress(Exception):
+            self._ray.get(self.actor.shutdown.remote(), timeout=timeout)
+        with contextlib.suppress(Exception):
+            self._ray.kill(self.actor)
+
+    def kill(self) -> None:
+        self._ray.kill(self.actor)
+
+
+def local_cpu_sets(num_replicas: int) -> list[list[int] | None]:
+    """This machine's cores dealt out to ``num_replicas`` local replicas, an equal run each
+    (shared round-robin when there are more replicas than cores)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [None] * num_replicas
+    cores = sorted(os.sched_getaffinity(0))
+    if num_replicas >= len(cores):
+        return [[cores[index % len(cores)]] for index in range(num_replicas)]
+    per_replica = len(cores) // num_replicas
+    return [cores[index * per_replica : (index + 1) * per_replica] for index in range(num_replicas)]
+
+
+def ray_actor_options(parallel: Any, ray: Any) -> list[dict[str, Any]]:
+    """Where each Ray replica goes: ``--data-parallel-size-local`` of them pinned to this node,
+    the rest pinned round-robin to the cluster's other nodes; unset, Ray spreads them."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    size = parallel.data_parallel_size
+    # no runtime_env: every node runs the tokenloom (and plugins) installed there, and a
+    # runtime_env would make Ray start an agent per worker, tens of seconds on a small machine
+    base: dict[str, Any] = {"num_cpus": REPLICA_RAY_CPUS}
+    local = parallel.data_parallel_size_local
+    if local is None:
+        return [dict(base, scheduling_strategy="SPREAD") for _ in range(size)]
+    here = ray.get_runtime_context().get_node_id()
+    others = [node["NodeID"] for node in ray.nodes() if node.get("Alive") and node["NodeID"] != here]
+    if local < size and not others:
+        raise ConfigError(
+            f"--data-parallel-size-local {local} leaves {size - local} replica(s) for other nodes, but the Ray "
+            "cluster has only this one: add nodes (ray start --address=...) or raise --data-parallel-size-local",
+            param="data-parallel-size-local",
+        )
+    nodes = [here] * local + [others[index % len(others)] for index in range(size - local)] if others else [here] * size
+    return [dict(base, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)) for node in nodes]
+
+
+# -- the server's engine ----------------------------------------------------------------------
+
+
+class DataParallelAsyncLLM:
+    """:class:`AsyncLLM`'s surface over N replicas (see the module docstring). Built by
+    ``AsyncLLM.from_engine_args`` when ``data_parallel_size > 1``."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginSet, replicas: list[ReplicaHandle]):
+        self.config = config
+        self.plugins = plugins
+        self.replicas = replicas
+        self._facts: dict[str, Any] = {}
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._owner: dict[str, int] = {}  # request id -> the replica that holds it
+        self._num_in_flight = [0] * len(replicas)
+        self._replica_stats: list[EngineStats | None] = [None] * len(replicas)
+        self._dead_reasons: list[str | None] = [None] * len(replicas)
+        self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        self._call_ids = itertools.count()
+        self._calls_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._ray_started_here = False
+        self.errored = False
+        self._dead_reason: str | None = None
+        self._logits_processor_resolver: LogitsProcessorResolver | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> DataParallelAsyncLLM:
+        """Starts every replica (they build their engines at the same time) and returns once all
+        are ready; a replica's build error is raised here after the others are stopped."""
+        from tokenloom.plugins.manager import load_plugins
+
+        config = engine_args.create_engine_config()
+        plugins = plugins or load_plugins()
+        parallel = config.parallel
+        # each replica is one engine: dp 1 inside, so it does not start replicas of its own
+        replica_args = dataclasses.replace(engine_args, data_parallel_size=1, data_parallel_size_local=None)
+        tables = plugin_tables(plugins)
+        replicas: list[ReplicaHandle] = []
+        self = cls(config, plugins, replicas)
+        started = time.perf_counter()
+        try:
+            if parallel.data_parallel_backend == "ray":
+                ray = import_ray()
+                if not ray.is_initialized():
+                    # the cluster RAY_ADDRESS names is joined; without it a private local Ray
+                    # starts (never a `ray start` cluster found by chance) and stops with the server
+                    ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+                    self._ray_started_here = True
+                for index, options in enumerate(ray_actor_options(parallel, ray)):
+                    replicas.append(RayReplica(index, replica_args, tables, options))
+            else:
+                for index, cpu_ids in enumerate(local_cpu_sets(parallel.data_parallel_size)):
+                    replicas.append(ProcessReplica(index, replica_args, tables, cpu_ids))
+            self._num_in_flight = [0] * len(replicas)
+            self._replica_stats = [None] * len(replicas)
+            self._dead_reasons = [None] * len(replicas)
+            for replica in replicas:
+                replica.start(self._on_messages, self._on_death)
+            deadline = time.monotonic() + REPLICA_START_TIMEOUT_SECONDS
+            for replica in replicas:
+                facts = replica.ready.result(timeout=max(deadline - time.monotonic(), 0.0))
+                if not self._facts:
+                    self._facts = facts
+        except BaseException as exc:
+            self._stop_replicas()
+            if isinstance(exc, concurrent.futures.TimeoutError):
+                raise EngineDeadError(
+                    f"the data-parallel replicas were not ready after {REPLICA_START_TIMEOUT_SECONDS:.0f} s "
+                    "(under Ray: does the cluster have a free CPU for each replica?)"
+                ) from None
+            raise
+        logger.info(
+            "data parallel: %d replicas (%s backend) ready in %.2f s",
+            len(replicas),
+            parallel.data_parallel_backend,
+            time.perf_counter() - started,
+        )
+        return self
+
+    # -- the engine facts the server reads (replica 0's; every replica runs the same model)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._facts["tokenizer"]
+
+    @property
+    def model_name(self) -> str:
+        return self._facts["model_name"]
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return list(self._facts["served_model_names"])
+
+    @property
+    def max_model_len(self) -> int:
+        return self._facts["max_model_len"]
+
+    @property
+    def runner_type(self) -> str:
+        return self._facts["runner_type"]
+
+    @property
+    def hf_config(self) -> Any:
+        return self._facts["hf_config"]
+
+    @property
+    def max_logprobs(self) -> int:
+        return self._facts["max_logprobs"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._facts["vocab_size"]
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        return dict(self._facts["generation_defaults"])
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._facts["max_num_seqs"]
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self._facts["eos_token_ids"])
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self._facts["scheduling_policy"]
+
+    @property
+    def logits_processor_resolver(self) -> LogitsProcessorResolver:
+        if self._logits_processor_resolver is None:
+            self._logits_processor_resolver = LogitsProcessorResolver(
+                self.plugins.registry("logits_processor"), self.config.model.logits_processor_pattern
+            )
+        return self._logits_processor_resolver
+
+    @property
+    def is_running(self) -> bool:
+        return bool(self._facts) and not self.errored and not self._stopping
+
+    def stats(self) -> EngineStats:
+        return sum_stats([stats for stats in self._replica_stats if stats is not None])
+
+    def replica_loads(self) -> list[ReplicaLoad]:
+        return [
+            ReplicaLoad(
+                num_in_flight=self._num_in_flight[index],
+                kv_cache_usage=stats.kv_cache_usage if stats is not None else 0.0,
+                alive=self._dead_reasons[index] is None,
+            )
+            for index, stats in enumerate(self._replica_stats)
+        ]
+
+    async def start(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    # -- LoRA: every replica serves every adapter
+
+    def resolve_lora(self, lora_request: Any) -> Any:
+        """The adapter checked against the model by a live replica (blocking: call it off the
+        event loop once the server runs)."""
+        return self._call_now(self._live_replicas()[0], "resolve_lora", (lora_request,)).result()
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        await asyncio.gather(*(self._call(index, "add_lora", (lora_request,)) for index in self._live_replicas()))
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        removed = await asyncio.gather(
+            *(self._call(index, "remove_lora", (lora_int_id,)) for index in self._live_replicas())
+        )
+        return any(removed)
+
+    # -- requests
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        lora_request: Any = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        message = ("generate", request_id, prompt, sampling_params, priority, lora_request)
+        async with contextlib.aclosing(self._outputs(request_id, message, RequestOutput)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def encode(
+        self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        message = ("encode", request_id, prompt, pooling_params or PoolingParams(), priority)
+        async with contextlib.aclosing(self._outputs(request_id, message, PoolingRequestOutput)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def abort(self, request_id: str) -> None:
+        index = self._owner.get(request_id)
+        if index is not None and self._dead_reasons[index] is None:
+            with contextlib.suppress(EngineDeadError):
+                self.replicas[index].send(("abort", request_id))
+
+    async def _outputs(self, request_id: str, message: tuple, kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
+        if self.errored:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        await self.start()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        index = choose_replica(self.replica_loads())
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._owner[request_id] = index
+        self._num_in_flight[index] += 1
+        finished = False
+        try:
+            self.replicas[index].send(message)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if not isinstance(item, kind):
+                    raise EngineDeadError(f"request {request_id!r} got a {type(item).__name__}, not a {kind.__name__}")
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            self._owner.pop(request_id, None)
+            self._num_in_flight[index] -= 1
+            if not finished and self._dead_reasons[index] is None:
+                with contextlib.suppress(EngineDeadError):
+                    self.replicas[index].send(("abort", request_id))
+
+    # -- calls that every replica answers
+
+    def _live_replicas(self) -> list[int]:
+        live = [index for index, reason in enumerate(self._dead_reasons) if reason is None]
+        if not live:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        return live
+
+    def _call_now(self, index: int, method: str, args: tuple) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._calls_lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (index, future)
+        try:
+            self.replicas[index].send(("call", call_id, method, args))
+        except EngineDeadError as exc:
+            with self._calls_lock:
+                self._calls.pop(call_id, None)
+            future.set_exception(exc)
+        return future
+
+    async def _call(self, index: int, method: str, args: tuple) -> Any:
+        return await asyncio.wrap_future(self._call_now(index, method, args))
+
+    # -- the receiver threads
+
+    def _on_messages(self, index: int, messages: list[tuple]) -> None:
+        outputs = []
+        for message in messages:
+            kind = message[0]
+            if kind == "out":
+                item = message[2]
+                outputs.append((message[1], item.unpack() if isinstance(item, PackedError) else item))
+            elif kind == "reply":
+                _, call_id, ok, value = message
+                with self._calls_lock:
+                    _, future = self._calls.pop(call_id, (None, None))
+                if future is not None:
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value.unpack())
+            elif kind == "stats":
+                self._replica_stats[index] = message[1]
+                if message[2] is not None:
+                    self._on_death(index, f"data-parallel replica {index}'s engine died: {message[2]}")
+        if outputs:
+            self._on_loop(self._deliver, outputs)
+
+    def _on_death(self, index: int, reason: str) -> None:
+        with self._calls_lock:
+            calls = [call_id for call_id, (owner, _) in self._calls.items() if owner == index]
+            futures = [self._calls.pop(call_id)[1] for call_id in calls]
+        for future in futures:
+            future.set_exception(EngineDeadError(reason))
+        self._on_loop(self._replica_died, index, reason)
+
+    def _on_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(callback, *args)
+        else:  # before the server's loop runs nothing is streaming: apply it here
+            callback(*args)
+
+    def _deliver(self, outputs: list[tuple[str, Any]]) -> None:
+        for request_id, item in outputs:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(item)
+
+    def _replica_died(self, index: int, reason: str) -> None:
+        """The replica's open streams end with an error and the server stops taking requests
+        (/health answers 503): a replica short, the server is not what it was started as."""
+        if self._dead_reasons[index] is not None or self._stopping:
+            return
+        logger.error("%s: its open requests end with an error and the server reports unhealthy", reason)
+        self._dead_reasons[index] = reason
+        self.errored = True
+        self._dead_reason = reason
+        error = EngineDeadError(f"the engine died: {reason}")
+        self._deliver([(request_id, error) for request_id, owner in self._owner.items() if owner == index])
+
+    # -- shutdown
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_replicas)
+
+    def _stop_replicas(self) -> None:
+        """Stops every replica at once (each waits for its own engine) and, if this server
+        started Ray, Ray too: nothing is left running."""
+        self._stopping = True
+        threads = [
+            threading.Thread(target=replica.stop, args=(REPLICA_STOP_TIMEOUT_SECONDS,), daemon=True)
+            for replica in self.replicas
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if self._ray_started_here:
+            import ray
+
+            ray.shutdown()
+            self._ray_started_here = False
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "--data-parallel-backend ray needs Ray: pip install 'tokenloom[ray]' (or pip install ray), "
+            "or use --data-parallel-backend mp",
+            param="data-parallel-backend",
+        ) from None
+    return ray
