@@ -80,7 +80,7 @@ def test_column_parallel_ranks_hold_row_slices():
 
 
 def test_row_parallel_ranks_hold_column_slices_and_sum(monkeypatch):
-    monkeypatch.setattr(linear, "tensor_parallel_all_reduce", lambda tensor, tp_size: tensor)
+    monkeypatch.setattr(linear, "tensor_parallel_all_reduce", lambda tensor, tp_group, tp_size: tensor)
     full, bias, x = randn(5, 8, seed=6), randn(5, seed=7), randn(3, 8, seed=8)
     partial_sum = torch.zeros(3, 5)
     for rank in range(2):
@@ -93,9 +93,9 @@ def test_row_parallel_ranks_hold_column_slices_and_sum(monkeypatch):
     torch.testing.assert_close(partial_sum, F.linear(x, full, bias))
 
 
-def test_row_parallel_forward_without_collectives_raises():
+def test_row_parallel_forward_without_a_communicator_raises():
     layer = RowParallelLinear(8, 5, tp_rank=0, tp_size=2)
-    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+    with pytest.raises(RuntimeError, match="without a communicator"):
         layer(torch.zeros(1, 4))
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from tokenloom.core.model_interface import KVCacheSpec, ModelContext
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.linear import kv_heads_per_rank
 from tokenloom.layers.pooler import Pooler
 from tokenloom.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from tokenloom.layers.weight_loading import DECODER_STACKED_PARAMS, load_checkpoint_weights
@@ -103,8 +104,12 @@ class DecoderForCausalLM(nn.Module):
         self.head_size = head_size_of(config)
         self.sliding_windows = sliding_windows_of(config, ctx.model_config)
         self._ropes: dict[str, RotaryEmbedding] = {}
+        # this worker's tensor-parallel group (None: one worker holds the whole model)
+        self.tp_group = ctx.parallel.tp if ctx.parallel is not None and ctx.parallel.tp.size > 1 else None
         hidden_size = config.hidden_size
-        embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden_size, params_dtype=self.dtype)
+        embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, hidden_size, params_dtype=self.dtype, tp_group=self.tp_group
+        )
         layers = [self.make_layer(index) for index in range(config.num_hidden_layers)]
         norm = self.norm_class(hidden_size, config.rms_norm_eps, params_dtype=self.dtype)
         self.model = DecoderStack(embed_tokens, layers, norm, self.embedding_multiplier())
@@ -113,7 +118,11 @@ class DecoderForCausalLM(nn.Module):
         # head for decode steps reads half the bytes
         small_batch_dtype = torch.float16 if self.dtype == torch.float32 and not ctx.exact_dtype else None
         self.lm_head = ParallelLMHead(
-            config.vocab_size, hidden_size, params_dtype=self.dtype, small_batch_dtype=small_batch_dtype
+            config.vocab_size,
+            hidden_size,
+            params_dtype=self.dtype,
+            small_batch_dtype=small_batch_dtype,
+            tp_group=self.tp_group,
         )
         if self.tie_word_embeddings:
             self.lm_head.tie_to(embed_tokens)
@@ -122,9 +131,11 @@ class DecoderForCausalLM(nn.Module):
         self.pooler = (
             Pooler.from_config(ctx.pooler_config, default_pooling_type="LAST") if ctx.runner == "pooling" else None
         )
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.kv_cache_spec = KVCacheSpec(
             num_layers=config.num_hidden_layers,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            # this rank's KV heads (a replicated head counts once on each rank that holds it)
+            num_kv_heads=kv_heads_per_rank(total_kv_heads, self.tp_group.size if self.tp_group else 1)[0],
             head_size=self.head_size,
             sliding_windows=list(self.sliding_windows),
         )
@@ -167,7 +178,7 @@ class DecoderForCausalLM(nn.Module):
         return rope_parameters_from_config(self.config, layer_type)
 
     def linear_options(self) -> dict[str, Any]:
-        return {"quant_method": self.quant_method, "params_dtype": self.dtype}
+        return {"quant_method": self.quant_method, "params_dtype": self.dtype, "tp_group": self.tp_group}
 
     # -- ModelProtocol -----------------------------------------------------------------
 
