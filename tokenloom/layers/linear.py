@@ -49,7 +49,14 @@ def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
     as KV heads each rank holds one, replicated on ``tp_size / total_num_kv_heads`` ranks (the
     ranks whose query heads read it); otherwise the KV heads are split evenly."""
     if tp_size >= total_num_kv_heads:
-        return 1, divide(tp_size, total_num_kv_heads, "the tensor-parallel size over the number of KV heads")
+        if tp_size % total_num_kv_heads:
+            raise ConfigError(
+                f"the number of KV heads ({total_num_kv_heads}) does not divide the tensor-parallel size "
+                f"({tp_size}): each KV head is replicated on an equal number of ranks; choose a "
+                "--tensor-parallel-size that is a multiple or a divisor of it",
+                param="tensor_parallel_size",
+            )
+        return 1, tp_size // total_num_kv_heads
     return divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
 
 
@@ -248,9 +255,20 @@ class RowParallelLinear(LinearBase):
             return  # the bias is added once, on rank 0, before the sum across ranks
         super().load_checkpoint_weight(param_name, loaded_weight, shard_id)
 
+    @property
+    def sums_partials(self) -> bool:
+        """True when this rank's output is a partial product summed over ranks: a quantization
+        method may then return it wider than ``x`` (float32), to be rounded once after the sum."""
+        return self.tp_size > 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        output = tensor_parallel_all_reduce(self.quant_method.apply(self, x, bias), self.tp_group, self.tp_size)
+        partial = self.quant_method.apply(self, x, bias)
+        if self.tp_size > 1 and x.dtype in (torch.bfloat16, torch.float16):
+            # summed in float32 and rounded once, as one worker's matmul rounds its whole sum:
+            # a 16-bit all-reduce would round after every addition
+            partial = partial.float()
+        output = tensor_parallel_all_reduce(partial, self.tp_group, self.tp_size).to(x.dtype)
         return output if self.lora is None else self.lora.add_delta(x, output)
 
 
