@@ -219,16 +219,24 @@ def test_llama_tp3_and_tp4_split_and_replicated_kv_heads(tmp_path, tokenizer):
     from transformers import LlamaForCausalLM
 
     config3 = tiny_llama_config(
-        tokenizer, hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3,
+        tokenizer,
+        hidden_size=96,
+        intermediate_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=3,
         tie_word_embeddings=False,
     )
-    ref3 = Reference(save_tiny_model(tmp_path / "tp3", tokenizer, LlamaForCausalLM, config3, 2), GREEDY, dtype="float32")
+    ref3 = Reference(
+        save_tiny_model(tmp_path / "tp3", tokenizer, LlamaForCausalLM, config3, 2), GREEDY, dtype="float32"
+    )
     (per_rank3,) = zip(*run_tensor_parallel(3, [ref3]))
     assert all(r["heads"] == (2, 1) for r in per_rank3)
     assert_same_as_one_worker(ref3, list(per_rank3))
 
     config4 = tiny_llama_config(tokenizer, num_attention_heads=8, num_key_value_heads=2)
-    ref4 = Reference(save_tiny_model(tmp_path / "tp4", tokenizer, LlamaForCausalLM, config4, 3), GREEDY, dtype="float32")
+    ref4 = Reference(
+        save_tiny_model(tmp_path / "tp4", tokenizer, LlamaForCausalLM, config4, 3), GREEDY, dtype="float32"
+    )
     (per_rank4,) = zip(*run_tensor_parallel(4, [ref4]))
     assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank4)
     assert_same_as_one_worker(ref4, list(per_rank4))
@@ -240,7 +248,9 @@ def test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2(tmp_path, tokenizer):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
     qwen2 = Qwen2Config(**tiny_llama_config(tokenizer).to_dict())
-    qwen2_ref = Reference(save_tiny_model(tmp_path / "qwen2", tokenizer, Qwen2ForCausalLM, qwen2, 4), GREEDY, dtype="float32")
+    qwen2_ref = Reference(
+        save_tiny_model(tmp_path / "qwen2", tokenizer, Qwen2ForCausalLM, qwen2, 4), GREEDY, dtype="float32"
+    )
     gemma3 = Gemma3TextConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -123,7 +123,6 @@ class ModelRunner:
             return seed
         return self.parallel.tp.broadcast_object(int(torch.randint(0, 2**62, ()).item()), src=0)
 
-
     def load_model(self) -> None:
         self.model, self.dtype = build_model(
             self.config, self.info, self.plugins, self.platform, runner=self.info.runner, parallel=self.parallel

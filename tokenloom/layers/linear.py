@@ -277,7 +277,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     up): checkpoint shard ``i`` fills rows ``sum(output_sizes[:i]) / tp_size`` onwards."""
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], *, tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None, **kwargs
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        **kwargs,
     ):
         self.output_sizes = list(output_sizes)
         self.shard_ids = tuple(range(len(output_sizes)))

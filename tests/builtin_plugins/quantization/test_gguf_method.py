@@ -230,7 +230,9 @@ def test_row_parallel_ranks_load_whole_block_column_slices_of_a_4bit_tensor(mode
         layer = RowParallelLinear(192, 32, quant_method=GGUFQuantizationMethod(mode), tp_group=IdentityGroup(rank, 3))
         layer.load_checkpoint_weight("weight", packed)
         layer.quant_method.process_weights_after_loading(layer)
-        assert (layer.int4_weight is not None) == (mode == "auto" and layer.quant_method._int4_dtype(torch.float32) is not None)
+        assert (layer.int4_weight is not None) == (
+            mode == "auto" and layer.quant_method._int4_dtype(torch.float32) is not None
+        )
         total += layer(x[:, rank * 64 : (rank + 1) * 64])
     torch.testing.assert_close(total, x @ dense.T, atol=1e-4, rtol=1e-4)
     # column-parallel ranks take whole packed rows
