@@ -121,7 +121,7 @@ class ModelRunner:
         the same random numbers: without ``--seed`` they share tp-rank 0's random one."""
         if seed is not None or self.parallel.tp.size == 1:
             return seed
-        return self.parallel.tp.broadcast_object(int(torch.randint(0, 2**62, ()).item()), src=0)
+        return int(self.parallel.tp.broadcast_object(int(torch.randint(0, 2**62, ()).item()), src=0))
 
     def load_model(self) -> None:
         self.model, self.dtype = build_model(

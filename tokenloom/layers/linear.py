@@ -68,7 +68,8 @@ def tensor_parallel_all_reduce(tensor: torch.Tensor, tp_group: Any, tp_size: int
         raise RuntimeError(
             f"a layer split over {tp_size} tensor-parallel ranks was built without a communicator (tp_group)"
         )
-    return tp_group.all_reduce(tensor)
+    summed: torch.Tensor = tp_group.all_reduce(tensor)
+    return summed
 
 
 def _is_packed(loaded_weight: Any) -> bool:
