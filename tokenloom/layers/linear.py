@@ -264,12 +264,12 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        partial = self.quant_method.apply(self, x, bias)
-        if self.tp_size > 1 and x.dtype in (torch.bfloat16, torch.float16):
+        output = self.quant_method.apply(self, x, bias)
+        if self.tp_size > 1:
             # summed in float32 and rounded once, as one worker's matmul rounds its whole sum:
             # a 16-bit all-reduce would round after every addition
-            partial = partial.float()
-        output = tensor_parallel_all_reduce(partial, self.tp_group, self.tp_size).to(x.dtype)
+            wide = output.float() if output.dtype in (torch.bfloat16, torch.float16) else output
+            output = tensor_parallel_all_reduce(wide, self.tp_group, self.tp_size).to(x.dtype)
         return output if self.lora is None else self.lora.add_delta(x, output)
 
 
