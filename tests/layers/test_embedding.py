@@ -126,7 +126,7 @@ def test_vocab_ranges_cover_the_vocabulary_once():
 
 
 def test_tensor_parallel_partial_lookups_sum_to_the_full_lookup(monkeypatch):
-    monkeypatch.setattr(embedding_module, "tensor_parallel_all_reduce", lambda tensor, tp_size: tensor)
+    monkeypatch.setattr(embedding_module, "tensor_parallel_all_reduce", lambda tensor, tp_group, tp_size: tensor)
     weights = table(10)
     ids = torch.tensor([0, 3, 4, 9, 7])
     total = torch.zeros(5, 4)

@@ -16,6 +16,7 @@ from tokenloom.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    kv_heads_per_rank,
     process_weights_after_loading,
 )
 from tokenloom.layers.quantization import UnquantizedMethod
@@ -80,7 +81,7 @@ def test_column_parallel_ranks_hold_row_slices():
 
 
 def test_row_parallel_ranks_hold_column_slices_and_sum(monkeypatch):
-    monkeypatch.setattr(linear, "tensor_parallel_all_reduce", lambda tensor, tp_size: tensor)
+    monkeypatch.setattr(linear, "tensor_parallel_all_reduce", lambda tensor, tp_group, tp_size: tensor)
     full, bias, x = randn(5, 8, seed=6), randn(5, seed=7), randn(3, 8, seed=8)
     partial_sum = torch.zeros(3, 5)
     for rank in range(2):
@@ -93,9 +94,9 @@ def test_row_parallel_ranks_hold_column_slices_and_sum(monkeypatch):
     torch.testing.assert_close(partial_sum, F.linear(x, full, bias))
 
 
-def test_row_parallel_forward_without_collectives_raises():
+def test_row_parallel_forward_without_a_communicator_raises():
     layer = RowParallelLinear(8, 5, tp_rank=0, tp_size=2)
-    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+    with pytest.raises(RuntimeError, match="without a communicator"):
         layer(torch.zeros(1, 4))
 
 
@@ -182,3 +183,77 @@ def test_quant_method_receives_shard_rows_and_post_load_call():
     model = torch.nn.ModuleList([qkv, out])
     process_weights_after_loading(model)
     assert method.processed == [qkv, out]
+
+
+# -- tensor parallelism through a communicator ----------------------------------------------
+
+
+class SummingGroup:
+    """One rank's view of a group whose all-reduce adds the other ranks' partials (given)."""
+
+    def __init__(self, rank: int, size: int, others=None):
+        self.rank, self.size, self.others = rank, size, others
+        self.reduced = []
+
+    def all_reduce(self, tensor):
+        self.reduced.append(tensor.dtype)
+        return tensor + self.others if self.others is not None else tensor
+
+
+def test_layers_take_rank_and_size_from_their_communicator():
+    group = SummingGroup(1, 2)
+    layer = QKVParallelLinear(4, 2, total_num_heads=8, total_num_kv_heads=4, tp_group=group)
+    assert (layer.tp_rank, layer.tp_size, layer.num_heads, layer.num_kv_heads) == (1, 2, 4, 2)
+    assert MergedColumnParallelLinear(3, [8, 8], tp_group=group).weight.shape == (8, 3)
+    assert RowParallelLinear(8, 5, tp_group=group).weight.shape == (5, 4)
+
+
+def test_row_parallel_sums_through_the_group_with_the_bias_once():
+    full, bias, x = randn(5, 8, seed=6), randn(5, seed=7), randn(3, 8, seed=8)
+    rank1 = RowParallelLinear(8, 5, bias=True, tp_group=SummingGroup(1, 2))
+    rank1.load_checkpoint_weight("weight", full)
+    rank1.load_checkpoint_weight("bias", bias)
+    partial1 = rank1(x[:, 4:])  # no bias on rank 1
+    rank0 = RowParallelLinear(8, 5, bias=True, tp_group=SummingGroup(0, 2, others=partial1))
+    rank0.load_checkpoint_weight("weight", full)
+    rank0.load_checkpoint_weight("bias", bias)
+    torch.testing.assert_close(rank0(x[:, :4]), F.linear(x, full, bias))
+
+
+def test_16_bit_partials_are_summed_in_float32():
+    group = SummingGroup(0, 2)
+    layer = RowParallelLinear(8, 5, params_dtype=torch.bfloat16, tp_group=group)
+    layer.load_checkpoint_weight("weight", randn(5, 8))
+    out = layer(randn(2, 4).bfloat16())
+    assert group.reduced == [torch.float32] and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,tp_size",
+    [(4, 2, 2), (6, 3, 3), (8, 2, 4), (4, 1, 2), (4, 1, 4), (9, 3, 3), (8, 4, 2), (16, 4, 8)],
+)
+def test_each_rank_holds_the_kv_head_its_query_heads_read(num_heads, num_kv_heads, tp_size):
+    """Query head h reads KV head h // (num_heads / num_kv_heads); every rank's KV slice must
+    hold exactly the KV heads of its query heads, replicated or split."""
+    head = 2
+    k = torch.arange(num_kv_heads * head * 4, dtype=torch.float32).view(num_kv_heads * head, 4)
+    group_size = num_heads // num_kv_heads
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(4, head, num_heads, num_kv_heads, tp_rank=rank, tp_size=tp_size)
+        layer.load_checkpoint_weight("weight", k, "k")
+        query_heads = range(rank * layer.num_heads, (rank + 1) * layer.num_heads)
+        needed = sorted({h // group_size for h in query_heads})
+        assert len(needed) == layer.num_kv_heads
+        held = layer.weight[layer.q_size : layer.q_size + layer.kv_size]
+        torch.testing.assert_close(held, torch.cat([k[h * head : (h + 1) * head] for h in needed]))
+        # the per-rank head count the KV cache is shaped with
+        assert kv_heads_per_rank(num_kv_heads, tp_size)[0] == layer.num_kv_heads
+
+
+def test_heads_that_do_not_divide_name_the_numbers_and_the_flag():
+    with pytest.raises(ConfigError, match=r"attention heads \(9\).*\(2\).*--tensor-parallel-size"):
+        QKVParallelLinear(576, 64, 9, 3, tp_size=2)
+    with pytest.raises(ConfigError, match=r"KV heads \(2\).*\(3\)"):
+        kv_heads_per_rank(2, 3)
+    with pytest.raises(ConfigError, match=r"KV heads \(4\).*\(3\)"):
+        QKVParallelLinear(4, 2, 6, 4, tp_size=3)

@@ -93,7 +93,7 @@ class ModelRunner:
         # per layer, when the cache is fp8: the scales its elements are multiplied by
         self.kv_scales: list[KVCacheScales] | None = None
         self.attention_backend = resolve_target(attention_backend_target(config.device.attention_backend, platform))()
-        self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode, seed=config.model.seed)
+        self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode, seed=self._sampling_seed(config.model.seed))
         # seeded requests preempted (forgotten here) and not yet resumed: req id -> their
         # generator, so a resumed request draws the random numbers it would have drawn next
         # instead of replaying its first steps' (vLLM keeps its request state the same way)
@@ -121,6 +121,14 @@ class ModelRunner:
         self._kv_prefaulted = 0
 
     # -- set-up -----------------------------------------------------------------------
+
+    def _sampling_seed(self, seed: int | None) -> int | None:
+        """The unseeded rows' seed. Tensor-parallel ranks sample from the same gathered
+        logits and each appends its sampled token to its own request state, so they must draw
+        the same random numbers: without ``--seed`` they share tp-rank 0's random one."""
+        if seed is not None or self.parallel.tp.size == 1:
+            return seed
+        return int(self.parallel.tp.broadcast_object(int(torch.randint(0, 2**62, ()).item()), src=0))
 
     def load_model(self) -> None:
         self.model, self.dtype = build_model(

@@ -2,9 +2,15 @@
 (fused QKV projection, optional per-head q/k norm, rotary embedding, paged attention, output
 projection) and :class:`GatedMLP` (fused gate/up projection, gated activation, down
 projection). Sub-module names follow Hugging Face checkpoints with the fused projections
-renamed ``qkv_proj`` and ``gate_up_proj``."""
+renamed ``qkv_proj`` and ``gate_up_proj``.
+
+Under tensor parallelism (``tp_group``) each rank holds its query heads and the KV heads they
+read (replicated when there are more ranks than KV heads) and its slice of the MLP's
+intermediate features; ``o_proj`` and ``down_proj`` each end in one all-reduce."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,9 +50,12 @@ class SelfAttention(nn.Module):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_group: Any = None,
     ):
         super().__init__()
-        linear_options = dict(quant_method=quant_method, params_dtype=params_dtype, tp_rank=tp_rank, tp_size=tp_size)
+        linear_options = dict(
+            quant_method=quant_method, params_dtype=params_dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
+        )
         self.qkv_proj = QKVParallelLinear(
             hidden_size, head_size, num_heads, num_kv_heads, bias=qkv_bias, **linear_options
         )
@@ -99,9 +108,12 @@ class GatedMLP(nn.Module):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_group: Any = None,
     ):
         super().__init__()
-        linear_options = dict(quant_method=quant_method, params_dtype=params_dtype, tp_rank=tp_rank, tp_size=tp_size)
+        linear_options = dict(
+            quant_method=quant_method, params_dtype=params_dtype, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
+        )
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, **linear_options
         )

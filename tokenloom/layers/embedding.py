@@ -13,6 +13,12 @@ A bfloat16 head (or a float32 one the platform chose) whose checkpoint tensor is
 tokenloom's int8 kernel is built (:mod:`tokenloom.kernels.int8_matmul`, GGML's Q8 x Q8
 arithmetic, every CPU kernel level), for every batch: half the bytes of a 16-bit copy and the
 file's exact weight values.
+
+Under tensor parallelism (``tp_group``, the model's ``ctx.parallel.tp``) each rank holds
+``ceil(vocab / tp)`` rows (the last rank's tail zero): the embedding looks up the ids in its
+range, zeroes the others and sums over ranks; the head computes its shard's logits and gathers
+every rank's, whose concatenation is the vocabulary in order with the padding at the end. A
+packed checkpoint tensor is cut to this rank's rows before it is dequantized.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torch.nn import functional as F
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
-from tokenloom.layers.linear import tensor_parallel_all_reduce
+from tokenloom.layers.linear import tensor_parallel_all_reduce, tp_place
 from tokenloom.layers.quantization import materialize
 
 
@@ -51,13 +57,15 @@ class VocabParallelEmbedding(nn.Module):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_group: Any = None,
     ):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_rank, tp_size)
-        rows = math.ceil(num_embeddings / tp_size)  # equal shapes on every rank; tail rows stay zero
+        self.tp_rank, self.tp_size = tp_place(tp_group, tp_rank, tp_size)
+        self.tp_group = tp_group
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.tp_rank, self.tp_size)
+        rows = math.ceil(num_embeddings / self.tp_size)  # equal shapes on every rank; tail rows stay zero
         # uninitialised but the tail: zero-filling a large vocabulary costs more than loading it
         weight = torch.empty(rows, embedding_dim, dtype=params_dtype or torch.get_default_dtype())
         weight[self.vocab_end - self.vocab_start :].zero_()
@@ -71,23 +79,38 @@ class VocabParallelEmbedding(nn.Module):
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
         embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
-        return tensor_parallel_all_reduce(embeddings, self.tp_size)
+        return tensor_parallel_all_reduce(embeddings, self.tp_group, self.tp_size)
+
+    def _rows_for_rank(self, loaded_weight: Any) -> Any:
+        """This rank's vocabulary rows of a checkpoint tensor: a packed one that can be cut
+        (GGUF's ``narrow_rows``) is cut in its packed form, so only this rank's rows are ever
+        dequantized."""
+        if hasattr(loaded_weight, "narrow_rows"):
+            shape = tuple(loaded_weight.shape)
+        else:
+            loaded_weight = materialize(loaded_weight)
+            shape = tuple(loaded_weight.shape)
+        if len(shape) != 2 or shape[1] != self.embedding_dim or shape[0] < self.vocab_end:
+            raise ModelLoadError(
+                f"embedding of shape {shape} does not fit vocab {self.num_embeddings} x {self.embedding_dim}"
+            )
+        local_rows = self.vocab_end - self.vocab_start
+        if shape[0] == local_rows:
+            return loaded_weight
+        if hasattr(loaded_weight, "narrow_rows"):
+            return loaded_weight.narrow_rows(self.vocab_start, local_rows)
+        return loaded_weight[self.vocab_start : self.vocab_end]
 
     def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         if param_name != "weight" or shard_id is not None:
             raise ModelLoadError(f"{type(self).__name__} loads one 'weight' tensor, not {param_name!r}/{shard_id!r}")
-        tensor = materialize(loaded_weight, self.weight.dtype)
-        if tensor.dim() != 2 or tensor.shape[1] != self.embedding_dim or tensor.shape[0] < self.vocab_end:
-            raise ModelLoadError(
-                f"embedding of shape {tuple(tensor.shape)} does not fit "
-                f"vocab {self.num_embeddings} x {self.embedding_dim}"
-            )
-        local_rows = self.vocab_end - self.vocab_start
-        self.weight.data[:local_rows].copy_(tensor[self.vocab_start : self.vocab_end])
+        rows = self._rows_for_rank(loaded_weight)
+        tensor = materialize(rows, self.weight.dtype)
+        self.weight.data[: tensor.shape[0]].copy_(tensor)
         # an LM head (or the embedding tied to one) keeps a checkpoint tensor of int8 groups
         # (GGUF Q8_0) as such, for ParallelLMHead.process_weights_after_loading to pack
-        int8_groups = getattr(loaded_weight, "int8_groups", None)
-        if self.keeps_int8_groups and callable(int8_groups) and self.tp_size == 1:
+        int8_groups = getattr(rows, "int8_groups", None)
+        if self.keeps_int8_groups and callable(int8_groups):
             self.int8_groups = int8_groups()
 
     def extra_repr(self) -> str:
@@ -150,6 +173,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         )
         if source.int8_groups is not None and inexact and self.bias is None:
             codes, scales = source.int8_groups
+            padding = self.weight.shape[0] - codes.shape[0]
+            if 0 < padding < self.weight.shape[0]:
+                # the last rank of a split vocabulary: zero rows up to the shard's padded size
+                codes = F.pad(codes, (0, 0, 0, padding))
+                scales = F.pad(scales, (0, 0, 0, padding))
             self.int8_weight = pack_int8(codes, scales) if codes.shape[0] == self.weight.shape[0] else None
         source.int8_groups = None  # packed (or not needed): not kept twice
         if (
@@ -171,8 +199,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
         if self.int8_weight is not None:
-            return int8_linear(hidden_states, self.int8_weight)[:, : self.num_embeddings]
-        if self._use_small_batch_copy(hidden_states):
+            logits = int8_linear(hidden_states, self.int8_weight)
+        elif self._use_small_batch_copy(hidden_states):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()
             if self.bias is not None:
                 logits = logits + self.bias
@@ -181,12 +209,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
-            raise NotImplementedError("gathering logits across tensor-parallel ranks is not implemented")
+            if self.tp_group is None:
+                raise RuntimeError(
+                    f"an LM head split over {self.tp_size} tensor-parallel ranks was built without a communicator"
+                )
+            # every rank's padded shard in rank order: token id i lands in column i, the padding after the vocabulary
+            logits = self.tp_group.all_gather(logits.float().contiguous(), dim=-1)
         return logits[:, : self.num_embeddings].float()
 
     def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
         if param_name == "bias" and self.bias is not None:
-            tensor = materialize(loaded_weight, self.bias.dtype)
-            self.bias.data[: self.vocab_end - self.vocab_start].copy_(tensor[self.vocab_start : self.vocab_end])
+            tensor = materialize(loaded_weight, self.bias.dtype)[self.vocab_start : self.vocab_end]
+            self.bias.data[: tensor.shape[0]].copy_(tensor)
             return
         super().load_checkpoint_weight(param_name, loaded_weight, shard_id)

@@ -4,9 +4,15 @@ several checkpoint tensors into row ranges of one weight.
 
 Each layer's weight is created and multiplied by its ``quant_method``; checkpoint tensors go
 through :meth:`LinearBase.load_checkpoint_weight`, which cuts this rank's slice and hands
-the rows to ``quant_method.load_weight``. Collective communication is not implemented yet:
-layers accept ``tp_size > 1`` (the sharding arithmetic is in place and tested), but a
-row-parallel forward at ``tp_size > 1`` raises.
+the rows to ``quant_method.load_weight``: a dense tensor is narrowed, a packed GGUF tensor is
+cut in its packed form (whole rows for a column split, whole quantization blocks of every row
+for a row split), so no rank dequantizes more than its own slice.
+
+Under tensor parallelism a layer is given its group's communicator (``tp_group``: the model
+passes ``ctx.parallel.tp``, a :class:`tokenloom.core.distributed.Communicator`; layers take it
+as an argument rather than importing core), and takes its rank and size from it. Column-parallel
+layers need no communication; a row-parallel layer sums its partial products with one
+all-reduce.
 """
 
 from __future__ import annotations
@@ -23,15 +29,47 @@ from tokenloom.layers.quantization import QuantizationMethod, UnquantizedMethod,
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator // denominator``, raising when it does not divide evenly."""
     if numerator % denominator:
-        raise ConfigError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+        raise ConfigError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator}): "
+            "choose a --tensor-parallel-size that divides it",
+            param="tensor_parallel_size",
+        )
     return numerator // denominator
 
 
-def tensor_parallel_all_reduce(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
+def tp_place(tp_group: Any, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``(rank, size)`` of a layer: its communicator's when it has one, else the arguments."""
+    if tp_group is None:
+        return tp_rank, tp_size
+    return tp_group.rank, tp_group.size
+
+
+def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """``(KV heads each rank holds, ranks holding each KV head)``. With at least as many ranks
+    as KV heads each rank holds one, replicated on ``tp_size / total_num_kv_heads`` ranks (the
+    ranks whose query heads read it); otherwise the KV heads are split evenly."""
+    if tp_size >= total_num_kv_heads:
+        if tp_size % total_num_kv_heads:
+            raise ConfigError(
+                f"the number of KV heads ({total_num_kv_heads}) does not divide the tensor-parallel size "
+                f"({tp_size}): each KV head is replicated on an equal number of ranks; choose a "
+                "--tensor-parallel-size that is a multiple or a divisor of it",
+                param="tensor_parallel_size",
+            )
+        return 1, tp_size // total_num_kv_heads
+    return divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
+
+
+def tensor_parallel_all_reduce(tensor: torch.Tensor, tp_group: Any, tp_size: int) -> torch.Tensor:
     """Sum partial results across tensor-parallel ranks (identity for one rank)."""
     if tp_size == 1:
         return tensor
-    raise NotImplementedError("tensor-parallel all-reduce is not implemented: run with --tensor-parallel-size 1")
+    if tp_group is None:
+        raise RuntimeError(
+            f"a layer split over {tp_size} tensor-parallel ranks was built without a communicator (tp_group)"
+        )
+    summed: torch.Tensor = tp_group.all_reduce(tensor)
+    return summed
 
 
 def _is_packed(loaded_weight: Any) -> bool:
@@ -61,14 +99,17 @@ class LinearBase(nn.Module):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_group: Any = None,
     ):
         super().__init__()
+        tp_rank, tp_size = tp_place(tp_group, tp_rank, tp_size)
         if not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tensor-parallel rank {tp_rank} is outside 0..{tp_size - 1}")
         self.input_size = input_size
         self.output_size = output_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.tp_group = tp_group
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.quant_method = quant_method or UnquantizedMethod()
         self.quant_method.create_weights(self, input_size, output_size, self.params_dtype)
@@ -113,12 +154,21 @@ class LinearBase(nn.Module):
         self.quant_method.load_weight(self, self._weight_for_rank(loaded_weight, checkpoint_start, size), offset, size)
 
     def _weight_for_rank(self, loaded_weight: Any, checkpoint_start: int, size: int) -> Any:
-        """This rank's rows of a column-split weight; packed weights pass through whole
-        (they are only valid unsplit)."""
+        """This rank's rows of a column-split weight (or of one shard of a fused weight); a
+        packed weight is cut in its packed form when it can be (``narrow_rows``)."""
         if self.tp_size == 1:
             return loaded_weight
         if _is_packed(loaded_weight):
-            raise ModelLoadError("packed (quantized) checkpoint weights cannot be split for tensor parallelism yet")
+            if not hasattr(loaded_weight, "narrow_rows"):
+                raise ModelLoadError(
+                    f"a packed {type(loaded_weight).__name__} checkpoint weight cannot be split for tensor parallelism"
+                )
+            rows = loaded_weight.shape[0]
+            if checkpoint_start + size > rows:
+                raise ModelLoadError(
+                    f"packed checkpoint tensor with {rows} rows has no rows {checkpoint_start}:{checkpoint_start + size}"
+                )
+            return loaded_weight.narrow_rows(checkpoint_start, size)
         return self._slice_for_rank(torch.as_tensor(loaded_weight), checkpoint_start, size, dim=0)
 
     @staticmethod
@@ -145,26 +195,42 @@ class ReplicatedLinear(LinearBase):
     """The whole weight on every rank."""
 
     def __init__(self, input_size: int, output_size: int, **kwargs):
-        super().__init__(input_size, output_size, **{**kwargs, "tp_rank": 0, "tp_size": 1})
+        super().__init__(input_size, output_size, **{**kwargs, "tp_rank": 0, "tp_size": 1, "tp_group": None})
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank returns its slice of the output."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp_rank: int = 0, tp_size: int = 1, **kwargs):
+    def __init__(
+        self, input_size: int, output_size: int, *, tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None, **kwargs
+    ):
         self.total_output_size = output_size
+        tp_rank, tp_size = tp_place(tp_group, tp_rank, tp_size)
         super().__init__(
-            input_size, divide(output_size, tp_size, "output size"), tp_rank=tp_rank, tp_size=tp_size, **kwargs
+            input_size,
+            divide(output_size, tp_size, "output size"),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            tp_group=tp_group,
+            **kwargs,
         )
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed across ranks."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp_rank: int = 0, tp_size: int = 1, **kwargs):
+    def __init__(
+        self, input_size: int, output_size: int, *, tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None, **kwargs
+    ):
         self.total_input_size = input_size
+        tp_rank, tp_size = tp_place(tp_group, tp_rank, tp_size)
         super().__init__(
-            divide(input_size, tp_size, "input size"), output_size, tp_rank=tp_rank, tp_size=tp_size, **kwargs
+            divide(input_size, tp_size, "input size"),
+            output_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            tp_group=tp_group,
+            **kwargs,
         )
 
     def shard_rows(self, shard_id):
@@ -174,9 +240,15 @@ class RowParallelLinear(LinearBase):
     def _weight_for_rank(self, loaded_weight, checkpoint_start, size):
         if self.tp_size == 1:
             return loaded_weight
-        if _is_packed(loaded_weight):
-            raise ModelLoadError("packed (quantized) checkpoint weights cannot be split for tensor parallelism yet")
         column_start = self.tp_rank * self.input_size
+        if _is_packed(loaded_weight):
+            # a packed tensor is cut in whole quantization blocks of each row (it raises,
+            # naming the tensor, when this rank's columns start or end inside a block)
+            if not hasattr(loaded_weight, "narrow_columns"):
+                raise ModelLoadError(
+                    f"a packed {type(loaded_weight).__name__} checkpoint weight cannot be split for tensor parallelism"
+                )
+            return loaded_weight.narrow_columns(column_start, self.input_size)
         return self._slice_for_rank(torch.as_tensor(loaded_weight), column_start, self.input_size, dim=1)
 
     def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
@@ -184,9 +256,20 @@ class RowParallelLinear(LinearBase):
             return  # the bias is added once, on rank 0, before the sum across ranks
         super().load_checkpoint_weight(param_name, loaded_weight, shard_id)
 
+    @property
+    def sums_partials(self) -> bool:
+        """True when this rank's output is a partial product summed over ranks: a quantization
+        method may then return it wider than ``x`` (float32), to be rounded once after the sum."""
+        return self.tp_size > 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        output = tensor_parallel_all_reduce(self.quant_method.apply(self, x, bias), self.tp_size)
+        output = self.quant_method.apply(self, x, bias)
+        if self.tp_size > 1:
+            # summed in float32 and rounded once, as one worker's matmul rounds its whole sum:
+            # a 16-bit all-reduce would round after every addition
+            wide = output.float() if output.dtype in (torch.bfloat16, torch.float16) else output
+            output = tensor_parallel_all_reduce(wide, self.tp_group, self.tp_size).to(x.dtype)
         return output if self.lora is None else self.lora.add_delta(x, output)
 
 
@@ -194,12 +277,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one weight (e.g. gate and
     up): checkpoint shard ``i`` fills rows ``sum(output_sizes[:i]) / tp_size`` onwards."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, tp_size: int = 1, **kwargs):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        **kwargs,
+    ):
         self.output_sizes = list(output_sizes)
         self.shard_ids = tuple(range(len(output_sizes)))
+        tp_rank, tp_size = tp_place(tp_group, tp_rank, tp_size)
         for size in output_sizes:
             divide(size, tp_size, "each merged output size")
-        super().__init__(input_size, sum(output_sizes), tp_size=tp_size, **kwargs)
+        super().__init__(input_size, sum(output_sizes), tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, **kwargs)
 
     def shard_rows(self, shard_id):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -222,21 +315,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_group: Any = None,
         **kwargs,
     ):
         total_num_kv_heads = total_num_kv_heads or total_num_heads
+        tp_rank, tp_size = tp_place(tp_group, tp_rank, tp_size)
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
-        if tp_size >= total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads, "tensor-parallel size over KV heads")
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
-            self.num_kv_head_replicas = 1
+        self.num_kv_heads, self.num_kv_head_replicas = kv_heads_per_rank(total_num_kv_heads, tp_size)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
-        super().__init__(hidden_size, output_size, tp_rank=tp_rank, tp_size=tp_size, **kwargs)
+        super().__init__(hidden_size, output_size, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, **kwargs)
 
     @property
     def q_size(self) -> int:

@@ -141,3 +141,22 @@ def test_tensor_nbytes_rejects_rows_that_are_not_whole_blocks():
         gguf_blocks.tensor_nbytes(gguf_blocks.Q4_K, (2, 100), tensor_name="t", path="f.gguf")
     with pytest.raises(ModelLoadError, match="unknown ggml type 99"):
         gguf_blocks.tensor_nbytes(99, (2, 32))
+
+
+def test_column_narrowing_cuts_whole_blocks_of_every_row():
+    weight, _ = packed_weight(6, 128)
+    dense = weight.dequantize()
+    narrowed = weight.narrow_columns(32, 64)
+    assert narrowed.shape == torch.Size([6, 64]) and narrowed.data.shape == (6, 2 * 34)
+    assert torch.equal(narrowed.dequantize(), dense[:, 32:96])
+
+
+def test_a_column_shard_inside_a_block_is_an_error_naming_the_tensor():
+    weight, _ = packed_weight(6, 128)
+    with pytest.raises(ModelLoadError) as error:
+        weight.narrow_columns(16, 64)
+    message = str(error.value)
+    assert "blk.0.attn_q.weight" in message and "Q8_0" in message and "16:80" in message
+    assert "--tensor-parallel-size" in message
+    with pytest.raises(ModelLoadError, match="no columns"):
+        weight.narrow_columns(96, 64)

@@ -196,3 +196,56 @@ def test_hook_registers_gguf_lazily_by_module_path():
     assert registered == [("gguf", "tokenloom.builtin_plugins.quantization.gguf:GGUFQuantizationMethod")]
     method_class = resolve_target(registered[0][1])
     assert issubclass(method_class, QuantizationMethod) and method_class.name == "gguf"
+
+
+# -- tensor parallelism: each rank loads its slice of the packed tensor --------------------------
+
+
+class IdentityGroup:
+    """A stand-in tensor-parallel group for one rank (the collectives are tested in
+    tests/distributed): ``all_reduce`` returns the partial product unchanged."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, tensor):
+        return tensor
+
+
+@pytest.mark.parametrize("mode", ["auto", "dequantize"])
+def test_row_parallel_ranks_load_whole_block_column_slices_of_a_4bit_tensor(mode):
+    from tokenloom.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    values = np.random.default_rng(7).normal(size=(32, 192)).astype(np.float32)
+    packed = GGUFWeight(
+        torch.from_numpy(quantize(values, GGMLQuantizationType.Q4_1).copy()),
+        int(GGMLQuantizationType.Q4_1),
+        (32, 192),
+        name="blk.0.ffn_down.weight",
+    )
+    dense = packed.dequantize()
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(1))
+    total = torch.zeros(3, 32)
+    for rank in range(3):
+        layer = RowParallelLinear(192, 32, quant_method=GGUFQuantizationMethod(mode), tp_group=IdentityGroup(rank, 3))
+        layer.load_checkpoint_weight("weight", packed)
+        layer.quant_method.process_weights_after_loading(layer)
+        assert (layer.int4_weight is not None) == (
+            mode == "auto" and layer.quant_method._int4_dtype(torch.float32) is not None
+        )
+        total += layer(x[:, rank * 64 : (rank + 1) * 64])
+    torch.testing.assert_close(total, x @ dense.T, atol=1e-4, rtol=1e-4)
+    # column-parallel ranks take whole packed rows
+    layer = ColumnParallelLinear(192, 32, quant_method=GGUFQuantizationMethod(mode), tp_group=IdentityGroup(1, 2))
+    layer.load_checkpoint_weight("weight", packed)
+    layer.quant_method.process_weights_after_loading(layer)
+    torch.testing.assert_close(layer(x), x @ dense[16:].T, atol=1e-4, rtol=1e-4)
+
+
+def test_a_row_parallel_shard_inside_a_block_names_the_tensor():
+    from tokenloom.layers.linear import RowParallelLinear
+
+    packed = q8_weight(16, 64, seed=3, name="blk.2.attn_output.weight")
+    layer = RowParallelLinear(64, 16, quant_method=GGUFQuantizationMethod(), tp_group=IdentityGroup(1, 4))
+    with pytest.raises(ModelLoadError, match="blk.2.attn_output.weight.*inside a block"):
+        layer.load_checkpoint_weight("weight", packed)

@@ -15,6 +15,7 @@ from torch import nn
 from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.linear import kv_heads_per_rank
 from tokenloom.layers.pipeline import MissingLayer, number_attention_layers, stage_layers
 from tokenloom.layers.pooler import Pooler
 from tokenloom.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
@@ -132,6 +133,8 @@ class DecoderForCausalLM(nn.Module):
         self.head_size = head_size_of(config)
         self.sliding_windows = sliding_windows_of(config, ctx.model_config)
         self._ropes: dict[str, RotaryEmbedding] = {}
+        # this worker's tensor-parallel group (None: one worker holds the whole model)
+        self.tp_group = ctx.parallel.tp if ctx.parallel is not None and ctx.parallel.tp.size > 1 else None
         hidden_size = config.hidden_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # pipeline parallelism: this worker builds its stage's layers only, the embedding on
@@ -143,7 +146,9 @@ class DecoderForCausalLM(nn.Module):
         self.is_last_stage = place is None or place.is_last_stage
         embed_tokens: nn.Module = MissingLayer()
         if self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings):
-            embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden_size, params_dtype=self.dtype)
+            embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, hidden_size, params_dtype=self.dtype, tp_group=self.tp_group
+            )
         layers = [
             self.make_layer(index) if index in self.stage else MissingLayer()
             for index in range(config.num_hidden_layers)
@@ -162,7 +167,11 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head: nn.Module = MissingLayer()
         if self.is_last_stage:
             self.lm_head = ParallelLMHead(
-                config.vocab_size, hidden_size, params_dtype=self.dtype, small_batch_dtype=small_batch_dtype
+                config.vocab_size,
+                hidden_size,
+                params_dtype=self.dtype,
+                small_batch_dtype=small_batch_dtype,
+                tp_group=self.tp_group,
             )
             if self.tie_word_embeddings:
                 self.lm_head.tie_to(embed_tokens)
@@ -171,9 +180,11 @@ class DecoderForCausalLM(nn.Module):
         self.pooler = (
             Pooler.from_config(ctx.pooler_config, default_pooling_type="LAST") if ctx.runner == "pooling" else None
         )
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.kv_cache_spec = KVCacheSpec(
             num_layers=len(self.stage),
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            # this rank's KV heads (a replicated head counts once on each rank that holds it)
+            num_kv_heads=kv_heads_per_rank(total_kv_heads, self.tp_group.size if self.tp_group else 1)[0],
             head_size=self.head_size,
             sliding_windows=self.sliding_windows[self.stage.start : self.stage.stop],
         )
@@ -216,7 +227,7 @@ class DecoderForCausalLM(nn.Module):
         return rope_parameters_from_config(self.config, layer_type)
 
     def linear_options(self) -> dict[str, Any]:
-        return {"quant_method": self.quant_method, "params_dtype": self.dtype}
+        return {"quant_method": self.quant_method, "params_dtype": self.dtype, "tp_group": self.tp_group}
 
     # -- ModelProtocol -----------------------------------------------------------------
 

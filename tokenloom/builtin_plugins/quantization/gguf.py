@@ -131,6 +131,10 @@ class GGUFQuantizationMethod(UnquantizedMethod):
             return triton_gguf.gguf_matmul(x, gguf_blocks, layer.gguf_type, gguf_blocks.shape[0], bias)
         int4_weight = getattr(layer, "int4_weight", None)
         if int4_weight is not None and prefers_int4(x, int4_weight):
+            if int4_weight.kernel is not None and getattr(layer, "sums_partials", False) and x.dtype != torch.float32:
+                # a row-parallel shard: its partial product stays float32 until summed over the
+                # ranks, so the sum is rounded once, as one worker's kernel rounds it
+                return int4_linear(x.float(), int4_weight, None if bias is None else bias.float())
             return int4_linear(x, int4_weight, bias)
         return super().apply(layer, x, bias)
 

@@ -274,5 +274,28 @@ class GGUFWeight:
             self.path,
         )
 
+    def narrow_columns(self, start: int, length: int) -> GGUFWeight:
+        """Input columns ``start:start+length`` of every row (a row-parallel shard), cut from
+        the packed bytes: the range must cover whole quantization blocks; a boundary inside a
+        block is an error naming the tensor (its blocks cannot be split without re-quantizing)."""
+        _, block_values, block_bytes = GGML_TYPES[self.ggml_type]
+        columns = self.shape[-1]
+        if start < 0 or length < 0 or start + length > columns:
+            raise ModelLoadError(f"GGUF tensor {self.name!r} of {self.path} has no columns {start}:{start + length}")
+        if start % block_values or length % block_values:
+            raise ModelLoadError(
+                f"GGUF tensor {self.name!r} of {self.path} is stored as {self.type_name} in blocks of {block_values} "
+                f"values per row: a tensor-parallel shard of columns {start}:{start + length} starts or ends inside "
+                "a block; choose a --tensor-parallel-size whose shards cover whole blocks"
+            )
+        byte_start, byte_length = start // block_values * block_bytes, length // block_values * block_bytes
+        return GGUFWeight(
+            self.data[:, byte_start : byte_start + byte_length].contiguous(),
+            self.ggml_type,
+            torch.Size((*self.shape[:-1], length)),
+            self.name,
+            self.path,
+        )
+
     def __repr__(self) -> str:
         return f"GGUFWeight(name={self.name!r}, type={self.type_name}, shape={tuple(self.shape)})"

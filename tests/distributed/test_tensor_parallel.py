@@ -1,0 +1,303 @@
+"""Tensor parallelism end to end inside the model: ``tp`` worker processes (spawned, gloo),
+each a ``Worker(spec, parallel=init_parallel_state(...))``, replay the SchedulerOutputs of a
+one-worker engine run, and must sample the same greedy tokens with the same logits.
+
+One spawn per configuration; each checks the per-rank KV cache shape, that every rank samples
+the same tokens (they append them to their own request state), and rank 0's tokens and logits
+against the one-worker run. Tiny random models in float32 cover the layouts (KV heads split,
+replicated, biases, a padded vocabulary shard, Gemma 3's single KV head); the real SmolLM2 GGUF
+covers sharded 4-bit loading, dequantized to float32 and kept packed for the int4 kernel.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.core.distributed import ParallelRank, init_parallel_state
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+]
+MAX_TOKENS = 8
+ENGINE_ARGS = dict(block_size=4, max_model_len=128, kv_cache_memory_bytes=8 << 20, max_num_seqs=4)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tokenizer_of(gguf_path: str):
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+
+    return GGUFLoadFormat().load_tokenizer(gguf_path, None)
+
+
+def save_tiny_model(directory, tokenizer, hf_class, config, seed: int) -> str:
+    """A random model scaled up (std 0.3 noise on every parameter) so greedy choices are
+    decisive rather than near-ties a different summation order could flip."""
+    torch.manual_seed(seed)
+    model = hf_class(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape) * 0.3)
+    tokenizer.save_pretrained(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    return str(directory)
+
+
+class Reference:
+    """A one-worker engine run: the pickled SchedulerOutputs it executed, the tokens each
+    step sampled, and the logits of every row it sampled from."""
+
+    def __init__(self, model: str, sampling_params, **engine_args):
+        llm = LLM(model=model, **{**ENGINE_ARGS, **engine_args})
+        executor = llm.engine.executor
+        self.spec, self.num_blocks = executor.spec, llm.engine.num_blocks
+        self.steps: list[bytes] = []
+        self.sampled: list[dict[str, list[int]]] = []
+        self.logits: list[torch.Tensor] = []
+        execute, model_module = executor.execute, executor.worker.runner.model
+        compute_logits = model_module.compute_logits
+
+        def recording_execute(scheduler_output):
+            self.steps.append(pickle.dumps(scheduler_output))
+            output = execute(scheduler_output)
+            self.sampled.append({req: list(ids) for req, ids in output.sampled_token_ids.items()})
+            return output
+
+        def recording_logits(hidden_states):
+            logits = compute_logits(hidden_states)
+            self.logits.append(logits.detach().float().clone())
+            return logits
+
+        executor.execute = recording_execute
+        model_module.compute_logits = recording_logits
+        self.outputs = llm.generate(PROMPTS, sampling_params)
+
+
+def _tp_worker(rank, tp_size, init_method, runs, results):
+    from tokenloom.core.worker import Worker
+
+    parallel = init_parallel_state(ParallelRank.of(rank, tp_size, 1), init_method, "gloo")
+    out = []
+    for spec, num_blocks, steps, without_native_bfloat16 in runs:
+        if without_native_bfloat16:  # as the parent ran it (see test_smollm2_gguf_tp3_...)
+            from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
+
+            CpuPlatform.native_bfloat16 = staticmethod(lambda: False)
+        worker = Worker(spec, parallel=parallel)
+        torch.set_num_threads(1)  # tp processes share the machine's cores
+        worker.load_model()
+        model = worker.runner.model
+        rank_blocks = worker.determine_num_blocks()
+        worker.allocate_kv_cache(num_blocks)
+        logits_seen = []
+        compute_logits = model.compute_logits
+
+        def recording_logits(hidden_states, compute_logits=compute_logits, logits_seen=logits_seen):
+            logits = compute_logits(hidden_states)
+            logits_seen.append(logits.detach().float().clone())
+            return logits
+
+        model.compute_logits = recording_logits
+        sampled = []
+        for step in steps:
+            output = worker.execute(pickle.loads(step))
+            sampled.append({req: list(ids) for req, ids in output.sampled_token_ids.items()})
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        out.append(
+            {
+                "sampled": sampled,
+                "logits": logits_seen if rank == 0 else None,  # the same on every rank after the gather
+                "kv_cache_shape": tuple(worker.runner.kv_caches[0].shape),
+                "rank_blocks": rank_blocks,
+                "heads": (qkv.num_heads, qkv.num_kv_heads),
+                "int4_layers": sum(getattr(m, "int4_weight", None) is not None for m in model.modules()),
+            }
+        )
+        del worker, model
+    results[rank] = out
+    torch.distributed.destroy_process_group()
+
+
+def run_tensor_parallel(tp_size: int, references: list[Reference], without_native_bfloat16=()) -> list[list[dict]]:
+    """Every reference's steps replayed by ``tp_size`` workers: per rank, per reference, what it
+    saw. References whose index is in ``without_native_bfloat16`` run on a CPU platform that
+    reports no native bfloat16 (as the parent ran them)."""
+    results = mp.Manager().dict()
+    runs = [(ref.spec, ref.num_blocks, ref.steps, i in without_native_bfloat16) for i, ref in enumerate(references)]
+    mp.spawn(_tp_worker, args=(tp_size, f"tcp://127.0.0.1:{free_port()}", runs, results), nprocs=tp_size, join=True)
+    return [results[rank] for rank in range(tp_size)]
+
+
+def assert_same_as_one_worker(reference: Reference, per_rank: list[dict], greedy_requests=None, atol=1e-4, tie=None):
+    """Every rank samples what rank 0 samples (random rows too); rank 0's greedy tokens and
+    logits equal the one-worker run's. With ``tie``: the runs may part at a near-tie (the
+    one-worker logits of both choices within ``tie``); steps after it see different tokens and
+    are not compared."""
+    for rank_result in per_rank[1:]:
+        assert rank_result["sampled"] == per_rank[0]["sampled"]
+    sampled, logits = per_rank[0]["sampled"], per_rank[0]["logits"]
+    assert len(sampled) == len(reference.sampled) and len(logits) == len(reference.logits)
+    for step, (expected, got) in enumerate(zip(reference.sampled, sampled)):
+        # rows of a step's logits: the requests that sampled, in the order they did
+        rows = [req for req, ids in expected.items() if ids]
+        keys = rows if greedy_requests is None else [k for k in rows if k in greedy_requests]
+        assert logits[step].shape == reference.logits[step].shape  # the padded vocabulary cut after the gather
+        # a random request's own logits part after its first draw; the greedy rows must not
+        compared = [rows.index(k) for k in keys]
+        torch.testing.assert_close(logits[step][compared], reference.logits[step][compared], atol=atol, rtol=1e-4)
+        parted = [k for k in keys if got[k] != expected[k]]
+        if parted and tie is not None:
+            for req in parted:
+                row = reference.logits[step][rows.index(req)]
+                gap = float(row[expected[req][0]] - row[got[req][0]])
+                assert 0 <= gap <= tie, f"step {step}, request {req}: not a near-tie (logit gap {gap})"
+            return
+        assert {k: got[k] for k in keys} == {k: expected[k] for k in keys}, f"step {step}"
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+# -- tiny random models in float32 ----------------------------------------------------------
+
+
+def tiny_llama_config(tokenizer, **overrides):
+    from transformers import LlamaConfig
+
+    options = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    return LlamaConfig(**{**options, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf):
+    return tokenizer_of(smollm2_gguf)
+
+
+def test_llama_tp2_padded_vocabulary_and_a_random_request(tmp_path, tokenizer):
+    """4 query / 2 KV heads over 2 ranks; one more vocabulary row than the tokenizer's, so the
+    last rank's head shard is padded; an unseeded random request samples the same on both ranks."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(tokenizer, vocab_size=len(tokenizer) + 1)
+    model = save_tiny_model(tmp_path, tokenizer, LlamaForCausalLM, config, seed=1)
+    params = [GREEDY, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), GREEDY]
+    reference = Reference(model, params, dtype="float32")
+    greedy = {output.request_id for output, p in zip(reference.outputs, params) if p.temperature == 0}
+    (per_rank,) = zip(*run_tensor_parallel(2, [reference]))
+    assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank)
+    assert all(r["rank_blocks"] >= reference.num_blocks for r in per_rank)  # half the heads: twice the blocks
+    assert_same_as_one_worker(reference, list(per_rank), greedy_requests=greedy)
+
+
+def test_llama_tp3_and_tp4_split_and_replicated_kv_heads(tmp_path, tokenizer):
+    """tp=3 with 6 query / 3 KV heads (one KV head per rank, untied head); tp=4 with 8 query /
+    2 KV heads (each KV head replicated on two ranks) -- one spawn of 4 processes would not
+    serve both, so each size gets its own."""
+    from transformers import LlamaForCausalLM
+
+    config3 = tiny_llama_config(
+        tokenizer,
+        hidden_size=96,
+        intermediate_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        tie_word_embeddings=False,
+    )
+    ref3 = Reference(
+        save_tiny_model(tmp_path / "tp3", tokenizer, LlamaForCausalLM, config3, 2), GREEDY, dtype="float32"
+    )
+    (per_rank3,) = zip(*run_tensor_parallel(3, [ref3]))
+    assert all(r["heads"] == (2, 1) for r in per_rank3)
+    assert_same_as_one_worker(ref3, list(per_rank3))
+
+    config4 = tiny_llama_config(tokenizer, num_attention_heads=8, num_key_value_heads=2)
+    ref4 = Reference(
+        save_tiny_model(tmp_path / "tp4", tokenizer, LlamaForCausalLM, config4, 3), GREEDY, dtype="float32"
+    )
+    (per_rank4,) = zip(*run_tensor_parallel(4, [ref4]))
+    assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank4)
+    assert_same_as_one_worker(ref4, list(per_rank4))
+
+
+def test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2(tmp_path, tokenizer):
+    """Qwen2's q/k/v biases split with their heads; Gemma 3's single KV head replicated on both
+    ranks, with its q/k norms, sliding window, soft caps and scaled embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
+
+    qwen2 = Qwen2Config(**tiny_llama_config(tokenizer).to_dict())
+    qwen2_ref = Reference(
+        save_tiny_model(tmp_path / "qwen2", tokenizer, Qwen2ForCausalLM, qwen2, 4), GREEDY, dtype="float32"
+    )
+    gemma3 = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=8,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    )
+    gemma3_ref = Reference(
+        save_tiny_model(tmp_path / "gemma3", tokenizer, Gemma3ForCausalLM, gemma3, 5), GREEDY, dtype="float32"
+    )
+    qwen2_ranks, gemma3_ranks = zip(*run_tensor_parallel(2, [qwen2_ref, gemma3_ref]))
+    assert all(r["heads"] == (2, 1) for r in qwen2_ranks)
+    assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in gemma3_ranks)
+    assert_same_as_one_worker(qwen2_ref, list(qwen2_ranks))
+    assert_same_as_one_worker(gemma3_ref, list(gemma3_ranks))
+
+
+# -- the real SmolLM2 GGUF (9 query / 3 KV heads, 4-bit) --------------------------------------
+
+
+def test_smollm2_gguf_tp3_float32_and_native_int4(smollm2_gguf):
+    """Each rank cuts its slice of every 4-bit tensor in packed form (rows for q/k/v and
+    gate/up, whole 32-value blocks of columns for o_proj and down_proj).
+
+    - ``--dtype float32``: dequantized at load; greedy ids equal, logits close.
+    - bfloat16 (this CPU's ``--dtype auto``): every projection stays int4 blocks for tokenloom's
+      kernel, which quantizes each row's activations to 8 bits per 32-value group: a 1-ulp
+      difference in summation order can move one activation's code, so the runs may part at a
+      near-tie in a generation; until then ids equal and logits close at bfloat16's precision
+      after 30 layers (a mis-sharded weight or KV head moves logits by far more than 1).
+    """
+    short = SamplingParams(temperature=0.0, max_tokens=5)
+    float32 = Reference(smollm2_gguf, short, dtype="float32")
+    bfloat16 = Reference(smollm2_gguf, short, dtype="bfloat16")
+    float32_ranks, bfloat16_ranks = zip(*run_tensor_parallel(3, [float32, bfloat16]))
+    assert all(r["heads"] == (3, 1) and r["kv_cache_shape"][3] == 1 for r in float32_ranks + bfloat16_ranks)
+    assert all(r["int4_layers"] == 0 for r in float32_ranks)
+    assert all(r["int4_layers"] == 30 * 4 for r in bfloat16_ranks)  # every projection of every layer stays 4-bit
+    assert_same_as_one_worker(float32, list(float32_ranks), atol=1e-3)
+    assert_same_as_one_worker(bfloat16, list(bfloat16_ranks), atol=1.0, tie=1.0)
