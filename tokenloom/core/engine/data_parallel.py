@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.engine.async_llm import AsyncLLM
@@ -48,6 +48,10 @@ STATS_INTERVAL_SECONDS = 0.5
 REPLICA_RAY_CPUS = 1
 
 OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
+# a message between the server and a replica: a plain tuple, its kind first (see ReplicaHost)
+Message = tuple[Any, ...]
+# the plugin registries as plain data (see plugin_tables)
+PluginTables = dict[str, list[tuple[str, str, dict[str, Any]]]]
 
 # what the server's engine facts are, read once from the first replica when it is ready
 FACT_NAMES = (
@@ -139,7 +143,7 @@ class PackedError:
     """An exception as plain data: tokenloom's errors take keyword-only arguments (``param``,
     ``code``) that pickling an exception drops or cannot pass back to ``__init__``."""
 
-    error_class: type
+    error_class: type[BaseException]
     message: str
     attributes: dict[str, Any]
 
@@ -171,7 +175,7 @@ class PackedError:
             return RuntimeError(f"{self.error_class.__name__}: {self.message}")
 
 
-def plugin_tables(plugins: PluginSet) -> dict[str, list[tuple[str, str, dict[str, Any]]]]:
+def plugin_tables(plugins: PluginSet) -> PluginTables:
     """The registries as plain data a replica rebuilds them from, with each entry's options
     (a model's ``runner``, say), which :meth:`PluginSet.to_plain` leaves out: a replica is a
     whole engine, and the engine reads them."""
@@ -183,7 +187,7 @@ def plugin_tables(plugins: PluginSet) -> dict[str, list[tuple[str, str, dict[str
     }
 
 
-def plugins_from_tables(tables: dict[str, list[tuple[str, str, dict[str, Any]]]]) -> PluginSet:
+def plugins_from_tables(tables: PluginTables) -> PluginSet:
     plugins = PluginSet.from_plain({})
     for kind, entries in tables.items():
         registry: Registry = plugins.registries.setdefault(kind, Registry(kind))
@@ -207,14 +211,14 @@ class ReplicaHost:
 
     def __init__(self, llm: AsyncLLM):
         self.llm = llm
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._outbox: list[tuple] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._outbox: list[Message] = []
         self._has_mail = asyncio.Event()
 
     def facts(self) -> dict[str, Any]:
         return {name: getattr(self.llm, name) for name in FACT_NAMES}
 
-    def handle(self, message: tuple) -> None:
+    def handle(self, message: Message) -> None:
         kind = message[0]
         if kind == "generate":
             _, request_id, prompt, sampling_params, priority, lora_request = message
@@ -235,10 +239,12 @@ class ReplicaHost:
         else:
             logger.error("data-parallel replica: unknown message %r", kind)
 
-    def _start(self, request_id: str, stream: AsyncGenerator) -> None:
+    def _start(self, request_id: str, stream: AsyncGenerator[RequestOutput | PoolingRequestOutput, None]) -> None:
         self._tasks[request_id] = asyncio.get_running_loop().create_task(self._forward(request_id, stream))
 
-    async def _forward(self, request_id: str, stream: AsyncGenerator) -> None:
+    async def _forward(
+        self, request_id: str, stream: AsyncGenerator[RequestOutput | PoolingRequestOutput, None]
+    ) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -250,7 +256,7 @@ class ReplicaHost:
         finally:
             self._tasks.pop(request_id, None)
 
-    async def _reply(self, call_id: int, method: str, args: tuple) -> None:
+    async def _reply(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
             value = getattr(self.llm, method)(*args)
             if asyncio.iscoroutine(value):
@@ -259,11 +265,11 @@ class ReplicaHost:
         except Exception as exc:
             self._post(("reply", call_id, False, PackedError.of(exc)))
 
-    def _post(self, message: tuple) -> None:
+    def _post(self, message: Message) -> None:
         self._outbox.append(message)
         self._has_mail.set()
 
-    async def next_messages(self, timeout: float = STATS_INTERVAL_SECONDS) -> list[tuple]:
+    async def next_messages(self, timeout: float = STATS_INTERVAL_SECONDS) -> list[Message]:
         """What is waiting to go back, at once if anything is, else after ``timeout``; always
         ends with the replica's stats (a heartbeat when there is nothing else)."""
         if not self._outbox:
@@ -281,14 +287,14 @@ class ReplicaHost:
         await self.llm.shutdown()
 
 
-async def _build_host(engine_args: EngineArgs, tables: dict) -> ReplicaHost:
+async def _build_host(engine_args: EngineArgs, tables: PluginTables) -> ReplicaHost:
     llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, plugins_from_tables(tables))
     await llm.start()
     return ReplicaHost(llm)
 
 
 def replica_process_main(
-    index: int, engine_args: EngineArgs, tables: dict, cpu_ids: list[int] | None, inbox: Any, outbox: Any
+    index: int, engine_args: EngineArgs, tables: PluginTables, cpu_ids: list[int] | None, inbox: Any, outbox: Any
 ) -> None:
     """An ``mp`` replica's process: builds the engine, sends ``("ready", facts)`` (or
     ``("failed", PackedError)``), then serves messages until told to stop or the server goes."""
@@ -310,7 +316,7 @@ def enter_replica(index: int, cpu_ids: list[int] | None) -> None:
     )
 
 
-async def _serve_replica(engine_args: EngineArgs, tables: dict, inbox: Any, outbox: Any) -> None:
+async def _serve_replica(engine_args: EngineArgs, tables: PluginTables, inbox: Any, outbox: Any) -> None:
     try:
         host = await _build_host(engine_args, tables)
     except BaseException as exc:
@@ -348,7 +354,7 @@ class RayReplicaActor:
     def __init__(self) -> None:
         self.host: ReplicaHost | None = None
 
-    async def start(self, index: int, num_cpus: int, engine_args: EngineArgs, tables: dict) -> dict[str, Any]:
+    async def start(self, index: int, num_cpus: int, engine_args: EngineArgs, tables: PluginTables) -> dict[str, Any]:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         per_replica = min(num_cpus, len(cores))
         # Ray counts CPUs but pins none: replicas that share a node take different cores
@@ -357,10 +363,12 @@ class RayReplicaActor:
         self.host = await _build_host(engine_args, tables)
         return self.host.facts()
 
-    async def handle(self, message: tuple) -> None:
+    async def handle(self, message: Message) -> None:
+        assert self.host is not None, "the replica has not started"
         self.host.handle(message)
 
-    async def next_messages(self, timeout: float) -> list[tuple]:
+    async def next_messages(self, timeout: float) -> list[Message]:
+        assert self.host is not None, "the replica has not started"
         return await self.host.next_messages(timeout)
 
     async def shutdown(self) -> None:
@@ -384,10 +392,10 @@ class ReplicaHandle:
         self.closing = False
         self._send_lock = threading.Lock()
 
-    def start(self, on_messages: Callable[[int, list[tuple]], None], on_death: Callable[[int, str], None]) -> None:
+    def start(self, on_messages: Callable[[int, list[Message]], None], on_death: Callable[[int, str], None]) -> None:
         raise NotImplementedError
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
         """Queue ``message`` for the replica; EngineDeadError when it cannot be reached."""
         raise NotImplementedError
 
@@ -403,7 +411,7 @@ class ReplicaHandle:
 class ProcessReplica(ReplicaHandle):
     """An ``mp`` replica: a spawned process and two one-way pipes."""
 
-    def __init__(self, index: int, engine_args: EngineArgs, tables: dict, cpu_ids: list[int] | None):
+    def __init__(self, index: int, engine_args: EngineArgs, tables: PluginTables, cpu_ids: list[int] | None):
         super().__init__(index)
         context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive fork
         inbox_reader, self._inbox = context.Pipe(duplex=False)
@@ -418,7 +426,7 @@ class ProcessReplica(ReplicaHandle):
         inbox_reader.close()
         outbox_writer.close()
 
-    def start(self, on_messages, on_death) -> None:
+    def start(self, on_messages: Callable[[int, list[Message]], None], on_death: Callable[[int, str], None]) -> None:
         def receive() -> None:
             while True:
                 try:
@@ -443,7 +451,7 @@ class ProcessReplica(ReplicaHandle):
 
         threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
         try:
             with self._send_lock:
                 self._inbox.send(message)
@@ -468,15 +476,16 @@ class ProcessReplica(ReplicaHandle):
 class RayReplica(ReplicaHandle):
     """A ``ray`` replica: an actor the server polls for messages."""
 
-    def __init__(self, index: int, engine_args: EngineArgs, tables: dict, actor_options: dict[str, Any]):
+    def __init__(self, index: int, engine_args: EngineArgs, tables: PluginTables, actor_options: dict[str, Any]):
         import ray
 
         super().__init__(index)
         self._ray = ray
-        self.actor = ray.remote(RayReplicaActor).options(**actor_options).remote()
+        # Ray's actor handle is dynamic (each method gains .remote), which Ray's stubs cannot say
+        self.actor: Any = cast(Any, ray.remote(RayReplicaActor).options(**actor_options).remote())
         self._started = self.actor.start.remote(index, actor_options["num_cpus"], engine_args, tables)
 
-    def start(self, on_messages, on_death) -> None:
+    def start(self, on_messages: Callable[[int, list[Message]], None], on_death: Callable[[int, str], None]) -> None:
         ray = self._ray
 
         def receive() -> None:
@@ -496,7 +505,7 @@ class RayReplica(ReplicaHandle):
 
         threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
         try:
             self.actor.handle.remote(message)
         except Exception as exc:
@@ -561,12 +570,12 @@ class DataParallelAsyncLLM:
         self.plugins = plugins
         self.replicas = replicas
         self._facts: dict[str, Any] = {}
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException]] = {}
         self._owner: dict[str, int] = {}  # request id -> the replica that holds it
         self._num_in_flight = [0] * len(replicas)
         self._replica_stats: list[EngineStats | None] = [None] * len(replicas)
         self._dead_reasons: list[str | None] = [None] * len(replicas)
-        self._calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        self._calls: dict[int, tuple[int, concurrent.futures.Future[Any]]] = {}
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -638,7 +647,7 @@ class DataParallelAsyncLLM:
 
     @property
     def model_name(self) -> str:
-        return self._facts["model_name"]
+        return cast(str, self._facts["model_name"])
 
     @property
     def served_model_names(self) -> list[str]:
@@ -646,11 +655,11 @@ class DataParallelAsyncLLM:
 
     @property
     def max_model_len(self) -> int:
-        return self._facts["max_model_len"]
+        return cast(int, self._facts["max_model_len"])
 
     @property
     def runner_type(self) -> str:
-        return self._facts["runner_type"]
+        return cast(str, self._facts["runner_type"])
 
     @property
     def hf_config(self) -> Any:
@@ -658,11 +667,11 @@ class DataParallelAsyncLLM:
 
     @property
     def max_logprobs(self) -> int:
-        return self._facts["max_logprobs"]
+        return cast(int, self._facts["max_logprobs"])
 
     @property
     def vocab_size(self) -> int:
-        return self._facts["vocab_size"]
+        return cast(int, self._facts["vocab_size"])
 
     @property
     def generation_defaults(self) -> dict[str, Any]:
@@ -670,7 +679,7 @@ class DataParallelAsyncLLM:
 
     @property
     def max_num_seqs(self) -> int:
-        return self._facts["max_num_seqs"]
+        return cast(int, self._facts["max_num_seqs"])
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -678,7 +687,7 @@ class DataParallelAsyncLLM:
 
     @property
     def scheduling_policy(self) -> str:
-        return self._facts["scheduling_policy"]
+        return cast(str, self._facts["scheduling_policy"])
 
     @property
     def logits_processor_resolver(self) -> LogitsProcessorResolver:
@@ -756,14 +765,14 @@ class DataParallelAsyncLLM:
             with contextlib.suppress(EngineDeadError):
                 self.replicas[index].send(("abort", request_id))
 
-    async def _outputs(self, request_id: str, message: tuple, kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
+    async def _outputs(self, request_id: str, message: Message, kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
         if self.errored:
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
         await self.start()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         index = choose_replica(self.replica_loads())
-        stream: asyncio.Queue = asyncio.Queue()
+        stream: asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._owner[request_id] = index
         self._num_in_flight[index] += 1
@@ -794,8 +803,8 @@ class DataParallelAsyncLLM:
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
         return live
 
-    def _call_now(self, index: int, method: str, args: tuple) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def _call_now(self, index: int, method: str, args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._calls_lock:
             call_id = next(self._call_ids)
             self._calls[call_id] = (index, future)
@@ -807,12 +816,12 @@ class DataParallelAsyncLLM:
             future.set_exception(exc)
         return future
 
-    async def _call(self, index: int, method: str, args: tuple) -> Any:
+    async def _call(self, index: int, method: str, args: tuple[Any, ...]) -> Any:
         return await asyncio.wrap_future(self._call_now(index, method, args))
 
     # -- the receiver threads
 
-    def _on_messages(self, index: int, messages: list[tuple]) -> None:
+    def _on_messages(self, index: int, messages: list[Message]) -> None:
         outputs = []
         for message in messages:
             kind = message[0]
