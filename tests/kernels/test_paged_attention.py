@@ -130,6 +130,19 @@ def test_reference_soft_cap_matches_dense_attention():
     torch.testing.assert_close(output[:3], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_memoised_references():
+    """The memoised references below live while this module runs (every level), not the session."""
+    yield
+    for memoised in (
+        _mixed_batch_reference,
+        _float32_decode_reference,
+        _windowed_decode_reference,
+        _fp8_decode_reference,
+    ):
+        memoised.cache_clear()
+
+
 @functools.cache
 def _mixed_batch_reference(specs, window, heads, soft_cap):
     """One mixed step and the reference's output and cache for it, computed once per shape and
@@ -460,6 +473,18 @@ def _native_decode_step(seq_lens, num_q_heads, num_kv_heads, head_size, block_si
     return query, key, value, kv_cache, metadata
 
 
+@functools.cache
+def _float32_decode_reference(head_size, heads, block_size, seq_lens):
+    """The float32 decode step and the reference's result for it, once per shape for every level."""
+    num_q_heads, num_kv_heads = heads
+    query, key, value, kv_cache, metadata = _native_decode_step(
+        list(seq_lens), num_q_heads, num_kv_heads, head_size, block_size, torch.float32, 12
+    )
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size**-0.5)
+    return _Reference(query, key, value, kv_cache, metadata, expected, reference_cache)
+
+
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 # query rows per KV head 7, 2, 3, 5, 1: the kernels tile 1-4 rows at a time and leave remainders
 @pytest.mark.parametrize("heads", [(7, 1), (4, 2), (9, 3), (10, 2), (3, 3)])
@@ -471,15 +496,25 @@ def test_native_decode_float32_every_run_length_and_tile(head_size, heads, block
     """float32 decode against the reference for every key count from 1 to 40: the vector paths
     read keys in runs cut at 16 positions and at block ends, and take them 8 (AVX2) or 16
     (AVX-512) at a time, so each count leaves a different tail."""
-    num_q_heads, num_kv_heads = heads
-    query, key, value, kv_cache, metadata = _native_decode_step(
-        seq_lens, num_q_heads, num_kv_heads, head_size, block_size, torch.float32, 12
-    )
-    reference_cache = kv_cache.clone()
-    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size**-0.5)
+    query, key, value, kv_cache, metadata, expected, reference_cache = _float32_decode_reference(
+        head_size, heads, block_size, tuple(seq_lens)
+    ).for_one_test()
     output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size**-0.5)
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
+
+
+@functools.cache
+def _windowed_decode_reference(dtype, window, soft_cap):
+    """The windowed, soft-capped decode step and the reference's result, once for every level."""
+    seq_lens = [1, 9, 16, 17, 31, 48, 50]
+    query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, 9, 3, 64, 16, dtype, 13)
+    query = query * 4
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(
+        query, key, value, reference_cache, metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    return _Reference(query, key, value, kv_cache, metadata, expected, reference_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -488,12 +523,9 @@ def test_native_decode_float32_every_run_length_and_tile(head_size, heads, block
 def test_native_decode_windows_and_soft_cap_per_dtype(dtype, window, soft_cap):
     """Sliding windows that start mid-block (the first run of keys is short) and the soft cap,
     on the vectorised head size in each cache dtype; scores are scaled up so the cap bites."""
-    seq_lens = [1, 9, 16, 17, 31, 48, 50]
-    query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, 9, 3, 64, 16, dtype, 13)
-    query = query * 4
-    expected = reference_paged_attention(
-        query, key, value, kv_cache.clone(), metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
-    )
+    query, key, value, kv_cache, metadata, expected, _ = _windowed_decode_reference(
+        dtype, window, soft_cap
+    ).for_one_test()
     output = NativeCpuPagedAttention().forward(
         query, key, value, kv_cache, metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
     )
