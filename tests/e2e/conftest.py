@@ -1,4 +1,5 @@
-"""The real `tokenloom serve` process, started once per test module on a free loopback port."""
+"""The real `tokenloom serve` process on a free loopback port: started once per test module, or
+once per session for the plain `smollm2_server` several modules share."""
 
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def stop_server(server: RunningServer) -> None:
         server.process.wait()
 
 
-@pytest.fixture(scope="module")
+# one server for the whole session: every module that uses it (admission, agent APIs, the
+# server's own tests) wants the same flags and leaves it idle, and a start costs seconds
+@pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
     server = start_server(
