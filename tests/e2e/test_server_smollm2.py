@@ -23,9 +23,13 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module", params=[[], ["--data-parallel-size", "2"]], ids=["one-engine", "dp2"])
-def smollm2_server(request, tmp_path_factory):
+def smollm2_server(request, smollm2_server, tmp_path_factory):
     # the API must not tell one engine from two replicas: the same tests pass against both
-    yield from serve_smollm2(tmp_path_factory, request.param)
+    # (one engine: the session's shared server, from tests/e2e/conftest.py)
+    if request.param:
+        yield from serve_smollm2(tmp_path_factory, request.param)
+    else:
+        yield smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ decode batches with GQA, sliding windows, logit soft-capping and scattered block
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import random
 from unittest import mock
@@ -128,18 +130,62 @@ def test_reference_soft_cap_matches_dense_attention():
     torch.testing.assert_close(output[:3], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_memoised_references():
+    """The memoised references below live while this module runs (every level), not the session."""
+    yield
+    for memoised in (
+        _mixed_batch_reference,
+        _float32_decode_reference,
+        _windowed_decode_reference,
+        _fp8_decode_reference,
+    ):
+        memoised.cache_clear()
+
+
+@functools.cache
+def _mixed_batch_reference(specs, window, heads, soft_cap):
+    """One mixed step and the reference's output and cache for it, computed once per shape and
+    shared by every backend and CPU kernel level that is checked against them (the step and the
+    reference are torch code, the same at every level)."""
+    num_q_heads, num_kv_heads = heads
+    _, kv_cache, metadata, (query, key, value) = make_step(list(specs), num_q_heads, num_kv_heads, 16, torch.float32, 2)
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(
+        query, key, value, reference_cache, metadata, scale=0.25, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    return _Reference(query, key, value, kv_cache, metadata, expected, reference_cache)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Reference:
+    """A memoised step and the reference's result for it."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: object
+    expected: torch.Tensor
+    reference_cache: torch.Tensor
+
+    def for_one_test(self):
+        """The step with its own copy of the KV cache (the backend under test writes into it), so
+        the memoised inputs and results stay as the reference left them."""
+        kv_cache = self.kv_cache.clone()
+        metadata = dataclasses.replace(self.metadata, kv_caches=[kv_cache])
+        return self.query, self.key, self.value, kv_cache, metadata, self.expected, self.reference_cache
+
+
 @pytest.mark.parametrize("specs", MIXED_BATCHES)
 @pytest.mark.parametrize("window", [None, 2, 5, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
 @pytest.mark.parametrize("backend_class", FAST_BACKENDS)
 def test_fast_backend_matches_reference(specs, window, heads, soft_cap, backend_class):
-    num_q_heads, num_kv_heads = heads
-    _, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, 16, torch.float32, 2)
-    reference_cache = kv_cache.clone()
-    expected = reference_paged_attention(
-        query, key, value, reference_cache, metadata, scale=0.25, sliding_window=window, logits_soft_cap=soft_cap
-    )
+    query, key, value, kv_cache, metadata, expected, reference_cache = _mixed_batch_reference(
+        tuple(specs), window, heads, soft_cap
+    ).for_one_test()
     output = backend_class().forward(
         query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window, logits_soft_cap=soft_cap
     )
@@ -427,6 +473,18 @@ def _native_decode_step(seq_lens, num_q_heads, num_kv_heads, head_size, block_si
     return query, key, value, kv_cache, metadata
 
 
+@functools.cache
+def _float32_decode_reference(head_size, heads, block_size, seq_lens):
+    """The float32 decode step and the reference's result for it, once per shape for every level."""
+    num_q_heads, num_kv_heads = heads
+    query, key, value, kv_cache, metadata = _native_decode_step(
+        list(seq_lens), num_q_heads, num_kv_heads, head_size, block_size, torch.float32, 12
+    )
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size**-0.5)
+    return _Reference(query, key, value, kv_cache, metadata, expected, reference_cache)
+
+
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 # query rows per KV head 7, 2, 3, 5, 1: the kernels tile 1-4 rows at a time and leave remainders
 @pytest.mark.parametrize("heads", [(7, 1), (4, 2), (9, 3), (10, 2), (3, 3)])
@@ -438,15 +496,25 @@ def test_native_decode_float32_every_run_length_and_tile(head_size, heads, block
     """float32 decode against the reference for every key count from 1 to 40: the vector paths
     read keys in runs cut at 16 positions and at block ends, and take them 8 (AVX2) or 16
     (AVX-512) at a time, so each count leaves a different tail."""
-    num_q_heads, num_kv_heads = heads
-    query, key, value, kv_cache, metadata = _native_decode_step(
-        seq_lens, num_q_heads, num_kv_heads, head_size, block_size, torch.float32, 12
-    )
-    reference_cache = kv_cache.clone()
-    expected = reference_paged_attention(query, key, value, reference_cache, metadata, scale=head_size**-0.5)
+    query, key, value, kv_cache, metadata, expected, reference_cache = _float32_decode_reference(
+        head_size, heads, block_size, tuple(seq_lens)
+    ).for_one_test()
     output = NativeCpuPagedAttention().forward(query, key, value, kv_cache, metadata, scale=head_size**-0.5)
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
+
+
+@functools.cache
+def _windowed_decode_reference(dtype, window, soft_cap):
+    """The windowed, soft-capped decode step and the reference's result, once for every level."""
+    seq_lens = [1, 9, 16, 17, 31, 48, 50]
+    query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, 9, 3, 64, 16, dtype, 13)
+    query = query * 4
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(
+        query, key, value, reference_cache, metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    return _Reference(query, key, value, kv_cache, metadata, expected, reference_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -455,12 +523,9 @@ def test_native_decode_float32_every_run_length_and_tile(head_size, heads, block
 def test_native_decode_windows_and_soft_cap_per_dtype(dtype, window, soft_cap):
     """Sliding windows that start mid-block (the first run of keys is short) and the soft cap,
     on the vectorised head size in each cache dtype; scores are scaled up so the cap bites."""
-    seq_lens = [1, 9, 16, 17, 31, 48, 50]
-    query, key, value, kv_cache, metadata = _native_decode_step(seq_lens, 9, 3, 64, 16, dtype, 13)
-    query = query * 4
-    expected = reference_paged_attention(
-        query, key, value, kv_cache.clone(), metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
-    )
+    query, key, value, kv_cache, metadata, expected, _ = _windowed_decode_reference(
+        dtype, window, soft_cap
+    ).for_one_test()
     output = NativeCpuPagedAttention().forward(
         query, key, value, kv_cache, metadata, scale=0.125, sliding_window=window, logits_soft_cap=soft_cap
     )
@@ -571,6 +636,31 @@ def _fp8_decode_step(seq_lens, heads, head_size, block_size, cache_dtype, dtype,
     return query, key, value, kv_cache, metadata
 
 
+# scales that are not powers of two
+FP8_SCALES = (0.0123, 0.0071)
+
+
+@functools.cache
+def _fp8_decode_reference(heads, head_size, block_size, cache_dtype, dtype):
+    """A decode step of sequences of 1..40 tokens over an fp8 cache, and the reference's output
+    and cache for it: computed once per shape and shared by both backends at every level."""
+    query, key, value, kv_cache, metadata = _fp8_decode_step(
+        list(range(1, 41)), heads, head_size, block_size, cache_dtype, dtype, FP8_SCALES, 31
+    )
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(
+        query,
+        key,
+        value,
+        reference_cache,
+        metadata,
+        scale=head_size**-0.5,
+        k_scale=FP8_SCALES[0],
+        v_scale=FP8_SCALES[1],
+    )
+    return _Reference(query, key, value, kv_cache, metadata, expected, reference_cache)
+
+
 @pytest.mark.parametrize("backend_class", FAST_BACKENDS)
 @pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -581,17 +671,11 @@ def test_fp8_decode_matches_reference(backend_class, cache_dtype, dtype, head_si
     """Decode over an fp8 cache, keys in runs cut at block ends: 1..40 tokens per sequence, so
     every sequence length crosses (or stops at) a block boundary somewhere, with scales that
     are not powers of two."""
-    scales = (0.0123, 0.0071)
-    seq_lens = list(range(1, 41))
-    query, key, value, kv_cache, metadata = _fp8_decode_step(
-        seq_lens, heads, head_size, block_size, cache_dtype, dtype, scales, 31
-    )
-    reference_cache = kv_cache.clone()
-    expected = reference_paged_attention(
-        query, key, value, reference_cache, metadata, scale=head_size**-0.5, k_scale=scales[0], v_scale=scales[1]
-    )
+    query, key, value, kv_cache, metadata, expected, reference_cache = _fp8_decode_reference(
+        heads, head_size, block_size, cache_dtype, dtype
+    ).for_one_test()
     output = backend_class().forward(
-        query, key, value, kv_cache, metadata, scale=head_size**-0.5, k_scale=scales[0], v_scale=scales[1]
+        query, key, value, kv_cache, metadata, scale=head_size**-0.5, k_scale=FP8_SCALES[0], v_scale=FP8_SCALES[1]
     )
     # the fp8 rounding is the same on both sides (the same bytes in the cache); what differs is
     # float32 summation order, the output's rounding to bfloat16 and, on the torch path, its
