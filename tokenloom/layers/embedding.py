@@ -43,6 +43,10 @@ def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 class VocabParallelEmbedding(nn.Module):
     """``token id -> embedding row``; each rank holds a contiguous range of the vocabulary."""
 
+    #: the LoRA path beside the lookup (a :class:`tokenloom.lora.layers.EmbeddingLoRA`; for the
+    #: LM head a :class:`~tokenloom.lora.layers.LogitsLoRA`), set by the LoRA manager
+    lora: Any = None
+
     def __init__(
         self,
         num_embeddings: int,
@@ -67,7 +71,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            embeddings = F.embedding(input_ids, self.weight)
+            return embeddings if self.lora is None else self.lora.add_delta(input_ids, embeddings)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
         embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
@@ -171,7 +176,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
         if self.int8_weight is not None:
-            return int8_linear(hidden_states, self.int8_weight)[:, : self.num_embeddings]
+            logits = int8_linear(hidden_states, self.int8_weight)[:, : self.num_embeddings]
+            return self._lora_logits(hidden_states, logits)
         if self._use_small_batch_copy(hidden_states):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()
             if self.bias is not None:
@@ -182,7 +188,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             raise NotImplementedError("gathering logits across tensor-parallel ranks is not implemented")
-        return logits[:, : self.num_embeddings].float()
+        return self._lora_logits(hidden_states, logits[:, : self.num_embeddings].float())
+
+    def _lora_logits(self, hidden_states: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.lora is None else self.lora.add_delta(hidden_states, logits)
 
     def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
         if param_name == "bias" and self.bias is not None:

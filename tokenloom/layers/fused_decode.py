@@ -43,7 +43,7 @@ class FusedDecodeLayer:
     def __call__(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if any(projection.lora is not None and projection.lora.state.active for projection in self.projections):
+        if any(projection.lora is not None and projection.lora.applies() for projection in self.projections):
             return None  # the operator has no LoRA path: the layer's Python path adds the deltas
         if self._arguments is _UNCHECKED:
             self._arguments = self._check_layer(hidden_states)
