@@ -56,6 +56,16 @@ class LoRABatchState:
     def clear(self) -> None:
         self.set_batch([])
 
+    @property
+    def token_slots(self) -> torch.Tensor:
+        """``[tokens]`` int64, each token's slot (-1: the base model); only while active."""
+        assert self._token_slots is not None  # only asked for while active
+        return self._token_slots
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self._token_slots is None else self._token_slots.shape[0]
+
     def end_forward(self) -> None:
         """The step's forward is done: the layers stop adding deltas (a drafter running the
         model after it runs the base model), while the token slots stay for the logits rows."""
@@ -106,6 +116,8 @@ class _SlotStacks:
         self.state = state
         self.lora_a: torch.Tensor | None = None
         self.lora_b: torch.Tensor | None = None
+        self.lora_b_t: torch.Tensor | None = None
+        self.shard_table: torch.Tensor | None = None
         self._filled = [False] * state.max_loras  # slots whose adapter targets this layer
         if self.allocate_eagerly:
             self._allocate()
@@ -114,7 +126,11 @@ class _SlotStacks:
         if self.lora_a is None:
             columns = self.state.max_loras * len(self.shards) * self.state.max_rank
             self.lora_a = torch.zeros(columns, self.input_size, dtype=self.state.dtype)
-            self.lora_b = torch.zeros(self.output_size, columns, dtype=self.state.dtype)
+            # B transposed, [columns, out]: the native BGMV's expand reads a slot's rows whole;
+            # lora_b is its [out, columns] view, the weight of the torch path's F.linear
+            self.lora_b_t = torch.zeros(columns, self.output_size, dtype=self.state.dtype)
+            self.lora_b = self.lora_b_t.T
+            self.shard_table = torch.tensor(self.shards, dtype=torch.long).reshape(-1, 2)
 
     def _columns(self, slot: int, shard_index: int) -> int:
         return (slot * len(self.shards) + shard_index) * self.state.max_rank
@@ -158,10 +174,16 @@ class LinearLoRA(_SlotStacks):
         """``output`` plus each token's adapter delta (``output`` itself when no token has one)."""
         if not self.applies():
             return output
-        mask = self.state.mask(len(self.shards))
+        state = self.state
         if x.dim() != 2:
-            raise RuntimeError(f"LoRA layer got input {tuple(x.shape)} for a batch of {mask.shape[0]} tokens")
-        self._check_rows(x.shape[0], mask.shape[0])
+            raise RuntimeError(f"LoRA layer got input {tuple(x.shape)} for a batch of {state.num_tokens} tokens")
+        self._check_rows(x.shape[0], state.num_tokens)
+        bgmv = _native_bgmv(x, output)
+        if bgmv is not None:
+            # one token's slot at a time, in place (the fused decode layer calls the same operator)
+            bgmv(output, x.contiguous(), self.lora_a, self.lora_b_t, state.token_slots, self.shard_table, state.max_rank)
+            return output
+        mask = state.mask(len(self.shards))
         return output + self._delta(x, mask).to(output.dtype)
 
     def _delta(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -199,6 +221,7 @@ class EmbeddingLoRA(_SlotStacks):
             columns = self.state.max_loras * self.state.max_rank
             self.lora_a = torch.zeros(self.input_size, columns, dtype=self.state.dtype)
             self.lora_b = torch.zeros(self.output_size, columns, dtype=self.state.dtype)
+            self.lora_b_t = self.lora_b.T
 
     def set_slot(self, slot: int, shard_index: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """``A [rank, vocab]`` and scaled ``B [hidden, rank]`` into ``slot`` (one shard)."""
@@ -229,6 +252,16 @@ class EmbeddingLoRA(_SlotStacks):
         looked_up = F.embedding(flat_ids, self.lora_a[:, :width])
         delta = F.linear(looked_up * mask, self.lora_b[:, :width])
         return output + delta.reshape(output.shape).to(output.dtype)
+
+
+def _native_bgmv(x: torch.Tensor, output: torch.Tensor) -> Any:
+    """tokenloom's CPU BGMV operator when it runs on these tensors, else None (the torch path)."""
+    from tokenloom.kernels import cpu_native
+
+    ops = cpu_native.ops_for(x)
+    if ops is None or x.device.type != "cpu" or x.dtype != output.dtype or not output.is_contiguous():
+        return None
+    return getattr(ops, "lora_bgmv_", None)
 
 
 def lora_of(module: Any) -> _SlotStacks | None:
