@@ -39,7 +39,9 @@ def load_base(directory, *, untied=False):
 def adapter_dirs(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("embedding-adapters")
     return {
-        name: save_random_adapter(load_base(tiny_llama_dir), root / name, r=rank, alpha=alpha, targets=targets, seed=seed)
+        name: save_random_adapter(
+            load_base(tiny_llama_dir), root / name, r=rank, alpha=alpha, targets=targets, seed=seed
+        )
         for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items(), start=11)
     }
 
@@ -94,12 +96,18 @@ def test_greedy_ids_equal_transformers_peft(tiny_llama_dir, adapter_dirs, prompt
 def test_an_adapter_on_the_embedding_leaves_the_tied_head_alone(tiny_llama_dir, adapter_dirs, prompt_ids, alone):
     """Merged into the tied weight, the embedding's adapter would change the head as well: that
     model's ids differ from the ones tokenloom (and PEFT unmerged) give."""
-    tied_merge = peft_greedy(lambda: load_base(tiny_llama_dir), adapter_dirs["embed"], prompt_ids, MAX_TOKENS, merged=True)
+    tied_merge = peft_greedy(
+        lambda: load_base(tiny_llama_dir), adapter_dirs["embed"], prompt_ids, MAX_TOKENS, merged=True
+    )
     assert tied_merge != alone["embed"]
 
 
-@pytest.mark.parametrize("engine_args", [{"max_loras": 3}, {"max_loras": 2, "max_num_batched_tokens": 8, "block_size": 4}])
-def test_mixed_batch_gives_each_request_what_it_gets_alone(tiny_llama_dir, prompt_ids, lora_requests, alone, engine_args):
+@pytest.mark.parametrize(
+    "engine_args", [{"max_loras": 3}, {"max_loras": 2, "max_num_batched_tokens": 8, "block_size": 4}]
+)
+def test_mixed_batch_gives_each_request_what_it_gets_alone(
+    tiny_llama_dir, prompt_ids, lora_requests, alone, engine_args
+):
     llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_lora_rank=8, **engine_args)
     prompts, requests, keys = [], [], []
     for index, ids in enumerate(prompt_ids):

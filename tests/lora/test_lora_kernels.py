@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.isa_levels import isa_level  # noqa: F401
 
 from tokenloom.kernels import cpu_native
 from tokenloom.lora.layers import LinearLoRA, LoRABatchState
@@ -34,13 +33,19 @@ def filled_lora(input_size, shards, *, max_loras, max_rank, dtype, ranks):
     for slot, rank in ranks.items():
         for shard_index, (_, size) in enumerate(shards):
             seed = 100 * slot + shard_index
-            lora.set_slot(slot, shard_index, randn(rank, input_size, seed=seed), randn(size, rank, seed=seed + 50) * 0.5)
+            lora.set_slot(
+                slot, shard_index, randn(rank, input_size, seed=seed), randn(size, rank, seed=seed + 50) * 0.5
+            )
     return lora, state
 
 
 @pytest.mark.parametrize(
     ("activation_dtype", "lora_dtype", "tolerance"),
-    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 8e-3), (torch.float32, torch.bfloat16, 1e-5)],
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 8e-3),
+        (torch.float32, torch.bfloat16, 1e-5),
+    ],
     ids=["float32", "bfloat16", "bf16-weights"],
 )
 def test_bgmv_equals_the_torch_reference(activation_dtype, lora_dtype, tolerance):
@@ -80,7 +85,9 @@ def test_a_tokens_delta_does_not_depend_on_the_batch():
     ops.lora_bgmv_(batch, x, lora.lora_a, lora.lora_b_t, token_slots, lora.shard_table, 8)
     for row in range(6):
         alone = torch.zeros(1, 64, dtype=torch.bfloat16)
-        ops.lora_bgmv_(alone, x[row : row + 1], lora.lora_a, lora.lora_b_t, token_slots[row : row + 1], lora.shard_table, 8)
+        ops.lora_bgmv_(
+            alone, x[row : row + 1], lora.lora_a, lora.lora_b_t, token_slots[row : row + 1], lora.shard_table, 8
+        )
         assert torch.equal(alone[0], batch[row]), row
 
 

@@ -101,7 +101,9 @@ def tied_embedding_and_head(vocab=10, dim=6, max_loras=3, max_rank=4):
 def test_embedding_rows_get_their_own_slots_delta():
     embedding, head, state = tied_embedding_and_head()
     assert embedding.lora.lora_a is None  # nothing held until an adapter targets the embedding
-    adapters = {slot: (randn(rank, 10, seed=10 + slot), randn(6, rank, seed=20 + slot)) for slot, rank in [(0, 3), (2, 4)]}
+    adapters = {
+        slot: (randn(rank, 10, seed=10 + slot), randn(6, rank, seed=20 + slot)) for slot, rank in [(0, 3), (2, 4)]
+    }
     for slot, (lora_a, lora_b) in adapters.items():
         embedding.lora.set_slot(slot, 0, lora_a, lora_b)
     input_ids = torch.tensor([3, 7, 3, 0, 9])
@@ -122,7 +124,9 @@ def test_embedding_rows_get_their_own_slots_delta():
 
 def test_lm_head_rows_get_the_slot_of_the_token_they_come_from():
     embedding, head, state = tied_embedding_and_head()
-    adapters = {slot: (randn(rank, 6, seed=30 + slot), randn(10, rank, seed=40 + slot)) for slot, rank in [(1, 2), (2, 4)]}
+    adapters = {
+        slot: (randn(rank, 6, seed=30 + slot), randn(10, rank, seed=40 + slot)) for slot, rank in [(1, 2), (2, 4)]
+    }
     for slot, (lora_a, lora_b) in adapters.items():
         head.lora.set_slot(slot, 0, lora_a, lora_b)
     state.set_batch([1, 1, 1, -1, 2, 2])  # three requests' tokens: 3 of slot 1, 1 base, 2 of slot 2

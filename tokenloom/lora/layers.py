@@ -179,9 +179,11 @@ class LinearLoRA(_SlotStacks):
             raise RuntimeError(f"LoRA layer got input {tuple(x.shape)} for a batch of {state.num_tokens} tokens")
         self._check_rows(x.shape[0], state.num_tokens)
         bgmv = _native_bgmv(x, output)
-        if bgmv is not None:
+        if bgmv is not None and self.lora_a.dtype in _NATIVE_DTYPES:
             # one token's slot at a time, in place (the fused decode layer calls the same operator)
-            bgmv(output, x.contiguous(), self.lora_a, self.lora_b_t, state.token_slots, self.shard_table, state.max_rank)
+            bgmv(
+                output, x.contiguous(), self.lora_a, self.lora_b_t, state.token_slots, self.shard_table, state.max_rank
+            )
             return output
         mask = state.mask(len(self.shards))
         return output + self._delta(x, mask).to(output.dtype)
@@ -254,12 +256,18 @@ class EmbeddingLoRA(_SlotStacks):
         return output + delta.reshape(output.shape).to(output.dtype)
 
 
+# the activation (and LoRA weight) dtypes lora_bgmv_ computes
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _native_bgmv(x: torch.Tensor, output: torch.Tensor) -> Any:
     """tokenloom's CPU BGMV operator when it runs on these tensors, else None (the torch path)."""
     from tokenloom.kernels import cpu_native
 
+    if x.dtype not in _NATIVE_DTYPES or x.dtype != output.dtype or not output.is_contiguous():
+        return None
     ops = cpu_native.ops_for(x)
-    if ops is None or x.device.type != "cpu" or x.dtype != output.dtype or not output.is_contiguous():
+    if ops is None or x.device.type != "cpu":
         return None
     return getattr(ops, "lora_bgmv_", None)
 
