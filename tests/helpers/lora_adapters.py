@@ -19,7 +19,7 @@ def save_random_adapter(base_model, directory, *, r, alpha, targets, seed, use_r
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
+            if any(side in name for side in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")):
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     peft_model.save_pretrained(str(directory), safe_serialization=safe)
     peft_model.unload()  # takes the LoRA layers out again: base_model is as it was

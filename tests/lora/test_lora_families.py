@@ -1,6 +1,7 @@
 """LoRA on the other decoder families tokenloom serves: a tiny random Qwen2 (q/k/v biases the
-adapter leaves alone) and Gemma 3 (q/k norms, GeGLU, sliding layers) saved with SmolLM2's
-tokenizer; tokenloom's greedy ids with an adapter on every projection equal transformers + PEFT's."""
+adapter leaves alone) and Gemma 3 (q/k norms, GeGLU, sliding layers, scaled embeddings) saved with
+SmolLM2's tokenizer; tokenloom's greedy ids with an adapter on every projection, and with one on
+the (tied) embedding and LM head, equal transformers + PEFT's."""
 
 from __future__ import annotations
 
@@ -56,10 +57,14 @@ def load_base(directory):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-def test_greedy_ids_equal_transformers_peft(family_dir, tmp_path):
+@pytest.mark.parametrize(
+    "targets", [ALL_PROJECTIONS, ["embed_tokens", "lm_head", "o_proj"]], ids=["projections", "embedding-head"]
+)
+def test_greedy_ids_equal_transformers_peft(family_dir, tmp_path, targets):
+    """Gemma 3 scales its embeddings by sqrt(hidden): PEFT scales the embedding's delta too."""
     directory, prompt_ids = family_dir
     base = load_base(directory)
-    adapter = save_random_adapter(base, tmp_path / "adapter", r=8, alpha=16, targets=ALL_PROJECTIONS, seed=9)
+    adapter = save_random_adapter(base, tmp_path / "adapter", r=8, alpha=16, targets=targets, seed=9)
     llm = LLM(model=directory, dtype="float32", enable_lora=True, max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]

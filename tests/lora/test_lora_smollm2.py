@@ -1,7 +1,8 @@
 """LoRA adapters on the real SmolLM2-135M-Instruct GGUF: in float32 (the GGUF dequantized)
 tokenloom's greedy ids equal transformers + PEFT's on the same dequantized weights; on the
 int4 kernels (``--dtype auto``) the adapter runs beside the packed weights, which stay packed,
-and a batch mixing the base model and two adapters gives each request what it gets alone."""
+and a batch mixing the base model and three adapters (one on the tied embedding and int8 LM
+head) gives each request what it gets alone."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def adapters(dequantized, tmp_path_factory):
         "attn": save_random_adapter(
             base, root / "attn", r=16, alpha=16, targets=["q_proj", "v_proj"], seed=2, scale=0.08, use_rslora=True
         ),
+        # the tied embedding and LM head (Q8_0 in the GGUF: the int8 head kernel at --dtype auto)
+        "embed-head": save_random_adapter(
+            base, root / "embed-head", r=8, alpha=8, targets=["embed_tokens", "lm_head"], seed=3, scale=0.3
+        ),
     }
 
 
@@ -63,7 +68,7 @@ def greedy(llm, prompts, lora_request=None):
 
 @pytest.mark.timeout(1800)
 def test_float32_greedy_ids_equal_transformers_peft(smollm2_gguf, dequantized, adapters, prompt_ids):
-    llm = LLM(model=smollm2_gguf, dtype="float32", max_model_len=256, enable_lora=True, max_loras=2)
+    llm = LLM(model=smollm2_gguf, dtype="float32", max_model_len=256, enable_lora=True, max_loras=3)
     base = greedy(llm, prompt_ids)
     for index, (name, path) in enumerate(adapters.items()):
         got = greedy(llm, prompt_ids, LoRARequest(name, index + 1, path))
@@ -74,7 +79,7 @@ def test_float32_greedy_ids_equal_transformers_peft(smollm2_gguf, dequantized, a
 
 @pytest.mark.timeout(1800)
 def test_int4_base_stays_packed_and_mixed_batch_equals_alone(smollm2_gguf, adapters, prompt_ids):
-    llm = LLM(model=smollm2_gguf, max_model_len=256, enable_lora=True, max_loras=2)
+    llm = LLM(model=smollm2_gguf, max_model_len=256, enable_lora=True, max_loras=3)
     model = llm.engine.executor.worker.runner.model
     int4_before = sum(getattr(module, "int4_weight", None) is not None for module in model.modules())
     requests = {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(adapters.items())}

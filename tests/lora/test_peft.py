@@ -65,7 +65,7 @@ def test_multimodal_prefixes_map_to_the_same_names(tmp_path):
         ({}, 2, {"layers.0.self_attn.q_proj": (8, 8)}, r"targets layers\.0\.mlp\.down_proj, which .* does not have"),
         ({"use_dora": True}, 2, SHAPES, "DoRA"),
         ({"peft_type": "IA3"}, 2, SHAPES, "IA3 adapter"),
-        ({"target_modules": ["q_proj", "embed_tokens"]}, 2, SHAPES, "targets embed_tokens"),
+        ({"target_modules": ["q_proj", "wte"]}, 2, SHAPES, "targets wte"),
         ({"rank_pattern": {"q_proj": 4}}, 2, SHAPES, "rank_pattern"),
     ],
 )
@@ -97,7 +97,72 @@ def test_module_shapes_from_a_gqa_config():
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
     shapes = module_shapes_from_config(config)
-    assert len(shapes) == 14
+    assert len(shapes) == 16
+    assert shapes["embed_tokens"] == (config.vocab_size, 64) and shapes["lm_head"] == (64, config.vocab_size)
     assert shapes["layers.1.self_attn.k_proj"] == (64, 32)
     assert shapes["layers.1.self_attn.o_proj"] == (64, 64)
     assert shapes["layers.0.mlp.down_proj"] == (96, 64)
+
+
+# ---- embed_tokens and lm_head ----------------------------------------------------------------
+
+VOCAB = 12
+EMBEDDING_SHAPES = {**SHAPES, "embed_tokens": (VOCAB, 8), "lm_head": (8, VOCAB)}
+
+
+def embedding_tensors(rank=2, vocab=VOCAB, base_rows=VOCAB):
+    """As PEFT saves an adapter on embed_tokens and lm_head: the LoRA weights, and the base
+    weights beside them (save_embedding_layers)."""
+    generator = torch.Generator().manual_seed(1)
+    prefix = "base_model.model."
+    return {
+        **tensors(rank=rank),
+        f"{prefix}model.embed_tokens.lora_embedding_A": torch.randn(rank, vocab, generator=generator),
+        f"{prefix}model.embed_tokens.lora_embedding_B": torch.randn(8, rank, generator=generator),
+        f"{prefix}model.embed_tokens.base_layer.weight": torch.randn(base_rows, 8, generator=generator),
+        f"{prefix}lm_head.lora_A.weight": torch.randn(rank, 8, generator=generator),
+        f"{prefix}lm_head.lora_B.weight": torch.randn(vocab, rank, generator=generator),
+        f"{prefix}lm_head.base_layer.weight": torch.randn(base_rows, 8, generator=generator),
+    }
+
+
+def test_embedding_and_lm_head_weights_are_read_with_scaling(tmp_path):
+    source = embedding_tensors()
+    path = write_adapter(tmp_path / "a", source, target_modules=["q_proj", "down_proj", "embed_tokens", "lm_head"])
+    adapter = load_peft_adapter(path, max_lora_rank=4, module_shapes=EMBEDDING_SHAPES)
+    assert set(adapter.weights) == set(EMBEDDING_SHAPES)  # the saved base weights are not adapter weights
+    embed_a, embed_b = adapter.weights["embed_tokens"]
+    assert torch.equal(embed_a, source["base_model.model.model.embed_tokens.lora_embedding_A"])
+    assert torch.equal(embed_b, source["base_model.model.model.embed_tokens.lora_embedding_B"] * 2)
+    head_a, head_b = adapter.weights["lm_head"]
+    assert torch.equal(head_a, source["base_model.model.lm_head.lora_A.weight"])
+    assert torch.equal(head_b, source["base_model.model.lm_head.lora_B.weight"] * 2)
+    assert adapter.target_modules == ["down_proj", "embed_tokens", "lm_head", "q_proj"]
+
+
+@pytest.mark.parametrize(
+    ("source", "config", "message"),
+    [
+        (embedding_tensors(vocab=VOCAB + 3, base_rows=VOCAB + 3), {}, r"trained over 15 tokens .*3 more than .* 12"),
+        (embedding_tensors(base_rows=VOCAB + 1), {}, r"13 tokens \(embed_tokens\.base_layer\.weight\).*adds tokens"),
+        (tensors(), {"modules_to_save": ["embed_tokens", "lm_head"]}, r"saves whole embed_tokens, lm_head"),
+        (tensors(), {"trainable_token_indices": [3, 4]}, "trainable_token_indices"),
+        (
+            {**tensors(), "base_model.model.model.embed_tokens.weight": torch.zeros(VOCAB + 2, 8)},
+            {},
+            r"not a LoRA of embed_tokens or lm_head \(base_model\.model\.model\.embed_tokens\.weight\)",
+        ),
+        (
+            {**tensors(), "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(2, VOCAB)},
+            {},
+            "embed_tokens as PEFT's embedding LoRA",
+        ),
+    ],
+    ids=["resized-lora", "resized-base", "modules-to-save", "trainable-tokens", "whole-embedding", "linear-embedding"],
+)
+def test_adapters_that_add_tokens_are_refused_saying_why(tmp_path, source, config, message):
+    path = write_adapter(tmp_path / "a", source, **config)
+    with pytest.raises(LoRAAdapterError, match=message) as refused:
+        load_peft_adapter(path, max_lora_rank=4, module_shapes=EMBEDDING_SHAPES)
+    if "embedding LoRA" not in message:  # each refusal of a new vocabulary says why
+        assert "no per-adapter vocabulary" in refused.value.message

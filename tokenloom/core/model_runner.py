@@ -416,6 +416,7 @@ class ModelRunner:
             last_token_index = torch.tensor(
                 [batch.query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device
             )
+            self._select_lora_logit_rows(last_token_index)
             logits = self.model.compute_logits(hidden_states.index_select(0, last_token_index)).float()
             sampling_states = [states[i].sampling for i in sampling_rows]
             grammar_rows, grammar_bitmask = self._grammar_bitmask(
@@ -449,6 +450,12 @@ class ModelRunner:
         if self.proposer is not None and scheduler_output.propose_drafts and sampling_rows:
             self._propose([states[i] for i in sampling_rows], output)
         return output
+
+    def _select_lora_logit_rows(self, token_index: torch.Tensor) -> None:
+        """Before ``compute_logits`` of these tokens' hidden states: an adapter's LM head
+        applies to the rows of its own requests only."""
+        if self.lora_manager is not None:
+            self.lora_manager.select_logit_rows(token_index)
 
     # -- pipeline stages ---------------------------------------------------------------
 
@@ -547,6 +554,7 @@ class ModelRunner:
             draft_probs.append(probs[: len(drafts)] if probs is not None else None)
             state.draft = None
         index = torch.tensor(row_indices, device=self.device)
+        self._select_lora_logit_rows(index)
         logits = self.model.compute_logits(hidden_states.index_select(0, index)).float()
         grammar_rows, grammar_bitmask = self._grammar_bitmask(
             scheduler_output.structured_output, row_req_ids, row_offsets
@@ -655,6 +663,7 @@ class ModelRunner:
             return
         first = batch.query_start_loc[row]
         rows = torch.arange(first, first + (end - start), device=self.device)
+        self._select_lora_logit_rows(rows)
         logits = self.model.compute_logits(hidden_states.index_select(0, rows)).float()
         targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
         output.prompt_logprobs[state.req_id] = compute_prompt_logprobs(logits, targets, num_logprobs)

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_qlinear.cpp", "cpu_decoder.cpp")
+    for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_qlinear.cpp", "cpu_decoder.cpp", "cpu_lora.cpp")
 )
 # -ffast-math vectorises exp and the reductions (the kernels keep every value finite); -fopenmp
 # makes at::parallel_for parallel, on torch's own OpenMP pool (the same libgomp.so.1, already loaded)
@@ -53,6 +53,8 @@ OPERATORS = {
     "int4_linear": "torch's weight-only int4 matmul (aten._weight_int4pack_mm_for_cpu) or a dense copy",
     "int8_linear": "a dense LM head (oneDNN matmul)",
     "decode_layer": "the layer's Python path",
+    "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
+    "lora_bgmv_": "the torch LoRA delta (every used slot's columns, masked, as two matmuls)",
     "paged_decode_attention": "the torch paged attention (gathered keys and values, SDPA)",
     "write_kv_cache": "the torch paged attention (index_put)",
     "rms_norm": "the torch RMSNorm chain",

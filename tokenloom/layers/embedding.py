@@ -49,6 +49,10 @@ def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 class VocabParallelEmbedding(nn.Module):
     """``token id -> embedding row``; each rank holds a contiguous range of the vocabulary."""
 
+    #: the LoRA path beside the lookup (a :class:`tokenloom.lora.layers.EmbeddingLoRA`; for the
+    #: LM head a :class:`~tokenloom.lora.layers.LogitsLoRA`), set by the LoRA manager
+    lora: Any = None
+
     def __init__(
         self,
         num_embeddings: int,
@@ -75,7 +79,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            embeddings = F.embedding(input_ids, self.weight)
+            return embeddings if self.lora is None else self.lora.add_delta(input_ids, embeddings)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
         embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
@@ -215,7 +220,10 @@ class ParallelLMHead(VocabParallelEmbedding):
                 )
             # every rank's padded shard in rank order: token id i lands in column i, the padding after the vocabulary
             logits = self.tp_group.all_gather(logits.float().contiguous(), dim=-1)
-        return logits[:, : self.num_embeddings].float()
+        return self._lora_logits(hidden_states, logits[:, : self.num_embeddings].float())
+
+    def _lora_logits(self, hidden_states: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.lora is None else self.lora.add_delta(hidden_states, logits)
 
     def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
         if param_name == "bias" and self.bias is not None:

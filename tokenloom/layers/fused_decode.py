@@ -8,8 +8,10 @@ SwiGLU) whose four projections hold int4 weights packed for tokenloom's kernel
 calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
 calls per layer; in bfloat16, or float32 (what a CPU without native bfloat16 runs). Anything
 else (prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps,
-tensor parallelism, another attention backend, a LoRA adapter on any token of the step) takes
-the layer's own Python path.
+tensor parallelism, another attention backend) takes the layer's own Python path. A step whose
+adapters change the layer's projections runs ``decode_layer_lora`` (kernels/csrc/cpu_lora.cpp):
+the same chain with each projection's BGMV added after its matmul, the operator the Python
+path's LoRA layers call.
 An fp8 KV cache goes through the operator with the layer's scales, once they are set.
 """
 
@@ -43,8 +45,9 @@ class FusedDecodeLayer:
     def __call__(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if any(projection.lora is not None and projection.lora.state.active for projection in self.projections):
-            return None  # the operator has no LoRA path: the layer's Python path adds the deltas
+        lora_arguments = self._lora_arguments(hidden_states)
+        if lora_arguments is False:
+            return None  # an adapter's delta the operator cannot add: the layer's Python path adds it
         if self._arguments is _UNCHECKED:
             self._arguments = self._check_layer(hidden_states)
         if (
@@ -73,6 +76,8 @@ class FusedDecodeLayer:
                 k_scale, v_scale = scales.k_scale, scales.v_scale
         elif kv_cache.dtype != hidden_states.dtype:
             return None
+        if lora_arguments is not None:
+            operator = lora_arguments[0]
         return operator(
             hidden_states,
             residual,
@@ -92,7 +97,28 @@ class FusedDecodeLayer:
             scale,
             k_scale,
             v_scale,
+            *(lora_arguments[1:] if lora_arguments is not None else ()),
         )
+
+    def _lora_arguments(self, hidden_states: torch.Tensor) -> tuple | None | bool:
+        """None when no adapter of this step changes the layer; the LoRA operator and its extra
+        arguments (each token's slot, each projection's stacks or None, the stacks' rank) when
+        adapters do; False when they do but the operator cannot add their deltas."""
+        loras = [projection.lora for projection in self.projections]
+        applying = [lora is not None and lora.applies() for lora in loras]
+        if not any(applying):
+            return None
+        ops = cpu_native.ops_for(hidden_states)
+        operator = getattr(ops, "decode_layer_lora", None) if ops is not None else None
+        if operator is None:
+            return False
+        stacks: list[torch.Tensor | None] = []
+        for lora, applies in zip(loras, applying):
+            stacks.extend((lora.lora_a, lora.lora_b_t, lora.shard_table) if applies else (None, None, None))
+        state = next(lora for lora, applies in zip(loras, applying) if applies).state
+        if state.num_tokens != hidden_states.shape[0]:
+            return False
+        return operator, state.token_slots, stacks, state.max_rank
 
     def _check_layer(self, hidden_states: torch.Tensor) -> tuple | None:
         """The operator's per-layer arguments when the layer is one it computes exactly."""

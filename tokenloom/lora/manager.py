@@ -1,5 +1,6 @@
 """The worker's side of LoRA: :class:`LoRAModelManager` attaches a :class:`LinearLoRA` to every
-adaptable projection of the model, keeps up to ``--max-cpu-loras`` adapters read from disk in
+adaptable projection of the model (and an embedding and logits LoRA to ``embed_tokens`` and
+``lm_head``), keeps up to ``--max-cpu-loras`` adapters read from disk in
 an LRU cache, and before each step puts the step's adapters into the ``--max-loras`` slots
 (keeping those already there, evicting the least recently used) and tells the layers each
 token's slot."""
@@ -14,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenloom.layers.linear import LinearBase
 from tokenloom.layers.weight_loading import DECODER_STACKED_PARAMS
-from tokenloom.lora.layers import LinearLoRA, LoRABatchState
+from tokenloom.lora.layers import EmbeddingLoRA, LinearLoRA, LogitsLoRA, LoRABatchState
 from tokenloom.lora.peft import LoRAAdapterError, PeftAdapter, canonical_name, load_peft_adapter
 from tokenloom.lora.request import LoRARequest
 
@@ -34,7 +36,7 @@ class LoRAModelManager:
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.state = LoRABatchState(max_loras, max_lora_rank, dtype)
         # canonical name (layers.0.self_attn.q_proj) -> the LoRA of its layer and its shard index
-        self.targets: dict[str, tuple[LinearLoRA, int]] = {}
+        self.targets: dict[str, tuple[LinearLoRA | EmbeddingLoRA, int]] = {}
         # canonical name -> (input features, output features) of that projection
         self.module_shapes: dict[str, tuple[int, int]] = {}
         self._attach(model)
@@ -51,6 +53,20 @@ class LoRAModelManager:
         for fused_name, checkpoint_name, shard_id in getattr(model, "stacked_params", DECODER_STACKED_PARAMS):
             fused.setdefault(fused_name, []).append((checkpoint_name, shard_id))
         for path, module in model.named_modules():
+            name = path.rsplit(".", 1)[-1]
+            if name == "embed_tokens" and type(module) is VocabParallelEmbedding and module.tp_size == 1:
+                module.lora = EmbeddingLoRA(module.num_embeddings, module.embedding_dim, [(0, 0)], self.state)
+                self.targets[name] = (module.lora, 0)
+                self.module_shapes[name] = (module.num_embeddings, module.embedding_dim)
+                continue
+            if name == "lm_head" and isinstance(module, ParallelLMHead) and module.tp_size == 1:
+                # a tied head shares the embedding's weight, never its LoRA
+                module.lora = LogitsLoRA(
+                    module.embedding_dim, module.num_embeddings, [(0, module.num_embeddings)], self.state
+                )
+                self.targets[name] = (module.lora, 0)
+                self.module_shapes[name] = (module.embedding_dim, module.num_embeddings)
+                continue
             match = _PROJECTION_PATH.search(path)
             if match is None or not isinstance(module, LinearBase):
                 continue
@@ -167,5 +183,11 @@ class LoRAModelManager:
         self.state.set_batch(token_slots)
         return errors
 
+    def select_logit_rows(self, token_index: torch.Tensor) -> None:
+        """The next ``compute_logits`` gets the hidden states of these tokens of the step (the
+        LM head's LoRA gives each row its request's adapter)."""
+        self.state.select_rows(token_index)
+
     def finish_step(self) -> None:
-        self.state.clear()
+        """The forward is done: the layers stop adding deltas; the slots stay for the logits."""
+        self.state.end_forward()

@@ -1,7 +1,9 @@
 """LoRA adapters in PEFT's format (``adapter_config.json`` with ``adapter_model.safetensors``
 or ``adapter_model.bin``): read, checked against the base model and ``--max-lora-rank``, and
 turned into ``(A, B)`` pairs per projection, keyed by a canonical module name
-(``layers.3.self_attn.q_proj``) that is the same for every Llama-family checkpoint layout.
+(``layers.3.self_attn.q_proj``, ``embed_tokens``, ``lm_head``) that is the same for every
+Llama-family checkpoint layout. An adapter that adds tokens (a resized vocabulary, whole
+embeddings in ``modules_to_save``) is refused: there is no per-adapter vocabulary.
 
 Everything refused here is refused by name (the key, the option, the module), so a user
 knows what to change. The checks run in the engine's process when an adapter is first used
@@ -32,11 +34,22 @@ SUPPORTED_PROJECTIONS: dict[str, str] = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
-# module names PEFT may target or save that tokenloom does not adapt yet
-UNSUPPORTED_MODULES = ("embed_tokens", "lm_head", "wte", "embed_out")
+# the token embedding (PEFT's embedding LoRA) and the LM head (a linear target), by canonical name
+EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+# other families' names for them, which no model tokenloom adapts has
+UNSUPPORTED_MODULES = ("wte", "embed_out")
 
 _LORA_KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z0-9_]+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
+)
+# embed_tokens.lora_embedding_A, lm_head.lora_A.weight; and the base weights PEFT saves beside
+# them (save_embedding_layers), which are the base model's unless the vocabulary was resized
+_EMBEDDING_KEY = re.compile(
+    r"(?:^|\.)(embed_tokens|lm_head)\.(?:lora_embedding_([AB])|lora_([AB])\.weight|(base_layer)\.weight)$"
+)
+_NO_EXTRA_VOCAB = (
+    "tokenloom serves no per-adapter vocabulary (vLLM dropped its extra-vocab support too): serve the "
+    "adapter with a base model that has these tokens, or train it without adding tokens"
 )
 
 
@@ -61,7 +74,7 @@ class PeftAdapter:
     @property
     def target_modules(self) -> list[str]:
         """The kinds of projection the adapter changes (``q_proj``, ``down_proj``...)."""
-        return sorted({name.rsplit(".", 1)[1] for name in self.weights})
+        return sorted({name.rsplit(".", 1)[-1] for name in self.weights})
 
     @property
     def num_bytes(self) -> int:
@@ -113,9 +126,19 @@ def check_adapter_config(config: dict[str, Any], max_lora_rank: int, where: str)
         if config.get(option):
             raise LoRAAdapterError(f"{where} sets {option}; per-module ranks and alphas are not supported yet")
     modules_to_save = [name for name in (config.get("modules_to_save") or []) if name]
+    saved_embeddings = [name for name in modules_to_save if name in EMBEDDING_MODULES + UNSUPPORTED_MODULES]
+    if saved_embeddings:
+        raise LoRAAdapterError(
+            f"{where} saves whole {', '.join(saved_embeddings)} (modules_to_save), as an adapter that resizes "
+            f"the vocabulary or retrains token embeddings does; {_NO_EXTRA_VOCAB}"
+        )
     if modules_to_save:
         raise LoRAAdapterError(
             f"{where} saves whole modules ({', '.join(modules_to_save)}: modules_to_save), which tokenloom does not serve"
+        )
+    if config.get("trainable_token_indices"):
+        raise LoRAAdapterError(
+            f"{where} retrains the embeddings of some tokens (trainable_token_indices); {_NO_EXTRA_VOCAB}"
         )
     targets = config.get("target_modules") or []
     if isinstance(targets, str):
@@ -124,7 +147,7 @@ def check_adapter_config(config: dict[str, Any], max_lora_rank: int, where: str)
     if unsupported:
         raise LoRAAdapterError(
             f"{where} targets {', '.join(unsupported)}; tokenloom applies LoRA to the attention and MLP "
-            f"projections ({', '.join(SUPPORTED_PROJECTIONS)}) only"
+            f"projections ({', '.join(SUPPORTED_PROJECTIONS)}), embed_tokens and lm_head"
         )
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -171,11 +194,26 @@ def load_peft_adapter(
     rank, scaling = check_adapter_config(config, max_lora_rank, where)
     base_model_name = config.get("base_model_name_or_path")
     pairs: dict[str, dict[str, Any]] = {}
+    saved_base_rows: dict[str, int] = {}  # key -> rows of a base embedding/LM head PEFT saved
     for key, tensor in _load_tensors(weight_file).items():
-        if any(f".{name}." in f".{key}" for name in UNSUPPORTED_MODULES) or "lora_embedding" in key:
+        embedding_match = _EMBEDDING_KEY.search(key)
+        if embedding_match is not None:
+            module, embedding_side, linear_side, base_layer = embedding_match.groups()
+            if base_layer:
+                saved_base_rows[f"{module}.base_layer.weight"] = tensor.shape[0] if tensor.dim() == 2 else -1
+                continue
+            if (module == "embed_tokens") != (embedding_side is not None):
+                raise LoRAAdapterError(
+                    f"{where} holds {key}: tokenloom reads embed_tokens as PEFT's embedding LoRA "
+                    "(lora_embedding_A/B) and lm_head as a linear one (lora_A/B)"
+                )
+            pairs.setdefault(module, {})[embedding_side or linear_side] = tensor
+            continue
+        embedding_names = EMBEDDING_MODULES + UNSUPPORTED_MODULES
+        if any(f".{name}." in f".{key}" for name in embedding_names) or "lora_embedding" in key:
             raise LoRAAdapterError(
-                f"{where} has weights for an embedding or LM head ({key}); tokenloom applies LoRA to the "
-                f"attention and MLP projections only"
+                f"{where} has weights for an embedding or LM head that are not a LoRA of embed_tokens or "
+                f"lm_head ({key}): whole or resized embeddings are not served; {_NO_EXTRA_VOCAB}"
             )
         match = _LORA_KEY.search(key)
         if match is None:
@@ -189,6 +227,7 @@ def load_peft_adapter(
         pairs.setdefault(canonical_name(layer_index, block, projection), {})[side] = tensor
     if not pairs:
         raise LoRAAdapterError(f"{where} holds no LoRA weights")
+    _check_vocabulary(where, pairs, saved_base_rows, module_shapes)
     adapter = PeftAdapter(path=path, rank=rank, scaling=scaling, base_model_name=base_model_name)
     mismatch_hint = f" (the adapter's base model is {base_model_name})" if base_model_name else ""
     for name, sides in sorted(pairs.items()):
@@ -224,6 +263,31 @@ def load_peft_adapter(
     return adapter
 
 
+def _check_vocabulary(
+    where: str,
+    pairs: dict[str, dict[str, Any]],
+    saved_base_rows: dict[str, int],
+    module_shapes: dict[str, tuple[int, int]],
+) -> None:
+    """Refuse, saying why, an adapter trained over a resized vocabulary: its saved base
+    embedding, its ``lora_embedding_A`` or its LM head's ``lora_B`` has more rows than the
+    model has tokens."""
+    vocab_size = module_shapes.get("embed_tokens", (None, None))[0]
+    if vocab_size is None:
+        return
+    rows = dict(saved_base_rows)
+    if "A" in pairs.get("embed_tokens", {}) and pairs["embed_tokens"]["A"].dim() == 2:
+        rows["embed_tokens.lora_embedding_A"] = pairs["embed_tokens"]["A"].shape[1]
+    if "B" in pairs.get("lm_head", {}) and pairs["lm_head"]["B"].dim() == 2:
+        rows["lm_head.lora_B"] = pairs["lm_head"]["B"].shape[0]
+    for name, num_tokens in sorted(rows.items()):
+        if num_tokens > vocab_size:
+            raise LoRAAdapterError(
+                f"{where} was trained over {num_tokens} tokens ({name}), {num_tokens - vocab_size} more than the "
+                f"model's vocabulary of {vocab_size}: it adds tokens; {_NO_EXTRA_VOCAB}"
+            )
+
+
 def module_shapes_from_config(hf_config: Any) -> dict[str, tuple[int, int]]:
     """Canonical name -> ``(in, out)`` of every adaptable projection of a Llama-family
     decoder, from its Hugging Face config (the engine's process has no model to ask)."""
@@ -242,8 +306,12 @@ def module_shapes_from_config(hf_config: Any) -> dict[str, tuple[int, int]]:
         "mlp.up_proj": (hidden, intermediate),
         "mlp.down_proj": (intermediate, hidden),
     }
-    return {
+    shapes = {
         f"layers.{index}.{suffix}": shape
         for index in range(config.num_hidden_layers)
         for suffix, shape in per_layer.items()
     }
+    # (in, out) as for a projection: the embedding maps a one-hot token to a hidden state
+    shapes["embed_tokens"] = (config.vocab_size, hidden)
+    shapes["lm_head"] = (hidden, config.vocab_size)
+    return shapes
