@@ -71,6 +71,7 @@ class LLMEngine:
         check_proposer(config, plugins)
         self.model_info: ModelInfo
         self.model_info, self.tokenizer = resolve_model(config, plugins)
+        num_lookahead_tokens = check_proposer_model(config, plugins, self.model_info, self.tokenizer)
         self.max_model_len = self.model_info.max_model_len
         # vLLM's -1: no cap, i.e. as many as the vocabulary has
         self.max_logprobs = (
@@ -91,6 +92,7 @@ class LLMEngine:
             self.max_model_len,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             speculative=config.speculative,
+            num_lookahead_tokens=num_lookahead_tokens,
         )
         self.lora_catalog = self._lora_catalog()
         self.structured_outputs = self._structured_output_manager()
@@ -444,7 +446,8 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-# methods vLLM has that need a second model: refused by name until tokenloom runs draft models
+# methods vLLM has that need a second model or trained heads: refused by name unless a plugin
+# registers them (tokenloom's own proposers register ngram and draft_model)
 DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
 
 
@@ -461,6 +464,20 @@ def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
             param="speculative-config",
         )
     registry.entry(speculative.method)
+
+
+def check_proposer_model(config: EngineConfig, plugins: PluginSet, model_info: ModelInfo, tokenizer: Any) -> int:
+    """The proposer's own checks against the resolved target (e.g. a draft model's
+    vocabulary), in the main process before any worker starts. Returns the lookahead slots the
+    scheduler allocates for it."""
+    speculative = config.speculative
+    if speculative is None:
+        return 0
+    from tokenloom.core.spec_decode.proposer import ProposerSpec
+
+    proposer_class = plugins.registry("proposer").get(speculative.method)
+    proposer_class.check(ProposerSpec(speculative, config, model_info, plugins=plugins), tokenizer)
+    return int(proposer_class.lookahead_slots(speculative))
 
 
 def choose_platform(name: str, plugins: PluginSet) -> str:
