@@ -28,6 +28,9 @@ from tokenloom.plugins.registry import resolve_target
 
 logger = logging.getLogger(__name__)
 
+# added to --seed for the generator the drafts are drawn with (any constant but 0)
+DRAFT_SEED_OFFSET = 0x5DEECE66D
+
 
 def _bad(message: str) -> ConfigError:
     return ConfigError(f"--speculative-config: {message}", param="speculative-config")
@@ -117,7 +120,10 @@ class DraftModelProposer(Proposer):
         # proposal recomputes from the first one that differs from the request's tokens (a
         # rejected draft, or everything for a request the draft has not seen)
         self.computed_token_ids: dict[str, list[int]] = {}
-        self.generator = torch.Generator().manual_seed(spec.config.model.seed or 0)
+        # the drafts' own random stream: seeded from --seed (repeatable runs) but never equal to
+        # the sampler's, whose acceptance draws would otherwise repeat the drafts' draws and
+        # bias the output (the chi-square test catches exactly that)
+        self.generator = torch.Generator().manual_seed(((spec.config.model.seed or 0) + DRAFT_SEED_OFFSET) % 2**63)
 
     # -- set-up ----------------------------------------------------------------------------
 
