@@ -245,13 +245,13 @@ def test_sampled_sequences_follow_the_target_distribution(four_token_model, tmp_
     assert_no_blocks_held(llm)
 
 
-def test_a_draft_with_another_vocabulary_is_refused_naming_both(tiny_llama_dir, four_token_model):  # noqa: F811
+def test_a_draft_with_another_vocabulary_is_refused_naming_both(tiny_llama_dir):
+    """Gemma 3's tokenizer as the draft of a model with SmolLM2's: refused before loading."""
     from tokenloom.errors import ConfigError
 
-    directory, _ = four_token_model
     with pytest.raises(ConfigError, match="different vocabularies") as error:
-        LLM(model=tiny_llama_dir, plugins=PROPOSERS, speculative_config=draft_config(directory))
-    assert directory in str(error.value) and tiny_llama_dir in str(error.value)
+        LLM(model=tiny_llama_dir, plugins=PROPOSERS, speculative_config=draft_config("gemma3-270m"))
+    assert "gemma3-270m" in str(error.value) and tiny_llama_dir in str(error.value)
 
 
 def test_an_unknown_draft_model_is_refused_naming_it(tiny_llama_dir, tmp_path):
@@ -261,3 +261,35 @@ def test_an_unknown_draft_model_is_refused_naming_it(tiny_llama_dir, tmp_path):
     with pytest.raises(ConfigError, match="draft model") as error:
         LLM(model=tiny_llama_dir, plugins=PROPOSERS, speculative_config=draft_config(missing))
     assert missing in str(error.value)
+
+
+def test_draft_max_model_len_bounds_the_positions_drafted(tiny_llama_dir, plain):
+    """The draft's context (``max_model_len``, --speculative-max-model-len) is smaller than the
+    target's: the draft never computes a position past it, and decoding goes on without drafts."""
+    llm = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        plugins=PROPOSERS,
+        speculative_config=draft_config(tiny_llama_dir, max_model_len=24),
+    )
+    expected = token_ids(plain, PROMPTS, greedy())
+    assert token_ids(llm, PROMPTS, greedy()) == expected  # 40 tokens: past the draft's 24
+    proposer = llm.engine.executor.worker.runner.proposer
+    assert proposer.info.max_model_len == 24
+    assert proposer.computed_token_ids
+    assert max(len(tokens) for tokens in proposer.computed_token_ids.values()) <= 24
+    assert stats(llm).num_accepted_tokens > 0
+
+
+def test_the_draft_quantization_is_the_drafts_own(tiny_llama_dir):
+    """``quantization`` (--speculative-model-quantization) reaches the draft model's loader: an
+    unknown method is refused naming the draft model."""
+    from tokenloom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="draft model .*no-such-method") as error:
+        LLM(
+            model=tiny_llama_dir,
+            plugins=PROPOSERS,
+            speculative_config=draft_config(tiny_llama_dir, quantization="no-such-method"),
+        )
+    assert tiny_llama_dir in str(error.value)

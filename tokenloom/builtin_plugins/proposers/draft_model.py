@@ -91,7 +91,7 @@ def check_same_vocabulary(target: ModelInfo, target_tokenizer: Any, draft: Model
     if target_vocab != draft_vocab:
         differing = sorted(
             (token for token in set(target_vocab) | set(draft_vocab) if target_vocab.get(token) != draft_vocab.get(token)),
-            key=lambda token: min(target_vocab.get(token, 1 << 62), draft_vocab.get(token, 1 << 62)),
+            key=lambda token: (min(target_vocab.get(token, 1 << 62), draft_vocab.get(token, 1 << 62)), token),
         )
         example = differing[0]
         raise _bad(
