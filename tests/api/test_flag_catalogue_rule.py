@@ -41,7 +41,7 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--calculate-kv-scales": "tests/core/test_model_runner_kv_cache.py::test_calculate_kv_scales_sets_each_layers_scales_from_the_first_step",
     # -- speculative decoding (issue 23)
     "--speculative-config": "tests/e2e/test_spec_decode_smollm2.py::test_single_stream_greedy_is_identical_and_drafts_are_accepted",
-    "--speculative-model": "tests/e2e/test_spec_decode_draft_model_smollm2.py::test_single_stream_greedy_is_identical_and_every_draft_accepted",
+    "--speculative-model": "tests/api/test_serve_args.py::test_older_draft_model_flags_map_onto_the_config",
     "--num-speculative-tokens": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
     "--ngram-prompt-lookup-min": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
     "--ngram-prompt-lookup-max": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",

@@ -446,9 +446,9 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-# methods vLLM has that need a second model or trained heads: refused by name unless a plugin
-# registers them (tokenloom's own proposers register ngram and draft_model)
-DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+# methods vLLM has that need trained heads or layers: refused by name unless a plugin registers
+# them (tokenloom's own proposers are ngram and draft_model)
+DRAFT_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
 
 
 def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
@@ -459,8 +459,8 @@ def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
     registry = plugins.registry("proposer")
     if speculative.method in DRAFT_MODEL_METHODS and speculative.method not in registry.names():
         raise ConfigError(
-            f"--speculative-config: method {speculative.method!r} (a draft model) is not implemented yet; "
-            f'use "method": "ngram" (prompt lookup), or a proposer plugin: {", ".join(registry.names()) or "none"}',
+            f"--speculative-config: method {speculative.method!r} is not implemented yet; use a registered "
+            f'proposer: {", ".join(registry.names()) or "none"} ("ngram": prompt lookup, "draft_model": a smaller model)',
             param="speculative-config",
         )
     registry.entry(speculative.method)
