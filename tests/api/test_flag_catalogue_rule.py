@@ -41,14 +41,14 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--calculate-kv-scales": "tests/core/test_model_runner_kv_cache.py::test_calculate_kv_scales_sets_each_layers_scales_from_the_first_step",
     # -- speculative decoding (issue 23)
     "--speculative-config": "tests/e2e/test_spec_decode_smollm2.py::test_single_stream_greedy_is_identical_and_drafts_are_accepted",
-    "--speculative-model": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
+    "--speculative-model": "tests/api/test_serve_args.py::test_older_draft_model_flags_map_onto_the_config",
     "--num-speculative-tokens": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
     "--ngram-prompt-lookup-min": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
     "--ngram-prompt-lookup-max": "tests/api/test_serve_args.py::test_older_speculative_flags_map_onto_the_config",
     "--speculative-disable-by-batch-size": "tests/core/spec_decode/test_spec_decode_engine.py::test_no_speculation_above_disable_by_batch_size",
     "--spec-decoding-acceptance-method": "tests/api/test_serve_args.py::test_bad_speculative_configs_say_what_to_change",
-    "--speculative-model-quantization": "tests/api/test_serve_args.py::test_speculative_draft_model_flags_are_refused_for_ngram",
-    "--speculative-max-model-len": "tests/api/test_serve_args.py::test_speculative_draft_model_flags_are_refused_for_ngram",
+    "--speculative-model-quantization": "tests/core/spec_decode/test_spec_decode_draft_model.py::test_the_draft_quantization_is_the_drafts_own",
+    "--speculative-max-model-len": "tests/core/spec_decode/test_spec_decode_draft_model.py::test_draft_max_model_len_bounds_the_positions_drafted",
     "--speculative-draft-tensor-parallel-size": "tests/api/test_serve_args.py::test_bad_speculative_configs_say_what_to_change",
     "--disable-logprobs-during-spec-decoding": "tests/e2e/test_spec_decode_smollm2.py::test_concurrent_mixed_batch_is_identical",
     # -- data parallelism (issue 21)

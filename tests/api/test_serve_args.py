@@ -636,3 +636,46 @@ def test_speculative_draft_model_flags_are_refused_for_ngram(flag, value, key):
     """n-gram lookup runs no draft model: its settings would be read by nothing, so they are refused."""
     with pytest.raises(ConfigError, match=f"{key} describes a draft model"):
         parse("--speculative-model", "[ngram]", "--num-speculative-tokens", "2", flag, value)
+
+
+def test_older_draft_model_flags_map_onto_the_config():
+    serve_args = parse(
+        "--speculative-model",
+        "smollm2",
+        "--num-speculative-tokens",
+        "3",
+        "--speculative-model-quantization",
+        "gguf",
+        "--speculative-max-model-len",
+        "512",
+    )
+    assert serve_args.engine_kwargs["speculative_config"] == {
+        "model": "smollm2",
+        "num_speculative_tokens": 3,
+        "quantization": "gguf",
+        "max_model_len": 512,
+    }
+    speculative = serve_args.engine_args.create_engine_config().speculative
+    # a draft model and no method: vLLM's draft_model
+    assert (speculative.method, speculative.model, speculative.quantization, speculative.max_model_len) == (
+        "draft_model",
+        "smollm2",
+        "gguf",
+        512,
+    )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', 'method "draft_model" needs "model"'),
+        ('{"method": "draft_model", "model": 3, "num_speculative_tokens": 3}', '"model" must be a model name or path'),
+        (
+            '{"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
+            "prompt_lookup_max configures n-gram lookup",
+        ),
+    ],
+)
+def test_bad_draft_model_configs_say_what_to_change(options, message):
+    with pytest.raises(ConfigError, match=message):
+        parse("--speculative-config", options)

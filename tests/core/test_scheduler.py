@@ -735,3 +735,42 @@ def test_step_token_ids_are_sent_only_for_stages_that_do_not_sample():
         # the prompt's second chunk, then each decode step's one pending (sampled) token
         expected = [[8, 9], [sampled[0]], [sampled[1]]] if send_token_ids else [[], [], []]
         assert windows == expected
+
+
+# ---- speculative decoding: lookahead slots for a proposer's own KV ---------------------------
+
+
+def lookahead_scheduler(num_blocks: int, num_lookahead_tokens: int = 3, **speculative) -> Scheduler:
+    from tokenloom.core.config import SpeculativeConfig
+
+    return Scheduler(
+        SchedulerConfig(),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        num_blocks=num_blocks,
+        max_model_len=256,
+        speculative=SpeculativeConfig(method="draft_model", model="m", num_speculative_tokens=3, **speculative),
+        num_lookahead_tokens=num_lookahead_tokens,
+    )
+
+
+def test_lookahead_slots_are_allocated_past_the_scheduled_tokens():
+    scheduler = lookahead_scheduler(num_blocks=16)
+    scheduler.add_request(make_request("a", range(10, 18)))  # 8 tokens: two whole blocks
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"a": 8}
+    # positions 8..10 (the drafts' KV written after the step) get a third block
+    assert len(scheduler.block_manager.get_block_table("a")) == 3
+
+
+def test_lookahead_slots_are_dropped_rather_than_preempting():
+    scheduler = lookahead_scheduler(num_blocks=2)
+    scheduler.add_request(make_request("a", range(10, 17)))  # 7 tokens and the first output fit 2 blocks
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 7}
+    assert len(scheduler.block_manager.get_block_table("a")) == 2  # 7 + 3 slots would need 3
+
+
+def test_no_lookahead_slots_while_speculation_is_off():
+    scheduler = lookahead_scheduler(num_blocks=16, disable_by_batch_size=1)
+    scheduler.add_requests([make_request("a", range(10, 18)), make_request("b", range(20, 28))])
+    scheduler.schedule()  # two requests queued: above disable_by_batch_size
+    assert len(scheduler.block_manager.get_block_table("a")) == 2

@@ -927,8 +927,9 @@ FLAGS: tuple[Flag, ...] = (
         to=CLI,
         kind="json",
         help=(
-            "JSON speculative-decoding settings, vLLM's keys: method (ngram, or a proposer plugin), "
-            "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size. "
+            "JSON speculative-decoding settings, vLLM's keys: method (ngram, draft_model, or a proposer "
+            "plugin), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size; "
+            "for draft_model: model, quantization, max_model_len. "
             "The older --speculative-model / --num-speculative-tokens / --ngram-prompt-lookup-* flags map onto it."
         ),
     ),

@@ -260,7 +260,8 @@ class SpeculativeConfig:
     tokens per decoding sequence, and the target model verifies them all in one step."""
 
     method: str = "ngram"
-    """The proposer plugin: ``ngram`` (prompt lookup) or one a plugin registers."""
+    """The proposer plugin: ``ngram`` (prompt lookup), ``draft_model`` (a smaller model with the
+    target's tokenizer, ``model``) or one a plugin registers."""
     num_speculative_tokens: int = 1
     """Draft tokens proposed per sequence and step (k): a step checks up to k + 1 tokens."""
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
@@ -271,7 +272,8 @@ class SpeculativeConfig:
     """No speculation while more than this many requests are running or waiting: a full batch
     already keeps the machine busy, and drafts would only add work."""
     model: str | None = None
-    """The draft model of a method that runs one (same tokenizer as the target)."""
+    """The draft model of a method that runs one (same tokenizer as the target): a path, a GGUF
+    file or a packaged model name, resolved like the target's ``--model``."""
     quantization: str | None = None
     """The draft model's quantization method."""
     max_model_len: int | None = None
@@ -307,6 +309,19 @@ class SpeculativeConfig:
                 if values.get(key) is not None:
                     raise bad(
                         f"{key} describes a draft model, and method 'ngram' runs none (it drafts from the prompt); remove {key}"
+                    )
+        if method == "draft_model":
+            if not values.get("model"):
+                raise bad(
+                    'method "draft_model" needs "model": the draft model (a path, a GGUF file or a packaged name)'
+                )
+            if not isinstance(values["model"], str):
+                raise bad(f'"model" must be a model name or path, got {values["model"]!r}')
+            # the draft model proposes; a lookup setting would be read by nothing
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if values.get(key) is not None:
+                    raise bad(
+                        f"{key} configures n-gram lookup, and method 'draft_model' drafts with a model; remove {key}"
                     )
         if values.get("draft_tensor_parallel_size") not in (None, 1):
             raise bad("draft_tensor_parallel_size must be 1: tokenloom runs the draft in the target's worker")

@@ -108,7 +108,9 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         if config.speculative is not None:
             proposer_class = plugins.registry("proposer").get(config.speculative.method)
-            self.proposer = proposer_class(ProposerSpec(config.speculative, config, info))
+            self.proposer = proposer_class(
+                ProposerSpec(config.speculative, config, info, plugins=plugins, platform=platform)
+            )
         # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
         self.model: Any = None
@@ -146,6 +148,8 @@ class ModelRunner:
                 "(--runner pooling, --task embed, --convert embed)",
                 param="runner",
             )
+        if self.proposer is not None:
+            self.proposer.load_model()  # a draft model, before the KV cache is sized for both
         lora = self.config.lora
         if lora.enable_lora:
             from tokenloom.lora.manager import LoRAModelManager
@@ -192,6 +196,9 @@ class ModelRunner:
             return self._pooling_step_blocks()
         element_size = torch.empty((), dtype=self.kv_cache_dtype()).element_size()
         bytes_per_block = spec.bytes_per_block(self.block_size, element_size)
+        if self.proposer is not None:
+            # a draft model's KV lives in blocks of the same ids: one pool block holds both
+            bytes_per_block += self.proposer.kv_cache_bytes_per_block(self.block_size)
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         else:
@@ -280,6 +287,8 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         dtype = self.kv_cache_dtype()
         self.kv_caches = [self.platform.zeros(shape, dtype) for _ in range(spec.num_layers)]
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
         self.kv_scales = None
         if dtype in FP8_KV_CACHE_DTYPES:
             pending = self.config.cache.calculate_kv_scales
@@ -584,7 +593,14 @@ class ModelRunner:
         assert self.proposer is not None  # only called with speculation configured
         max_drafts = self.config.speculative.num_speculative_tokens if self.config.speculative else 0
         requests = [
-            DraftRequest(state.req_id, state.token_ids, state.num_prompt_tokens, max_drafts)
+            DraftRequest(
+                state.req_id,
+                state.token_ids,
+                state.num_prompt_tokens,
+                max_drafts,
+                block_ids=state.block_ids,
+                temperature=0.0 if state.sampling.is_greedy else state.sampling.sampling_params.temperature,
+            )
             for state in states
             if state.req_id not in output.errors
         ]

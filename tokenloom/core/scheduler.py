@@ -157,6 +157,7 @@ class Scheduler:
         *,
         max_loras: int | None = None,
         send_token_ids: bool = False,
+        num_lookahead_tokens: int = 0,
     ):
         """:param send_token_ids: put each step's tokens in ``CachedRequestData.new_token_ids``
         (pipeline parallelism: the stages before the last never sample)."""
@@ -210,6 +211,9 @@ class Scheduler:
         self.send_token_ids = send_token_ids
         self.speculative = speculative
         self.spec_decoding_stats = SpecDecodingStats(speculative.num_speculative_tokens) if speculative else None
+        # slots past a request's scheduled tokens, allocated while speculating, where the
+        # proposer writes its drafts' KV right after the step (a draft model: k)
+        self.num_lookahead_tokens = num_lookahead_tokens if speculative else 0
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -308,7 +312,7 @@ class Scheduler:
                     num_new_tokens += len(drafts)
                     spec_decode_tokens[request.request_id] = drafts
             while True:
-                new_block_ids = self.block_manager.allocate_slots(request, num_new_tokens)
+                new_block_ids = self._allocate_with_lookahead(request, num_new_tokens, speculate)
                 if new_block_ids is not None:
                     break
                 # a request with a batch in flight keeps its blocks: that batch writes them
@@ -346,7 +350,7 @@ class Scheduler:
             for req_id, block_ids in new_block_ids_by_req.items()
         ]
         # after a preemption memory is short: admitting more would only preempt again
-        new_reqs = [] if preempted_this_step else self._schedule_waiting(token_budget, num_scheduled_tokens)
+        new_reqs = [] if preempted_this_step else self._schedule_waiting(token_budget, num_scheduled_tokens, speculate)
 
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, set()
@@ -404,7 +408,23 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
         return num_new_tokens
 
-    def _schedule_waiting(self, token_budget: int, num_scheduled_tokens: dict[str, int]) -> list[NewRequestData]:
+    def _allocate_with_lookahead(
+        self, request: Sequence, num_new_tokens: int, speculate: bool, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """``allocate_slots`` for the scheduled tokens plus the lookahead slots while
+        speculating; when the lookahead does not fit, the scheduled tokens alone (the proposer
+        then drafts fewer tokens: it never writes past the block table it is given)."""
+        if speculate and self.num_lookahead_tokens:
+            new_block_ids = self.block_manager.allocate_slots(
+                request, num_new_tokens + self.num_lookahead_tokens, computed_blocks
+            )
+            if new_block_ids is not None:
+                return new_block_ids
+        return self.block_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+
+    def _schedule_waiting(
+        self, token_budget: int, num_scheduled_tokens: dict[str, int], speculate: bool = False
+    ) -> list[NewRequestData]:
         """Admit waiting requests in order; the head blocks the rest so nothing starves."""
         new_reqs: list[NewRequestData] = []
         num_partial_prefills = 0
@@ -454,7 +474,7 @@ class Scheduler:
                 num_new_tokens = num_uncomputed  # can never fit the budget: runs whole, alone
             else:
                 break
-            new_block_ids = self.block_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+            new_block_ids = self._allocate_with_lookahead(request, num_new_tokens, speculate, computed_blocks)
             if new_block_ids is None:
                 break
             self.waiting.pop()

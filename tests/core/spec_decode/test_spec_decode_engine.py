@@ -148,14 +148,14 @@ def test_no_speculation_above_disable_by_batch_size(tiny_llama_dir, plain):
     assert accepted_tokens(llm) > before  # one request: speculates
 
 
-def test_draft_model_method_is_refused_by_name(tiny_llama_dir):
+def test_unregistered_vllm_methods_are_refused_by_name(tiny_llama_dir):
     from tokenloom.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="method 'draft_model' .* is not implemented yet"):
+    with pytest.raises(ConfigError, match="method 'eagle' is not implemented yet"):
         LLM(
             model=tiny_llama_dir,
             plugins=PROPOSERS,
-            speculative_config={"model": tiny_llama_dir, "num_speculative_tokens": 2},
+            speculative_config={"method": "eagle", "model": tiny_llama_dir, "num_speculative_tokens": 2},
         )
 
 

@@ -71,6 +71,7 @@ class LLMEngine:
         check_proposer(config, plugins)
         self.model_info: ModelInfo
         self.model_info, self.tokenizer = resolve_model(config, plugins)
+        num_lookahead_tokens = check_proposer_model(config, plugins, self.model_info, self.tokenizer)
         self.max_model_len = self.model_info.max_model_len
         # vLLM's -1: no cap, i.e. as many as the vocabulary has
         self.max_logprobs = (
@@ -92,6 +93,7 @@ class LLMEngine:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             speculative=config.speculative,
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
+            num_lookahead_tokens=num_lookahead_tokens,
         )
         # batches handed to the executor whose results are not applied yet, oldest first
         # (more than one only when the executor overlaps steps: pipeline parallelism)
@@ -506,8 +508,9 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-# methods vLLM has that need a second model: refused by name until tokenloom runs draft models
-DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+# methods vLLM has that need trained heads or layers: refused by name unless a plugin registers
+# them (tokenloom's own proposers are ngram and draft_model)
+DRAFT_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
 
 
 def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
@@ -518,8 +521,8 @@ def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
     registry = plugins.registry("proposer")
     if speculative.method in DRAFT_MODEL_METHODS and speculative.method not in registry.names():
         raise ConfigError(
-            f"--speculative-config: method {speculative.method!r} (a draft model) is not implemented yet; "
-            f'use "method": "ngram" (prompt lookup), or a proposer plugin: {", ".join(registry.names()) or "none"}',
+            f"--speculative-config: method {speculative.method!r} is not implemented yet; use a registered "
+            f'proposer: {", ".join(registry.names()) or "none"} ("ngram": prompt lookup, "draft_model": a smaller model)',
             param="speculative-config",
         )
     registry.entry(speculative.method)
@@ -531,6 +534,20 @@ def choose_executor(parallel: ParallelConfig) -> str:
     if parallel.distributed_executor_backend:
         return parallel.distributed_executor_backend
     return "mp" if parallel.world_size > 1 else "uni"
+
+
+def check_proposer_model(config: EngineConfig, plugins: PluginSet, model_info: ModelInfo, tokenizer: Any) -> int:
+    """The proposer's own checks against the resolved target (e.g. a draft model's
+    vocabulary), in the main process before any worker starts. Returns the lookahead slots the
+    scheduler allocates for it."""
+    speculative = config.speculative
+    if speculative is None:
+        return 0
+    from tokenloom.core.spec_decode.proposer import ProposerSpec
+
+    proposer_class = plugins.registry("proposer").get(speculative.method)
+    proposer_class.check(ProposerSpec(speculative, config, model_info, plugins=plugins), tokenizer)
+    return int(proposer_class.lookahead_slots(speculative))
 
 
 def choose_platform(name: str, plugins: PluginSet) -> str:

@@ -4,7 +4,7 @@ name."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,6 +22,11 @@ class ProposerSpec:
     """The engine config as the user gave it."""
     model_info: ModelInfo
     """The target model: vocabulary size, context length, files."""
+    plugins: Any = None
+    """The plugin registries (a :class:`~tokenloom.plugins.manager.PluginSet`): a proposer that
+    runs a model resolves and builds it through them, as the target is."""
+    platform: Any = None
+    """The worker's device platform plugin instance (None in the main process)."""
 
 
 @dataclass
@@ -34,6 +39,13 @@ class DraftRequest:
     num_prompt_tokens: int
     max_draft_tokens: int
     """Propose at most this many tokens (``num_speculative_tokens``, or fewer near the end)."""
+    block_ids: list[int] = field(default_factory=list)
+    """The request's KV block table: a proposer with its own KV cache (:meth:`Proposer.kv_cache_bytes_per_block`)
+    writes position ``p`` into block ``block_ids[p // block_size]``. It covers the positions
+    up to ``len(token_ids) - 1`` and the scheduler's lookahead slots after them."""
+    temperature: float = 0.0
+    """The request's sampling temperature (0: greedy): a proposer that samples drafts from a
+    distribution may follow it (any distribution is exact, a closer one is accepted more)."""
 
 
 @dataclass
@@ -66,3 +78,32 @@ class Proposer:
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """The requests finished or were preempted: drop any state kept for them. Optional."""
+
+    # -- optional: proposers that run a model with its own KV cache ------------------------
+
+    @classmethod
+    def check(cls, spec: ProposerSpec, tokenizer: Any) -> None:
+        """Called once in the main process, after the target is resolved and before any worker
+        starts (``spec.platform`` is None there): raise a ConfigError for settings the
+        proposer cannot serve (e.g. a draft model whose vocabulary differs). Optional."""
+
+    @classmethod
+    def lookahead_slots(cls, speculative: SpeculativeConfig) -> int:
+        """KV slots the scheduler allocates past a speculating request's scheduled tokens, so
+        that the proposer can write KV for its drafts right after the step (a draft model:
+        ``num_speculative_tokens``). Called in the main process; 0 by default."""
+        return 0
+
+    def load_model(self) -> None:
+        """Called in the worker after the target model is loaded and before the KV cache is
+        sized: load what the proposer runs. Optional."""
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes this proposer's KV cache needs per block: a block of the engine's pool then
+        costs the target's bytes plus these, and the proposer's cache is indexed by the same
+        block ids (so the block manager's tables and ref counts serve both). 0 by default."""
+        return 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate this proposer's KV cache of ``num_blocks`` blocks (called once in the
+        worker, with the target's). Optional."""
