@@ -301,3 +301,21 @@ def test_smollm2_gguf_tp3_float32_and_native_int4(smollm2_gguf):
     assert all(r["int4_layers"] == 30 * 4 for r in bfloat16_ranks)  # every projection of every layer stays 4-bit
     assert_same_as_one_worker(float32, list(float32_ranks), atol=1e-3)
     assert_same_as_one_worker(bfloat16, list(bfloat16_ranks), atol=1.0, tie=1.0)
+
+
+# -- the real Gemma 3 270M GGUF (4 query heads / 1 KV head: replicated) -------------------------
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_tp2_replicates_its_kv_head():
+    """Gemma 3 270M's one KV head is replicated on both ranks, each with two of the four query
+    heads; its K-quant tensors are cut in whole 256-value blocks (o_proj: 1024 -> 512 columns,
+    down_proj: 2048 -> 1024). Float32, dequantized at load: greedy ids equal, logits close."""
+    from tokenloom.builtin_plugins.model_sources.pip_packages import PipPackageModelSource
+
+    gemma3 = PipPackageModelSource().resolve("gemma3-270m").path
+    reference = Reference(gemma3, SamplingParams(temperature=0.0, max_tokens=5), dtype="float32")
+    ranks = run_tensor_parallel(2, [reference])
+    per_rank = [rank[0] for rank in ranks]
+    assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank)
+    assert_same_as_one_worker(reference, per_rank, atol=1e-3)
