@@ -3,7 +3,9 @@ the rewrite prompt of spec_decode_rewrite.json, greedy, once without speculation
 NUM_SPECULATIVE_TOKENS with n-gram speculation. Per step kind (decode: one row; verify: a
 request's k+1 rows): median step time and its parts (the model's forward, the LM head, the
 rest: scheduling, sampling or rejection sampling, proposing, detokenizing).
-    python benchmarks/spec_verify_steps.py [DTYPE] [K,K,...]   (default: auto 4,8)
+    python benchmarks/spec_verify_steps.py [DTYPE] [K,K,...] [prefill]   (default: auto 4,8)
+"prefill" also measures the verifying steps as they ran before issue 23's fix: the k + 1 rows as a
+prefill chunk (the layers' Python path and prefill attention) instead of k + 1 decode rows.
 """
 
 import json
@@ -11,11 +13,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.kernels import paged_attention
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "auto"
 ks = [int(k) for k in (sys.argv[2] if len(sys.argv) > 2 else "4,8").split(",")]
+as_prefill = len(sys.argv) > 3 and sys.argv[3] == "prefill"
 rewrite = json.loads((Path(__file__).parent / "spec_decode_rewrite.json").read_text())[0]
 prompt = rewrite["conversations"][0]["value"]
 
@@ -46,7 +51,7 @@ def measure(label: str, **engine_args) -> None:
         return execute(scheduler_output)
 
     runner.execute = counting_execute
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     by_rows: dict[int, list[tuple[float, float, float]]] = {}
     tokens = 0
     for repeat in range(2):  # the first is the warm-up
@@ -77,7 +82,12 @@ def measure(label: str, **engine_args) -> None:
 
 measure("plain")
 for k in ks:
-    measure(
-        f"ngram k={k}",
-        speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    )
+    speculative_config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    measure(f"ngram k={k}", speculative_config=speculative_config)
+    if as_prefill:
+        with mock.patch.object(
+            paged_attention,
+            "_decode_like_seqs",
+            lambda metadata: [index for index, query_len in enumerate(metadata.query_lens_cpu) if query_len == 1],
+        ):
+            measure(f"ngram k={k}, verified as a prefill", speculative_config=speculative_config)
