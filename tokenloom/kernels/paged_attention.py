@@ -741,7 +741,8 @@ class NativeCpuPagedAttention(TorchPagedAttention):
     """:class:`TorchPagedAttention` with decode and the KV-cache write done by tokenloom's CPU
     operators (:mod:`tokenloom.kernels.cpu_native`): each decode query reads its sequence's
     keys and values in place from the cache blocks (no gathered copy, no padding, one call
-    per layer for the whole step). Prefills keep the torch path. An fp8 cache is read and written
+    per layer for the whole step). A sequence verifying drafts runs as one decode row per query
+    token (``AttentionMetadata.num_draft_tokens_cpu``). Prefills keep the torch path. An fp8 cache is read and written
     by the kernels (its scales passed along); any other cache whose dtype is not the
     activations' falls back to the torch path wholesale."""
 
