@@ -343,6 +343,85 @@ def test_ragged_decode_groups_match_reference(monkeypatch, window):
     assert len(backend._plans[window].decode_groups) == (2 if window is None else 1)
 
 
+def with_drafts(metadata, num_draft_tokens):
+    metadata.num_draft_tokens_cpu = list(num_draft_tokens)
+    return metadata
+
+
+# (context_len, query_len) and the drafts at the end of each query: verifying sequences (the
+# pending token and k drafts) alone, ragged, next to decodes, and next to a prefill chunk that the
+# torch path keeps; a query longer than 1 + drafts is not a verification and stays a prefill
+VERIFY_BATCHES = [
+    ([(20, 5)], [4]),
+    ([(7, 9), (0, 1), (33, 3)], [8, 0, 2]),
+    ([(6, 5), (13, 4), (0, 9)], [4, 3, 0]),
+    ([(5, 6), (16, 2)], [3, 1]),
+]
+
+
+@pytest.mark.parametrize("specs, drafts", VERIFY_BATCHES)
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_verification_rows_are_decodes_matching_reference(specs, drafts, window, heads, dtype):
+    """A verifying sequence's k + 1 query rows run in the decode kernel, each seeing the cache up
+    to its own position (causal among the new rows): the reference's result, and in bfloat16
+    each row bit for bit what a one-row decode step at its position gives."""
+    num_q_heads, num_kv_heads = heads
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, num_q_heads, num_kv_heads, 64, dtype, 11)
+    metadata = with_drafts(metadata, drafts)
+    reference_cache = kv_cache.clone()
+    expected = reference_paged_attention(
+        query, key, value, reference_cache, metadata, scale=0.125, sliding_window=window
+    )
+    backend = NativeCpuPagedAttention()
+    output = backend.forward(query, key, value, kv_cache, metadata, scale=0.125, sliding_window=window)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(kv_cache, reference_cache, atol=0, rtol=0)
+    plan = backend._decode_plan(metadata)
+    verifying = [(index, query_len) for index, (_, query_len) in enumerate(specs) if query_len == 1 + drafts[index]]
+    assert plan.seq_lens.numel() == sum(query_len for _, query_len in verifying)
+    # each verification row equals the decode of that row alone, the cache as it stands now
+    starts = [0]
+    for _, query_len in specs:
+        starts.append(starts[-1] + query_len)
+    for index, query_len in verifying:
+        context_len = specs[index][0]
+        table = metadata.block_tables[index : index + 1].to(torch.long)
+        for row in range(query_len):
+            token = starts[index] + row
+            alone = torch.empty_like(query[token : token + 1])
+            backend._ops.paged_decode_attention(
+                alone,
+                query[token : token + 1],
+                kv_cache,
+                table,
+                torch.tensor([context_len + row + 1]),
+                0.125,
+                window or 0,
+                0.0,
+                1.0,
+                1.0,
+            )
+            assert torch.equal(output[token : token + 1], alone)
+
+
+def test_native_plan_keeps_prefills_and_unverified_queries_on_the_torch_path():
+    _, kv_cache, metadata, _ = make_step([(6, 5), (13, 1), (0, 9), (4, 3)], 4, 2, 16, torch.float32, 12)
+    metadata = with_drafts(metadata, [4, 0, 0, 1])  # the last query holds more than 1 + its drafts
+    backend = NativeCpuPagedAttention()
+    plan = backend._decode_plan(metadata)
+    assert plan.token_indices.tolist() == [0, 1, 2, 3, 4, 5]
+    assert plan.seq_lens.tolist() == [7, 8, 9, 10, 11, 14]
+    assert plan.block_tables.tolist() == [metadata.block_tables[0].tolist()] * 5 + [metadata.block_tables[1].tolist()]
+    assert backend._make_plan(metadata, None, 1).prefill_seq_indices == [2, 3]
+    assert backend.whole_decode_plan(metadata) is None
+    only_verifying = with_drafts(make_step([(6, 5), (1, 1)], 4, 2, 16, torch.float32, 13)[2], [4, 0])
+    whole = backend.whole_decode_plan(only_verifying)
+    assert whole is not None and whole.token_indices is None and whole.seq_lens.tolist() == [7, 8, 9, 10, 11, 2]
+
+
 def test_native_decode_reads_strided_queries_and_writes_strided_keys():
     """The layers hand the backend views into one fused qkv tensor: rows are strided."""
     specs = [(9, 1), (17, 1), (4, 1)]

@@ -158,3 +158,26 @@ def test_an_fp8_cache_is_fused_with_its_scales_and_gives_the_same_bits(tmp_path_
     with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
         unfused = generate(llm)
     assert fused == unfused
+
+
+def test_verification_steps_take_the_fused_layer_and_give_the_plain_decode_bits(tmp_path_factory, llama_llm):
+    """With n-gram speculation a step verifies a request's pending token and its drafts, k + 1
+    rows of one sequence (the tiny model loops, so drafts come): the operator takes those steps,
+    each row computed as a one-row decode computes it, so in bfloat16 the greedy tokens and their
+    logprobs are the bits of plain decoding."""
+    speculative = LLM(
+        model=tiny_gguf(tmp_path_factory, "llama"),
+        dtype="bfloat16",
+        max_model_len=128,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        plugins=["tokenloom.builtin_plugins.proposers"],  # the entry point until it is installed
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1},
+    )
+    patch, taken = count_fused_calls()
+    with patch:
+        verified = generate(speculative, max_tokens=20)
+    assert speculative.engine.stats().spec_decoding.num_accepted_tokens > 0
+    # a decode step has a row per request at most: more rows fused means verifying steps were
+    assert max(taken["fused_rows"]) > len(PROMPTS)
+    assert verified == generate(llama_llm, max_tokens=20)

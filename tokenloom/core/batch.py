@@ -171,6 +171,10 @@ class AttentionMetadata:
     bidirectional: bool = False
     # one per attention layer when the cache is fp8 (--kv-cache-dtype fp8*), else None
     kv_scales: list[KVCacheScales] | None = None
+    # per sequence, how many of its query's last tokens are drafts being verified (speculative
+    # decoding; None when no sequence verifies): such a query, the pending token and its drafts,
+    # is a decode of each row in turn, which a backend may run as that many decode rows
+    num_draft_tokens_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -732,6 +732,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             backend=self.attention_backend,
             kv_scales=self.kv_scales,
+            num_draft_tokens_cpu=[len(spec_tokens.get(state.req_id, ())) for state in states] if spec_tokens else None,
         )
         return PreparedBatch(
             input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)),

@@ -719,6 +719,14 @@ class TorchPagedAttention:
         return output
 
 
+def _decode_like_seqs(attn_metadata) -> list[int]:
+    """The sequences whose every query row is a decode: one-token queries, and the queries of
+    sequences verifying drafts (the pending token then the drafts, nothing else)."""
+    query_lens = attn_metadata.query_lens_cpu
+    drafts = getattr(attn_metadata, "num_draft_tokens_cpu", None) or [0] * len(query_lens)
+    return [index for index, query_len in enumerate(query_lens) if query_len == 1 + drafts[index]]
+
+
 @dataclass
 class _NativeDecodePlan:
     """The decode rows of a step, for the native kernel: one call covers them all."""
@@ -733,7 +741,8 @@ class NativeCpuPagedAttention(TorchPagedAttention):
     """:class:`TorchPagedAttention` with decode and the KV-cache write done by tokenloom's CPU
     operators (:mod:`tokenloom.kernels.cpu_native`): each decode query reads its sequence's
     keys and values in place from the cache blocks (no gathered copy, no padding, one call
-    per layer for the whole step). Prefills keep the torch path. An fp8 cache is read and written
+    per layer for the whole step). A sequence verifying drafts runs as one decode row per query
+    token (``AttentionMetadata.num_draft_tokens_cpu``). Prefills keep the torch path. An fp8 cache is read and written
     by the kernels (its scales passed along); any other cache whose dtype is not the
     activations' falls back to the torch path wholesale."""
 
@@ -822,8 +831,9 @@ class NativeCpuPagedAttention(TorchPagedAttention):
     def _make_plan(self, attn_metadata, sliding_window, elements_per_block) -> _StepPlan:
         # decodes are the native kernel's: the torch plan keeps only the prefills
         query_lens = attn_metadata.query_lens_cpu
+        decode_seqs = set(_decode_like_seqs(attn_metadata))
         return _StepPlan(
-            _query_starts(query_lens), [], [index for index, query_len in enumerate(query_lens) if query_len > 1]
+            _query_starts(query_lens), [], [index for index in range(len(query_lens)) if index not in decode_seqs]
         )
 
     def whole_decode_plan(self, attn_metadata) -> _NativeDecodePlan | None:
@@ -841,15 +851,30 @@ class NativeCpuPagedAttention(TorchPagedAttention):
     @staticmethod
     def _make_decode_plan(attn_metadata) -> _NativeDecodePlan | None:
         query_lens = attn_metadata.query_lens_cpu
-        decode_seqs = [index for index, query_len in enumerate(query_lens) if query_len == 1]
+        decode_seqs = _decode_like_seqs(attn_metadata)
         if not decode_seqs:
             return None
         block_tables = attn_metadata.block_tables.to(torch.long)
         seq_lens = attn_metadata.seq_lens.to(torch.long)
-        if len(decode_seqs) == len(query_lens):
+        whole_batch = len(decode_seqs) == len(query_lens)
+        if whole_batch and all(query_lens[index] == 1 for index in decode_seqs):
             return _NativeDecodePlan(None, block_tables.contiguous(), seq_lens.contiguous())
-        rows = torch.tensor(decode_seqs, device=block_tables.device)
-        token_indices = attn_metadata.query_start_loc[rows].to(torch.long)
+        # A verifying sequence's query (the pending token and its k drafts) becomes k + 1 decode
+        # rows over its block table, row j seeing the cache up to its own position: the KV of all
+        # k + 1 tokens is written before attention, so this is exactly causal attention among the
+        # new rows over the cached context, and each row is computed as a decode step computes it.
+        query_starts = _query_starts(query_lens)
+        table_rows: list[int] = []
+        token_indices: list[int] = []
+        row_seq_lens: list[int] = []
+        for index in decode_seqs:
+            query_len, seq_len = query_lens[index], attn_metadata.seq_lens_cpu[index]
+            table_rows.extend([index] * query_len)
+            token_indices.extend(range(query_starts[index], query_starts[index] + query_len))
+            row_seq_lens.extend(range(seq_len - query_len + 1, seq_len + 1))
+        device = block_tables.device
         return _NativeDecodePlan(
-            token_indices, block_tables.index_select(0, rows).contiguous(), seq_lens.index_select(0, rows).contiguous()
+            None if whole_batch else torch.tensor(token_indices, dtype=torch.long, device=device),
+            block_tables.index_select(0, torch.tensor(table_rows, device=device)).contiguous(),
+            torch.tensor(row_seq_lens, dtype=torch.long, device=device),
         )

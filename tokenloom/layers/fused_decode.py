@@ -6,7 +6,9 @@ SwiGLU) whose four projections hold int4 weights packed for tokenloom's kernel
 (``layer.int4_weight``, which the ``gguf`` quantization method keeps) runs a decode step as
 ``decode_layer`` (tokenloom's CPU operators, every kernel level): the operators the Python path
 calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
-calls per layer; in bfloat16, or float32 (what a CPU without native bfloat16 runs). Anything
+calls per layer; in bfloat16, or float32 (what a CPU without native bfloat16 runs). A step of
+speculative decoding's verifications (a request's pending token and its drafts, which the native
+attention backend's plan turns into one decode row each) is taken too. Anything
 else (prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps,
 tensor parallelism, another attention backend) takes the layer's own Python path. A step whose
 adapters change the layer's projections runs ``decode_layer_lora`` (kernels/csrc/cpu_lora.cpp):
