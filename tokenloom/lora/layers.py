@@ -178,7 +178,7 @@ class LinearLoRA(_SlotStacks):
         if x.dim() != 2:
             raise RuntimeError(f"LoRA layer got input {tuple(x.shape)} for a batch of {state.num_tokens} tokens")
         self._check_rows(x.shape[0], state.num_tokens)
-        bgmv = _native_bgmv(x, output) if x.shape[0] <= NATIVE_BGMV_MAX_TOKENS else None
+        bgmv = _native_bgmv(x, output)
         if bgmv is not None and self.lora_a.dtype in _NATIVE_DTYPES:
             # one token's slot at a time, in place (the fused decode layer calls the same operator)
             bgmv(
@@ -256,12 +256,9 @@ class EmbeddingLoRA(_SlotStacks):
         return output + delta.reshape(output.shape).to(output.dtype)
 
 
-# lora_bgmv_ re-reads a slot's A and B for every token: a handful of decode tokens gain (one
-# token, a whole SmolLM2 step's LoRA work: 0.9 ms against 6.8 ms through torch), but at 32
-# tokens it measured 2x slower than torch's batched matmuls, so longer inputs (prefills, large
-# decode batches outside the fused layer) take the torch path
-NATIVE_BGMV_MAX_TOKENS = 16
-
+# lora_bgmv_ for every token count, though it re-reads a slot's A and B per token (at 32 tokens
+# it measured 2x slower than torch's batched matmuls): one operator for every batch keeps each
+# token's result independent of the batch (a mixed batch gives each request what it gets alone)
 # the activation (and LoRA weight) dtypes lora_bgmv_ computes
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
