@@ -34,9 +34,9 @@ stop() { kill $PID; wait $PID 2>/dev/null; sleep 2; }
 pair() { run $1-c1 1 8; run $1-c32 32 64; }
 
 uni() { serve uni; pair uni; rewrite uni-rewrite; stop; }
-# -tp 3 runs 3 single-threaded workers on 2 cores: its c=1 step already takes ~200 ms, so the
-# c=32 run (8192 tokens) is left out of a sitting
-tp3() { serve tp3 -tp 3; run tp3-c1 1 8; stop; }
+# -tp 3 runs 3 single-threaded workers on 2 cores: a c=1 step takes ~200 ms
+tp3() { serve tp3 -tp 3; pair tp3; stop; }
+tp3c32() { serve tp3 -tp 3; run tp3-c32 32 64; stop; }
 pp2() { serve pp2 -pp 2; pair pp2; stop; }
 dp2() { serve dp2 -dp 2; pair dp2; stop; }
 ngram() {

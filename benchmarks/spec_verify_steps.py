@@ -70,7 +70,9 @@ def measure(label: str, **engine_args) -> None:
         decode_time = sum(total for _, total, _, _ in steps[1:])
     for rows, total, forward, logits in steps[1:]:  # the prefill left out
         by_rows.setdefault(rows, []).append((total, forward, logits))
-    print(f"{label}: {tokens} tokens, {len(steps) - 1} steps after the prefill, {decode_time / tokens * 1000:.2f} ms per token")
+    print(
+        f"{label}: {tokens} tokens, {len(steps) - 1} steps after the prefill, {decode_time / tokens * 1000:.2f} ms per token"
+    )
     for rows, times in sorted(by_rows.items()):
         total, forward, logits = (statistics.median(column) * 1000 for column in zip(*times))
         print(
@@ -82,7 +84,12 @@ def measure(label: str, **engine_args) -> None:
 
 measure("plain")
 for k in ks:
-    speculative_config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    speculative_config = {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
     measure(f"ngram k={k}", speculative_config=speculative_config)
     if as_prefill:
         with mock.patch.object(
