@@ -37,11 +37,6 @@ def client(smollm2_server):
     return openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def async_client(smollm2_server):
-    return openai.AsyncOpenAI(base_url=smollm2_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
@@ -174,8 +169,8 @@ def test_error_statuses(client, smollm2_server):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_32_concurrent_streams_all_finish(async_client):
-    async def one(i: int) -> tuple[str, str | None]:
+def test_32_concurrent_streams_all_finish(smollm2_server):
+    async def one(async_client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
         stream = await async_client.completions.create(
             model=MODEL,
             prompt=f"Story number {i}:",
@@ -193,7 +188,12 @@ def test_32_concurrent_streams_all_finish(async_client):
         return text, finish
 
     async def run_all():
-        return await asyncio.gather(*(one(i) for i in range(32)))
+        # opened and closed in this event loop: an unclosed async client is closed by its finaliser
+        # in whatever loop runs later, and that loop's test fails on the dead transport
+        async with openai.AsyncOpenAI(
+            base_url=smollm2_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300
+        ) as async_client:
+            return await asyncio.gather(*(one(async_client, i) for i in range(32)))
 
     results = asyncio.run(run_all())
     assert len(results) == 32
