@@ -16,7 +16,6 @@ import concurrent.futures
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import pickle
 import threading
 import time
@@ -25,23 +24,20 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from tokenloom.builtin_plugins.executors.worker_grid import START_TIMEOUT_SECONDS, WorkerGridExecutor
 from tokenloom.builtin_plugins.executors.worker_host import (
     WorkerHost,
     WorkerLaunch,
     configure_worker_logging,
     describe_exit,
     free_port,
-    output_rank,
 )
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.core.executor import WorkerSpec
 from tokenloom.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-# how long worker start-up (joining the group, building the model runner) may take before the
-# engine gives up; loading weights is a separate call with the same limit
-START_TIMEOUT_SECONDS = float(os.environ.get("TOKENLOOM_WORKER_START_TIMEOUT", "900"))
 # a worker asked to stop gets this long to leave before it is terminated, then killed
 STOP_GRACE_SECONDS = 5.0
 
@@ -276,65 +272,33 @@ class WorkerProcessGroup:
             conn.close()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerGridExecutor):
     """``tp * pp`` worker processes on this machine, one per rank, sharing its cores."""
+
+    backend_name = "mp"
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
-        parallel = self.config.parallel
-        self.tp_size = parallel.tensor_parallel_size
-        self.pp_size = parallel.pipeline_parallel_size
-        self.world_size = self.tp_size * self.pp_size
-        self.max_concurrent_batches = self.pp_size
-        self.output_rank = output_rank(self.tp_size, self.pp_size)
         self.group: WorkerProcessGroup | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    @property
-    def worker_pids(self) -> list[int]:
-        return [process.pid for process in self.group.processes] if self.group else []
-
     def initialize(self) -> int:
-        from tokenloom.plugins.manager import PluginSet
-
         started = time.perf_counter()
-        platform = PluginSet.from_plain(self.spec.plugin_tables).registry("platform").get(self.spec.platform)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        launches = [
-            WorkerLaunch(
-                spec=self.spec,
-                rank=rank,
-                init_method=init_method,
-                distributed_backend=platform.distributed_backend,
-                num_local_workers=self.world_size,
-                log_level=logging.getLogger("tokenloom").getEffectiveLevel(),
-            )
-            for rank in range(self.world_size)
-        ]
+        launches = self.worker_launches(f"tcp://127.0.0.1:{free_port()}", lambda rank: self.world_size)
         self.group = WorkerProcessGroup(launches)
         # the processes go when this executor does, even without shutdown() (and at exit)
         self._finalizer = weakref.finalize(self, self.group.shutdown)
         try:
-            self._wait(self.group.started, "start")
+            self.worker_pids = self._wait(self.group.started, "start")
             logger.info("mp executor: %d workers started in %.2fs", self.world_size, time.perf_counter() - started)
-            load_times = self._wait(self.group.call("load_model"), "load_model")
-            num_blocks: int = min(self._wait(self.group.call("determine_num_blocks"), "determine_num_blocks"))
-            allocate_times = self._wait(self.group.call("allocate_kv_cache", num_blocks), "allocate_kv_cache")
+            return self.load_model_and_allocate_kv_cache(started)
         except BaseException:
             self.shutdown()
             raise
-        logger.info(
-            "mp executor ready in %.2fs: tp %d x pp %d workers (pids %s), model loaded in %.2fs (slowest worker), "
-            "%d KV blocks on every worker (allocated in %.2fs)",
-            time.perf_counter() - started,
-            self.tp_size,
-            self.pp_size,
-            ", ".join(str(pid) for pid in self.worker_pids),
-            max(load_times),
-            num_blocks,
-            max(allocate_times),
-        )
-        return num_blocks
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        replies: list[Any] = self._wait(self._live_group().call(method, *args), method)
+        return replies
 
     def _wait(self, call: _Call, what: str) -> Any:
         try:

@@ -16,17 +16,17 @@ import time
 from collections import Counter
 from typing import Any
 
-from tokenloom.builtin_plugins.executors.worker_host import WorkerHost, WorkerLaunch, free_port, output_rank
+from tokenloom.builtin_plugins.executors.worker_grid import START_TIMEOUT_SECONDS, WorkerGridExecutor
+from tokenloom.builtin_plugins.executors.worker_host import WorkerHost, WorkerLaunch, free_port
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.core.executor import WorkerSpec
 from tokenloom.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-# how long the placement group may wait for its bundles, and the workers for their start-up
+# how long the placement group may wait for its bundles
 PLACEMENT_TIMEOUT_SECONDS = float(os.environ.get("TOKENLOOM_RAY_PLACEMENT_TIMEOUT", "120"))
-START_TIMEOUT_SECONDS = float(os.environ.get("TOKENLOOM_WORKER_START_TIMEOUT", "900"))
 
 
 def import_ray() -> Any:
@@ -96,19 +96,14 @@ class RayWorker:
         self._stopped.wait()
 
 
-class RayExecutor(Executor):
+class RayExecutor(WorkerGridExecutor):
     """``tp * pp`` Ray actors placed by a placement group (one CPU bundle each)."""
+
+    backend_name = "ray"
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
-        parallel = self.config.parallel
-        self.tp_size = parallel.tensor_parallel_size
-        self.pp_size = parallel.pipeline_parallel_size
-        self.world_size = self.tp_size * self.pp_size
-        self.max_concurrent_batches = self.pp_size
-        self.output_rank = output_rank(self.tp_size, self.pp_size)
         self.actors: list[Any] = []
-        self.worker_pids: list[int] = []
         self.worker_node_ids: list[str] = []
         self._placement_group: Any = None
         self._started_ray = False
@@ -157,8 +152,6 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from tokenloom.plugins.manager import PluginSet
-
         self._placement_group = placement_group([{"CPU": 1}] * self.world_size, strategy=strategy)
         ready, _ = ray.wait([self._placement_group.ready()], timeout=PLACEMENT_TIMEOUT_SECONDS)
         if not ready:
@@ -180,18 +173,9 @@ class RayExecutor(Executor):
         self.worker_node_ids = [node_id for node_id, _, _ in places]
         _, rank0_ip, rank0_port = places[0]
         per_node = Counter(self.worker_node_ids)
-        platform = PluginSet.from_plain(self.spec.plugin_tables).registry("platform").get(self.spec.platform)
-        launches = [
-            WorkerLaunch(
-                spec=self.spec,
-                rank=rank,
-                init_method=f"tcp://{rank0_ip}:{rank0_port}",
-                distributed_backend=platform.distributed_backend,
-                num_local_workers=per_node[self.worker_node_ids[rank]],
-                log_level=logging.getLogger("tokenloom").getEffectiveLevel(),
-            )
-            for rank in range(self.world_size)
-        ]
+        launches = self.worker_launches(
+            f"tcp://{rank0_ip}:{rank0_port}", lambda rank: per_node[self.worker_node_ids[rank]]
+        )
         self.worker_pids = self._get([actor.start.remote(launch) for actor, launch in zip(self.actors, launches)])
         self._watch_refs = [actor.wait_for_stop.options(concurrency_group="watch").remote() for actor in self.actors]
         logger.info(
@@ -202,21 +186,12 @@ class RayExecutor(Executor):
             rank0_ip,
             rank0_port,
         )
-        load_times = self._get([actor.load_model.remote() for actor in self.actors])
-        num_blocks: int = min(self._get([actor.determine_num_blocks.remote() for actor in self.actors]))
-        allocate_times = self._get([actor.allocate_kv_cache.remote(num_blocks) for actor in self.actors])
+        num_blocks = self.load_model_and_allocate_kv_cache(started)
         self._collector = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenloom-ray-results")
-        logger.info(
-            "ray executor ready in %.2fs: tp %d x pp %d actors, model loaded in %.2fs (slowest worker), "
-            "%d KV blocks on every worker (allocated in %.2fs)",
-            time.perf_counter() - started,
-            self.tp_size,
-            self.pp_size,
-            max(load_times),
-            num_blocks,
-            max(allocate_times),
-        )
         return num_blocks
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        return self._get([getattr(actor, method).remote(*args) for actor in self.actors])
 
     def _get(self, refs: list[Any], timeout: float | None = START_TIMEOUT_SECONDS) -> list[Any]:
         if self._ray is None:
