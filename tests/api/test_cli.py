@@ -104,7 +104,7 @@ def test_serve_passes_strict_plugins_on(fake_server):
 def test_serve_refuses_to_start_when_a_named_plugin_module_fails(fake_server, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(manager, "load_plugins", fake_server["real_load_plugins"])
     monkeypatch.setattr(manager, "_cache", {})
-    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "builtin_executors")
     (tmp_path / "half_written_plugin.py").write_text("import json\nfrom tokenloom.plugin_api import hookimpl, nope\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["serve", "--plugin", "half_written_plugin"]) == 2
@@ -169,7 +169,7 @@ def test_help_and_version_import_nothing_heavy_and_answer_at_once(argv):
 
 def test_plugins_lists_a_file_plugin_as_json_and_text(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(manager, "_cache", {})
-    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor,not_installed")
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "builtin_executors,not_installed")
     plugin_file = tmp_path / "shout_parser.py"
     plugin_file.write_text(
         textwrap.dedent("""
@@ -188,7 +188,7 @@ def test_plugins_lists_a_file_plugin_as_json_and_text(tmp_path, monkeypatch, cap
         "registered": {"tool_parser": ["shout"]},
     } in listing["plugins"]
     assert {
-        "name": "uniproc_executor",
+        "name": "builtin_executors",
         "origin": "tokenloom 0.1.0",
         "registered": {"executor": ["uni", "mp", "ray"]},
     } in listing["plugins"]
@@ -202,7 +202,7 @@ def test_plugins_lists_a_file_plugin_as_json_and_text(tmp_path, monkeypatch, cap
 
 
 def test_plugins_reports_a_broken_plugin_file_with_exit_2(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "builtin_executors")
     plugin_file = tmp_path / "broken.py"
     plugin_file.write_text("raise RuntimeError('no')\n")
     assert main(["plugins", "--tool-parser-plugin", str(plugin_file)]) == 2
@@ -236,7 +236,7 @@ def test_plugins_command_imports_no_heavy_module():
 
 def test_plugins_check_imports_every_target_and_names_the_broken_ones(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(manager, "_cache", {})
-    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "builtin_executors")
     plugin_file = tmp_path / "typo_targets.py"
     plugin_file.write_text(
         textwrap.dedent("""
@@ -291,7 +291,7 @@ def test_the_real_command_refuses_a_broken_named_plugin_and_with_strict_a_broken
 
 def test_plugins_says_why_a_plugin_registered_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(manager, "_cache", {})
-    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "uniproc_executor")
+    monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "builtin_executors")
     idle_hooks = tmp_path / "idle_hooks.py"
     idle_hooks.write_text(
         textwrap.dedent("""

@@ -600,10 +600,10 @@ def test_builtin_cpu_platform_is_registered(builtin_plugins):
 
 
 @pytest.mark.hook("register_executors")
-def test_builtin_uni_executor_is_registered(builtin_plugins):
+def test_builtin_executors_are_registered(builtin_plugins):
     from tokenloom.plugin_api import Executor
 
-    assert registered_by(builtin_plugins, "uniproc_executor", "executor") == ["uni", "mp", "ray"]
+    assert registered_by(builtin_plugins, "builtin_executors", "executor") == ["uni", "mp", "ray"]
     for name in ("uni", "mp", "ray"):  # ray's module imports without Ray: Ray is imported on use
         assert issubclass(builtin_plugins.registry("executor").get(name), Executor)
 

@@ -1,11 +1,9 @@
-"""The ``uni`` executor: one worker in the engine's own process (the default for one worker);
-this module's hook also registers the ``mp`` and ``ray`` executors."""
+"""The ``uni`` executor: one worker in the engine's own process (the default for one worker)."""
 
 from __future__ import annotations
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.executor import Executor
-from tokenloom.plugin_api import hookimpl
 
 
 class UniProcExecutor(Executor):
@@ -26,12 +24,3 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker = None
-
-
-@hookimpl
-def register_executors(register):
-    # the built-in executors, registered together under the one entry point executors have had
-    # (targets are imported on first use: ``ray`` needs the optional extra only when chosen)
-    register("uni", "tokenloom.builtin_plugins.executors.uniproc:UniProcExecutor")
-    register("mp", "tokenloom.builtin_plugins.executors.multiproc:MultiprocExecutor")
-    register("ray", "tokenloom.builtin_plugins.executors.ray_executor:RayExecutor")
