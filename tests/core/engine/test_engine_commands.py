@@ -96,7 +96,7 @@ def test_closing_a_stream_early_sends_an_abort():
         async_llm._loop = asyncio.get_running_loop()
         async_llm._thread = object()  # the engine thread is not started: commands are only recorded
         async_llm._send = sent.append
-        outputs = async_llm._outputs(AddRequest("a", SamplingParams(), PREPARED, 0, 1.0), object)
+        outputs = async_llm._outputs("a", AddRequest("a", SamplingParams(), PREPARED, 0, 1.0), object)
         task = asyncio.ensure_future(outputs.__anext__())
         await asyncio.sleep(0)
         assert "a" in async_llm._streams

@@ -39,7 +39,110 @@ StreamItem = RequestOutput | PoolingRequestOutput | BaseException
 OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
 
 
-class AsyncLLM:
+class RequestStreams:
+    """What the server's engines share (:class:`AsyncLLM` for one engine,
+    :class:`~tokenloom.core.engine.data_parallel.DataParallelAsyncLLM` for replicas): admitting
+    a request, its output stream, and aborting it when the stream is closed early. A subclass
+    says only how a request is prepared (:meth:`_prepare_generate`, :meth:`_prepare_encode`)
+    and where it goes (:meth:`_dispatch`, :meth:`_release`)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.errored = False
+        self._dead_reason: str | None = None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped (e.g. which worker or replica died, and how); None while it runs."""
+        return self._dead_reason
+
+    async def start(self) -> None:
+        """Bind outputs to the running event loop (and start what runs the engine); idempotent."""
+        raise NotImplementedError
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        lora_request: Any = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        await self._admit(request_id)
+        request = await self._prepare_generate(prompt, sampling_params, request_id, priority, lora_request)
+        async with contextlib.aclosing(self._outputs(request_id, request, RequestOutput)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def encode(
+        self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """The pooled output of one prompt (a single, final item); bad input raises here,
+        before anything is queued."""
+        await self._admit(request_id)
+        request = self._prepare_encode(prompt, pooling_params or PoolingParams(), request_id, priority)
+        async with contextlib.aclosing(self._outputs(request_id, request, PoolingRequestOutput)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _admit(self, request_id: str) -> None:
+        """Raise unless a new request with this id can be taken; start the engine if needed."""
+        if self.errored:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        await self.start()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+
+    async def _prepare_generate(
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int, lora_request: Any
+    ) -> Any:
+        """What :meth:`_dispatch` sends for a generation request; bad input raises here."""
+        raise NotImplementedError
+
+    def _prepare_encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str, priority: int) -> Any:
+        """What :meth:`_dispatch` sends for a pooling request; bad input raises here."""
+        raise NotImplementedError
+
+    def _dispatch(self, request_id: str, request: Any) -> None:
+        """Send the prepared request to the engine that runs it (its stream is registered)."""
+        raise NotImplementedError
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        """The request's stream has ended: forget where it went and, unless it ``finished``,
+        abort it there (the client went away or the stream failed)."""
+        raise NotImplementedError
+
+    async def _outputs(self, request_id: str, request: Any, kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
+        """Dispatch ``request`` and yield its outputs (of type ``kind``) until the finished one;
+        closing this early aborts the request."""
+        stream: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._dispatch(request_id, request)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if not isinstance(item, kind):  # the engine answers by the request's kind
+                    raise EngineDeadError(f"request {request_id!r} got a {type(item).__name__}, not a {kind.__name__}")
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            self._release(request_id, finished)
+
+    def _put_outputs(self, items: list[tuple[str, StreamItem]]) -> None:
+        """Hand outputs (or the errors that end them) to their streams; on the event loop."""
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(item)
+
+
+class AsyncLLM(RequestStreams):
     """The engine for the server: a background thread runs ``LLMEngine.step()`` while there is
     work; each request gets an asyncio queue of its outputs.
 
@@ -53,15 +156,12 @@ class AsyncLLM:
     """
 
     def __init__(self, engine: LLMEngine | None):
+        super().__init__()
         self._engine = engine
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.errored = False
-        self._dead_reason: str | None = None
         self._stats = engine.stats() if engine is not None else None
         self._prefault_budget = PREFAULT_MAX_BYTES
         self._last_step_time = 0.0
@@ -164,11 +264,6 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.errored
 
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the engine stopped (e.g. which worker died, and how); None while it runs."""
-        return self._dead_reason
-
     def stats(self) -> EngineStats:
         return self._stats if self._stats is not None else self.engine.stats()
 
@@ -214,16 +309,9 @@ class AsyncLLM:
     async def remove_lora(self, lora_int_id: int) -> bool:
         return self.engine.remove_lora(lora_int_id)
 
-    async def generate(
-        self,
-        prompt: Any,
-        sampling_params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        lora_request: Any = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        await self._admit(request_id)
+    async def _prepare_generate(
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int, lora_request: Any
+    ) -> Any:
         if lora_request is not None:
             lora_request = await asyncio.to_thread(self.resolve_lora, lora_request)
         prepared = self.engine.prepare_prompt(prompt, sampling_params)
@@ -231,56 +319,18 @@ class AsyncLLM:
         if grammar is not None:
             # compiled off both loops; a bad constraint fails here, before anything is scheduled
             await asyncio.wrap_future(grammar)
-        command = AddRequest(request_id, sampling_params, prepared, priority, time.monotonic(), lora_request)
-        async with contextlib.aclosing(self._outputs(command, RequestOutput)) as outputs:
-            async for item in outputs:
-                yield item
+        return AddRequest(request_id, sampling_params, prepared, priority, time.monotonic(), lora_request)
 
-    async def encode(
-        self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *, priority: int = 0
-    ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        """The pooled output of one prompt (a single, final item); bad input raises here,
-        before anything is queued."""
-        await self._admit(request_id)
-        pooling_params = pooling_params or PoolingParams()
+    def _prepare_encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str, priority: int) -> Any:
         prepared = self.engine.prepare_pooling_prompt(prompt, pooling_params)
-        command = AddPoolingRequest(request_id, pooling_params, prepared, priority, time.monotonic())
-        async with contextlib.aclosing(self._outputs(command, PoolingRequestOutput)) as outputs:
-            async for item in outputs:
-                yield item
+        return AddPoolingRequest(request_id, pooling_params, prepared, priority, time.monotonic())
 
-    async def _admit(self, request_id: str) -> None:
-        """Raise unless a new request with this id can be taken; start the engine thread if needed."""
-        if self.errored:
-            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
-        if self._loop is None or self._thread is None:
-            await self.start()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+    def _dispatch(self, request_id: str, request: Any) -> None:
+        self._send(request)
 
-    async def _outputs(
-        self, command: AddRequest | AddPoolingRequest, kind: type[OutputT]
-    ) -> AsyncGenerator[OutputT, None]:
-        """Queue ``command`` (an add) and yield the request's outputs (of type ``kind``) until
-        the finished one; closing this early aborts the request."""
-        request_id = command.request_id
-        stream: asyncio.Queue[StreamItem] = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._send(command)
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if not isinstance(item, kind):  # the engine thread answers by the command's kind
-                    raise EngineDeadError(f"request {request_id!r} got a {type(item).__name__}, not a {kind.__name__}")
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(AbortRequest(request_id))
+    def _release(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self._send(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
@@ -388,11 +438,5 @@ class AsyncLLM:
         return mapped > 0
 
     def _deliver(self, items: list[tuple[str, StreamItem]]) -> None:
-        def put_all() -> None:
-            for request_id, item in items:
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    stream.put_nowait(item)
-
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(put_all)
+            self._loop.call_soon_threadsafe(self._put_outputs, items)

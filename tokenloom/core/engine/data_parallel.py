@@ -25,14 +25,14 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from tokenloom.core.config import EngineArgs, EngineConfig
-from tokenloom.core.engine.async_llm import AsyncLLM
+from tokenloom.core.engine.async_llm import AsyncLLM, RequestStreams
 from tokenloom.core.engine.llm_engine import EngineStats
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
-from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
+from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PluginSet
 from tokenloom.plugins.registry import Registry
 
@@ -47,7 +47,6 @@ STATS_INTERVAL_SECONDS = 0.5
 # the CPUs a Ray replica asks for (and keeps its torch threads to)
 REPLICA_RAY_CPUS = 1
 
-OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
 # a message between the server and a replica: a plain tuple, its kind first (see ReplicaHost)
 Message = tuple[Any, ...]
 # the plugin registries as plain data (see plugin_tables)
@@ -561,16 +560,17 @@ def ray_actor_options(parallel: Any, ray: Any) -> list[dict[str, Any]]:
 # -- the server's engine ----------------------------------------------------------------------
 
 
-class DataParallelAsyncLLM:
+class DataParallelAsyncLLM(RequestStreams):
     """:class:`AsyncLLM`'s surface over N replicas (see the module docstring). Built by
-    ``AsyncLLM.from_engine_args`` when ``data_parallel_size > 1``."""
+    ``AsyncLLM.from_engine_args`` when ``data_parallel_size > 1``. Requests are admitted and
+    streamed as :class:`AsyncLLM` does (:class:`RequestStreams`); this only chooses the replica."""
 
     def __init__(self, config: EngineConfig, plugins: PluginSet, replicas: list[ReplicaHandle]):
+        super().__init__()
         self.config = config
         self.plugins = plugins
         self.replicas = replicas
         self._facts: dict[str, Any] = {}
-        self._streams: dict[str, asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException]] = {}
         self._owner: dict[str, int] = {}  # request id -> the replica that holds it
         self._num_in_flight = [0] * len(replicas)
         self._replica_stats: list[EngineStats | None] = [None] * len(replicas)
@@ -578,11 +578,8 @@ class DataParallelAsyncLLM:
         self._calls: dict[int, tuple[int, concurrent.futures.Future[Any]]] = {}
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._ray_started_here = False
-        self.errored = False
-        self._dead_reason: str | None = None
         self._logits_processor_resolver: LogitsProcessorResolver | None = None
 
     @classmethod
@@ -737,63 +734,35 @@ class DataParallelAsyncLLM:
 
     # -- requests
 
-    async def generate(
-        self,
-        prompt: Any,
-        sampling_params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        lora_request: Any = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        message = ("generate", request_id, prompt, sampling_params, priority, lora_request)
-        async with contextlib.aclosing(self._outputs(request_id, message, RequestOutput)) as outputs:
-            async for item in outputs:
-                yield item
+    async def _prepare_generate(
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int, lora_request: Any
+    ) -> Message:
+        # the replica prepares it (tokenizes, compiles the grammar, resolves the adapter)
+        return ("generate", request_id, prompt, sampling_params, priority, lora_request)
 
-    async def encode(
-        self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *, priority: int = 0
-    ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        message = ("encode", request_id, prompt, pooling_params or PoolingParams(), priority)
-        async with contextlib.aclosing(self._outputs(request_id, message, PoolingRequestOutput)) as outputs:
-            async for item in outputs:
-                yield item
+    def _prepare_encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str, priority: int) -> Message:
+        return ("encode", request_id, prompt, pooling_params, priority)
+
+    def _dispatch(self, request_id: str, request: Any) -> None:
+        index = choose_replica(self.replica_loads())
+        self._owner[request_id] = index
+        self._num_in_flight[index] += 1
+        self.replicas[index].send(request)
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        index = self._owner.pop(request_id, None)
+        if index is None:
+            return  # no replica took it (every one is dead)
+        self._num_in_flight[index] -= 1
+        if not finished and self._dead_reasons[index] is None:
+            with contextlib.suppress(EngineDeadError):
+                self.replicas[index].send(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
         index = self._owner.get(request_id)
         if index is not None and self._dead_reasons[index] is None:
             with contextlib.suppress(EngineDeadError):
                 self.replicas[index].send(("abort", request_id))
-
-    async def _outputs(self, request_id: str, message: Message, kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
-        if self.errored:
-            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
-        await self.start()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        index = choose_replica(self.replica_loads())
-        stream: asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._owner[request_id] = index
-        self._num_in_flight[index] += 1
-        finished = False
-        try:
-            self.replicas[index].send(message)
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if not isinstance(item, kind):
-                    raise EngineDeadError(f"request {request_id!r} got a {type(item).__name__}, not a {kind.__name__}")
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            self._owner.pop(request_id, None)
-            self._num_in_flight[index] -= 1
-            if not finished and self._dead_reasons[index] is None:
-                with contextlib.suppress(EngineDeadError):
-                    self.replicas[index].send(("abort", request_id))
 
     # -- calls that every replica answers
 
@@ -842,7 +811,7 @@ class DataParallelAsyncLLM:
                 if message[2] is not None:
                     self._on_death(index, f"data-parallel replica {index}'s engine died: {message[2]}")
         if outputs:
-            self._on_loop(self._deliver, outputs)
+            self._on_loop(self._put_outputs, outputs)
 
     def _on_death(self, index: int, reason: str) -> None:
         with self._calls_lock:
@@ -859,12 +828,6 @@ class DataParallelAsyncLLM:
         else:  # before the server's loop runs nothing is streaming: apply it here
             callback(*args)
 
-    def _deliver(self, outputs: list[tuple[str, Any]]) -> None:
-        for request_id, item in outputs:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put_nowait(item)
-
     def _replica_died(self, index: int, reason: str) -> None:
         """The replica's open streams end with an error and the server stops taking requests
         (/health answers 503): a replica short, the server is not what it was started as."""
@@ -875,7 +838,7 @@ class DataParallelAsyncLLM:
         self.errored = True
         self._dead_reason = reason
         error = EngineDeadError(f"the engine died: {reason}")
-        self._deliver([(request_id, error) for request_id, owner in self._owner.items() if owner == index])
+        self._put_outputs([(request_id, error) for request_id, owner in self._owner.items() if owner == index])
 
     # -- shutdown
 
