@@ -1,6 +1,7 @@
 """Helpers shared by the Hugging Face directory formats (safetensors, pt, dummy): config and
 tokenizer from a local directory (never the network), ``--hf-overrides``, choosing weight
-files (shard index, ``--ignore-patterns``), and the load progress bar.
+files (shard index, ``--ignore-patterns``), and the load progress bar; :class:`HfDirectoryFormat`
+is the base of the formats that read a Hugging Face checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tokenloom.errors import ModelLoadError
+from tokenloom.plugin_api import LoadFormat
 
 
 def model_directory(path: str) -> str:
@@ -122,3 +124,21 @@ def with_progress(
         for item in items:
             yield item
             bar.update(1)
+
+
+class HfDirectoryFormat(LoadFormat):
+    """A format of a Hugging Face checkpoint (safetensors, pt): config, tokenizer and
+    generation defaults come from the model's directory the same way whatever its weight files;
+    a subclass says which files it can load and how it reads their tensors."""
+
+    def load_config(self, path: str, model_config: Any) -> Any:
+        return load_hf_config(path, model_config)
+
+    def load_tokenizer(self, path: str, model_config: Any) -> Any:
+        return load_hf_tokenizer(path, model_config)
+
+    def generation_defaults(self, path: str) -> dict[str, Any]:
+        # imported here: generation_defaults imports this module
+        from tokenloom.builtin_plugins.loaders.generation_defaults import generation_defaults
+
+        return generation_defaults(path)

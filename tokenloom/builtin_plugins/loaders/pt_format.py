@@ -10,13 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
-from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
+from tokenloom.plugin_api import ModelLoadError, hookimpl
 
 EXTENSIONS = (".bin", ".pt", ".pth")
 INDEX_NAMES = ("pytorch_model.bin.index.json", "model.pt.index.json")
 
 
-class PtLoadFormat(LoadFormat):
+class PtLoadFormat(hf_files.HfDirectoryFormat):
     """Only tensors are unpickled (``weights_only``); memory-mapped when the file allows it."""
 
     def can_load(self, path: str) -> bool:
@@ -27,17 +27,6 @@ class PtLoadFormat(LoadFormat):
         names = os.listdir(path)
         # a directory with safetensors too is the safetensors format's: the same weights, safer to read
         return any(n.endswith(EXTENSIONS) for n in names) and not any(n.endswith(".safetensors") for n in names)
-
-    def load_config(self, path: str, model_config: Any) -> Any:
-        return hf_files.load_hf_config(path, model_config)
-
-    def load_tokenizer(self, path: str, model_config: Any) -> Any:
-        return hf_files.load_hf_tokenizer(path, model_config)
-
-    def generation_defaults(self, path: str) -> dict[str, Any]:
-        from tokenloom.builtin_plugins.loaders.generation_defaults import generation_defaults
-
-        return generation_defaults(path)
 
     def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
         import torch

@@ -8,30 +8,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
-from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
+from tokenloom.plugin_api import ModelLoadError, hookimpl
 
 EXTENSIONS = (".safetensors",)
 INDEX_NAMES = ("model.safetensors.index.json",)
 
 
-class SafetensorsLoadFormat(LoadFormat):
+class SafetensorsLoadFormat(hf_files.HfDirectoryFormat):
     """Weights are memory-mapped and yielded one tensor at a time."""
 
     def can_load(self, path: str) -> bool:
         if os.path.isfile(path):
             return path.endswith(EXTENSIONS)
         return os.path.isdir(path) and any(name.endswith(EXTENSIONS) for name in os.listdir(path))
-
-    def load_config(self, path: str, model_config: Any) -> Any:
-        return hf_files.load_hf_config(path, model_config)
-
-    def load_tokenizer(self, path: str, model_config: Any) -> Any:
-        return hf_files.load_hf_tokenizer(path, model_config)
-
-    def generation_defaults(self, path: str) -> dict[str, Any]:
-        from tokenloom.builtin_plugins.loaders.generation_defaults import generation_defaults
-
-        return generation_defaults(path)
 
     def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
         from safetensors import SafetensorError, safe_open
