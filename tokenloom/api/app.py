@@ -32,7 +32,7 @@ from tokenloom.api.protocol import (
 )
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
-from tokenloom.api.serving_chat import ChatHandler, tokenize_off_loop_if_large
+from tokenloom.api.serving_chat import ChatHandler, render_chat_request, tokenize_off_loop_if_large
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_models import parse_lora_modules, runtime_lora_updating_allowed
@@ -244,15 +244,7 @@ def _routes(
         ctx.warn_unknown_fields(request, "/tokenize")
         ctx.require_tokenizer("/tokenize", "prompt")
         if request.messages is not None:
-            text = await renderer.render_async(
-                request.messages,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tools=request.tools,
-                documents=request.documents,
-                chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs,
-            )
+            text = await render_chat_request(renderer, request)
             add_special_tokens = bool(request.add_special_tokens)
         elif request.prompt is not None:
             text = request.prompt

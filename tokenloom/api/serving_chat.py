@@ -71,6 +71,20 @@ async def tokenize_off_loop_if_large(tokenize: Callable[..., T], text: str, *arg
     return await anyio.to_thread.run_sync(tokenize, text, *args)
 
 
+async def render_chat_request(renderer: ChatRenderer, request: Any) -> str:
+    """The prompt text of a request that carries a chat (``/v1/chat/completions``, ``/tokenize``):
+    its messages through the chat template, with the request's template options."""
+    return await renderer.render_async(
+        request.messages,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        tools=request.tools,
+        documents=request.documents,
+        chat_template=request.chat_template,
+        chat_template_kwargs=request.chat_template_kwargs,
+    )
+
+
 def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -223,15 +237,7 @@ class ChatHandler:
             # e.g. keep the special tokens that mark the reasoning section
             request = self.reasoning_parser_class(ctx.tokenizer).adjust_request(request) or request
 
-        prompt_text = await self.renderer.render_async(
-            request.messages,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            tools=request.tools,
-            documents=request.documents,
-            chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs,
-        )
+        prompt_text = await render_chat_request(self.renderer, request)
         prompt_ids = await tokenize_off_loop_if_large(
             ctx.prepare_prompt, prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
         )

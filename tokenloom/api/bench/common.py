@@ -1,5 +1,5 @@
-"""Helpers the bench commands share: an argument parser that raises ConfigError, the
-``--help`` handling, percentiles like numpy's, and JSON result files."""
+"""Helpers the bench commands share: an argument parser that raises ConfigError, percentiles
+like numpy's, and JSON result files (``--help`` is read as ``serve`` reads it: serve_help)."""
 
 from __future__ import annotations
 
@@ -26,18 +26,6 @@ class BenchParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ConfigError(message)
-
-
-def help_request(argv: Sequence[str]) -> str | None:
-    """ "" for plain ``--help``, the part after ``--help=`` otherwise, None without a help flag."""
-    for token in argv:
-        if token == "--":
-            break
-        if token in ("-h", "--help"):
-            return ""
-        if token.startswith("--help="):
-            return token.split("=", 1)[1]
-    return None
 
 
 def positive_int(text: str) -> int:

@@ -14,7 +14,6 @@ from typing import Any
 from tokenloom.api.bench.common import (
     LATENCY_PERCENTAGES,
     BenchParser,
-    help_request,
     mean,
     non_negative_int,
     percentile,
@@ -22,6 +21,7 @@ from tokenloom.api.bench.common import (
     write_json,
 )
 from tokenloom.api.bench.engine_flags import ENGINE_FLAGS_HELP, parse_engine_flags, print_help
+from tokenloom.api.serve_help import help_request
 from tokenloom.errors import ConfigError
 
 COMMAND = "latency"

@@ -5,7 +5,6 @@ command line measures tokenloom and its peers."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import time
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from tokenloom.api.bench.common import BenchParser, help_request, non_negative_int, positive_int, ratio, write_json
+from tokenloom.api.bench.common import BenchParser, non_negative_int, positive_int, ratio, write_json
 from tokenloom.api.bench.datasets import SampleRequest, random_text_requests, sharegpt_requests
 from tokenloom.api.bench.serve_client import (
     CHAT,
@@ -24,6 +23,8 @@ from tokenloom.api.bench.serve_client import (
     send_request,
 )
 from tokenloom.api.bench.serve_metrics import DETAILED_KEYS, METRICS, calculate_metrics, result_json, summary_lines
+from tokenloom.api.flags import parse_json_object
+from tokenloom.api.serve_help import help_request
 from tokenloom.errors import ConfigError, TokenloomError
 
 BACKENDS = ("openai", "vllm", "openai-chat")  # vLLM's names; the first two stream /v1/completions
@@ -131,7 +132,7 @@ def build_parser() -> BenchParser:
     traffic.add_argument("--top-k", type=int, default=None)
     traffic.add_argument("--min-p", type=float, default=None)
     traffic.add_argument(
-        "--extra-body", type=_json_object, default=None, help="JSON object merged into every request body"
+        "--extra-body", type=parse_json_object, default=None, help="JSON object merged into every request body"
     )
     traffic.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -154,18 +155,6 @@ def build_parser() -> BenchParser:
     )
     report.add_argument("--label", default=None, help="label of the results (default: the backend)")
     return parser
-
-
-def _json_object(text: str) -> dict:
-    import argparse
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def parse_metric_options(options: Any) -> tuple[list[str], list[float]]:

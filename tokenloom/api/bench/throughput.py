@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.api.bench.common import BenchParser, help_request, non_negative_int, positive_int, ratio, write_json
+from tokenloom.api.bench.common import BenchParser, non_negative_int, positive_int, ratio, write_json
 from tokenloom.api.bench.datasets import SampleRequest, allowed_token_ids, random_token_requests, sharegpt_requests
 from tokenloom.api.bench.engine_flags import ENGINE_FLAGS_HELP, parse_engine_flags, print_help
+from tokenloom.api.serve_help import help_request
 from tokenloom.errors import ConfigError
 
 COMMAND = "throughput"
