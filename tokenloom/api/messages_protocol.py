@@ -16,6 +16,7 @@ from tokenloom.api.protocol import (
     RequestModel,
     ResponseFormat,
     ResponseModel,
+    flat_tool_as_chat_tool,
 )
 from tokenloom.errors import InvalidRequestError
 
@@ -132,12 +133,7 @@ class MessagesInput(RequestModel):
                     "tools only (name, description, input_schema)",
                     param=f"tools[{index}].type",
                 )
-            if not tool.get("name"):
-                raise InvalidRequestError(f"tools[{index}] needs a name", param=f"tools[{index}].name")
-            function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-            if tool.get("description"):
-                function["description"] = tool["description"]
-            tools.append({"type": "function", "function": function})
+            tools.append(flat_tool_as_chat_tool(tool, index, "input_schema"))
         return tools or None
 
     def chat_tool_choice(self) -> tuple[str | dict[str, Any] | None, bool | None]:

@@ -516,6 +516,18 @@ class ErrorResponse(ResponseModel):
     error: ErrorInfo
 
 
+def flat_tool_as_chat_tool(tool: dict[str, Any], index: int, schema_key: str) -> dict[str, Any]:
+    """A tool sent flat (``name``, ``description`` and its JSON schema under ``schema_key``, as
+    the Responses and Messages APIs send them) in chat completions' shape; ``index`` places it
+    in the request's ``tools`` for the error."""
+    if not tool.get("name"):
+        raise InvalidRequestError(f"tools[{index}] needs a name", param=f"tools[{index}].name")
+    function = {"name": tool["name"], "parameters": tool.get(schema_key) or {"type": "object"}}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
 def sse_event(chunk: BaseModel) -> str:
     """One server-sent event; a chunk's ``usage`` is only sent when it has one."""
     exclude = {"usage"} if getattr(chunk, "usage", 1) is None else None

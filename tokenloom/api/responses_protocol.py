@@ -16,6 +16,7 @@ from tokenloom.api.protocol import (
     RequestModel,
     ResponseFormat,
     ResponseModel,
+    flat_tool_as_chat_tool,
 )
 from tokenloom.errors import InvalidRequestError
 
@@ -82,12 +83,7 @@ class ResponsesRequest(RequestModel):
                     "tools only (the client executes them)",
                     param=f"tools[{index}].type",
                 )
-            if not tool.get("name"):
-                raise InvalidRequestError(f"tools[{index}] needs a name", param=f"tools[{index}].name")
-            function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-            if tool.get("description"):
-                function["description"] = tool["description"]
-            tools.append({"type": "function", "function": function})
+            tools.append(flat_tool_as_chat_tool(tool, index, "parameters"))
         return tools or None
 
     def chat_tool_choice(self) -> str | dict[str, Any] | None:
