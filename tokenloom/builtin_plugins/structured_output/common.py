@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from tokenloom.core.byte_level import bytes_to_unicode
@@ -117,14 +118,27 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multip
 _DATA_KEYWORDS = ("enum", "const", "default", "examples")
 
 
+def rewrite_schema(schema: Any, rewrite: Callable[[dict], dict]) -> Any:
+    """A copy of ``schema`` with ``rewrite`` applied to every object in it, innermost first (an
+    object's children are rewritten before it); the values of data keywords (``enum``,
+    ``const``, ``default``, ``examples``) are copied as they are. ``rewrite`` gets a copy of
+    each object, which it may change in place."""
+    if isinstance(schema, list):
+        return [rewrite_schema(item, rewrite) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return rewrite(
+        {key: value if key in _DATA_KEYWORDS else rewrite_schema(value, rewrite) for key, value in schema.items()}
+    )
+
+
 def enumerate_integer_ranges(schema: Any) -> Any:
     """A copy of ``schema`` where each small bounded integer range is an ``enum`` of its values
     (``{"type": "integer", "minimum": 1, "maximum": 5}`` -> ``enum [1, 2, 3, 4, 5]``)."""
-    if isinstance(schema, list):
-        return [enumerate_integer_ranges(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    node = {key: value if key in _DATA_KEYWORDS else enumerate_integer_ranges(value) for key, value in schema.items()}
+    return rewrite_schema(schema, _enumerate_integer_range)
+
+
+def _enumerate_integer_range(node: dict) -> dict:
     values = _integer_range(node)
     if values is None:
         return node

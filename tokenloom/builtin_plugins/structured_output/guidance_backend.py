@@ -15,7 +15,7 @@ import json
 import threading
 from typing import Any
 
-from tokenloom.builtin_plugins.structured_output.common import schema_keywords
+from tokenloom.builtin_plugins.structured_output.common import rewrite_schema, schema_keywords
 from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
 from tokenloom.errors import InvalidRequestError
 
@@ -43,21 +43,13 @@ def _listed_properties_only(schema: Any) -> Any:
     branch would make them exclude each other."""
     if "allOf" in schema_keywords(schema):
         return schema
-    return _close_listed_objects(schema)
+    return rewrite_schema(schema, _close_listed_object)
 
 
-def _close_listed_objects(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_close_listed_objects(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    copy = {
-        key: value if key in ("enum", "const", "default", "examples") else _close_listed_objects(value)
-        for key, value in schema.items()
-    }
-    if isinstance(copy.get("properties"), dict) and "additionalProperties" not in copy:
-        copy["additionalProperties"] = False
-    return copy
+def _close_listed_object(node: dict) -> dict:
+    if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    return node
 
 
 def _json_options(constraint: Constraint) -> dict[str, Any]:

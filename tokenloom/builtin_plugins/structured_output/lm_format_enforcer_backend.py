@@ -18,6 +18,7 @@ from tokenloom.builtin_plugins.structured_output.common import (
     JsonControlByteFilter,
     decoder_kind,
     enumerate_integer_ranges,
+    rewrite_schema,
     subschemas,
     token_bytes,
     unsupported_keywords_reason,
@@ -89,14 +90,10 @@ CONST_REASON = "lm-format-enforcer takes a const that is a string or a number on
 def _numeric_consts_as_enums(schema: Any) -> Any:
     """A copy of ``schema`` where ``const: 5`` is ``enum: [5]``: lm-format-enforcer's const rule
     reads its value as a string, and its enum rule writes numbers."""
-    if isinstance(schema, list):
-        return [_numeric_consts_as_enums(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    node = {
-        key: value if key in ("enum", "const", "default", "examples") else _numeric_consts_as_enums(value)
-        for key, value in schema.items()
-    }
+    return rewrite_schema(schema, _numeric_const_as_enum)
+
+
+def _numeric_const_as_enum(node: dict) -> dict:
     value = node.get("const")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         del node["const"]
