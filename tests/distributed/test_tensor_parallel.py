@@ -17,6 +17,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers.model_parity import perturb_parameters
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.distributed import ParallelRank, init_parallel_state
@@ -46,10 +47,7 @@ def save_tiny_model(directory, tokenizer, hf_class, config, seed: int) -> str:
     """A random model scaled up (std 0.3 noise on every parameter) so greedy choices are
     decisive rather than near-ties a different summation order could flip."""
     torch.manual_seed(seed)
-    model = hf_class(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape) * 0.3)
+    model = perturb_parameters(hf_class(config).eval(), seed=seed, scale=0.3)
     tokenizer.save_pretrained(directory)
     model.save_pretrained(directory, safe_serialization=True)
     return str(directory)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.lora_adapters import ALL_PROJECTIONS, peft_greedy, save_random_adapter
+from helpers.model_parity import perturb_parameters
 
 from tokenloom import LLM, LoRARequest, SamplingParams
 
@@ -44,9 +45,7 @@ def family_dir(request, tiny_llama_dir, tmp_path_factory):
     tokenizer.save_pretrained(directory)
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(tiny_config(request.param, len(tokenizer), tokenizer)).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)  # norms and biases carry information too
+    perturb_parameters(model, seed=5)
     model.save_pretrained(directory, safe_serialization=True)
     return str(directory), [tokenizer(prompt).input_ids for prompt in PROMPTS]
 

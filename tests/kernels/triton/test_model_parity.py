@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.model_parity import perturb_parameters
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (the `gpu` extra)")
 
@@ -53,9 +54,7 @@ def tiny_gemma3_dir(tmp_path_factory, smollm2_gguf):
     )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():  # zero-initialised norm weights would hide a mis-applied norm
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape) * 0.05)
+    perturb_parameters(model)  # zero-initialised norm weights would hide a mis-applied norm
     model.save_pretrained(directory, safe_serialization=True)
     return str(directory)
 
