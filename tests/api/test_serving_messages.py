@@ -10,13 +10,17 @@ import json
 import pytest
 
 from tests.api.conftest import client_for
-from tests.api.fake_engine import FakeEngine
 from tests.api.test_serving_chat_tools import (
     CALLS_REPLY,
-    HERMES_TEMPLATE,
     THINKING_REPLY,
 )
-from tests.api.test_serving_responses import chat_handler, output_of, random_splits  # noqa: F401 (a fixture)
+from tests.api.test_serving_responses import (  # noqa: F401 (chat_handler: a fixture)
+    app_with,
+    chat_handler,
+    output_of,
+    random_splits,
+    sse_blocks,
+)
 from tests.builtin_plugins.tool_parsers.formats import TIME, WEATHER
 from tokenloom.api.messages_protocol import (
     MessagesInput,
@@ -29,7 +33,6 @@ from tokenloom.api.serving_base import ChoiceState
 from tokenloom.api.serving_messages import MessagesEventWriter
 from tokenloom.core.request import CompletionOutput
 from tokenloom.errors import InvalidRequestError
-from tokenloom.plugins.manager import load_plugins
 
 TOOLS = [
     {
@@ -39,24 +42,6 @@ TOOLS = [
     }
     for name, arguments in (WEATHER, TIME)
 ]
-
-
-def sse_blocks(body: str) -> list[dict]:
-    events = []
-    for block in filter(None, body.split("\n\n")):
-        event_line, data_line = block.split("\n")
-        event = json.loads(data_line[len("data: ") :])
-        assert event_line == f"event: {event['type']}"
-        events.append(event)
-    return events
-
-
-def app_with(make_app, tokenizer, reply: str, **config):
-    engine = FakeEngine(tokenizer, replies=(reply,))
-    config.setdefault("tool_call_parser", "hermes")
-    config.setdefault("enable_auto_tool_choice", True)
-    config.setdefault("chat_template", HERMES_TEMPLATE)
-    return engine, make_app(engine=engine, plugins=load_plugins(), reasoning_parser="qwen3", **config)
 
 
 def test_blocks_become_chat_messages():
