@@ -7,6 +7,7 @@ and one for its pipeline group (the ranks with its ``tp_rank``, one per stage). 
 process uses :class:`Communicator` itself, whose collectives are identities; executors that
 start several workers build :class:`TorchDistributedCommunicator` from ``torch.distributed``
 with the backend the platform names (``Platform.distributed_backend``: gloo on the CPU).
+Workers or replicas on a Ray cluster import Ray through :func:`import_ray`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tokenloom.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -156,3 +159,17 @@ def _group(ranks: list[int], rank: int) -> TorchDistributedCommunicator | None:
         return TorchDistributedCommunicator(ranks)
     dist.new_group(ranks)
     return None
+
+
+def import_ray(flag: str) -> Any:
+    """The ``ray`` module, imported when ``--FLAG ray`` chose it (the ``ray`` extra is optional);
+    without it a ConfigError that names the flag and the install."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            f"--{flag} ray needs Ray, which is not installed ({exc}): pip install 'tokenloom[ray]' "
+            f"(or pip install ray), or use --{flag} mp",
+            param=flag,
+        ) from None
+    return ray

@@ -19,6 +19,7 @@ from typing import Any
 from tokenloom.builtin_plugins.executors.worker_grid import START_TIMEOUT_SECONDS, WorkerGridExecutor
 from tokenloom.builtin_plugins.executors.worker_host import WorkerHost, WorkerLaunch, free_port
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.distributed import import_ray
 from tokenloom.core.executor import WorkerSpec
 from tokenloom.errors import ConfigError, EngineDeadError
 
@@ -27,18 +28,6 @@ logger = logging.getLogger(__name__)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # how long the placement group may wait for its bundles
 PLACEMENT_TIMEOUT_SECONDS = float(os.environ.get("TOKENLOOM_RAY_PLACEMENT_TIMEOUT", "120"))
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ConfigError(
-            f"--distributed-executor-backend ray needs Ray, which is not installed ({exc}): "
-            "pip install 'tokenloom[ray]'",
-            param="distributed-executor-backend",
-        ) from None
-    return ray
 
 
 class RayWorker:
@@ -116,7 +105,7 @@ class RayExecutor(WorkerGridExecutor):
     # -- start-up -------------------------------------------------------------------------
 
     def _connect(self) -> Any:
-        ray = import_ray()
+        ray = import_ray("distributed-executor-backend")
         if ray.is_initialized():
             return ray
         address = os.environ.get("RAY_ADDRESS")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.distributed import import_ray
 from tokenloom.core.engine.async_llm import AsyncLLM, RequestStreams
 from tokenloom.core.engine.llm_engine import EngineStats
 from tokenloom.core.logits_processors import LogitsProcessorResolver
@@ -599,7 +600,7 @@ class DataParallelAsyncLLM(RequestStreams):
         started = time.perf_counter()
         try:
             if parallel.data_parallel_backend == "ray":
-                ray = import_ray()
+                ray = import_ray("data-parallel-backend")
                 if not ray.is_initialized():
                     # the cluster RAY_ADDRESS names is joined; without it a private local Ray
                     # starts (never a `ray start` cluster found by chance) and stops with the server
@@ -863,15 +864,3 @@ class DataParallelAsyncLLM(RequestStreams):
 
             ray.shutdown()
             self._ray_started_here = False
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(
-            "--data-parallel-backend ray needs Ray: pip install 'tokenloom[ray]' (or pip install ray), "
-            "or use --data-parallel-backend mp",
-            param="data-parallel-backend",
-        ) from None
-    return ray
