@@ -60,6 +60,8 @@ def test_two_worker_processes_give_the_greedy_ids_of_uni(mp_llm, uni_llm):
     assert all(psutil.Process(pid).is_running() for pid in pids)
     assert mp_llm.engine.num_blocks == uni_llm.engine.num_blocks  # the minimum over identical workers
     assert greedy_ids(mp_llm) == greedy_ids(uni_llm)
+    # both workers map never-used KV blocks (the same share each; one worker's bytes reported)
+    assert 0 < executor.prefault_kv_cache(1 << 20) <= 1 << 20
 
 
 def prefill_steps(llm: LLM) -> list[SchedulerOutput]:

@@ -53,6 +53,8 @@ def test_workers_spread_over_two_nodes_give_the_greedy_ids_of_uni(two_node_clust
         assert len(set(executor.worker_node_ids)) == 2  # one worker on each node
         assert greedy_ids(llm) == expected
         assert (executor.output_rank, executor.max_concurrent_batches) == (1, 2)
+        # every actor answers the call by name, as an mp worker does: both map never-used blocks
+        assert 0 < executor.prefault_kv_cache(1 << 20) <= 1 << 20
         actor_ids = [actor._actor_id.hex() for actor in executor.actors]
         pids = list(executor.worker_pids)
 

@@ -55,25 +55,12 @@ class RayWorker:
         self.host = WorkerHost(launch)
         return os.getpid()
 
-    def load_model(self) -> float:
-        assert self.host is not None  # start() ran first: the driver calls it before anything else
-        return self.host.load_model()
-
-    def determine_num_blocks(self) -> int:
-        assert self.host is not None
-        return self.host.determine_num_blocks()
-
-    def allocate_kv_cache(self, num_blocks: int) -> float:
-        assert self.host is not None
-        return self.host.allocate_kv_cache(num_blocks)
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        assert self.host is not None
-        return self.host.execute(scheduler_output)
-
-    def prefault_kv_cache(self, max_bytes: int) -> int:
-        assert self.host is not None
-        return self.host.prefault_kv_cache(max_bytes)
+    def call(self, method: str, *args: Any) -> Any:
+        """``WorkerHost.method(*args)``, as an ``mp`` worker process answers a call (Ray hands
+        ``args`` over with any object reference among them resolved)."""
+        if self.host is None:
+            raise RuntimeError(f"ray worker: {method} called before start")
+        return getattr(self.host, method)(*args)
 
     def close(self) -> None:
         if self.host is not None:
@@ -180,7 +167,7 @@ class RayExecutor(WorkerGridExecutor):
         return num_blocks
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
-        return self._get([getattr(actor, method).remote(*args) for actor in self.actors])
+        return self._get([actor.call.remote(method, *args) for actor in self.actors])
 
     def _get(self, refs: list[Any], timeout: float | None = START_TIMEOUT_SECONDS) -> list[Any]:
         if self._ray is None:
@@ -209,7 +196,7 @@ class RayExecutor(WorkerGridExecutor):
             raise EngineDeadError("the ray executor is not initialized (or was shut down)")
         # one object in the store that every actor reads, not a copy per call
         step_ref = self._ray.put(scheduler_output)
-        refs = [actor.execute.remote(step_ref) for actor in self.actors]
+        refs = [actor.call.remote("execute", step_ref) for actor in self.actors]
         return self._collector.submit(self._collect_step, refs)
 
     def _collect_step(self, refs: list[Any]) -> ModelRunnerOutput:
@@ -233,7 +220,9 @@ class RayExecutor(WorkerGridExecutor):
     def prefault_kv_cache(self, max_bytes: int) -> int:
         if not self.actors:
             return 0
-        mapped: int = min(self._get([actor.prefault_kv_cache.remote(max_bytes) for actor in self.actors], timeout=None))
+        mapped: int = min(
+            self._get([actor.call.remote("prefault_kv_cache", max_bytes) for actor in self.actors], timeout=None)
+        )
         return mapped
 
     def check_health(self) -> None:
