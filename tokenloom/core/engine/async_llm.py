@@ -1,7 +1,8 @@
 """The engine for the server: :class:`AsyncLLM` runs :class:`LLMEngine` steps on a background
 thread while there is work, takes typed commands (:mod:`tokenloom.core.engine.commands`) from
 the event loop, and gives every request its own async output stream, aborting the request
-when its stream is closed early."""
+when its stream is closed early. :class:`RequestStreams` is that request path, which the
+data-parallel front end shares."""
 
 from __future__ import annotations
 
