@@ -76,7 +76,8 @@ def test_the_longest_units_go_out_first():
 
 
 def test_a_unit_missing_from_the_record_gets_an_estimate():
-    assert estimated_seconds("tests/e2e/test_new.py", ["a"], {}) == 60.0  # a server module
+    assert estimated_seconds("tests/e2e/test_new.py", ["tests/e2e/test_new.py::a"], {}) == 60.0  # a server module
+    assert estimated_seconds("new-group", ["tests/e2e/test_new.py::a@new-group"], {}) == 60.0
     assert estimated_seconds("tests/core/test_new.py", ["a"] * 20, {}) == 1.0
     assert estimated_seconds("tests/core/test_new.py", ["a"], {"tests/core/test_new.py": 7.5}) == 7.5
     # nothing recorded: the server modules still go before the quick ones

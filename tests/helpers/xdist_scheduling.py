@@ -56,7 +56,7 @@ def load_seconds(path: str = SECONDS_FILE) -> dict[str, float]:
 def estimated_seconds(scope: str, nodeids, recorded: dict[str, float]) -> float:
     if scope in recorded:
         return recorded[scope]
-    if scope.startswith("tests/e2e/"):
+    if any(nodeid.startswith("tests/e2e/") for nodeid in nodeids):
         return UNKNOWN_SERVER_MODULE_SECONDS
     return UNKNOWN_SECONDS_PER_TEST * len(nodeids)
 
