@@ -30,6 +30,12 @@ def pytest_configure(config):
         config.pluginmanager.register(SecondsRecorder(), "xdist-seconds-recorder")
 
 
+def pytest_unconfigure(config):
+    from helpers.xdist_scheduling import remove_slow_units_dir
+
+    remove_slow_units_dir(config)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadscope`` the longest work units start first (tests/helpers/xdist_scheduling.py)."""
@@ -44,6 +50,10 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_configure_node(node):
     # a worker's own options say --dist no: it learns the controller's scheduling here
     node.workerinput["xdist_groups_in_loadscope"] = node.config.getvalue("dist") == "loadscope"
+    if node.config.getvalue("dist") == "loadscope":
+        from helpers.xdist_scheduling import slow_units_dir
+
+        node.workerinput["xdist_slow_units_dir"] = slow_units_dir(node.config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,6 +71,11 @@ def pytest_collection_modifyitems(config, items):
         )
         if names:
             _rename(item, f"{item.nodeid}@{'_'.join(names)}")
+    # the controller sees node ids only: which units hold real-model (slow) tests, for the
+    # order of units it has no recorded seconds for
+    from helpers.xdist_scheduling import write_slow_units
+
+    write_slow_units(config.workerinput, items)
 
 
 def _rename(item, nodeid: str) -> None:

@@ -4,12 +4,25 @@ drives it, with two fake workers: units go out longest first, groups split a mod
 from __future__ import annotations
 
 import json
+import os
 
-from helpers.xdist_scheduling import LongestFirstScopeScheduling, SecondsRecorder, estimated_seconds, scope_of
+from helpers.xdist_scheduling import (
+    LongestFirstScopeScheduling,
+    SecondsRecorder,
+    estimated_seconds,
+    read_slow_units,
+    remove_slow_units_dir,
+    scope_of,
+    slow_units_dir,
+    write_slow_units,
+)
 
 
 class FakeConfig:
     option = type("Option", (), {"loadscopereorder": True})()  # xdist's default
+
+    def __init__(self):
+        self.stash = {}
 
     def getvalue(self, name):
         return {"tx": ["2*popen"], "loadscopereorder": True}[name]
@@ -121,3 +134,27 @@ def test_the_recorder_sums_each_unit(tmp_path):
     recorded = json.loads(path.read_text())
     assert recorded == {"tests/e2e/test_server.py": 12.5, "split-a": 4.0, "tests/api/test_small.py": 0.0}
     assert list(recorded) == ["tests/e2e/test_server.py", "split-a", "tests/api/test_small.py"]
+
+
+def test_units_with_a_slow_test_are_estimated_as_server_modules():
+    class Item:
+        def __init__(self, nodeid, slow):
+            self.nodeid, self.slow = nodeid, slow
+
+        def get_closest_marker(self, name):
+            return object() if name == "slow" and self.slow else None
+
+    config = FakeConfig()
+    directory = slow_units_dir(config)
+    items = [
+        Item("tests/core/test_grid.py::test_quick", False),
+        Item("tests/core/test_grid.py::test_real_model", True),
+        Item("tests/core/test_many.py::test_0", False),
+    ]
+    write_slow_units({"xdist_slow_units_dir": directory, "workerid": "gw0"}, items)
+    write_slow_units({"workerid": "gw1"}, items)  # not under loadscope: nothing to write
+    assert read_slow_units(config) == {"tests/core/test_grid.py"}
+    assert estimated_seconds("tests/core/test_grid.py", ["a", "b"], {}, read_slow_units(config)) == 60.0
+    assert estimated_seconds("tests/core/test_many.py", ["a"], {}, read_slow_units(config)) == 0.05
+    remove_slow_units_dir(config)
+    assert not os.path.exists(directory)

@@ -20,11 +20,12 @@ import json
 import os
 from collections import OrderedDict, defaultdict
 
+import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 SECONDS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xdist_seconds.json")
-# a unit missing from the recorded seconds: modules that start a server take about a minute,
-# the others a fraction of a second a test
+# a unit missing from the recorded seconds: modules that start a server or hold a test marked
+# `slow` (a real model) take about a minute, the others a fraction of a second a test
 UNKNOWN_SERVER_MODULE_SECONDS = 60.0
 UNKNOWN_SECONDS_PER_TEST = 0.05
 
@@ -45,6 +46,45 @@ def scope_of(nodeid: str) -> str:
     return nodeid.rsplit("::", 1)[0]
 
 
+# the controller's directory where each worker lists the units holding a test marked `slow`
+SLOW_UNITS_DIR = pytest.StashKey[str]()
+
+
+def slow_units_dir(config) -> str:
+    if SLOW_UNITS_DIR not in config.stash:
+        import tempfile
+
+        config.stash[SLOW_UNITS_DIR] = tempfile.mkdtemp(prefix="tokenloom-xdist-")
+    return config.stash[SLOW_UNITS_DIR]
+
+
+def remove_slow_units_dir(config) -> None:
+    if SLOW_UNITS_DIR in config.stash:
+        import shutil
+
+        shutil.rmtree(config.stash[SLOW_UNITS_DIR], ignore_errors=True)
+
+
+def write_slow_units(workerinput: dict, items) -> None:
+    """In a worker, before it reports its collection: the units holding a test marked `slow`."""
+    directory = workerinput.get("xdist_slow_units_dir")
+    if directory is None:
+        return
+    units = sorted({scope_of(item.nodeid) for item in items if item.get_closest_marker("slow") is not None})
+    with open(os.path.join(directory, f"{workerinput['workerid']}.json"), "w") as handle:
+        json.dump(units, handle)
+
+
+def read_slow_units(config) -> set[str]:
+    if SLOW_UNITS_DIR not in config.stash:
+        return set()
+    units: set[str] = set()
+    for name in os.listdir(config.stash[SLOW_UNITS_DIR]):
+        with open(os.path.join(config.stash[SLOW_UNITS_DIR], name)) as handle:
+            units.update(json.load(handle))
+    return units
+
+
 def load_seconds(path: str = SECONDS_FILE) -> dict[str, float]:
     try:
         with open(path) as handle:
@@ -53,10 +93,10 @@ def load_seconds(path: str = SECONDS_FILE) -> dict[str, float]:
         return {}
 
 
-def estimated_seconds(scope: str, nodeids, recorded: dict[str, float]) -> float:
+def estimated_seconds(scope: str, nodeids, recorded: dict[str, float], slow_units=frozenset()) -> float:
     if scope in recorded:
         return recorded[scope]
-    if any(nodeid.startswith("tests/e2e/") for nodeid in nodeids):
+    if scope in slow_units or any(nodeid.startswith("tests/e2e/") for nodeid in nodeids):
         return UNKNOWN_SERVER_MODULE_SECONDS
     return UNKNOWN_SECONDS_PER_TEST * len(nodeids)
 
@@ -75,7 +115,10 @@ class LongestFirstScopeScheduling(LoadScopeScheduling):
     def _assign_work_unit(self, node) -> None:
         # the queue is filled (in collection order) just before the first assignment
         if not self._ordered:
-            units = sorted(self.workqueue.items(), key=lambda unit: -estimated_seconds(unit[0], unit[1], self.seconds))
+            slow_units = read_slow_units(self.config)
+            units = sorted(
+                self.workqueue.items(), key=lambda unit: -estimated_seconds(unit[0], unit[1], self.seconds, slow_units)
+            )
             self.workqueue = OrderedDict(units)
             self._ordered = True
         super()._assign_work_unit(node)
