@@ -41,7 +41,9 @@ serve: $(KERNELS)
 
 # the lint checks first; a kernel that does not build or load fails the run instead of leaving
 # its tests on torch's path; two pytest workers (about 12 minutes instead of 20 on 2 cores), each on
-# its own cores (tests/conftest.py), loadscope keeps a module (and its server) in one worker
+# its own cores (tests/conftest.py), loadscope keeps a module (and its server) in one worker and
+# tests/helpers/xdist_scheduling.py starts the longest modules first (refresh their recorded
+# seconds with PYTEST_ARGS=--record-xdist-seconds)
 test: lint $(KERNELS)
 	TOKENLOOM_CPU_KERNELS=require $(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 

@@ -14,8 +14,77 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-xdist-seconds",
+        action="store_true",
+        help="write each work unit's seconds to tests/xdist_seconds.json (the order `make test` hands them out)",
+    )
+
+
 def pytest_configure(config):
     _pin_xdist_worker()
+    if config.getoption("record_xdist_seconds") and not hasattr(config, "workerinput"):
+        from helpers.xdist_scheduling import SecondsRecorder
+
+        config.pluginmanager.register(SecondsRecorder(), "xdist-seconds-recorder")
+
+
+def pytest_unconfigure(config):
+    from helpers.xdist_scheduling import remove_slow_units_dir
+
+    remove_slow_units_dir(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadscope`` the longest work units start first (tests/helpers/xdist_scheduling.py)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from helpers.xdist_scheduling import LongestFirstScopeScheduling
+
+    return LongestFirstScopeScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    # a worker's own options say --dist no: it learns the controller's scheduling here
+    node.workerinput["xdist_groups_in_loadscope"] = node.config.getvalue("dist") == "loadscope"
+    if node.config.getvalue("dist") == "loadscope":
+        from helpers.xdist_scheduling import slow_units_dir
+
+        node.workerinput["xdist_slow_units_dir"] = slow_units_dir(node.config)
+
+
+def pytest_collection_modifyitems(config, items):
+    # a test marked xdist_group("name") forms a work unit with the others of its group, as under
+    # --dist loadgroup (whose xdist adds the same suffix): a long module's tests can then share
+    # both workers while each group keeps its module-scoped fixtures in one
+    if not getattr(config, "workerinput", {}).get("xdist_groups_in_loadscope"):
+        return
+    for item in items:
+        names = sorted(
+            {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+        )
+        if names:
+            _rename(item, f"{item.nodeid}@{'_'.join(names)}")
+    # the controller sees node ids only: which units hold real-model (slow) tests, for the
+    # order of units it has no recorded seconds for
+    from helpers.xdist_scheduling import write_slow_units
+
+    write_slow_units(config.workerinput, items)
+
+
+def _rename(item, nodeid: str) -> None:
+    if hasattr(item, "_id"):  # pytest 9.2 derives nodeid from a structured id
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid
 
 
 def _pin_xdist_worker() -> None:

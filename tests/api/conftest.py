@@ -4,7 +4,6 @@ GGUF file), a fake engine around it, and apps built with ``build_app``."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
@@ -16,9 +15,12 @@ from tokenloom.api.server_config import ServerConfig
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_gguf):
-    from transformers import AutoTokenizer
+    # the server's own loader: the tokenizer `tokenloom serve smollm2` uses, identical to
+    # transformers' (tests/builtin_plugins/loaders/test_gguf_real_models.py) and built in well
+    # under a second where transformers' GGUF conversion takes tens
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+    return GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ multi-byte characters really are split across tokens)."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -19,10 +18,11 @@ MULTILINGUAL = "Héllo wörld, naïve café! 😀 日本語のテキスト 🎉�
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_gguf):
-    from transformers import AutoTokenizer
+    # the server's own loader (identical to transformers', see
+    # tests/builtin_plugins/loaders/test_gguf_real_models.py; transformers' takes tens of seconds)
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
-    directory, filename = os.path.split(smollm2_gguf)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
 
 
 def encode(tokenizer, text: str) -> list[int]:

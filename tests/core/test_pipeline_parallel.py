@@ -92,21 +92,30 @@ def drive(spec: WorkerSpec, execute) -> dict:
     }
 
 
-def _run_worker(rank: int, tp_size: int, pp_size: int, init_method: str, spec: WorkerSpec, results) -> None:
+def _run_worker(rank: int, tp_size: int, pp_size: int, init_method: str, specs: list[WorkerSpec], results) -> None:
+    """Every spec in turn at this rank's place in the grid, in one process group."""
     place = ParallelRank.of(rank, tp_size, pp_size)
     parallel = init_parallel_state(place, init_method, "gloo")
-    worker = Worker(spec, parallel=parallel)
     torch.set_num_threads(1)  # the same arithmetic in every run, however many processes share the cores
+    for index, spec in enumerate(specs):
+        _run_spec(index, place, parallel, spec, results)
+    if place.world_size > 1:
+        dist.destroy_process_group()
+
+
+def _run_spec(index: int, place: ParallelRank, parallel, spec: WorkerSpec, results) -> None:
+    rank, tp_size, pp_size = place.rank, place.tp_size, place.pp_size
+    worker = Worker(spec, parallel=parallel)
     worker.load_model()
     worker.allocate_kv_cache(spec.config.cache.num_gpu_blocks_override)
     model = worker.runner.model
-    results[f"stage{rank}"] = {
+    results[index, f"stage{rank}"] = {
         "num_kv_layers": model.kv_cache_spec.num_layers,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "has_lm_head": hasattr(model.lm_head, "compute_logits"),
     }
     if place.world_size == 1:
-        results["run"] = drive(spec, worker.execute)
+        results[index, "run"] = drive(spec, worker.execute)
         return
     last_rank = (pp_size - 1) * tp_size  # the last stage's tp-rank-0 worker returns the output
 
@@ -121,7 +130,7 @@ def _run_worker(rank: int, tp_size: int, pp_size: int, init_method: str, spec: W
         return box[0]
 
     if rank == 0:
-        results["run"] = drive(spec, step)
+        results[index, "run"] = drive(spec, step)
         step(None)
     else:
         while True:
@@ -132,14 +141,18 @@ def _run_worker(rank: int, tp_size: int, pp_size: int, init_method: str, spec: W
             output = worker.execute(box[0])
             assert place.is_last_stage or output is None, "a stage before the last returned an output"
             dist.broadcast_object_list([output], src=last_rank)
-    dist.destroy_process_group()
 
 
-def run_grid(spec: WorkerSpec, tp_size: int, pp_size: int) -> dict:
+def per_spec(results, num_specs: int) -> list[dict]:
+    """``{(spec index, key): value}`` as one ``{key: value}`` per spec."""
+    return [{key: value for (index, key), value in results.items() if index == i} for i in range(num_specs)]
+
+
+def run_grid(specs: list[WorkerSpec], tp_size: int, pp_size: int) -> list[dict]:
     results = mp.Manager().dict()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(_run_worker, args=(tp_size, pp_size, init_method, spec, results), nprocs=tp_size * pp_size, join=True)
-    return dict(results)
+    mp.spawn(_run_worker, args=(tp_size, pp_size, init_method, specs, results), nprocs=tp_size * pp_size, join=True)
+    return per_spec(dict(results), len(specs))
 
 
 def save_tiny_llama(directory, num_layers: int, tie_word_embeddings: bool) -> str:
@@ -198,24 +211,72 @@ def tiny_gemma3(tmp_path_factory):
     return str(directory)
 
 
-# model directory -> the one-worker run (each run spawns processes: worth doing once)
+def run_one_worker(spec: WorkerSpec) -> dict:
+    """The one-worker run, in this process: a world of one joins no process group, so it needs
+    no spawn (each costs a torch import and a Manager process)."""
+    threads = torch.get_num_threads()
+    results: dict = {}
+    try:
+        _run_worker(0, 1, 1, "", [spec], results)  # one thread, as every grid's workers
+    finally:
+        torch.set_num_threads(threads)
+    return per_spec(results, 1)[0]
+
+
+# test -> (the fixture of its model directory, tp size, pp size)
+GRID_OF_TEST = {
+    "test_llama_two_stages_equal_one_worker": ("tiny_llama_5_layers", 1, 2),
+    "test_llama_three_uneven_stages_with_an_untied_head_equal_one_worker": ("tiny_llama_5_layers_untied", 1, 3),
+    "test_gemma3_two_stages_equal_one_worker": ("tiny_gemma3", 1, 2),
+    "test_two_tensor_ranks_by_two_stages_equal_one_worker": ("tiny_llama_5_layers", 2, 2),
+    "test_smollm2_gguf_two_stages_equal_one_worker": ("smollm2_gguf", 1, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def grid_runs(request):
+    """``grid_runs(model_dir, tp_size, pp_size)``: what that grid's ranks returned. The first
+    model of a grid shape asked for runs every model of that shape among this module's collected
+    tests, in one spawn (one process per rank, a torch import and a gloo set-up each): the three
+    two-stage runs take two processes, not six; each spawn still in the test that first needs it."""
+    grids = list(
+        dict.fromkeys(
+            GRID_OF_TEST[item.originalname] for item in request.session.items if item.module is request.module
+        )
+    )
+    model_dirs = {fixture: request.getfixturevalue(fixture) for fixture, _, _ in grids}
+    shapes = {(model_dirs[fixture], tp_size, pp_size) for fixture, tp_size, pp_size in grids}
+    runs: dict[tuple[str, int, int], dict] = {}
+
+    def run(model_dir: str, tp_size: int, pp_size: int) -> dict:
+        if (model_dir, tp_size, pp_size) not in runs:
+            shape = (tp_size, pp_size)
+            same_shape = [model_dir] + [d for d, *other in sorted(shapes) if tuple(other) == shape and d != model_dir]
+            results = run_grid([make_spec(d) for d in same_shape], tp_size, pp_size)
+            for d, result in zip(same_shape, results, strict=True):
+                runs[(d, tp_size, pp_size)] = result
+        return runs[(model_dir, tp_size, pp_size)]
+
+    return run
+
+
+# model directory -> the one-worker run (worth doing once)
 _REFERENCE_RUNS: dict[str, dict] = {}
 
 
-def assert_same_greedy_ids(spec: WorkerSpec, tp_size: int, pp_size: int) -> dict:
-    model_dir = spec.config.model.model
+def assert_same_greedy_ids(grid_runs, model_dir: str, tp_size: int, pp_size: int) -> dict:
     if model_dir not in _REFERENCE_RUNS:
-        _REFERENCE_RUNS[model_dir] = run_grid(spec, 1, 1)
+        _REFERENCE_RUNS[model_dir] = run_one_worker(make_spec(model_dir))
     reference = _REFERENCE_RUNS[model_dir]
-    split = run_grid(spec, tp_size, pp_size)
+    split = grid_runs(model_dir, tp_size, pp_size)
     assert reference["run"]["num_preemptions"] > 0  # the driver's cache is small on purpose
     assert split["run"]["tokens"] == reference["run"]["tokens"]
     assert all(len(tokens) == MAX_TOKENS for tokens in split["run"]["tokens"].values())
     return split | {"reference": reference}
 
 
-def test_llama_two_stages_equal_one_worker(tiny_llama_5_layers):
-    results = assert_same_greedy_ids(make_spec(tiny_llama_5_layers), tp_size=1, pp_size=2)
+def test_llama_two_stages_equal_one_worker(grid_runs, tiny_llama_5_layers):
+    results = assert_same_greedy_ids(grid_runs, tiny_llama_5_layers, tp_size=1, pp_size=2)
     stages = [results["stage0"], results["stage1"]]
     assert [stage["num_kv_layers"] for stage in stages] == [3, 2]
     assert [stage["has_lm_head"] for stage in stages] == [False, True]
@@ -226,25 +287,24 @@ def test_llama_two_stages_equal_one_worker(tiny_llama_5_layers):
     assert sum(stage["num_parameters"] for stage in stages) == whole + embedding
 
 
-def test_llama_three_uneven_stages_with_an_untied_head_equal_one_worker(tiny_llama_5_layers_untied):
-    results = assert_same_greedy_ids(make_spec(tiny_llama_5_layers_untied), tp_size=1, pp_size=3)
+def test_llama_three_uneven_stages_with_an_untied_head_equal_one_worker(grid_runs, tiny_llama_5_layers_untied):
+    results = assert_same_greedy_ids(grid_runs, tiny_llama_5_layers_untied, tp_size=1, pp_size=3)
     assert [results[f"stage{r}"]["num_kv_layers"] for r in range(3)] == [2, 2, 1]
     whole = results["reference"]["stage0"]["num_parameters"]
     assert sum(results[f"stage{r}"]["num_parameters"] for r in range(3)) == whole  # nothing held twice
 
 
-def test_gemma3_two_stages_equal_one_worker(tiny_gemma3):
-    results = assert_same_greedy_ids(make_spec(tiny_gemma3), tp_size=1, pp_size=2)
+def test_gemma3_two_stages_equal_one_worker(grid_runs, tiny_gemma3):
+    results = assert_same_greedy_ids(grid_runs, tiny_gemma3, tp_size=1, pp_size=2)
     assert [results[f"stage{r}"]["num_kv_layers"] for r in range(2)] == [2, 2]
 
 
-def test_two_tensor_ranks_by_two_stages_equal_one_worker(tiny_llama_5_layers):
-    results = assert_same_greedy_ids(make_spec(tiny_llama_5_layers), tp_size=2, pp_size=2)
+def test_two_tensor_ranks_by_two_stages_equal_one_worker(grid_runs, tiny_llama_5_layers):
+    results = assert_same_greedy_ids(grid_runs, tiny_llama_5_layers, tp_size=2, pp_size=2)
     assert [results[f"stage{r}"]["num_kv_layers"] for r in range(4)] == [3, 3, 2, 2]
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_two_stages_equal_one_worker(smollm2_gguf):
-    spec = make_spec(smollm2_gguf)
-    results = assert_same_greedy_ids(spec, tp_size=1, pp_size=2)
+def test_smollm2_gguf_two_stages_equal_one_worker(grid_runs, smollm2_gguf):
+    results = assert_same_greedy_ids(grid_runs, smollm2_gguf, tp_size=1, pp_size=2)
     assert [results[f"stage{r}"]["num_kv_layers"] for r in range(2)] == [15, 15]

@@ -2,9 +2,10 @@
 each a ``Worker(spec, parallel=init_parallel_state(...))``, replay the SchedulerOutputs of a
 one-worker engine run, and must sample the same greedy tokens with the same logits.
 
-One spawn per configuration; each checks the per-rank KV cache shape, that every rank samples
-the same tokens (they append them to their own request state), and rank 0's tokens and logits
-against the one-worker run. Tiny random models in float32 cover the layouts (KV heads split,
+One spawn per world size for the whole module (the cases of that size replayed one after
+another in the same processes); each case checks the per-rank KV cache shape, that every rank
+samples the same tokens (they append them to their own request state), and rank 0's tokens and
+logits against the one-worker run. Tiny random models in float32 cover the layouts (KV heads split,
 replicated, biases, a padded vocabulary shard, Gemma 3's single KV head); the real SmolLM2 GGUF
 covers sharded 4-bit loading, dequantized to float32 and kept packed for the int4 kernel.
 """
@@ -194,29 +195,27 @@ def tokenizer(smollm2_gguf):
     return tokenizer_of(smollm2_gguf)
 
 
-def test_llama_tp2_padded_vocabulary_and_a_random_request(tmp_path, tokenizer):
-    """4 query / 2 KV heads over 2 ranks; one more vocabulary row than the tokenizer's, so the
-    last rank's head shard is padded; an unseeded random request samples the same on both ranks."""
+# -- the cases: each a world size and its one-worker reference runs ----------------------------
+
+
+def llama_padded_vocabulary(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+    """4 query / 2 KV heads; one more vocabulary row than the tokenizer's, so the last rank's
+    head shard is padded; the second request samples at random."""
     from transformers import LlamaForCausalLM
 
     config = tiny_llama_config(tokenizer, vocab_size=len(tokenizer) + 1)
-    model = save_tiny_model(tmp_path, tokenizer, LlamaForCausalLM, config, seed=1)
-    params = [GREEDY, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), GREEDY]
-    reference = Reference(model, params, dtype="float32")
-    greedy = {output.request_id for output, p in zip(reference.outputs, params) if p.temperature == 0}
-    (per_rank,) = zip(*run_tensor_parallel(2, [reference]))
-    assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank)
-    assert all(r["rank_blocks"] >= reference.num_blocks for r in per_rank)  # half the heads: twice the blocks
-    assert_same_as_one_worker(reference, list(per_rank), greedy_requests=greedy)
+    model = save_tiny_model(directory, tokenizer, LlamaForCausalLM, config, seed=1)
+    return [Reference(model, LLAMA_TP2_PARAMS, dtype="float32")]
 
 
-def test_llama_tp3_and_tp4_split_and_replicated_kv_heads(tmp_path, tokenizer):
-    """tp=3 with 6 query / 3 KV heads (one KV head per rank, untied head); tp=4 with 8 query /
-    2 KV heads (each KV head replicated on two ranks) -- one spawn of 4 processes would not
-    serve both, so each size gets its own."""
+LLAMA_TP2_PARAMS = [GREEDY, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), GREEDY]
+
+
+def llama_one_kv_head_per_rank(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+    """6 query / 3 KV heads over 3 ranks, an untied head."""
     from transformers import LlamaForCausalLM
 
-    config3 = tiny_llama_config(
+    config = tiny_llama_config(
         tokenizer,
         hidden_size=96,
         intermediate_size=192,
@@ -224,31 +223,27 @@ def test_llama_tp3_and_tp4_split_and_replicated_kv_heads(tmp_path, tokenizer):
         num_key_value_heads=3,
         tie_word_embeddings=False,
     )
-    ref3 = Reference(
-        save_tiny_model(tmp_path / "tp3", tokenizer, LlamaForCausalLM, config3, 2), GREEDY, dtype="float32"
-    )
-    (per_rank3,) = zip(*run_tensor_parallel(3, [ref3]))
-    assert all(r["heads"] == (2, 1) for r in per_rank3)
-    assert_same_as_one_worker(ref3, list(per_rank3))
-
-    config4 = tiny_llama_config(tokenizer, num_attention_heads=8, num_key_value_heads=2)
-    ref4 = Reference(
-        save_tiny_model(tmp_path / "tp4", tokenizer, LlamaForCausalLM, config4, 3), GREEDY, dtype="float32"
-    )
-    (per_rank4,) = zip(*run_tensor_parallel(4, [ref4]))
-    assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank4)
-    assert_same_as_one_worker(ref4, list(per_rank4))
+    return [Reference(save_tiny_model(directory, tokenizer, LlamaForCausalLM, config, 2), GREEDY, dtype="float32")]
 
 
-def test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2(tmp_path, tokenizer):
-    """Qwen2's q/k/v biases split with their heads; Gemma 3's single KV head replicated on both
-    ranks, with its q/k norms, sliding window, soft caps and scaled embeddings."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
+def llama_replicated_kv_heads(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+    """8 query / 2 KV heads over 4 ranks: each KV head replicated on two ranks."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(tokenizer, num_attention_heads=8, num_key_value_heads=2)
+    return [Reference(save_tiny_model(directory, tokenizer, LlamaForCausalLM, config, 3), GREEDY, dtype="float32")]
+
+
+def qwen2_with_biases(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     qwen2 = Qwen2Config(**tiny_llama_config(tokenizer).to_dict())
-    qwen2_ref = Reference(
-        save_tiny_model(tmp_path / "qwen2", tokenizer, Qwen2ForCausalLM, qwen2, 4), GREEDY, dtype="float32"
-    )
+    return [Reference(save_tiny_model(directory, tokenizer, Qwen2ForCausalLM, qwen2, 4), GREEDY, dtype="float32")]
+
+
+def gemma3_with_one_kv_head(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
     gemma3 = Gemma3TextConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -266,20 +261,111 @@ def test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2(tmp_path, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=0,
     )
-    gemma3_ref = Reference(
-        save_tiny_model(tmp_path / "gemma3", tokenizer, Gemma3ForCausalLM, gemma3, 5), GREEDY, dtype="float32"
-    )
-    qwen2_ranks, gemma3_ranks = zip(*run_tensor_parallel(2, [qwen2_ref, gemma3_ref]))
+    return [Reference(save_tiny_model(directory, tokenizer, Gemma3ForCausalLM, gemma3, 5), GREEDY, dtype="float32")]
+
+
+def smollm2_float32_and_bfloat16(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+    short = SamplingParams(temperature=0.0, max_tokens=5)
+    return [Reference(smollm2_gguf, short, dtype="float32"), Reference(smollm2_gguf, short, dtype="bfloat16")]
+
+
+def gemma3_270m(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+    from tokenloom.builtin_plugins.model_sources.pip_packages import PipPackageModelSource
+
+    gemma3 = PipPackageModelSource().resolve("gemma3-270m").path
+    return [Reference(gemma3, SamplingParams(temperature=0.0, max_tokens=5), dtype="float32")]
+
+
+# case -> (world size, its references)
+CASES = {
+    "llama_padded_vocabulary": (2, llama_padded_vocabulary),
+    "llama_one_kv_head_per_rank": (3, llama_one_kv_head_per_rank),
+    "llama_replicated_kv_heads": (4, llama_replicated_kv_heads),
+    "qwen2_with_biases": (2, qwen2_with_biases),
+    "gemma3_with_one_kv_head": (2, gemma3_with_one_kv_head),
+    "smollm2_float32_and_bfloat16": (3, smollm2_float32_and_bfloat16),
+    "gemma3_270m": (2, gemma3_270m),
+}
+# test -> the cases it checks
+CASES_OF_TEST = {
+    "test_llama_tp2_padded_vocabulary_and_a_random_request": ["llama_padded_vocabulary"],
+    "test_llama_tp3_and_tp4_split_and_replicated_kv_heads": ["llama_one_kv_head_per_rank", "llama_replicated_kv_heads"],
+    "test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2": ["qwen2_with_biases", "gemma3_with_one_kv_head"],
+    "test_smollm2_gguf_tp3_float32_and_native_int4": ["smollm2_float32_and_bfloat16"],
+    "test_gemma3_270m_gguf_tp2_replicates_its_kv_head": ["gemma3_270m"],
+}
+
+
+@pytest.fixture(scope="module")
+def replayed(request, tmp_path_factory, tokenizer, smollm2_gguf):
+    """``replayed(case)``: [(a reference of the case, what each rank saw replaying it)]. The
+    first case of a world size asked for replays every case of that size among this module's
+    collected tests, in one spawn of that many processes (a spawn costs each process a torch
+    import and a gloo set-up): 9 processes for the module instead of 16, each spawn still in
+    the test that first needs it."""
+    collected = [
+        case
+        for item in request.session.items
+        if item.module is request.module
+        for case in CASES_OF_TEST[item.originalname]
+    ]
+    replays: dict[str, list[tuple[Reference, list[dict]]]] = {}
+
+    def replay(case: str) -> list[tuple[Reference, list[dict]]]:
+        if case not in replays:
+            tp_size = CASES[case][0]
+            of_this_size = [other for other in dict.fromkeys([case, *collected]) if CASES[other][0] == tp_size]
+            flat = [
+                (other, reference)
+                for other in of_this_size
+                for reference in CASES[other][1](tmp_path_factory.mktemp(other), tokenizer, smollm2_gguf)
+            ]
+            per_rank = run_tensor_parallel(tp_size, [reference for _, reference in flat])
+            for index, (other, reference) in enumerate(flat):
+                replays.setdefault(other, []).append((reference, [rank[index] for rank in per_rank]))
+        return replays[case]
+
+    return replay
+
+
+def test_llama_tp2_padded_vocabulary_and_a_random_request(replayed):
+    """4 query / 2 KV heads over 2 ranks; one more vocabulary row than the tokenizer's, so the
+    last rank's head shard is padded; an unseeded random request samples the same on both ranks."""
+    ((reference, per_rank),) = replayed("llama_padded_vocabulary")
+    greedy = {output.request_id for output, p in zip(reference.outputs, LLAMA_TP2_PARAMS) if p.temperature == 0}
+    assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank)
+    assert all(r["rank_blocks"] >= reference.num_blocks for r in per_rank)  # half the heads: twice the blocks
+    assert_same_as_one_worker(reference, per_rank, greedy_requests=greedy)
+
+
+def test_llama_tp3_and_tp4_split_and_replicated_kv_heads(replayed):
+    """tp=3 with 6 query / 3 KV heads (one KV head per rank, untied head); tp=4 with 8 query /
+    2 KV heads (each KV head replicated on two ranks) -- one spawn of 4 processes would not
+    serve both, so each size gets its own."""
+    ((ref3, per_rank3),) = replayed("llama_one_kv_head_per_rank")
+    assert len(per_rank3) == 3 and all(r["heads"] == (2, 1) for r in per_rank3)
+    assert_same_as_one_worker(ref3, per_rank3)
+
+    ((ref4, per_rank4),) = replayed("llama_replicated_kv_heads")
+    assert len(per_rank4) == 4 and all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank4)
+    assert_same_as_one_worker(ref4, per_rank4)
+
+
+def test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2(replayed):
+    """Qwen2's q/k/v biases split with their heads; Gemma 3's single KV head replicated on both
+    ranks, with its q/k norms, sliding window, soft caps and scaled embeddings."""
+    ((qwen2_ref, qwen2_ranks),) = replayed("qwen2_with_biases")
+    ((gemma3_ref, gemma3_ranks),) = replayed("gemma3_with_one_kv_head")
     assert all(r["heads"] == (2, 1) for r in qwen2_ranks)
     assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in gemma3_ranks)
-    assert_same_as_one_worker(qwen2_ref, list(qwen2_ranks))
-    assert_same_as_one_worker(gemma3_ref, list(gemma3_ranks))
+    assert_same_as_one_worker(qwen2_ref, qwen2_ranks)
+    assert_same_as_one_worker(gemma3_ref, gemma3_ranks)
 
 
 # -- the real SmolLM2 GGUF (9 query / 3 KV heads, 4-bit) --------------------------------------
 
 
-def test_smollm2_gguf_tp3_float32_and_native_int4(smollm2_gguf):
+def test_smollm2_gguf_tp3_float32_and_native_int4(replayed):
     """Each rank cuts its slice of every 4-bit tensor in packed form (rows for q/k/v and
     gate/up, whole 32-value blocks of columns for o_proj and down_proj).
 
@@ -290,30 +376,23 @@ def test_smollm2_gguf_tp3_float32_and_native_int4(smollm2_gguf):
       near-tie in a generation; until then ids equal and logits close at bfloat16's precision
       after 30 layers (a mis-sharded weight or KV head moves logits by far more than 1).
     """
-    short = SamplingParams(temperature=0.0, max_tokens=5)
-    float32 = Reference(smollm2_gguf, short, dtype="float32")
-    bfloat16 = Reference(smollm2_gguf, short, dtype="bfloat16")
-    float32_ranks, bfloat16_ranks = zip(*run_tensor_parallel(3, [float32, bfloat16]))
+    (float32, float32_ranks), (bfloat16, bfloat16_ranks) = replayed("smollm2_float32_and_bfloat16")
+    assert len(float32_ranks) == 3
     assert all(r["heads"] == (3, 1) and r["kv_cache_shape"][3] == 1 for r in float32_ranks + bfloat16_ranks)
     assert all(r["int4_layers"] == 0 for r in float32_ranks)
     assert all(r["int4_layers"] == 30 * 4 for r in bfloat16_ranks)  # every projection of every layer stays 4-bit
-    assert_same_as_one_worker(float32, list(float32_ranks), atol=1e-3)
-    assert_same_as_one_worker(bfloat16, list(bfloat16_ranks), atol=1.0, tie=1.0)
+    assert_same_as_one_worker(float32, float32_ranks, atol=1e-3)
+    assert_same_as_one_worker(bfloat16, bfloat16_ranks, atol=1.0, tie=1.0)
 
 
 # -- the real Gemma 3 270M GGUF (4 query heads / 1 KV head: replicated) -------------------------
 
 
 @pytest.mark.slow
-def test_gemma3_270m_gguf_tp2_replicates_its_kv_head():
+def test_gemma3_270m_gguf_tp2_replicates_its_kv_head(replayed):
     """Gemma 3 270M's one KV head is replicated on both ranks, each with two of the four query
     heads; its K-quant tensors are cut in whole 256-value blocks (o_proj: 1024 -> 512 columns,
     down_proj: 2048 -> 1024). Float32, dequantized at load: greedy ids equal, logits close."""
-    from tokenloom.builtin_plugins.model_sources.pip_packages import PipPackageModelSource
-
-    gemma3 = PipPackageModelSource().resolve("gemma3-270m").path
-    reference = Reference(gemma3, SamplingParams(temperature=0.0, max_tokens=5), dtype="float32")
-    ranks = run_tensor_parallel(2, [reference])
-    per_rank = [rank[0] for rank in ranks]
+    ((reference, per_rank),) = replayed("gemma3_270m")
     assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in per_rank)
     assert_same_as_one_worker(reference, per_rank, atol=1e-3)

@@ -37,6 +37,15 @@ REASONING_PARSERS = {
 PARSERS = [*TOOL_PARSERS, EXAMPLE_PARSER]
 
 
+def half_of(parser: str) -> str:
+    """Under `make test` the module is two work units (tests/helpers/xdist_scheduling.py), every
+    other parser's server in each, so both workers share its dozen server starts."""
+    return f"tool-parsers-scripted-{PARSERS.index(parser) % 2}"
+
+
+PARSER_PARAMS = [pytest.param(name, marks=pytest.mark.xdist_group(half_of(name))) for name in PARSERS]
+
+
 def cases_for(parser: str) -> list[Case]:
     malformed = next(case for case in MALFORMED if case.parser == parser)
     return standard_cases(parser) + [malformed]
@@ -89,6 +98,8 @@ def parser(request, launches):
     name = request.param
     launched = launches(name)
     upcoming = parsers_to_test(request.session)
+    if hasattr(request.config, "workerinput"):  # an xdist worker runs only its half's servers
+        upcoming = [other for other in upcoming if half_of(other) == half_of(name)]
     if name in upcoming and upcoming.index(name) + 1 < len(upcoming):
         launches(upcoming[upcoming.index(name) + 1])
     server = launched.wait_ready()
@@ -100,7 +111,7 @@ def parser(request, launches):
 CASE_NAMES = [case.name for case in standard_cases("hermes")] + ["malformed"]
 
 
-@pytest.mark.parametrize("parser", PARSERS, indirect=True)
+@pytest.mark.parametrize("parser", PARSER_PARAMS, indirect=True)
 @pytest.mark.parametrize("case_name", CASE_NAMES)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_parser_end_to_end(parser, case_name: str, stream: bool):

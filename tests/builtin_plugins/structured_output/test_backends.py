@@ -6,7 +6,6 @@ reason. Also grammars, whitespace options, rollback and reset, and the plugin re
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
@@ -79,9 +78,21 @@ EXPECTED_REFUSALS = {
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_gguf):
-    from transformers import AutoTokenizer
+    # the server's own loader (identical to transformers', see
+    # tests/builtin_plugins/loaders/test_gguf_real_models.py; transformers' takes tens of seconds)
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+    return GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
+
+
+# lm-format-enforcer walks its masks in Python, about two thirds of this module's time: its
+# tests are a work unit of their own under `make test` (tests/helpers/xdist_scheduling.py), so
+# the other worker runs the rest meanwhile
+ALONE_IN_A_WORKER = pytest.mark.xdist_group("structured-output-backends-lm-format-enforcer")
+
+
+def backend_params(names) -> list:
+    return [pytest.param(name, marks=ALONE_IN_A_WORKER) if name == "lm-format-enforcer" else name for name in names]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +142,7 @@ def constraint_for(kind: str, spec, **options) -> Constraint:
     return Constraint(kind, tuple(spec) if kind == "choice" else spec, **options)
 
 
-@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("backend_name", backend_params(BACKENDS))
 @pytest.mark.parametrize("kind, case", CASES)
 def test_random_walks_over_the_masks_satisfy_the_constraint(backends, tokenizer, backend_name, kind, case):
     backend, spec = backends[backend_name], SPECS[kind][case]
@@ -191,7 +202,7 @@ def test_structural_tags_constrain_only_inside_the_tag(backends, tokenizer, back
     assert len(allowed_tokens(matcher)) > 40000  # free text again after the tag
 
 
-@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("backend_name", backend_params(BACKENDS))
 def test_compact_json_has_no_whitespace_between_tokens(backends, tokenizer, backend_name):
     backend, spec = backends[backend_name], SCHEMAS["profile"]
     compiled = backend.compile(Constraint("json", spec, any_whitespace=False))
@@ -247,7 +258,7 @@ def test_what_each_backend_cannot_express_is_refused_with_the_reason(backends):
     assert "no fixed properties" in backends["lm-format-enforcer"].supports(Constraint("json_object", None))
 
 
-@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("backend_name", backend_params(BACKENDS))
 def test_reset_and_rollback_return_to_earlier_masks(backends, tokenizer, backend_name):
     backend = backends[backend_name]
     matcher = backend.new_matcher(backend.compile(Constraint("regex", REGEXES["email"])))
@@ -286,7 +297,7 @@ def test_guidance_generates_only_the_listed_properties_unless_the_schema_opens_t
     assert another_property_may_follow(merged)
 
 
-@pytest.mark.parametrize("backend_name", ["xgrammar", "guidance", "lm-format-enforcer"])
+@pytest.mark.parametrize("backend_name", backend_params(["xgrammar", "guidance", "lm-format-enforcer"]))
 def test_rollback_over_the_end_of_sequence_token_undoes_it_alone(backends, tokenizer, backend_name):
     backend = backends[backend_name]
     # "yes" may end or go on; after "yes" alone the grammar is complete (llguidance has stopped)
