@@ -4,6 +4,7 @@ once per session for the plain `smollm2_server` several modules share."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -61,6 +62,15 @@ def stop_server(server: RunningServer) -> None:
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()
+
+
+def spec_decode_counter(server: RunningServer, model_name: str, name: str) -> float:
+    """The server's ``vllm:spec_decode_<name>_total`` counter (``num_drafts``,
+    ``num_draft_tokens``, ``num_accepted_tokens``) for ``model_name``, read from /metrics."""
+    text = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    match = re.search(rf'^vllm:spec_decode_{name}_total\{{model_name="{re.escape(model_name)}"\}} (\S+)$', text, re.M)
+    assert match, f"the spec-decode metric {name} is missing"
+    return float(match.group(1))
 
 
 def serve_smollm2(tmp_path_factory, extra_args: list[str] = ()):
