@@ -38,6 +38,12 @@ def start_server(args: list[str], log_path: str, timeout: float = 240.0) -> Runn
     port = free_port()
     command = [sys.executable, "-m", "tokenloom", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # OpenMP threads that sleep while they wait: the suite runs servers beside each other and
+    # beside pytest workers on few cores, and spinning waiters then steal the time slices of the
+    # threads they wait for (a SmolLM2 decode fell to 0.2 tokens/s under such load; passive,
+    # the draft-model proofs took 3 minutes where one thread per server took 10). Speed only:
+    # the arithmetic is the same
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log = open(log_path, "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
