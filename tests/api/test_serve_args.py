@@ -626,6 +626,23 @@ def test_bad_speculative_configs_say_what_to_change(options, message):
 
 
 @pytest.mark.parametrize(
+    "speculation",
+    [
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        ["--speculative-model", "smollm2", "--num-speculative-tokens", "3"],
+    ],
+)
+def test_speculation_under_pipeline_parallelism_is_refused_naming_both_flags(speculation):
+    """Refused while the config is built, before a worker starts, whichever flags ask for it."""
+    with pytest.raises(ConfigError) as refused:
+        parse(*speculation, "--pipeline-parallel-size", "2")
+    message = str(refused.value)
+    assert "--speculative-config" in message and "--pipeline-parallel-size 2" in message
+    assert refused.value.param == "speculative-config"
+    parse(*speculation, "--pipeline-parallel-size", "1")  # one stage: accepted
+
+
+@pytest.mark.parametrize(
     "flag, value, key",
     [
         ("--speculative-model-quantization", "gguf", "quantization"),

@@ -4,6 +4,7 @@ once per session for the plain `smollm2_server` several modules share."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -37,6 +38,12 @@ def start_server(args: list[str], log_path: str, timeout: float = 240.0) -> Runn
     port = free_port()
     command = [sys.executable, "-m", "tokenloom", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # OpenMP threads that sleep while they wait: the suite runs servers beside each other and
+    # beside pytest workers on few cores, and spinning waiters then steal the time slices of the
+    # threads they wait for (a SmolLM2 decode fell to 0.2 tokens/s under such load; passive,
+    # the draft-model proofs took 3 minutes where one thread per server took 10). Speed only:
+    # the arithmetic is the same
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log = open(log_path, "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
@@ -61,6 +68,15 @@ def stop_server(server: RunningServer) -> None:
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()
+
+
+def spec_decode_counter(server: RunningServer, model_name: str, name: str) -> float:
+    """The server's ``vllm:spec_decode_<name>_total`` counter (``num_drafts``,
+    ``num_draft_tokens``, ``num_accepted_tokens``) for ``model_name``, read from /metrics."""
+    text = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    match = re.search(rf'^vllm:spec_decode_{name}_total\{{model_name="{re.escape(model_name)}"\}} (\S+)$', text, re.M)
+    assert match, f"the spec-decode metric {name} is missing"
+    return float(match.group(1))
 
 
 def serve_smollm2(tmp_path_factory, extra_args: list[str] = ()):

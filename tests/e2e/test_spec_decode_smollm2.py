@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup) on the real SmolLM2 GGUF, over HTTP with the
-``openai`` client: greedy output identical to a server without speculation, at c=1 and in a
-concurrent mixed batch (plain, JSON-schema constrained, stop strings, logprobs), with drafts
-really accepted (the vLLM spec-decode metrics say so)."""
+"""Speculative decoding on the real SmolLM2 GGUF, over HTTP with the ``openai`` client, by
+n-gram prompt lookup and by a draft model (SmolLM2 itself, whose greedy drafts the target must
+all accept): greedy output identical to a server without speculation, at c=1 and in a
+concurrent mixed batch (plain, JSON-schema constrained, stop strings, logprobs, sampled), with
+drafts really accepted (the vLLM spec-decode metrics say so)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY, start_server, stop_server
+from tests.e2e.conftest import API_KEY, spec_decode_counter, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +41,17 @@ PROMPTS = [REWRITE, "The capital of France is", "List the days of the week:", "Q
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("spec-servers")
-    plain = start_server(COMMON, str(directory / "plain.log"))
-    try:
-        speculative = start_server(COMMON + SPECULATIVE, str(directory / "speculative.log"))
-    except Exception:
-        stop_server(plain)
-        raise
-    yield plain, speculative
+def plain_server(tmp_path_factory):
+    server = start_server(COMMON, str(tmp_path_factory.mktemp("spec-plain") / "plain.log"))
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def servers(plain_server, tmp_path_factory):
+    speculative = start_server(COMMON + SPECULATIVE, str(tmp_path_factory.mktemp("spec-ngram") / "speculative.log"))
+    yield plain_server, speculative
     stop_server(speculative)
-    stop_server(plain)
 
 
 def client(server) -> openai.OpenAI:
@@ -68,9 +69,9 @@ def accepted_tokens(server) -> float:
     return float(match.group(1))
 
 
-def completion_tokens(server, prompt: str, **options) -> tuple[list[str], str]:
+def completion_tokens(server, prompt: str, max_tokens: int = 80) -> tuple[list[str], str]:
     response = client(server).completions.create(
-        model="smollm2", prompt=prompt, temperature=0.0, max_tokens=80, logprobs=1, **options
+        model="smollm2", prompt=prompt, temperature=0.0, max_tokens=max_tokens, logprobs=1
     )
     choice = response.choices[0]
     return choice.logprobs.tokens, choice.finish_reason
@@ -127,10 +128,16 @@ async def mixed_batch(server) -> list:
         return await asyncio.gather(*requests)
 
 
-def test_concurrent_mixed_batch_is_identical(servers):
-    plain, speculative = servers
-    expected = asyncio.run(mixed_batch(plain))
-    got = asyncio.run(mixed_batch(speculative))
+@pytest.fixture(scope="module")
+def plain_mixed_batch(plain_server):
+    return asyncio.run(mixed_batch(plain_server))
+
+
+def test_concurrent_mixed_batch_is_identical(servers, plain_mixed_batch):
+    assert_mixed_batches_match(asyncio.run(mixed_batch(servers[1])), plain_mixed_batch)
+
+
+def assert_mixed_batches_match(got: list, expected: list) -> None:
     assert got[0].choices[0].text == expected[0].choices[0].text
     assert got[1].choices[0].message.content == expected[1].choices[0].message.content
     json.loads(got[1].choices[0].message.content)  # the constraint held
@@ -140,3 +147,53 @@ def test_concurrent_mixed_batch_is_identical(servers):
     for have, want in zip(got[3].choices[0].logprobs.token_logprobs, expected[3].choices[0].logprobs.token_logprobs):
         assert have == pytest.approx(want, abs=1e-3)
     assert got[4].usage.completion_tokens == 40  # the sampled one just shares the batch
+
+
+# -- the draft-model method: SmolLM2 drafting for itself --------------------------------------
+
+DRAFT_MODEL = [
+    "--plugin",
+    "tokenloom.builtin_plugins.proposers",
+    "--speculative-config",
+    '{"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3}',
+]
+
+
+@pytest.fixture(scope="module")
+def draft_server(plain_server, tmp_path_factory):
+    # beside the module's plain server (its reference), started only when a draft test runs
+    server = start_server(COMMON + DRAFT_MODEL, str(tmp_path_factory.mktemp("spec-draft") / "draft.log"))
+    yield server
+    stop_server(server)
+
+
+def test_draft_model_single_stream_is_identical_and_fully_accepted(plain_server, draft_server):
+    drafted_before = spec_decode_counter(draft_server, "smollm2", "num_draft_tokens")
+    accepted_before = spec_decode_counter(draft_server, "smollm2", "num_accepted_tokens")
+    for prompt in PROMPTS[:3]:
+        assert completion_tokens(draft_server, prompt, 48) == completion_tokens(plain_server, prompt, 48)
+    drafted = spec_decode_counter(draft_server, "smollm2", "num_draft_tokens") - drafted_before
+    accepted = spec_decode_counter(draft_server, "smollm2", "num_accepted_tokens") - accepted_before
+    # the target drafting for itself: its greedy drafts are its own argmax, every one accepted
+    assert drafted > 0
+    assert accepted == drafted
+
+
+def test_draft_model_structured_output_is_identical(plain_server, draft_server):
+    def week(server) -> str:
+        response = client(server).chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Give the city of Paris and the days of the week as JSON."}],
+            temperature=0.0,
+            max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "week", "schema": SCHEMA}},
+        )
+        return response.choices[0].message.content
+
+    got = week(draft_server)
+    assert got == week(plain_server)
+    json.loads(got)  # the constraint held
+
+
+def test_draft_model_concurrent_mixed_batch_is_identical(draft_server, plain_mixed_batch):
+    assert_mixed_batches_match(asyncio.run(mixed_batch(draft_server)), plain_mixed_batch)

@@ -671,6 +671,14 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("lora-dtype", f"must be one of {', '.join(LORA_DTYPE_CHOICES)}, got {lora.lora_dtype!r}")
     check_worker_grid(config.parallel)
     validate_data_parallel(config.parallel)
+    if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:
+        # refused here, before any worker starts: a stage before the last never sees the
+        # drafts its successor verifies, and the draft model would run on one stage only
+        bad(
+            "speculative-config",
+            f"speculative decoding does not run with pipeline parallelism yet (--pipeline-parallel-size "
+            f"{config.parallel.pipeline_parallel_size}): drop --speculative-config or use --pipeline-parallel-size 1",
+        )
     if config.model.tokenizer_mode not in ("auto", "slow"):
         bad(
             "tokenizer-mode",

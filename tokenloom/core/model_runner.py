@@ -29,6 +29,7 @@ from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
 from tokenloom.core.spec_decode.rejection_sampler import DraftPrefixState, RejectionSampler
+from tokenloom.core.step_inputs import PreparedBatch, prepare_batch
 from tokenloom.errors import ConfigError
 from tokenloom.plugins.manager import PluginSet
 from tokenloom.plugins.registry import resolve_target
@@ -690,63 +691,21 @@ class ModelRunner:
         num_scheduled: dict[str, int],
         spec_tokens: dict[str, list[int]] | None = None,
     ) -> PreparedBatch:
-        block_size = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        max_blocks = 0
-        for state in states:
-            count = num_scheduled[state.req_id]
-            start = state.num_computed_tokens
-            end = start + count
-            token_ids.extend(state.token_ids[start:end])
-            if spec_tokens and state.req_id in spec_tokens:
-                # the drafts follow the pending token, in the lookahead slots
-                token_ids.extend(spec_tokens[state.req_id])
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-            query_lens.append(count)
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + count)
-            max_blocks = max(max_blocks, -(-end // block_size))
-        block_tables = torch.zeros((len(states), max_blocks), dtype=torch.int64)
-        for i, state in enumerate(states):
-            used = -(-seq_lens[i] // block_size)
-            block_tables[i, :used] = torch.tensor(state.block_ids[:used], dtype=torch.int64)
-        # built on the host, then copied the platform's way (pinned, asynchronous on a GPU)
-        to_device = self.platform.host_to_device
-        attn_metadata = AttentionMetadata(
-            slot_mapping=to_device(torch.tensor(slot_mapping, dtype=torch.int64)),
-            query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int64)),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int64)),
-            block_tables=to_device(block_tables),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=block_size,
+        def rows():
+            for state in states:
+                start = state.num_computed_tokens
+                tokens = state.token_ids[start : start + num_scheduled[state.req_id]]
+                if spec_tokens and state.req_id in spec_tokens:
+                    # the drafts follow the pending token, in the lookahead slots
+                    tokens += spec_tokens[state.req_id]
+                yield tokens, start, state.block_ids
+
+        return prepare_batch(
+            rows(),
+            block_size=self.block_size,
+            to_device=self.platform.host_to_device,
             kv_caches=self.kv_caches,
             backend=self.attention_backend,
             kv_scales=self.kv_scales,
             num_draft_tokens_cpu=[len(spec_tokens.get(state.req_id, ())) for state in states] if spec_tokens else None,
         )
-        return PreparedBatch(
-            input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)),
-            positions=to_device(torch.tensor(positions, dtype=torch.int64)),
-            attn_metadata=attn_metadata,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-        )
-
-
-@dataclass
-class PreparedBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    query_start_loc: list[int]
-    seq_lens: list[int]

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from tokenloom.core.batch import AttentionMetadata
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.model_loader import ModelInfo, build_model, resolve_model
 from tokenloom.core.platform import attention_backend_target
+from tokenloom.core.step_inputs import prepare_batch
 from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.plugin_api import Draft, DraftRequest, Proposer, ProposerSpec
 from tokenloom.plugins.registry import resolve_target
@@ -242,45 +242,13 @@ class DraftModelProposer(Proposer):
     def _run(self, inputs: dict[int, tuple[int, list[int]]], requests: list[DraftRequest]) -> torch.Tensor:
         """One draft forward pass: request ``index`` computes ``tokens`` from position
         ``start`` on; returns the logits at each request's last position, in order."""
-        block_size = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        for index, (start, tokens) in inputs.items():
-            blocks = requests[index].block_ids
-            end = start + len(tokens)
-            token_ids.extend(tokens)
-            positions.extend(range(start, end))
-            slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-            query_lens.append(len(tokens))
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + len(tokens))
-        max_blocks = max(-(-end // block_size) for end in seq_lens)
-        block_tables = torch.zeros((len(inputs), max_blocks), dtype=torch.int64)
-        for row, index in enumerate(inputs):
-            used = -(-seq_lens[row] // block_size)
-            block_tables[row, :used] = torch.tensor(requests[index].block_ids[:used], dtype=torch.int64)
-        to_device = self.spec.platform.host_to_device
-        attn_metadata = AttentionMetadata(
-            slot_mapping=to_device(torch.tensor(slot_mapping, dtype=torch.int64)),
-            query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int64)),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int64)),
-            block_tables=to_device(block_tables),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=block_size,
+        batch = prepare_batch(
+            ((tokens, start, requests[index].block_ids) for index, (start, tokens) in inputs.items()),
+            block_size=self.block_size,
+            to_device=self.spec.platform.host_to_device,
             kv_caches=self.kv_caches,
             backend=self.attention_backend,
         )
-        hidden_states = self.model(
-            to_device(torch.tensor(token_ids, dtype=torch.int64)),
-            to_device(torch.tensor(positions, dtype=torch.int64)),
-            attn_metadata,
-        )
-        last_rows = attn_metadata.query_start_loc[1:] - 1
+        hidden_states = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        last_rows = batch.attn_metadata.query_start_loc[1:] - 1
         return self.model.compute_logits(hidden_states.index_select(0, last_rows)).float()
