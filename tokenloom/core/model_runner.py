@@ -6,6 +6,7 @@ tables, query/sequence lengths), runs the model and samples.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -691,7 +692,7 @@ class ModelRunner:
         num_scheduled: dict[str, int],
         spec_tokens: dict[str, list[int]] | None = None,
     ) -> PreparedBatch:
-        def rows():
+        def rows() -> Iterator[tuple[list[int], int, list[int]]]:
             for state in states:
                 start = state.num_computed_tokens
                 tokens = state.token_ids[start : start + num_scheduled[state.req_id]]
