@@ -37,6 +37,17 @@ def test_the_latest_match_with_a_full_draft_else_the_earliest():
     assert proposer(2, 2).lookup([1, 2, 3, 3, 3, 1, 2, 4, 4, 4, 1, 2], 3) == [4, 4, 4]
 
 
+def test_the_most_frequent_continuation_wins_over_a_more_recent_one():
+    # [7] occurred three times: followed by 1 twice, then by 2 most recently
+    tokens = [7, 1, 5, 6, 7, 1, 5, 6, 7, 2, 8, 9, 7]
+    assert proposer(1, 1).lookup(tokens, 3) == [1, 5, 6]
+    # a tie keeps both continuations, and the more recent one wins
+    assert proposer(1, 1).lookup([7, 1, 5, 6, 7, 2, 8, 9, 7], 3) == [2, 8, 9]
+    # only occurrences followed by a full draft vote: 4 twice against 3 once (the last [7, 3]
+    # is followed by two tokens only, else 3 would tie and, more recent, win)
+    assert proposer(1, 1).lookup([7, 4, 5, 6, 9, 7, 4, 5, 6, 0, 7, 3, 7, 3, 7], 3) == [4, 5, 6]
+
+
 def test_no_match_or_too_short_proposes_nothing():
     assert proposer(2, 3).lookup([1, 2, 3, 4], 3) == []
     assert proposer(3, 3).lookup([1, 1], 3) == []
