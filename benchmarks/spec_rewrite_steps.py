@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from step_rows import record_step_rows
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.api.bench.datasets import sharegpt_requests
@@ -36,14 +37,7 @@ def measure(speculative_config) -> None:
     engine = llm.engine
     tokenizer = llm.get_tokenizer()
     runner = engine.executor.worker.runner
-    rows_seen: list[int] = []
-    execute = runner.execute
-
-    def counting_execute(scheduler_output):
-        rows_seen.append(sum(scheduler_output.num_scheduled_tokens.values()))
-        return execute(scheduler_output)
-
-    runner.execute = counting_execute
+    rows_seen = record_step_rows(runner)
     requests = sharegpt_requests(np.random.default_rng(0), DATASET, tokenizer, 4)
     total_tokens = 0
     total_time = 0.0

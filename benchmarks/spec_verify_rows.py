@@ -12,6 +12,8 @@ import statistics
 import sys
 import time
 
+from step_rows import record_step_rows
+
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.spec_decode.proposer import Draft
 
@@ -33,16 +35,7 @@ def propose(requests):
 
 
 runner.proposer.propose = propose
-rows_seen: list[int] = []
-execute = runner.execute
-
-
-def counting_execute(scheduler_output):
-    rows_seen.append(sum(scheduler_output.num_scheduled_tokens.values()))
-    return execute(scheduler_output)
-
-
-runner.execute = counting_execute
+rows_seen = record_step_rows(runner)
 prompt = "Write a long story about a lighthouse keeper and the sea."
 num_steps = steps_per_count * (max_drafts + 1) + 8
 engine.add_request("rows", prompt, SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True))

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from step_rows import record_step_rows
+
 from tokenloom import LLM, SamplingParams
 from tokenloom.kernels import paged_attention
 
@@ -43,14 +45,7 @@ def measure(label: str, **engine_args) -> None:
 
     runner.model.forward = timed("forward", runner.model.forward)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
-    rows_seen: list[int] = []
-    execute = runner.execute
-
-    def counting_execute(scheduler_output):
-        rows_seen.append(sum(scheduler_output.num_scheduled_tokens.values()))
-        return execute(scheduler_output)
-
-    runner.execute = counting_execute
+    rows_seen = record_step_rows(runner)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     by_rows: dict[int, list[tuple[float, float, float]]] = {}
     tokens = 0
