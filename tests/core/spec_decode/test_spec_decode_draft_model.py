@@ -16,6 +16,7 @@ import torch
 from tests.core.spec_decode.test_spec_decode_engine import (
     PROMPTS,
     PROPOSERS,
+    assert_sequences_follow,
     exact_sequence_probs,
     four_token_model,  # noqa: F401  (a fixture)
     greedy,
@@ -228,22 +229,7 @@ def test_sampled_sequences_follow_the_target_distribution(four_token_model, tmp_
     outputs = llm.generate([{"prompt_token_ids": prompt}] * num_samples, params)
     spec = stats(llm)
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # acceptance and rejection both ran
-    expected = exact_sequence_probs(model, prompt, length)
-    cells = sorted(expected)
-    observed = torch.zeros(len(cells))
-    index = {cell: i for i, cell in enumerate(cells)}
-    for output in outputs:
-        observed[index[tuple(output.outputs[0].token_ids[:length])]] += 1
-    expected_counts = torch.tensor([expected[cell] for cell in cells]) * num_samples
-    rare = expected_counts < 5
-    if rare.any():
-        observed = torch.cat([observed[~rare], observed[rare].sum().reshape(1)])
-        expected_counts = torch.cat([expected_counts[~rare], expected_counts[rare].sum().reshape(1)])
-    statistic = ((observed - expected_counts) ** 2 / expected_counts).sum()
-    pvalue = float(
-        torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic.double() / 2)
-    )
-    assert pvalue > 1e-3, (observed, expected_counts)
+    assert_sequences_follow(outputs, exact_sequence_probs(model, prompt, length), length)
     assert_no_blocks_held(llm)
 
 

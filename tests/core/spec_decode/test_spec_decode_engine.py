@@ -202,6 +202,27 @@ def exact_sequence_probs(model, prompt: list[int], length: int) -> dict[tuple[in
     return probs
 
 
+def assert_sequences_follow(outputs, expected: dict[tuple[int, ...], float], length: int) -> None:
+    """A chi-square test that the first ``length`` tokens of every output were drawn from
+    ``expected`` (from :func:`exact_sequence_probs`)."""
+    cells = sorted(expected)
+    observed = torch.zeros(len(cells))
+    index = {cell: i for i, cell in enumerate(cells)}
+    for output in outputs:
+        observed[index[tuple(output.outputs[0].token_ids[:length])]] += 1
+    expected_counts = torch.tensor([expected[cell] for cell in cells]) * len(outputs)
+    # pool the cells too rare for the chi-square approximation into one
+    rare = expected_counts < 5
+    if rare.any():
+        observed = torch.cat([observed[~rare], observed[rare].sum().reshape(1)])
+        expected_counts = torch.cat([expected_counts[~rare], expected_counts[rare].sum().reshape(1)])
+    statistic = ((observed - expected_counts) ** 2 / expected_counts).sum()
+    pvalue = float(
+        torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic.double() / 2)
+    )
+    assert pvalue > 1e-3, (observed, expected_counts)
+
+
 def test_sampled_sequences_follow_the_target_distribution(four_token_model):
     directory, model = four_token_model
     prompt = [0, 1, 2, 3, 0, 1, 2, 3]  # every token occurs: prompt lookup drafts after any token
@@ -226,23 +247,7 @@ def test_sampled_sequences_follow_the_target_distribution(four_token_model):
     outputs = llm.generate([{"prompt_token_ids": prompt}] * num_samples, params)
     stats = llm.engine.stats().spec_decoding
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # acceptance and rejection both ran
-    expected = exact_sequence_probs(model, prompt, length)
-    cells = sorted(expected)
-    observed = torch.zeros(len(cells))
-    index = {cell: i for i, cell in enumerate(cells)}
-    for output in outputs:
-        observed[index[tuple(output.outputs[0].token_ids[:length])]] += 1
-    expected_counts = torch.tensor([expected[cell] for cell in cells]) * num_samples
-    # pool the cells too rare for the chi-square approximation into one
-    rare = expected_counts < 5
-    if rare.any():
-        observed = torch.cat([observed[~rare], observed[rare].sum().reshape(1)])
-        expected_counts = torch.cat([expected_counts[~rare], expected_counts[rare].sum().reshape(1)])
-    statistic = ((observed - expected_counts) ** 2 / expected_counts).sum()
-    pvalue = float(
-        torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic.double() / 2)
-    )
-    assert pvalue > 1e-3, (observed, expected_counts)
+    assert_sequences_follow(outputs, exact_sequence_probs(model, prompt, length), length)
 
 
 def boost_token_after_last(output_token_ids, logits):
