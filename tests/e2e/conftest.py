@@ -70,6 +70,17 @@ def stop_server(server: RunningServer) -> None:
         server.process.wait()
 
 
+# the speculative-decoding proofs' rewrite prompt: the answer repeats most of the prompt, so prompt
+# lookup has drafts to verify
+CODE = """def total_price(items):
+    total = 0
+    for item in items:
+        total += item.price * item.quantity
+    return total
+"""
+REWRITE = f"Rewrite this Python function, renaming `total` to `result` and changing nothing else:\n\n{CODE}"
+
+
 def spec_decode_counter(server: RunningServer, model_name: str, name: str) -> float:
     """The server's ``vllm:spec_decode_<name>_total`` counter (``num_drafts``,
     ``num_draft_tokens``, ``num_accepted_tokens``) for ``model_name``, read from /metrics."""

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY, spec_decode_counter, start_server, stop_server
+from tests.e2e.conftest import API_KEY, CODE, REWRITE, spec_decode_counter, start_server, stop_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,13 +40,6 @@ SPECULATIVE = [
     "--speculative-config",
     '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}',
 ]
-CODE = """def total_price(items):
-    total = 0
-    for item in items:
-        total += item.price * item.quantity
-    return total
-"""
-REWRITE = f"Rewrite this Python function, renaming `total` to `result` and changing nothing else:\n\n{CODE}"
 SCHEMA = {
     "type": "object",
     "properties": {

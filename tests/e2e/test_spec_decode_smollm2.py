@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY, spec_decode_counter, start_server, stop_server
+from tests.e2e.conftest import API_KEY, REWRITE, spec_decode_counter, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +30,6 @@ SPECULATIVE = [
     "--speculative-config",
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}',
 ]
-CODE = """def total_price(items):
-    total = 0
-    for item in items:
-        total += item.price * item.quantity
-    return total
-"""
-REWRITE = f"Rewrite this Python function, renaming `total` to `result` and changing nothing else:\n\n{CODE}"
 PROMPTS = [REWRITE, "The capital of France is", "List the days of the week:", "Q: What is 12 times 7?\nA:"]
 
 
