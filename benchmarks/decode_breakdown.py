@@ -6,27 +6,14 @@ import random
 import sys
 import time
 
+from step_rows import time_forward_and_logits
+
 from tokenloom import LLM, SamplingParams
 
 dtype, batch = sys.argv[1], int(sys.argv[2])
 engine = LLM(model="smollm2", dtype=dtype, max_model_len=1024).engine
 runner = engine.executor.worker.runner
-spent = {"forward": 0.0, "logits": 0.0}
-
-
-def timed(name, function):
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent[name] += time.perf_counter() - started
-
-    return wrapper
-
-
-runner.model.forward = timed("forward", runner.model.forward)
-runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+spent = time_forward_and_logits(runner)
 random.seed(0)
 params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 for i in range(batch):

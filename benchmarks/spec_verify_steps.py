@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from step_rows import record_step_rows
+from step_rows import record_step_rows, time_forward_and_logits
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.kernels import paged_attention
@@ -31,20 +31,7 @@ def measure(label: str, **engine_args) -> None:
     llm = LLM(model="smollm2", dtype=dtype, max_model_len=1024, **engine_args)
     engine = llm.engine
     runner = engine.executor.worker.runner
-    spent = {"forward": 0.0, "logits": 0.0}
-
-    def timed(name, function):
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - started
-
-        return wrapper
-
-    runner.model.forward = timed("forward", runner.model.forward)
-    runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+    spent = time_forward_and_logits(runner)
     rows_seen = record_step_rows(runner)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     by_rows: dict[int, list[tuple[float, float, float]]] = {}
