@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.lora_adapters import peft_greedy, save_random_adapter
 
-from tokenloom import LLM, LoRARequest, SamplingParams
+from tokenloom import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 MAX_TOKENS = 10
@@ -44,19 +44,6 @@ def adapter_dirs(tiny_llama_dir, tmp_path_factory):
         )
         for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items(), start=11)
     }
-
-
-@pytest.fixture(scope="module")
-def lora_requests(adapter_dirs):
-    return {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(adapter_dirs.items())}
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tiny_llama_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    return [tokenizer(prompt).input_ids for prompt in PROMPTS]
 
 
 def greedy(llm, prompts, lora_request=None):

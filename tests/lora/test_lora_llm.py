@@ -45,19 +45,6 @@ def adapter_dirs(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_requests(adapter_dirs):
-    return {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(adapter_dirs.items())}
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tiny_llama_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    return [tokenizer(prompt).input_ids for prompt in PROMPTS]
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     return LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
 
