@@ -40,9 +40,9 @@ COMMON += ["--kv-cache-memory-bytes", "256M"]
 PROPOSERS = ["--plugin", "tokenloom.builtin_plugins.proposers"]
 
 # method -> its --speculative-config ("{draft}" is the random draft's directory) and what the
-# target must do with its greedy drafts: accept "some" (prompt lookup hits while the rewrite
-# copies its prompt), "all" (the target drafting for itself proposes its own argmax) or "not all"
-# (a random draft that disagrees). Never a fixed number per step: how many tokens a step drafts
+# target must do with its greedy drafts: accept "some" (prompt lookup hits where the output
+# repeats text it has seen), "all" (the target drafting for itself proposes its own argmax) or
+# "few" (a random draft that disagrees: it got 1 of 180 at c=1, at position 0, when written). Never a fixed number per step: how many tokens a step drafts
 # is the runner's choice.
 METHODS = {
     "ngram": (
@@ -50,7 +50,7 @@ METHODS = {
         "some",
     ),
     "self-draft": ('{"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3}', "all"),
-    "random-draft": ('{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}', "not all"),
+    "random-draft": ('{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}', "few"),
 }
 
 SCHEMA = {
@@ -71,7 +71,7 @@ TOKEN_IDS = {"return_tokens_as_token_ids": True}
 @dataclass
 class SpeculativeServer:
     method: str
-    expected_acceptance: str  # "some", "all" or "not all" (see METHODS)
+    expected_acceptance: str  # "some", "all" or "few" (see METHODS)
     server: RunningServer
 
 
@@ -100,9 +100,10 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 def single_stream(server: RunningServer) -> list[tuple[list[str], str]]:
-    """One request at a time: the rewrite (chat; long enough for prompt lookup to hit while the
-    answer copies the code), a completion, and a JSON-schema constrained chat. Each as its
-    token ids and finish reason."""
+    """One request at a time: the rewrite (chat: its answer quotes the prompt's code, where
+    prompt lookup hits), a completion that repeats its own pattern (a numbered list of days),
+    and a JSON-schema constrained chat. Each as its token ids and finish reason (the first and
+    last end by themselves, well inside max_tokens)."""
     api = client(server)
     rewrite = api.chat.completions.create(
         model=MODEL,
@@ -147,7 +148,7 @@ async def mixed_batch(server: RunningServer) -> list:
                 model=MODEL, messages=WEEK, temperature=0.0, max_tokens=96, response_format=WEEK_FORMAT
             ),
             api.completions.create(
-                model=MODEL, prompt="List the days of the week:", temperature=0.0, max_tokens=48, stop=["Friday"]
+                model=MODEL, prompt="List the days of the week:", temperature=0.0, max_tokens=64, stop=["Friday"]
             ),
             api.completions.create(
                 model=MODEL, prompt="Q: What is 12 times 7?\nA:", temperature=0.0, max_tokens=24, logprobs=2
@@ -206,7 +207,7 @@ class VerificationCounter:
 
 def assert_verified_as_expected(verified: Verified, expected_acceptance: str) -> None:
     """Drafts were verified, the counters agree with each other, and the acceptance is what
-    the draft source predicts ("some", "all", "not all", or "any")."""
+    the draft source predicts ("some", "all", "few", or "any")."""
     counts = (
         f"{verified.accepted:g} of {verified.drafted:g} drafts accepted, per position {verified.accepted_per_position}"
     )
@@ -220,8 +221,8 @@ def assert_verified_as_expected(verified: Verified, expected_acceptance: str) ->
         assert verified.accepted == verified.drafted, counts
     elif expected_acceptance == "some":
         assert verified.accepted > 0, counts
-    elif expected_acceptance == "not all":
-        assert verified.accepted < verified.drafted, counts
+    elif expected_acceptance == "few":
+        assert verified.accepted < verified.drafted / 2, counts
 
 
 def test_single_stream_greedy_ids_are_identical(speculative, plain_single_stream):
