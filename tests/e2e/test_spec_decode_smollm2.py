@@ -42,8 +42,9 @@ PROPOSERS = ["--plugin", "tokenloom.builtin_plugins.proposers"]
 # method -> its --speculative-config ("{draft}" is the random draft's directory) and what the
 # target must do with its greedy drafts: accept "some" (prompt lookup hits where the output
 # repeats text it has seen), "all" (the target drafting for itself proposes its own argmax) or
-# "few" (a random draft that disagrees: it got 1 of 180 at c=1, at position 0, when written). Never a fixed number per step: how many tokens a step drafts
-# is the runner's choice.
+# "few" (a random draft that disagrees: when written it got 1 of 180 drafts accepted at c=1 and 2
+# of 441 in the mixed batch, all at position 0, so a step that accepts some drafts and rejects the
+# rest runs too). Never a fixed number per step: how many tokens a step drafts is the runner's.
 METHODS = {
     "ngram": (
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}',
