@@ -90,6 +90,20 @@ def spec_decode_counter(server: RunningServer, model_name: str, name: str) -> fl
     return float(match.group(1))
 
 
+def spec_decode_accepted_per_position(server: RunningServer, model_name: str) -> list[float]:
+    """The server's ``vllm:spec_decode_num_accepted_tokens_per_pos_total`` counters for
+    ``model_name``, position 0 first (one per draft position the server can propose)."""
+    text = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    pattern = (
+        rf"^vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        rf'\{{model_name="{re.escape(model_name)}",position="(\d+)"\}} (\S+)$'
+    )
+    by_position = {int(position): float(value) for position, value in re.findall(pattern, text, re.M)}
+    assert by_position, "the spec-decode metric num_accepted_tokens_per_pos is missing"
+    assert sorted(by_position) == list(range(len(by_position))), f"positions missing: {sorted(by_position)}"
+    return [by_position[position] for position in range(len(by_position))]
+
+
 def serve_smollm2(tmp_path_factory, extra_args: list[str] = ()):
     """The shared SmolLM2 server (with ``extra_args`` added), stopped when the generator ends."""
     log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
