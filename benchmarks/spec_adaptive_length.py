@@ -7,7 +7,10 @@ ignore_eos), for plain decoding and n-gram speculation (lookup 1-4) at k = 4, 6,
 the configurations run in rounds, alternating their order (forward, then backward), each on a
 fresh engine; compare within a round.
     python benchmarks/spec_adaptive_length.py [ROUNDS] [K ...]
-(TOKENLOOM_CPU_ISA=avx2 for the AVX2 path; ROUNDS 2 and K 4 6 8 by default)
+(TOKENLOOM_CPU_ISA=avx2 for the AVX2 path; ROUNDS 2 and K 4 6 8 by default). On a machine
+others load, pin it to one core (``taskset -c 1 python ...``: the CPU platform then runs one
+thread); two OpenMP threads on two busy cores wait on each other at every barrier (2.8 s a step
+instead of 60 ms on 2026-11-26 at a load average of 10).
 """
 
 import json
