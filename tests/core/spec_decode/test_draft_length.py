@@ -106,3 +106,26 @@ def test_a_request_that_never_accepts_drafts_one_token():
 
 def test_off_always_drafts_num_speculative_tokens():
     assert lengths_after([False] * 5 + [True] * 2, DraftLengthPolicy(4, False, 0.06)) == [4] * 8
+
+
+class FakePlatform:
+    def __init__(self):
+        self.asked = 0
+
+    def verify_row_cost(self) -> float:
+        self.asked += 1
+        return 0.33
+
+
+def test_the_runner_takes_the_row_cost_from_the_config_else_the_platform():
+    from tokenloom.core.config import SpeculativeConfig
+    from tokenloom.core.model_runner import ModelRunner
+
+    platform = FakePlatform()
+    policy = ModelRunner._draft_length_policy(SpeculativeConfig(num_speculative_tokens=5), platform)
+    assert policy == DraftLengthPolicy(5, adaptive=True, verify_row_cost=0.33)
+    given = SpeculativeConfig(num_speculative_tokens=5, verify_row_cost=0.5)
+    assert ModelRunner._draft_length_policy(given, platform).verify_row_cost == 0.5
+    off = SpeculativeConfig(num_speculative_tokens=5, adaptive_num_speculative_tokens=False)
+    assert not ModelRunner._draft_length_policy(off, platform).adaptive
+    assert platform.asked == 1  # only when adaptive and the config gives no cost
