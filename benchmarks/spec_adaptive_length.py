@@ -116,8 +116,7 @@ for label, _ in configs:
         tpots = table[label][workload]
         plain = table["plain"][workload]
         cells.append(
-            f"{workload} "
-            + " / ".join(f"{tpot * 1000:.2f} ({base / tpot:.2f}x)" for tpot, base in zip(tpots, plain))
+            f"{workload} " + " / ".join(f"{tpot * 1000:.2f} ({base / tpot:.2f}x)" for tpot, base in zip(tpots, plain))
         )
     print(f"{label:12s} " + "   ".join(cells))
 print(json.dumps({label: {w: [round(t * 1000, 2) for t in v] for w, v in row.items()} for label, row in table.items()}))

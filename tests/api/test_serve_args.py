@@ -639,7 +639,10 @@ def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
             '{"method": "ngram", "num_speculative_tokens": 2, "verify_row_cost": -0.1}',
             r"verify_row_cost must be a number in \[0, 10\]",
         ),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "verify_row_cost": "low"}', "verify_row_cost must be a number"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "verify_row_cost": "low"}',
+            "verify_row_cost must be a number",
+        ),
         ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft": true}', "unknown key 'adaptive_draft'"),
     ],
 )

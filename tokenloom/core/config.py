@@ -384,8 +384,7 @@ class SpeculativeConfig:
             raise bad(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not isinstance(self.adaptive_num_speculative_tokens, bool):
             raise bad(
-                "adaptive_num_speculative_tokens must be true or false, got "
-                f"{self.adaptive_num_speculative_tokens!r}"
+                f"adaptive_num_speculative_tokens must be true or false, got {self.adaptive_num_speculative_tokens!r}"
             )
         if self.verify_row_cost is not None and (
             isinstance(self.verify_row_cost, bool)
