@@ -22,7 +22,8 @@ from tokenloom.core.spec_decode.proposer import Draft
 clock = time.process_time if os.environ.get("CLOCK") == "cpu" else time.perf_counter
 max_drafts = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 steps_per_count = int(sys.argv[2]) if len(sys.argv) > 2 else 40
-speculative_config = {"method": "ngram", "num_speculative_tokens": max_drafts}
+# fixed lengths: the adaptive ones would shorten these always-rejected drafts to one token
+speculative_config = {"method": "ngram", "num_speculative_tokens": max_drafts, "adaptive_num_speculative_tokens": False}
 llm = LLM(model="smollm2", max_model_len=2048, speculative_config=speculative_config, enable_prefix_caching=False)
 engine = llm.engine
 runner = engine.executor.worker.runner

@@ -71,6 +71,8 @@ for k in ks:
         "num_speculative_tokens": k,
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
+        # k drafts whenever lookup finds them: the step kinds stay those of a fixed k
+        "adaptive_num_speculative_tokens": False,
     }
     measure(f"ngram k={k}", speculative_config=speculative_config)
     if as_prefill:

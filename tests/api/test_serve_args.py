@@ -562,6 +562,19 @@ def test_speculative_config_json_becomes_the_engine_config():
     assert speculative.disable_by_batch_size == 8
 
 
+def test_adaptive_draft_length_keys_reach_the_engine_config():
+    default = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
+    speculative = default.engine_args.create_engine_config().speculative
+    assert (speculative.adaptive_num_speculative_tokens, speculative.verify_row_cost) == (True, None)
+    serve_args = parse(
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 4, "adaptive_num_speculative_tokens": false, '
+        '"verify_row_cost": 0.25}',
+    )
+    speculative = serve_args.engine_args.create_engine_config().speculative
+    assert (speculative.adaptive_num_speculative_tokens, speculative.verify_row_cost) == (False, 0.25)
+
+
 def test_older_speculative_flags_map_onto_the_config():
     serve_args = parse(
         "--speculative-model",
@@ -618,6 +631,19 @@ def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
             '{"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "typical_acceptance_sampler"}',
             "acceptance_method 'typical_acceptance_sampler' is not implemented",
         ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": "no"}',
+            "adaptive_num_speculative_tokens must be true or false, got 'no'",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "verify_row_cost": -0.1}',
+            r"verify_row_cost must be a number in \[0, 10\]",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "verify_row_cost": "low"}',
+            "verify_row_cost must be a number",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft": true}', "unknown key 'adaptive_draft'"),
     ],
 )
 def test_bad_speculative_configs_say_what_to_change(options, message):

@@ -929,7 +929,10 @@ FLAGS: tuple[Flag, ...] = (
         help=(
             "JSON speculative-decoding settings, vLLM's keys: method (ngram, draft_model, or a proposer "
             "plugin), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size; "
-            "for draft_model: model, quantization, max_model_len. "
+            "for draft_model: model, quantization, max_model_len; adaptive_num_speculative_tokens (default true: "
+            "each request drafts 1..num_speculative_tokens as its acceptance pays for; false: always "
+            "num_speculative_tokens) and verify_row_cost (one more verified token's time as a fraction of a "
+            "decode step; default: the platform's). "
             "The older --speculative-model / --num-speculative-tokens / --ngram-prompt-lookup-* flags map onto it."
         ),
     ),

@@ -248,6 +248,8 @@ SPECULATIVE_CONFIG_KEYS = (
     "acceptance_method",
     "disable_logprobs",
     "disable_log_stats",
+    "adaptive_num_speculative_tokens",
+    "verify_row_cost",
 )
 # vLLM's default n-gram window when neither bound is given
 DEFAULT_PROMPT_LOOKUP = 5
@@ -283,6 +285,14 @@ class SpeculativeConfig:
     computed by the target model at every accepted position."""
     disable_log_stats: bool = False
     """Leave the acceptance rate out of the periodic log line."""
+    adaptive_num_speculative_tokens: bool = True
+    """Draft fewer than ``num_speculative_tokens`` for a request whose drafts are seldom
+    accepted: each request drafts the length its own acceptance so far makes pay best (see
+    tokenloom/core/spec_decode/draft_length.py), at least one. False: always
+    ``num_speculative_tokens``, as vLLM does."""
+    verify_row_cost: float | None = None
+    """With ``adaptive_num_speculative_tokens``: the time one more verified token adds to a
+    decode step, as a fraction of that step (the platform's measured default when unset)."""
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> SpeculativeConfig:
@@ -372,6 +382,19 @@ class SpeculativeConfig:
             raise bad(f"disable_by_batch_size must be a positive integer, got {self.disable_by_batch_size!r}")
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
             raise bad(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not isinstance(self.adaptive_num_speculative_tokens, bool):
+            raise bad(
+                f"adaptive_num_speculative_tokens must be true or false, got {self.adaptive_num_speculative_tokens!r}"
+            )
+        if self.verify_row_cost is not None and (
+            isinstance(self.verify_row_cost, bool)
+            or not isinstance(self.verify_row_cost, (int, float))
+            or not 0 <= self.verify_row_cost <= 10
+        ):
+            raise bad(
+                "verify_row_cost must be a number in [0, 10] (one more verified token's time as a fraction "
+                f"of a decode step, e.g. 0.06), got {self.verify_row_cost!r}"
+            )
 
 
 @dataclass

@@ -28,6 +28,7 @@ from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tokenloom.core.spec_decode.draft_length import AcceptanceEstimate, DraftLengthPolicy
 from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
 from tokenloom.core.spec_decode.rejection_sampler import DraftPrefixState, RejectionSampler
 from tokenloom.core.step_inputs import PreparedBatch, prepare_batch
@@ -70,6 +71,8 @@ class CachedRequestState:
     lora_request: Any = None  # the LoRA adapter it runs with (tokenloom.lora.request.LoRARequest)
     # the proposer's latest draft (its probs are needed when the scheduler verifies it)
     draft: Draft | None = None
+    # how often its drafts were accepted: the next draft's length follows it
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
 
 class ModelRunner:
@@ -108,11 +111,13 @@ class ModelRunner:
             logprobs_mode=config.model.logprobs_mode, unseeded_generator=self.sampler.generator
         )
         self.proposer: Proposer | None = None
+        self.draft_length_policy: DraftLengthPolicy | None = None
         if config.speculative is not None:
             proposer_class = plugins.registry("proposer").get(config.speculative.method)
             self.proposer = proposer_class(
                 ProposerSpec(config.speculative, config, info, plugins=plugins, platform=platform)
             )
+            self.draft_length_policy = self._draft_length_policy(config.speculative, platform)
         # the model plugin's nn.Module (see ModelProtocol), built by load_model; Any because
         # models add their own attributes (pooler, kv_cache_spec) that nn.Module's types hide
         self.model: Any = None
@@ -125,6 +130,21 @@ class ModelRunner:
         self._kv_prefaulted = 0
 
     # -- set-up -----------------------------------------------------------------------
+
+    @staticmethod
+    def _draft_length_policy(speculative: Any, platform: Any) -> DraftLengthPolicy:
+        adaptive = speculative.adaptive_num_speculative_tokens
+        row_cost = speculative.verify_row_cost
+        if adaptive and row_cost is None:
+            row_cost = platform.verify_row_cost()
+        if adaptive:
+            logger.info(
+                "speculative decoding: each request drafts 1 to %d tokens, as its acceptance pays for "
+                "(a verified row costs %.3g of a decode step)",
+                speculative.num_speculative_tokens,
+                row_cost,
+            )
+        return DraftLengthPolicy(speculative.num_speculative_tokens, adaptive, float(row_cost or 0.0))
 
     def _sampling_seed(self, seed: int | None) -> int | None:
         """The unseeded rows' seed. Tensor-parallel ranks sample from the same gathered
@@ -586,20 +606,21 @@ class ModelRunner:
             token_logprobs = verified.logprobs[position]
             if token_logprobs is not None:
                 output.logprobs[state.req_id] = token_logprobs
+            state.acceptance.observe(len(drafts_per_request[position]), len(token_ids) - 1)
             # the KV computed this step covers the accepted drafts, not the rejected ones
             num_rejected = len(drafts_per_request[position]) + 1 - len(token_ids)
             batch.seq_lens[i] -= num_rejected
 
     def _propose(self, states: list[CachedRequestState], output: ModelRunnerOutput) -> None:
-        """Ask the proposer for the next step's drafts of the requests that just sampled."""
-        assert self.proposer is not None  # only called with speculation configured
-        max_drafts = self.config.speculative.num_speculative_tokens if self.config.speculative else 0
+        """Ask the proposer for the next step's drafts of the requests that just sampled, each
+        for as many as its acceptance so far makes worth verifying (the draft-length policy)."""
+        assert self.proposer is not None and self.draft_length_policy is not None  # speculation is on
         requests = [
             DraftRequest(
                 state.req_id,
                 state.token_ids,
                 state.num_prompt_tokens,
-                max_drafts,
+                self.draft_length_policy.next_length(state.acceptance),
                 block_ids=state.block_ids,
                 temperature=0.0 if state.sampling.is_greedy else state.sampling.sampling_params.temperature,
             )
@@ -611,7 +632,7 @@ class ModelRunner:
         drafts = self.proposer.propose(requests)
         for request, draft in zip(requests, drafts, strict=True):
             if draft.token_ids:
-                draft.token_ids = list(draft.token_ids[:max_drafts])
+                draft.token_ids = list(draft.token_ids[: request.max_draft_tokens])
                 self.requests[request.req_id].draft = draft
                 output.draft_token_ids[request.req_id] = draft.token_ids
 

@@ -128,6 +128,13 @@ class Platform:
         --num-gpu-blocks-override is given (None: --gpu-memory-utilization alone decides)."""
         return None
 
+    def verify_row_cost(self) -> float:
+        """Speculative decoding's cost model (adaptive draft lengths): the time one more token
+        row adds to a one-sequence decode step, as a fraction of that step. Called once in the
+        worker when speculation is on and ``--speculative-config`` gives no
+        ``verify_row_cost``. By default 0.1: a step reads its weights once for all its rows."""
+        return 0.1
+
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A zero-filled tensor on this device (the KV cache is allocated with it)."""
         import torch

@@ -134,3 +134,20 @@ def test_workers_on_one_machine_share_its_cores(num_local_workers):
         assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // num_local_workers)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(
+    ("kernels_load", "level", "row_cost"),
+    [
+        (True, "avx512", cpu.AVX512_VERIFY_ROW_COST),
+        (True, "avx2", cpu.FLOAT32_VERIFY_ROW_COST),
+        (True, "generic", cpu.FLOAT32_VERIFY_ROW_COST),
+        (False, "avx512", cpu.FLOAT32_VERIFY_ROW_COST),  # no native kernels: the torch path
+    ],
+)
+def test_verify_row_cost_follows_the_kernel_level(kernels_load, level, row_cost, monkeypatch):
+    from tokenloom.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "load", lambda: object() if kernels_load else None)
+    monkeypatch.setattr(cpu_native, "selected_level", lambda: cpu_native.LEVELS_BY_NAME[level])
+    assert CpuPlatform().verify_row_cost() == row_cost

@@ -38,7 +38,10 @@ class DraftRequest:
     """Prompt and output so far; the last one is the token the next step computes."""
     num_prompt_tokens: int
     max_draft_tokens: int
-    """Propose at most this many tokens (``num_speculative_tokens``, or fewer near the end)."""
+    """Propose at most this many tokens: ``num_speculative_tokens``, or fewer where the request's
+    drafts have seldom been accepted (``adaptive_num_speculative_tokens``, the runner's choice
+    from its acceptance so far) or near the end. A proposer that runs steps per token (a draft
+    model) runs only as many as the longest request asks for."""
     block_ids: list[int] = field(default_factory=list)
     """The request's KV block table: a proposer with its own KV cache (:meth:`Proposer.kv_cache_bytes_per_block`)
     writes position ``p`` into block ``block_ids[p // block_size]``. It covers the positions
