@@ -147,21 +147,20 @@ HEAVY_MODULES = (
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["serve", "--help=ModelConfig"], ["version"]])
-def test_help_and_version_import_nothing_heavy_and_answer_at_once(argv):
+def test_help_and_version_import_nothing_heavy(argv):
+    """What keeps them answering at once (under 1 s: timed by benchmarks/cli_startup.py, not
+    here, where a loaded machine stretches any time several-fold)."""
     probe = textwrap.dedent(f"""
-        import contextlib, io, json, sys, time
-        started = time.perf_counter()
+        import contextlib, io, json, sys
         from tokenloom.api.cli import main
         with contextlib.redirect_stdout(io.StringIO()):
             code = main({argv!r})
-        elapsed = time.perf_counter() - started
         heavy = sorted(name for name in sys.modules if name.startswith({HEAVY_MODULES!r}))
-        print(json.dumps({{"code": code, "elapsed": elapsed, "heavy": heavy}}))
+        print(json.dumps({{"code": code, "heavy": heavy}}))
     """)
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     report = json.loads(result.stdout)
     assert report["code"] == 0 and report["heavy"] == []
-    assert report["elapsed"] < 1.0, f"tokenloom {' '.join(argv)} took {report['elapsed']:.2f}s"
 
 
 # -- tokenloom plugins ------------------------------------------------------------------------------------------

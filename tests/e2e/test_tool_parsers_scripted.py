@@ -7,6 +7,7 @@ the example ``--tool-parser-plugin`` file gets a server of its own."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -109,15 +110,37 @@ def parser(request, launches):
 
 
 CASE_NAMES = [case.name for case in standard_cases("hermes")] + ["malformed"]
+STREAM_MODES = [False, True]
+
+
+@pytest.fixture(scope="module")
+def replies(parser):
+    """Every case's reply from the parser's server, whole and streamed, asked all at once (the
+    engine batches them: one at a time, each paid its own decode steps); a request that failed
+    holds its exception, raised by the test of that case."""
+    name, client = parser
+
+    def reply_to(case: Case, stream: bool):
+        try:
+            return ask(client, case.name, stream=stream, tools=TOOLS_FOR_CASES, max_tokens=400)
+        except Exception as error:  # noqa: BLE001 -- the test of this case raises it
+            return error
+
+    requests = [(case, stream) for case in cases_for(name) for stream in STREAM_MODES]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda request: reply_to(*request), requests))
+    return {(case.name, stream): answer for (case, stream), answer in zip(requests, answers)}
 
 
 @pytest.mark.parametrize("parser", PARSER_PARAMS, indirect=True)
 @pytest.mark.parametrize("case_name", CASE_NAMES)
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_parser_end_to_end(parser, case_name: str, stream: bool):
-    name, client = parser
+@pytest.mark.parametrize("stream", STREAM_MODES, ids=["whole", "streamed"])
+def test_parser_end_to_end(parser, replies, case_name: str, stream: bool):
+    name, _ = parser
     case = cases_for(name)[CASE_NAMES.index(case_name)]
-    reply = ask(client, case.name, stream=stream, tools=TOOLS_FOR_CASES, max_tokens=400)
+    reply = replies[(case.name, stream)]
+    if isinstance(reply, Exception):
+        raise reply
     _, _, expected_reasoning, content_before = REASONING_PARSERS.get(case.parser, (None, None, None, ""))
     # the whitespace after the reasoning comes before everything the tool parser returns as content
     expected_content = (content_before + (case.content or "")) or None

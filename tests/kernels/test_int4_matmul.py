@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers.isa_levels import at_the_host_level
 
 from tokenloom.kernels import cpu_native, int4_matmul
 from tokenloom.kernels.int4_matmul import (
@@ -103,6 +104,7 @@ def test_tokenloom_kernel_stays_close_to_the_float_product():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 8])
+@at_the_host_level()  # torch's own kernel: the same at every level
 def test_torch_kernel_matches_the_dequantized_weight(dtype, rows, torch_kernel):
     codes, scales, zeros = random_int4(48, 128, 32)
     weight = pack_int4(codes, scales, zeros, dtype)
@@ -156,6 +158,7 @@ def test_shapes_the_kernel_cannot_take_are_refused():
         pack_int4(codes, scales, zeros, torch.bfloat16)
 
 
+@at_the_host_level()  # torch's own kernel: the same at every level
 def test_torchs_kernel_takes_small_batches_up_to_the_row_limit_of_their_dtype(torch_kernel):
     weight = pack_int4(*random_int4(16, 64, 32), torch.bfloat16)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -173,6 +176,7 @@ def test_tokenloom_kernel_takes_every_batch():
 
 
 @pytest.mark.parametrize("rows", [1, 5])
+@at_the_host_level()  # torch's own kernel: the same at every level
 def test_float32_rows_on_torchs_kernel_are_rounded_in_and_widened_out(rows, torch_kernel):
     codes, scales, zeros = random_int4(32, 64, 32, seed=3)
     weight = pack_int4(codes, scales, zeros, torch.bfloat16)
@@ -185,6 +189,7 @@ def test_float32_rows_on_torchs_kernel_are_rounded_in_and_widened_out(rows, torc
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 6, 131])
+@at_the_host_level()  # it switches through every level itself
 def test_every_level_the_host_runs_gives_the_same_integers(rows):
     """The integer sums are exact on every level: float32 and bfloat16 results of the levels
     differ only by float32 summation order."""

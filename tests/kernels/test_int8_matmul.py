@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
+from helpers.isa_levels import at_the_host_level
 
 from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
 from tokenloom.kernels import cpu_native, int8_matmul
@@ -66,6 +67,7 @@ def test_extreme_codes_are_exact():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 130])
+@at_the_host_level()  # it switches through every level itself
 def test_every_level_the_host_runs_gives_the_same_integers(rows):
     """AVX-512's unsigned codes less 128 times the code sum and AVX2's sign trick are the same
     integers: the levels differ only by float32 summation order."""

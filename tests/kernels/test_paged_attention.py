@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 import torch
 from helpers.attention import allocate_kv_caches, build_attention_metadata
+from helpers.isa_levels import at_the_host_level, once_and_per_level
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +36,11 @@ pytestmark = pytest.mark.usefixtures("isa_level")
 # every fast backend must equal the reference: the torch one and the native CPU kernels' one
 # (built by `make install`; the test builds them when they are not cached)
 FAST_BACKENDS = [pytest.param(TorchPagedAttention, id="torch"), pytest.param(NativeCpuPagedAttention, id="native")]
+# the same where the torch backend's path holds no native operator (float32, or decodes): the torch
+# one once (its code is the same at every level), the native one at every level
+FAST_BACKENDS_ONCE_AND_PER_LEVEL = once_and_per_level(
+    "backend_class", TorchPagedAttention, NativeCpuPagedAttention, ("torch", "native")
+)
 
 
 def dense_attention(query, keys, values, query_positions, *, scale, window, soft_cap, causal=True):
@@ -101,6 +107,7 @@ MIXED_BATCHES = [
 @pytest.mark.parametrize("specs", MIXED_BATCHES)
 @pytest.mark.parametrize("window", [None, 3, 6])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)])
+@at_the_host_level()
 def test_reference_matches_dense_attention(specs, window, heads):
     num_q_heads, num_kv_heads = heads
     sequences, kv_cache, metadata, (query, key, value) = make_step(
@@ -122,6 +129,7 @@ def test_reference_matches_dense_attention(specs, window, heads):
         start += query_len
 
 
+@at_the_host_level()
 def test_reference_soft_cap_matches_dense_attention():
     sequences, kv_cache, metadata, (query, key, value) = make_step([(5, 3), (0, 4)], 4, 2, 8, torch.float32, 1)
     output = reference_paged_attention(query, key, value, kv_cache, metadata, scale=2.0, logits_soft_cap=1.5)
@@ -181,7 +189,7 @@ class _Reference:
 @pytest.mark.parametrize("window", [None, 2, 5, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
-@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+@FAST_BACKENDS_ONCE_AND_PER_LEVEL
 def test_fast_backend_matches_reference(specs, window, heads, soft_cap, backend_class):
     query, key, value, kv_cache, metadata, expected, reference_cache = _mixed_batch_reference(
         tuple(specs), window, heads, soft_cap
@@ -207,6 +215,7 @@ def test_fast_backend_bfloat16_close_to_reference(specs, window, backend_class):
     torch.testing.assert_close(output.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
+@at_the_host_level()
 def test_plan_is_reused_per_step_and_per_window():
     _, kv_cache, metadata, (query, key, value) = make_step(MIXED_BATCHES[0], 4, 2, 8, torch.float32, 4)
     backend = TorchPagedAttention()
@@ -328,6 +337,7 @@ def test_group_by_length_keeps_similar_lengths_together():
 
 
 @pytest.mark.parametrize("window", [None, 6])
+@at_the_host_level()
 def test_ragged_decode_groups_match_reference(monkeypatch, window):
     monkeypatch.setattr(paged_attention, "_GROUP_OVERHEAD_ELEMENTS", 0)
     specs = [(30, 1), (2, 1), (0, 5), (13, 1), (3, 1), (29, 1)]
@@ -740,7 +750,7 @@ def _fp8_decode_reference(heads, head_size, block_size, cache_dtype, dtype):
     return _Reference(query, key, value, kv_cache, metadata, expected, reference_cache)
 
 
-@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+@FAST_BACKENDS_ONCE_AND_PER_LEVEL
 @pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 128, 40])
@@ -767,7 +777,7 @@ def test_fp8_decode_matches_reference(backend_class, cache_dtype, dtype, head_si
     assert torch.equal(kv_cache.view(torch.uint8), reference_cache.view(torch.uint8))
 
 
-@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+@FAST_BACKENDS_ONCE_AND_PER_LEVEL
 @pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
 @pytest.mark.parametrize("specs", MIXED_BATCHES)
 @pytest.mark.parametrize("window", [None, 3])
@@ -785,6 +795,7 @@ def test_fp8_mixed_batches_match_reference(backend_class, cache_dtype, specs, wi
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
 
 
+@at_the_host_level()
 def test_fp8_caches_stay_close_to_the_16_bit_cache():
     """Attention over an fp8 cache approximates the full-precision result: e4m3 keeps 3 mantissa
     bits and e5m2 2, so e4m3 is the closer of the two (on values of a unit's size, where
