@@ -2,7 +2,7 @@
 reference of :mod:`tokenloom.lora.layers` at every CPU kernel level: mixed slots (and base-model
 tokens) in one batch, fused shards, ranks below ``max_rank``, bfloat16 activations and LoRA
 weights of another dtype; a token's result does not depend on the rest of the batch; and the
-fused decode layer with adapters equals the layer's Python path."""
+fused decode layer with adapters equals the layer's Python path and, without one, decode_layer."""
 
 from __future__ import annotations
 
@@ -189,3 +189,80 @@ def test_decode_steps_with_adapters_stay_fused_and_give_the_python_paths_bits(lo
     for row, request in enumerate(requests):
         alone = lora_generate(llm, [request] * len(PROMPTS))
         assert alone[row] == fused[row], row
+
+
+def decode_layer_arguments(tokens=4):
+    """decode_layer's arguments for a small random layer (2 query heads, 1 KV head of 32, int4
+    projections packed for the kernel) and a decode step of ``tokens`` rows, each its own
+    sequence over one 16-slot block."""
+    from tokenloom.kernels.int4_matmul import _pack_native
+
+    hidden, heads, kv_heads, head_size, intermediate = 64, 2, 1, 32, 128
+
+    def int4(out_features, in_features, seed):
+        groups = in_features // 32
+        codes = torch.randint(0, 16, (out_features, in_features), generator=torch.Generator().manual_seed(seed))
+        return _pack_native(
+            codes, randn(out_features, groups, seed=seed).abs() * 0.05, randn(out_features, groups, seed=seed + 1) * 0.1
+        )
+
+    lens = torch.tensor([3, 9, 16, 5][:tokens])
+    frequencies = torch.outer(torch.arange(32.0), 1.0 / 10000 ** (torch.arange(0, head_size, 2) / head_size))
+    return [
+        randn(tokens, hidden, seed=20, dtype=torch.bfloat16),  # hidden
+        randn(tokens, hidden, seed=21, dtype=torch.bfloat16),  # residual
+        lens - 1,  # positions
+        (1 + 0.1 * randn(hidden, seed=22)).to(torch.bfloat16),  # input_norm
+        (1 + 0.1 * randn(hidden, seed=23)).to(torch.bfloat16),  # post_norm
+        1e-5,
+        [
+            int4((heads + 2 * kv_heads) * head_size, hidden, 30),
+            int4(hidden, heads * head_size, 31),
+            int4(2 * intermediate, hidden, 32),
+            int4(hidden, intermediate, 33),
+        ],
+        frequencies.cos().to(torch.bfloat16),
+        frequencies.sin().to(torch.bfloat16),
+        randn(2, tokens + 1, 16, kv_heads, head_size, seed=24, dtype=torch.bfloat16),  # kv_cache
+        torch.arange(tokens) * 16 + lens - 1,  # slot_mapping: row t's block is t
+        torch.arange(tokens).view(tokens, 1),  # block_tables
+        lens,
+        heads,
+        kv_heads,
+        head_size**-0.5,
+        1.0,
+        1.0,
+    ]
+
+
+def test_decode_layer_lora_is_decode_layer_plus_the_adapters_deltas():
+    """The two operators are one C++ body: without an adapter the LoRA one gives decode_layer's
+    bits (output, residual and KV cache), and with adapters a base-model row keeps them."""
+    ops = native_ops()
+    arguments = decode_layer_arguments()
+    kv_cache = arguments[9]
+
+    def run(operator, *extra):
+        cache = kv_cache.clone()
+        output, residual = operator(*arguments[:9], cache, *arguments[10:], *extra)
+        return output, residual, cache
+
+    plain = run(ops.decode_layer)
+    token_slots = torch.tensor([0, -1, 1, -1])
+    no_adapter = run(ops.decode_layer_lora, token_slots, [None] * 12, 8)
+    assert all(torch.equal(a, b) for a, b in zip(plain, no_adapter))
+    # adapters on qkv (q, k, v shards) and down; o and gate_up untouched this step
+    qkv, _ = filled_lora(
+        64, [(0, 64), (64, 32), (96, 32)], max_loras=2, max_rank=8, dtype=torch.bfloat16, ranks={0: 8, 1: 4}
+    )
+    down, _ = filled_lora(128, [(0, 64)], max_loras=2, max_rank=8, dtype=torch.bfloat16, ranks={0: 8, 1: 8})
+    loras = [qkv.lora_a, qkv.lora_b_t, qkv.shard_table, None, None, None, None, None, None]
+    loras += [down.lora_a, down.lora_b_t, down.shard_table]
+    adapted = run(ops.decode_layer_lora, token_slots, loras, 8)
+    for row, slot in enumerate(token_slots.tolist()):  # the residual stream carries the qkv adapter's change too
+        assert torch.equal(adapted[0][row], plain[0][row]) == (slot < 0), row
+        assert torch.equal(adapted[1][row], plain[1][row]) == (slot < 0), row
+    with pytest.raises(RuntimeError, match="decode_layer_lora: loras must be 4"):
+        run(ops.decode_layer_lora, token_slots, [None] * 11, 8)
+    with pytest.raises(RuntimeError, match="decode_layer: weights must be the 4 packed int4 weights"):
+        ops.decode_layer(*arguments[:6], arguments[6][:3], *arguments[7:])

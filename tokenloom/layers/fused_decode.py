@@ -11,9 +11,9 @@ speculative decoding's verifications (a request's pending token and its drafts, 
 attention backend's plan turns into one decode row each) is taken too. Anything
 else (prefill rows in the step, other dtypes, biases, q/k norms, sliding windows, soft caps,
 tensor parallelism, another attention backend) takes the layer's own Python path. A step whose
-adapters change the layer's projections runs ``decode_layer_lora`` (kernels/csrc/cpu_lora.cpp):
-the same chain with each projection's BGMV added after its matmul, the operator the Python
-path's LoRA layers call.
+adapters change the layer's projections runs ``decode_layer_lora``: the same chain (one body in
+kernels/csrc/cpu_decoder.cpp) with each projection's BGMV added after its matmul, the operator the
+Python path's LoRA layers call.
 An fp8 KV cache goes through the operator with the layer's scales, once they are set.
 """
 

@@ -1,11 +1,10 @@
 // LoRA beside tokenloom's CPU operators: the batched gather-matmul of vLLM's punica kernels
 // (BGMV: each token's own adapter, shrink x @ A.T to the rank, expand by B into the output) as
-// one operator, and a decode layer that applies it after each of its four projections. Per
-// token, the arithmetic reads only that token's slot (not the masked product of every slot in
-// the step the torch path computes) and does not depend on the other tokens of the batch: a
-// request gets the same bits alone and in any batch. The Python layers call lora_bgmv_ too
-// (tokenloom/lora/layers.py), so the fused layer and the Python path give the same bits.
-// Kept apart from cpu_decoder.cpp: decode_layer_lora chains the same operators in the same order.
+// one operator. Per token, the arithmetic reads only that token's slot (not the masked product
+// of every slot in the step the torch path computes) and does not depend on the other tokens of
+// the batch: a request gets the same bits alone and in any batch. The Python layers call
+// lora_bgmv_ (tokenloom/lora/layers.py) and so does decode_layer_lora (cpu_decoder.cpp) after
+// each of its projections, so the fused layer and the Python path give the same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -122,70 +121,14 @@ void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, c
   }
 }
 
-namespace {
-
-// the projection's LoRA (lora_a, lora_b_t, shard_table) when one applies this step
-void add_lora(at::Tensor& out, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& loras, int64_t index,
-              const at::Tensor& token_slots, int64_t max_rank) {
-  const c10::optional<at::Tensor> lora_a = loras.get(3 * index);
-  if (!lora_a.has_value()) return;
-  lora_bgmv_(out, x, *lora_a, *loras.get(3 * index + 1), token_slots, *loras.get(3 * index + 2), max_rank);
-}
-
-}  // namespace
-
-// decode_layer (cpu_decoder.cpp) with each projection's LoRA added after its int4 matmul, as the
-// Python path adds it after the base matmul. loras: 12 entries, (lora_a, lora_b_t, shard_table)
-// for qkv, o, gate_up and down in that order, None for a projection no adapter of the step targets.
-std::tuple<at::Tensor, at::Tensor> decode_layer_lora(
-    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& positions,
-    const at::Tensor& input_norm, const at::Tensor& post_norm, double eps, at::TensorList weights,
-    const at::Tensor& cos_cache, const at::Tensor& sin_cache, at::Tensor kv_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, double k_scale, double v_scale, const at::Tensor& token_slots,
-    const c10::List<c10::optional<at::Tensor>>& loras, int64_t max_rank) {
-  TORCH_CHECK(weights.size() == 4, "decode_layer_lora: weights must be the 4 packed int4 weights, got ", weights.size());
-  TORCH_CHECK(loras.size() == 12, "decode_layer_lora: loras must be 4 (A, B_t, shards) triples, got ", loras.size());
-  TORCH_CHECK(kv_cache.dim() == 5, "decode_layer_lora: kv_cache must be [2, num_blocks, block_size, kv_heads, head_size]");
-  const int64_t tokens = hidden.size(0), head_size = kv_cache.size(4);
-  auto [normed, residual_out] = rms_norm(hidden, residual, input_norm, eps, false);
-  at::Tensor qkv = int4_linear(normed, weights[0]);
-  add_lora(qkv, normed, loras, 0, token_slots, max_rank);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_size,
-              "decode_layer_lora: the qkv projection's width does not match the heads");
-  const at::Tensor heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_size});
-  rotary_embedding_(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos_cache, sin_cache);
-  write_kv_cache(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
-                 kv_cache, slot_mapping, k_scale, v_scale);
-  at::Tensor attention = at::empty({tokens, num_heads, head_size}, hidden.options());
-  paged_decode_attention(attention, heads.narrow(1, 0, num_heads), kv_cache, block_tables, seq_lens, scale, 0, 0.0,
-                         k_scale, v_scale);
-  const at::Tensor attention_rows = attention.view({tokens, num_heads * head_size});
-  at::Tensor projected = int4_linear(attention_rows, weights[1]);
-  add_lora(projected, attention_rows, loras, 1, token_slots, max_rank);
-  auto [mlp_input, residual_next] = rms_norm(projected, residual_out, post_norm, eps, false);
-  at::Tensor gate_up = int4_linear(mlp_input, weights[2]);
-  add_lora(gate_up, mlp_input, loras, 2, token_slots, max_rank);
-  const at::Tensor activated = act_and_mul(gate_up, "silu");
-  at::Tensor down = int4_linear(activated, weights[3]);
-  add_lora(down, activated, loras, 3, token_slots, max_rank);
-  return {down, residual_next};
-}
-
 }  // namespace TOKENLOOM_CPU_NAMESPACE
 
 TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def(
       "lora_bgmv_(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b_t, Tensor token_slots, Tensor shard_table, "
       "int max_rank) -> ()");
-  m.def(
-      "decode_layer_lora(Tensor hidden, Tensor? residual, Tensor positions, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor[] weights, Tensor cos_cache, Tensor sin_cache, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float k_scale, "
-      "float v_scale, Tensor token_slots, Tensor?[] loras, int max_rank) -> (Tensor, Tensor)");
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {
   m.impl("lora_bgmv_", &TOKENLOOM_CPU_NAMESPACE::lora_bgmv_);
-  m.impl("decode_layer_lora", &TOKENLOOM_CPU_NAMESPACE::decode_layer_lora);
 }
