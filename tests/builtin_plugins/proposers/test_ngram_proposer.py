@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import pytest
 
 from tokenloom.core.config import EngineArgs, SpeculativeConfig
@@ -46,6 +49,39 @@ def test_the_most_frequent_continuation_wins_over_a_more_recent_one():
     # only occurrences followed by a full draft vote: 4 twice against 3 once (the last [7, 3]
     # is followed by two tokens only, else 3 would tie and, more recent, win)
     assert proposer(1, 1).lookup([7, 4, 5, 6, 9, 7, 4, 5, 6, 0, 7, 3, 7, 3, 7], 3) == [4, 5, 6]
+
+
+def reference_lookup(tokens: list[int], min_n: int, max_n: int, max_tokens: int) -> list[int]:
+    """The documented rule, written plainly: the longest suffix with an earlier occurrence; among
+    its occurrences followed by a whole draft (all when none is), those followed by the most
+    frequent next token; the latest of them, or the earliest when none is followed by a whole draft."""
+    length = len(tokens)
+    if max_tokens <= 0 or length < min_n + 1:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        matches = [i for i in range(length - n) if tokens[i : i + n] == tokens[length - n :]]
+        if not matches:
+            continue
+        full = [i for i in matches if i + n + max_tokens <= length]
+        candidates = full or matches
+        votes = Counter(tokens[i + n] for i in candidates)
+        most = max(votes.values())
+        candidates = [i for i in candidates if votes[tokens[i + n]] == most]
+        start = (candidates[-1] if full else candidates[0]) + n
+        return tokens[start : start + max_tokens]
+    return []
+
+
+def test_lookup_follows_the_rule_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice((2, 3, 5, 50))) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        max_tokens = rng.randrange(0, 6)
+        assert proposer(min_n, max_n).lookup(tokens, max_tokens) == reference_lookup(
+            tokens, min_n, max_n, max_tokens
+        ), (tokens, min_n, max_n, max_tokens)
 
 
 def test_no_match_or_too_short_proposes_nothing():

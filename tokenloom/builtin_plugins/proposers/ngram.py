@@ -5,7 +5,6 @@ pays off where the output repeats the input (code edits, RAG answers, summaries)
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenloom.plugin_api import Draft, DraftRequest, Proposer, ProposerSpec
 
@@ -33,12 +32,19 @@ class NgramProposer(Proposer):
         if max_tokens <= 0 or num_tokens < self.min_n + 1:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[num_tokens - n :]
-            # windows that start early enough to be followed by at least one token, and are not
-            # the suffix itself
-            windows = sliding_window_view(tokens[: num_tokens - 1], n)
-            matches = np.flatnonzero((windows == suffix).all(axis=1))
+        # where each n-gram match ends: one scan for the last token (the matches of n = 1, each
+        # followed by at least one token), then every longer suffix keeps the matches of the
+        # shorter one whose token before agrees; matches_by_n[n - 1] holds n's, ascending
+        ends = np.flatnonzero(tokens[: num_tokens - 1] == tokens[-1])
+        matches_by_n = [ends]
+        for n in range(2, min(self.max_n, num_tokens - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[num_tokens - n]]
+            if not ends.size:
+                break
+            matches_by_n.append(ends)
+        for n in range(len(matches_by_n), self.min_n - 1, -1):
+            matches = matches_by_n[n - 1] - (n - 1)  # where the matches start
             if matches.size:
                 full = matches[matches + n + max_tokens <= num_tokens]
                 candidates = full if full.size else matches
