@@ -7,7 +7,9 @@
 #   bash benchmarks/spec_ab_sitting.sh OUT [ROUNDS] [LABEL=SPECULATIVE_CONFIG_JSON ...]
 # Default: 3 rounds of plain against the n-gram settings below. An idle server costs nothing
 # while another is measured (the engine thread blocks, OpenMP threads sleep after their spin).
-# TL (the tokenloom command) and BASE_PORT may be set in the environment.
+# TL (the tokenloom command) and BASE_PORT may be set in the environment; PEER_LABEL and PEER_CMD
+# add a peer server measured in the same rounds (PEER_CMD serves the model as "smollm2" on the port
+# written {port} in it), e.g. llama.cpp's llama-server built by ../shared/bench/peer.sh.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: spec_ab_sitting.sh OUT [ROUNDS] [LABEL=JSON ...]}
@@ -32,6 +34,13 @@ for i in "${!CONFIGS[@]}"; do
   $TL serve smollm2 --port $port "${flags[@]}" > "$OUT/$label-server.log" 2>&1 &
   PIDS+=($!)
 done
+if [ -n "${PEER_LABEL:-}" ]; then
+  port=$((BASE_PORT + ${#CONFIGS[@]}))
+  echo "$PEER_LABEL (peer): ${PEER_CMD//\{port\}/$port}" >> "$OUT/sitting.txt"
+  ${PEER_CMD//\{port\}/$port} > "$OUT/$PEER_LABEL-server.log" 2>&1 &
+  PIDS+=($!)
+  CONFIGS+=("$PEER_LABEL=peer")
+fi
 for i in "${!CONFIGS[@]}"; do
   port=$((BASE_PORT + i))
   for _ in $(seq 1 600); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
