@@ -14,6 +14,7 @@ from tokenloom.core.sampler import (
     SamplingMetadata,
     SamplingState,
     compute_prompt_logprobs,
+    row_argmax,
     tokenize_bad_words,
 )
 from tokenloom.errors import ConfigError, InvalidRequestError
@@ -65,6 +66,16 @@ def test_greedy_is_argmax_and_builds_no_tensors():
     assert output.token_ids == logits.argmax(-1).tolist()
     assert output.logprobs == [None] * 6
     assert torch.equal(logits, before)
+
+
+def test_row_argmax_is_torch_argmax_with_the_first_of_equal_values():
+    torch.manual_seed(0)
+    for values in (torch.randn(9, 49152), torch.randn(49152), torch.randn(5, 7).T, torch.randn(4, 12)[:, ::3]):
+        assert torch.equal(row_argmax(values), values.argmax(dim=-1))
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.0], [NEG_INF, NEG_INF, 2.0, 2.0]])
+    assert row_argmax(ties).tolist() == [1, 2]
+    assert row_argmax(torch.zeros(0, 5)).tolist() == []
+    assert row_argmax(torch.tensor([[0.0, 1.0]], dtype=torch.float64)).tolist() == [1]  # torch's own path
 
 
 def test_processors_do_not_modify_the_callers_logits():

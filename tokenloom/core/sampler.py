@@ -32,6 +32,7 @@ __all__ = [
     "SamplingMetadata",
     "SamplingState",
     "compute_prompt_logprobs",
+    "row_argmax",
     "tokenize_bad_words",
     "unpack_bitmask",
 ]
@@ -95,7 +96,7 @@ class Sampler:
         else:
             processed, errors = logits, {}
         if metadata.all_greedy:
-            token_ids = processed.argmax(dim=-1)
+            token_ids = row_argmax(processed)
         else:
             random_rows = metadata.random_rows
             random_logits = processed if random_rows is None else processed[random_rows]
@@ -106,7 +107,7 @@ class Sampler:
             if random_rows is None:
                 token_ids = random_tokens
             else:
-                token_ids = processed.argmax(dim=-1)
+                token_ids = row_argmax(processed)
                 token_ids[random_rows] = random_tokens
             if wants_logprobs and mode.startswith("processed"):
                 # processed logprobs of a random row are taken after temperature and truncation
@@ -231,6 +232,15 @@ def _apply_temperature_and_truncation(logits: torch.Tensor, metadata: SamplingMe
     return logits
 
 
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (the first of equal ones, as ``torch.argmax``).
+    On the CPU through numpy: torch's argmax over a vocabulary-wide row takes about 60 us a
+    row, numpy's 4, and a verifying step takes it over every draft's row."""
+    if values.device.type == "cpu" and values.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(values.numpy().argmax(axis=-1)))
+    return values.argmax(dim=-1)
+
+
 def _sample_exponential_race(
     logits: torch.Tensor, generators: dict[int, torch.Generator], shared_generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -243,7 +253,7 @@ def _sample_exponential_race(
         noise[position].exponential_(generator=generator)
     # a zero draw would turn 0/0 into NaN, which argmax would pick
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return row_argmax(probs / noise)
 
 
 def _failed_rows(processed: torch.Tensor) -> dict[int, str]:

@@ -33,6 +33,7 @@ from tokenloom.core.sampler import (
     _apply_temperature_and_truncation,
     _failed_rows,
     _token_logprobs,
+    row_argmax,
 )
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
 from tokenloom.errors import ConfigError
@@ -112,7 +113,7 @@ class RejectionSampler:
             failed = {**_failed_rows(processed), **processor_errors}
         else:
             processed = logits
-        greedy_ids = processed.argmax(dim=-1).tolist()
+        greedy_ids = row_argmax(processed).tolist()
 
         # random rows: their probabilities after temperature and truncation
         random_index = [-1] * num_rows
@@ -238,4 +239,4 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     sampler runs (so a sequence with no drafts draws from its generator exactly as it would)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return int((probs / noise).argmax())
+    return int(row_argmax(probs / noise))
