@@ -147,33 +147,105 @@ inline void score_chunk(const float* q_rows, int64_t num_rows, const scalar_t* k
 }
 
 #if defined(__AVX512BF16__)
-// score_chunk for bfloat16 keys and queries on CPUs with bfloat16 dot products: 32 products
-// per instruction (vdpbf16ps, exact products summed in float32) and no widening of the keys.
-// q_rows: the G query rows as bfloat16, kHead each.
+// Scores for bfloat16 keys and queries on CPUs with bfloat16 dot products (vdpbf16ps: two exact
+// products a lane, summed in float32), keys across the lanes: a run's keys are transposed once
+// (column c, lane j: key j's c-th pair of elements), so that each query row costs one
+// vdpbf16ps per pair of elements for all 16 keys and no horizontal sum. Transposing is the
+// shuffle work the other layout spent on every row's sums, paid here once for all the query
+// rows of a KV head (a group's, or a verifying run's rows x group). A row's score for a key is
+// the same arithmetic whichever rows and keys share its run: its bits do not depend on the batch.
+
+// rows[c] = lane j: the c-th 32-bit element of rows[j] (a 16 x 16 transpose in 64 shuffles)
+inline void transpose16x16_epi32(__m512i rows[16]) {
+  __m512i pairs[16], quads[16];
+  for (int i = 0; i < 16; i += 2) {
+    pairs[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    pairs[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  // quads[4 g + m], 128-bit lane L: element 4 L + m of rows 4 g .. 4 g + 3
+  for (int g = 0; g < 16; g += 4) {
+    quads[g] = _mm512_unpacklo_epi64(pairs[g], pairs[g + 2]);
+    quads[g + 1] = _mm512_unpackhi_epi64(pairs[g], pairs[g + 2]);
+    quads[g + 2] = _mm512_unpacklo_epi64(pairs[g + 1], pairs[g + 3]);
+    quads[g + 3] = _mm512_unpackhi_epi64(pairs[g + 1], pairs[g + 3]);
+  }
+  // element 4 L + m gathers 128-bit lane L of quads[m], quads[4 + m], quads[8 + m], quads[12 + m]
+  for (int m = 0; m < 4; ++m) {
+    const __m512i low01 = _mm512_shuffle_i32x4(quads[m], quads[4 + m], 0x44);
+    const __m512i low23 = _mm512_shuffle_i32x4(quads[8 + m], quads[12 + m], 0x44);
+    const __m512i high01 = _mm512_shuffle_i32x4(quads[m], quads[4 + m], 0xEE);
+    const __m512i high23 = _mm512_shuffle_i32x4(quads[8 + m], quads[12 + m], 0xEE);
+    rows[m] = _mm512_shuffle_i32x4(low01, low23, 0x88);
+    rows[4 + m] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
+    rows[8 + m] = _mm512_shuffle_i32x4(high01, high23, 0x88);
+    rows[12 + m] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
+  }
+}
+
+// columns[c], lane j: the c-th pair of elements of the key at slots[j] (zero for j >= n)
+template <int kHead>
+inline void transpose_keys_bf16(const c10::BFloat16* k_cache, const int64_t* slots, int64_t n, int64_t slot_stride,
+                                int64_t head_offset, __m512i* columns) {
+  for (int block = 0; block < kHead / 32; ++block) {
+    __m512i rows[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      rows[j] = j < n ? _mm512_loadu_si512(k_cache + slots[j] * slot_stride + head_offset + 32 * block)
+                      : _mm512_setzero_si512();
+    }
+    transpose16x16_epi32(rows);
+    for (int c = 0; c < 16; ++c) _mm512_store_si512(columns + 16 * block + c, rows[c]);
+  }
+}
+
+// scores[r * score_stride + t0 + j] for kRows query rows (q_pairs: kHead / 2 pairs each) and
+// the n valid lanes of the transposed keys; a row's even and odd pairs go to two chains, so
+// that a few rows keep the dot-product unit busy
+template <int kHead, int kRows>
+inline void score_columns_bf16(const __m512i* columns, const uint32_t* q_pairs, __mmask16 valid, float scale,
+                               float* scores, int64_t score_stride, int64_t t0) {
+  constexpr int kPairs = kHead / 2;
+  __m512 even[kRows], odd[kRows];
+  for (int i = 0; i < kRows; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  for (int c = 0; c < kPairs; c += 2) {
+    const __m512bh keys0 = (__m512bh)_mm512_load_si512(columns + c);
+    const __m512bh keys1 = (__m512bh)_mm512_load_si512(columns + c + 1);
+    for (int i = 0; i < kRows; ++i) {
+      even[i] = _mm512_dpbf16_ps(even[i], keys0, (__m512bh)_mm512_set1_epi32(q_pairs[i * kPairs + c]));
+      odd[i] = _mm512_dpbf16_ps(odd[i], keys1, (__m512bh)_mm512_set1_epi32(q_pairs[i * kPairs + c + 1]));
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    _mm512_mask_storeu_ps(scores + i * score_stride + t0, valid,
+                          _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(scale)));
+  }
+}
+
+// the scores of a KV head's num_rows bfloat16 query rows (kHead each) against the keys at `slots`
 template <int kHead>
 inline void score_chunk_bf16(const uint16_t* q_rows, int64_t num_rows, const c10::BFloat16* k_cache,
                              const int64_t* slots, int64_t n, int64_t slot_stride, int64_t head_offset, float scale,
                              float* scores, int64_t score_stride, int64_t t0) {
-  constexpr int kPairs = kHead / 32;
-  __m512bh keys[16][kPairs];
-  for (int64_t j = 0; j < 16; ++j) {
-    for (int c = 0; c < kPairs; ++c) {
-      keys[j][c] = j < n ? (__m512bh)_mm512_loadu_si512(k_cache + slots[j] * slot_stride + head_offset + 32 * c)
-                         : (__m512bh)_mm512_setzero_si512();
-    }
-  }
+  alignas(64) __m512i columns[kHead / 2];
+  transpose_keys_bf16<kHead>(k_cache, slots, n, slot_stride, head_offset, columns);
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    __m512bh query[kPairs];
-    for (int c = 0; c < kPairs; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q_rows + r * kHead + 32 * c);
-    __m512 partial[16];
-    for (int j = 0; j < 16; ++j) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < kPairs; ++c) acc = _mm512_dpbf16_ps(acc, query[c], keys[j][c]);
-      partial[j] = acc;
-    }
-    _mm512_mask_storeu_ps(scores + r * score_stride + t0, valid,
-                          _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale)));
+  const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_rows);
+  constexpr int64_t kTile = 8;
+  int64_t r0 = 0;
+  for (; r0 + kTile <= num_rows; r0 += kTile) {
+    score_columns_bf16<kHead, kTile>(columns, q_pairs + r0 * (kHead / 2), valid, scale, scores + r0 * score_stride,
+                                     score_stride, t0);
+  }
+  const uint32_t* tail_q = q_pairs + r0 * (kHead / 2);
+  float* tail_scores = scores + r0 * score_stride;
+  switch (num_rows - r0) {
+    case 7: return score_columns_bf16<kHead, 7>(columns, tail_q, valid, scale, tail_scores, score_stride, t0);
+    case 6: return score_columns_bf16<kHead, 6>(columns, tail_q, valid, scale, tail_scores, score_stride, t0);
+    case 5: return score_columns_bf16<kHead, 5>(columns, tail_q, valid, scale, tail_scores, score_stride, t0);
+    case 4: return score_columns_bf16<kHead, 4>(columns, tail_q, valid, scale, tail_scores, score_stride, t0);
+    case 3: return score_columns_bf16<kHead, 3>(columns, tail_q, valid, scale, tail_scores, score_stride, t0);
+    case 2: return score_columns_bf16<kHead, 2>(columns, tail_q, valid, scale, tail_scores, score_stride, t0);
+    case 1: return score_columns_bf16<kHead, 1>(columns, tail_q, valid, scale, tail_scores, score_stride, t0);
+    default: return;
   }
 }
 #endif
