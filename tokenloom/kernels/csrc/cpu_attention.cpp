@@ -14,6 +14,11 @@
 // Head sizes of 64/128/256 take explicit vector code for the build's ISA level (AVX-512, with
 // bfloat16 dot products where the CPU has them, or AVX2+FMA); others, and other CPUs, take
 // generic loops the compiler vectorises.
+// Decode rows that continue one sequence (a verifying request's pending token and its drafts:
+// one block table, lengths L, L + 1, ...) are one work item that reads each key and value once
+// for all of them, each row scoring, normalising and summing its own keys only. Every row's
+// output is bit for bit what the kernel gives that row alone, in any batch and at any thread
+// count (tests/kernels/test_paged_attention.py holds the kernel to it at every level).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
