@@ -491,16 +491,26 @@ inline void accumulate_rows8(const float* scores, int64_t score_stride, int64_t 
 }
 #endif
 
-// Calls visit(t0, slots, n) for runs of up to 16 consecutive positions of one block (t0: the
-// run's first key index counted from `first`; slots: their cache slots), after asking the CPU
-// to bring the next run's rows (`row_len` elements from `row_offset` of each slot) into L2:
-// blocks are scattered, so the hardware prefetcher cannot see the next one coming (the hint's
-// level and distance were chosen by measurement: docs/design.md).
-template <typename scalar_t, typename Visit>
-inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t first, int64_t seq_len,
-                           const scalar_t* cache, int64_t slot_stride, int64_t row_offset, int64_t row_len,
-                           Visit visit) {
+// Asks the CPU to bring `row_len` elements from `row_offset` of each of the n slots into L2:
+// blocks are scattered, so the hardware prefetcher cannot see the next run coming (the hint's
+// level and distance were chosen by measurement: docs/design.md). Callers issue a KV head's
+// rows just before they work on that head: a burst of every head's rows at once stalled the
+// core on full miss queues (measured on a lone sequence's three heads in one pass).
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* cache, const int64_t* slots, int64_t n, int64_t slot_stride,
+                          int64_t row_offset, int64_t row_len) {
   const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(cache + slots[j] * slot_stride + row_offset);
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 1);
+  }
+}
+
+// Calls visit(t0, slots, n, next_slots, next_n) for runs of up to 16 consecutive positions of
+// one block (t0: the run's first key index counted from `first`; slots: their cache slots;
+// next_slots: the next run's, for the visitor to prefetch).
+template <typename Visit>
+inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t first, int64_t seq_len, Visit visit) {
   int64_t slots[16], next_slots[16];
   auto fill = [&](int64_t pos, int64_t* out) -> int64_t {
     const int64_t offset = pos % block_size;
@@ -514,11 +524,7 @@ inline void for_each_run16(const int64_t* table, int64_t block_size, int64_t fir
   for (int64_t pos = first; pos < seq_len;) {
     const int64_t next_pos = pos + run;
     const int64_t next_run = next_pos < seq_len ? fill(next_pos, next_slots) : 0;
-    for (int64_t j = 0; j < next_run; ++j) {
-      const char* row = reinterpret_cast<const char*>(cache + next_slots[j] * slot_stride + row_offset);
-      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 1);
-    }
-    visit(t, slots, run);
+    visit(t, slots, run, static_cast<const int64_t*>(next_slots), next_run);
     t += run;
     pos = next_pos;
     run = next_run;
@@ -710,16 +716,15 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       // the piece's rows of KV head h: [head_begin(h), head_end(h))
       auto head_begin = [&](int64_t h) { return std::max(unit_begin, h * rows_per_head) - unit_begin; };
       auto head_end = [&](int64_t h) { return std::min(unit_end, (h + 1) * rows_per_head) - unit_begin; };
-      const int64_t row_offset = first_kv_head * head_size;
-      const int64_t row_len = (last_kv_head - first_kv_head + 1) * head_size;
       const int64_t seq_len = run.first + num_keys;
-      // each run's rows of all the piece's heads are adjacent in memory: one pass over the blocks
-      for_each_run16(table, block_size, run.first, seq_len, k_cache, slot_stride, row_offset, row_len,
-                     [&](int64_t t0, const int64_t* slots, int64_t n) {
+      // one pass over the blocks for all the piece's heads
+      for_each_run16(table, block_size, run.first, seq_len,
+                     [&](int64_t t0, const int64_t* slots, int64_t n, const int64_t* next_slots, int64_t next_n) {
         for (int64_t h = first_kv_head; h <= last_kv_head; ++h) {
           if (t0 >= head_keys[h - first_kv_head]) continue;
           const int64_t r0 = head_begin(h), head_rows = head_end(h) - r0;
           const int64_t head_offset = h * head_size;
+          prefetch_rows(k_cache, next_slots, next_n, slot_stride, head_offset, head_size);
           const float* head_q = q_rows + r0 * row_stride;
           float* head_scores = score_rows + r0 * score_stride;
 #if defined(__AVX512BF16__)
@@ -757,12 +762,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       for (int64_t r = 0; r < num_rows; ++r) {
         if (row_keys[r] > 0) softmax_row(score_rows + r * score_stride, row_keys[r], cap);
       }
-      for_each_run16(table, block_size, run.first, seq_len, v_cache, slot_stride, row_offset, row_len,
-                     [&](int64_t t0, const int64_t* slots, int64_t n) {
+      for_each_run16(table, block_size, run.first, seq_len,
+                     [&](int64_t t0, const int64_t* slots, int64_t n, const int64_t* next_slots, int64_t next_n) {
         for (int64_t h = first_kv_head; h <= last_kv_head; ++h) {
           if (t0 >= head_keys[h - first_kv_head]) continue;
           const int64_t r0 = head_begin(h), head_rows = head_end(h) - r0;
           const int64_t head_offset = h * head_size;
+          prefetch_rows(v_cache, next_slots, next_n, slot_stride, head_offset, head_size);
           const float* head_scores = score_rows + r0 * score_stride;
           const int64_t* head_row_keys = row_keys.data() + r0;
           float* head_acc = acc_data + r0 * row_stride;
