@@ -600,14 +600,16 @@ struct AlignedScratch {
 
 inline int64_t round_up16(int64_t value) { return (value + 15) / 16 * 16; }
 
-// Query heads per token in the batch. A run's query rows are numbered KV head first, then the
-// run's row, then the query head of the KV head's group: a run's unit u is KV head
-// u / (num_rows * group_size), row (u / group_size) % num_rows, query head u % group_size of that
-// KV head. The work is those units of all runs in order, split into one contiguous range per
-// thread of about equal cost (a unit costs its row's key count); a thread takes its range's
-// units of one run in one pass over the run's blocks. So a lone sequence's KV heads, and a run's
-// rows, are shared out over the threads when there are few, and many sequences are each read
-// by one thread.
+// Decode attention, one query token a row, the rows grouped into runs (DecodeRun). A run's
+// query rows ("units") are numbered KV head first, then the run's row, then the query head of
+// the KV head's group: unit u is KV head u / (num_rows * group_size), row (u / group_size) %
+// num_rows, query head u % group_size of that KV head. The work is the units of all runs in
+// order, split into one contiguous range per thread of about equal cost (a unit costs its row's
+// key count); a thread takes its range's units of one run in one pass over the run's blocks. So
+// a lone sequence's KV heads, and a run's rows, are shared out over the threads when there are
+// few, and of many sequences only those at a range's edge are read by two threads. Scores live
+// in a per-thread scratch buffer, [unit][key]. scalar_t: the activations' dtype; cache_t: the
+// cache's (the same, or an fp8 format scaled by k_scale / v_scale).
 template <typename scalar_t, typename cache_t, int kHead>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
