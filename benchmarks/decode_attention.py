@@ -2,11 +2,14 @@
 30 layers' caches, as in a decode step (each layer's cache read from memory, not from the CPU
 caches): the native kernel against the torch backend, for 1, 8 and 32 sequences of 257-384
 cached tokens in scattered blocks; and the memory's own read speed (a sum over the caches).
+Then one sequence of ~300 cached tokens verifying R = 1, 2, 5, 9 rows (its pending token and
+R - 1 drafts: rows of one block table with consecutive lengths), the native kernel alone.
 
-  python benchmarks/decode_attention.py
+  python benchmarks/decode_attention.py [verify]   (verify: only the verifying sequence)
 """
 
 import random
+import sys
 import time
 
 import torch
@@ -30,6 +33,29 @@ def per_30_layers(function, caches, repeats=5):
             function(cache)
     return (time.perf_counter() - started) / repeats * 1e3
 
+
+def verify_rows_case():
+    num_blocks = 25 + 50
+    caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).bfloat16() for _ in range(30)]
+    order = torch.randperm(num_blocks)
+    for rows in (1, 2, 5, 9):
+        context_len = 300  # cached tokens before the pending one
+        seq_lens = torch.arange(context_len + 1, context_len + 1 + rows)
+        block_tables = order[: -(-int(seq_lens[-1]) // block_size)].unsqueeze(0).expand(rows, -1).contiguous()
+        query = torch.randn(rows, num_q_heads, head_size).bfloat16()
+        output = torch.empty_like(query)
+
+        def native_attention(cache):
+            return ops.paged_decode_attention(output, query, cache, block_tables, seq_lens, head_size**-0.5, 0, 0.0)  # noqa: B023
+
+        best = min(per_30_layers(native_attention, caches, repeats=20) for _ in range(5))
+        print(f"1 sequence verifying {rows} rows (~{context_len} cached tokens): native {best:.3f} ms per 30 layers")
+
+
+if sys.argv[1:] == ["verify"]:
+    print(f"kernel level: {cpu_native.selected_level().name}, {torch.get_num_threads()} threads")
+    verify_rows_case()
+    sys.exit(0)
 
 for batch in (1, 8, 32):
     num_blocks = batch * 25 + 50
@@ -82,3 +108,5 @@ for batch in (1, 8, 32):
         f"{batch:2d} sequences, {read_bytes / 1e6:.0f} MB of K/V: native {native:.2f} ms, torch {reference:.2f} ms "
         f"per 30 layers; memory reads {caches[0].numel() * 2 * 30 / read / 1e6:.1f} GB/s"
     )
+
+verify_rows_case()

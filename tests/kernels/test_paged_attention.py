@@ -824,3 +824,134 @@ def test_native_kernels_refuse_bad_fp8_scales_and_scales_on_a_16_bit_cache():
     with pytest.raises(RuntimeError, match="fp8 kv_cache only"):
         ops.write_kv_cache(key, key, torch.zeros(2, 4, BLOCK_SIZE, 2, 8), slot, 0.5, 1.0)
     assert fp8_cache.view(torch.uint8).sum() == 0
+
+
+# -- runs: verify rows of one sequence read its keys once -------------------------------------
+
+
+def _verify_like_batch(block_size, lone_run, seed):
+    """Decode rows as a verifying step lays them out, with ``(seq_lens, block_tables, num_blocks)``:
+    runs of 1..10 rows continuing one sequence (one block table, lengths L, L + 1, ...), between
+    unrelated rows and rows that look like a run but are not one (the same lengths over a table
+    that differs in the first or in the last block the shorter row reads; lengths that fall).
+    ``lone_run``: only one run of that many rows (its rows shared out over the threads)."""
+    rng = random.Random(seed)
+    lengths, tables = [], []
+
+    def add_sequence(context_len, num_rows, differ_at=None):
+        table = [rng.randrange(1 << 20) for _ in range(-(-(context_len + num_rows) // block_size))]
+        for row in range(num_rows):
+            row_table = list(table)
+            if differ_at is not None and row % 2 == 1:
+                # a look-alike: this row's table differs in a block the row before it reads
+                shorter_blocks = -(-(context_len + row) // block_size)
+                row_table[0 if differ_at == "first" else shorter_blocks - 1] += 1 << 20
+            lengths.append(context_len + row + 1)
+            tables.append(row_table)
+
+    if lone_run:
+        add_sequence(rng.randint(40, 90), lone_run)
+    else:
+        run_sizes = list(range(1, 11))
+        rng.shuffle(run_sizes)
+        for run_size in run_sizes:
+            add_sequence(rng.randint(0, 70), run_size)
+            if rng.random() < 0.5:
+                add_sequence(rng.randint(0, 70), 1)  # an unrelated decode
+        add_sequence(rng.randint(1, 40), 3, differ_at="first")
+        add_sequence(rng.randint(1, 40), 4, differ_at="last")
+        context_len = rng.randint(10, 40)  # falling lengths over one table
+        table = [rng.randrange(1 << 20) for _ in range(-(-context_len // block_size))]
+        for row in range(3):
+            lengths.append(context_len - row)
+            tables.append(table)
+    # block ids as drawn stand for distinct blocks: map them onto the cache's, shuffled
+    distinct = sorted({block for table in tables for block in table})
+    order = list(range(len(distinct)))
+    rng.shuffle(order)
+    to_cache = dict(zip(distinct, order))
+    width = max(len(table) for table in tables)
+    block_tables = torch.tensor([[to_cache[block] for block in table] + [0] * (width - len(table)) for table in tables])
+    return torch.tensor(lengths), block_tables, len(distinct)
+
+
+# (activations, cache, k_scale, v_scale)
+RUN_CACHES = [
+    pytest.param(torch.bfloat16, torch.bfloat16, 1.0, 1.0, id="bf16"),
+    pytest.param(torch.float32, torch.float32, 1.0, 1.0, id="f32"),
+    pytest.param(torch.bfloat16, torch.float8_e4m3fn, 0.05, 0.02, id="bf16-fp8"),
+]
+
+
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])  # GQA groups of 3 and 1
+@pytest.mark.parametrize("dtype, cache_dtype, k_scale, v_scale", RUN_CACHES)
+# runs merge only where every row reads from key 0: no window, or one longer than the rows (which
+# also takes the soft cap); a window of 7 keeps every longer row alone
+@pytest.mark.parametrize("window, soft_cap", [(0, 0.0), (1000, 5.0), (7, 0.0)])
+def test_native_decode_rows_of_a_run_equal_each_row_alone(
+    block_size, head_size, heads, dtype, cache_dtype, k_scale, v_scale, soft_cap, window
+):
+    """Rows that continue one sequence are one work item reading each key once for all of them;
+    every row's output must be bit for bit what the kernel gives that row alone, at any number
+    of threads (which splits a lone run's rows between them), and rows that only look like a
+    run must read their own tables."""
+    num_q_heads, num_kv_heads = heads
+    ops = NativeCpuPagedAttention()._ops
+    scale = head_size**-0.5
+    for lone_run in (0, 9, 4):
+        seq_lens, block_tables, num_blocks = _verify_like_batch(block_size, lone_run, seed=block_size + lone_run)
+        generator = torch.Generator().manual_seed(lone_run)
+        kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=generator)
+        kv_cache = kv_cache.to(cache_dtype)
+        query = torch.randn(len(seq_lens), num_q_heads, head_size, generator=generator).to(dtype)
+        alone = torch.full_like(query, float("nan"))
+        for row in range(len(seq_lens)):
+            ops.paged_decode_attention(
+                alone[row : row + 1],
+                query[row : row + 1],
+                kv_cache,
+                block_tables[row : row + 1],
+                seq_lens[row : row + 1],
+                scale,
+                window,
+                soft_cap,
+                k_scale,
+                v_scale,
+            )
+        assert not alone.isnan().any()
+        threads = torch.get_num_threads()
+        try:
+            for num_threads in (1, 2, 3):
+                torch.set_num_threads(num_threads)
+                batched = torch.full_like(query, float("nan"))
+                ops.paged_decode_attention(
+                    batched, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, k_scale, v_scale
+                )
+                assert torch.equal(batched, alone), f"{num_threads} threads, lone run {lone_run}"
+        finally:
+            torch.set_num_threads(threads)
+    # and the rows are attention over their own keys: the last run against the reference
+    keys = kv_cache[0][block_tables[-1]].flatten(0, 1).float() * k_scale
+    values = kv_cache[1][block_tables[-1]].flatten(0, 1).float() * v_scale
+    for row in range(len(seq_lens)):
+        length = int(seq_lens[row])
+        first = max(0, length - window) if window else 0
+        row_keys = keys[first:length].repeat_interleave(num_q_heads // num_kv_heads, dim=1)
+        row_values = values[first:length].repeat_interleave(num_q_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", query[row].float(), row_keys) * scale
+        if soft_cap:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
+        expected = torch.einsum("ht,thd->hd", scores.softmax(-1), row_values)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(alone[row].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_native_decode_rejects_lengths_past_the_block_table():
+    ops = NativeCpuPagedAttention()._ops
+    cache = torch.zeros(2, 4, BLOCK_SIZE, 2, 8)
+    query = torch.ones(2, 4, 8)
+    tables = torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="exceeds the 8 keys its block table holds"):
+        ops.paged_decode_attention(torch.empty_like(query), query, cache, tables, torch.tensor([8, 9]), 0.5, 0, 0.0)
