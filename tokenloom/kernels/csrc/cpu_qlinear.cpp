@@ -36,11 +36,12 @@
 // 32-byte half the codes of 8 rows).
 //
 // Tiles: up to kMaxTileRows activation rows (AVX-512: 6, AVX2 and plain C++: 4) times a pair of
-// blocks. M rows take as few tiles as that allows, of sizes that differ by at most one (AVX-512:
-// 5 rows one tile, 9 rows 5 + 4; a speculative verify step's 2-9 rows read the weights once or
-// twice), and the AVX-512 tile prefetches the 4-bit weight stream a few groups ahead. Each
-// output's float accumulation runs over the groups in order, the same operations whatever the
-// tile's size, so M rows at once give every row the bits it gets alone (tested).
+// blocks. On AVX-512 M rows take as few tiles as that allows, of sizes that differ by at most one
+// (5 rows one tile, 9 rows 5 + 4: a speculative verify step's 2-9 rows read the weights once or
+// twice), and the tile prefetches the 4-bit weight stream a few groups ahead; the other levels
+// take full tiles and the 1-3 rows left. Each output's float accumulation runs over the groups
+// in order, the same operations whatever the tile's size, so M rows at once give every row the
+// bits it gets alone (tested).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -115,6 +116,7 @@ void for_each_tile(int64_t M, int64_t N, const RowsTimesBlocks& rows_times_block
 // activation rows per tile, at most: 6 rows x 2 blocks keep 12 accumulators and 12 integer sums
 // in the 32 zmm registers, so 2 to 6 rows read the weights once and 7 to 12 twice
 constexpr int kMaxTileRows = 6;
+constexpr bool kBalancedTiles = true;  // see qlinear_rows
 constexpr int64_t kPrefetchGroups = 4;  // how far ahead of the tile the 4-bit weight stream is prefetched
 
 inline __m512 load16(const c10::BFloat16* src) { return load_bf16x16(src, 0xFFFF); }
@@ -241,6 +243,7 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 constexpr int kMaxTileRows = 4;  // activation rows per tile, at most
+constexpr bool kBalancedTiles = false;  // see qlinear_rows
 
 inline __m256 load8(const c10::BFloat16* src) {
   return _mm256_castsi256_ps(
@@ -389,6 +392,7 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
 #else  // plain C++: the same integer arithmetic, left to the compiler (ARM, x86 below AVX2)
 
 constexpr int kMaxTileRows = 4;  // activation rows per tile, at most
+constexpr bool kBalancedTiles = false;  // see qlinear_rows
 
 template <typename scalar_t>
 QuantizedRows quantize_activations(const scalar_t* x, int64_t M, int64_t K) {
@@ -488,15 +492,16 @@ constexpr auto tile_table(std::integer_sequence<int, kRows...>) {
   return std::array<Tile, sizeof...(kRows) + 1>{nullptr, &qlinear_tile<kBits, out_t, kRows + 1, kBlocks>...};
 }
 
-// rows [m_begin, m_end) times blocks [b0, b0 + kBlocks): as few tiles as kMaxTileRows allows, of
-// sizes that differ by at most one (9 rows at most 8 a tile: 5 + 4, not 8 + 1)
+// rows [m_begin, m_end) times blocks [b0, b0 + kBlocks), in as few tiles as kMaxTileRows allows:
+// balanced on AVX-512 (sizes that differ by at most one: 9 rows 5 + 4, not 6 + 3), else full tiles
+// and the rest (9 rows 4 + 4 + 1; balanced splits measured no faster on AVX2, the head slower)
 template <int kBits, typename out_t, int kBlocks>
 void qlinear_rows(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m_begin, int64_t m_end,
                   int64_t b0, int64_t N, int64_t K) {
   static constexpr auto tiles = tile_table<kBits, out_t, kBlocks>(std::make_integer_sequence<int, kMaxTileRows>());
   for (int64_t m = m_begin; m < m_end;) {
     const int64_t left = m_end - m, tiles_left = (left + kMaxTileRows - 1) / kMaxTileRows;
-    const int64_t rows = (left + tiles_left - 1) / tiles_left;
+    const int64_t rows = kBalancedTiles ? (left + tiles_left - 1) / tiles_left : std::min<int64_t>(left, kMaxTileRows);
     tiles[rows](x, weight, out, m, b0, N, K);
     m += rows;
   }
