@@ -81,6 +81,24 @@ def test_tokenloom_kernel_rounds_bfloat16_rows_once(rows):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 32), (96, 576), (80, 1536)])
+def test_any_number_of_rows_gives_each_row_the_bits_it_gets_alone(shape, dtype):
+    """However the kernel tiles M rows (tiles of several sizes, tails), each output keeps its
+    float32 accumulation order over the groups: a batch of M rows gives every row exactly the bits
+    a call with that row alone gives (a speculative verify step of M rows decodes as M steps
+    would). Odd block counts (48, 80: a lone last block), one group and 48 groups."""
+    codes, scales, zeros = random_int4(*shape, 32, seed=shape[1])
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(20, shape[1], generator=torch.Generator().manual_seed(shape[0])).to(dtype)
+    alone = torch.cat([int4_linear(x[row : row + 1], weight) for row in range(20)])
+    for rows in range(1, 21):
+        together = int4_linear(x[:rows], weight)
+        assert together.dtype == dtype
+        assert torch.equal(together, alone[:rows]), f"{rows} rows: {(together != alone[:rows]).nonzero()[:4].tolist()}"
+
+
+@needs_native
 def test_activations_are_quantized_per_group_of_32_to_nearest_even():
     x = torch.zeros(1, 64)
     x[0, :4] = torch.tensor([127.0, -63.5, 0.5, 1.5])  # max 127: scale 1, codes the values rounded

@@ -53,6 +53,22 @@ def test_is_exact_up_to_float32_summation(rows, shape, dtype):
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 32), (96, 576), (80, 1536)])
+def test_any_number_of_rows_gives_each_row_the_bits_it_gets_alone(shape, dtype):
+    """However the kernel tiles M rows, each float32 logit keeps its accumulation order over the
+    groups: M rows at once give every row exactly the bits it gets alone (a verify step's logits
+    are a decode step's). Odd block counts (48, 80), one group and 48 groups."""
+    codes, scales = random_int8(*shape, seed=shape[1])
+    weight = pack_int8(codes, scales)
+    x = torch.randn(20, shape[1], generator=torch.Generator().manual_seed(shape[0])).to(dtype)
+    alone = torch.cat([int8_linear(x[row : row + 1], weight) for row in range(20)])
+    for rows in range(1, 21):
+        together = int8_linear(x[:rows], weight)
+        assert together.dtype == torch.float32
+        assert torch.equal(together, alone[:rows]), f"{rows} rows: {(together != alone[:rows]).nonzero()[:4].tolist()}"
+
+
 def test_extreme_codes_are_exact():
     """-128 and 127 (the unsigned codes 0 and 255), against activations of both signs."""
     codes = torch.tensor([[-128, 127] * 16] * 16, dtype=torch.int8)
