@@ -719,82 +719,83 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       auto head_begin = [&](int64_t h) { return std::max(unit_begin, h * rows_per_head) - unit_begin; };
       auto head_end = [&](int64_t h) { return std::min(unit_end, (h + 1) * rows_per_head) - unit_begin; };
       const int64_t seq_len = run.first + num_keys;
-      // one pass over the blocks for all the piece's heads
-      for_each_run16(table, block_size, run.first, seq_len,
-                     [&](int64_t t0, const int64_t* slots, int64_t n, const int64_t* next_slots, int64_t next_n) {
-        for (int64_t h = first_kv_head; h <= last_kv_head; ++h) {
-          if (t0 >= head_keys[h - first_kv_head]) continue;
-          const int64_t r0 = head_begin(h), head_rows = head_end(h) - r0;
-          const int64_t head_offset = h * head_size;
-          prefetch_rows(k_cache, next_slots, next_n, slot_stride, head_offset, head_size);
-          const float* head_q = q_rows + r0 * row_stride;
-          float* head_scores = score_rows + r0 * score_stride;
-#if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
-                        kHead > 0 && kHead % 32 == 0) {
-            score_chunk_bf16<kHead>(q_bf16.data() + r0 * head_size, head_rows, k_cache, slots, n, slot_stride,
-                                    head_offset, fscale, head_scores, score_stride, t0);
-            continue;
+      // one pass over the blocks for all the piece's heads: work(t0, slots, n, r0, head_rows,
+      // head_offset) for each head with keys in the run of slots, after the head's rows of the next
+      // run are prefetched
+      auto for_each_head_run = [&](const cache_t* cache, auto&& work) {
+        for_each_run16(table, block_size, run.first, seq_len,
+                       [&](int64_t t0, const int64_t* slots, int64_t n, const int64_t* next_slots, int64_t next_n) {
+          for (int64_t h = first_kv_head; h <= last_kv_head; ++h) {
+            if (t0 >= head_keys[h - first_kv_head]) continue;
+            const int64_t r0 = head_begin(h), head_offset = h * head_size;
+            prefetch_rows(cache, next_slots, next_n, slot_stride, head_offset, head_size);
+            work(t0, slots, n, r0, head_end(h) - r0, head_offset);
           }
+        });
+      };
+      for_each_head_run(k_cache, [&](int64_t t0, const int64_t* slots, int64_t n, int64_t r0, int64_t head_rows,
+                                     int64_t head_offset) {
+        const float* head_q = q_rows + r0 * row_stride;
+        float* head_scores = score_rows + r0 * score_stride;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+                      kHead > 0 && kHead % 32 == 0) {
+          score_chunk_bf16<kHead>(q_bf16.data() + r0 * head_size, head_rows, k_cache, slots, n, slot_stride,
+                                  head_offset, fscale, head_scores, score_stride, t0);
+          return;
+        }
 #endif
 #if defined(TOKENLOOM_ATTENTION_AVX2)
-          if constexpr (kHead > 0 && kHead % 64 == 0) {
-            for (int64_t j = 0; j < n; ++j) run_rows[j] = k_cache + slots[j] * slot_stride + head_offset;
-            widen_rows8(run_rows, n, kHead, wide.data(), float_rows);
-            score_rows8<kHead>(head_q, head_rows, float_rows, n, fscale, head_scores, score_stride, t0);
-            continue;
-          }
+        if constexpr (kHead > 0 && kHead % 64 == 0) {
+          for (int64_t j = 0; j < n; ++j) run_rows[j] = k_cache + slots[j] * slot_stride + head_offset;
+          widen_rows8(run_rows, n, kHead, wide.data(), float_rows);
+          score_rows8<kHead>(head_q, head_rows, float_rows, n, fscale, head_scores, score_stride, t0);
+          return;
+        }
 #endif
 #if defined(__AVX512F__)
-          if constexpr (kHead > 0 && kHead % 16 == 0) {
-            score_chunk<cache_t, kHead>(head_q, head_rows, k_cache, slots, n, slot_stride, head_offset, fscale,
-                                         head_scores, score_stride, t0);
-            continue;
-          }
+        if constexpr (kHead > 0 && kHead % 16 == 0) {
+          score_chunk<cache_t, kHead>(head_q, head_rows, k_cache, slots, n, slot_stride, head_offset, fscale,
+                                       head_scores, score_stride, t0);
+          return;
+        }
 #endif
-          for (int64_t j = 0; j < n; ++j) {
-            load_row(k_cache + slots[j] * slot_stride + head_offset, row.data(), head_size);
-            for (int64_t r = 0; r < head_rows; ++r) {
-              head_scores[r * score_stride + t0 + j] =
-                  dot<kHead>(head_q + r * row_stride, row.data(), head_size) * fscale;
-            }
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(k_cache + slots[j] * slot_stride + head_offset, row.data(), head_size);
+          for (int64_t r = 0; r < head_rows; ++r) {
+            head_scores[r * score_stride + t0 + j] =
+                dot<kHead>(head_q + r * row_stride, row.data(), head_size) * fscale;
           }
         }
       });
       for (int64_t r = 0; r < num_rows; ++r) {
         if (row_keys[r] > 0) softmax_row(score_rows + r * score_stride, row_keys[r], cap);
       }
-      for_each_run16(table, block_size, run.first, seq_len,
-                     [&](int64_t t0, const int64_t* slots, int64_t n, const int64_t* next_slots, int64_t next_n) {
-        for (int64_t h = first_kv_head; h <= last_kv_head; ++h) {
-          if (t0 >= head_keys[h - first_kv_head]) continue;
-          const int64_t r0 = head_begin(h), head_rows = head_end(h) - r0;
-          const int64_t head_offset = h * head_size;
-          prefetch_rows(v_cache, next_slots, next_n, slot_stride, head_offset, head_size);
-          const float* head_scores = score_rows + r0 * score_stride;
-          const int64_t* head_row_keys = row_keys.data() + r0;
-          float* head_acc = acc_data + r0 * row_stride;
+      for_each_head_run(v_cache, [&](int64_t t0, const int64_t* slots, int64_t n, int64_t r0, int64_t head_rows,
+                                     int64_t head_offset) {
+        const float* head_scores = score_rows + r0 * score_stride;
+        const int64_t* head_row_keys = row_keys.data() + r0;
+        float* head_acc = acc_data + r0 * row_stride;
 #if defined(TOKENLOOM_ATTENTION_AVX2)
-          if constexpr (kHead > 0 && kHead % 64 == 0) {
-            for (int64_t j = 0; j < n; ++j) run_rows[j] = v_cache + slots[j] * slot_stride + head_offset;
-            widen_rows8(run_rows, n, kHead, wide.data(), float_rows);
-            accumulate_rows8<kHead>(head_scores, score_stride, t0, head_rows, head_row_keys, float_rows, n, head_acc);
-            continue;
-          }
+        if constexpr (kHead > 0 && kHead % 64 == 0) {
+          for (int64_t j = 0; j < n; ++j) run_rows[j] = v_cache + slots[j] * slot_stride + head_offset;
+          widen_rows8(run_rows, n, kHead, wide.data(), float_rows);
+          accumulate_rows8<kHead>(head_scores, score_stride, t0, head_rows, head_row_keys, float_rows, n, head_acc);
+          return;
+        }
 #endif
 #if defined(__AVX512F__)
-          if constexpr (kHead > 0 && kHead % 16 == 0) {
-            accumulate_chunk<cache_t, kHead>(head_scores, score_stride, t0, head_rows, head_row_keys, v_cache, slots,
-                                              n, slot_stride, head_offset, head_acc);
-            continue;
-          }
+        if constexpr (kHead > 0 && kHead % 16 == 0) {
+          accumulate_chunk<cache_t, kHead>(head_scores, score_stride, t0, head_rows, head_row_keys, v_cache, slots,
+                                            n, slot_stride, head_offset, head_acc);
+          return;
+        }
 #endif
-          for (int64_t j = 0; j < n; ++j) {
-            load_row(v_cache + slots[j] * slot_stride + head_offset, row.data(), head_size);
-            for (int64_t r = 0; r < head_rows; ++r) {
-              if (t0 + j >= head_row_keys[r]) continue;  // a shorter row of the run: not its key
-              axpy<kHead>(head_scores[r * score_stride + t0 + j], row.data(), head_acc + r * row_stride, head_size);
-            }
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(v_cache + slots[j] * slot_stride + head_offset, row.data(), head_size);
+          for (int64_t r = 0; r < head_rows; ++r) {
+            if (t0 + j >= head_row_keys[r]) continue;  // a shorter row of the run: not its key
+            axpy<kHead>(head_scores[r * score_stride + t0 + j], row.data(), head_acc + r * row_stride, head_size);
           }
         }
       });
