@@ -374,7 +374,9 @@ def test_smollm2_gguf_tp3_float32_and_native_int4(replayed):
       kernel, which quantizes each row's activations to 8 bits per 32-value group: a 1-ulp
       difference in summation order can move one activation's code, so the runs may part at a
       near-tie in a generation; until then ids equal and logits close at bfloat16's precision
-      after 30 layers (a mis-sharded weight or KV head moves logits by far more than 1).
+      after 30 layers: each rank's partial sums are rounded to bfloat16 before they are added,
+      which moved single logits by up to 0.65-0.88 on the avx512 level and 1.06 on the avx2 one
+      (a mis-sharded weight or KV head moves logits by far more than that).
     """
     (float32, float32_ranks), (bfloat16, bfloat16_ranks) = replayed("smollm2_float32_and_bfloat16")
     assert len(float32_ranks) == 3
@@ -382,7 +384,7 @@ def test_smollm2_gguf_tp3_float32_and_native_int4(replayed):
     assert all(r["int4_layers"] == 0 for r in float32_ranks)
     assert all(r["int4_layers"] == 30 * 4 for r in bfloat16_ranks)  # every projection of every layer stays 4-bit
     assert_same_as_one_worker(float32, float32_ranks, atol=1e-3)
-    assert_same_as_one_worker(bfloat16, bfloat16_ranks, atol=1.0, tie=1.0)
+    assert_same_as_one_worker(bfloat16, bfloat16_ranks, atol=1.5, tie=1.5)
 
 
 # -- the real Gemma 3 270M GGUF (4 query heads / 1 KV head: replicated) -------------------------

@@ -64,22 +64,24 @@ def test_text_matches_tokenizer_decode(llm):
     assert output.text == llm.get_tokenizer().decode(output.token_ids, skip_special_tokens=True)
 
 
-def narrowed_layers(llm) -> tuple[int, torch.dtype | None]:
-    """(how many projections keep int4 weights, the LM head's small-batch copy dtype)."""
+def narrowed_layers(llm) -> tuple[int, str]:
+    """(how many projections keep int4 weights, what the LM head multiplies: "int8" codes, a
+    narrower copy's dtype, or "dense")."""
     model = llm.engine.executor.worker.runner.model
     int4 = sum(getattr(module, "int4_weight", None) is not None for module in model.modules())
-    copy = model.lm_head.small_batch_weight
-    return int4, None if copy is None else copy.dtype
+    head = model.lm_head
+    if head.int8_weight is not None:
+        return int4, "int8"
+    return int4, "dense" if head.small_batch_weight is None else str(head.small_batch_weight.dtype)
 
 
 def test_float32_named_stays_dense_and_auto_narrows_small_batches_only_where_the_platform_chose(llm):
-    assert narrowed_layers(llm) == (0, None)  # --dtype float32: the exact path the parity test checks
+    assert narrowed_layers(llm) == (0, "dense")  # --dtype float32: the exact path the parity test checks
     auto = LLM(model=llm.engine.model_info.path, max_model_len=512)
-    runner = auto.engine.executor.worker.runner
     # every q/k/v, o, gate/up and down projection of the 30 layers is Q4_1: all keep int4 codes;
-    # a float32 the platform chose (no native bfloat16) also gets a float16 head for decode
-    expected_copy = torch.float16 if runner.dtype == torch.float32 else None
-    assert narrowed_layers(auto) == (4 * 30, expected_copy)
+    # the tied Q8_0 head keeps its codes for the int8 kernel, in bfloat16 (native bfloat16) and in
+    # the float32 the platform chose (without it) alike
+    assert narrowed_layers(auto) == (4 * 30, "int8")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     text = auto.generate(["The capital of France is"], params)[0].outputs[0].text
     assert "Paris" in text
