@@ -54,6 +54,16 @@ def test_bf16_is_a_compiler_flag_inside_the_avx512_level(monkeypatch):
     assert "-march=x86-64-v3" in cpu_native.compiler_flags(cpu_native.LEVELS_BY_NAME["avx2"])
 
 
+def test_avx_vnni_is_a_compiler_flag_inside_the_avx2_level(monkeypatch):
+    """An AVX2 CPU with AVX-VNNI (Intel since Alder Lake, AMD since Zen 5) builds the avx2 level's
+    integer dot products on ``vpdpbusd``; one without it keeps ``vpmaddubsw``: the same integers."""
+    avx2 = cpu_native.LEVELS_BY_NAME["avx2"]
+    assert levels_of(monkeypatch, V3 + " avx_vnni") == ["avx2", "generic"]  # not a level of its own
+    assert "-mavxvnni" in cpu_native.compiler_flags(avx2)
+    assert levels_of(monkeypatch, V3) == ["avx2", "generic"]
+    assert "-mavxvnni" not in cpu_native.compiler_flags(avx2)
+
+
 def test_the_best_level_is_selected_unless_a_lower_one_is_forced(monkeypatch, fresh_state):
     levels_of(monkeypatch, V3)
     assert cpu_native.selected_level().name == "avx2"

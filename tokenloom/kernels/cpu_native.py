@@ -90,8 +90,9 @@ class IsaLevel:
 _V3_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")  # abm: lzcnt
 # Best first. VNNI is part of the avx512 level (every AVX-512 CPU since Cascade Lake has it, and
 # the integer kernels are built on it; an AVX-512 CPU without it takes avx2); BF16 is an extension
-# inside the level, used where the host has it (the kernels keep a branch without it and their
-# results do not depend on it), not a level of its own: a level is a whole compile of the sources.
+# inside the level, and AVX-VNNI (the 256-bit vpdpbusd of Intel's AVX2 CPUs since Alder Lake) one
+# inside avx2: used where the host has it (the kernels keep a branch without it and their results
+# do not depend on it), not a level of its own: a level is a whole compile of the sources.
 # ARM would add a level here (machines=("aarch64", "arm64"), NEON/SVE flags) beside generic.
 LEVELS = (
     IsaLevel(
@@ -102,7 +103,14 @@ LEVELS = (
         ("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"),
         (("avx512_bf16", "-mavx512bf16"),),
     ),
-    IsaLevel("avx2", "x86-64-v3 (AVX2 + FMA + F16C)", _X86, _V3_FLAGS, ("-march=x86-64-v3", "-mtune=native")),
+    IsaLevel(
+        "avx2",
+        "x86-64-v3 (AVX2 + FMA + F16C)",
+        _X86,
+        _V3_FLAGS,
+        ("-march=x86-64-v3", "-mtune=native"),
+        (("avx_vnni", "-mavxvnni"),),
+    ),
     IsaLevel("generic", "the compiler's baseline for this machine, no explicit vector code", (), (), ()),
 )
 LEVELS_BY_NAME = {level.name: level for level in LEVELS}
@@ -331,7 +339,8 @@ def status() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": _cpuinfo_field("model name") or platform.processor() or platform.machine(),
         "levels": [level.name for level in levels],
-        "avx512_bf16": "avx512_bf16" in cpu_flags(),
+        # the optional instructions the host's levels are built with (avx512_bf16, avx_vnni)
+        "extensions": [flag for level in levels for flag, _ in level.optional_flags if flag in cpu_flags()],
         "mode": mode(),
         "level": None,
         "forced": False,
@@ -367,7 +376,7 @@ def report() -> list[str]:
     lines = [
         f"CPU: {info['cpu']}",
         f"kernel levels this CPU runs: {', '.join(info['levels'])}"
-        + (" (with AVX512-BF16)" if info["avx512_bf16"] and "avx512" in info["levels"] else ""),
+        + (f" (with {', '.join(info['extensions'])})" if info["extensions"] else ""),
     ]
     if info["problem"] is None:
         level = LEVELS_BY_NAME[info["level"]]

@@ -22,6 +22,8 @@
 //   codes would saturate (2 * 255 * 127), so they take GGML's sign trick: the signed code
 //   c = code ^ 0x80, |c| (at most 128, unsigned) times q carrying c's sign (at most 2 * 128 * 127
 //   per pair), widened every step.
+//   AVX2 + AVX-VNNI (built with -mavxvnni where the host has it): 256-bit `vpdpbusd`, the 8-bit
+//   codes as AVX-512 takes them; the same integers.
 //
 // Layout, for out_features N (a multiple of 16), in_features K, G = K / 32 groups: block b
 // (output rows 16b..16b+15) has G groups of bytes; its group g holds the codes in 8
@@ -343,6 +345,15 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
           const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + half * 16)));
           for (int r = 0; r < kRows; ++r) {
             const int8_t* row = x.codes + (m0 + r) * K + g * kGroup;
+#if defined(__AVXVNNI__)
+            // AVX-VNNI: 4 products summed into each int32 lane in one instruction
+            __m256i sums = _mm256_setzero_si256();
+            for (int step = 0; step < 8; ++step) {
+              int32_t four;
+              std::memcpy(&four, row + 4 * step, 4);
+              sums = _mm256_dpbusd_avx_epi32(sums, codes[step], _mm256_set1_epi32(four));
+            }
+#else
             // a group's 8 steps summed in int16 (at most 8 * 2 * 15 * 127), then widened once
             __m256i pairs = _mm256_setzero_si256();
             for (int step = 0; step < 8; ++step) {
@@ -351,12 +362,19 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
               pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[step], _mm256_set1_epi32(four)));
             }
             const __m256i sums = _mm256_madd_epi16(pairs, ones);
+#endif
             const int64_t index = (m0 + r) * groups + g;
             acc[r][b][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(x.scales[index])),
                                               acc[r][b][half]);
             acc[r][b][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sums[index]), acc[r][b][half]);
           }
         } else {
+#if defined(__AVXVNNI__)
+          // AVX-VNNI, as AVX-512: sum(code * q) - 128 sum(q), the same integers as the sign trick
+          __m256i codes[8];
+          for (int step = 0; step < 8; ++step)
+            codes[step] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + step * 64 + half * 32));
+#else
           // the signed codes c = code - 128 (code ^ 0x80) and |c| (at most 128: unsigned)
           __m256i signed_codes[8], magnitudes[8];
           for (int step = 0; step < 8; ++step) {
@@ -364,9 +382,19 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + step * 64 + half * 32)), sign_flip);
             magnitudes[step] = _mm256_abs_epi8(signed_codes[step]);
           }
+#endif
           const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(group + kCodeBytes<8>) + half * 8);
           for (int r = 0; r < kRows; ++r) {
             const int8_t* row = x.codes + (m0 + r) * K + g * kGroup;
+            const int64_t index = (m0 + r) * groups + g;
+#if defined(__AVXVNNI__)
+            __m256i sums = _mm256_set1_epi32(-128 * x.code_sums[index]);
+            for (int step = 0; step < 8; ++step) {
+              int32_t four;
+              std::memcpy(&four, row + 4 * step, 4);
+              sums = _mm256_dpbusd_avx_epi32(sums, codes[step], _mm256_set1_epi32(four));
+            }
+#else
             __m256i sums = _mm256_setzero_si256();
             for (int step = 0; step < 8; ++step) {
               int32_t four;
@@ -376,7 +404,7 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
                                                          _mm256_sign_epi8(_mm256_set1_epi32(four), signed_codes[step]));
               sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
             }
-            const int64_t index = (m0 + r) * groups + g;
+#endif
             acc[r][b][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(x.scales[index])),
                                               acc[r][b][half]);
           }
