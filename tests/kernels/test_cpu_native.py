@@ -55,7 +55,7 @@ def test_bf16_is_a_compiler_flag_inside_the_avx512_level(monkeypatch):
 
 
 def test_avx_vnni_is_a_compiler_flag_inside_the_avx2_level(monkeypatch):
-    """An AVX2 CPU with AVX-VNNI (Intel since Alder Lake, AMD since Zen 5) builds the avx2 level's
+    """An AVX2 CPU with AVX-VNNI (Intel's since Alder Lake) builds the avx2 level's
     integer dot products on ``vpdpbusd``; one without it keeps ``vpmaddubsw``: the same integers."""
     avx2 = cpu_native.LEVELS_BY_NAME["avx2"]
     assert levels_of(monkeypatch, V3 + " avx_vnni") == ["avx2", "generic"]  # not a level of its own
