@@ -335,12 +335,12 @@ def _build(level: IsaLevel, directory: Path) -> None:
 def status() -> dict[str, Any]:
     """What this process uses: the CPU, the levels it runs, the selected level (loading it) or why
     there is none, and per operator the level that runs it or the torch path it falls back to."""
-    levels = host_levels()
+    levels, flags = host_levels(), cpu_flags()
     info: dict[str, Any] = {
         "cpu": _cpuinfo_field("model name") or platform.processor() or platform.machine(),
         "levels": [level.name for level in levels],
         # the optional instructions the host's levels are built with (avx512_bf16, avx_vnni)
-        "extensions": [flag for level in levels for flag, _ in level.optional_flags if flag in cpu_flags()],
+        "extensions": [flag for level in levels for flag, _ in level.optional_flags if flag in flags],
         "mode": mode(),
         "level": None,
         "forced": False,
