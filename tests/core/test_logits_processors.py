@@ -122,7 +122,7 @@ def test_a_qualified_name_needs_the_pattern():
 
 
 def test_a_qualified_name_matching_the_pattern_is_imported_and_one_that_does_not_is_refused():
-    resolver = LogitsProcessorResolver(registry_with(), pattern=r"tests\.core\.")
+    resolver = LogitsProcessorResolver(registry_with(), pattern=r"tests\.core\..*")
     [function_spec, class_spec] = resolver.resolve(
         [f"{MODULE}.boost_last_output_token", {"qualname": f"{MODULE}.BanTokens", "args": [1]}]
     )
@@ -132,6 +132,42 @@ def test_a_qualified_name_matching_the_pattern_is_imported_and_one_that_does_not
         resolver.resolve(["os.system"])
     with pytest.raises(InvalidRequestError, match="could not be resolved"):
         resolver.resolve([f"{MODULE}.NoSuchThing"])
+
+
+def test_the_pattern_must_match_the_whole_name():
+    resolver = LogitsProcessorResolver(registry_with(), pattern=r"tests\.core")  # a prefix of MODULE
+    with pytest.raises(InvalidRequestError, match="the whole name must match"):
+        resolver.resolve([f"{MODULE}.BanTokens"])
+
+
+@pytest.mark.parametrize(
+    "qualname",
+    [
+        # the audit's: one allowed module, then an attribute walk out of it to os.system
+        f"{BUILTIN_MODULE}.no_repeat_ngram:torch.os.system",
+        f"{BUILTIN_MODULE}.no_repeat_ngram.torch.os.system",
+        f"{BUILTIN_MODULE}.no_repeat_ngram:torch",  # a module the allowed one imported
+        f"{BUILTIN_MODULE}.no_repeat_ngram:LogitsProcessor",  # a class it imported, defined elsewhere
+        f"{BUILTIN_MODULE}.no_repeat_ngram:__builtins__",
+        "/tmp/processor.py:Processor",  # a file path
+        f"{BUILTIN_MODULE}.no_repeat_ngram:",
+    ],
+)
+def test_a_request_reaches_only_classes_and_functions_defined_in_the_module_it_names(qualname, tmp_path):
+    marker = tmp_path / "pwned"
+    resolver = LogitsProcessorResolver(registry_with(), pattern=BUILTIN_MODULE.replace(".", r"\.") + r"\..*")
+    with pytest.raises(InvalidRequestError) as refused:
+        resolver.resolve([{"qualname": qualname, "args": [f"touch {marker}"]}])
+    assert refused.value.param == "logits_processors"
+    assert not marker.exists()
+
+
+def test_a_class_defined_in_an_allowed_module_is_built_with_its_arguments():
+    resolver = LogitsProcessorResolver(registry_with(), pattern=BUILTIN_MODULE.replace(".", r"\.") + r"\..*")
+    [spec] = resolver.resolve(
+        [{"qualname": f"{BUILTIN_MODULE}.no_repeat_ngram.NoRepeatNGramLogitsProcessor", "kwargs": {"ngram_size": 3}}]
+    )
+    assert spec.target == f"{BUILTIN_MODULE}.no_repeat_ngram:NoRepeatNGramLogitsProcessor" and spec.construct
 
 
 def test_bad_entries_and_bad_arguments_are_the_requests_400():

@@ -40,7 +40,7 @@ def server(tmp_path_factory):
             "--plugin",
             "tokenloom.builtin_plugins.logits_processors",
             "--logits-processor-pattern",
-            r"^tests\.e2e\.",
+            r"tests\.e2e\..*",
         ],
         log_path,
     )
@@ -243,6 +243,24 @@ def test_a_logits_processor_the_pattern_does_not_allow_is_refused(client):
         )
     )
     assert body["param"] == "logits_processors" and "ngram_size" in body["message"]
+
+
+def test_a_qualified_name_cannot_walk_out_of_the_module_the_pattern_allows(client, tmp_path):
+    marker = tmp_path / "pwned"
+    for qualname in (
+        "tests.e2e.conftest:os.system",  # one allowed module, then attributes out of it
+        "tests.e2e.conftest.os.system",
+        "tests.e2e.conftest.subprocess",  # a module it imported
+        "tests.e2e.ban_token_processor.LogitsProcessor",  # a class it imported, defined elsewhere
+    ):
+        processors = [{"qualname": qualname, "args": [f"touch {marker}"]}]
+        body = refused(
+            lambda processors=processors: client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"logits_processors": processors}
+            )
+        )
+        assert body["param"] == "logits_processors", qualname
+    assert not marker.exists()
 
 
 # -- other refusals -------------------------------------------------------------------------------

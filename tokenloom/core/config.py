@@ -88,7 +88,9 @@ class ModelConfig:
     ``fn(prompt_token_ids, output_token_ids, logits) -> logits``."""
     logits_processor_pattern: str | None = None
     """Regex of qualified names (``pkg.mod.Class``) that a request's ``logits_processors`` may
-    import and run; unset, requests may name only registered processors."""
+    import and run; the whole name must match (``my_pkg\\.processors\\..*``), and it must name a
+    class or function defined in that module. Unset, requests may name only registered
+    processors."""
 
 
 @dataclass

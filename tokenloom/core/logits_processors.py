@@ -10,6 +10,7 @@ masks, biases and penalties, as vLLM's per-request processors were.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tokenloom.errors import ConfigError, InvalidRequestError, PluginError
+from tokenloom.errors import ConfigError, InvalidRequestError
 from tokenloom.plugins.registry import Registry, resolve_target
 
 # a request may name at most this many processors: each runs in Python on every step
@@ -117,10 +118,61 @@ def _qualified_target(name: str) -> str:
     return f"{module}:{attr}"
 
 
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_MODULE_NAME = re.compile(rf"{_IDENTIFIER}(?:\.{_IDENTIFIER})*")
+_ATTRIBUTE_NAME = re.compile(_IDENTIFIER)
+
+
+def resolve_request_target(
+    name: str, pattern: re.Pattern[str], where: str, registered: str = "none"
+) -> tuple[str, Any]:
+    """A request's qualified name (``pkg.mod.Name`` or ``pkg.mod:Name``) -> ``("pkg.mod:Name",
+    the object)``, or an InvalidRequestError naming ``where``.
+
+    The name is request input, so nothing of it is trusted: its dotted form must match
+    ``pattern`` whole; it names one module (imported by name, never a file path) and one
+    attribute of it (no attribute walk, so ``allowed.module:torch.os.system`` cannot reach
+    past the module); and the object must be a class or a function *defined in* that module,
+    not one it imported. Only then may it be called (to build the processor)."""
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not (_MODULE_NAME.fullmatch(module_name) and _ATTRIBUTE_NAME.fullmatch(attr)):
+        raise InvalidRequestError(
+            f"{where}: logits processor {name!r} is not a qualified name: give a module and one name "
+            "in it, 'package.module.Name' (or 'package.module:Name')",
+            param="logits_processors",
+        )
+    dotted = f"{module_name}.{attr}"
+    if not pattern.fullmatch(dotted):
+        raise InvalidRequestError(
+            f"{where}: logits processor {dotted!r} is not allowed by this server: it is not registered "
+            f"(registered: {registered}) and does not match --logits-processor-pattern {pattern.pattern!r} (the whole name must match)",
+            param="logits_processors",
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the request's 400: which module, and why
+        raise InvalidRequestError(
+            f"{where}: logits processor {dotted!r} could not be resolved: cannot import {module_name!r}: "
+            f"{type(exc).__name__}: {exc}",
+            param="logits_processors",
+        ) from None
+    target = vars(module).get(attr)
+    if not (inspect.isclass(target) or inspect.isfunction(target)) or target.__module__ != module.__name__:
+        raise InvalidRequestError(
+            f"{where}: logits processor {dotted!r} could not be resolved: module {module_name!r} defines no "
+            f"class or function {attr!r}",
+            param="logits_processors",
+        )
+    return f"{module_name}:{attr}", target
+
+
 class LogitsProcessorResolver:
     """Turns requested processors into specs: a registered name (the operator installed it)
-    is always allowed; a qualified name only when it matches ``--logits-processor-pattern``
-    (unset: none is, as in vLLM)."""
+    is always allowed; a qualified name only when the whole of it matches
+    ``--logits-processor-pattern`` (unset: none is, as in vLLM), and then only a class or
+    function defined in the module it names (:func:`resolve_request_target`)."""
 
     def __init__(self, registry: Registry | None, pattern: str | None):
         self.registry = registry
@@ -180,20 +232,9 @@ class LogitsProcessorResolver:
                 "qualified names are not allowed: the server was started without --logits-processor-pattern",
                 param="logits_processors",
             )
-        if not self._compiled.match(name):
-            raise InvalidRequestError(
-                f"{where}: logits processor {name!r} is not allowed by this server: it is not registered "
-                f"(registered: {known}) and does not match --logits-processor-pattern {self.pattern!r}",
-                param="logits_processors",
-            )
-        try:
-            target = resolve_target(_qualified_target(name))
-        except PluginError as exc:
-            raise InvalidRequestError(
-                f"{where}: logits processor {name!r} could not be resolved: {exc}", param="logits_processors"
-            ) from None
+        target_path, target = resolve_request_target(name, self._compiled, where, known)
         return LogitsProcessorSpec(
-            name, _qualified_target(name), tuple(args), dict(kwargs), construct=explicit or inspect.isclass(target)
+            name, target_path, tuple(args), dict(kwargs), construct=explicit or inspect.isclass(target)
         )
 
 
