@@ -69,7 +69,7 @@ def test_the_builtin_plugin_registers_no_repeat_ngram_through_the_hook():
     assert "no_repeat_ngram" in registry
     assert registry.entry("no_repeat_ngram").plugin_name == BUILTIN_MODULE
     # plain data for workers, like every other kind
-    assert plugins.to_plain()["logits_processor"]["no_repeat_ngram"].endswith(":NoRepeatNGramLogitsProcessor")
+    assert plugins.to_plain()["logits_processor"]["no_repeat_ngram"]["target"].endswith(":NoRepeatNGramLogitsProcessor")
     processor = registry.get("no_repeat_ngram")(ngram_size=2)
     assert isinstance(processor, LogitsProcessor)
 

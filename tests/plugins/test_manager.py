@@ -393,7 +393,7 @@ def test_tool_parser_plugin_file_registers_decorated_classes_and_hooks(plugin_di
     assert registry.get("decorated_parser").__name__ == "DecoratedParser"
     assert registry.get("hooked_parser").__name__ == "HookedParser"
     # plain data for workers names the file, so a worker can import it without discovery
-    assert registry.to_plain()["decorated_parser"] == f"{path.resolve()}:DecoratedParser"
+    assert registry.to_plain()["decorated_parser"]["target"] == f"{path.resolve()}:DecoratedParser"
 
 
 def test_decorating_a_subclass_does_not_inherit_the_parent_names(plugin_dir, tmp_path):

@@ -126,7 +126,7 @@ def test_plain_round_trip_keeps_names_order_and_targets(tmp_path):
     registry.register("alpha", FirstParser, plugin_name="b")
     registry.register("file", from_file, plugin_name="c")
     plain = registry.to_plain()
-    assert plain == {
+    assert {name: entry["target"] for name, entry in plain.items()} == {
         "zeta": "json:JSONDecoder",
         "alpha": f"{__name__}:FirstParser",
         "file": f"{plugin_file.resolve()}:FromFile",
@@ -138,6 +138,16 @@ def test_plain_round_trip_keeps_names_order_and_targets(tmp_path):
     assert rebuilt.get("zeta") is json.JSONDecoder
     assert rebuilt.get("alpha") is FirstParser
     assert rebuilt.get("file") is from_file
+    assert [entry.plugin_name for entry in rebuilt.entries()] == ["a", "b", "c"]  # named in their errors
+
+
+def test_a_bad_target_resolved_from_plain_data_names_the_plugin_that_registered_it():
+    registry = Registry("model", "--model")
+    registry.register("TypoForCausalLM", "tokenloom.no_such_module:Model", plugin_name="acme-models", runner="generate")
+    rebuilt = Registry.from_plain("model", json.loads(json.dumps(registry.to_plain())))
+    assert rebuilt.entry("TypoForCausalLM").options == {"runner": "generate"}
+    with pytest.raises(PluginError, match="registered by plugin 'acme-models'"):
+        rebuilt.get("TypoForCausalLM")
 
 
 def test_plugin_set_plain_round_trip_covers_every_kind_and_keeps_flags():
@@ -173,7 +183,7 @@ def test_a_local_class_is_refused_when_resolved_from_plain_data():
     registry = Registry("model")
     registry.register("Local", make(), plugin_name="p")
     plain = registry.to_plain()
-    assert "<locals>" in plain["Local"]
+    assert "<locals>" in plain["Local"]["target"]
     with pytest.raises(PluginError, match="define it at module level"):
         Registry.from_plain("model", plain).get("Local")
 

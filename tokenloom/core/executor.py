@@ -13,6 +13,7 @@ from tokenloom.core.config import EngineConfig
 
 if TYPE_CHECKING:
     from tokenloom.core.model_loader import ModelInfo
+    from tokenloom.plugins.manager import PlainPlugins
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class WorkerSpec:
     """The resolved model: files, architecture, context length, vocabulary, runner type."""
     platform: str
     """The device platform plugin chosen (``--device auto`` resolved to a name)."""
-    plugin_tables: dict[str, dict[str, str]]
+    plugin_tables: PlainPlugins
     """The plugin registries as plain data (kind -> name -> ``"module:attr"``), which workers
     import from; workers never run plugin discovery."""
 

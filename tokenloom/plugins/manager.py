@@ -30,7 +30,7 @@ import pluggy
 
 from tokenloom.errors import PluginError, closest_match
 from tokenloom.plugins import hookspecs
-from tokenloom.plugins.registry import Registry, describe_exception, import_file
+from tokenloom.plugins.registry import PlainEntry, Registry, describe_exception, import_file
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ KIND_BY_NAME = {kind.name: kind for kind in PLUGIN_KINDS}
 
 # Set on a class by the plugin_api decorators (``@register_tool_parser("name")``): a plugin
 # file's marked classes are registered when the file is loaded, never at import.
+# every registry as plain data: kind -> name -> entry (PluginSet.to_plain)
+PlainPlugins = dict[str, dict[str, PlainEntry]]
+
 REGISTRATION_MARK = "__tokenloom_registrations__"
 
 
@@ -104,15 +107,16 @@ class PluginSet:
     def registry(self, kind: str) -> Registry:
         return self.registries[kind]
 
-    def to_plain(self) -> dict[str, dict[str, str]]:
-        """Registries as plain data for worker processes (they never re-run discovery)."""
+    def to_plain(self) -> PlainPlugins:
+        """Registries as plain data for worker processes and data-parallel replicas (they never
+        re-run discovery)."""
         return {kind: registry.to_plain() for kind, registry in self.registries.items()}
 
     @classmethod
-    def from_plain(cls, tables: dict[str, dict[str, str]]) -> PluginSet:
-        registries = {kind.name: Registry.from_plain(kind.name, tables.get(kind.name, {})) for kind in PLUGIN_KINDS}
-        for kind in PLUGIN_KINDS:
-            registries[kind.name].flag = kind.flag
+    def from_plain(cls, tables: PlainPlugins) -> PluginSet:
+        registries = {
+            kind.name: Registry.from_plain(kind.name, tables.get(kind.name, {}), kind.flag) for kind in PLUGIN_KINDS
+        }
         return cls(registries, [], [])
 
 

@@ -15,13 +15,21 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypedDict
 
 from tokenloom.errors import PluginError, UnknownNameError, closest_match
 
 # ``closest_match`` lives in tokenloom.errors (which imports nothing of tokenloom's); kept
 # importable from here for the modules that look it up here
-__all__ = ["Registry", "RegistryEntry", "closest_match", "describe_exception", "import_file", "resolve_target"]
+__all__ = [
+    "PlainEntry",
+    "Registry",
+    "RegistryEntry",
+    "closest_match",
+    "describe_exception",
+    "import_file",
+    "resolve_target",
+]
 
 
 @dataclass
@@ -139,6 +147,14 @@ def import_file(path: str) -> ModuleType:
     return module
 
 
+class PlainEntry(TypedDict):
+    """A registry entry as plain data (JSON- and pickle-safe), what crosses to other processes."""
+
+    target: str
+    plugin: str
+    options: dict[str, Any]
+
+
 class Registry:
     """Name -> target for one plugin kind (``kind`` is e.g. ``"tool_parser"``)."""
 
@@ -193,13 +209,18 @@ class Registry:
         """The resolved target (imported on first use)."""
         return self.entry(name).resolve()
 
-    def to_plain(self) -> dict[str, str]:
-        """Plain data for worker processes: name -> ``"module:attr"``."""
-        return {name: entry.target_path for name, entry in self._entries.items()}
+    def to_plain(self) -> dict[str, PlainEntry]:
+        """Plain data for worker processes and replicas: name -> the target as ``"module:attr"``,
+        the plugin that registered it (named in their errors) and its options. The order is
+        kept: ``auto`` choices depend on it."""
+        return {
+            name: {"target": entry.target_path, "plugin": entry.plugin_name, "options": dict(entry.options)}
+            for name, entry in self._entries.items()
+        }
 
     @classmethod
-    def from_plain(cls, kind: str, table: dict[str, str]) -> Registry:
-        registry = cls(kind)
-        for name, target in table.items():  # the order is kept: `auto` choices depend on it
-            registry.register(name, target, plugin_name="<resolved in main process>")
+    def from_plain(cls, kind: str, table: dict[str, PlainEntry], flag: str | None = None) -> Registry:
+        registry = cls(kind, flag)
+        for name, plain in table.items():
+            registry.register(name, plain["target"], plugin_name=plain["plugin"], **plain["options"])
         return registry

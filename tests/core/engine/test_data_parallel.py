@@ -19,13 +19,12 @@ from tokenloom.core.engine.data_parallel import (
     ReplicaLoad,
     choose_replica,
     local_cpu_sets,
-    plugin_tables,
-    plugins_from_tables,
     sum_stats,
 )
 from tokenloom.core.engine.llm_engine import EngineStats
 from tokenloom.core.request import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError, UnknownNameError
+from tokenloom.plugins.manager import PluginSet
 
 
 def load(in_flight: int, kv: float = 0.0, alive: bool = True) -> ReplicaLoad:
@@ -104,15 +103,16 @@ def test_errors_cross_with_their_class_message_and_param():
     assert type(unknown) is UnknownNameError and unknown.suggestion == "hermes"
 
 
-def test_plugin_tables_keep_each_entry_and_its_options():
+def test_plain_plugins_keep_each_entry_its_plugin_and_its_options():
     from tokenloom.plugins.manager import load_plugins
 
     plugins = load_plugins()
-    rebuilt = plugins_from_tables(plugin_tables(plugins))
+    rebuilt = PluginSet.from_plain(plugins.to_plain())
     for kind, registry in plugins.registries.items():
         assert rebuilt.registry(kind).names() == registry.names()
         for entry in registry.entries():
             assert rebuilt.registry(kind).entry(entry.name).options == entry.options
+            assert rebuilt.registry(kind).entry(entry.name).plugin_name == entry.plugin_name
 
 
 def test_local_replicas_get_disjoint_cores_when_there_are_enough():

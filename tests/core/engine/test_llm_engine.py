@@ -23,7 +23,9 @@ def test_the_config_stays_as_given_and_the_executor_gets_a_worker_spec(llm, tiny
     spec = engine.executor.spec
     assert isinstance(spec, WorkerSpec) and spec.config is engine.config
     assert spec.model_info is engine.model_info and spec.platform == engine.platform == "cpu"
-    assert spec.plugin_tables["executor"]["uni"] == "tokenloom.builtin_plugins.executors.uniproc:UniProcExecutor"
+    assert (
+        spec.plugin_tables["executor"]["uni"]["target"] == "tokenloom.builtin_plugins.executors.uniproc:UniProcExecutor"
+    )
 
 
 def test_runner_type_and_a_pooling_request_refused(llm):

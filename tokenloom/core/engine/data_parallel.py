@@ -34,8 +34,7 @@ from tokenloom.core.engine.llm_engine import EngineStats
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
 from tokenloom.errors import ConfigError, EngineDeadError
-from tokenloom.plugins.manager import PluginSet
-from tokenloom.plugins.registry import Registry
+from tokenloom.plugins.manager import PlainPlugins, PluginSet
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,6 @@ REPLICA_RAY_CPUS = 1
 
 # a message between the server and a replica: a plain tuple, its kind first (see ReplicaHost)
 Message = tuple[Any, ...]
-# the plugin registries as plain data (see plugin_tables)
-PluginTables = dict[str, list[tuple[str, str, dict[str, Any]]]]
 
 # what the server's engine facts are, read once from the first replica when it is ready
 FACT_NAMES = (
@@ -175,27 +172,6 @@ class PackedError:
             return RuntimeError(f"{self.error_class.__name__}: {self.message}")
 
 
-def plugin_tables(plugins: PluginSet) -> PluginTables:
-    """The registries as plain data a replica rebuilds them from, with each entry's options
-    (a model's ``runner``, say), which :meth:`PluginSet.to_plain` leaves out: a replica is a
-    whole engine, and the engine reads them."""
-    return {
-        kind: [
-            (name, registry.entry(name).target_path, dict(registry.entry(name).options)) for name in registry.names()
-        ]
-        for kind, registry in plugins.registries.items()
-    }
-
-
-def plugins_from_tables(tables: PluginTables) -> PluginSet:
-    plugins = PluginSet.from_plain({})
-    for kind, entries in tables.items():
-        registry: Registry = plugins.registries.setdefault(kind, Registry(kind))
-        for name, target, options in entries:
-            registry.register(name, target, plugin_name="<resolved by the API server>", **options)
-    return plugins
-
-
 # -- the replica side ---------------------------------------------------------------------------
 
 
@@ -287,14 +263,14 @@ class ReplicaHost:
         await self.llm.shutdown()
 
 
-async def _build_host(engine_args: EngineArgs, tables: PluginTables) -> ReplicaHost:
-    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, plugins_from_tables(tables))
+async def _build_host(engine_args: EngineArgs, tables: PlainPlugins) -> ReplicaHost:
+    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, PluginSet.from_plain(tables))
     await llm.start()
     return ReplicaHost(llm)
 
 
 def replica_process_main(
-    index: int, engine_args: EngineArgs, tables: PluginTables, cpu_ids: list[int] | None, inbox: Any, outbox: Any
+    index: int, engine_args: EngineArgs, tables: PlainPlugins, cpu_ids: list[int] | None, inbox: Any, outbox: Any
 ) -> None:
     """An ``mp`` replica's process: builds the engine, sends ``("ready", facts)`` (or
     ``("failed", PackedError)``), then serves messages until told to stop or the server goes."""
@@ -316,7 +292,7 @@ def enter_replica(index: int, cpu_ids: list[int] | None) -> None:
     )
 
 
-async def _serve_replica(engine_args: EngineArgs, tables: PluginTables, inbox: Any, outbox: Any) -> None:
+async def _serve_replica(engine_args: EngineArgs, tables: PlainPlugins, inbox: Any, outbox: Any) -> None:
     try:
         host = await _build_host(engine_args, tables)
     except BaseException as exc:
@@ -354,7 +330,7 @@ class RayReplicaActor:
     def __init__(self) -> None:
         self.host: ReplicaHost | None = None
 
-    async def start(self, index: int, num_cpus: int, engine_args: EngineArgs, tables: PluginTables) -> dict[str, Any]:
+    async def start(self, index: int, num_cpus: int, engine_args: EngineArgs, tables: PlainPlugins) -> dict[str, Any]:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         per_replica = min(num_cpus, len(cores))
         # Ray counts CPUs but pins none: replicas that share a node take different cores
@@ -411,7 +387,7 @@ class ReplicaHandle:
 class ProcessReplica(ReplicaHandle):
     """An ``mp`` replica: a spawned process and two one-way pipes."""
 
-    def __init__(self, index: int, engine_args: EngineArgs, tables: PluginTables, cpu_ids: list[int] | None):
+    def __init__(self, index: int, engine_args: EngineArgs, tables: PlainPlugins, cpu_ids: list[int] | None):
         super().__init__(index)
         context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive fork
         inbox_reader, self._inbox = context.Pipe(duplex=False)
@@ -476,7 +452,7 @@ class ProcessReplica(ReplicaHandle):
 class RayReplica(ReplicaHandle):
     """A ``ray`` replica: an actor the server polls for messages."""
 
-    def __init__(self, index: int, engine_args: EngineArgs, tables: PluginTables, actor_options: dict[str, Any]):
+    def __init__(self, index: int, engine_args: EngineArgs, tables: PlainPlugins, actor_options: dict[str, Any]):
         import ray
 
         super().__init__(index)
@@ -594,7 +570,7 @@ class DataParallelAsyncLLM(RequestStreams):
         parallel = config.parallel
         # each replica is one engine: dp 1 inside, so it does not start replicas of its own
         replica_args = dataclasses.replace(engine_args, data_parallel_size=1, data_parallel_size_local=None)
-        tables = plugin_tables(plugins)
+        tables = plugins.to_plain()
         replicas: list[ReplicaHandle] = []
         self = cls(config, plugins, replicas)
         started = time.perf_counter()
