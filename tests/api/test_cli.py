@@ -288,6 +288,35 @@ def test_the_real_command_refuses_a_broken_named_plugin_and_with_strict_a_broken
     assert f"(at {tmp_path / 'dummy_broken_ep.py'}:2, raised in " in result.stderr
 
 
+def test_a_model_that_does_not_load_is_one_line_naming_it_and_the_traceback_is_for_debug(tmp_path):
+    """`tokenloom serve ./nope` and a corrupt GGUF, as an operator meets them: exit 1, the
+    error is one line naming the file (no traceback), and TOKENLOOM_LOGGING_LEVEL=DEBUG shows it."""
+    corrupt = tmp_path / "model.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(20))
+
+    def serve(model: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "tokenloom", "serve", model, "--port", "1"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=180,
+            cwd=tmp_path,
+        )
+
+    for model, named in (("./nope", f"{tmp_path / 'nope'} does not exist"), (str(corrupt), str(corrupt))):
+        result = serve(model)
+        assert result.returncode == 1, result.stderr
+        errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0] == result.stderr.splitlines()[-1], result.stderr
+        assert errors[0].startswith("tokenloom serve: error: ") and named in errors[0], result.stderr
+        assert errors[0].endswith("(the traceback: TOKENLOOM_LOGGING_LEVEL=DEBUG)")
+        assert "Traceback" not in result.stderr
+    debug = serve("./nope", TOKENLOOM_LOGGING_LEVEL="DEBUG")
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.splitlines()[-1].startswith("tokenloom serve: error: ")
+
+
 def test_plugins_says_why_a_plugin_registered_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(manager, "_cache", {})
     monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "builtin_executors")

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,13 +24,14 @@ from typing import Any
 from tokenloom.api.serve_args import (
     API_KEY_ENV,
     DEFAULT_MODEL,
+    LOGGING_LEVEL_ENV,
     ConfigErrorParser,
     ServeArgs,
     check_plugin_choices,
     parse_serve_args,
 )
 from tokenloom.api.serve_help import help_request, render_serve_help
-from tokenloom.errors import ConfigError, PluginError
+from tokenloom.errors import ConfigError, PluginError, TokenloomError
 
 # the names other modules import from here
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 EXIT_USAGE = 2  # bad flags, config files, plugin files: as argparse exits
+EXIT_FAILURE = 1  # anything else that stopped a command: a model that does not load, say
 
 
 # -- subcommands ---------------------------------------------------------------------------
@@ -91,12 +94,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return command.run(rest)
-    except (ConfigError, PluginError) as exc:
-        print(f"tokenloom {name}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except BrokenPipeError:  # `tokenloom serve --help=all | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as exc:
+        return _report_failure(name, exc)
+
+
+def _report_failure(command: str, exc: Exception) -> int:
+    """One line that says what went wrong (a tokenloom error's message already says what to
+    change); the traceback only at debug level, where whoever reads it asked for it."""
+    debug = os.environ.get(LOGGING_LEVEL_ENV, "").upper() == "DEBUG"
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, TokenloomError):
+        message = exc.message
+    else:  # not one tokenloom raises on purpose: name its type, it is all a reader has
+        message = f"{type(exc).__name__}: {exc}"
+    usage = isinstance(exc, (ConfigError, PluginError))  # the message names the flag or plugin
+    hint = "" if debug or usage else f" (the traceback: {LOGGING_LEVEL_ENV}=DEBUG)"
+    print(f"tokenloom {command}: error: {' '.join(message.split())}{hint}", file=sys.stderr)
+    return EXIT_USAGE if usage else EXIT_FAILURE
 
 
 def _top_level_help() -> str:

@@ -24,6 +24,8 @@ from tokenloom.errors import ConfigError, NotImplementedFlagError
 
 DEFAULT_MODEL = "smollm2"
 API_KEY_ENV = "TOKENLOOM_API_KEY"
+# the log level of tokenloom's loggers (the server reads it); DEBUG also prints start-up tracebacks
+LOGGING_LEVEL_ENV = "TOKENLOOM_LOGGING_LEVEL"
 
 
 @dataclass

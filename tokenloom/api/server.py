@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from tokenloom.api.serve_args import LOGGING_LEVEL_ENV
+
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-LOGGING_LEVEL_ENV = "TOKENLOOM_LOGGING_LEVEL"
 
 
 def configure_logging(uvicorn_log_level: str) -> None:
