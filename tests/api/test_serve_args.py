@@ -15,7 +15,7 @@ from tokenloom.api import flags
 from tokenloom.api.flags import CPU_NOOP, FLAG_BY_NAME, FLAGS, IMPLEMENTED, NOOP, UNIMPLEMENTED
 from tokenloom.api.serve_args import DEFAULT_MODEL, ServeArgs, check_plugin_choices, parse_serve_args
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.core.config import EngineArgs
+from tokenloom.core.config import EngineArgs, SpeculativeConfig
 from tokenloom.errors import ConfigError, NotImplementedFlagError, PluginError, UnknownNameError
 from tokenloom.plugins import manager
 
@@ -644,11 +644,28 @@ def test_speculative_flags_merge_with_the_json_and_conflicts_are_refused():
             "verify_row_cost must be a number",
         ),
         ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft": true}', "unknown key 'adaptive_draft'"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_logprobs": "yes"}', "disable_logprobs must be"),
     ],
 )
 def test_bad_speculative_configs_say_what_to_change(options, message):
     with pytest.raises(ConfigError, match=message):
         parse("--speculative-config", options)
+
+
+def test_disable_logprobs_is_accepted_and_changes_nothing():
+    """tokenloom returns the logprobs asked for while speculating, which either value allows:
+    the key is checked and dropped, the old flag warns that it has no effect."""
+    plain = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    for value in ("true", "false"):
+        given = parse(
+            "--speculative-config", f'{{"method": "ngram", "num_speculative_tokens": 2, "disable_logprobs": {value}}}'
+        )
+        built = SpeculativeConfig.from_dict(given.engine_args.speculative_config)
+        assert built == SpeculativeConfig.from_dict(plain.engine_args.speculative_config)
+    flag = parse(
+        "--disable-logprobs-during-spec-decoding", "--speculative-model", "[ngram]", "--num-speculative-tokens", "2"
+    )
+    assert any(warning.startswith("--disable-logprobs-during-spec-decoding has no effect") for warning in flag.warnings)
 
 
 @pytest.mark.parametrize(

@@ -864,12 +864,13 @@ FLAGS: tuple[Flag, ...] = (
         "Entropy scaling of the typical acceptance sampler.",
         kind="float",
     ),
-    implemented(
+    noop(
         "--disable-logprobs-during-spec-decoding",
         "SpeculativeConfig",
-        to=CLI,
+        "the logprobs a request asks for are always returned while speculating, computed by the target model",
+        "Accepted for vLLM compatibility, with a warning: logprobs asked for are always returned while speculating.",
         kind="bool",
-        help="Accepted for vLLM compatibility: logprobs asked for are always returned while speculating.",
+        default=False,
     ),
     # -- ObservabilityConfig ----------------------------------------------------------------------
     unimplemented("--otlp-traces-endpoint", "ObservabilityConfig", "URL to send OpenTelemetry traces to."),
@@ -976,7 +977,6 @@ SPECULATIVE_FLAG_KEYS = {
     "ngram_prompt_lookup_max": "prompt_lookup_max",
     "ngram_prompt_lookup_min": "prompt_lookup_min",
     "spec_decoding_acceptance_method": "acceptance_method",
-    "disable_logprobs_during_spec_decoding": "disable_logprobs",
 }
 
 

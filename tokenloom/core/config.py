@@ -282,9 +282,6 @@ class SpeculativeConfig:
     """The draft model's quantization method."""
     max_model_len: int | None = None
     """The draft model's context length."""
-    disable_logprobs: bool = False
-    """Accepted for vLLM compatibility: tokenloom always returns the logprobs asked for,
-    computed by the target model at every accepted position."""
     disable_log_stats: bool = False
     """Leave the acceptance rate out of the periodic log line."""
     adaptive_num_speculative_tokens: bool = True
@@ -344,6 +341,10 @@ class SpeculativeConfig:
                 "tokenloom verifies drafts with rejection_sampler, which keeps the target distribution exactly"
             )
         values.pop("acceptance_method", None)
+        # vLLM may skip logprobs while speculating; tokenloom always computes the ones a request
+        # asks for with the target model, which satisfies either value: checked, then dropped
+        if not isinstance(values.pop("disable_logprobs", False), bool):
+            raise bad("disable_logprobs must be true or false")
         if values.pop("revision", None) is not None:
             raise bad("revision is not implemented; pin the draft model by a local path instead")
         if "num_speculative_tokens" not in values:
