@@ -19,7 +19,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.request import Sequence
@@ -30,7 +30,7 @@ DEFAULT_PREFIX_HASH_ALGO = "sha256"
 
 
 @dataclass(frozen=True)
-class _CachedBlock:
+class CachedContent:
     """What a cached block holds, checked on every hit: its content (``token_ids``) and what it
     follows (``parent``: ``("root", cache_salt)`` for a sequence's first block, ``("block",
     serial)`` of the cached block before it otherwise). ``serial`` is unique for the life of the
@@ -40,6 +40,38 @@ class _CachedBlock:
     serial: int
     parent: tuple[Any, ...]
     token_ids: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class Block:
+    """One KV block: its id (the index of its memory in the worker's cache), how many block
+    tables hold it, and, while its KV may be reused, the content hash it is found by and what
+    it holds. A block with ``ref_count == 0`` is free; a free block that is still cached can be
+    hit (revived) until it is evicted."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: Hashable | None = None
+    content: CachedContent | None = None
+
+    @property
+    def is_cached(self) -> bool:
+        return self.block_hash is not None
+
+
+@dataclass
+class _SequenceBlocks:
+    """The block manager's record of one sequence."""
+
+    # block ids, in token order; None until its first allocation (a prefix lookup may come first)
+    table: list[int] | None = None
+    # hash chain of its leading full blocks, extended lazily
+    hashes: list[Hashable] = field(default_factory=list)
+    # how many leading blocks of the table have been offered to the cache already
+    num_registered: int = 0
+    # what its next block to register follows; None once its chain left the cache (a colliding
+    # hash held other content), after which none of its blocks are cached
+    next_parent: tuple[Any, ...] | None = None
 
 
 @dataclass
@@ -81,26 +113,14 @@ class BlockManager:
         self.hash_algo = hash_algo
         self.prefix_cache_stats = PrefixCacheStats()
 
-        self._ref_counts = [0] * num_blocks
-        # content hash of each block whose KV may be reused; None when it holds nothing reusable
-        self._hash_of_block: list[Hashable | None] = [None] * num_blocks
-        self._block_by_hash: dict[Hashable, int] = {}
-        # content and parent of every cached block, compared on each hit (see the module doc)
-        self._cached_block: list[_CachedBlock | None] = [None] * num_blocks
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self._block_by_hash: dict[Hashable, Block] = {}
         self._next_serial = 0
         # free blocks with nothing cached are reused before any cached block is evicted
-        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free_uncached: list[Block] = self.blocks[::-1]
         # free blocks that still hold a cached prefix, least recently freed first (the LRU order)
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
-
-        self._block_tables: dict[str, list[int]] = {}
-        # hash chain of each request's leading full blocks, extended lazily
-        self._request_hashes: dict[str, list[Hashable]] = {}
-        # how many leading blocks of each table have been offered to the cache already
-        self._num_registered_blocks: dict[str, int] = {}
-        # what the request's next block to register follows; None once its chain left the cache
-        # (a colliding hash held other content), after which none of its blocks are cached
-        self._next_parent: dict[str, tuple[str, int | str | None] | None] = {}
+        self._free_cached: OrderedDict[int, Block] = OrderedDict()
+        self._sequences: dict[str, _SequenceBlocks] = {}
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -119,11 +139,12 @@ class BlockManager:
         return len(self._block_by_hash)
 
     def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
+        return self.blocks[block_id].ref_count
 
     def get_block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table (empty when it holds no blocks)."""
-        return list(self._block_tables.get(request_id, ()))
+        record = self._sequences.get(request_id)
+        return list(record.table) if record is not None and record.table is not None else []
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -144,10 +165,10 @@ class BlockManager:
         hit_blocks: list[int] = []
         parent = self._root_ref(request)
         for block_index in range(max_hit_blocks):
-            block_id = self._block_by_hash.get(self._block_hash(request, block_index))
-            if block_id is None:
+            block = self._block_by_hash.get(self._block_hash(request, block_index))
+            if block is None:
                 break
-            cached = self._cached_block[block_id]
+            cached = block.content
             # the hash only finds a candidate: its content and what it follows must match too
             if (
                 cached is None
@@ -156,18 +177,17 @@ class BlockManager:
             ):
                 self.prefix_cache_stats.collisions += 1
                 break
-            hit_blocks.append(block_id)
+            hit_blocks.append(block.block_id)
             parent = ("block", cached.serial)
         return hit_blocks, len(hit_blocks) * self.block_size
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after new weights); blocks in use keep serving their
         own requests but are no longer shared and return to the pool uncached."""
-        self._free_uncached.extend(self._free_cached)
+        self._free_uncached.extend(self._free_cached.values())
         self._free_cached.clear()
-        for block_id in self._block_by_hash.values():
-            self._hash_of_block[block_id] = None
-            self._cached_block[block_id] = None
+        for block in self._block_by_hash.values():
+            block.block_hash = block.content = None
         self._block_by_hash.clear()
 
     # ---- allocation ------------------------------------------------------------------------
@@ -185,8 +205,9 @@ class BlockManager:
         :returns: the block ids added, or None (and nothing allocated) when too few are free.
         """
         request_id = request.request_id
-        table = self._block_tables.get(request_id)
-        hit_blocks = computed_blocks or []
+        record = self._sequences.get(request_id)
+        table = record.table if record is not None else None
+        hit_blocks = [self.blocks[block_id] for block_id in computed_blocks or ()]
         if hit_blocks and table:
             raise TokenloomError(
                 f"request {request_id!r} already holds blocks; a prefix hit only applies to its first allocation"
@@ -195,31 +216,33 @@ class BlockManager:
         num_tokens = request.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
         num_to_allocate = max(0, self.num_blocks_needed(num_tokens) - num_held - len(hit_blocks))
         # hit blocks that are free leave the free pool when touched
-        num_revived = sum(1 for block_id in hit_blocks if self._ref_counts[block_id] == 0)
+        num_revived = sum(1 for block in hit_blocks if block.ref_count == 0)
         if num_to_allocate > self.num_free_blocks - num_revived:
             return None
 
+        if record is None:
+            record = self._sequences[request_id] = _SequenceBlocks()
         if table is None:
-            table = self._block_tables[request_id] = []
-            self._num_registered_blocks[request_id] = len(hit_blocks)
-            self._next_parent[request_id] = (
-                ("block", self._serial_of(hit_blocks[-1])) if hit_blocks else self._root_ref(request)
-            )
+            table = record.table = []
+            record.num_registered = len(hit_blocks)
+            record.next_parent = ("block", self._serial_of(hit_blocks[-1])) if hit_blocks else self._root_ref(request)
             if computed_blocks is not None and self.enable_prefix_caching:
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += len(hit_blocks) * self.block_size
         # take the hit blocks before popping new ones, so the pops cannot evict them
-        for block_id in hit_blocks:
-            if self._ref_counts[block_id] == 0:
-                del self._free_cached[block_id]
-            self._ref_counts[block_id] += 1
-            table.append(block_id)
-        new_block_ids = [self._pop_free_block() for _ in range(num_to_allocate)]
-        for block_id in new_block_ids:
-            self._ref_counts[block_id] = 1
+        for block in hit_blocks:
+            if block.ref_count == 0:
+                del self._free_cached[block.block_id]
+            block.ref_count += 1
+            table.append(block.block_id)
+        new_block_ids = []
+        for _ in range(num_to_allocate):
+            block = self._pop_free_block()
+            block.ref_count = 1
+            new_block_ids.append(block.block_id)
         table.extend(new_block_ids)
         if self.enable_prefix_caching:
-            self._register_computed_blocks(request, table)
+            self._register_computed_blocks(request, record)
         return new_block_ids
 
     def free(self, request: Sequence) -> None:
@@ -228,72 +251,68 @@ class BlockManager:
         Full blocks whose KV is computed (per ``request.num_computed_tokens``) are cached first,
         so a preempted request can hit its own blocks when it resumes.
         """
-        request_id = request.request_id
-        table = self._block_tables.pop(request_id, None)
-        if table is not None:
-            if self.enable_prefix_caching:
-                self._register_computed_blocks(request, table)
-            # the tail goes into the LRU queue first, so a prefix outlives its own continuation
-            for block_id in reversed(table):
-                self._ref_counts[block_id] -= 1
-                if self._ref_counts[block_id] == 0:
-                    if self._hash_of_block[block_id] is None:
-                        self._free_uncached.append(block_id)
-                    else:
-                        self._free_cached[block_id] = None
-        self._request_hashes.pop(request_id, None)
-        self._num_registered_blocks.pop(request_id, None)
-        self._next_parent.pop(request_id, None)
+        record = self._sequences.pop(request.request_id, None)
+        if record is None or record.table is None:
+            return
+        if self.enable_prefix_caching:
+            self._register_computed_blocks(request, record)
+        # the tail goes into the LRU queue first, so a prefix outlives its own continuation
+        for block_id in reversed(record.table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.is_cached:
+                    self._free_cached[block_id] = block
+                else:
+                    self._free_uncached.append(block)
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _pop_free_block(self) -> int:
+    def _pop_free_block(self) -> Block:
         if self._free_uncached:
             return self._free_uncached.pop()
-        block_id, _ = self._free_cached.popitem(last=False)
-        del self._block_by_hash[self._hash_of_block[block_id]]
-        self._hash_of_block[block_id] = None
-        self._cached_block[block_id] = None
-        return block_id
+        _, block = self._free_cached.popitem(last=False)
+        del self._block_by_hash[block.block_hash]
+        block.block_hash = block.content = None
+        return block
 
-    def _register_computed_blocks(self, request: Sequence, table: list[int]) -> None:
-        """Offer each newly computed full block to the cache.
+    def _register_computed_blocks(self, request: Sequence, record: _SequenceBlocks) -> None:
+        """Offer each newly computed full block of the sequence to the cache.
 
         Only blocks whose KV was written in earlier steps qualify, so a lookup can never hit a
         block the worker is still filling.
         """
-        request_id = request.request_id
+        table = record.table or []
         num_full_computed = min(request.num_computed_tokens // self.block_size, len(table))
-        block_index = self._num_registered_blocks[request_id]
-        parent = self._next_parent.get(request_id)
+        block_index = record.num_registered
+        parent = record.next_parent
         while block_index < num_full_computed and parent is not None:
-            block_id = table[block_index]
+            block = self.blocks[table[block_index]]
             block_hash = self._block_hash(request, block_index)
             token_ids = self._block_token_ids(request, block_index)
-            cached_id = self._block_by_hash.get(block_hash)
-            if cached_id is None and self._hash_of_block[block_id] is None:
-                cached = _CachedBlock(self._next_serial, parent, token_ids)
+            cached_block = self._block_by_hash.get(block_hash)
+            if cached_block is None and not block.is_cached:
+                block.block_hash = block_hash
+                block.content = CachedContent(self._next_serial, parent, token_ids)
                 self._next_serial += 1
-                self._hash_of_block[block_id] = block_hash
-                self._block_by_hash[block_hash] = block_id
-                self._cached_block[block_id] = cached
-                parent = ("block", cached.serial)
+                self._block_by_hash[block_hash] = block
+                parent = ("block", block.content.serial)
             else:
                 # a duplicate of a cached block stays private (freed uncached); its children
                 # follow the cached copy, but only if that copy truly holds the same content
-                existing = self._cached_block[cached_id] if cached_id is not None else None
+                existing = cached_block.content if cached_block is not None else None
                 if existing is None or existing.parent != parent or existing.token_ids != token_ids:
                     parent = None
                 else:
                     parent = ("block", existing.serial)
             block_index += 1
-        self._num_registered_blocks[request_id] = block_index
-        self._next_parent[request_id] = parent
+        record.num_registered = block_index
+        record.next_parent = parent
 
     def _block_hash(self, request: Sequence, block_index: int) -> Hashable:
         """The chain hash of full block ``block_index`` of the request, computing the chain up
         to it on first use."""
-        chain = self._request_hashes.setdefault(request.request_id, [])
+        chain = self._sequences.setdefault(request.request_id, _SequenceBlocks()).hashes
         while len(chain) <= block_index:
             parent = chain[-1] if chain else self._root_hash(request)
             chain.append(self._hash_block(parent, self._block_token_ids(request, len(chain))))
@@ -319,11 +338,11 @@ class BlockManager:
             ).digest()
         return self._root_ref(request)
 
-    def _serial_of(self, block_id: int) -> int:
-        cached = self._cached_block[block_id]
-        if cached is None:  # a prefix hit is always a cached block
-            raise RuntimeError(f"block {block_id} was a prefix-cache hit but holds no cached content")
-        return cached.serial
+    @staticmethod
+    def _serial_of(block: Block) -> int:
+        if block.content is None:  # a prefix hit is always a cached block
+            raise RuntimeError(f"block {block.block_id} was a prefix-cache hit but holds no cached content")
+        return block.content.serial
 
     @staticmethod
     def _root_ref(request: Sequence) -> tuple[Any, ...]:
