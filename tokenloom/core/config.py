@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.core.platform import check_attention_backend
 from tokenloom.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -654,7 +653,6 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("block-size", f"must be a positive power of two, got {config.cache.block_size}")
     if not 0.0 < config.cache.gpu_memory_utilization <= 1.0:
         bad("gpu-memory-utilization", f"must be in (0, 1], got {config.cache.gpu_memory_utilization}")
-    check_attention_backend(config.device.attention_backend)
     if config.cache.cache_dtype == "fp8_inc":
         bad(
             "kv-cache-dtype",

@@ -97,7 +97,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # per layer, when the cache is fp8: the scales its elements are multiplied by
         self.kv_scales: list[KVCacheScales] | None = None
-        self.attention_backend = resolve_target(attention_backend_target(config.device.attention_backend, platform))()
+        self.attention_backend = resolve_target(
+            attention_backend_target(config.device.attention_backend, platform, plugins.registry("attention_backend"))
+        )()
         self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode, seed=self._sampling_seed(config.model.seed))
         # seeded requests preempted (forgotten here) and not yet resumed: req id -> their
         # generator, so a resumed request draws the random numbers it would have drawn next

@@ -7,21 +7,8 @@ import os
 from typing import Any
 
 from tokenloom.errors import ConfigError
+from tokenloom.plugins.registry import Registry, RegistryEntry
 
-# --attention-backend names -> "module:Class" (plain data: the core never imports kernels);
-# vLLM's VLLM_ATTENTION_BACKEND spellings of the same backends are accepted as aliases
-ATTENTION_BACKENDS: dict[str, str] = {
-    "torch": "tokenloom.kernels.paged_attention:TorchPagedAttention",
-    "cpu_native": "tokenloom.kernels.paged_attention:NativeCpuPagedAttention",
-    "reference": "tokenloom.kernels.paged_attention:ReferencePagedAttention",
-    "triton": "tokenloom.kernels.triton.attention:TritonPagedAttention",
-}
-ATTENTION_BACKEND_ALIASES: dict[str, str] = {
-    "torch_sdpa": "torch",
-    "cpu_attn": "cpu_native",
-    "triton_attn": "triton",
-    "triton_attn_vllm_v1": "triton",
-}
 ATTENTION_BACKEND_ENV_VARS = ("TOKENLOOM_ATTENTION_BACKEND", "VLLM_ATTENTION_BACKEND")
 
 
@@ -37,34 +24,38 @@ def requested_attention_backend(flag_value: str | None) -> tuple[str, str]:
     return "auto", "--attention-backend"
 
 
-def _named_attention_backend(flag_value: str | None) -> str | None:
-    """``"module:Class"`` of the backend the flag or environment names; None for ``auto``.
-    ConfigError for a name that is no backend, listing those there are."""
-    name, source = requested_attention_backend(flag_value)
+def find_attention_backend(backends: Registry, name: str, source: str = "--attention-backend") -> RegistryEntry:
+    """The registered backend ``name`` names: its own name or one of its ``aliases`` (vLLM's
+    spellings, such as ``TORCH_SDPA``), in any case. ConfigError naming ``source`` and listing
+    the backends there are."""
     key = name.strip().lower()
-    key = ATTENTION_BACKEND_ALIASES.get(key, key)
-    if key == "auto":
-        return None
-    if key not in ATTENTION_BACKENDS:
-        known = ", ".join(["auto", *ATTENTION_BACKENDS])
-        raise ConfigError(
-            f"{source}: no attention backend {name!r} in tokenloom; choose one of {known} "
-            f"(vLLM's spellings {', '.join(name.upper() for name in ATTENTION_BACKEND_ALIASES)} are accepted)",
-            param="attention-backend",
-        )
-    return ATTENTION_BACKENDS[key]
+    for entry in backends.entries():
+        if key == entry.name.lower() or key in (alias.lower() for alias in entry.options.get("aliases", ())):
+            return entry
+    aliases = [alias for entry in backends.entries() for alias in entry.options.get("aliases", ())]
+    raise ConfigError(
+        f"{source}: no attention backend {name!r} in tokenloom; choose one of "
+        f"{', '.join(['auto', *backends.names()])}"
+        + (f" (vLLM's spellings {', '.join(alias.upper() for alias in aliases)} are accepted)" if aliases else ""),
+        param="attention-backend",
+    )
 
 
-def check_attention_backend(flag_value: str | None) -> None:
+def check_attention_backend(flag_value: str | None, backends: Registry) -> None:
     """ConfigError now (in the main process, before any model loads) for a backend name, from
-    the flag or the environment, that is no backend."""
-    _named_attention_backend(flag_value)
+    the flag or the environment, that no plugin registered."""
+    name, source = requested_attention_backend(flag_value)
+    if name.strip().lower() != "auto":
+        find_attention_backend(backends, name, source)
 
 
-def attention_backend_target(flag_value: str | None, platform: Platform) -> str:
-    """``"module:Class"`` of the attention backend the flag or environment asks for, or the
+def attention_backend_target(flag_value: str | None, platform: Platform, backends: Registry) -> str:
+    """``"module:Class"`` of the attention backend the flag or environment asks for, or of the
     platform's own choice for ``auto``."""
-    return _named_attention_backend(flag_value) or platform.attention_backend()
+    name, source = requested_attention_backend(flag_value)
+    if name.strip().lower() == "auto":
+        name, source = platform.attention_backend(), f"the {type(platform).__name__}'s attention backend"
+    return find_attention_backend(backends, name, source).target_path
 
 
 class Platform:
@@ -101,7 +92,8 @@ class Platform:
         raise NotImplementedError
 
     def attention_backend(self) -> str:
-        """``"module:Class"`` of the paged attention backend to use on this device."""
+        """The registered name (``register_attention_backends``) of the paged attention backend
+        to use on this device when ``--attention-backend`` is ``auto``."""
         raise NotImplementedError
 
     def total_memory_bytes(self) -> int:

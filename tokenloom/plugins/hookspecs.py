@@ -53,6 +53,24 @@ def register_platforms(register: Register) -> None:
 
 
 @hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register paged attention backends: the kernels a model's ``Attention`` layers run.
+
+    :param register: ``register(name, target, aliases=(...))``; ``target`` resolves to a class
+        with the interface of :class:`tokenloom.kernels.paged_attention.TorchPagedAttention`
+        (constructed with no arguments, once per worker); ``aliases`` are other spellings of
+        the name that ``--attention-backend`` and ``VLLM_ATTENTION_BACKEND`` accept (vLLM's,
+        such as ``TORCH_SDPA``), matched in any case.
+    :returns: nothing.
+
+    Called once in the main process at plugin load. ``--attention-backend`` (or
+    TOKENLOOM_ATTENTION_BACKEND / VLLM_ATTENTION_BACKEND) names a backend; ``auto`` takes the
+    one the platform names in ``Platform.attention_backend()``. A platform plugin registers the
+    backends its devices run.
+    """
+
+
+@hookspec
 def register_executors(register: Register) -> None:
     """Register executors: what owns the workers that run the model.
 

@@ -49,6 +49,7 @@ class PluginKind:
 
 PLUGIN_KINDS: tuple[PluginKind, ...] = (
     PluginKind("platform", "register_platforms", "--device"),
+    PluginKind("attention_backend", "register_attention_backends", "--attention-backend"),
     PluginKind("executor", "register_executors", "--distributed-executor-backend"),
     PluginKind("proposer", "register_proposers", "--speculative-config"),
     PluginKind("model", "register_models"),

@@ -99,10 +99,17 @@ def test_configure_threads_uses_the_affinity_mask():
         torch.set_num_threads(previous)
 
 
-def test_attention_backend_resolves_to_an_object_with_forward():
-    module_name, _, class_name = CpuPlatform().attention_backend().partition(":")
-    backend = getattr(importlib.import_module(module_name), class_name)()
-    assert callable(backend.forward)
+@pytest.mark.hook("register_attention_backends")
+def test_the_cpu_platforms_attention_backends_are_registered_and_build():
+    registered = {}
+    cpu.register_attention_backends(lambda name, target, **options: registered.setdefault(name, (target, options)))
+    assert set(registered) == {"torch", "cpu_native", "reference"}
+    assert registered["torch"][1] == {"aliases": ("torch_sdpa",)}
+    assert CpuPlatform().attention_backend() in registered  # the platform names a registered one
+    for target, _ in registered.values():
+        module_name, _, class_name = target.partition(":")
+        backend = getattr(importlib.import_module(module_name), class_name)()
+        assert callable(backend.forward)
 
 
 def test_platform_basics_and_registration():

@@ -174,7 +174,10 @@ def test_host_to_device_goes_through_pinned_memory(monkeypatch):
 
 
 def test_attention_backend_is_triton_and_registration():
-    assert CudaPlatform().attention_backend() == "tokenloom.kernels.triton.attention:TritonPagedAttention"
+    assert CudaPlatform().attention_backend() == "triton"
+    backends = {}
+    cuda.register_attention_backends(lambda name, target, **options: backends.setdefault(name, target))
+    assert backends == {"triton": "tokenloom.kernels.triton.attention:TritonPagedAttention"}
     assert CudaPlatform().default_kv_cache_bytes() is None  # the profile alone sizes the cache
     registered = {}
     register_platforms(lambda name, target: registered.setdefault(name, target))

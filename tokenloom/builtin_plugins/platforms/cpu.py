@@ -14,8 +14,6 @@ from tokenloom.plugin_api import hookimpl
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKEND = "tokenloom.kernels.paged_attention:TorchPagedAttention"
-NATIVE_ATTENTION_BACKEND = "tokenloom.kernels.paged_attention:NativeCpuPagedAttention"
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
 # speculative decoding: one more verified row relative to a one-row decode step (see verify_row_cost)
 AVX512_VERIFY_ROW_COST = 0.06
@@ -140,7 +138,7 @@ class CpuPlatform(Platform):
         ``TOKENLOOM_CPU_KERNELS=0`` turns them off), else the torch one."""
         from tokenloom.kernels import cpu_native
 
-        return NATIVE_ATTENTION_BACKEND if cpu_native.load() is not None else ATTENTION_BACKEND
+        return "cpu_native" if cpu_native.load() is not None else "torch"
 
     def verify_row_cost(self) -> float:
         """One more verified row relative to a one-row decode step, as measured on the native
@@ -188,3 +186,12 @@ class CpuPlatform(Platform):
 @hookimpl
 def register_platforms(register):
     register("cpu", "tokenloom.builtin_plugins.platforms.cpu:CpuPlatform")
+
+
+@hookimpl
+def register_attention_backends(register):
+    # torch's ops run on any device; the reference is the plain definition the others are
+    # tested against; cpu_native is tokenloom's C++ kernels (vLLM's CPU backend is CPU_ATTN)
+    register("torch", "tokenloom.kernels.paged_attention:TorchPagedAttention", aliases=("torch_sdpa",))
+    register("cpu_native", "tokenloom.kernels.paged_attention:NativeCpuPagedAttention", aliases=("cpu_attn",))
+    register("reference", "tokenloom.kernels.paged_attention:ReferencePagedAttention")

@@ -20,8 +20,6 @@ from tokenloom.plugin_api import hookimpl
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKEND = "tokenloom.kernels.triton.attention:TritonPagedAttention"
-
 
 @dataclass(frozen=True)
 class MemorySnapshot:
@@ -118,7 +116,7 @@ class CudaPlatform(Platform):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     def attention_backend(self) -> str:
-        return ATTENTION_BACKEND
+        return "triton"
 
     def total_memory_bytes(self) -> int:
         import torch
@@ -171,3 +169,13 @@ class CudaPlatform(Platform):
 @hookimpl
 def register_platforms(register):
     register("cuda", "tokenloom.builtin_plugins.platforms.cuda:CudaPlatform")
+
+
+@hookimpl
+def register_attention_backends(register):
+    # runs on the CPU too under TRITON_INTERPRET=1 (slow: for testing the kernels)
+    register(
+        "triton",
+        "tokenloom.kernels.triton.attention:TritonPagedAttention",
+        aliases=("triton_attn", "triton_attn_vllm_v1"),
+    )

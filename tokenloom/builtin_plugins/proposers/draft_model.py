@@ -148,7 +148,9 @@ class DraftModelProposer(Proposer):
         self.device = platform.torch_device()
         self.model, self.dtype = build_model(config, self.info, self.spec.plugins, platform)
         self.attention_backend = resolve_target(
-            attention_backend_target(self.spec.config.device.attention_backend, platform)
+            attention_backend_target(
+                self.spec.config.device.attention_backend, platform, self.spec.plugins.registry("attention_backend")
+            )
         )()
         logger.info(
             "draft model %s (%s, quantization %s, context %d) proposes %d tokens per step",

@@ -22,6 +22,7 @@ from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, P
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
 from tokenloom.core.model_loader import ModelInfo, resolve_model, resolve_source
+from tokenloom.core.platform import check_attention_backend
 from tokenloom.core.pooling import POOLING
 from tokenloom.core.request import (
     PoolingParams,
@@ -68,6 +69,7 @@ class LLMEngine:
         self.config = config
         self.plugins = plugins
         self.platform = choose_platform(config.device.device, plugins)
+        check_attention_backend(config.device.attention_backend, plugins.registry("attention_backend"))
         check_proposer(config, plugins)
         self.model_info: ModelInfo
         self.model_info, self.tokenizer = resolve_model(config, plugins)
