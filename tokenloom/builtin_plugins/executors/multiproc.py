@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenloom.builtin_plugins.executors.worker_grid import (
-    EXECUTE_MODEL_TIMEOUT_ENV,
     START_TIMEOUT_SECONDS,
     WorkerGridExecutor,
 )
@@ -37,10 +36,9 @@ from tokenloom.builtin_plugins.executors.worker_host import (
     configure_worker_logging,
     describe_exit,
     free_port,
-    is_stopped,
 )
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import WorkerSpec
+from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, WorkerSpec, is_stopped
 from tokenloom.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)

@@ -20,14 +20,13 @@ from collections import Counter
 from typing import Any
 
 from tokenloom.builtin_plugins.executors.worker_grid import (
-    EXECUTE_MODEL_TIMEOUT_ENV,
     START_TIMEOUT_SECONDS,
     WorkerGridExecutor,
 )
 from tokenloom.builtin_plugins.executors.worker_host import WorkerHost, WorkerLaunch, free_port
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.distributed import import_ray
-from tokenloom.core.executor import WorkerSpec
+from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, WorkerSpec
 from tokenloom.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)

@@ -136,14 +136,3 @@ def describe_exit(exitcode: Any) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
-
-
-def is_stopped(pid: int | None) -> bool:
-    """Whether the process ``pid`` on this machine is stopped (``SIGSTOP``, a debugger): what
-    tells a worker that hangs from the peers waiting for it in a collective."""
-    import psutil
-
-    try:
-        return pid is not None and psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except psutil.Error:
-        return False

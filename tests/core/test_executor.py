@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloom.builtin_plugins.executors.worker_grid import (
+from tokenloom.core.executor import (
     DEFAULT_EXECUTE_MODEL_TIMEOUT_SECONDS,
     execute_model_timeout,
 )
