@@ -5,15 +5,59 @@ Implementations (one process, several processes, Ray) are plugins."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.config import EngineConfig
+from tokenloom.errors import ConfigError
 
 if TYPE_CHECKING:
     from tokenloom.core.model_loader import ModelInfo
     from tokenloom.plugins.manager import PlainPlugins
+
+
+# how long a worker may take to answer one step (counted for each worker from when it
+# answered its previous call, so steps queued behind a running one are not charged for it)
+# before the engine is declared dead; tokenloom's name first, then vLLM's
+EXECUTE_MODEL_TIMEOUT_ENV = ("TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS")
+# Twice vLLM's 300 s, for slow CPUs: the longest step of a healthy engine is a full
+# --max-num-batched-tokens prefill (2048 tokens by default). SmolLM2-135M prefills 256 tokens in
+# ~0.14 s on 2 cores, so a 7B model takes about a minute for 2048 of them: 600 s leaves ten times
+# that for a busier machine. There is no compile or warm-up step (the model runs eagerly).
+DEFAULT_EXECUTE_MODEL_TIMEOUT_SECONDS = 600.0
+
+
+def execute_model_timeout() -> float | None:
+    """The step timeout in seconds from the environment (see :data:`EXECUTE_MODEL_TIMEOUT_ENV`);
+    None when it is set to 0 (wait for ever)."""
+    for name in EXECUTE_MODEL_TIMEOUT_ENV:
+        text = os.environ.get(name, "").strip()
+        if not text:
+            continue
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if not seconds >= 0 or seconds == float("inf"):
+            raise ConfigError(
+                f"{name}={text!r} is not a number of seconds: use a positive number (0 turns the step timeout off)",
+                param=name,
+            )
+        return seconds or None
+    return DEFAULT_EXECUTE_MODEL_TIMEOUT_SECONDS
+
+
+def is_stopped(pid: int | None) -> bool:
+    """Whether the process ``pid`` on this machine is stopped (``SIGSTOP``, a debugger): what
+    tells a worker that hangs from the peers waiting for it in a collective."""
+    import psutil
+
+    try:
+        return pid is not None and psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 @dataclass(frozen=True)

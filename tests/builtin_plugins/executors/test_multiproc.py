@@ -1,12 +1,14 @@
 """The ``mp`` executor on a tiny random Llama: two real worker processes give the greedy ids of
 ``uni`` (each rank still computes the whole model until tensor-parallel layers shard it), steps
 sent without waiting come back in order and equal to one-at-a-time steps, a killed worker kills
-the engine (check_health, the failed step, the server's streams), and nothing outlives
-shutdown."""
+the engine (check_health, the failed step, the server's streams), so does a stopped one once the
+step timeout passes (naming it, and killing the workers), and nothing outlives shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -16,6 +18,7 @@ import psutil
 import pytest
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.builtin_plugins.executors.multiproc import WorkerProcessGroup, _Call
 from tokenloom.core.batch import NewRequestData, SchedulerOutput
 from tokenloom.core.engine import AsyncLLM
 from tokenloom.errors import EngineDeadError
@@ -135,6 +138,64 @@ def test_a_killed_worker_kills_the_engine_and_shutdown_leaves_no_process(tiny_ll
     assert async_llm.errored and not async_llm.is_running
     assert_gone(pids)
     assert not [child for child in multiprocessing.active_children() if child.pid in pids]
+
+
+def test_a_stopped_worker_fails_the_step_after_the_step_timeout_naming_it_and_is_killed(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp")
+    engine = llm.engine
+    pids = engine.executor.worker_pids
+    try:
+        assert engine.executor.execute_timeout == 3.0
+        engine.add_request("warm", "hello", GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()  # healthy steps are far inside the timeout
+        os.kill(pids[1], signal.SIGSTOP)
+        engine.add_request("r", "hello", GREEDY)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError) as failure:
+            while engine.has_unfinished_requests():
+                engine.step()
+        waited = time.monotonic() - started
+        # the stopped worker first; its peer, waiting for it in the all-reduce, is named too
+        assert f"worker 1 (pid {pids[1]}, stopped by a signal)" in str(failure.value)
+        assert "did not answer execute within 3s (TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS" in str(failure.value)
+        assert 3 <= waited < 3 + 10
+        with pytest.raises(EngineDeadError, match="worker 1"):
+            engine.check_health()
+        assert_gone(pids)  # both killed at once, the stopped one too: nothing waits for them
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        engine.shutdown()
+    assert_gone(pids)
+
+
+def test_a_call_is_timed_from_when_the_worker_answered_the_one_before():
+    """With steps in flight (-pp), a step queued behind a running one is not charged for the
+    wait: each worker's clock starts when it answered its previous call."""
+    group = WorkerProcessGroup.__new__(WorkerProcessGroup)  # the bookkeeping only, no processes
+    base = time.monotonic() - 1000.0  # times long past
+    group.num_workers = 2
+    group._pending = [collections.deque(), collections.deque()]
+    group._answered_at = [base, base]
+    start_up = _Call("load_model", 2, list)  # start-up calls have their own limit
+    first = _Call("execute", 2, list, timeout=5.0)
+    second = _Call("execute", 2, list, timeout=5.0)
+    start_up.sent_at, first.sent_at, second.sent_at = base - 10, base, base + 1
+    for pending in group._pending:
+        pending.append(start_up)
+    assert group._overdue_since(0) is None and group._overdue_ranks() == []
+    for pending in group._pending:
+        pending.popleft()
+        pending.extend([first, second])
+    assert group._overdue_since(0) == group._overdue_since(1) == base + 5
+    group._pending[0].popleft()
+    group._answered_at[0] = base + 4
+    assert group._overdue_since(0) == base + 9  # from its answer, not from when it was sent
+    assert group._overdue_since(1) == base + 5
+    assert group._overdue_ranks() == [0, 1]
 
 
 def test_a_script_that_exits_without_shutdown_leaves_no_worker(tiny_llama_dir, tmp_path):

@@ -2,11 +2,13 @@
 two workers of ``-pp 2`` placed one per node (STRICT_SPREAD) give the greedy ids of ``uni``
 (the second stage's worker returns the step; until pipeline stages split the model each
 worker computes all of it);
-a killed actor fails check_health; shutdown leaves no actor and no worker process; without Ray
-installed the error names the extra to install."""
+a killed actor fails check_health; a stopped one fails the step once the step timeout passes,
+naming it, and is killed; shutdown leaves no actor and no worker process; without Ray installed
+the error names the extra to install."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -84,6 +86,48 @@ def test_workers_spread_over_two_nodes_give_the_greedy_ids_of_uni(two_node_clust
         if actor["ActorID"] in actor_ids and actor["State"] != "DEAD"
     ]
     assert alive == []
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_stopped_actor_fails_the_step_after_the_step_timeout_and_is_killed(
+    two_node_cluster, tiny_llama_dir, monkeypatch
+):
+    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster.address)
+    monkeypatch.setenv("TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray")
+    engine = llm.engine
+    pids = list(engine.executor.worker_pids)
+    try:
+        engine.add_request("warm", "hello", GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()  # healthy steps are far inside the timeout
+        os.kill(pids[1], signal.SIGSTOP)
+        engine.add_request("r", "hello", GREEDY)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError) as failure:
+            while engine.has_unfinished_requests():
+                engine.step()
+        waited = time.monotonic() - started
+        assert f"Ray worker 1 (pid {pids[1]})" in str(failure.value)
+        assert "did not answer execute within 3s (TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS" in str(failure.value)
+        assert 3 <= waited < 3 + 10
+        with pytest.raises(EngineDeadError, match="Ray worker 1"):
+            engine.check_health()
+        deadline = time.monotonic() + 30
+        while any(running(pid) for pid in pids):  # killed at once, the stopped one too
+            assert time.monotonic() < deadline, f"Ray workers outlived the timeout: {pids}"
+            time.sleep(0.2)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        engine.shutdown()
 
 
 def test_without_ray_the_error_names_the_extra(tiny_llama_dir, monkeypatch):

@@ -1,12 +1,18 @@
 """Data parallelism: which replica the balancer picks, the replicas' stats as one engine's,
 errors across the process boundary, abort routing and a dead replica's streams (with scripted
 replicas), and two real replica processes: greedy outputs as one engine's, one killed mid-stream,
-nothing left running after shutdown."""
+one stopped mid-stream (dead once silent for the step timeout, and killed), nothing left running
+after shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import sys
+import threading
+from unittest import mock
 
 import pytest
 
@@ -15,6 +21,7 @@ from tokenloom.core.engine import AsyncLLM
 from tokenloom.core.engine.data_parallel import (
     DataParallelAsyncLLM,
     PackedError,
+    RayReplica,
     ReplicaHandle,
     ReplicaLoad,
     choose_replica,
@@ -374,6 +381,73 @@ def test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_i
 
     asyncio.run(run())
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow  # two engine processes
+def test_a_stopped_replica_process_is_dead_once_silent_for_the_step_timeout_and_is_killed(tiny_llama_dir, monkeypatch):
+    import psutil
+
+    monkeypatch.setenv("TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3")
+    args = dict(model=tiny_llama_dir, dtype="float32", block_size=4, data_parallel_size=2)
+    engine = AsyncLLM.from_engine_args(EngineArgs(**args))
+    pids = [replica.process.pid for replica in engine.replicas]
+
+    async def run():
+        await engine.start()
+        try:
+            long_zero = asyncio.ensure_future(collect(engine, "long-0", "A short story about a robot:", 200))
+            long_one = asyncio.ensure_future(collect(engine, "long-1", "Numbers: 1, 2,", 200))
+            while not all(engine._replica_stats[i] and engine._replica_stats[i].num_running for i in (0, 1)):
+                await asyncio.sleep(0.05)
+            os.kill(pids[1], signal.SIGSTOP)
+            with pytest.raises(EngineDeadError) as failure:
+                await asyncio.wait_for(long_one, timeout=3 + 20)
+            assert f"replica 1 (pid {pids[1]}, stopped by a signal) sent nothing for 3s" in str(failure.value)
+            assert engine.errored
+            assert len(await long_zero) == 200  # the live replica's request runs to its end
+        finally:
+            await engine.shutdown()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_ray_replica_silent_for_the_step_timeout_is_dead_and_killed(monkeypatch):
+    class GetTimeoutError(Exception):
+        pass
+
+    actor = mock.MagicMock()
+    started = actor.start.remote.return_value
+    timeouts: list[float | None] = []
+
+    def get(ref, timeout=None):
+        if ref is started:
+            return {"model_name": "scripted"}
+        timeouts.append(timeout)
+        raise GetTimeoutError  # what ray.get raises once the actor has been silent that long
+
+    ray = mock.MagicMock(get=get, exceptions=mock.MagicMock(GetTimeoutError=GetTimeoutError))
+    ray.remote.return_value.options.return_value.remote.return_value = actor
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7")
+    replica = RayReplica(1, EngineArgs(), {}, {"num_cpus": 1})
+    deaths: list[tuple[int, str]] = []
+    died = threading.Event()
+    replica.start(lambda index, messages: None, lambda index, reason: (deaths.append((index, reason)), died.set()))
+    assert died.wait(10)
+    assert deaths == [
+        (
+            1,
+            "data-parallel replica 1 (Ray actor) sent nothing for 7s (TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS sets the limit)",
+        )
+    ]
+    assert timeouts == [0.5 + 7]  # a stats interval, then the limit
+    ray.kill.assert_called_once_with(actor)
 
 
 def test_lora_adapters_are_added_to_and_removed_from_every_live_replica():

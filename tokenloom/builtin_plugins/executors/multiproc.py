@@ -6,7 +6,9 @@ the engine's process holds threads and maybe a device context), each one
 Each step's :class:`SchedulerOutput` is pickled once and written to every worker's pipe; the
 output rank's reply is the step's result. Writes never wait for earlier replies, so up to
 ``pp_size`` steps are in flight (``execute_async``); a reader thread matches replies to calls in
-the order they were sent and notices at once when a worker process ends.
+the order they were sent and notices at once when a worker process ends, or when one has not
+answered a step within the step timeout (``TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS``): a worker
+that hangs or is stopped then kills the engine as a dead one does, and the workers are killed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from tokenloom.builtin_plugins.executors.worker_grid import START_TIMEOUT_SECONDS, WorkerGridExecutor
+from tokenloom.builtin_plugins.executors.worker_grid import (
+    START_TIMEOUT_SECONDS,
+    WorkerGridExecutor,
+)
 from tokenloom.builtin_plugins.executors.worker_host import (
     WorkerHost,
     WorkerLaunch,
@@ -33,13 +38,15 @@ from tokenloom.builtin_plugins.executors.worker_host import (
     free_port,
 )
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import WorkerSpec
+from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, WorkerSpec, is_stopped
 from tokenloom.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 # a worker asked to stop gets this long to leave before it is terminated, then killed
 STOP_GRACE_SECONDS = 5.0
+# how often, at most, the reader thread looks for a call past its timeout while it waits
+TIMEOUT_CHECK_SECONDS = 1.0
 
 _OK, _ERROR = "ok", "error"
 
@@ -92,8 +99,14 @@ def run_worker_process(launch: WorkerLaunch, conn: multiprocessing.connection.Co
 class _Call:
     """One call sent to every worker: its future completes when all have answered."""
 
-    def __init__(self, method: str, num_workers: int, combine: Callable[[list[Any]], Any]):
+    def __init__(
+        self, method: str, num_workers: int, combine: Callable[[list[Any]], Any], timeout: float | None = None
+    ):
         self.method = method
+        self.timeout = timeout
+        """Seconds each worker may take to answer, from when the call was sent or the worker
+        answered its previous call, whichever is later (None: no limit here)."""
+        self.sent_at = time.monotonic()
         self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self.replies: list[Any] = [None] * num_workers
         self.remaining = num_workers
@@ -129,6 +142,8 @@ class WorkerProcessGroup:
         self.processes: list[Any] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self._pending: list[collections.deque[_Call]] = [collections.deque() for _ in launches]
+        # by rank: when the worker last answered a call (read and written by the reader thread)
+        self._answered_at = [time.monotonic()] * len(launches)
         # held while a call is registered and written: writes reach every pipe in call order.
         # The reader never takes it: a writer blocked on a full pipe waits for a worker that
         # may itself wait for the reader to drain its reply.
@@ -161,14 +176,18 @@ class WorkerProcessGroup:
 
     # -- calls ----------------------------------------------------------------------------
 
-    def _register(self, method: str, combine: Callable[[list[Any]], Any]) -> _Call:
-        call = _Call(method, self.num_workers, combine)
+    def _register(self, method: str, combine: Callable[[list[Any]], Any], timeout: float | None = None) -> _Call:
+        call = _Call(method, self.num_workers, combine, timeout)
         for pending in self._pending:
             pending.append(call)
         return call
 
-    def call(self, method: str, *args: Any, combine: Callable[[list[Any]], Any] = list) -> _Call:
-        """Send ``method(*args)`` to every worker (without waiting for earlier calls)."""
+    def call(
+        self, method: str, *args: Any, combine: Callable[[list[Any]], Any] = list, timeout: float | None = None
+    ) -> _Call:
+        """Send ``method(*args)`` to every worker (without waiting for earlier calls). With a
+        ``timeout``, a worker that has not answered that many seconds after the call was due
+        (sent, and the worker's earlier calls answered) kills the engine (see :meth:`_timed_out`)."""
         data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             if self.dead_reason is not None:
@@ -176,7 +195,7 @@ class WorkerProcessGroup:
             if self._closing:
                 raise EngineDeadError("the mp executor is shut down")
             # registered before it is sent: the reader may see the reply before send returns
-            call = self._register(method, combine)
+            call = self._register(method, combine, timeout)
             try:
                 for conn in self.conns:
                     conn.send_bytes(data)
@@ -190,7 +209,9 @@ class WorkerProcessGroup:
         sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes)}
         by_conn = {conn: rank for rank, conn in enumerate(self.conns)}
         while True:
-            ready = multiprocessing.connection.wait([*by_conn, *sentinels, self._wake_reader])
+            ready = multiprocessing.connection.wait(
+                [*by_conn, *sentinels, self._wake_reader], timeout=self._until_next_timeout()
+            )
             if self._closing:
                 return
             for item in ready:
@@ -203,6 +224,7 @@ class WorkerProcessGroup:
                     self._worker_ended(rank)
                     return
                 call = self._pending[rank].popleft()
+                self._answered_at[rank] = time.monotonic()
                 call.answer(rank, status, payload)
             for item in ready:
                 rank = sentinels.get(item)
@@ -212,6 +234,53 @@ class WorkerProcessGroup:
                         continue  # its last replies first; EOF comes after them
                     self._worker_ended(rank)
                     return
+            if self._overdue_ranks():
+                self._timed_out()
+                return
+
+    def _overdue_since(self, rank: int) -> float | None:
+        """When the call ``rank`` owes first stops being on time (None: it owes none with a limit)."""
+        pending = self._pending[rank]
+        call = pending[0] if pending else None
+        if call is None or call.timeout is None:
+            return None
+        return max(call.sent_at, self._answered_at[rank]) + call.timeout
+
+    def _until_next_timeout(self) -> float | None:
+        """How long the reader may wait for a reply before it must look for an overdue call."""
+        deadlines = [
+            deadline for rank in range(self.num_workers) if (deadline := self._overdue_since(rank)) is not None
+        ]
+        if not deadlines:  # a call sent while the reader waits is looked at within a tick
+            return TIMEOUT_CHECK_SECONDS
+        return min(TIMEOUT_CHECK_SECONDS, max(0.0, min(deadlines) - time.monotonic()))
+
+    def _overdue_ranks(self) -> list[int]:
+        now = time.monotonic()
+        return [
+            rank
+            for rank in range(self.num_workers)
+            if (deadline := self._overdue_since(rank)) is not None and now >= deadline
+        ]
+
+    def _timed_out(self) -> None:
+        """Some worker has not answered a call within its timeout: it hangs (or a peer it waits
+        for in a collective does, or it was stopped). The engine is dead, with a reason naming
+        every worker past its time, and all the workers are killed: the survivors would wait in
+        their collectives for ever, and a stopped process would outlive the server."""
+        ranks = self._overdue_ranks()
+        call = self._pending[ranks[0]][0]
+        stopped = {rank for rank in ranks if is_stopped(self.processes[rank].pid)}
+        workers = " and ".join(  # the stopped ones first: the others most likely wait for them
+            f"worker {rank} (pid {self.processes[rank].pid}{', stopped by a signal' if rank in stopped else ''})"
+            for rank in sorted(ranks, key=lambda rank: rank not in stopped)
+        )
+        self._mark_dead(
+            f"{workers} did not answer {call.method} within {call.timeout:g}s "
+            f"({EXECUTE_MODEL_TIMEOUT_ENV[0]} sets the limit)"
+        )
+        for process in self.processes:
+            process.kill()
 
     def _worker_ended(self, rank: int) -> None:
         if self._closing:
@@ -316,7 +385,9 @@ class MultiprocExecutor(WorkerGridExecutor):
 
     def execute_async(self, scheduler_output: SchedulerOutput) -> concurrent.futures.Future[ModelRunnerOutput]:
         rank = self.output_rank
-        call = self._live_group().call("execute", scheduler_output, combine=lambda replies: replies[rank])
+        call = self._live_group().call(
+            "execute", scheduler_output, combine=lambda replies: replies[rank], timeout=self.execute_timeout
+        )
         return call.future
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -324,7 +395,8 @@ class MultiprocExecutor(WorkerGridExecutor):
 
     def prefault_kv_cache(self, max_bytes: int) -> int:
         # every worker maps the same share of its own cache; report one worker's bytes
-        mapped: int = self._live_group().call("prefault_kv_cache", max_bytes, combine=min).future.result()
+        call = self._live_group().call("prefault_kv_cache", max_bytes, combine=min, timeout=self.execute_timeout)
+        mapped: int = call.future.result()
         return mapped
 
     def check_health(self) -> None:

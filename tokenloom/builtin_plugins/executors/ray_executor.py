@@ -2,6 +2,9 @@
 group, on the Ray cluster ``RAY_ADDRESS`` names (any of its machines) or on a local Ray started
 for the engine (and stopped with it). Rank 0's node hosts the ``torch.distributed`` rendezvous.
 
+A worker that does not answer a step within the step timeout
+(``TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS``) kills the engine, as a dead actor does.
+
 ``TOKENLOOM_RAY_PLACEMENT_STRATEGY`` chooses how bundles spread: ``PACK`` (the default, as few
 nodes as possible), ``SPREAD``, ``STRICT_PACK`` (one node) or ``STRICT_SPREAD`` (one per node).
 Needs the ``ray`` extra: ``pip install tokenloom[ray]``.
@@ -16,11 +19,14 @@ import time
 from collections import Counter
 from typing import Any
 
-from tokenloom.builtin_plugins.executors.worker_grid import START_TIMEOUT_SECONDS, WorkerGridExecutor
+from tokenloom.builtin_plugins.executors.worker_grid import (
+    START_TIMEOUT_SECONDS,
+    WorkerGridExecutor,
+)
 from tokenloom.builtin_plugins.executors.worker_host import WorkerHost, WorkerLaunch, free_port
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.distributed import import_ray
-from tokenloom.core.executor import WorkerSpec
+from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, WorkerSpec
 from tokenloom.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -28,6 +34,8 @@ logger = logging.getLogger(__name__)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # how long the placement group may wait for its bundles
 PLACEMENT_TIMEOUT_SECONDS = float(os.environ.get("TOKENLOOM_RAY_PLACEMENT_TIMEOUT", "120"))
+# how often, at most, a wait for the workers looks for a dead actor or a call past its timeout
+WATCH_INTERVAL_SECONDS = 1.0
 
 
 class RayWorker:
@@ -87,6 +95,9 @@ class RayExecutor(WorkerGridExecutor):
         self._dead_reason: str | None = None
         # results are collected in send order on one thread: steps in flight finish FIFO
         self._collector: concurrent.futures.ThreadPoolExecutor | None = None
+        # when the last call's replies were all in: the actors run calls in order, so the next
+        # call is due from then (or from when it was sent, if later)
+        self._last_collected = 0.0
         self._ray: Any = None
 
     # -- start-up -------------------------------------------------------------------------
@@ -197,22 +208,54 @@ class RayExecutor(WorkerGridExecutor):
         # one object in the store that every actor reads, not a copy per call
         step_ref = self._ray.put(scheduler_output)
         refs = [actor.call.remote("execute", step_ref) for actor in self.actors]
-        return self._collector.submit(self._collect_step, refs)
+        return self._collector.submit(self._collect_step, refs, time.monotonic())
 
-    def _collect_step(self, refs: list[Any]) -> ModelRunnerOutput:
-        """The output rank's result, once every worker has answered. A worker's error or death
-        is raised as soon as it shows, not after the others: once the model is split, the
-        survivors of a dead worker wait for it forever inside their collectives."""
+    def _collect_step(self, refs: list[Any], sent_at: float) -> ModelRunnerOutput:
+        """The output rank's result, once every worker has answered (see :meth:`_collect`)."""
+        output: ModelRunnerOutput = self._collect(refs, "execute", sent_at)[self.output_rank]
+        return output
+
+    def _collect(self, refs: list[Any], method: str, sent_at: float) -> list[Any]:
+        """Every worker's reply to one call (``refs`` by rank, sent at ``sent_at``). A worker's
+        error or death is raised as soon as it shows, not after the others: once the model is
+        split, the survivors of a dead worker wait for it forever inside their collectives. So
+        is a worker that has not answered within the step timeout (see :meth:`_timed_out`)."""
+        due_since = max(sent_at, self._last_collected)
         pending = list(refs)
         while pending:
             if self._ray is None:
                 raise EngineDeadError("the ray executor is shut down")
-            done, pending = self._ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            wait = WATCH_INTERVAL_SECONDS
+            if self.execute_timeout is not None:
+                left = due_since + self.execute_timeout - time.monotonic()
+                if left <= 0:
+                    self._timed_out(refs, pending, method)
+                wait = min(wait, left)
+            done, pending = self._ray.wait(pending, num_returns=len(pending), timeout=wait)
             self._get(done, timeout=None)  # raises the worker's error, or EngineDeadError
             if pending:
                 self.check_health()
-        output: ModelRunnerOutput = self._get([refs[self.output_rank]], timeout=None)[0]
-        return output
+        self._last_collected = time.monotonic()
+        return self._get(refs, timeout=None)
+
+    def _timed_out(self, refs: list[Any], pending: list[Any], method: str) -> None:
+        """Declare the engine dead, naming the workers that have not answered ``method`` (hung,
+        stopped, or waiting in a collective for one that is), and kill every actor: the engine
+        cannot use them again, and a stopped actor would outlive it. Raises EngineDeadError."""
+        workers = " and ".join(
+            f"Ray worker {rank} (pid {self.worker_pids[rank]})" for rank, ref in enumerate(refs) if ref in pending
+        )
+        self._dead_reason = (
+            f"{workers} did not answer {method} within {self.execute_timeout:g}s "
+            f"({EXECUTE_MODEL_TIMEOUT_ENV[0]} sets the limit)"
+        )
+        logger.error("ray executor: %s; the engine cannot continue", self._dead_reason)
+        for actor in self.actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        raise EngineDeadError(f"the engine's {self._dead_reason}")
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(scheduler_output).result()
@@ -220,9 +263,10 @@ class RayExecutor(WorkerGridExecutor):
     def prefault_kv_cache(self, max_bytes: int) -> int:
         if not self.actors:
             return 0
-        mapped: int = min(
-            self._get([actor.call.remote("prefault_kv_cache", max_bytes) for actor in self.actors], timeout=None)
-        )
+        if self._dead_reason is not None:
+            raise EngineDeadError(f"the engine's {self._dead_reason}")
+        refs = [actor.call.remote("prefault_kv_cache", max_bytes) for actor in self.actors]
+        mapped: int = min(self._collect(refs, "prefault_kv_cache", time.monotonic()))
         return mapped
 
     def check_health(self) -> None:

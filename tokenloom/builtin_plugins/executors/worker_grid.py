@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenloom.builtin_plugins.executors.worker_host import WorkerLaunch, output_rank
-from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.core.executor import Executor, WorkerSpec, execute_model_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class WorkerGridExecutor(Executor):
         # the rank whose reply is the step's output (the other ranks answer None)
         self.output_rank = output_rank(self.tp_size, self.pp_size)
         self.worker_pids: list[int] = []  # by rank, once the workers have started
+        self.execute_timeout = execute_model_timeout()
+        """How long a worker may take to answer a step (None: no limit); past it the engine is
+        dead, with a reason naming the worker."""
 
     def worker_launches(self, init_method: str, num_local_workers: Callable[[int], int]) -> list[WorkerLaunch]:
         """Every rank's launch data: the rendezvous ``init_method`` and, for each rank, how many
@@ -78,7 +81,7 @@ class WorkerGridExecutor(Executor):
         allocate_times = self.call_workers("allocate_kv_cache", num_blocks)
         logger.info(
             "%s executor ready in %.2fs: tp %d x pp %d workers (pids %s), model loaded in %.2fs (slowest worker), "
-            "%d KV blocks on every worker (allocated in %.2fs)",
+            "%d KV blocks on every worker (allocated in %.2fs), step timeout %s",
             self.backend_name,
             time.perf_counter() - started,
             self.tp_size,
@@ -87,5 +90,6 @@ class WorkerGridExecutor(Executor):
             max(load_times),
             num_blocks,
             max(allocate_times),
+            "off" if self.execute_timeout is None else f"{self.execute_timeout:g}s",
         )
         return num_blocks

@@ -31,6 +31,7 @@ from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.distributed import import_ray
 from tokenloom.core.engine.async_llm import AsyncLLM, RequestStreams
 from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
 from tokenloom.errors import ConfigError, EngineDeadError
@@ -360,13 +361,23 @@ class RayReplicaActor:
 
 class ReplicaHandle:
     """The server's end of one replica. A receiver thread hands each batch of messages to
-    ``on_messages(index, messages)`` and, once, the reason it died to ``on_death(index, reason)``."""
+    ``on_messages(index, messages)`` and, once, the reason it died to ``on_death(index, reason)``.
+
+    A started replica sends its stats at least every ``STATS_INTERVAL_SECONDS`` from its event
+    loop, whatever its engine thread is doing: one silent for the step timeout
+    (``TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS``) is stopped or hung, so it is dead and killed."""
 
     def __init__(self, index: int):
         self.index = index
         self.ready: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         self.closing = False
         self._send_lock = threading.Lock()
+        self.silence_limit = execute_model_timeout()
+        """Seconds a started replica may send nothing before it is declared dead (None: no limit)."""
+
+    def silence_reason(self, what: str) -> str:
+        """Why the replica (``what`` names it) is dead after a silence of :attr:`silence_limit`."""
+        return f"{what} sent nothing for {self.silence_limit:g}s ({EXECUTE_MODEL_TIMEOUT_ENV[0]} sets the limit)"
 
     def start(self, on_messages: Callable[[int, list[Message]], None], on_death: Callable[[int, str], None]) -> None:
         raise NotImplementedError
@@ -406,6 +417,10 @@ class ProcessReplica(ReplicaHandle):
         def receive() -> None:
             while True:
                 try:
+                    if self.ready.done() and self.silence_limit is not None:
+                        if not self._outbox.poll(self.silence_limit):
+                            self._silent(on_death)
+                            return
                     messages = self._outbox.recv()
                 except (EOFError, OSError):
                     break
@@ -426,6 +441,14 @@ class ProcessReplica(ReplicaHandle):
                 on_death(self.index, reason)
 
         threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
+
+    def _silent(self, on_death: Callable[[int, str], None]) -> None:
+        if self.closing:
+            return  # a replica shutting down goes quiet; stop() ends it
+        pid = self.process.pid
+        stopped = ", stopped by a signal" if is_stopped(pid) else ""
+        on_death(self.index, self.silence_reason(f"data-parallel replica {self.index} (pid {pid}{stopped})"))
+        self.process.kill()  # its workers, if any, see the pipe close and leave
 
     def send(self, message: Message) -> None:
         try:
@@ -472,7 +495,16 @@ class RayReplica(ReplicaHandle):
                 return
             while not self.closing:
                 try:
-                    messages = ray.get(self.actor.next_messages.remote(STATS_INTERVAL_SECONDS))
+                    messages = ray.get(
+                        self.actor.next_messages.remote(STATS_INTERVAL_SECONDS),
+                        timeout=None if self.silence_limit is None else STATS_INTERVAL_SECONDS + self.silence_limit,
+                    )
+                except ray.exceptions.GetTimeoutError:
+                    if not self.closing:  # a replica shutting down goes quiet; stop() ends it
+                        on_death(self.index, self.silence_reason(f"data-parallel replica {self.index} (Ray actor)"))
+                        with contextlib.suppress(Exception):
+                            ray.kill(self.actor)
+                    return
                 except BaseException as exc:  # RayActorError and kin: the actor or its node is gone
                     if not self.closing:
                         on_death(self.index, f"data-parallel replica {self.index} (Ray actor) died: {exc}")
