@@ -45,7 +45,8 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_k_norm": "self_attn.k_norm",
     },
 }
-# tensors llama.cpp adds that have no Hugging Face parameter (precomputed rope factors)
+# tensors llama.cpp adds that have no Hugging Face parameter: the Llama 3 RoPE frequency
+# factors, which the config carries (gguf_config reads them as rope_parameters["freq_factors"])
 IGNORED_TENSORS = ("rope_freqs.weight",)
 # architectures whose llama.cpp converter permuted the Q/K rows for its rotary layout
 ROPE_PERMUTED_ARCHITECTURES = ("llama",)

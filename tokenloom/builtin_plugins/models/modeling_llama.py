@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
+from tokenloom.core.model_interface import mixture_of_experts_error
 from tokenloom.layers.decoder import GatedMLP, SelfAttention
 from tokenloom.layers.fused_decode import FusedDecodeLayer
 
@@ -16,6 +17,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, model: DecoderForCausalLM, layer_index: int, *, qkv_bias: bool, output_bias: bool):
         super().__init__()
         config = model.config
+        moe_error = mixture_of_experts_error(config, type(model).__name__)
+        if moe_error is not None:
+            raise moe_error  # a dense MLP would leave every expert weight unread
         norm_class, dtype = model.norm_class, model.dtype
         self.input_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.self_attn = SelfAttention(
