@@ -30,6 +30,12 @@ HF_TO_GGUF_BLOCK = {
 HF_TO_GGUF_BLOCK_BY_ARCH = {
     "llama": {**HF_TO_GGUF_BLOCK, "post_attention_layernorm": "ffn_norm"},
     "qwen2": {**HF_TO_GGUF_BLOCK, "post_attention_layernorm": "ffn_norm"},
+    "qwen3": {
+        **HF_TO_GGUF_BLOCK,
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+    },
     "gemma3": {
         **HF_TO_GGUF_BLOCK,
         "post_attention_layernorm": "post_attention_norm",
@@ -145,6 +151,9 @@ def write_model_gguf(
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     if architecture == "llama":
         writer.add_uint32(f"{prefix}.rope.dimension_count", head_dim)
+    if architecture == "qwen3":
+        writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
+        writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
     if architecture == "gemma3":
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
@@ -329,6 +338,9 @@ def tiny_config(architecture: str):
         return transformers.LlamaConfig(rope_theta=10000.0, **common)
     if architecture == "qwen2":
         return transformers.Qwen2Config(rope_theta=10000.0, **common)
+    if architecture == "qwen3":
+        # transformers' GGUF conversion ignores attention.key_length: keep head_dim = hidden / heads here
+        return transformers.Qwen3Config(rope_theta=10000.0, head_dim=16, **common)
     if architecture == "gemma3":
         return transformers.Gemma3TextConfig(
             rope_theta=1000000.0,
@@ -349,6 +361,7 @@ def tiny_model_state_dict(architecture: str, seed: int = 0) -> tuple[Any, dict[s
     classes = {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
     }
     torch.manual_seed(seed)

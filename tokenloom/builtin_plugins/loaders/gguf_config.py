@@ -1,5 +1,5 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
-attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config or
+attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config or
 Gemma3TextConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
 :mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
@@ -246,8 +246,24 @@ def _qwen2_config(gguf: GGUFFile) -> GGUFModelConfig:
     return GGUFModelConfig(**fields)
 
 
+def _qwen3_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(),
+        **_qwen_fields(gguf),
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+    }
+    # Qwen3's head size is its own (128 in every size), not hidden_size / heads
+    fields["head_dim"] = int(
+        gguf.arch_get("attention.key_length", fields["hidden_size"] // fields["num_attention_heads"])
+    )
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, fields["head_dim"])
+    return GGUFModelConfig(**fields)
+
+
 def _qwen_fields(gguf: GGUFFile) -> dict[str, Any]:
-    """Qwen2Config's fields."""
+    """What Qwen2Config and Qwen3Config share."""
     fields = {
         "vocab_size": 151936,
         "hidden_act": "silu",
@@ -319,6 +335,7 @@ def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
+    "qwen3": _qwen3_config,
     "gemma3": _gemma3_config,
 }
 
@@ -344,7 +361,7 @@ def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
     per_token = f", {int(used)} per token" if used else ""
     raise ModelLoadError(
         f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
-        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Gemma 3)"
+        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
     )
 
 

@@ -36,6 +36,12 @@ _DECODER_BLOCK_NAMES = {
 BLOCK_NAMES: dict[str, dict[str, str]] = {
     "llama": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
     "qwen2": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "qwen3": {
+        **_DECODER_BLOCK_NAMES,
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
     "gemma3": {
         **_DECODER_BLOCK_NAMES,
         "post_attention_norm": "post_attention_layernorm",
