@@ -1,11 +1,13 @@
 """Tiny GGUF files for loader tests, written with ``gguf.GGUFWriter`` the way llama.cpp's
 converter writes them: a transformers model's weights under GGUF names, with llama.cpp's
-conversions applied (Llama Q/K rotary permutation, Gemma ``1 + w`` norms), optionally quantized
-with ``gguf.quants.quantize``; and small byte-level / sentencepiece vocabularies.
+conversions applied (Llama Q/K rotary permutation, Gemma ``1 + w`` norms, RoPE scaling as
+``rope.scaling.*`` keys and Llama 3's ``rope_freqs.weight``), optionally quantized with
+``gguf.quants.quantize``; and small byte-level / sentencepiece vocabularies.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -28,6 +30,12 @@ HF_TO_GGUF_BLOCK = {
 HF_TO_GGUF_BLOCK_BY_ARCH = {
     "llama": {**HF_TO_GGUF_BLOCK, "post_attention_layernorm": "ffn_norm"},
     "qwen2": {**HF_TO_GGUF_BLOCK, "post_attention_layernorm": "ffn_norm"},
+    "qwen3": {
+        **HF_TO_GGUF_BLOCK,
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+    },
     "gemma3": {
         **HF_TO_GGUF_BLOCK,
         "post_attention_layernorm": "post_attention_norm",
@@ -47,6 +55,58 @@ def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weights.shape)
     )
+
+
+def rope_parameters_of(hf_config: Any) -> dict:
+    """The RoPE settings the converter reads: the global layers' when they are nested."""
+    parameters = dict(hf_config.rope_parameters)
+    return dict(parameters.get("full_attention", parameters))
+
+
+def llama3_rope_factors(hf_config: Any) -> np.ndarray:
+    """What llama.cpp's converter (``LlamaModel.generate_extra_tensors``) writes as
+    ``rope_freqs.weight`` for ``rope_type: llama3``: one divisor per rotary frequency."""
+    rope = rope_parameters_of(hf_config)
+    base = rope.get("rope_theta", 10000.0)
+    dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor, high_freq_factor = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def add_rope_scaling(writer: GGUFWriter, architecture: str, hf_config: Any) -> None:
+    """The converter's ``rope.scaling.*`` keys (``TextModel.set_gguf_parameters``)."""
+    rope = rope_parameters_of(hf_config)
+    rope_type, factor = rope.get("rope_type"), rope.get("factor")
+    if rope_type == "linear" and factor is not None:
+        writer.add_string(f"{architecture}.rope.scaling.type", "linear")
+        writer.add_float32(f"{architecture}.rope.scaling.factor", factor)
+    elif rope_type == "yarn" and factor is not None:
+        writer.add_string(f"{architecture}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{architecture}.rope.scaling.factor", factor)
+        writer.add_uint32(
+            f"{architecture}.rope.scaling.original_context_length", rope["original_max_position_embeddings"]
+        )
+        for hf_key, gguf_key in (
+            ("attention_factor", "yarn_attn_factor"),
+            ("beta_fast", "yarn_beta_fast"),
+            ("beta_slow", "yarn_beta_slow"),
+        ):
+            if rope.get(hf_key) is not None:
+                writer.add_float32(f"{architecture}.rope.scaling.{gguf_key}", rope[hf_key])
 
 
 def gguf_name(architecture: str, hf_name: str) -> str:
@@ -87,9 +147,13 @@ def write_model_gguf(
         else hf_config.rope_parameters["full_attention"]["rope_theta"],
     )
     writer.add_uint32(f"{prefix}.vocab_size", hf_config.vocab_size)
+    add_rope_scaling(writer, architecture, hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     if architecture == "llama":
         writer.add_uint32(f"{prefix}.rope.dimension_count", head_dim)
+    if architecture == "qwen3":
+        writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
+        writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
     if architecture == "gemma3":
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
@@ -98,6 +162,8 @@ def write_model_gguf(
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
     if tokenizer:
         add_tokenizer(writer, tokenizer)
+    if architecture == "llama" and rope_parameters_of(hf_config).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(hf_config))
     for hf_name, tensor in state_dict.items():
         if hf_name == "lm_head.weight" and hf_config.tie_word_embeddings:
             continue
@@ -272,6 +338,9 @@ def tiny_config(architecture: str):
         return transformers.LlamaConfig(rope_theta=10000.0, **common)
     if architecture == "qwen2":
         return transformers.Qwen2Config(rope_theta=10000.0, **common)
+    if architecture == "qwen3":
+        # transformers' GGUF conversion ignores attention.key_length: keep head_dim = hidden / heads here
+        return transformers.Qwen3Config(rope_theta=10000.0, head_dim=16, **common)
     if architecture == "gemma3":
         return transformers.Gemma3TextConfig(
             rope_theta=1000000.0,
@@ -292,6 +361,7 @@ def tiny_model_state_dict(architecture: str, seed: int = 0) -> tuple[Any, dict[s
     classes = {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
     }
     torch.manual_seed(seed)
@@ -305,3 +375,40 @@ def tiny_model_state_dict(architecture: str, seed: int = 0) -> tuple[Any, dict[s
 
 def gguf_dir(tmp_path, name: str = "model.gguf") -> str:
     return os.path.join(str(tmp_path), name)
+
+
+def write_mixtral_gguf(path: str, num_experts: int = 4, experts_per_token: int = 2) -> str:
+    """A tiny Mixtral as llama.cpp's converter writes one: llama architecture, ``expert_count``,
+    and per layer a router (``ffn_gate_inp``) and stacked experts (``ffn_{gate,up,down}_exps``)
+    in place of the dense MLP."""
+    config, state_dict = tiny_model_state_dict("llama")
+    dense = {name: tensor for name, tensor in state_dict.items() if ".mlp." not in name}
+    writer = GGUFWriter(path, "llama")
+    for key, value in {
+        "block_count": config.num_hidden_layers,
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "rope.dimension_count": config.hidden_size // config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+        "expert_count": num_experts,
+        "expert_used_count": experts_per_token,
+    }.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_float32("llama.rope.freq_base", 1e6)
+    for hf_name, tensor in dense.items():
+        writer.add_tensor(gguf_name("llama", hf_name), tensor.float().numpy().copy())
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    for layer in range(config.num_hidden_layers):
+        writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", np.zeros((num_experts, hidden), np.float32))
+        for name, shape in (
+            ("gate", (intermediate, hidden)),
+            ("up", (intermediate, hidden)),
+            ("down", (hidden, intermediate)),
+        ):
+            writer.add_tensor(f"blk.{layer}.ffn_{name}_exps.weight", np.zeros((num_experts, *shape), np.float32))
+    finish(writer)
+    return path

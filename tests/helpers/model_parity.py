@@ -22,6 +22,20 @@ def perturb_parameters(hf_model, seed: int = 0, scale: float = 0.05):
     return hf_model
 
 
+def randomize_parameters(hf_model, seed: int = 0, std: float = 2.0):
+    """Fresh random weights large enough that greedy decoding is not degenerate (no token
+    repeated forever) and attention depends on position: each matrix ``N(0, std^2 / fan_in)``,
+    each vector (norm weights, biases) ``1 + N(0, 0.01)``."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * std / param.shape[1] ** 0.5)
+            else:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+    return hf_model
+
+
 def build_model(model_class, hf_config, weights, dtype=torch.float32, model_config=None):
     model = model_class(
         ModelContext(hf_config=hf_config, dtype=dtype, device=torch.device("cpu"), model_config=model_config)
@@ -90,3 +104,66 @@ def assert_close_to_float32(model, hf_model, prompts, num_new_tokens=4, atol=6e-
         with torch.no_grad():
             expected_logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
         torch.testing.assert_close(logits, expected_logits, atol=atol, rtol=0)
+
+
+def load_checkpoint(load_format: str, hf_model, directory) -> tuple:
+    """``hf_model`` saved the way ``load_format`` reads it (``safetensors``: ``save_pretrained``;
+    ``gguf``: as llama.cpp's converter writes it, float32) and read back through tokenloom's load
+    format: ``(config, weights)`` as the model runner would receive them."""
+    from tokenloom.core.config import LoadConfig, ModelConfig
+
+    if load_format == "safetensors":
+        from tokenloom.builtin_plugins.loaders.safetensors_format import SafetensorsLoadFormat
+
+        hf_model.save_pretrained(str(directory))
+        reader, path = SafetensorsLoadFormat(), str(directory)
+    else:
+        from helpers.gguf_files import write_model_gguf
+
+        from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+
+        architecture = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[hf_model.config.model_type]
+        path = write_model_gguf(str(directory / "model.gguf"), architecture, hf_model.config, hf_model.state_dict())
+        reader = GGUFLoadFormat()
+    config = reader.load_config(path, ModelConfig())
+    return config, list(reader.iterate_weights(path, ModelConfig(), LoadConfig(use_tqdm_on_load=False)))
+
+
+def hf_greedy_top_k(hf_model, prompt: list[int], num_new_tokens: int, k: int = 5) -> tuple[list[int], list[set[int]]]:
+    """transformers' ``generate(do_sample=False)``: the tokens and, per step, the top-``k`` ids."""
+    with torch.no_grad():
+        output = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=num_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = output.sequences[0, len(prompt) :].tolist()
+    return tokens, [set(scores[0].topk(k).indices.tolist()) for scores in output.scores]
+
+
+def served_greedy_top_k(llm, prompts: list[list[int]], num_new_tokens: int, k: int = 5):
+    """Greedy decoding through tokenloom's engine: per prompt the tokens and each step's top-``k`` ids."""
+    from tokenloom import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True, logprobs=k)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+    return [
+        (list(output.outputs[0].token_ids), [set(step) for step in output.outputs[0].logprobs]) for output in outputs
+    ]
+
+
+def assert_greedy_agrees(ours, theirs, k: int = 5) -> None:
+    """vLLM's model-test rule: the greedy sequences agree until the first position where they
+    differ, and there each side's token is among the other's top-``k``."""
+    for index, ((our_tokens, our_top), (their_tokens, their_top)) in enumerate(zip(ours, theirs, strict=True)):
+        assert len(our_tokens) == len(their_tokens)
+        for position, (our_token, their_token) in enumerate(zip(our_tokens, their_tokens)):
+            if our_token != their_token:
+                assert our_token in their_top[position] and their_token in our_top[position], (
+                    f"prompt {index} diverges at step {position}: ours {our_tokens}, transformers {their_tokens}"
+                )
+                break

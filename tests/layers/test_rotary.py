@@ -138,3 +138,32 @@ def test_unsupported_rope_type_is_a_config_error():
         compute_inv_freq({"rope_type": "longrope", "rope_theta": 1.0}, 8, 16)
     with pytest.raises(ConfigError, match="even"):
         get_rope(6, {"rope_type": "default", "partial_rotary_factor": 0.5}, 16)
+
+
+def test_freq_factors_divide_each_frequency_as_ggml_does():
+    """llama.cpp's ``freq_factors`` (a Llama 3 GGUF's rope_freqs.weight): frequency i becomes
+    inv_freq[i] / factor[i], on top of the scaling type's own."""
+    factors = [1.0, 2.0, 4.0, 8.0]
+    base, _, _ = compute_inv_freq(VARIANTS["linear"], 8, 16)
+    divided, scaling, table_len = compute_inv_freq({**VARIANTS["linear"], "freq_factors": factors}, 8, 16)
+    torch.testing.assert_close(divided, base / torch.tensor(factors), atol=0, rtol=0)
+    assert (scaling, table_len) == (1.0, 64)
+    with pytest.raises(ConfigError, match="4 positive numbers"):
+        compute_inv_freq({"rope_type": "default", "freq_factors": factors[:3]}, 8, 16)
+    with pytest.raises(ConfigError, match="4 positive numbers"):
+        compute_inv_freq({"rope_type": "default", "freq_factors": [1.0, 0.0, 1.0, 1.0]}, 8, 16)
+
+
+def test_llama3_freq_factors_reproduce_the_llama3_scaling():
+    """The divisors llama.cpp's converter writes for ``rope_type: llama3`` give transformers' llama3
+    frequencies: what serves a Llama 3.1 GGUF with the positions its safetensors get."""
+    from helpers.gguf_files import llama3_rope_factors
+
+    config = llama_config(VARIANTS["llama3"])
+    expected, _ = transformers_inv_freq(config)
+    factors = llama3_rope_factors(config).tolist()
+    assert 1.0 in factors and 8.0 in factors and any(1.0 < factor < 8.0 for factor in factors)
+    inv_freq, _, _ = compute_inv_freq(
+        {"rope_type": "default", "rope_theta": 500000.0, "freq_factors": factors}, HEAD_SIZE, MAX_POSITIONS
+    )
+    torch.testing.assert_close(inv_freq, expected, atol=0, rtol=1e-6)

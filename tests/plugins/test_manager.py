@@ -614,6 +614,7 @@ def test_builtin_executors_are_registered(builtin_plugins):
     [
         ("llama_models", "LlamaForCausalLM"),
         ("qwen2_models", "Qwen2ForCausalLM"),
+        ("qwen3_models", "Qwen3ForCausalLM"),
         ("gemma3_models", "Gemma3ForCausalLM"),
     ],
 )

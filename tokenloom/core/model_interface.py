@@ -1,5 +1,7 @@
 """What the core expects of a model plugin (:class:`ModelProtocol`) and what it hands one
-when building it (:class:`ModelContext`), plus :class:`KVCacheSpec`, the KV shape a model needs.
+when building it (:class:`ModelContext`), plus :class:`KVCacheSpec`, the KV shape a model needs,
+and :func:`mixture_of_experts_error`, which the loader and the dense models use to refuse an MoE
+config by what it is.
 """
 
 from __future__ import annotations
@@ -7,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from tokenloom.errors import ModelLoadError
 
 
 @dataclass
@@ -78,3 +82,27 @@ class ModelProtocol(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load ``(hf_name, tensor)`` pairs (a tensor may be a packed quantized weight with a
         ``dequantize()`` method); returns the names of the parameters it filled."""
+
+
+# config keys that count a mixture-of-experts model's experts (Mixtral / Qwen-MoE, OLMoE / DeepSeek)
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def mixture_of_experts_error(hf_config: Any, architecture: str) -> ModelLoadError | None:
+    """The error refusing ``hf_config`` as a mixture-of-experts model, or None for a dense one.
+
+    tokenloom has no expert layers yet: a dense model built from an MoE checkpoint would only
+    report its MLP weights as missing, so the model is named for what it is instead.
+    """
+    num_experts = next(
+        (value for key in _EXPERT_COUNT_KEYS if isinstance(value := getattr(hf_config, key, None), int)), 0
+    )
+    if num_experts <= 1:
+        return None
+    style = "Mixtral-style, " if getattr(hf_config, "model_type", None) == "mixtral" else ""
+    used = getattr(hf_config, "num_experts_per_tok", None)
+    per_token = f", {used} per token" if isinstance(used, int) else ""
+    return ModelLoadError(
+        f"{architecture} is a mixture-of-experts model ({style}{num_experts} experts{per_token}), which tokenloom "
+        "does not serve yet: its built-in models are dense (Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
+    )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.config import EngineConfig, ModelConfig
 from tokenloom.core.generation_config import resolve_generation_defaults
+from tokenloom.core.model_interface import mixture_of_experts_error
 from tokenloom.core.pooling import (
     GENERATE,
     POOLING,
@@ -120,6 +121,10 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
     model_registry = plugins.registry("model")
     architecture = next((a for a in architectures if a in model_registry), None)
     if architecture is None:
+        # a plugin registering the architecture serves its experts; without one, say what the model is
+        moe_error = mixture_of_experts_error(hf_config, architectures[0] if architectures else "the model")
+        if moe_error is not None:
+            raise moe_error
         raise UnknownNameError(
             "model architecture",
             architectures[0] if architectures else "<none in config>",

@@ -2,6 +2,10 @@
 use): the RoPE parameters read from a config, the inverse frequencies of each scaling
 variant (default, linear, dynamic NTK, llama3, yarn), and :class:`RotaryEmbedding`, which
 precomputes its cos/sin table once and rotates queries and keys by position.
+
+Besides the Hugging Face keys, the RoPE parameters may carry ``freq_factors``: one divisor per
+rotary frequency, applied after the scaling type's own. It is how llama.cpp stores Llama 3
+scaling in a GGUF file (the ``rope_freqs.weight`` tensor, ggml's ``freq_factors``).
 """
 
 from __future__ import annotations
@@ -97,6 +101,24 @@ def compute_inv_freq(
     parameters: dict[str, Any], rotary_dim: int, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float, int]:
     """``(inv_freq [rotary_dim / 2], attention_scaling, positions the table must cover)``."""
+    inv_freq, attention_scaling, table_len = _scaled_inv_freq(parameters, rotary_dim, max_position_embeddings)
+    freq_factors = parameters.get("freq_factors")
+    if freq_factors is None:
+        return inv_freq, attention_scaling, table_len
+    factors = torch.tensor(freq_factors, dtype=torch.float32)
+    if factors.shape != inv_freq.shape or not bool((factors > 0).all()):
+        raise ConfigError(
+            f"RoPE freq_factors must be {inv_freq.numel()} positive numbers, one per rotary frequency "
+            f"(rotary dimension {rotary_dim}); got {factors.numel()}",
+            param="rope_scaling",
+        )
+    # ggml divides each frequency by its factor (ggml_rope_ext's freq_factors)
+    return inv_freq / factors, attention_scaling, table_len
+
+
+def _scaled_inv_freq(
+    parameters: dict[str, Any], rotary_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float, int]:
     rope_type = parameters.get("rope_type", "default")
     base = float(parameters.get("rope_theta") or DEFAULT_ROPE_THETA)
     if rope_type == "default":

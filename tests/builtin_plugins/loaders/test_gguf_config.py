@@ -4,6 +4,7 @@ the RoPE and override paths the model loader uses, and that no transformers impo
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
 from tokenloom.core.config import ModelConfig
 from tokenloom.core.model_loader import apply_rope_overrides, resolve_dtype
+from tokenloom.errors import ModelLoadError
 
 # what write_minimal_gguf states, under transformers' names
 SHAPE = dict(
@@ -53,17 +55,20 @@ def transformers_config(architecture: str, **fields):
     classes = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
         "gemma3": transformers.Gemma3TextConfig,
     }
     return classes[architecture](**fields)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_keys_a_file_leaves_out_take_transformers_defaults(architecture, tmp_path):
     ours = gguf_to_hf_config(GGUFFile(write_minimal_gguf(str(tmp_path / "m.gguf"), architecture)))
     fields = dict(SHAPE, rms_norm_eps=float(np.float32(1e-6)), tie_word_embeddings=True)
     if architecture == "gemma3":
         fields.update(head_dim=16, query_pre_attn_scalar=16)  # hidden_size / heads, as llama.cpp computes
+    if architecture == "qwen3":
+        fields.update(head_dim=16)  # no attention.key_length: hidden_size / heads
     reference = transformers_config(architecture, **fields).to_dict()
     ours_dict = ours.to_dict()
     for key in ("architectures", "transformers_version"):
@@ -129,3 +134,108 @@ def test_reading_a_gguf_config_does_not_import_transformers(tmp_path):
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "[]"
+
+
+def test_llama3_rope_freqs_become_the_configs_freq_factors(tmp_path):
+    factors = np.array([1.0, 1.5, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0], np.float32)
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"),
+        "llama",
+        extra={"llama.rope.dimension_count": 16},
+        tensors={"token_embd.weight": np.zeros((8, 32), np.float32), "rope_freqs.weight": factors},
+    )
+    config = gguf_to_hf_config(GGUFFile(path))
+    assert config.rope_parameters == {"rope_theta": 10000.0, "rope_type": "default", "freq_factors": factors.tolist()}
+    assert pickle.loads(pickle.dumps(config)) == config
+
+
+@pytest.mark.parametrize(
+    "extra, rope_parameters",
+    [
+        ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, {}),
+        (
+            {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+            {"rope_type": "linear", "factor": 4.0},
+        ),
+        # llama.cpp reads a factor without a type as linear (files older than the type key)
+        ({"llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+        (
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.original_context_length": 32,
+                "llama.rope.scaling.yarn_beta_fast": 16.0,
+            },
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0},
+        ),
+    ],
+    ids=["none", "linear", "legacy-linear", "yarn"],
+)
+def test_rope_scaling_keys_map_to_transformers_rope_parameters(extra, rope_parameters, tmp_path):
+    path = write_metadata_only_gguf(str(tmp_path / "m.gguf"), "llama", extra=extra)
+    expected = {"rope_theta": 10000.0, "rope_type": "default", **rope_parameters}
+    assert gguf_to_hf_config(GGUFFile(path)).rope_parameters == expected
+
+
+def test_gemma3_rope_scaling_applies_to_the_global_layers_only(tmp_path):
+    """Gemma 3 4B-27B scale the global layers' positions (linear, factor 8), as llama.cpp does."""
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"),
+        "gemma3",
+        extra={"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0},
+    )
+    rope_parameters = gguf_to_hf_config(GGUFFile(path)).rope_parameters
+    assert rope_parameters["full_attention"] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0}
+    assert rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(
+    "extra, tensors, message",
+    [
+        ({"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}, {}, "rope.scaling.type 'longrope'"),
+        (
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.yarn_ext_factor": 0.5,
+            },
+            {},
+            "yarn_ext_factor 0.5",
+        ),
+        ({"llama.rope.scaling.attn_factor": 2.0}, {}, "attn_factor 2.0"),
+        ({}, {"rope_freqs.weight": np.ones(3, np.float32)}, "must be 8 F32 or F16 values"),
+        ({}, {"rope_freqs.weight": np.array([1, 1, 1, 1, 1, 1, 1, -2], np.float32)}, "not a positive number"),
+    ],
+    ids=["longrope", "yarn-ext-factor", "attn-factor", "rope-freqs-length", "rope-freqs-negative"],
+)
+def test_rope_scaling_tokenloom_cannot_reproduce_is_refused_by_name(extra, tensors, message, tmp_path):
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"),
+        "llama",
+        extra=extra,
+        tensors={"token_embd.weight": np.zeros((8, 32), np.float32), **tensors},
+    )
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        gguf_to_hf_config(GGUFFile(path))
+
+
+def test_a_mixture_of_experts_file_is_refused_as_one_whatever_its_architecture(tmp_path):
+    """Qwen3-MoE has an architecture of its own, not yet loaded: the error says it is an MoE model."""
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"), "qwen3moe", extra={"qwen3moe.expert_count": 128, "qwen3moe.expert_used_count": 8}
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"mixture-of-experts model \(architecture 'qwen3moe' with 128 experts, 8 per"
+    ):
+        gguf_to_hf_config(GGUFFile(path))
+    # expert tensors without the count: the router's rows count the experts
+    path = write_metadata_only_gguf(
+        str(tmp_path / "n.gguf"),
+        "llama",
+        tensors={
+            "token_embd.weight": np.zeros((8, 32), np.float32),
+            "blk.0.ffn_gate_inp.weight": np.zeros((6, 32), np.float32),
+        },
+    )
+    with pytest.raises(ModelLoadError, match=r"Mixtral-style: llama architecture with 6 experts\)"):
+        gguf_to_hf_config(GGUFFile(path))

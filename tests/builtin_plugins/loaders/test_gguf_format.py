@@ -29,7 +29,7 @@ from tokenloom.core.model_files import LoadFormat
 from tokenloom.errors import ModelLoadError
 from tokenloom.plugins.registry import resolve_target
 
-ARCHITECTURES = ["llama", "qwen2", "gemma3"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3"]
 
 
 def dense(weight) -> torch.Tensor:
@@ -72,11 +72,18 @@ def test_config_equals_transformers_conversion(tiny_gguf):
         # llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim); transformers keeps the class default
         assert ours_dict.pop("query_pre_attn_scalar") == tiny_gguf.config.head_dim
         reference_dict.pop("query_pre_attn_scalar")
+    if tiny_gguf.architecture == "qwen3":
+        # transformers' conversion ignores attention.key_length and keeps Qwen3Config's 128
+        assert ours_dict.pop("head_dim") == tiny_gguf.config.head_dim
+        reference_dict.pop("head_dim")
     assert ours_dict == reference_dict
     assert ours.architectures == [
-        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[
-            tiny_gguf.architecture
-        ]
+        {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "gemma3": "Gemma3ForCausalLM",
+        }[tiny_gguf.architecture]
     ]
     for key in (
         "hidden_size",

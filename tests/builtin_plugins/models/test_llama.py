@@ -1,12 +1,21 @@
 """LlamaForCausalLM and MistralForCausalLM against transformers on tiny random models:
 every position's logits and greedy tokens through the paged cache, tied and untied
-embeddings, biases, scaled RoPE, a sliding window, and packed (dequantize-on-load) weights."""
+embeddings, biases, scaled RoPE (Llama 3's also from a GGUF file, where llama.cpp stores it as
+per-frequency factors), a sliding window, packed (dequantize-on-load) weights, and the refusal of
+a mixture-of-experts config."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.model_parity import assert_close_to_float32, assert_matches_transformers, build_model, perturb_parameters
+from helpers.model_parity import (
+    assert_close_to_float32,
+    assert_matches_transformers,
+    build_model,
+    load_checkpoint,
+    perturb_parameters,
+    randomize_parameters,
+)
 from transformers import LlamaConfig, MistralConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import MistralForCausalLM as HFMistralForCausalLM
@@ -60,6 +69,72 @@ def test_llama_matches_transformers(overrides):
     assert "model.layers.0.self_attn.qkv_proj.weight" in loaded
     assert ("lm_head.weight" in loaded) != hf_model.config.tie_word_embeddings
     assert_matches_transformers(model, hf_model, PROMPTS)
+
+
+# Llama 3.1's scaling with an original context of 8 positions: every prompt here outgrows it
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+
+
+def hf_greedy(hf_model, prompts, num_new_tokens):
+    with torch.no_grad():
+        return [
+            hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=num_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            for prompt in prompts
+        ]
+
+
+@pytest.mark.parametrize("load_format", ["safetensors", "gguf"])
+def test_llama3_rope_scaling_matches_transformers_from_safetensors_and_gguf(load_format, tmp_path):
+    hf_model = randomize_parameters(hf_llama(tie_word_embeddings=False, rope_parameters=dict(LLAMA3_ROPE)), seed=4)
+    # the scaling decides greedy tokens here: the same weights without it generate others
+    unscaled = hf_llama(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    unscaled.load_state_dict(hf_model.state_dict())
+    assert hf_greedy(unscaled, PROMPTS, 8) != hf_greedy(hf_model, PROMPTS, 8)
+
+    config, weights = load_checkpoint(load_format, hf_model, tmp_path)
+    model, _ = build_model(LlamaForCausalLM, config, weights)
+    assert_matches_transformers(model, hf_model, PROMPTS, num_new_tokens=8)
+    if load_format == "gguf":
+        # llama.cpp's converter keeps the scaling only as per-frequency divisors (rope_freqs.weight)
+        assert config.rope_parameters["rope_type"] == "default" and len(config.rope_parameters["freq_factors"]) == 8
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "attention_factor": 0.9,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+        },
+    ],
+    ids=["linear", "yarn", "yarn-betas"],
+)
+def test_scaled_rope_from_gguf_metadata_matches_transformers(rope_parameters, tmp_path):
+    hf_model = randomize_parameters(hf_llama(tie_word_embeddings=False, rope_parameters=dict(rope_parameters)), seed=5)
+    config, weights = load_checkpoint("gguf", hf_model, tmp_path)
+    model, _ = build_model(LlamaForCausalLM, config, weights)
+    assert_matches_transformers(model, hf_model, PROMPTS, num_new_tokens=5)
+    assert config.rope_parameters["rope_type"] == rope_parameters["rope_type"]
 
 
 def test_mistral_sliding_window_matches_transformers():

@@ -1,5 +1,8 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
-attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config or Gemma3TextConfig.
+attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config or
+Gemma3TextConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
+:mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
 
 Built from llama.cpp's metadata keys without transformers: ``AutoConfig.from_pretrained(...,
 gguf_file=...)`` parses the whole vocabulary, and merely importing a transformers config class
@@ -11,8 +14,12 @@ defaults below track the installed transformers.
 from __future__ import annotations
 
 import copy
+import math
+import re
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, SkippedStringArray
 from tokenloom.errors import ModelLoadError
@@ -124,6 +131,83 @@ def _rope_theta(gguf: GGUFFile, default: float) -> float:
     return float(rope_theta) if rope_theta is not None else default
 
 
+# the tensor in which llama.cpp's converter stores Llama 3 RoPE scaling: per-frequency divisors
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+_FLOAT_ARRAY_TYPES = {0: np.float32, 1: np.float16}  # ggml F32, F16
+
+
+def _rope_scaling(gguf: GGUFFile) -> dict[str, Any]:
+    """The RoPE scaling llama.cpp's ``rope.scaling.*`` keys state, under transformers' names
+    (``{}`` for none); a ModelLoadError for what tokenloom cannot reproduce exactly.
+
+    llama.cpp reads a scaling factor without a type as linear (files written before the type key).
+    """
+    factor = gguf.arch_get("rope.scaling.factor", gguf.arch_get("rope.scale_linear"))
+    scaling_type = str(gguf.arch_get("rope.scaling.type", "none" if factor is None else "linear"))
+    attn_factor = gguf.arch_get("rope.scaling.attn_factor")
+    if attn_factor is not None and float(attn_factor) != 1.0:
+        raise _unsupported_rope(gguf, f"rope.scaling.attn_factor {float(attn_factor)}")
+    if scaling_type == "none" or factor is None or float(factor) in (0.0, 1.0):
+        return {}
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if scaling_type == "yarn":
+        for key, neutral in (("rope.scaling.yarn_ext_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.0)):
+            value = gguf.arch_get(key)
+            if value is not None and float(value) != neutral:
+                raise _unsupported_rope(gguf, f"YaRN with {key} {float(value)}")
+        parameters: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        original = gguf.arch_get("rope.scaling.original_context_length")
+        if original is not None:
+            parameters["original_max_position_embeddings"] = int(original)
+        # the converter writes these from the Hugging Face config; transformers' defaults otherwise
+        for key, name in (
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ("rope.scaling.yarn_attn_factor", "attention_factor"),
+        ):
+            value = gguf.arch_get(key)
+            if value is not None:
+                parameters[name] = float(value)
+        return parameters
+    raise _unsupported_rope(gguf, f"rope.scaling.type {scaling_type!r}")
+
+
+def _unsupported_rope(gguf: GGUFFile, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"GGUF file {gguf.path} states RoPE scaling tokenloom cannot reproduce ({what}); "
+        "supported: none, linear, yarn, and Llama 3 frequency factors (rope_freqs.weight)"
+    )
+
+
+def _rope_freq_factors(gguf: GGUFFile, rotary_dim: int) -> list[float] | None:
+    """The ``rope_freqs.weight`` divisors (Llama 3 scaling), or None when the file has none."""
+    info = gguf.tensors.get(ROPE_FREQS_TENSOR)
+    if info is None:
+        return None
+    dtype = _FLOAT_ARRAY_TYPES.get(info.ggml_type)
+    if dtype is None or info.num_elements != rotary_dim // 2:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path}: {ROPE_FREQS_TENSOR} must be {rotary_dim // 2} F32 or F16 values "
+            f"(one per rotary frequency of the {rotary_dim}-dimensional rotation); it holds "
+            f"{info.num_elements} of ggml type {info.ggml_type}"
+        )
+    factors = [float(value) for value in gguf.tensor_data(info).view(dtype)]
+    if not all(math.isfinite(value) and value > 0 for value in factors):
+        raise ModelLoadError(f"GGUF file {gguf.path}: {ROPE_FREQS_TENSOR} holds a factor that is not a positive number")
+    return factors
+
+
+def _rope_parameters(gguf: GGUFFile, default_theta: float, rotary_dim: int) -> dict[str, Any]:
+    """``rope_parameters`` of a model with one RoPE setting for every layer."""
+    parameters: dict[str, Any] = {"rope_theta": _rope_theta(gguf, default_theta), "rope_type": "default"}
+    parameters.update(_rope_scaling(gguf))
+    freq_factors = _rope_freq_factors(gguf, rotary_dim)
+    if freq_factors is not None:
+        parameters["freq_factors"] = freq_factors
+    return parameters
+
+
 def _llama_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
@@ -142,19 +226,45 @@ def _llama_config(gguf: GGUFFile) -> GGUFModelConfig:
         "mlp_bias": False,
         **_common(gguf),
     }
-    fields["rope_parameters"] = {"rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA), "rope_type": "default"}
     head_dim = gguf.arch_get("rope.dimension_count")
     fields["head_dim"] = (
         int(head_dim) if head_dim is not None else fields["hidden_size"] // fields["num_attention_heads"]
     )
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, fields["head_dim"])
     return GGUFModelConfig(**fields)
 
 
 def _qwen2_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
+        **_qwen_fields(gguf),
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
+    }
+    rotary_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, rotary_dim)
+    return GGUFModelConfig(**fields)
+
+
+def _qwen3_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(),
+        **_qwen_fields(gguf),
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+    }
+    # Qwen3's head size is its own (128 in every size), not hidden_size / heads
+    fields["head_dim"] = int(
+        gguf.arch_get("attention.key_length", fields["hidden_size"] // fields["num_attention_heads"])
+    )
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, fields["head_dim"])
+    return GGUFModelConfig(**fields)
+
+
+def _qwen_fields(gguf: GGUFFile) -> dict[str, Any]:
+    """What Qwen2Config and Qwen3Config share."""
+    fields = {
         "vocab_size": 151936,
         "hidden_act": "silu",
         "initializer_range": 0.02,
@@ -169,9 +279,8 @@ def _qwen2_config(gguf: GGUFFile) -> GGUFModelConfig:
         "eos_token_id": None,
         **_common(gguf),
     }
-    fields["rope_parameters"] = {"rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA), "rope_type": "default"}
     fields["layer_types"] = ["full_attention"] * fields["num_hidden_layers"]
-    return GGUFModelConfig(**fields)
+    return fields
 
 
 def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
@@ -205,9 +314,16 @@ def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
     sliding_window = gguf.arch_get("attention.sliding_window")
     if sliding_window is not None:
         fields["sliding_window"] = int(sliding_window)
+    if ROPE_FREQS_TENSOR in gguf.tensors:
+        raise _unsupported_rope(gguf, f"{ROPE_FREQS_TENSOR} in a Gemma 3 file")
+    # llama.cpp scales the global layers' positions only (the 4B-27B models: linear, factor 8)
     fields["rope_parameters"] = {
         "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA},
-        "full_attention": {"rope_type": "default", "rope_theta": _rope_theta(gguf, GEMMA3_GLOBAL_ROPE_THETA)},
+        "full_attention": {
+            "rope_type": "default",
+            "rope_theta": _rope_theta(gguf, GEMMA3_GLOBAL_ROPE_THETA),
+            **_rope_scaling(gguf),
+        },
     }
     fields["layer_types"] = [
         "full_attention" if (index + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
@@ -219,12 +335,39 @@ def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
+    "qwen3": _qwen3_config,
     "gemma3": _gemma3_config,
 }
+
+# llama.cpp's expert tensors: per-layer router, stacked expert projections
+_EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate_inp|gate_exps|up_exps|down_exps|gate_up_exps)\.weight$")
+
+
+def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
+    """A ModelLoadError naming a mixture-of-experts file as one: tokenloom has no expert layers yet,
+    and a dense model built from the file would only report its MLP weights as missing."""
+    num_experts = gguf.arch_get("expert_count")
+    has_expert_tensors = any(_EXPERT_TENSOR.match(name) for name in gguf.tensors)
+    if not num_experts and not has_expert_tensors:
+        return
+    if not num_experts:
+        router = next((info for name, info in gguf.tensors.items() if name.endswith(".ffn_gate_inp.weight")), None)
+        num_experts = router.shape[0] if router is not None else None
+    style = (
+        "Mixtral-style: llama architecture" if gguf.architecture == "llama" else f"architecture {gguf.architecture!r}"
+    )
+    experts = f"{int(num_experts)} experts" if num_experts else "expert tensors"
+    used = gguf.arch_get("expert_used_count")
+    per_token = f", {int(used)} per token" if used else ""
+    raise ModelLoadError(
+        f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
+        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
+    )
 
 
 def gguf_to_hf_config(gguf: GGUFFile) -> GGUFModelConfig:
     """The model config of the model in ``gguf``; ModelLoadError for other architectures."""
+    _refuse_mixture_of_experts(gguf)
     builder = GGUF_CONFIG_BUILDERS.get(gguf.architecture)
     if builder is None:
         raise ModelLoadError(

@@ -36,6 +36,12 @@ _DECODER_BLOCK_NAMES = {
 BLOCK_NAMES: dict[str, dict[str, str]] = {
     "llama": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
     "qwen2": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "qwen3": {
+        **_DECODER_BLOCK_NAMES,
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
     "gemma3": {
         **_DECODER_BLOCK_NAMES,
         "post_attention_norm": "post_attention_layernorm",
@@ -45,7 +51,8 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_k_norm": "self_attn.k_norm",
     },
 }
-# tensors llama.cpp adds that have no Hugging Face parameter (precomputed rope factors)
+# tensors llama.cpp adds that have no Hugging Face parameter: the Llama 3 RoPE frequency
+# factors, which the config carries (gguf_config reads them as rope_parameters["freq_factors"])
 IGNORED_TENSORS = ("rope_freqs.weight",)
 # architectures whose llama.cpp converter permuted the Q/K rows for its rotary layout
 ROPE_PERMUTED_ARCHITECTURES = ("llama",)

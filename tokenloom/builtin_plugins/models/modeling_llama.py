@@ -4,19 +4,37 @@ RMSNorm, rotary self-attention and a SwiGLU MLP (registered by
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
+from tokenloom.core.model_interface import mixture_of_experts_error
 from tokenloom.layers.decoder import GatedMLP, SelfAttention
 from tokenloom.layers.fused_decode import FusedDecodeLayer
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, model: DecoderForCausalLM, layer_index: int, *, qkv_bias: bool, output_bias: bool):
+    """Pre-norm attention and a dense SwiGLU MLP; ``qk_norm`` (a norm class) normalises each
+    query and key head before RoPE (Qwen3)."""
+
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        layer_index: int,
+        *,
+        qkv_bias: bool,
+        output_bias: bool,
+        qk_norm: type[nn.Module] | None = None,
+    ):
         super().__init__()
         config = model.config
+        moe_error = mixture_of_experts_error(config, type(model).__name__)
+        if moe_error is not None:
+            raise moe_error  # a dense MLP would leave every expert weight unread
         norm_class, dtype = model.norm_class, model.dtype
+        attention_options: dict[str, Any] = {"qk_norm": qk_norm, "norm_eps": config.rms_norm_eps} if qk_norm else {}
         self.input_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.self_attn = SelfAttention(
             config.hidden_size,
@@ -28,6 +46,7 @@ class LlamaDecoderLayer(nn.Module):
             qkv_bias=qkv_bias,
             output_bias=output_bias,
             sliding_window=model.sliding_windows[layer_index],
+            **attention_options,
             **model.linear_options(),
         )
         self.post_attention_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)

@@ -1,0 +1,75 @@
+"""The model loader's refusals that name what a model is: a mixture-of-experts checkpoint
+(Hugging Face or GGUF) is refused as one, through the offline API (``LLM``), rather than as an
+unknown architecture or a checkpoint lacking its MLP weights."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from helpers.gguf_files import write_mixtral_gguf
+
+from tokenloom import LLM
+from tokenloom.core.model_interface import mixture_of_experts_error
+from tokenloom.errors import ModelLoadError
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def make_llm(model: str) -> LLM:
+    return LLM(model=model, dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
+
+
+def test_a_mixtral_gguf_is_refused_as_a_mixture_of_experts_model(tmp_path):
+    path = write_mixtral_gguf(str(tmp_path / "mixtral.gguf"), num_experts=4, experts_per_token=2)
+    with pytest.raises(ModelLoadError) as raised:
+        make_llm(path)
+    message = str(raised.value)
+    assert "mixture-of-experts model (Mixtral-style: llama architecture with 4 experts, 2 per token)" in message
+    assert "does not serve yet" in message and "lacks" not in message
+
+
+def test_a_mixtral_checkpoint_is_refused_as_a_mixture_of_experts_model(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"MixtralForCausalLM is a mixture-of-experts model \(Mixtral-style, 8 "):
+        make_llm(str(tmp_path))
+
+
+def test_a_dense_architecture_with_experts_in_its_config_is_refused_when_built(tmp_path):
+    """A config naming a dense built-in (here by --hf-overrides) but stating experts: the dense
+    layer refuses it instead of reporting its MLP weights as missing."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**TINY, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"is a mixture-of-experts model \(6 experts, 2 per token\)"):
+        LLM(
+            model=str(tmp_path),
+            dtype="float32",
+            max_model_len=64,
+            kv_cache_memory_bytes=2**20,
+            skip_tokenizer_init=True,
+            hf_overrides={"architectures": ["LlamaForCausalLM"]},
+        )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"num_experts": None}, {"num_local_experts": 1}, {"num_experts": 0}],
+    ids=["none", "none-value", "one-expert", "zero"],
+)
+def test_dense_configs_are_not_taken_for_mixtures(fields):
+    assert mixture_of_experts_error(types.SimpleNamespace(**fields), "LlamaForCausalLM") is None
