@@ -49,10 +49,28 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _api_keys(config: ServerConfig) -> list[str]:
-    if config.api_key:
-        return [config.api_key] if isinstance(config.api_key, str) else list(config.api_key)
-    from_env = os.environ.get(API_KEY_ENV)
-    return [from_env] if from_env else []
+    """The keys in force: ``--api-key``'s, else TOKENLOOM_API_KEY's. A blank key is no key, as
+    in vLLM: ``--api-key "$UNSET"`` must not make ``Authorization: Bearer`` with nothing after
+    it a valid key (build_app warns that the server then runs without one)."""
+    given = [config.api_key] if isinstance(config.api_key, str) else list(config.api_key or ())
+    keys = [key for key in given if key.strip()]
+    if keys:
+        return keys
+    from_env = os.environ.get(API_KEY_ENV, "")
+    return [from_env] if from_env.strip() else []
+
+
+def _warn_of_blank_api_keys(config: ServerConfig, api_keys: list[str]) -> None:
+    given = [config.api_key] if isinstance(config.api_key, str) else list(config.api_key or ())
+    num_blank = sum(1 for key in given if not key.strip())
+    if not num_blank:
+        return
+    logger.warning(
+        "--api-key was given %d empty key%s (an unset shell variable?), ignored; %s",
+        num_blank,
+        "" if num_blank == 1 else "s",
+        "the other keys apply" if api_keys else "the server runs WITHOUT an API key: anyone who reaches it can use it",
+    )
 
 
 def _parser_class(plugins: Any, kind: str, name: str | None) -> type | None:
@@ -137,10 +155,12 @@ def build_app(
     app.state.metrics = metrics
     app.state.server_load = ServerLoad()  # counted only with --enable-server-load-tracking
     install_error_handlers(app)
+    api_keys = _api_keys(config)
+    _warn_of_blank_api_keys(config, api_keys)
     routes = _routes(ctx, renderer, completions, chat, metrics)
     if getattr(engine, "runner_type", "generate") != "pooling":
         # the agent APIs are layers over chat, which a pooling model does not serve
-        keys_in_use = bool(_api_keys(config))
+        keys_in_use = bool(api_keys)
         routes.include_router(
             responses_routes(ResponsesHandler(chat, ResponseStore(store_size_from_env()), keys_in_use), _guarded)
         )
@@ -158,7 +178,7 @@ def build_app(
             entry.resolve()(app, engine)
             _warn_of_shadowed_routes(app.router.routes[:num_routes], app.router.routes[num_routes:], entry)
             public_paths |= _declared_public_paths(entry)
-    install_middleware(app, config, _api_keys(config), public_paths=frozenset(public_paths))
+    install_middleware(app, config, api_keys, public_paths=frozenset(public_paths))
     return app
 
 
