@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 # SchedulerConfig's default, for engines that do not say
 DEFAULT_MAX_NUM_SEQS = 256
 
+# the unknown request fields one warning names, and the characters shown of each: the line
+# stays short however many fields a request invents
+MAX_LOGGED_UNKNOWN_FIELDS = 16
+MAX_LOGGED_FIELD_CHARS = 64
+
 # JSON has no -inf; OpenAI clients expect a number (vLLM sends the same floor)
 MIN_LOGPROB = -9999.0
 
@@ -83,7 +88,6 @@ class ServingContext:
         self.generation_defaults: dict[str, Any] = dict(getattr(engine, "generation_defaults", None) or {})
         # the base model's names and the LoRA adapters a request's ``model`` may name
         self.models = ServedModels(engine, self.served_model_names, self.max_model_len)
-        self._warned_fields: set[str] = set()
         if self.generation_defaults:
             logger.info(
                 "request defaults from the generation config (--generation-config vllm ignores them): %s",
@@ -108,11 +112,22 @@ class ServingContext:
         return self.models.check_model(requested)
 
     def warn_unknown_fields(self, request: Any, endpoint: str) -> None:
-        for name in request.unknown_fields():
-            key = f"{endpoint}:{name}"
-            if key not in self._warned_fields:
-                self._warned_fields.add(key)
-                logger.warning("%s: ignoring unknown request field %r (logged once)", endpoint, name)
+        """One log line for a request with fields the server ignores (vLLM's), whatever their
+        number: the first few names, each shortened and quoted (a name may hold a newline)."""
+        names = request.unknown_fields()
+        if not names:
+            return
+        shown = [
+            repr(name if len(name) <= MAX_LOGGED_FIELD_CHARS else name[: MAX_LOGGED_FIELD_CHARS - 3] + "...")
+            for name in names[:MAX_LOGGED_UNKNOWN_FIELDS]
+        ]
+        more = len(names) - len(shown)
+        logger.warning(
+            "%s: the following fields were present in the request but ignored: %s%s",
+            endpoint,
+            ", ".join(shown),
+            f" and {more} more" if more else "",
+        )
 
     def require_tokenizer(self, what: str, param: str) -> None:
         """A 400 saying why, when ``what`` needs the tokenizer the server skipped."""
