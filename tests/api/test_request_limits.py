@@ -62,6 +62,30 @@ async def test_n_is_capped_by_the_engines_max_num_seqs(make_app, engine):
         assert (await http_client.post("/v1/completions", json={**COMPLETION, "n": 4})).status_code == 200
 
 
+NON_FINITE_CASES = [
+    (path, body, field, literal)
+    for path, body, fields in (
+        ("/v1/completions", COMPLETION, ("temperature", "top_p", "logit_bias")),
+        ("/v1/chat/completions", CHAT, ("temperature", "top_p", "logit_bias")),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}, ("temperature", "top_p")),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, ("temperature",)),
+    )
+    for field in fields
+    for literal in (("NaN", "Infinity") if field != "logit_bias" else ('{"42": Infinity}', '{"42": NaN}'))
+]
+
+
+@pytest.mark.parametrize("path, body, field, literal", NON_FINITE_CASES)
+async def test_nan_and_infinity_are_400s_naming_the_field(client, engine, path, body, field, literal):
+    # issue 37: Python's JSON reader takes NaN and Infinity; they were accepted and emptied the output
+    text = json.dumps(body)[:-1] + f', "{field}": {literal}}}'
+    response = await client.post(path, content=text.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert field in message and "finite" in message
+    assert engine.requests == []
+
+
 LONE_SURROGATE = "\ud800"
 
 

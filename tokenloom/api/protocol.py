@@ -50,7 +50,9 @@ def find_unencodable_text(data: Any) -> str | None:
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN and Infinity (which Python's JSON reader accepts) are never a meaningful sampling
+    # value: a NaN temperature or an infinite logit_bias only empties the output (a 400 instead)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
