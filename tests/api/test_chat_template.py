@@ -183,6 +183,25 @@ def test_reserved_kwargs_and_conflicting_flags(tokenizer):
     assert info.value.param == "continue_final_message"
 
 
+@pytest.mark.parametrize("name", ["raise_exception", "namespace", "strftime_now", "range", "bos_token", "mask_token"])
+def test_kwargs_may_not_shadow_the_templates_functions_or_special_tokens(tokenizer, name):
+    # issue 37: {"raise_exception": ...} or {"eos_token": ...} replaced what the template relies on
+    renderer = ChatRenderer(tokenizer)
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(InvalidRequestError, match="may not set") as info:
+        renderer.render(messages, chat_template_kwargs={name: "x", "flavour": "mint"})
+    assert info.value.param == "chat_template_kwargs" and repr(name) in info.value.message
+    assert renderer.render(messages, chat_template_kwargs={"flavour": "mint", "enable_thinking": False})
+
+
+@pytest.mark.anyio
+async def test_shadowing_kwargs_are_a_400_over_http(client):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    response = await client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"eos_token": "!"}})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_unknown_content_format_is_a_config_error(tokenizer):
     with pytest.raises(ConfigError, match="content-format"):
         ChatRenderer(tokenizer, content_format="xml")
