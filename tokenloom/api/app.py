@@ -31,8 +31,8 @@ from tokenloom.api.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.api.serving_base import ServingContext
-from tokenloom.api.serving_chat import ChatHandler, render_chat_request, tokenize_off_loop_if_large
+from tokenloom.api.serving_base import OFF_LOOP_TOKENIZE_CHARS, ServingContext, off_loop_if_large
+from tokenloom.api.serving_chat import ChatHandler, render_chat_request
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_models import parse_lora_modules, runtime_lora_updating_allowed
@@ -271,8 +271,12 @@ def _routes(
             add_special_tokens = request.add_special_tokens is not False
         else:
             raise InvalidRequestError('send either "prompt" (a string) or "messages" (a chat)', param="prompt")
-        token_ids = await tokenize_off_loop_if_large(ctx.tokenize, text, add_special_tokens)
-        token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+
+        def tokenize_text() -> tuple[list[int], list[str] | None]:
+            token_ids = ctx.tokenize(text, add_special_tokens)
+            return token_ids, ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+
+        token_ids, token_strs = await off_loop_if_large(len(text), OFF_LOOP_TOKENIZE_CHARS, tokenize_text)
         body = TokenizeResponse(
             count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids, token_strs=token_strs
         )
@@ -282,8 +286,8 @@ def _routes(
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         ctx.check_model(request.model)
         ctx.require_tokenizer("/detokenize", "tokens")
-        ctx.check_token_ids(request.tokens, "tokens")
-        return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens)).model_dump())
+        text = await ctx.detokenize(request.tokens, "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def health() -> Response:
         ctx.check_ready()
