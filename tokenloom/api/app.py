@@ -162,7 +162,12 @@ def build_app(
         # the agent APIs are layers over chat, which a pooling model does not serve
         keys_in_use = bool(api_keys)
         routes.include_router(
-            responses_routes(ResponsesHandler(chat, ResponseStore(store_size_from_env()), keys_in_use), _guarded)
+            responses_routes(
+                ResponsesHandler(
+                    chat, ResponseStore(store_size_from_env(), config.responses_store_max_bytes), keys_in_use
+                ),
+                _guarded,
+            )
         )
         routes.include_router(messages_routes(MessagesHandler(chat)))
     if getattr(engine, "runner_type", "generate") == "pooling":
