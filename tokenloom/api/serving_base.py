@@ -37,8 +37,8 @@ T = TypeVar("T")
 # detokenized in a worker thread: tokenizing runs at about a megabyte a second, and the event
 # loop serves every other stream and /health. Smaller input stays on the loop, where the
 # thread hop would cost more than the work, and never queues behind a large one for a thread.
-# What a thread may get is bounded before it starts: by --max-request-body-bytes, and for
-# token ids by the vocabulary check that runs with them.
+# What a thread may be given is bounded before it starts, by --max-request-body-bytes; the
+# context length is checked on the token count it returns.
 OFF_LOOP_TOKENIZE_CHARS = 16 * 1024
 OFF_LOOP_DETOKENIZE_TOKENS = 16 * 1024
 
