@@ -40,6 +40,20 @@ TEXT_PART_TYPES = ("text", "input_text")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # names the renderer itself passes; chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# the tokenizer's special-token variables (transformers' names), reserved even when this
+# tokenizer lacks one: a template that tests ``bos_token is defined`` must not be steered
+SPECIAL_TOKEN_VARIABLES = frozenset(
+    {
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+    }
+)
 _CONTINUE_TAG = "TOKENLOOM_CONTINUE_FINAL_MESSAGE "
 NO_TEMPLATE_MESSAGE = (
     "this model has no chat template, so /v1/chat/completions cannot build a prompt; start the server "
@@ -661,6 +675,9 @@ class ChatRenderer:
         self.model_template = getattr(tokenizer, "chat_template", None)
         special_tokens = getattr(tokenizer, "special_tokens_map", None) or {}
         self.special_tokens = {name: value for name, value in special_tokens.items()}
+        self._template_own_names = (
+            frozenset(template_environment().globals) | SPECIAL_TOKEN_VARIABLES | frozenset(self.special_tokens)
+        )
         if server_template is not None and not self._is_model_template_name(server_template):
             try:  # a broken --chat-template fails the start, not every request
                 template_environment().from_string(server_template)
@@ -742,6 +759,16 @@ class ChatRenderer:
         if clashing:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(clashing)}: use the request fields of the same names",
+                param="chat_template_kwargs",
+            )
+        # a request's variable would shadow the template's functions (raise_exception,
+        # namespace, ...) and the model's special tokens: what the template relies on is not
+        # the request's to replace
+        shadowing = sorted(set(extra) & self._template_own_names)
+        if shadowing:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, shadowing[:8]))}: the chat template's own "
+                "functions and the model's special tokens cannot be replaced by a request; remove them",
                 param="chat_template_kwargs",
             )
         source, from_request = self._template_source(chat_template, has_tools=bool(tools))

@@ -228,3 +228,49 @@ class FakeEngine:
         finally:
             if not done:
                 self.aborted.append(request_id)
+
+
+class LoopRecordingTokenizer:
+    """Wraps a tokenizer and records, per call (``encode``, ``decode``, ``tokens``), whether it
+    ran on the event loop's thread; everything else is the wrapped tokenizer's. Its deep copy
+    (the server's truncating tokenizer) shares the record and says ``truncating``."""
+
+    def __init__(self, inner, calls: list | None = None, name: str = "shared"):
+        self.inner = inner
+        self.calls: list[tuple[str, str, bool]] = [] if calls is None else calls
+        self.name = name
+
+    def _record(self, kind: str) -> None:
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        self.calls.append((self.name, kind, on_loop))
+
+    def __call__(self, *args, **kwargs):
+        self._record("encode")
+        return self.inner(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        self._record("decode")
+        return self.inner.decode(*args, **kwargs)
+
+    def convert_ids_to_tokens(self, *args, **kwargs):
+        self._record("tokens")
+        return self.inner.convert_ids_to_tokens(*args, **kwargs)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return LoopRecordingTokenizer(copy.deepcopy(self.inner, memo), self.calls, "truncating")
+
+    def on_loop(self, kind: str, name: str = "shared") -> list[bool]:
+        """For each recorded call of ``kind`` by the ``name`` tokenizer: whether it ran on the loop."""
+        return [on_loop for who, what, on_loop in self.calls if who == name and what == kind]

@@ -183,6 +183,25 @@ def test_reserved_kwargs_and_conflicting_flags(tokenizer):
     assert info.value.param == "continue_final_message"
 
 
+@pytest.mark.parametrize("name", ["raise_exception", "namespace", "strftime_now", "range", "bos_token", "mask_token"])
+def test_kwargs_may_not_shadow_the_templates_functions_or_special_tokens(tokenizer, name):
+    # issue 37: {"raise_exception": ...} or {"eos_token": ...} replaced what the template relies on
+    renderer = ChatRenderer(tokenizer)
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(InvalidRequestError, match="may not set") as info:
+        renderer.render(messages, chat_template_kwargs={name: "x", "flavour": "mint"})
+    assert info.value.param == "chat_template_kwargs" and repr(name) in info.value.message
+    assert renderer.render(messages, chat_template_kwargs={"flavour": "mint", "enable_thinking": False})
+
+
+@pytest.mark.anyio
+async def test_shadowing_kwargs_are_a_400_over_http(client):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    response = await client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"eos_token": "!"}})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_unknown_content_format_is_a_config_error(tokenizer):
     with pytest.raises(ConfigError, match="content-format"):
         ChatRenderer(tokenizer, content_format="xml")
@@ -587,7 +606,7 @@ async def test_the_tool_history_renders_and_tokenizes_over_http(client, engine, 
 
 @pytest.mark.anyio
 async def test_large_inputs_tokenize_off_the_loop_with_the_same_result(client, tokenizer, monkeypatch):
-    from tokenloom.api import serving_chat
+    from tokenloom.api import serving_base
 
     calls = []
     real_run_sync = anyio.to_thread.run_sync
@@ -596,11 +615,11 @@ async def test_large_inputs_tokenize_off_the_loop_with_the_same_result(client, t
         calls.append(getattr(function, "__name__", repr(function)))
         return await real_run_sync(function, *args, **kwargs)
 
-    monkeypatch.setattr(serving_chat.anyio.to_thread, "run_sync", recording_run_sync)
-    text = "tokenize me " * (serving_chat.OFF_LOOP_TOKENIZE_CHARS // 12 + 1)
+    monkeypatch.setattr(serving_base.anyio.to_thread, "run_sync", recording_run_sync)
+    text = "tokenize me " * (serving_base.OFF_LOOP_TOKENIZE_CHARS // 12 + 1)
     response = await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
     assert response.json()["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert "tokenize" in calls
+    assert "tokenize_text" in calls
     calls.clear()
     await client.post("/tokenize", json={"prompt": "short", "add_special_tokens": False})
-    assert "tokenize" not in calls
+    assert "tokenize_text" not in calls

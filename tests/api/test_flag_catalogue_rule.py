@@ -113,6 +113,7 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--enable-prompt-tokens-details": "tests/api/test_serving_completions.py::test_prompt_tokens_details",
     "--enable-server-load-tracking": "tests/e2e/test_flags_smollm2.py::test_load_counts_a_request_while_it_streams",
     "--max-request-body-bytes": "tests/api/test_middleware.py::test_body_too_large_by_content_length",
+    "--responses-store-max-bytes": "tests/api/test_serving_responses.py::test_responses_store_max_bytes_bounds_what_the_server_keeps",
     # -- ModelConfig
     "--model": "tests/e2e/test_server_smollm2.py::test_models_lists_served_name",
     "--task": "tests/test_llm_pooling.py::test_a_pooling_model_does_not_generate",

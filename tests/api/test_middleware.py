@@ -50,6 +50,34 @@ async def test_api_key_from_the_environment(make_app, monkeypatch):
         assert (await http_client.get("/v1/models", headers={"Authorization": "Bearer env-key"})).status_code == 200
 
 
+@pytest.mark.parametrize("given", [[""], ["  "], ["", ""]])
+async def test_an_empty_api_key_is_no_key_and_says_so(make_app, caplog, given):
+    # issue 37: `--api-key "$UNSET"` made "" a key, so "Authorization: Bearer" with nothing
+    # after it got in, and the server said nothing about running without a key
+    with caplog.at_level("WARNING", logger="tokenloom.api"):
+        app = make_app(api_key=given)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("empty key" in message and "WITHOUT an API key" in message for message in messages), messages
+    assert any("CORS origin" in message for message in messages)
+    async with client_for(app) as http_client:
+        # no key is in force: the route answers as on a server started without --api-key
+        for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Bearer "}):
+            assert (await http_client.get("/v1/models", headers=headers)).status_code == 200
+
+
+async def test_an_empty_api_key_beside_real_ones_is_dropped(make_app, monkeypatch):
+    async with client_for(make_app(api_key=["", KEY])) as http_client:
+        assert (await http_client.get("/v1/models", headers={"Authorization": "Bearer"})).status_code == 401
+        assert (await http_client.get("/v1/models", headers={"x-api-key": ""})).status_code == 401
+        ok = await http_client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200
+    # an empty --api-key is absent, so TOKENLOOM_API_KEY applies
+    monkeypatch.setenv("TOKENLOOM_API_KEY", "env-key")
+    async with client_for(make_app(api_key=[""])) as http_client:
+        assert (await http_client.get("/v1/models", headers={"Authorization": "Bearer"})).status_code == 401
+        assert (await http_client.get("/v1/models", headers={"Authorization": "Bearer env-key"})).status_code == 200
+
+
 async def test_cors_headers_and_preflight(make_app):
     app = make_app(api_key=[KEY], allowed_origins=["https://ui.example"])
     async with client_for(app) as http_client:

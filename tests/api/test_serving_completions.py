@@ -344,13 +344,26 @@ async def test_invalid_combinations(client, body, param):
     assert_error(await client.post("/v1/completions", json=body), 400, param)
 
 
-async def test_unknown_fields_are_ignored_with_one_warning(client, caplog):
+async def test_unknown_fields_are_ignored_with_one_short_line_per_request(client, caplog):
+    # issue 37: each new name was logged on a line of its own and remembered for good, so
+    # requests inventing thousands of fields wrote thousands of lines and grew the server
     caplog.set_level("WARNING", logger="tokenloom.api")
-    for _ in range(2):
-        response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "frobnicate": 1})
+    invented = {f"field_{index}": 1 for index in range(2000)}
+    invented["X" * 1000] = 1  # upper case: named first (the names are sorted)
+    invented["Line\nbreak"] = 1
+    for _ in range(3):
+        response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **invented})
         assert response.status_code == 200
-    warnings = [r for r in caplog.records if "frobnicate" in r.getMessage()]
-    assert len(warnings) == 1
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(warnings) == 3
+    for message in warnings:
+        assert message.startswith("/v1/completions: the following fields were present in the request but ignored: ")
+        assert "\n" not in message and len(message) < 2000
+        assert message.endswith(" and 1986 more")
+    assert "'Line\\nbreak'" in warnings[0] and "'" + "X" * 61 + "...'" in warnings[0]
+    known = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert known.status_code == 200
+    assert len([r for r in caplog.records if "ignored" in r.getMessage()]) == 3
 
 
 async def test_engine_not_running_is_503(client, engine):

@@ -179,6 +179,34 @@ async def test_truncate_prompt_tokens(client, pooling_engine, minilm_tokenizer):
     assert response.status_code == 200 and len(pooling_engine.requests[-1][1]) == 32
 
 
+async def test_inputs_are_tokenized_off_the_loop_and_truncation_never_touches_the_shared_tokenizer(
+    pooling_engine, minilm_tokenizer
+):
+    # issue 37: the pooling routes tokenized on the event loop; and moved to threads, a call
+    # that sets truncation on the shared fast tokenizer would race its other users
+    from tests.api.fake_engine import LoopRecordingTokenizer
+    from tokenloom.api.serving_base import OFF_LOOP_TOKENIZE_CHARS
+
+    app = app_for(pooling_engine)
+    recording = app.state.serving.tokenizer = LoopRecordingTokenizer(minilm_tokenizer)
+    large = "word " * (OFF_LOOP_TOKENIZE_CHARS // 5 + 1)
+    async with client_for(app) as http_client:
+        response = await http_client.post("/v1/embeddings", json={"input": [large[:100]] * 2 + [large]})
+        assert response.status_code == 400 and "at most 32" in response.json()["error"]["message"]
+        assert recording.on_loop("encode") == [False]
+        recording.calls.clear()
+        response = await http_client.post("/v1/embeddings", json={"input": "short one", "truncate_prompt_tokens": 3})
+        assert response.status_code == 200, response.text
+        assert recording.on_loop("encode", "truncating") == [False] and recording.on_loop("encode") == []
+        response = await http_client.post("/v1/embeddings", json={"input": large, "truncate_prompt_tokens": -1})
+        assert response.status_code == 200 and len(pooling_engine.requests[-1][1]) == 32
+        recording.calls.clear()
+        texts = {"text_1": "a query", "text_2": ["one doc", "another doc"]}
+        assert (await http_client.post("/v1/score", json=texts)).status_code == 200
+        assert set(recording.on_loop("encode")) == {True}  # small inputs skip the thread hop
+    assert minilm_tokenizer._tokenizer.truncation is None  # the shared tokenizer was never set to truncate
+
+
 async def test_dimensions_for_a_matryoshka_model(minilm_tokenizer):
     engine = FakePoolingEngine(minilm_tokenizer, matryoshka=True)
     async with client_for(app_for(engine)) as http_client:

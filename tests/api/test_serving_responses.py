@@ -186,6 +186,60 @@ def test_store_drops_the_least_recently_used_and_hides_other_owners():
     assert len(nothing_kept) == 0
 
 
+def test_store_is_bounded_in_bytes_dropping_the_least_recently_used():
+    # issue 37: 1,000 entries of unbounded size (metadata, tools, text.format, a long chain of
+    # turns) let a client grow the server by gigabytes
+    def sized(response_id: str, num_chars: int) -> StoredResponse:
+        return StoredResponse(
+            ResponseObject(id=response_id, model="m"), [{"role": "user", "content": "x" * num_chars}], None
+        )
+
+    entry_bytes = sized("a", 1000).num_bytes()
+    assert 1000 < entry_bytes < 2000  # the response's JSON and the conversation's
+    store = ResponseStore(max_entries=100, max_bytes=3 * entry_bytes)
+    for response_id in "abc":
+        assert store.put(sized(response_id, 1000))
+    store.get("a", None)  # "b" is now the least recently used
+    assert store.put(sized("d", 1000))
+    assert store.num_bytes == 3 * entry_bytes and len(store) == 3
+    with pytest.raises(NotFoundError):
+        store.get("b", None)
+    assert store.put(sized("e", 1900))  # about two entries' worth: the two least recently used go
+    assert list(store._entries) == ["d", "e"] and store.num_bytes <= store.max_bytes
+    # an entry larger than the whole store is not kept, nor is an earlier version of it
+    assert not store.put(sized("d", 4 * entry_bytes))
+    assert list(store._entries) == ["e"]
+    store.delete("e", None)
+    assert store.num_bytes == 0 and len(store) == 0
+
+
+@pytest.mark.anyio
+async def test_responses_store_max_bytes_bounds_what_the_server_keeps(make_app, tokenizer):
+    app = make_app(engine=FakeEngine(tokenizer, max_model_len=32768), responses_store_max_bytes=20_000)
+    async with client_for(app) as http_client:
+        made = []
+        for index in range(12):
+            body = {"input": f"question {index} " + "y" * 2000, "max_output_tokens": 4}
+            response = (await http_client.post("/v1/responses", json=body)).json()
+            assert response["store"] is True, response
+            made.append(response["id"])
+        kept = [
+            response_id
+            for response_id in made
+            if (await http_client.get(f"/v1/responses/{response_id}")).status_code == 200
+        ]
+        assert 0 < len(kept) < len(made) and kept == made[-len(kept) :]  # the newest are kept
+        # one response larger than the whole store is answered, and says it was not stored
+        big = await http_client.post("/v1/responses", json={"input": "z" * 30_000, "max_output_tokens": 4})
+        assert big.status_code == 200 and big.json()["store"] is False
+        assert (await http_client.get(f"/v1/responses/{big.json()['id']}")).status_code == 404
+        background = await http_client.post(
+            "/v1/responses", json={"input": "z" * 30_000, "max_output_tokens": 4, "background": True}
+        )
+        assert background.status_code == 400 and background.json()["error"]["param"] == "background"
+        assert "--responses-store-max-bytes" in background.json()["error"]["message"]
+
+
 # -- output: any split of the text gives the whole text's items ----------------------------------
 
 
@@ -392,6 +446,9 @@ async def test_a_finished_background_response_is_stored(make_app, tokenizer):
         ({"input": [], "model": "smollm2"}, "input", "empty"),
         ({"input": "hi", "model": "gpt-9"}, "model", "does not exist"),
         ({}, "input", "Field required"),
+        ({"input": "hi", "metadata": {f"k{index}": "v" for index in range(17)}}, "metadata", "at most 16"),
+        ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata", "at most 64"),
+        ({"input": "hi", "metadata": {"note": "v" * 513}}, "metadata.note", "at most 512"),
     ],
 )
 async def test_bad_requests_are_4xx_naming_the_responses_parameter(client, body, param, words):

@@ -31,8 +31,8 @@ from tokenloom.api.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.api.serving_base import ServingContext
-from tokenloom.api.serving_chat import ChatHandler, render_chat_request, tokenize_off_loop_if_large
+from tokenloom.api.serving_base import OFF_LOOP_TOKENIZE_CHARS, ServingContext, off_loop_if_large
+from tokenloom.api.serving_chat import ChatHandler, render_chat_request
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_models import parse_lora_modules, runtime_lora_updating_allowed
@@ -49,10 +49,28 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _api_keys(config: ServerConfig) -> list[str]:
-    if config.api_key:
-        return [config.api_key] if isinstance(config.api_key, str) else list(config.api_key)
-    from_env = os.environ.get(API_KEY_ENV)
-    return [from_env] if from_env else []
+    """The keys in force: ``--api-key``'s, else TOKENLOOM_API_KEY's. A blank key is no key, as
+    in vLLM: ``--api-key "$UNSET"`` must not make ``Authorization: Bearer`` with nothing after
+    it a valid key (build_app warns that the server then runs without one)."""
+    given = [config.api_key] if isinstance(config.api_key, str) else list(config.api_key or ())
+    keys = [key for key in given if key.strip()]
+    if keys:
+        return keys
+    from_env = os.environ.get(API_KEY_ENV, "")
+    return [from_env] if from_env.strip() else []
+
+
+def _warn_of_blank_api_keys(config: ServerConfig, api_keys: list[str]) -> None:
+    given = [config.api_key] if isinstance(config.api_key, str) else list(config.api_key or ())
+    num_blank = sum(1 for key in given if not key.strip())
+    if not num_blank:
+        return
+    logger.warning(
+        "--api-key was given %d empty key%s (an unset shell variable?), ignored; %s",
+        num_blank,
+        "" if num_blank == 1 else "s",
+        "the other keys apply" if api_keys else "the server runs WITHOUT an API key: anyone who reaches it can use it",
+    )
 
 
 def _parser_class(plugins: Any, kind: str, name: str | None) -> type | None:
@@ -137,12 +155,19 @@ def build_app(
     app.state.metrics = metrics
     app.state.server_load = ServerLoad()  # counted only with --enable-server-load-tracking
     install_error_handlers(app)
+    api_keys = _api_keys(config)
+    _warn_of_blank_api_keys(config, api_keys)
     routes = _routes(ctx, renderer, completions, chat, metrics)
     if getattr(engine, "runner_type", "generate") != "pooling":
         # the agent APIs are layers over chat, which a pooling model does not serve
-        keys_in_use = bool(_api_keys(config))
+        keys_in_use = bool(api_keys)
         routes.include_router(
-            responses_routes(ResponsesHandler(chat, ResponseStore(store_size_from_env()), keys_in_use), _guarded)
+            responses_routes(
+                ResponsesHandler(
+                    chat, ResponseStore(store_size_from_env(), config.responses_store_max_bytes), keys_in_use
+                ),
+                _guarded,
+            )
         )
         routes.include_router(messages_routes(MessagesHandler(chat)))
     if getattr(engine, "runner_type", "generate") == "pooling":
@@ -158,7 +183,7 @@ def build_app(
             entry.resolve()(app, engine)
             _warn_of_shadowed_routes(app.router.routes[:num_routes], app.router.routes[num_routes:], entry)
             public_paths |= _declared_public_paths(entry)
-    install_middleware(app, config, _api_keys(config), public_paths=frozenset(public_paths))
+    install_middleware(app, config, api_keys, public_paths=frozenset(public_paths))
     return app
 
 
@@ -251,8 +276,12 @@ def _routes(
             add_special_tokens = request.add_special_tokens is not False
         else:
             raise InvalidRequestError('send either "prompt" (a string) or "messages" (a chat)', param="prompt")
-        token_ids = await tokenize_off_loop_if_large(ctx.tokenize, text, add_special_tokens)
-        token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+
+        def tokenize_text() -> tuple[list[int], list[str] | None]:
+            token_ids = ctx.tokenize(text, add_special_tokens)
+            return token_ids, ctx.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+
+        token_ids, token_strs = await off_loop_if_large(len(text), OFF_LOOP_TOKENIZE_CHARS, tokenize_text)
         body = TokenizeResponse(
             count=len(token_ids), max_model_len=ctx.max_model_len, tokens=token_ids, token_strs=token_strs
         )
@@ -262,8 +291,8 @@ def _routes(
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         ctx.check_model(request.model)
         ctx.require_tokenizer("/detokenize", "tokens")
-        ctx.check_token_ids(request.tokens, "tokens")
-        return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens)).model_dump())
+        text = await ctx.detokenize(request.tokens, "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def health() -> Response:
         ctx.check_ready()

@@ -281,6 +281,7 @@ FLAGS: tuple[Flag, ...] = (
         default=False,
     ),
     server("--max-request-body-bytes", kind="size", tokenloom_only=True),
+    server("--responses-store-max-bytes", kind="size", tokenloom_only=True),
     server("--lora-modules", nargs="+"),
     unimplemented("--prompt-adapters", "Frontend", "Prompt adapters to serve, as name=path.", nargs="+"),
     unimplemented(

@@ -1,7 +1,7 @@
 """Pydantic models of the pooling endpoints: OpenAI's embeddings, vLLM's ``/pooling`` and
 ``/v1/score``, and the Jina/Cohere-style rerank API (``/v1/rerank``, ``/v2/rerank``).
 
-Requests accept unknown fields (logged once by the server), as the other endpoints do.
+Requests accept unknown fields (named in one log line per request), as the other endpoints do.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 bodies, plus vLLM's documented extra parameters, tokenize and detokenize.
 
 Request models accept unknown fields (OpenAI clients send new ones all the time); the server
-logs each unknown field name once and ignores it. Value checks beyond types are left to
+ignores them and names them in one log line per request, as vLLM does. Value checks beyond types are left to
 :class:`~tokenloom.core.request.SamplingParams`, whose errors name the parameter.
 
 Over ~400 lines on purpose: one model per OpenAI request and response shape, mirrored field
@@ -50,7 +50,9 @@ def find_unencodable_text(data: Any) -> str | None:
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN and Infinity (which Python's JSON reader accepts) are never a meaningful sampling
+    # value: a NaN temperature or an infinite logit_bias only empties the output (a 400 instead)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -23,6 +23,10 @@ from tokenloom.errors import InvalidRequestError
 # what OpenAI's input items may say for the model's own turn and the system's
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+# OpenAI's limits on a response's metadata
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 def new_item_id(prefix: str) -> str:
@@ -68,10 +72,30 @@ class ResponsesRequest(RequestModel):
                 "and poll GET /v1/responses/{id} for a background one",
                 param="background",
             )
-        if self.metadata is not None and len(self.metadata) > 16:
-            raise InvalidRequestError("metadata holds at most 16 keys", param="metadata")
+        self.check_metadata()
         if isinstance(self.input, list) and not self.input and not self.previous_response_id:
             raise InvalidRequestError("input is empty: send a string or at least one item", param="input")
+
+    def check_metadata(self) -> None:
+        """OpenAI's limits: 16 keys of at most 64 characters, values of at most 512 (it is
+        stored with the response, so unbounded values would let a client fill the store)."""
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_KEYS:
+            raise InvalidRequestError(
+                f"metadata has {len(metadata)} keys; at most {MAX_METADATA_KEYS} are allowed", param="metadata"
+            )
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise InvalidRequestError(
+                    f"metadata has a key of {len(key)} characters; keys may have at most {MAX_METADATA_KEY_CHARS}",
+                    param="metadata",
+                )
+            if len(value) > MAX_METADATA_VALUE_CHARS:
+                raise InvalidRequestError(
+                    f"metadata[{key!r}] has {len(value)} characters; values may have at most "
+                    f"{MAX_METADATA_VALUE_CHARS}",
+                    param=f"metadata.{key}",
+                )
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The function tools in chat's shape; any other tool type is a 400."""

@@ -85,6 +85,11 @@ class ServerConfig:
     ``{"server_load": N}`` (vLLM's route: a load balancer's view of this server)."""
     max_request_body_bytes: int = 32 * 1024 * 1024
     """Largest accepted request body; larger ones get 413."""
+    responses_store_max_bytes: int = 128 * 1024 * 1024
+    """Bytes the Responses API's in-memory store of responses (``store: true``, the default)
+    may hold, each counted as its response and conversation in JSON; the least recently used
+    are dropped beyond it (and beyond TOKENLOOM_RESPONSES_STORE_SIZE entries, 1000). A response
+    larger than all of it is not stored (it says ``"store": false``). 0 stores nothing."""
     lora_modules: list[str] = field(default_factory=list)
     """LoRA adapters to serve (needs --enable-lora), each ``name=path`` or a JSON object
     ``{"name": ..., "path": ..., "base_model_name": ...}``; the path is a folder, a packaged

@@ -10,10 +10,13 @@ Responses and Messages layers) must apply identically; one place keeps them from
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import logging
-from collections.abc import AsyncIterator, Awaitable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -28,12 +31,43 @@ from tokenloom.core.request import CompletionOutput, Logprob, RequestOutput, Req
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Request input at least this large (characters of text, or token ids) is tokenized or
+# detokenized in a worker thread: tokenizing runs at about a megabyte a second, and the event
+# loop serves every other stream and /health. Smaller input stays on the loop, where the
+# thread hop would cost more than the work, and never queues behind a large one for a thread.
+# What a thread may be given is bounded before it starts, by --max-request-body-bytes; the
+# context length is checked on the token count it returns.
+OFF_LOOP_TOKENIZE_CHARS = 16 * 1024
+OFF_LOOP_DETOKENIZE_TOKENS = 16 * 1024
 
 # SchedulerConfig's default, for engines that do not say
 DEFAULT_MAX_NUM_SEQS = 256
 
+# the unknown request fields one warning names, and the characters shown of each: the line
+# stays short however many fields a request invents
+MAX_LOGGED_UNKNOWN_FIELDS = 16
+MAX_LOGGED_FIELD_CHARS = 64
+
 # JSON has no -inf; OpenAI clients expect a number (vLLM sends the same floor)
 MIN_LOGPROB = -9999.0
+
+
+async def off_loop_if_large(size: int, threshold: int, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)``: on the event loop when ``size`` is under ``threshold``, else in a worker thread."""
+    if size < threshold:
+        return work(*args)
+    return await anyio.to_thread.run_sync(work, *args)
+
+
+async def tokenize_off_loop_if_large(tokenize: Callable[..., T], text: str, *args: Any) -> T:
+    return await off_loop_if_large(len(text), OFF_LOOP_TOKENIZE_CHARS, tokenize, text, *args)
+
+
+def input_size(inputs: list[Any]) -> int:
+    """The characters of the texts and the number of token ids among ``inputs``."""
+    return sum(len(item) if isinstance(item, (str, list)) else 0 for item in inputs)
 
 
 class ClientDisconnected(Exception):
@@ -83,7 +117,11 @@ class ServingContext:
         self.generation_defaults: dict[str, Any] = dict(getattr(engine, "generation_defaults", None) or {})
         # the base model's names and the LoRA adapters a request's ``model`` may name
         self.models = ServedModels(engine, self.served_model_names, self.max_model_len)
-        self._warned_fields: set[str] = set()
+        # calls that set truncation change the fast tokenizer's state (an exclusive borrow of
+        # the Rust tokenizer): they get a copy of their own, one call at a time, so the shared
+        # tokenizer's users in other threads neither fail ("Already borrowed") nor see it
+        self._truncating_tokenizer: Any = None
+        self._truncating_lock = threading.Lock()
         if self.generation_defaults:
             logger.info(
                 "request defaults from the generation config (--generation-config vllm ignores them): %s",
@@ -108,11 +146,22 @@ class ServingContext:
         return self.models.check_model(requested)
 
     def warn_unknown_fields(self, request: Any, endpoint: str) -> None:
-        for name in request.unknown_fields():
-            key = f"{endpoint}:{name}"
-            if key not in self._warned_fields:
-                self._warned_fields.add(key)
-                logger.warning("%s: ignoring unknown request field %r (logged once)", endpoint, name)
+        """One log line for a request with fields the server ignores (vLLM's), whatever their
+        number: the first few names, each shortened and quoted (a name may hold a newline)."""
+        names = request.unknown_fields()
+        if not names:
+            return
+        shown = [
+            repr(name if len(name) <= MAX_LOGGED_FIELD_CHARS else name[: MAX_LOGGED_FIELD_CHARS - 3] + "...")
+            for name in names[:MAX_LOGGED_UNKNOWN_FIELDS]
+        ]
+        more = len(names) - len(shown)
+        logger.warning(
+            "%s: the following fields were present in the request but ignored: %s%s",
+            endpoint,
+            ", ".join(shown),
+            f" and {more} more" if more else "",
+        )
 
     def require_tokenizer(self, what: str, param: str) -> None:
         """A 400 saying why, when ``what`` needs the tokenizer the server skipped."""
@@ -173,6 +222,35 @@ class ServingContext:
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         self.require_tokenizer("a text prompt", "prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    @contextlib.contextmanager
+    def truncating_tokenizer(self) -> Iterator[Any]:
+        """The tokenizer for calls that ask it to truncate (see ``_truncating_tokenizer``);
+        blocking: use it in a worker thread, never on the event loop."""
+        with self._truncating_lock:
+            if self._truncating_tokenizer is None:
+                self._truncating_tokenizer = copy.deepcopy(self.tokenizer)
+            yield self._truncating_tokenizer
+
+    async def prepare_prompts(
+        self, prompts: list[str | list[int]], add_special_tokens: bool, truncate_prompt_tokens: int | None
+    ) -> list[list[int]]:
+        """:meth:`prepare_prompt` for each prompt, in a worker thread when they are large."""
+
+        def prepare_all() -> list[list[int]]:
+            return [self.prepare_prompt(prompt, add_special_tokens, truncate_prompt_tokens) for prompt in prompts]
+
+        return await off_loop_if_large(input_size(prompts), OFF_LOOP_TOKENIZE_CHARS, prepare_all)
+
+    async def detokenize(self, token_ids: list[int], param: str) -> str:
+        """The text of request input ``token_ids`` (checked against the vocabulary), in a worker
+        thread when they are many."""
+
+        def decode() -> str:
+            self.check_token_ids(token_ids, param)
+            return self.tokenizer.decode(token_ids)
+
+        return await off_loop_if_large(len(token_ids), OFF_LOOP_DETOKENIZE_TOKENS, decode)
 
     def check_token_id_list_size(self, token_ids: list[int] | None, param: str) -> None:
         vocab_size = self.vocab_size

@@ -16,8 +16,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -49,6 +49,7 @@ from tokenloom.api.serving_base import (
     clamp_logprob,
     pick_best,
     respond,
+    tokenize_off_loop_if_large,
 )
 from tokenloom.api.serving_completions import check_output
 from tokenloom.chat_template import ChatRenderer, message_text
@@ -57,18 +58,6 @@ from tokenloom.core.request import Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-# prompts longer than this are tokenized in a worker thread: the hop costs less than the event
-# loop stalling for every other stream (tokenizing runs at roughly a few MB/s)
-OFF_LOOP_TOKENIZE_CHARS = 16 * 1024
-
-
-async def tokenize_off_loop_if_large(tokenize: Callable[..., T], text: str, *args: Any) -> T:
-    if len(text) < OFF_LOOP_TOKENIZE_CHARS:
-        return tokenize(text, *args)
-    return await anyio.to_thread.run_sync(tokenize, text, *args)
 
 
 async def render_chat_request(renderer: ChatRenderer, request: Any) -> str:

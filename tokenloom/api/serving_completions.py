@@ -24,9 +24,12 @@ from tokenloom.api.protocol import (
     sse_event,
 )
 from tokenloom.api.serving_base import (
+    OFF_LOOP_DETOKENIZE_TOKENS,
     ChoiceState,
     ServingContext,
     clamp_logprob,
+    input_size,
+    off_loop_if_large,
     pick_best,
     respond,
 )
@@ -67,6 +70,21 @@ def completion_logprobs(
     return result
 
 
+async def completion_prompt_texts(ctx: ServingContext, prompts: list[Any], prompt_ids: list[list[int]]) -> list[str]:
+    """The text of each prompt (for echo): token-id prompts decoded, in a worker thread when
+    they are many."""
+    id_prompts = [ids for prompt, ids in zip(prompts, prompt_ids) if not isinstance(prompt, str)]
+
+    def texts() -> list[str]:
+        return [
+            # without a tokenizer (--skip-tokenizer-init) text fields are empty, as in vLLM
+            prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if ctx.tokenizer is not None else "")
+            for prompt, ids in zip(prompts, prompt_ids)
+        ]
+
+    return await off_loop_if_large(input_size(id_prompts), OFF_LOOP_DETOKENIZE_TOKENS, texts)
+
+
 class CompletionsHandler:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
@@ -87,9 +105,7 @@ class CompletionsHandler:
         ctx.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
 
         prompts = request.prompts()
-        prompt_ids = [
-            ctx.prepare_prompt(prompt, request.add_special_tokens, request.truncate_prompt_tokens) for prompt in prompts
-        ]
+        prompt_ids = await ctx.prepare_prompts(prompts, request.add_special_tokens, request.truncate_prompt_tokens)
         # best_of ranks by cumulative logprob, which needs the sampled tokens' logprobs
         engine_logprobs = request.logprobs if request.logprobs is not None else (0 if num_samples > request.n else None)
         prompt_logprobs = request.prompt_logprobs
@@ -107,7 +123,8 @@ class CompletionsHandler:
                 for ids in prompt_ids
             ]
             request_id = ctx.engine_request_id(raw_request, request, "cmpl")
-            run = _CompletionRun(ctx, request, request_id, model_name, prompts, prompt_ids)
+            prompt_texts = await completion_prompt_texts(ctx, prompts, prompt_ids)
+            run = _CompletionRun(ctx, request, request_id, model_name, prompt_texts, prompt_ids)
             outputs = ctx.beam_search(
                 beam_inputs, request_id, request.priority, request.n, request.logprobs, request.skip_special_tokens
             )
@@ -128,7 +145,8 @@ class CompletionsHandler:
         request_id = ctx.engine_request_id(raw_request, request, "cmpl")
         for index, (ids, params) in enumerate(engine_inputs):
             ctx.log_request(request_id if len(prompts) == 1 else f"{request_id}-{index}", prompts[index], ids, params)
-        run = _CompletionRun(ctx, request, request_id, model_name, prompts, prompt_ids)
+        prompt_texts = await completion_prompt_texts(ctx, prompts, prompt_ids)
+        run = _CompletionRun(ctx, request, request_id, model_name, prompt_texts, prompt_ids)
         outputs = ctx.generate_all(engine_inputs, request_id, request.priority, ctx.models.lora_request_for(model_name))
         return await respond(raw_request, run, outputs, request_id, request.stream)
 
@@ -142,7 +160,7 @@ class _CompletionRun:
         request: CompletionRequest,
         request_id: str,
         model_name: str,
-        prompts: list[Any],
+        prompt_texts: list[str],
         prompt_ids: list[list[int]],
     ):
         self.ctx = ctx
@@ -150,11 +168,7 @@ class _CompletionRun:
         self.request_id = request_id
         self.model_name = model_name
         self.prompt_ids = prompt_ids
-        self.prompt_texts = [
-            # without a tokenizer (--skip-tokenizer-init) text fields are empty, as in vLLM
-            prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if ctx.tokenizer is not None else "")
-            for prompt, ids in zip(prompts, prompt_ids)
-        ]
+        self.prompt_texts = prompt_texts
         self.as_token_ids = ctx.return_token_ids(request)
         self.created = int(time.time())
         self.num_prompt_tokens = sum(len(ids) for ids in prompt_ids)

@@ -35,8 +35,8 @@ from tokenloom.api.messages_protocol import (
     stop_reason_of,
 )
 from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
-from tokenloom.api.serving_base import ChoiceState, respond
-from tokenloom.api.serving_chat import ChatHandler, tokenize_off_loop_if_large
+from tokenloom.api.serving_base import ChoiceState, respond, tokenize_off_loop_if_large
+from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.api.serving_responses import renamed_error
 from tokenloom.core.request import RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -38,7 +39,14 @@ from tokenloom.api.pooling_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from tokenloom.api.serving_base import ClientDisconnected, ServingContext, cancel_on_disconnect
+from tokenloom.api.serving_base import (
+    OFF_LOOP_TOKENIZE_CHARS,
+    ClientDisconnected,
+    ServingContext,
+    cancel_on_disconnect,
+    input_size,
+    off_loop_if_large,
+)
 from tokenloom.core.pooling import check_pooling_params, cosine_similarity, score_inputs
 from tokenloom.core.request import PoolingParams
 from tokenloom.errors import ContextLengthError, InvalidRequestError, TokenloomError
@@ -89,10 +97,23 @@ class PoolingHandler:
             )
         return truncate
 
-    def tokenize_inputs(self, inputs: list[str | list[int]], options: PoolingOptions, param: str) -> list[list[int]]:
+    async def tokenize_inputs(
+        self, inputs: list[str | list[int]], options: PoolingOptions, param: str
+    ) -> list[list[int]]:
         """Token ids of every input (texts in one batched tokenizer call), truncated and
-        checked against the vocabulary and the context length."""
+        checked against the vocabulary and the context length; in a worker thread when the
+        inputs are large, and always when texts are truncated (the truncating tokenizer is
+        taken one call at a time, which the event loop must never wait for)."""
         truncate = self._truncation(options)
+        if truncate is not None and any(isinstance(item, str) for item in inputs):
+            return await anyio.to_thread.run_sync(self._tokenize_inputs, inputs, options, truncate, param)
+        return await off_loop_if_large(
+            input_size(inputs), OFF_LOOP_TOKENIZE_CHARS, self._tokenize_inputs, inputs, options, truncate, param
+        )
+
+    def _tokenize_inputs(
+        self, inputs: list[str | list[int]], options: PoolingOptions, truncate: int | None, param: str
+    ) -> list[list[int]]:
         texts = [(index, text) for index, text in enumerate(inputs) if isinstance(text, str)]
         for index, text in texts:
             if not text:
@@ -100,10 +121,14 @@ class PoolingHandler:
         token_ids: list[list[int] | None] = [None] * len(inputs)
         if texts:
             self.ctx.require_tokenizer("a text input", param)
-            kwargs = {"truncation": True, "max_length": truncate} if truncate is not None else {}
-            encoded = self.ctx.tokenizer(
-                [text for _, text in texts], add_special_tokens=options.add_special_tokens, **kwargs
-            )["input_ids"]
+            batch = [text for _, text in texts]
+            if truncate is None:
+                encoded = self.ctx.tokenizer(batch, add_special_tokens=options.add_special_tokens)["input_ids"]
+            else:
+                with self.ctx.truncating_tokenizer() as tokenizer:
+                    encoded = tokenizer(
+                        batch, add_special_tokens=options.add_special_tokens, truncation=True, max_length=truncate
+                    )["input_ids"]
             for (index, _), ids in zip(texts, encoded):
                 token_ids[index] = list(ids)
         for index, value in enumerate(inputs):
@@ -179,7 +204,7 @@ class PoolingHandler:
     ) -> Response:
         model_name = self._begin(request, endpoint)
         params = self.pooling_params(request.dimensions, request.normalize)
-        token_ids = self.tokenize_inputs(self._as_inputs(request.input, "input"), request, "input")
+        token_ids = await self.tokenize_inputs(self._as_inputs(request.input, "input"), request, "input")
         request_id = self._request_id(raw_request, request, "embd" if object_kind == "embedding" else "pool")
         vectors = await self.encode_all(raw_request, token_ids, params, request_id, request.priority)
         num_tokens = sum(len(ids) for ids in token_ids)
@@ -210,8 +235,8 @@ class PoolingHandler:
         request_id: str,
     ) -> tuple[list[float], int]:
         """Cosine similarity of each pair's embeddings, and the tokens embedded."""
-        first_ids = self.tokenize_inputs(first, options, param_1)
-        second_ids = self.tokenize_inputs(second, options, param_2)
+        first_ids = await self.tokenize_inputs(first, options, param_1)
+        second_ids = await self.tokenize_inputs(second, options, param_2)
         vectors = await self.encode_all(
             raw_request, first_ids + second_ids, self.pooling_params(), request_id, options.priority
         )

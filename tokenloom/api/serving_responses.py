@@ -2,7 +2,8 @@
 become chat messages, the chat path renders, runs and parses them (same tool and reasoning
 parsers, same structured outputs), and its message or streamed deltas come back as output
 items and Responses events. Stored responses (``store``, ``previous_response_id``, GET,
-DELETE, cancel of ``background`` ones) live in memory, LRU-bounded, and are lost on restart.
+DELETE, cancel of ``background`` ones) live in memory, bounded in entries and in bytes
+(least recently used dropped first), and are lost on restart.
 
 Over ~400 lines: the input-item translation, the streamed event writer and the response
 store are one API's three halves; the store is the seam to split at if it grows.
@@ -14,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import time
@@ -54,6 +56,8 @@ logger = logging.getLogger("tokenloom.api")
 
 STORE_SIZE_ENV = "TOKENLOOM_RESPONSES_STORE_SIZE"
 DEFAULT_STORE_SIZE = 1000
+# ServerConfig.responses_store_max_bytes' default, for stores built without a config
+DEFAULT_STORE_MAX_BYTES = 128 * 1024 * 1024
 # the chat path's names for what the Responses API calls otherwise, for error messages and params
 _RESPONSES_NAMES = (
     ("max_completion_tokens", "max_output_tokens"),
@@ -110,24 +114,53 @@ class StoredResponse:
     owner: str | None
     task: asyncio.Task | None = field(default=None, repr=False)
 
+    def num_bytes(self) -> int:
+        """The entry's size as the store counts it: its response and its conversation as JSON
+        (UTF-8 bytes), which is what a client can make large (input, instructions, tools,
+        metadata, text.format, reasoning, the output, a chain of previous turns)."""
+        response = self.response.model_dump_json().encode()
+        messages = json.dumps(self.messages, ensure_ascii=False, default=str).encode()
+        return len(response) + len(messages)
+
 
 class ResponseStore:
-    """Stored responses by id, least recently used dropped first beyond ``max_entries``."""
+    """Stored responses by id, least recently used dropped first beyond ``max_entries``
+    entries or ``max_bytes`` bytes (:meth:`StoredResponse.num_bytes`, measured when stored)."""
 
-    def __init__(self, max_entries: int):
+    def __init__(self, max_entries: int, max_bytes: int = DEFAULT_STORE_MAX_BYTES):
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, entry: StoredResponse) -> None:
-        self._entries[entry.response.id] = entry
-        self._entries.move_to_end(entry.response.id)
-        while len(self._entries) > self.max_entries:
-            _, dropped = self._entries.popitem(last=False)
+    def put(self, entry: StoredResponse) -> bool:
+        """Store ``entry`` (replacing one with its id), dropping the least recently used beyond
+        the bounds; False, and nothing kept under its id, when it alone exceeds ``max_bytes``
+        (or the store keeps no entries)."""
+        response_id = entry.response.id
+        size = entry.num_bytes()
+        self._forget(response_id)
+        if size > self.max_bytes or self.max_entries < 1:
+            return False
+        self._entries[response_id] = entry
+        self._sizes[response_id] = size
+        self.num_bytes += size
+        while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
+            dropped_id = next(iter(self._entries))
+            dropped = self._entries[dropped_id]
+            self._forget(dropped_id)
             if dropped.task is not None and not dropped.task.done():
                 dropped.task.cancel()
+        return True
+
+    def _forget(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.pop(response_id, None)
+        self.num_bytes -= self._sizes.pop(response_id, 0)
+        return entry
 
     def get(self, response_id: str, owner: str | None, param: str = "response_id") -> StoredResponse:
         entry = self._entries.get(response_id)
@@ -143,7 +176,7 @@ class ResponseStore:
 
     def delete(self, response_id: str, owner: str | None) -> StoredResponse:
         entry = self.get(response_id, owner)
-        del self._entries[response_id]
+        self._forget(response_id)
         if entry.task is not None and not entry.task.done():
             entry.task.cancel()
         return entry
@@ -228,10 +261,27 @@ class ResponsesHandler:
         if request.background:
             response.status = "queued"
             entry = StoredResponse(response, history, owner)
-            self.store.put(entry)
+            if not self.store.put(entry):
+                with anyio.CancelScope(shield=True):
+                    await outputs.aclose()
+                raise InvalidRequestError(
+                    f"this background response is larger than the server's response store "
+                    f"({self.store.max_bytes} bytes, --responses-store-max-bytes), so it could never be "
+                    "retrieved; shorten the input, tools or metadata, or send it without background",
+                    param="background",
+                )
             entry.task = asyncio.create_task(run.run_in_background(entry, outputs))
             return JSONResponse(response.model_dump(mode="json"))
         return await respond(raw_request, run, outputs, chat_run.request_id, request.stream)
+
+    def not_stored(self, response: ResponseObject) -> None:
+        """``response`` alone is larger than the store: the client learns it from ``store``."""
+        logger.warning(
+            "response %s was not stored: it is larger than the response store's %d bytes (--responses-store-max-bytes)",
+            response.id,
+            self.store.max_bytes,
+        )
+        response.store = False
 
     def retrieve(self, response_id: str, raw_request: Request) -> JSONResponse:
         entry = self.store.get(response_id, owner_of(raw_request, self.keys_in_use))
@@ -296,8 +346,10 @@ class _ResponsesRun:
             response.incomplete_details = {"reason": "max_output_tokens"}
         else:
             response.status = "completed"
-        if response.store:
-            self.handler.store.put(StoredResponse(response, self.history + output_messages(output), self.owner))
+        if response.store and not self.handler.store.put(
+            StoredResponse(response, self.history + output_messages(output), self.owner)
+        ):
+            self.handler.not_stored(response)
         return response
 
     async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ResponseObject:

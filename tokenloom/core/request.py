@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,6 +130,13 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "logit_bias keys must be token ids and values numbers", param="logit_bias"
                 ) from None
+            infinite = next((token for token, bias in self.logit_bias.items() if not math.isfinite(bias)), None)
+            if infinite is not None:
+                raise InvalidRequestError(
+                    f"logit_bias[{infinite}] is {self.logit_bias[infinite]}; biases must be finite numbers "
+                    "(use allowed_token_ids or bad_words to force or ban a token)",
+                    param="logit_bias",
+                )
         self._validate()
 
     def _validate(self) -> None:
@@ -145,6 +153,8 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            bad("temperature", f"must be a finite number, got {self.temperature}")
         if self.temperature < 0.0:
             bad("temperature", f"must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

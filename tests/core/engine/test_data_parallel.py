@@ -470,3 +470,27 @@ def test_lora_adapters_are_added_to_and_removed_from_every_live_replica():
         assert replicas[2].sent == []  # nothing to the dead one
 
     asyncio.run(run())
+
+
+def test_the_ray_backend_starts_ray_without_its_dashboard(monkeypatch):
+    # issue 37: the data-parallel ray.init started Ray's dashboard (an open HTTP port of its
+    # own), which the executor's ray.init already turned off
+    from tokenloom.core.engine import data_parallel
+    from tokenloom.plugins.manager import load_plugins
+
+    calls = []
+
+    class RecordingRay:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            calls.append(kwargs)
+            raise RuntimeError("stop here: no cluster in this test")
+
+    monkeypatch.setattr(data_parallel, "import_ray", lambda flag: RecordingRay())
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    engine_args = EngineArgs(data_parallel_size=2, data_parallel_backend="ray")
+    with pytest.raises(RuntimeError, match="stop here"):
+        data_parallel.DataParallelAsyncLLM.from_engine_args(engine_args, load_plugins())
+    assert calls == [{"address": "local", "include_dashboard": False}]

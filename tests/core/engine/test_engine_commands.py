@@ -1,18 +1,20 @@
 """AsyncLLM's commands: typed, immutable, applied in order on the engine thread; an add whose
-client went away is dropped, a failing add fails only its own stream, and closing a stream
-early sends an abort."""
+client went away is dropped, a failing add fails only its own stream, closing a stream
+early sends an abort, and a request id is taken by one request in flight at a time."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
 
 from tokenloom.core.engine import AsyncLLM, PreparedPrompt
+from tokenloom.core.engine.async_llm import RequestStreams
 from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest
-from tokenloom.core.request import PoolingParams, SamplingParams
-from tokenloom.errors import OverloadedError
+from tokenloom.core.request import PoolingParams, RequestOutput, SamplingParams
+from tokenloom.errors import InvalidRequestError, OverloadedError
 
 PREPARED = PreparedPrompt([1, 2, 3], None)
 
@@ -108,3 +110,69 @@ def test_closing_a_stream_early_sends_an_abort():
     asyncio.run(run())
     assert [type(command) for command in sent] == [AddRequest, AbortRequest]
     assert sent[1] == AbortRequest("a") and "a" not in async_llm._streams
+
+
+class GatedStreams(RequestStreams):
+    """The shared request path with a preparation that waits for the test (as a grammar
+    compile does) and an engine that answers each dispatched request with one finished output."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.dispatched: list[str] = []
+        self.released: list[str] = []
+
+    async def start(self):
+        self._loop = asyncio.get_running_loop()
+
+    async def _prepare_generate(self, prompt, sampling_params, request_id, priority, lora_request):
+        await self.gate.wait()
+        if prompt == "refuse":
+            raise InvalidRequestError("bad prompt", param="prompt")
+        return prompt
+
+    def _dispatch(self, request_id, request):
+        self.dispatched.append(request_id)
+        output = RequestOutput(request_id, request, [1], None, [], finished=True)
+        self._loop.call_soon(self._put_outputs, [(request_id, output)])
+
+    def _release(self, request_id, finished):
+        self.released.append(request_id)
+
+
+async def first_output(stream):
+    async with contextlib.aclosing(stream):
+        return await anext(stream)
+
+
+def test_a_second_request_with_an_id_in_flight_is_refused_while_the_first_prepares():
+    # issue 37: the id check and the stream's registration were split by the preparation's
+    # await, so a duplicate got past the check, took over the first one's stream, and the
+    # first never answered
+    streams = GatedStreams()
+
+    async def run():
+        first = asyncio.ensure_future(first_output(streams.generate("one", SamplingParams(), "dup")))
+        await asyncio.sleep(0)  # the first is admitted and waits in its preparation
+        with pytest.raises(InvalidRequestError, match="already in use") as refused:
+            await asyncio.wait_for(first_output(streams.generate("two", SamplingParams(), "dup")), 60)
+        assert refused.value.param == "request_id"
+        streams.gate.set()
+        return await asyncio.wait_for(first, 60)
+
+    output = asyncio.run(run())
+    assert output.prompt == "one" and streams.dispatched == ["dup"]
+    assert "dup" not in streams._streams
+
+
+def test_a_request_that_fails_to_prepare_frees_its_id():
+    streams = GatedStreams()
+    streams.gate.set()
+
+    async def run():
+        with pytest.raises(InvalidRequestError):
+            await first_output(streams.generate("refuse", SamplingParams(), "r"))
+        assert "r" not in streams._streams and streams.dispatched == []
+        return await first_output(streams.generate("again", SamplingParams(), "r"))
+
+    assert asyncio.run(run()).prompt == "again"

@@ -71,8 +71,12 @@ class RequestStreams:
         priority: int = 0,
         lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        await self._admit(request_id)
-        request = await self._prepare_generate(prompt, sampling_params, request_id, priority, lora_request)
+        stream = await self._admit(request_id)
+        try:
+            request = await self._prepare_generate(prompt, sampling_params, request_id, priority, lora_request)
+        except BaseException:
+            self._unregister(request_id, stream)
+            raise
         async with contextlib.aclosing(self._outputs(request_id, request, RequestOutput)) as outputs:
             async for item in outputs:
                 yield item
@@ -82,19 +86,41 @@ class RequestStreams:
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """The pooled output of one prompt (a single, final item); bad input raises here,
         before anything is queued."""
-        await self._admit(request_id)
-        request = self._prepare_encode(prompt, pooling_params or PoolingParams(), request_id, priority)
+        stream = await self._admit(request_id)
+        try:
+            request = self._prepare_encode(prompt, pooling_params or PoolingParams(), request_id, priority)
+        except BaseException:
+            self._unregister(request_id, stream)
+            raise
         async with contextlib.aclosing(self._outputs(request_id, request, PoolingRequestOutput)) as outputs:
             async for item in outputs:
                 yield item
 
-    async def _admit(self, request_id: str) -> None:
-        """Raise unless a new request with this id can be taken; start the engine if needed."""
+    async def _admit(self, request_id: str) -> asyncio.Queue[StreamItem]:
+        """Take the id for a new request (its stream, registered); raise when it is in use.
+        Start the engine if needed.
+
+        The check and the registration happen with no await between them: preparing a request
+        awaits (a grammar compile, an adapter's files), and a second request with the same id
+        that got past the check meanwhile would take over the first one's stream, which then
+        never answers. Here the second one is refused (a 400) while the first runs."""
         if self.errored:
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
         await self.start()
         if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use by a request in flight: give each request its own "
+                "request_id (or X-Request-Id)",
+                param="request_id",
+            )
+        stream: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._streams[request_id] = stream
+        return stream
+
+    def _unregister(self, request_id: str, stream: asyncio.Queue[StreamItem]) -> None:
+        """Forget ``stream`` (only it: the id may have been taken again since)."""
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
 
     async def _prepare_generate(
         self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int, lora_request: Any
@@ -118,8 +144,9 @@ class RequestStreams:
     async def _outputs(self, request_id: str, request: Any, kind: type[OutputT]) -> AsyncGenerator[OutputT, None]:
         """Dispatch ``request`` and yield its outputs (of type ``kind``) until the finished one;
         closing this early aborts the request."""
-        stream: asyncio.Queue[StreamItem] = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = self._streams.get(request_id)
+        if stream is None:  # not admitted through _admit (a direct caller)
+            stream = self._streams[request_id] = asyncio.Queue()
         finished = False
         try:
             self._dispatch(request_id, request)
@@ -132,7 +159,7 @@ class RequestStreams:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            self._unregister(request_id, stream)
             self._release(request_id, finished)
 
     def _put_outputs(self, items: list[tuple[str, StreamItem]]) -> None:

@@ -612,7 +612,7 @@ class DataParallelAsyncLLM(RequestStreams):
                 if not ray.is_initialized():
                     # the cluster RAY_ADDRESS names is joined; without it a private local Ray
                     # starts (never a `ray start` cluster found by chance) and stops with the server
-                    ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+                    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
                     self._ray_started_here = True
                 for index, options in enumerate(ray_actor_options(parallel, ray)):
                     replicas.append(RayReplica(index, replica_args, tables, options))
