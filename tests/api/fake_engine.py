@@ -9,6 +9,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import (
     CompletionOutput,
     Logprob,
@@ -80,6 +81,17 @@ class FakeEngine:
         self.abort_calls: list[str] = []
         self.counters = FakeStats()
         self.first_step_event = asyncio.Event()
+        # the rest of what the server reads of an engine (EngineClient)
+        self.runner_type = "generate"
+        self.hf_config = None
+        self.vocab_size = len(tokenizer) if tokenizer is not None else 0
+        self.generation_defaults: dict[str, Any] = {}
+        self.max_num_seqs = 256
+        self.eos_token_ids = {tokenizer.eos_token_id} if tokenizer is not None else set()
+        self.scheduling_policy = "priority"  # so a request's priority reaches the fake
+        self.logits_processor_resolver = LogitsProcessorResolver(None, None)
+        self.lora_enabled = False
+        self.dead_reason: str | None = None
 
     async def start(self) -> None:
         self.started = True
@@ -91,6 +103,20 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
+
+    def resolve_lora(self, lora_request: Any) -> Any:
+        raise InvalidRequestError("the fake engine runs no LoRA adapters", param="model")
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        self.resolve_lora(lora_request)
+        return False
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return False
+
+    async def encode(self, prompt, pooling_params, request_id: str, *, priority: int = 0):
+        raise InvalidRequestError("the fake engine generates; it does not pool", param="model")
+        yield  # an async generator, as the interface's
 
     def stats(self) -> FakeStats:
         return self.counters

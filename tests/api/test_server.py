@@ -50,9 +50,7 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
         return PluginSet(new_registries(), [], [])
 
     monkeypatch.setattr(manager_module, "load_plugins", fake_load_plugins)
-    monkeypatch.setattr(
-        engine_module.AsyncLLM, "from_engine_args", classmethod(lambda cls, engine_args, plugins: engine)
-    )
+    monkeypatch.setattr(engine_module, "build_engine_client", lambda engine_args, plugins: engine)
     servers = []
     original_startup = uvicorn.Server.startup
 
@@ -127,10 +125,10 @@ def test_plugins_the_cli_loaded_are_reported_with_the_time_it_took(monkeypatch, 
     class Stop(Exception):
         pass
 
-    def refuse(cls, engine_args, plugins):
+    def refuse(engine_args, plugins):
         raise Stop
 
-    monkeypatch.setattr(engine_module.AsyncLLM, "from_engine_args", classmethod(refuse))
+    monkeypatch.setattr(engine_module, "build_engine_client", refuse)
     caplog.set_level(logging.INFO, logger="tokenloom")
     serve_args = SimpleNamespace(
         engine_args=SimpleNamespace(),

@@ -24,7 +24,7 @@ class LoRAFakeEngine(FakeEngine):
 
     def __init__(self, *args, enable_lora=True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.config = SimpleNamespace(lora=SimpleNamespace(enable_lora=enable_lora))
+        self.lora_enabled = enable_lora
         self.lora_seen: dict[str, object] = {}
         self.removed: list[int] = []
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.api.conftest import client_for
+from tests.api.fake_engine import FakeEngine
 from tests.conftest import package_dir
 from tokenloom.api.app import build_app
 from tokenloom.api.server_config import ServerConfig
@@ -31,22 +32,15 @@ def fake_vector(token_ids: list[int]) -> torch.Tensor:
     return torch.randn(HIDDEN_SIZE, generator=generator)
 
 
-class FakePoolingEngine:
+class FakePoolingEngine(FakeEngine):
     """Stands in for AsyncLLM with the pooling runner: ``encode`` yields one output whose
     vector depends on the token ids; it records what it was asked."""
-
-    runner_type = "pooling"
-    errored = False
-    is_running = True
 
     def __init__(
         self, tokenizer, *, max_model_len: int = 32, matryoshka: bool = False, failing_token: int | None = None
     ):
-        self.tokenizer = tokenizer
-        self.model_name = "minilm"
-        self.served_model_names = ["minilm"]
-        self.max_model_len = max_model_len
-        self.max_logprobs = 20
+        super().__init__(tokenizer, model_name="minilm", max_model_len=max_model_len)
+        self.runner_type = "pooling"
         self.hf_config = SimpleNamespace(hidden_size=HIDDEN_SIZE, is_matryoshka=matryoshka)
         self.failing_token = failing_token
         self.requests: list[tuple[str, list[int], object]] = []

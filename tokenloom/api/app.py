@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -40,6 +39,10 @@ from tokenloom.api.serving_pooling import pooling_routes
 from tokenloom.api.serving_responses import ResponsesHandler, ResponseStore, responses_routes, store_size_from_env
 from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.errors import ConfigError, InvalidRequestError, PluginError, TokenloomError
+
+if TYPE_CHECKING:
+    from tokenloom.core.engine.protocol import EngineClient
+    from tokenloom.plugins.manager import PluginSet
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def _warn_of_blank_api_keys(config: ServerConfig, api_keys: list[str]) -> None:
     )
 
 
-def _parser_class(plugins: Any, kind: str, name: str | None) -> type | None:
+def _parser_class(plugins: PluginSet | None, kind: str, name: str | None) -> type | None:
     """The parser class registered under ``name``; an unknown name fails start-up, listing the known ones."""
     if not name:
         return None
@@ -82,16 +85,10 @@ def _parser_class(plugins: Any, kind: str, name: str | None) -> type | None:
     return plugins.registry(kind).get(name)
 
 
-async def _await_if_needed(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
-def _lifespan(engine: Any, config: ServerConfig):
+def _lifespan(engine: EngineClient, config: ServerConfig):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        start = getattr(engine, "start", None)
-        if start is not None:
-            await _await_if_needed(start())
+        await engine.start()
         stats_task = None if config.disable_log_stats else asyncio.create_task(log_stats_periodically(engine))
         try:
             yield
@@ -100,9 +97,7 @@ def _lifespan(engine: Any, config: ServerConfig):
                 stats_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await stats_task
-            shutdown = getattr(engine, "shutdown", None)
-            if shutdown is not None:
-                await _await_if_needed(shutdown())
+            await engine.shutdown()
 
     return lifespan
 
@@ -121,9 +116,10 @@ async def _guarded(raw_request: Request, work) -> Response:
 
 
 def build_app(
-    engine: Any, plugins: Any, server_config: ServerConfig, *, reasoning_parser: str | None = None
+    engine: EngineClient, plugins: PluginSet | None, server_config: ServerConfig, *, reasoning_parser: str | None = None
 ) -> FastAPI:
-    """The app for ``engine``; ``plugins`` (a PluginSet) supplies parsers and extra routes.
+    """The app for ``engine``; ``plugins`` supplies parsers and extra routes (None: only the
+    built-in routes, no parsers).
 
     :param reasoning_parser: the ``--reasoning-parser`` name (an engine argument, since the
         structured-output layer needs it too).
@@ -134,8 +130,7 @@ def build_app(
     tool_parser_class = _parser_class(plugins, "tool_parser", config.tool_call_parser)
     reasoning_parser_class = _parser_class(plugins, "reasoning_parser", reasoning_parser)
 
-    served_model_names = list(getattr(engine, "served_model_names", None) or [engine.model_name])
-    metrics = ServerMetrics(engine, served_model_names[0])
+    metrics = ServerMetrics(engine, engine.served_model_names[0])
     ctx = ServingContext(engine, config, metrics)
     renderer = ChatRenderer(
         engine.tokenizer,
@@ -158,7 +153,7 @@ def build_app(
     api_keys = _api_keys(config)
     _warn_of_blank_api_keys(config, api_keys)
     routes = _routes(ctx, renderer, completions, chat, metrics)
-    if getattr(engine, "runner_type", "generate") != "pooling":
+    if engine.runner_type != "pooling":
         # the agent APIs are layers over chat, which a pooling model does not serve
         keys_in_use = bool(api_keys)
         routes.include_router(
@@ -170,7 +165,7 @@ def build_app(
             )
         )
         routes.include_router(messages_routes(MessagesHandler(chat)))
-    if getattr(engine, "runner_type", "generate") == "pooling":
+    else:
         # a pooling model serves embeddings and scores, never completions
         routes.routes = [route for route in routes.routes if getattr(route, "path", None) not in GENERATION_PATHS]
         routes.include_router(pooling_routes(ctx, _guarded))

@@ -109,7 +109,7 @@ def run_server(serve_args: Any) -> None:
 async def _serve(serve_args: Any) -> None:
     # one event loop for the engine and uvicorn: the engine's asyncio objects belong to it
     with startup_phase("importing the engine (torch)"):
-        from tokenloom.core.engine import AsyncLLM
+        from tokenloom.core.engine import build_engine_client
         from tokenloom.plugins.manager import load_plugins
 
     server = serve_args.server
@@ -133,7 +133,7 @@ async def _serve(serve_args: Any) -> None:
         # the engine builds on its own thread, mostly in torch ops that release the GIL: this
         # thread imports the server (fastapi, the protocol models) meanwhile instead of before
         building = asyncio.get_running_loop().run_in_executor(
-            None, AsyncLLM.from_engine_args, serve_args.engine_args, plugins
+            None, build_engine_client, serve_args.engine_args, plugins
         )
         try:
             with startup_phase("importing the server (fastapi), while the engine builds"):
@@ -142,8 +142,6 @@ async def _serve(serve_args: Any) -> None:
                 from tokenloom.api.app import build_app
         finally:
             engine = await building  # a build error is raised here, before an import error
-        if asyncio.iscoroutine(engine):
-            engine = await engine
     try:
         with startup_phase("building the app"):
             app = build_app(engine, plugins, server, reasoning_parser=_reasoning_parser_name(serve_args.engine_args))
@@ -166,9 +164,5 @@ async def _serve(serve_args: Any) -> None:
         await _Server(uvicorn_config(app, server)).serve()
     finally:
         # the app's lifespan shuts the engine down; this covers a failure before it ran
-        if getattr(engine, "is_running", False):
-            shutdown = getattr(engine, "shutdown", None)
-            if shutdown is not None:
-                result = shutdown()
-                if asyncio.iscoroutine(result):
-                    await result
+        if engine.is_running:
+            await engine.shutdown()

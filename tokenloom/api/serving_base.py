@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -30,6 +30,9 @@ from tokenloom.api.serving_models import ServedModels
 from tokenloom.core.request import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 
+if TYPE_CHECKING:
+    from tokenloom.core.engine.protocol import EngineClient
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -41,9 +44,6 @@ T = TypeVar("T")
 # context length is checked on the token count it returns.
 OFF_LOOP_TOKENIZE_CHARS = 16 * 1024
 OFF_LOOP_DETOKENIZE_TOKENS = 16 * 1024
-
-# SchedulerConfig's default, for engines that do not say
-DEFAULT_MAX_NUM_SEQS = 256
 
 # the unknown request fields one warning names, and the characters shown of each: the line
 # stays short however many fields a request invents
@@ -104,17 +104,17 @@ class ChoiceState:
 class ServingContext:
     """Per-app state and the helpers both OpenAI endpoints use."""
 
-    def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics | None):
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics | None):
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.tokenizer = engine.tokenizer  # None under --skip-tokenizer-init
         self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else int(engine.vocab_size)
-        self.served_model_names = list(getattr(engine, "served_model_names", None) or [engine.model_name])
+        self.served_model_names = list(engine.served_model_names)
         self.max_model_len = int(engine.max_model_len)
         # --generation-config: defaults for requests that leave a sampling field unset, and
         # max_tokens (the model's max_new_tokens) caps every request
-        self.generation_defaults: dict[str, Any] = dict(getattr(engine, "generation_defaults", None) or {})
+        self.generation_defaults: dict[str, Any] = dict(engine.generation_defaults)
         # the base model's names and the LoRA adapters a request's ``model`` may name
         self.models = ServedModels(engine, self.served_model_names, self.max_model_len)
         # calls that set truncation change the fast tokenizer's state (an exclusive borrow of
@@ -131,13 +131,13 @@ class ServingContext:
     # -- checks -----------------------------------------------------------------------
 
     def check_ready(self) -> None:
-        if getattr(self.engine, "errored", False):
-            reason = getattr(self.engine, "dead_reason", None)  # e.g. which worker died, and how
+        if self.engine.errored:
+            reason = self.engine.dead_reason  # e.g. which worker died, and how
             cause = f" ({reason})" if reason else ""
             raise EngineDeadError(
                 f"the engine has stopped after an error{cause}; see the server log and restart the server"
             )
-        if not getattr(self.engine, "is_running", True):
+        if not self.engine.is_running:
             raise EngineDeadError("the engine is not running yet (or is shutting down); retry shortly")
 
     def check_model(self, requested: str | None) -> str:
@@ -174,7 +174,7 @@ class ServingContext:
             )
 
     def check_logprobs(self, requested: int | None, param: str) -> None:
-        max_logprobs = getattr(self.engine, "max_logprobs", 20)  # -1 (no cap) is resolved by the engine
+        max_logprobs = self.engine.max_logprobs  # -1 (no cap) is resolved by the engine
         if requested is not None and requested > max_logprobs:
             raise InvalidRequestError(
                 f"{param} must be at most {max_logprobs} (the server's --max-logprobs), got {requested}", param=param
@@ -186,8 +186,7 @@ class ServingContext:
         the most sequences one engine step runs. More could never run together, and each
         sample costs its own KV blocks and detokenizer, so a larger ``n`` is only a way for one
         client to crowd out the others."""
-        limit = getattr(self.engine, "max_num_seqs", None)  # test fakes may not have it
-        return int(limit) if limit is not None else DEFAULT_MAX_NUM_SEQS
+        return self.engine.max_num_seqs
 
     def num_samples(self, request: SamplingRequest) -> int:
         """How many samples to ask the engine for: ``best_of`` (we pick the best ``n``) or ``n``."""
@@ -346,12 +345,7 @@ class ServingContext:
                 )
         logits_processors = None
         if request.logits_processors is not None:
-            resolver = getattr(self.engine, "logits_processor_resolver", None)
-            if resolver is None:
-                raise InvalidRequestError(
-                    "logits_processors are not supported by this engine", param="logits_processors"
-                )
-            logits_processors = resolver.resolve(request.logits_processors) or None
+            logits_processors = self.engine.logits_processor_resolver.resolve(request.logits_processors) or None
         return SamplingParams(
             n=n,
             presence_penalty=default(request.presence_penalty, 0.0),
@@ -387,8 +381,8 @@ class ServingContext:
     def check_priority(self, priority: int) -> None:
         """vLLM's rule: a priority means something only under ``--scheduling-policy priority``;
         under fcfs a non-zero one is refused rather than ignored."""
-        policy = getattr(self.engine, "scheduling_policy", None)  # test fakes may not say
-        if priority != 0 and policy not in (None, "priority"):
+        policy = self.engine.scheduling_policy
+        if priority != 0 and policy != "priority":
             raise InvalidRequestError(
                 f"priority {priority} was given, but the server schedules {policy} (first come, first "
                 "served): remove priority, or start the server with --scheduling-policy priority",
@@ -436,7 +430,7 @@ class ServingContext:
                 )
         if not isinstance(request.length_penalty, (int, float)) or request.length_penalty != request.length_penalty:
             raise InvalidRequestError("length_penalty must be a number", param="length_penalty")
-        max_logprobs = getattr(self.engine, "max_logprobs", 20)
+        max_logprobs = self.engine.max_logprobs
         if 2 * num_beams > max_logprobs:
             param = "best_of" if request.best_of is not None else "n"
             raise InvalidRequestError(
@@ -477,7 +471,7 @@ class ServingContext:
 
         from tokenloom.core.beam_search import beam_search_async
 
-        eos_token_ids = set(getattr(self.engine, "eos_token_ids", None) or ())
+        eos_token_ids = set(self.engine.eos_token_ids)
         if not eos_token_ids and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos_token_ids = {self.tokenizer.eos_token_id}
         step_counter = iter(range(1 << 62))

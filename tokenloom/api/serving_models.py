@@ -83,8 +83,7 @@ class ServedModels:
 
     @property
     def lora_enabled(self) -> bool:
-        config = getattr(self.engine, "config", None) or getattr(getattr(self.engine, "engine", None), "config", None)
-        return bool(getattr(getattr(config, "lora", None), "enable_lora", False))
+        return self.engine.lora_enabled
 
     def _new_request(self, name: str, path: str, base_model_name: str | None) -> Any:
         from tokenloom.lora.request import LoRARequest

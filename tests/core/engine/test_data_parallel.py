@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 
 from tokenloom.core.config import EngineArgs
-from tokenloom.core.engine import AsyncLLM
+from tokenloom.core.engine import build_engine_client
 from tokenloom.core.engine.data_parallel import (
     DataParallelAsyncLLM,
     PackedError,
@@ -347,7 +347,7 @@ def test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_i
     prompts = ["A short story about a robot:", "Numbers: 1, 2,", "The sky is", "Once upon a time"]
 
     async def single():
-        engine = AsyncLLM.from_engine_args(EngineArgs(**args))
+        engine = build_engine_client(EngineArgs(**args))
         await engine.start()
         try:
             return await asyncio.gather(*(collect(engine, f"r{i}", prompt, 8) for i, prompt in enumerate(prompts)))
@@ -355,7 +355,7 @@ def test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_i
             await engine.shutdown()
 
     expected = asyncio.run(single())
-    engine = AsyncLLM.from_engine_args(EngineArgs(**args, data_parallel_size=2))
+    engine = build_engine_client(EngineArgs(**args, data_parallel_size=2))
     assert isinstance(engine, DataParallelAsyncLLM)
     pids = [replica.process.pid for replica in engine.replicas]
 
@@ -389,7 +389,7 @@ def test_a_stopped_replica_process_is_dead_once_silent_for_the_step_timeout_and_
 
     monkeypatch.setenv("TOKENLOOM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3")
     args = dict(model=tiny_llama_dir, dtype="float32", block_size=4, data_parallel_size=2)
-    engine = AsyncLLM.from_engine_args(EngineArgs(**args))
+    engine = build_engine_client(EngineArgs(**args))
     pids = [replica.process.pid for replica in engine.replicas]
 
     async def run():
@@ -492,5 +492,5 @@ def test_the_ray_backend_starts_ray_without_its_dashboard(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     engine_args = EngineArgs(data_parallel_size=2, data_parallel_backend="ray")
     with pytest.raises(RuntimeError, match="stop here"):
-        data_parallel.DataParallelAsyncLLM.from_engine_args(engine_args, load_plugins())
+        data_parallel.DataParallelbuild_engine_client(engine_args, load_plugins())
     assert calls == [{"address": "local", "include_dashboard": False}]

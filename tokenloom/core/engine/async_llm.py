@@ -21,7 +21,7 @@ from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddR
 from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
-from tokenloom.errors import EngineDeadError, InvalidRequestError
+from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet
 
 logger = logging.getLogger(__name__)
@@ -199,15 +199,15 @@ class AsyncLLM(RequestStreams):
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, plugins: PluginSet | None = None) -> AsyncLLM:
         """Builds the engine on its own thread (see the class docstring) and returns once it
-        is built; a build error is raised here.
-
-        With ``data_parallel_size > 1`` it returns a
-        :class:`~tokenloom.core.engine.data_parallel.DataParallelAsyncLLM` instead: the same
-        surface over that many replicas, so the server never asks which it has."""
+        is built; a build error is raised here. One engine: the server builds its engine with
+        :func:`~tokenloom.core.engine.protocol.build_engine_client`, which takes data-parallel
+        replicas for ``data_parallel_size > 1``."""
         if engine_args.data_parallel_size != 1:
-            from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM
-
-            return DataParallelAsyncLLM.from_engine_args(engine_args, plugins)  # type: ignore[return-value]
+            raise ConfigError(
+                f"AsyncLLM runs one engine, not {engine_args.data_parallel_size} data-parallel replicas: "
+                "build the engine with tokenloom.core.engine.build_engine_client",
+                param="data-parallel-size",
+            )
         async_llm = cls(None)
         async_llm._start_thread(lambda: LLMEngine.from_engine_args(engine_args, plugins))
         return async_llm
@@ -276,6 +276,10 @@ class AsyncLLM(RequestStreams):
     @property
     def scheduling_policy(self) -> str:
         return self.engine.config.scheduler.scheduling_policy
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.config.lora.enable_lora
 
     @property
     def logits_processor_resolver(self) -> LogitsProcessorResolver:

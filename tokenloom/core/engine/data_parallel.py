@@ -696,6 +696,10 @@ class DataParallelAsyncLLM(RequestStreams):
         return cast(str, self._facts["scheduling_policy"])
 
     @property
+    def lora_enabled(self) -> bool:
+        return self.config.lora.enable_lora
+
+    @property
     def logits_processor_resolver(self) -> LogitsProcessorResolver:
         if self._logits_processor_resolver is None:
             self._logits_processor_resolver = LogitsProcessorResolver(
