@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import functools
 import hashlib
 import json
 import logging
@@ -114,9 +115,10 @@ class Constraint:
     # a regex for the whitespace between JSON tokens (outlines' guided_whitespace_pattern)
     whitespace_pattern: str | None = None
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Canonical text: equal constraints have equal keys (the compile cache's key)."""
+        """Canonical text: equal constraints have equal keys (the compile cache's key). Cached:
+        first read when the constraint is checked, in the compile pool, never on the loop."""
         spec = list(self.spec) if isinstance(self.spec, tuple) else self.spec
         return json.dumps([self.kind, spec, self.any_whitespace, self.whitespace_pattern], sort_keys=True)
 
