@@ -55,7 +55,13 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         SamplingParams,
     )
     from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
-    from tokenloom.core.structured_output import BackendOptions, Constraint, Matcher, StructuredOutputBackend
+    from tokenloom.core.structured_output import (
+        BackendOptions,
+        Constraint,
+        Matcher,
+        StructuredOutputBackend,
+        compile_cancelled,
+    )
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
 
@@ -81,6 +87,7 @@ _LAZY = {
     "Matcher": "tokenloom.core.structured_output",
     "Constraint": "tokenloom.core.structured_output",
     "BackendOptions": "tokenloom.core.structured_output",
+    "compile_cancelled": "tokenloom.core.structured_output",
     "ToolParser": "tokenloom.core.parsers",
     "ReasoningParser": "tokenloom.core.parsers",
     "ParserTokenizer": "tokenloom.core.parsers",
@@ -146,6 +153,7 @@ __all__ = [
     "Matcher",
     "Constraint",
     "BackendOptions",
+    "compile_cancelled",
     "ToolParser",
     "ReasoningParser",
     "ParserTokenizer",

@@ -157,6 +157,7 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--guided-decoding-disable-additional-properties": "tests/api/test_flag_effects.py::test_guided_decoding_server_options_shape_every_json_constraint",
     "--reasoning-parser": "tests/api/test_serving_chat_tools.py::test_reasoning_and_tool_calls_in_one_response",
     "--structured-outputs-compile-timeout": "tests/e2e/test_hardening.py::test_a_schema_that_compiles_too_long_is_a_400_and_others_still_compile",
+    "--structured-outputs-request-backends": "tests/e2e/test_hardening_structured.py::test_a_request_may_name_only_the_backends_the_operator_allows",
     # -- ParallelConfig
     "--distributed-executor-backend": "tests/api/test_flag_effects.py::test_distributed_executor_backend_names_the_executor",
     "--worker-use-ray": "tests/api/test_flag_effects.py::test_distributed_executor_backend_names_the_executor",

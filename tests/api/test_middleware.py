@@ -219,3 +219,33 @@ async def test_start_up_warns_when_any_origin_can_use_a_server_without_a_key(mak
     assert bool(messages) == warned
     if warned:
         assert "--api-key" in messages[0] and "--allowed-origins" in messages[0]
+
+
+@pytest.mark.parametrize(
+    ("keyed", "headers", "expected"),
+    [
+        (True, [(b"authorization", b"Bearer sk-a")], "key:"),
+        (True, [(b"x-api-key", b"sk-a")], "key:"),
+        # without --api-key a made-up key names nobody: the peer address does
+        (False, [(b"authorization", b"Bearer anything")], "peer:10.1.2.3"),
+        (True, [], "peer:10.1.2.3"),
+    ],
+)
+async def test_client_middleware_names_the_client_for_the_request(keyed, headers, expected):
+    import hashlib
+
+    from tokenloom.api.middleware import ClientMiddleware
+    from tokenloom.core.structured_output import REQUEST_CLIENT
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(REQUEST_CLIENT.get())
+
+    scope = {"type": "http", "path": "/v1/completions", "headers": headers, "client": ("10.1.2.3", 5000)}
+    await ClientMiddleware(app, keyed=keyed)(scope, None, None)
+    if expected == "key:":
+        assert seen == ["key:" + hashlib.sha256(b"sk-a").hexdigest()[:16]]
+    else:
+        assert seen == [expected]
+    assert REQUEST_CLIENT.get() is None  # reset after the request

@@ -5,6 +5,7 @@ replay) and reasoning sections."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -321,13 +322,16 @@ def test_the_cache_is_bounded_and_least_recently_used_goes_first():
     assert manager.backend("digits").compiled_specs == ["1", "3", "4", "3"]
 
 
-def test_compile_errors_come_out_of_the_future_and_are_not_cached():
+def test_compile_errors_come_out_of_the_future_and_are_cached_as_failures():
     manager = make_manager()
     future = manager.submit(*manager.resolve({"regex": "five"}))
     with pytest.raises(InvalidRequestError, match="not token ids: 'five'"):
         future.result()
-    manager.submit(*manager.resolve({"regex": "five"})).exception()
-    assert manager.backend("digits").compiled_specs == ["five", "five"]
+    # the same constraint gets the same 400 at once, without compiling again
+    again = manager.submit(*manager.resolve({"regex": "five"}))
+    assert again.done() and "not token ids: 'five'" in str(again.exception())
+    assert manager.backend("digits").compiled_specs == ["five"]
+    assert manager.stats.cache_hits == 1
 
 
 def test_compile_runs_off_the_calling_thread():
@@ -498,9 +502,10 @@ def test_a_compile_past_the_time_limit_is_a_400_and_the_pool_goes_on():
             assert error.value.param == "structured_outputs"
         # fresh threads took their places: an ordinary constraint compiles at once
         assert manager.submit(*manager.resolve({"regex": "5 6"})).result(timeout=10).compiled == (5, 6)
-        # a constraint that overran is tried afresh next time (the machine may have been busy)
+        # a constraint that overran stays failed: asked again, it is the same 400 at once and
+        # no second thread starts burning on it
         again = manager.submit(*manager.resolve({"regex": "0"}))
-        assert again is not stuck[0] and manager.stats.compiles == 4
+        assert again is stuck[0] and manager.stats.compiles == 3
     finally:
         SlowBackend.release.set()
 
@@ -528,6 +533,211 @@ def test_runaway_compiles_are_bounded():
 
 def test_an_oversized_constraint_is_refused_unread():
     manager = make_manager()
-    with pytest.raises(InvalidRequestError, match="at most") as error:
+    with pytest.raises(InvalidRequestError, match="longer than 262144 characters") as error:
         manager.resolve({"regex": "5" * (300 * 1024)})
     assert error.value.param == "structured_outputs"
+
+
+# -- schema checks: size and depth first, off the caller's thread, bounded ---------------------
+
+
+def wide_schema(num_properties: int) -> dict:
+    return {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(num_properties)}}
+
+
+def deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_an_oversized_schema_is_refused_before_jsonschema_reads_it(monkeypatch):
+    import jsonschema
+
+    def never(*args, **kwargs):
+        raise AssertionError("the schema check ran on an oversized schema")
+
+    monkeypatch.setattr(jsonschema.validators, "validator_for", never)
+    schema = wide_schema(50_000)  # 1.7 MB of JSON: jsonschema takes about 20 s over it
+    for value in (schema, json.dumps(schema)):
+        with pytest.raises(InvalidRequestError, match="longer than 262144 characters of JSON") as error:
+            parse_constraint({"json": value}, BackendOptions())
+        assert error.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_deep_schema_is_a_400_not_a_recursion_error(as_text):
+    from tokenloom.core.structured_output import MAX_CONSTRAINT_DEPTH
+
+    schema = deep_schema(150)  # 301 levels of JSON objects
+    with pytest.raises(InvalidRequestError, match=f"nests deeper than {MAX_CONSTRAINT_DEPTH} levels") as error:
+        parse_constraint({"json": json.dumps(schema) if as_text else schema}, BackendOptions())
+    assert error.value.param == "structured_outputs"
+    # far deeper than the C parser's own limit: still a 400
+    with pytest.raises(InvalidRequestError, match="nests deeper"):
+        parse_constraint({"json": "[" * 200_000}, BackendOptions())
+    # at the limit it is checked as usual (jsonschema's recursion fits in the stack)
+    constraint, _, _ = parse_constraint({"json": deep_schema((MAX_CONSTRAINT_DEPTH - 1) // 2)}, BackendOptions())
+    assert constraint.kind == "json"
+
+
+def test_a_deep_structural_tag_or_choice_is_a_400():
+    nested: list = []
+    for _ in range(100):
+        nested = [nested]
+    with pytest.raises(InvalidRequestError, match="nests deeper"):
+        parse_constraint({"structural_tag": {"structures": nested, "triggers": []}}, BackendOptions())
+    with pytest.raises(InvalidRequestError, match="longer than"):
+        parse_constraint({"choice": ["x" * 1000] * 300}, BackendOptions())
+
+
+class SlowCheckBackend(DigitsBackend):
+    """Takes ``delay`` seconds to say whether it supports a constraint (a stand-in for a schema
+    whose check is slow)."""
+
+    delay = 0.0
+
+    def supports(self, constraint):
+        time.sleep(self.delay)
+        return super().supports(constraint)
+
+
+def test_a_constraint_is_checked_in_the_pool_within_the_time_limit():
+    registry = Registry("structured_output_backend", "--guided-decoding-backend")
+    registry.register("slowcheck", SlowCheckBackend, plugin_name="test")
+    manager = StructuredOutputManager(
+        StructuredOutputConfig(compile_timeout=0.3), registry, FakeTokenizer(), VOCAB_SIZE, [EOS]
+    )
+    try:
+        SlowCheckBackend.delay = 0.0
+        checking = manager.check({"regex": "5 6"}, client="a")
+        assert checking.result(timeout=10) == ("slowcheck", manager.resolve({"regex": "5 6"})[1])
+        with pytest.raises(InvalidRequestError, match="not token ids"):  # request errors come out of the Future
+            manager.submit(*manager.check({"regex": "five"}).result(timeout=10)).result(timeout=10)
+        bad = manager.check({"regex": 5})
+        with pytest.raises(InvalidRequestError, match="non-empty string"):
+            bad.result(timeout=10)
+        SlowCheckBackend.delay = 1.0
+        with pytest.raises(InvalidRequestError, match="checking the guided-decoding constraint took longer") as error:
+            manager.check({"regex": "7"}, client="a").result(timeout=10)
+        assert error.value.param == "structured_outputs"
+    finally:
+        SlowCheckBackend.delay = 0.0
+        manager.shutdown()
+
+
+def test_one_client_cannot_hold_every_runaway_slot():
+    from tokenloom.core.structured_output import MAX_RUNAWAY_COMPILES, MAX_RUNAWAY_PER_CLIENT
+    from tokenloom.errors import OverloadedError
+
+    assert MAX_RUNAWAY_PER_CLIENT < MAX_RUNAWAY_COMPILES
+    manager = make_slow_manager(compile_timeout=0.2)
+    try:
+        stuck = [manager.submit(*manager.resolve({"regex": f"0 {i}"}), client="greedy") for i in range(3)]
+        for future in stuck[:MAX_RUNAWAY_PER_CLIENT]:
+            with pytest.raises(InvalidRequestError, match="took longer"):
+                future.result(timeout=10)
+        # the third waited in line behind the client's own compiles; when they had run away it
+        # got the client's 429 instead of becoming one more
+        with pytest.raises(OverloadedError, match="2 of your constraints are still compiling"):
+            stuck[2].result(timeout=10)
+        with pytest.raises(OverloadedError, match="of your constraints are still compiling"):
+            manager.submit(*manager.resolve({"regex": "0 9"}), client="greedy")
+        assert manager._pool.num_runaway == MAX_RUNAWAY_PER_CLIENT
+        # another client still compiles, and so does a request without a client (offline)
+        assert manager.submit(*manager.resolve({"regex": "5"}), client="polite").result(timeout=10).compiled == (5,)
+        assert manager.submit(*manager.resolve({"regex": "6"})).result(timeout=10).compiled == (6,)
+        # the refused compile was not remembered as a failure: once the runaways end it compiles
+        SlowBackend.release.set()
+        deadline = time.monotonic() + 10
+        while manager._pool.num_runaway and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert manager._pool.num_runaway_of("greedy") == 0
+        assert manager.submit(*manager.resolve({"regex": "0 2"}), client="greedy").result(timeout=10).compiled == (0, 2)
+    finally:
+        SlowBackend.release.set()
+        manager.shutdown()
+
+
+def test_a_clients_jobs_run_one_at_a_time_and_the_others_are_not_held_up():
+    manager = make_slow_manager(compile_timeout=30)
+    try:
+        held = manager.submit(*manager.resolve({"regex": "0 1"}), client="a")
+        waiting = manager.submit(*manager.resolve({"regex": "4"}), client="a")
+        # the second thread is free for another client while a's second compile waits in line
+        assert manager.submit(*manager.resolve({"regex": "5"}), client="b").result(timeout=10).compiled == (5,)
+        assert not waiting.done()
+        SlowBackend.release.set()
+        assert waiting.result(timeout=10).compiled == (4,)
+        assert held.result(timeout=10).compiled == (0, 1)
+    finally:
+        SlowBackend.release.set()
+        manager.shutdown()
+
+
+class CancellableBackend(DigitsBackend):
+    """Works until told it overran, as a backend with a killable child process does."""
+
+    def compile(self, constraint):
+        from tokenloom.core.structured_output import compile_cancelled
+
+        if constraint.spec.startswith("0"):
+            while not compile_cancelled():
+                time.sleep(0.01)
+            raise TimeoutError("stopped")
+        return super().compile(constraint)
+
+
+def test_a_backend_that_watches_compile_cancelled_frees_its_thread():
+    registry = Registry("structured_output_backend", "--guided-decoding-backend")
+    registry.register("cancellable", CancellableBackend, plugin_name="test")
+    manager = StructuredOutputManager(
+        StructuredOutputConfig(compile_timeout=0.2), registry, FakeTokenizer(), VOCAB_SIZE, [EOS]
+    )
+    try:
+        future = manager.submit(*manager.resolve({"regex": "0"}), client="a")
+        with pytest.raises(InvalidRequestError, match="took longer"):
+            future.result(timeout=10)
+        deadline = time.monotonic() + 5
+        while manager._pool.num_runaway and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert manager._pool.num_runaway == 0 and manager._pool.num_runaway_of("a") == 0
+        # the overrun is what the cache remembers, not the backend's own error
+        again = manager.submit(*manager.resolve({"regex": "0"}), client="a")
+        assert "took longer" in str(again.exception(timeout=1))
+    finally:
+        manager.shutdown()
+
+
+# -- which backends a request may choose -----------------------------------------------------
+
+
+def test_request_backends_any_is_the_default():
+    manager = make_manager(backend="digits")
+    assert manager.resolve({"choice": ["5"], "backend": "choices"})[0] == "choices"
+
+
+def test_request_backends_none_refuses_another_backend_like_vllm():
+    manager = make_manager(backend="digits", request_backends="none")
+    assert manager.resolve({"regex": "5", "backend": "digits"})[0] == "digits"  # the server's own
+    assert manager.resolve({"regex": "5"})[0] == "digits"
+    with pytest.raises(
+        InvalidRequestError, match="does not let a request choose the guided-decoding backend 'choices'"
+    ) as error:
+        manager.resolve({"choice": ["5"], "backend": "choices"})
+    assert error.value.param == "guided_decoding_backend"
+    assert "remove backend" in str(error.value)
+
+
+def test_request_backends_lists_the_ones_a_request_may_name():
+    manager = make_manager(request_backends="choices")
+    assert manager.resolve({"choice": ["5"], "backend": "choices"})[0] == "choices"
+    with pytest.raises(InvalidRequestError, match="may also name choices"):
+        manager.resolve({"regex": "5", "backend": "digits"})
+    assert manager.resolve({"regex": "5"})[0] == "digits"  # auto still picks freely
+
+
+def test_request_backends_with_an_unknown_name_fails_at_start_up():
+    with pytest.raises(ConfigError, match="unknown backend.*outlinez.*digits, choices"):
+        make_manager(request_backends="digits,outlinez")

@@ -458,6 +458,7 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--guided-decoding-disable-additional-properties", "StructuredOutputsConfig", **_bool()),
     implemented("--reasoning-parser", "StructuredOutputsConfig"),
     implemented("--structured-outputs-compile-timeout", "StructuredOutputsConfig", kind="float", tokenloom_only=True),
+    implemented("--structured-outputs-request-backends", "StructuredOutputsConfig", tokenloom_only=True),
     noop(
         "--enable-reasoning",
         "StructuredOutputsConfig",

@@ -7,6 +7,7 @@ Order, outermost first (a request meets them top-down; :func:`install_middleware
     CORSMiddleware         preflights are answered, and 401/413 responses carry CORS headers
     RequestIdMiddleware    every response, errors included, can carry X-Request-Id
     ApiKeyMiddleware       401 before the body is even read
+    ClientMiddleware       names the client (its API key, else its address) for per-client limits
     BodySizeLimitMiddleware 413 for bodies over --max-request-body-bytes
     ServerLoadMiddleware   with --enable-server-load-tracking: counts requests in flight
     the routes
@@ -14,6 +15,7 @@ Order, outermost first (a request meets them top-down; :func:`install_middleware
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -28,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.api.http_errors import error_body
 from tokenloom.api.server_config import ServerConfig
+from tokenloom.core.structured_output import REQUEST_CLIENT
 from tokenloom.errors import ConfigError
 
 logger = logging.getLogger("tokenloom.api")
@@ -116,6 +119,41 @@ class ApiKeyMiddleware:
         # compare against every key so the timing does not say which one nearly matched
         matches = [secrets.compare_digest(token, key) for key in self.api_keys]
         return any(matches)
+
+
+def presented_api_key(scope: Scope) -> bytes | None:
+    """The key a request presents: ``Authorization: Bearer KEY``, else ``x-api-key: KEY``."""
+    scheme, _, token = (header_value(scope, b"authorization") or b"").partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return token.strip()
+    return (header_value(scope, b"x-api-key") or b"").strip() or None
+
+
+class ClientMiddleware:
+    """Sets :data:`~tokenloom.core.structured_output.REQUEST_CLIENT` for the request: its API
+    key (a digest of it) when the server checks keys, else its peer address; a client cannot
+    pick a new identity for free, since a key it makes up is refused and an address is the
+    TCP peer's. Behind a proxy every client shares the proxy's address."""
+
+    def __init__(self, app: ASGIApp, keyed: bool):
+        self.app = app
+        self.keyed = keyed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = presented_api_key(scope) if self.keyed else None
+        if key is not None:
+            client = "key:" + hashlib.sha256(key).hexdigest()[:16]
+        else:
+            peer = scope.get("client")
+            client = f"peer:{peer[0]}" if peer else "peer:unknown"
+        token = REQUEST_CLIENT.set(client)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            REQUEST_CLIENT.reset(token)
 
 
 class RequestIdMiddleware:
@@ -295,6 +333,7 @@ def install_middleware(
     if config.enable_server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(ClientMiddleware, keyed=bool(api_keys))
     if api_keys:
         app.add_middleware(
             ApiKeyMiddleware,

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from tokenloom.core.structured_output import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH
 from tokenloom.errors import InvalidRequestError
 
 # -- requests --------------------------------------------------------------------------
@@ -165,10 +166,20 @@ class SamplingRequest(RequestModel):
         if self.guided_json is not None:
             schema = self.guided_json
             if isinstance(schema, str):
+                if len(schema) > MAX_CONSTRAINT_CHARS:  # refused unread: parsing it would hold the loop
+                    raise InvalidRequestError(
+                        f"guided_json is longer than {MAX_CONSTRAINT_CHARS} characters; send a smaller schema",
+                        param="guided_json",
+                    )
                 try:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as exc:
                     raise InvalidRequestError(f"guided_json is not valid JSON: {exc}", param="guided_json") from None
+                except RecursionError:
+                    raise InvalidRequestError(
+                        f"guided_json nests deeper than {MAX_CONSTRAINT_DEPTH} levels of objects and arrays",
+                        param="guided_json",
+                    ) from None
             forms.append(("guided_json", {"json": schema}))
         for param, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             if getattr(self, param) is not None:

@@ -212,6 +212,11 @@ class StructuredOutputConfig:
     """Seconds one guided-decoding constraint may take to compile; a slower one (say a JSON
     schema with a huge maxLength) fails its request with a 400 and the compile pool goes on
     with a fresh thread."""
+    request_backends: str = "any"
+    """Which guided-decoding backends a request may choose (``backend`` in
+    ``structured_outputs``, or ``guided_decoding_backend``): ``any``; ``none``, only the server's
+    own backend (vLLM's behaviour: a request naming another gets a 400); or a comma-separated
+    list of backend names it may name besides the server's."""
 
 
 LORA_DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
@@ -448,6 +453,7 @@ STRUCTURED_OUTPUT_ARGS = {
     "guided_decoding_disable_additional_properties": "disable_additional_properties",
     "reasoning_parser": "reasoning_parser",
     "structured_outputs_compile_timeout": "compile_timeout",
+    "structured_outputs_request_backends": "request_backends",
 }
 
 
@@ -533,6 +539,7 @@ class EngineArgs:
     guided_decoding_disable_additional_properties: bool = StructuredOutputConfig.disable_additional_properties
     reasoning_parser: str | None = StructuredOutputConfig.reasoning_parser
     structured_outputs_compile_timeout: float = StructuredOutputConfig.compile_timeout
+    structured_outputs_request_backends: str = StructuredOutputConfig.request_backends
     # -> SpeculativeConfig (vLLM's JSON object; None: no speculative decoding)
     speculative_config: dict[str, Any] | None = None
 

@@ -16,12 +16,13 @@ split at if it grows.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
+import functools
 import hashlib
 import json
 import logging
-import queue
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,14 +52,32 @@ BACKEND_OPTION_WORDS = {
     "disable-additional-properties": "disable_additional_properties",
 }
 AUTO = "auto"
+# --structured-outputs-request-backends: a request may name any backend / only the server's
+ANY_BACKEND = "any"
+NO_OTHER_BACKEND = "none"
 COMPILE_CACHE_SIZE = 256
 COMPILE_THREADS = 2
 DEFAULT_COMPILE_TIMEOUT = 30.0
 # compiles past their time limit whose threads are still running (Python cannot stop a
 # thread); beyond this many, new constraints are refused with a 429 until one ends
 MAX_RUNAWAY_COMPILES = 4
+# one client (API key, else peer address) has one check or compile running at a time within
+# its time limit (the rest wait in line), so the others always have a thread; while this many
+# of its jobs overran and still run, its new ones get a 429: one client never holds every
+# runaway slot
+MAX_RUNAWAY_PER_CLIENT = 2
 # a constraint's text (schema, regex, grammar, ...) longer than this is refused unread
 MAX_CONSTRAINT_CHARS = 256 * 1024
+# JSON nesting (objects and arrays, the outermost one counts 1) of a schema or structural
+# tag: deeper is a 400 before any recursive walk (jsonschema's check, the backends' compilers)
+# can run out of stack; OpenAI allows 10 levels of object nesting, which is 20 or so here
+MAX_CONSTRAINT_DEPTH = 64
+
+
+# who the request being served comes from (an opaque key: its API key's digest, or its peer
+# address), set per HTTP request by the server's ClientMiddleware; None offline. Compile slots
+# are shared out by it.
+REQUEST_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tokenloom_request_client", default=None)
 
 
 def num_bitmask_words(vocab_size: int) -> int:
@@ -96,9 +115,10 @@ class Constraint:
     # a regex for the whitespace between JSON tokens (outlines' guided_whitespace_pattern)
     whitespace_pattern: str | None = None
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Canonical text: equal constraints have equal keys (the compile cache's key)."""
+        """Canonical text: equal constraints have equal keys (the compile cache's key). Cached:
+        first read when the constraint is checked, in the compile pool, never on the loop."""
         spec = list(self.spec) if isinstance(self.spec, tuple) else self.spec
         return json.dumps([self.kind, spec, self.any_whitespace, self.whitespace_pattern], sort_keys=True)
 
@@ -160,9 +180,11 @@ class StructuredOutputBackend:
     """Registered with ``register_structured_output_backends``; one instance per engine, in
     the main process, constructed as ``Backend(tokenizer, vocab_size, eos_token_ids, options)``.
 
-    Construction must be cheap (``supports`` runs on the server's event loop): do heavy set-up
-    (vocabulary tables) on the first ``compile``, which runs in a thread pool. ``compile`` may
-    run in several threads at once.
+    Construction must be cheap: do heavy set-up (vocabulary tables) on the first ``compile``.
+    ``supports`` and ``compile`` run in the compile pool's threads, each call bounded by
+    ``--structured-outputs-compile-timeout``, and ``compile`` may run in several at once. A
+    compile that can be stopped part-way (work in a child process, say) polls
+    :func:`compile_cancelled` and gives up once it is true.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], options: BackendOptions):
@@ -207,13 +229,49 @@ def _bad(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param="structured_outputs")
 
 
+def check_size_and_depth(value: Any, what: str) -> None:
+    """A 400 when ``value`` (JSON-like data, or a string) would be longer than
+    MAX_CONSTRAINT_CHARS as JSON text or nests deeper than MAX_CONSTRAINT_DEPTH. Iterative, and
+    it stops as soon as a limit is passed, so a huge or deep value costs no more than a small
+    one; what it counts is a lower bound of the JSON text's length."""
+    num_chars = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            depth += 1
+            if depth > MAX_CONSTRAINT_DEPTH:
+                raise _bad(
+                    f"{what} nests deeper than {MAX_CONSTRAINT_DEPTH} levels of objects and arrays; "
+                    "flatten it (for example with $defs and $ref)"
+                )
+            if isinstance(node, dict):
+                num_chars += 2 + 4 * len(node)  # braces, and each key's quotes, colon and comma
+                for key, child in node.items():
+                    num_chars += len(key) if isinstance(key, str) else 1
+                    stack.append((child, depth))
+            else:
+                num_chars += 2 + len(node)
+                stack.extend((child, depth) for child in node)
+        elif isinstance(node, str):
+            num_chars += len(node)
+        else:
+            num_chars += 1
+        if num_chars > MAX_CONSTRAINT_CHARS:
+            raise _bad(f"{what} is longer than {MAX_CONSTRAINT_CHARS} characters of JSON; send a smaller one")
+
+
 def _json_object(value: Any, what: str) -> dict[str, Any]:
     """``value`` (a dict, or a string of JSON) as a dict; a 400 naming ``what`` otherwise."""
     if isinstance(value, str):
+        check_size_and_depth(value, what)
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise _bad(f"{what} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise _bad(f"{what} nests deeper than {MAX_CONSTRAINT_DEPTH} levels of objects and arrays") from None
+        check_size_and_depth(value, what)  # its depth (the text's length was checked)
     if not isinstance(value, dict):
         raise _bad(f"{what} must be a JSON object, got {type(value).__name__}")
     return dict(value)
@@ -232,6 +290,8 @@ def _json_schema(value: Any) -> dict[str, Any]:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         raise _bad(f"invalid JSON schema{' at ' + where if where else ''}: {exc.message}") from None
+    except RecursionError:  # within MAX_CONSTRAINT_DEPTH this does not happen; never a 500
+        raise _bad("the JSON schema nests too deeply to check; flatten it (for example with $defs and $ref)") from None
     return schema
 
 
@@ -272,6 +332,9 @@ def parse_constraint(request: dict[str, Any], defaults: BackendOptions) -> tuple
         )
     kind = given[0]
     value = request[kind]
+    if isinstance(value, (str, dict, list, tuple)):
+        # before anything else reads it: a huge or deep value is refused at the cost of a small one
+        check_size_and_depth(value, f"the {kind} constraint")
     whitespace_pattern = request.get("whitespace_pattern")
     if whitespace_pattern is not None and not isinstance(whitespace_pattern, str):
         raise _bad("whitespace_pattern must be a string (a regex)")
@@ -344,21 +407,57 @@ class StructuredOutputStats:
     replayed_tokens: int = 0
 
 
+_current_job = threading.local()
+
+
+def compile_cancelled() -> bool:
+    """True when the compile (or check) running on this thread overran its time limit: its
+    request already got its 400. A backend that can stop its work (say, a compile in a child
+    process it can kill) polls this and raises; Python cannot stop the thread for it."""
+    job = getattr(_current_job, "job", None)
+    return job is not None and job.timed_out
+
+
 class _CompileJob:
-    def __init__(self, future: concurrent.futures.Future[Any], work: Callable[[], Any], describe: str):
+    def __init__(
+        self,
+        future: concurrent.futures.Future[Any],
+        work: Callable[[], Any],
+        describe: str,
+        client: str | None,
+        overrun_error: Callable[[float], Exception],
+    ):
         self.future = future
         self.work = work
         self.describe = describe
+        self.client = client
+        self.overrun_error = overrun_error
         self.finished = False
         self.timed_out = False
 
 
+def _compile_overran(describe: str) -> Callable[[float], Exception]:
+    return lambda timeout: InvalidRequestError(
+        f"{describe} took longer than the server's limit of {timeout:g}s "
+        "(--structured-outputs-compile-timeout); simplify it (for example smaller maxLength, maxItems "
+        "or repetition counts)",
+        param="structured_outputs",
+    )
+
+
 class CompilePool:
-    """Runs compiles on ``num_threads`` daemon threads, each compile bounded by ``timeout``
-    seconds: a compile that overruns fails its Future with a 400 at once, its thread is
-    abandoned (it ends when the compile does; its result is dropped) and a fresh thread takes
-    its place, so one pathological constraint never holds up the others. Runaway threads
-    still burn CPU, so at most ``max_runaway`` may exist; past that, new compiles get a 429.
+    """Runs compiles (and constraint checks) on ``num_threads`` daemon threads, each bounded by
+    ``timeout`` seconds: a job that overruns fails its Future with a 400 at once, its thread
+    is abandoned (it ends when the work does, or sooner if the backend watches
+    :func:`compile_cancelled`; its result is dropped) and a fresh thread takes its place, so
+    one pathological constraint never holds up the others. Runaway threads still burn CPU, so
+    at most ``max_runaway`` may exist; past that, new jobs get a 429.
+
+    Jobs carry the client they come from (None: no client, no limit): one client's jobs run
+    one at a time within their time limit (the rest wait in line, in order), so one client
+    never holds every thread; a job that overran leaves the line (its thread was replaced) but
+    counts against ``max_runaway_per_client``, and a client with that many gets a 429 for new
+    jobs (and its queued ones) while the others' jobs go on.
     """
 
     def __init__(
@@ -366,12 +465,18 @@ class CompilePool:
         num_threads: int = COMPILE_THREADS,
         timeout: float = DEFAULT_COMPILE_TIMEOUT,
         max_runaway: int = MAX_RUNAWAY_COMPILES,
+        max_runaway_per_client: int = MAX_RUNAWAY_PER_CLIENT,
     ):
         self.timeout = timeout
         self.max_runaway = max_runaway
-        self._jobs: queue.SimpleQueue[_CompileJob | None] = queue.SimpleQueue()
+        self.max_runaway_per_client = max_runaway_per_client
+        self._queue: deque[_CompileJob] = deque()
         self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
         self._num_runaway = 0
+        # clients with a job running within its time limit; each client's runaway jobs
+        self._busy_clients: set[str] = set()
+        self._runaway: Counter[str] = Counter()
         self._num_workers = 0
         self._closed = False
         for _ in range(num_threads):
@@ -382,50 +487,104 @@ class CompilePool:
         """Compiles that overran their time limit and are still running."""
         return self._num_runaway
 
-    def submit(self, work: Callable[[], Any], describe: str) -> concurrent.futures.Future[Any]:
+    def num_runaway_of(self, client: str) -> int:
+        """``client``'s jobs that overran their limit and still run."""
+        with self._lock:
+            return self._runaway[client]
+
+    def submit(
+        self,
+        work: Callable[[], Any],
+        describe: str,
+        client: str | None = None,
+        overrun_error: Callable[[float], Exception] | None = None,
+    ) -> concurrent.futures.Future[Any]:
+        """Queue ``work``; its Future fails with ``overrun_error(timeout)`` (by default: the
+        compile took too long, a 400) when it overruns. Raises OverloadedError (429) while the
+        runaway slots, or ``client``'s share of them, are full."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._num_runaway >= self.max_runaway:
                 raise OverloadedError(
                     f"the grammar compiler is busy with {self._num_runaway} constraints that "
                     f"overran their {self.timeout:g}s limit; retry later"
                 )
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._jobs.put(_CompileJob(future, work, describe))
+            if client is not None and self._runaway[client] >= self.max_runaway_per_client:
+                raise self._client_overloaded()
+            self._queue.append(_CompileJob(future, work, describe, client, overrun_error or _compile_overran(describe)))
+            self._wakeup.notify()
         return future
+
+    def _client_overloaded(self) -> OverloadedError:
+        return OverloadedError(
+            f"{self.max_runaway_per_client} of your constraints are still compiling past the server's "
+            f"{self.timeout:g}s limit (--structured-outputs-compile-timeout); retry when they end, "
+            "and simplify constraints that overran"
+        )
 
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            num_workers = self._num_workers
-        for _ in range(num_workers):
-            self._jobs.put(None)
+            self._wakeup.notify_all()
 
     def _start_worker(self) -> None:
         self._num_workers += 1
         threading.Thread(target=self._work, name="tokenloom-grammar", daemon=True).start()
 
+    def _next_job(self) -> _CompileJob | None:
+        """The first queued job whose client has nothing running (the lock is held)."""
+        for index, job in enumerate(self._queue):
+            if job.client is None or job.client not in self._busy_clients:
+                del self._queue[index]
+                if job.client is not None:
+                    self._busy_clients.add(job.client)
+                return job
+        return None
+
+    def _leave_line(self, job: _CompileJob) -> None:
+        """``job`` ended or overran (the lock is held): its client's next job may start."""
+        if job.client is not None:
+            self._busy_clients.discard(job.client)
+            self._wakeup.notify_all()
+
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+            with self._wakeup:
+                job = self._next_job()
+                while job is None and not self._closed:
+                    self._wakeup.wait()
+                    job = self._next_job()
+                if job is None:
+                    self._num_workers -= 1
+                    return
             if not job.future.set_running_or_notify_cancel():
+                with self._lock:
+                    self._leave_line(job)
                 continue
             timer = threading.Timer(self.timeout, self._on_timeout, (job,))
             timer.daemon = True
             timer.start()
             result, error = None, None
+            _current_job.job = job
             try:
                 result = job.work()
             except BaseException as exc:  # handed to whoever waits on the Future
                 error = exc
+            finally:
+                _current_job.job = None
             timer.cancel()
             with self._lock:
                 job.finished = True
-                if job.timed_out:  # already answered, and a replacement thread runs
+                if not job.timed_out:
+                    self._leave_line(job)
+                else:  # already answered, out of its client's line, and a replacement thread runs
                     self._num_runaway -= 1
+                    if job.client is not None:
+                        self._runaway[job.client] -= 1
+                        if not self._runaway[job.client]:
+                            del self._runaway[job.client]
                     self._num_workers -= 1
-                    logger.warning("a grammar compile that overran its limit ended after all: %s", job.describe)
+                    logger.warning("a grammar job that overran its limit ended after all: %s", job.describe)
                     return
             if error is not None:
                 job.future.set_exception(error)
@@ -433,28 +592,35 @@ class CompilePool:
                 job.future.set_result(result)
 
     def _on_timeout(self, job: _CompileJob) -> None:
+        refused: list[_CompileJob] = []
         with self._lock:
             if job.finished:
                 return
             job.timed_out = True
             self._num_runaway += 1
+            self._leave_line(job)
+            if job.client is not None:
+                self._runaway[job.client] += 1
+                if self._runaway[job.client] >= self.max_runaway_per_client:
+                    # the client has all the runaway jobs it may: its queued ones get the 429 a
+                    # new one would (they would only add to its runaways)
+                    refused = [queued for queued in self._queue if queued.client == job.client]
+                    for queued in refused:
+                        self._queue.remove(queued)
             if not self._closed:
                 self._start_worker()
-        logger.warning("compiling %s overran its %gs limit; its request gets a 400", job.describe, self.timeout)
-        job.future.set_exception(
-            InvalidRequestError(
-                f"compiling {job.describe} took longer than the server's limit of {self.timeout:g}s "
-                "(--structured-outputs-compile-timeout); simplify it (for example smaller maxLength, maxItems "
-                "or repetition counts)",
-                param="structured_outputs",
-            )
-        )
+        logger.warning("%s overran its %gs limit; its request gets a 400", job.describe, self.timeout)
+        job.future.set_exception(job.overrun_error(self.timeout))
+        for queued in refused:
+            if queued.future.set_running_or_notify_cancel():
+                queued.future.set_exception(self._client_overloaded())
 
 
 class StructuredOutputManager:
     """The engine's guided-decoding state: backends, the compile cache and pool, and one
-    :class:`_SequenceGrammar` per constrained sequence. Thread-safe for ``resolve`` and
-    ``submit`` (the server's event loop calls them); the rest runs on the engine thread."""
+    :class:`_SequenceGrammar` per constrained sequence. Thread-safe for ``check``,
+    ``resolve`` and ``submit`` (the server's event loop calls ``check`` and ``submit``, the
+    pool's threads ``resolve``); the rest runs on the engine thread."""
 
     def __init__(
         self,
@@ -480,6 +646,7 @@ class StructuredOutputManager:
         )
         if name != AUTO:
             registry.entry(name)  # an unknown name fails at start-up, listing the known ones
+        self.request_backends = parse_request_backends(getattr(config, "request_backends", ANY_BACKEND), registry)
         self.cache_size = cache_size
         self.stats = StructuredOutputStats()
         self._tokenizer_key = _tokenizer_fingerprint(tokenizer)
@@ -510,6 +677,15 @@ class StructuredOutputManager:
                 f"unknown guided_decoding_backend {requested!r}; available: {', '.join(self.registry.names())}",
                 param="guided_decoding_backend",
             )
+        if requested is not None and requested != self.default_backend and not self._may_request(requested):
+            allowed = sorted({name for name in self.request_backends or () if name != AUTO} - {self.default_backend})
+            raise InvalidRequestError(
+                f"this server does not let a request choose the guided-decoding backend {requested!r} "
+                f"(--structured-outputs-request-backends); its backend is {self.default_backend!r}"
+                + (f", and a request may also name {', '.join(allowed)}" if allowed else "")
+                + ": remove backend / guided_decoding_backend from the request",
+                param="guided_decoding_backend",
+            )
         names = self.registry.names()
         if requested is not None:
             candidates = [requested]
@@ -532,18 +708,41 @@ class StructuredOutputManager:
             param="structured_outputs",
         )
 
-    def submit(self, backend_name: str, constraint: Constraint) -> concurrent.futures.Future[CompiledConstraint]:
-        """The compiled constraint, from the cache or compiled in the pool (a Future)."""
+    def _may_request(self, name: str) -> bool:
+        return self.request_backends is None or name in self.request_backends
+
+    def check(
+        self, request: dict[str, Any], client: str | None = None
+    ) -> concurrent.futures.Future[tuple[str, Constraint]]:
+        """:meth:`resolve` run in the compile pool, as ``client``'s job, bounded by the compile
+        time limit (a Future): the server's event loop never walks a schema itself."""
+        return self._pool.submit(
+            lambda: self.resolve(request),
+            "checking a guided-decoding constraint",
+            client,
+            lambda timeout: InvalidRequestError(
+                f"checking the guided-decoding constraint took longer than the server's limit of {timeout:g}s "
+                "(--structured-outputs-compile-timeout); send a smaller schema",
+                param="structured_outputs",
+            ),
+        )
+
+    def submit(
+        self, backend_name: str, constraint: Constraint, client: str | None = None
+    ) -> concurrent.futures.Future[CompiledConstraint]:
+        """The compiled constraint, from the cache or compiled in the pool as ``client``'s job
+        (a Future). A compile that failed, or overran its limit, stays failed in the cache: the
+        same constraint gets the same 400 at once instead of burning the CPU again."""
         key = (backend_name, constraint.key, self._tokenizer_key)
         with self._lock:
             future = self._cache.get(key)
-            # a failed compile is tried again (one that overran its limit too: a busy machine,
-            # or a backend's one-time set-up, may have been the cause)
-            if future is not None and not (future.done() and future.exception() is not None):
+            if future is not None and not _refused(future):
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 return future
-            future = self._pool.submit(lambda: self._compile(backend_name, constraint), constraint.describe())
+            future = self._pool.submit(
+                lambda: self._compile(backend_name, constraint), f"compiling {constraint.describe()}", client
+            )
             self._cache[key] = future
             self.stats.compiles += 1
             while len(self._cache) > self.cache_size:
@@ -740,6 +939,33 @@ class StructuredOutputManager:
             return "?"
 
 
+def _refused(future: concurrent.futures.Future[Any]) -> bool:
+    """A cached compile that never ran for reasons other than its constraint (cancelled, or a
+    429 while its client's slots were full): compiled afresh when asked again."""
+    if not future.done():
+        return False
+    return future.cancelled() or isinstance(future.exception(), OverloadedError)
+
+
+def parse_request_backends(value: str | None, registry: Any) -> frozenset[str] | None:
+    """``--structured-outputs-request-backends``: None when a request may name any backend
+    (``any``), else the names it may use besides the server's own (``none``: no other)."""
+    text = (value or ANY_BACKEND).strip()
+    if text == ANY_BACKEND:
+        return None
+    if text == NO_OTHER_BACKEND:
+        return frozenset()
+    names = frozenset(name.strip() for name in text.split(",") if name.strip())
+    unknown = sorted(name for name in names if name not in registry)
+    if unknown:
+        raise ConfigError(
+            f"--structured-outputs-request-backends: unknown backend(s) {', '.join(unknown)}; give "
+            f"{ANY_BACKEND!r}, {NO_OTHER_BACKEND!r} or a comma-separated list of: {', '.join(registry.names())}",
+            param="structured-outputs-request-backends",
+        )
+    return names
+
+
 def clean_error(exc: BaseException) -> str:
     """A backend's error message without native-code location prefixes (xgrammar prepends
     ``[time] /path/file.cc:123: ``)."""
@@ -774,6 +1000,7 @@ __all__ = [
     "StructuredOutputManager",
     "StructuredOutputMasks",
     "allocate_bitmask",
+    "compile_cancelled",
     "parse_backend_option",
     "parse_constraint",
     "set_allowed_tokens",

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 
 import jsonschema
 import numpy as np
@@ -424,3 +425,53 @@ def test_bitmask_rows_do_not_bleed_between_rows(backends):
     rows = unpack_bitmask(bitmask, VOCAB_SIZE)
     assert not (rows[0] & rows[1]).any() and rows[0].any() and rows[1].any()
     assert torch.equal(rows[0], unpack_bitmask(bitmask[:1], VOCAB_SIZE)[0])
+
+
+# -- outlines: index builds in child processes that can be stopped ------------------------------
+
+
+def test_outlines_builds_indexes_in_a_reused_child_process(tokenizer):
+    backend = OutlinesBackend(tokenizer, VOCAB_SIZE, [EOS], BackendOptions())
+    first = backend.compile(Constraint("regex", "[0-9]{3}"))
+    (worker,) = backend._idle_workers
+    second = backend.compile(Constraint("json", {"type": "object", "properties": {"a": {"type": "integer"}}}))
+    assert backend._idle_workers == [worker]  # the same child built both
+    assert random_walk(backend, first, random.Random(0)) is not None
+    assert random_walk(backend, second, random.Random(0)) is not None
+    with pytest.raises(ValueError, match="Error"):  # what outlines refuses is the request's error
+        backend.compile(Constraint("regex", "(unbalanced"))
+    assert backend._idle_workers == [worker]
+    worker.close()
+
+
+def test_an_outlines_compile_past_the_limit_is_stopped_not_left_running(tokenizer):
+    """(a|b)*a(a|b){15}: a DFA of 2**16 states, minutes of CPU. The compile's request gets its
+    400 at the limit and the child building the index is killed: no runaway thread remains,
+    and asking again answers the same 400 at once from the cache."""
+    from tokenloom.core.config import StructuredOutputConfig
+    from tokenloom.core.structured_output import StructuredOutputManager
+    from tokenloom.errors import InvalidRequestError
+    from tokenloom.plugins.registry import Registry
+
+    registry = Registry("structured_output_backend", "--guided-decoding-backend")
+    registry.register("outlines", OutlinesBackend, plugin_name="test")
+    manager = StructuredOutputManager(
+        StructuredOutputConfig(backend="outlines", compile_timeout=2), registry, tokenizer, VOCAB_SIZE, [EOS]
+    )
+    try:
+        backend = manager.backend("outlines")
+        backend.vocabulary()  # built before the clock starts
+        exponential = {"regex": "(a|b)*a(a|b){15}"}
+        future = manager.submit(*manager.resolve(exponential), client="a")
+        with pytest.raises(InvalidRequestError, match="took longer than the server's limit of 2s"):
+            future.result(timeout=30)
+        deadline = time.monotonic() + 10
+        while manager._pool.num_runaway and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert manager._pool.num_runaway == 0
+        assert backend._idle_workers == []  # the child was killed, not kept
+        again = manager.submit(*manager.resolve(exponential), client="a")
+        assert again is future and manager.stats.compiles == 1
+        assert manager.submit(*manager.resolve({"regex": "[ab]{3}"}), client="a").result(timeout=30)
+    finally:
+        manager.shutdown()

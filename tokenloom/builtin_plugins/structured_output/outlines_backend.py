@@ -1,12 +1,21 @@
 """The ``outlines`` guided-decoding backend, on outlines-core: every constraint becomes a regex
 (JSON schemas through ``build_regex_from_schema``), indexed once over the vocabulary's token
 bytes into an ``Index``; each sequence walks it with a ``Guide``. Regular languages only:
-context-free grammars need the xgrammar backend."""
+context-free grammars need the xgrammar backend.
+
+Indexes are built in child processes (:mod:`.outlines_worker`), one per compile running at
+once, kept for the next: building one takes exponential time for some regexes, and a child
+past the compile time limit is killed, where a thread could only be abandoned."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from tokenloom.builtin_plugins.structured_output.common import (
@@ -16,7 +25,13 @@ from tokenloom.builtin_plugins.structured_output.common import (
     token_bytes,
     unsupported_keywords_reason,
 )
-from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
+from tokenloom.builtin_plugins.structured_output.outlines_worker import read_message, write_message
+from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend, compile_cancelled
+
+# idle index-building children kept for the next compiles (the compile pool runs two at once)
+MAX_IDLE_WORKERS = 2
+# how often a compile waiting on its child looks whether it overran its time limit
+CANCEL_POLL_SECONDS = 0.05
 
 # what build_regex_from_schema ignores (numeric bounds among them): outputs could break these
 UNSUPPORTED_JSON_KEYWORDS = KEYWORDS_REGEX_BACKENDS_IGNORE
@@ -64,11 +79,59 @@ def _bit(position: int) -> int:
     return (1 << position) - (1 << 32 if position == 31 else 0)
 
 
+class IndexWorker:
+    """One child process that builds indexes (:mod:`.outlines_worker`), given the vocabulary
+    (pickled) once at its start."""
+
+    def __init__(self, vocabulary_message: Any):
+        package_root = str(Path(__file__).resolve().parents[3])  # the directory holding tokenloom/
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tokenloom.builtin_plugins.structured_output.outlines_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None  # PIPE gives both
+        self._requests = self.process.stdin
+        self._replies = self.process.stdout
+        write_message(self._requests, vocabulary_message)
+
+    def build(self, job: tuple[str, str, str | None]) -> Any:
+        """The index of ``job``; kills the child and raises TimeoutError as soon as the compile
+        is cancelled (it overran the server's limit), ValueError for what outlines refused."""
+        write_message(self._requests, job)
+        while not select.select([self._replies], [], [], CANCEL_POLL_SECONDS)[0]:
+            if compile_cancelled():
+                self.kill()
+                raise TimeoutError("the outlines index build overran the time limit and was stopped")
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the outlines index builder exited with status {self.process.returncode}")
+        try:
+            status, value = read_message(self._replies)
+        except EOFError:
+            raise RuntimeError(f"the outlines index builder died (status {self.process.wait()})") from None
+        if status != "ok":
+            raise ValueError(value)
+        return value
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def close(self) -> None:
+        """Ends the child (it exits when its stdin closes)."""
+        self._requests.close()
+        self.process.wait()
+
+
 class OutlinesBackend(StructuredOutputBackend):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._vocabulary = None
         self._lock = threading.Lock()
+        self._idle_workers: list[IndexWorker] = []
 
     def supports(self, constraint: Constraint) -> str | None:
         if constraint.kind == "grammar":
@@ -93,23 +156,48 @@ class OutlinesBackend(StructuredOutputBackend):
                 self._vocabulary = Vocabulary(self.eos_token_ids[0], tokens)
             return self._vocabulary
 
-    def regex(self, constraint: Constraint) -> str:
-        from outlines_core.json_schema import build_regex_from_schema
-
+    def index_job(self, constraint: Constraint) -> tuple[str, str, str | None]:
+        """What a child builds: ``("json", schema text, whitespace pattern)`` or ``("regex",
+        regex, None)``."""
         if constraint.kind in ("json", "json_object"):
             schema = enumerate_integer_ranges(constraint.spec) if constraint.kind == "json" else {"type": "object"}
             whitespace = constraint.whitespace_pattern
             if whitespace is None and not constraint.any_whitespace:
                 whitespace = ""
-            return build_regex_from_schema(json.dumps(schema), whitespace)
+            return ("json", json.dumps(schema), whitespace)
         if constraint.kind == "choice":
-            return choice_regex(constraint.spec)
-        return constraint.spec
+            return ("regex", choice_regex(constraint.spec), None)
+        return ("regex", constraint.spec, None)
+
+    def regex(self, constraint: Constraint) -> str:
+        from outlines_core.json_schema import build_regex_from_schema
+
+        kind, text, whitespace = self.index_job(constraint)
+        return build_regex_from_schema(text, whitespace) if kind == "json" else text
 
     def compile(self, constraint: Constraint) -> Any:
-        from outlines_core import Index
+        job = self.index_job(constraint)
+        vocabulary = self.vocabulary()
+        with self._lock:
+            worker = self._idle_workers.pop() if self._idle_workers else None
+        if worker is None:
+            worker = IndexWorker(vocabulary)
+        try:
+            return worker.build(job)
+        except (TimeoutError, RuntimeError):
+            worker.kill()  # stopped, or died: never reused
+            worker = None
+            raise
+        finally:
+            if worker is not None:
+                self._release(worker)
 
-        return Index(self.regex(constraint), self.vocabulary())
+    def _release(self, worker: IndexWorker) -> None:
+        with self._lock:
+            if len(self._idle_workers) < MAX_IDLE_WORKERS:
+                self._idle_workers.append(worker)
+                return
+        worker.close()
 
     def new_matcher(self, compiled: Any) -> Matcher:
         return OutlinesMatcher(compiled, self.eos_token_ids, self.eos_token_ids[0])

@@ -21,6 +21,7 @@ from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddR
 from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.core.structured_output import REQUEST_CLIENT
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet
 
@@ -347,11 +348,17 @@ class AsyncLLM(RequestStreams):
         if lora_request is not None:
             lora_request = await asyncio.to_thread(self.resolve_lora, lora_request)
         prepared = self.engine.prepare_prompt(prompt, sampling_params)
-        grammar = self.engine.submit_structured_output(sampling_params)
-        if grammar is not None:
-            # compiled off both loops; a bad constraint fails here, before anything is scheduled
-            await asyncio.wrap_future(grammar)
-        return AddRequest(request_id, sampling_params, prepared, priority, time.monotonic(), lora_request)
+        client = REQUEST_CLIENT.get()
+        checking = self.engine.check_structured_output(sampling_params, client)
+        grammar = None
+        if checking is not None:
+            # checked and compiled off both loops, in time-bounded jobs; a bad constraint fails
+            # here, before anything is scheduled
+            backend_name, constraint = await asyncio.wrap_future(checking)
+            compiling = self.engine.compile_structured_output(backend_name, constraint, client)
+            # shielded: other requests may wait on the same (cached) compile
+            grammar = await asyncio.shield(asyncio.wrap_future(compiling))
+        return AddRequest(request_id, sampling_params, prepared, priority, time.monotonic(), lora_request, grammar)
 
     def _prepare_encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str, priority: int) -> Any:
         prepared = self.engine.prepare_pooling_prompt(prompt, pooling_params)
@@ -400,6 +407,7 @@ class AsyncLLM(RequestStreams):
             if isinstance(command, AddRequest):
                 # the adapter only when there is one: engines without LoRA keep their signature
                 lora = {} if command.lora_request is None else {"lora_request": command.lora_request}
+                grammar = {} if command.grammar is None else {"grammar": command.grammar}
                 engine.add_request(
                     command.request_id,
                     None,
@@ -408,6 +416,7 @@ class AsyncLLM(RequestStreams):
                     arrival_time=command.arrival_time,
                     prepared=command.prepared,
                     **lora,
+                    **grammar,
                 )
             else:
                 engine.add_pooling_request(

@@ -22,6 +22,8 @@ class AddRequest:
     arrival_time: float
     # the LoRA adapter it runs with, already checked (tokenloom.lora.request.LoRARequest), or None
     lora_request: Any = None
+    # its compiled constraint (tokenloom.core.structured_output.CompiledConstraint), or None
+    grammar: Any = None
 
 
 @dataclass(frozen=True)

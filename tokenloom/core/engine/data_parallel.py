@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -34,6 +35,7 @@ from tokenloom.core.engine.llm_engine import EngineStats
 from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.core.structured_output import REQUEST_CLIENT
 from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PlainPlugins, PluginSet
 
@@ -180,7 +182,8 @@ class ReplicaHost:
     """Runs inside a replica, on its event loop: applies the server's messages to the replica's
     :class:`AsyncLLM` and queues what goes back (outputs, call replies, stats).
 
-    Messages in: ``("generate", request_id, prompt, sampling_params, priority, lora_request)``,
+    Messages in: ``("generate", request_id, prompt, sampling_params, priority, lora_request,
+    client)``,
     ``("encode", request_id, prompt, pooling_params, priority)``, ``("abort", request_id)``,
     ``("call", call_id, method, args)``. Messages out: ``("out", request_id, output or
     PackedError)``, ``("reply", call_id, ok, value or PackedError)``, and last in every batch
@@ -198,11 +201,14 @@ class ReplicaHost:
     def handle(self, message: Message) -> None:
         kind = message[0]
         if kind == "generate":
-            _, request_id, prompt, sampling_params, priority, lora_request = message
+            _, request_id, prompt, sampling_params, priority, lora_request, client = message
             stream = self.llm.generate(
                 prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
             )
-            self._start(request_id, stream)
+            # the stream runs in its task's context: the client the server named (compile slots)
+            context = contextvars.copy_context()
+            context.run(REQUEST_CLIENT.set, client)
+            self._start(request_id, stream, context)
         elif kind == "encode":
             _, request_id, prompt, pooling_params, priority = message
             self._start(request_id, self.llm.encode(prompt, pooling_params, request_id, priority=priority))
@@ -216,8 +222,16 @@ class ReplicaHost:
         else:
             logger.error("data-parallel replica: unknown message %r", kind)
 
-    def _start(self, request_id: str, stream: AsyncGenerator[RequestOutput | PoolingRequestOutput, None]) -> None:
-        self._tasks[request_id] = asyncio.get_running_loop().create_task(self._forward(request_id, stream))
+    def _start(
+        self,
+        request_id: str,
+        stream: AsyncGenerator[RequestOutput | PoolingRequestOutput, None],
+        context: contextvars.Context | None = None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        forward = self._forward(request_id, stream)
+        # a task runs in a copy of the context current where it is created
+        self._tasks[request_id] = context.run(loop.create_task, forward) if context else loop.create_task(forward)
 
     async def _forward(
         self, request_id: str, stream: AsyncGenerator[RequestOutput | PoolingRequestOutput, None]
@@ -751,7 +765,7 @@ class DataParallelAsyncLLM(RequestStreams):
         self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int, lora_request: Any
     ) -> Message:
         # the replica prepares it (tokenizes, compiles the grammar, resolves the adapter)
-        return ("generate", request_id, prompt, sampling_params, priority, lora_request)
+        return ("generate", request_id, prompt, sampling_params, priority, lora_request, REQUEST_CLIENT.get())
 
     def _prepare_encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str, priority: int) -> Message:
         return ("encode", request_id, prompt, pooling_params, priority)

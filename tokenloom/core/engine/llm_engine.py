@@ -33,7 +33,7 @@ from tokenloom.core.request import (
     SequenceStatus,
 )
 from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
-from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
+from tokenloom.core.structured_output import CompiledConstraint, Constraint, StructuredOutputManager
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
 
@@ -218,9 +218,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         prepared: PreparedPrompt | None = None,
         lora_request: Any = None,
+        grammar: CompiledConstraint | None = None,
     ) -> None:
         """Admit a generate request: all of its ``n`` sequences, or (raising) none of them.
-        ``lora_request`` (a :class:`~tokenloom.lora.request.LoRARequest`) runs it with an adapter."""
+        ``lora_request`` (a :class:`~tokenloom.lora.request.LoRARequest`) runs it with an adapter;
+        ``grammar`` is its constraint, compiled already (the server's path: the engine thread
+        then never checks a schema itself)."""
         self._check_id_free(request_id)
         if self.runner_type == POOLING:
             raise InvalidRequestError(
@@ -238,11 +241,13 @@ class LLMEngine:
             self._check_id_free(seq.request_id)
             seq.lora_request = lora_request
         state = self.output_processor.new_request_state(request_id, prepared, params, sequences, arrival_time)
-        grammar = self.submit_structured_output(params)
-        if grammar is not None and not grammar.done():
-            self._awaiting_grammar.append((state, grammar))  # the scheduler gets it once compiled
-        elif grammar is not None:
-            self._admit_constrained(state, grammar.result())  # a bad constraint raises here
+        pending = None if grammar is not None else self.submit_structured_output(params)
+        if grammar is not None:
+            self._admit_constrained(state, grammar)
+        elif pending is not None and not pending.done():
+            self._awaiting_grammar.append((state, pending))  # the scheduler gets it once compiled
+        elif pending is not None:
+            self._admit_constrained(state, pending.result())  # a bad constraint raises here
         else:
             self.scheduler.add_requests(sequences)
         self.output_processor.add(state)
@@ -308,12 +313,33 @@ class LLMEngine:
         for a constraint no backend can take; compile errors come out of the Future."""
         if params.structured_outputs is None:
             return None
+        return self._structured_output_manager_or_400().submit(
+            *self._structured_output_manager_or_400().resolve(params.structured_outputs)
+        )
+
+    def check_structured_output(
+        self, params: SamplingParams, client: str | None = None
+    ) -> concurrent.futures.Future[tuple[str, Constraint]] | None:
+        """The server's first half of :meth:`submit_structured_output`: the request's constraint
+        checked and its backend chosen in the compile pool, as ``client``'s job, bounded in time
+        (a Future of ``(backend name, constraint)``); None when unconstrained. Thread-safe."""
+        if params.structured_outputs is None:
+            return None
+        return self._structured_output_manager_or_400().check(params.structured_outputs, client)
+
+    def compile_structured_output(
+        self, backend_name: str, constraint: Constraint, client: str | None = None
+    ) -> concurrent.futures.Future[CompiledConstraint]:
+        """The second half: the checked constraint compiled (or found in the cache). Thread-safe."""
+        return self._structured_output_manager_or_400().submit(backend_name, constraint, client)
+
+    def _structured_output_manager_or_400(self) -> StructuredOutputManager:
         if self.structured_outputs is None:
             raise InvalidRequestError(
                 "structured outputs need the tokenizer, which this server skipped (--skip-tokenizer-init)",
                 param="structured_outputs",
             )
-        return self.structured_outputs.submit(*self.structured_outputs.resolve(params.structured_outputs))
+        return self.structured_outputs
 
     def _admit_constrained(self, state: RequestState, compiled: CompiledConstraint) -> None:
         """Queue the sequences of a request whose grammar compiled, each with its own matcher
