@@ -492,5 +492,5 @@ def test_the_ray_backend_starts_ray_without_its_dashboard(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     engine_args = EngineArgs(data_parallel_size=2, data_parallel_backend="ray")
     with pytest.raises(RuntimeError, match="stop here"):
-        data_parallel.DataParallelbuild_engine_client(engine_args, load_plugins())
+        data_parallel.DataParallelAsyncLLM.from_engine_args(engine_args, load_plugins())
     assert calls == [{"address": "local", "include_dashboard": False}]
