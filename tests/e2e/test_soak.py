@@ -1,9 +1,12 @@
-"""A bounded soak of the real server (issue 20): up to 64 concurrent loopback clients mix
-ordinary completions, streamed chats, clients that disconnect mid-stream, requests aborted by
-a client timeout, oversized and malformed bodies, per-request structured outputs, tool calls
-and tokenization. Afterwards every well-formed request got a complete answer, every bad one a
-4xx, `/metrics` shows nothing running or waiting and the KV cache back at idle (no leaked
-blocks), and the server's RSS has settled.
+"""A bounded soak of the real server (issues 20 and 37): up to 64 concurrent loopback clients
+mix ordinary completions, streamed chats, clients that disconnect mid-stream, requests aborted
+by a client timeout, oversized and malformed bodies (non-finite numbers, deep schemas,
+shadowing template kwargs, over-long metadata among them), per-request structured outputs,
+tool calls, tokenization, pairs of requests sharing one id, requests full of invented fields
+and stored Responses with full metadata. Afterwards every well-formed request got a complete
+answer, every bad one a 4xx, `/metrics` shows nothing running or waiting and the KV cache back
+at idle (no leaked blocks), the log grew by at most a line per request with unknown fields,
+and the server's RSS has settled.
 
 The CI run lasts ``TOKENLOOM_SOAK_SECONDS`` (default 40) of load; the long run is
 ``TOKENLOOM_SOAK_SECONDS=150 pytest -s tests/e2e/test_soak.py`` (see docs/hardening.md), which
@@ -36,6 +39,17 @@ MAX_BODY_BYTES = 64 * 1024
 # later growth is the server's own: allocator arenas and caches may still grow, but boundedly.
 KV_CACHE_BYTES = "768M"
 RSS_GROWTH_LIMIT_BYTES = 256 * 1024 * 1024
+# the Responses store's bound, small enough that the soak fills it many times over
+RESPONSES_STORE_BYTES = 2 * 1024 * 1024
+UNKNOWN_FIELDS_LOG_LINE = "were present in the request but ignored"
+
+
+def deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
 
 PROMPTS = [
     "The capital of France is",
@@ -201,6 +215,37 @@ MALFORMED = [
         ).encode(),
     ),
     ("/tokenize", json.dumps({"model": MODEL, "prompt": "\udfff"}).encode()),
+    # issue 37: non-finite numbers, a schema too deep to walk, kwargs that shadow the
+    # template's globals, metadata over OpenAI's limits
+    (
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": float("nan")}).encode(),
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"5": float("inf")}}).encode(),
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema(150)}},
+            }
+        ).encode(),
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"raise_exception": "boom"},
+            }
+        ).encode(),
+    ),
+    ("/v1/responses", json.dumps({"model": MODEL, "input": "hi", "metadata": {"k": "v" * 513}}).encode()),
 ]
 
 
@@ -271,6 +316,46 @@ async def tools(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes)
     outcomes.ok("tools")
 
 
+async def duplicate_ids(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
+    """Two requests under one id at once (issue 37): both end, each with its answer or a 400
+    naming request_id; neither hangs."""
+    request_id = f"soak-dup-{rng.randrange(1 << 62):x}"
+    body = {"model": MODEL, "prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(1, 6)}
+    responses = await asyncio.gather(
+        *(http.post("/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=120) for _ in range(2))
+    )
+    statuses = sorted(response.status_code for response in responses)
+    if statuses not in ([200, 200], [200, 400]):
+        outcomes.fail("duplicate_ids", f"statuses {statuses}: {[r.text[:200] for r in responses]}")
+    elif (
+        statuses == [200, 400]
+        and responses[[r.status_code for r in responses].index(400)].json()["error"]["param"] != "request_id"
+    ):
+        outcomes.fail("duplicate_ids", f"a 400 that does not name request_id: {responses}")
+    else:
+        outcomes.ok("duplicate_ids")
+
+
+async def unknown_fields(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
+    """A request with a thousand invented fields is served; the server logs one line for it."""
+    body = {"model": MODEL, "prompt": rng.choice(PROMPTS), "max_tokens": 2}
+    body.update({f"invented_{rng.randrange(1 << 40):x}_{index}": index for index in range(1000)})
+    response = await http.post("/v1/completions", json=body)
+    if expect_status(outcomes, "unknown_fields", response, 200):
+        outcomes.ok("unknown_fields")
+
+
+async def stored_response(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
+    """A Response stored with OpenAI's largest metadata (16 keys of 512 characters)."""
+    metadata = {f"key{index}": f"{rng.randrange(1 << 30):x}".ljust(512, "v") for index in range(16)}
+    response = await http.post(
+        "/v1/responses",
+        json={"model": MODEL, "input": rng.choice(PROMPTS), "max_output_tokens": 2, "metadata": metadata},
+    )
+    if expect_status(outcomes, "stored_response", response, 200):
+        outcomes.ok("stored_response")
+
+
 async def tokenize(http: httpx.AsyncClient, rng: random.Random, outcomes: Outcomes) -> None:
     response = await http.post("/tokenize", json={"model": MODEL, "prompt": rng.choice(PROMPTS) * rng.randint(1, 20)})
     if expect_status(outcomes, "tokenize", response, 200) and response.json()["count"] > 0:
@@ -287,6 +372,9 @@ KINDS = [
     (structured, 8),
     (tools, 8),
     (tokenize, 6),
+    (duplicate_ids, 4),
+    (unknown_fields, 3),
+    (stored_response, 4),
 ]
 
 
@@ -359,6 +447,8 @@ def test_soak(tmp_path):
             str(MAX_BODY_BYTES),
             "--kv-cache-memory-bytes",
             KV_CACHE_BYTES,
+            "--responses-store-max-bytes",
+            str(RESPONSES_STORE_BYTES),
         ],
         str(tmp_path / "serve.log"),
     )
@@ -393,8 +483,20 @@ def test_soak(tmp_path):
                 json.dump(report, handle, indent=2)
 
         assert outcomes.failures == []
-        for kind in ("completion", "chat_stream", "disconnect", "malformed", "structured", "tokenize"):
+        for kind in (
+            "completion",
+            "chat_stream",
+            "disconnect",
+            "malformed",
+            "structured",
+            "tokenize",
+            "duplicate_ids",
+            "unknown_fields",
+            "stored_response",
+        ):
             assert outcomes.counts[kind] > 0, f"the soak never exercised {kind}"
+        # one log line per request with unknown fields, whatever their number
+        assert server.log().count(UNKNOWN_FIELDS_LOG_LINE) <= outcomes.counts["unknown_fields"]
         assert report["running_after"] == 0 and report["waiting_after"] == 0
         assert report["kv_cache_usage_after"] == idle_kv == 0  # every block came back
         assert rss["idle"] - rss["warm"] < RSS_GROWTH_LIMIT_BYTES, report["rss_mib"]
