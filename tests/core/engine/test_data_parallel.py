@@ -18,9 +18,9 @@ import pytest
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import build_engine_client
+from tokenloom.core.engine.commands import AbortRequest
 from tokenloom.core.engine.data_parallel import (
     DataParallelAsyncLLM,
-    PackedError,
     RayReplica,
     ReplicaHandle,
     ReplicaLoad,
@@ -29,6 +29,17 @@ from tokenloom.core.engine.data_parallel import (
     sum_stats,
 )
 from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.engine.replica_messages import (
+    AddLora,
+    Call,
+    Generate,
+    Output,
+    PackedError,
+    RemoveLora,
+    Reply,
+    ResolveLora,
+    Stats,
+)
 from tokenloom.core.request import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError, UnknownNameError
 from tokenloom.plugins.manager import PluginSet
@@ -192,7 +203,7 @@ class ScriptedReplica(ReplicaHandle):
     def start(self, on_messages, on_death) -> None:
         pass
 
-    def send(self, message: tuple) -> None:
+    def send(self, message) -> None:
         self.sent.append(message)
 
     def stop(self, timeout: float) -> None:
@@ -245,30 +256,31 @@ def test_requests_spread_over_replicas_aborts_go_to_the_holder_and_outputs_to_th
         first_output = asyncio.ensure_future(first.__anext__())
         second_output = asyncio.ensure_future(second.__anext__())
         await asyncio.sleep(0)
-        assert [message[:2] for message in replicas[0].sent] == [("generate", "first")]
-        assert [message[:2] for message in replicas[1].sent] == [("generate", "second")]
+        assert [(type(m), m.request_id) for m in replicas[0].sent] == [(Generate, "first")]
+        assert [(type(m), m.request_id) for m in replicas[1].sent] == [(Generate, "second")]
+        assert replicas[0].sent[0].sampling_params is PARAMS and replicas[0].sent[0].priority == 0
         assert engine.replica_loads()[0].num_in_flight == 1
-        engine._on_messages(1, [("out", "second", output("second", "b", False))])
-        engine._on_messages(0, [("out", "first", output("first", "a", True))])
+        engine._on_messages(1, [Output("second", output("second", "b", False))])
+        engine._on_messages(0, [Output("first", output("first", "a", True))])
         assert (await first_output).outputs[0].text == "a"
         assert (await second_output).outputs[0].text == "b"
         with pytest.raises(StopAsyncIteration):
             await first.__anext__()  # finished: no abort for it
         await engine.abort("second")
-        assert replicas[1].sent[-1] == ("abort", "second") and replicas[0].sent[-1][0] == "generate"
+        assert replicas[1].sent[-1] == AbortRequest("second") and isinstance(replicas[0].sent[-1], Generate)
         await second.aclose()  # closed early: the holder is told again, harmlessly
-        assert replicas[1].sent[-1] == ("abort", "second")
+        assert replicas[1].sent[-1] == AbortRequest("second")
         assert [load.num_in_flight for load in engine.replica_loads()] == [0, 0]
         # the next request goes to the replica with less KV-cache in use
-        engine._on_messages(0, [("stats", stats(kv_cache_usage=0.6), None)])
+        engine._on_messages(0, [Stats(stats(kv_cache_usage=0.6), None)])
         third = engine.generate("p", PARAMS, "third")
         pending = asyncio.ensure_future(third.__anext__())
         await asyncio.sleep(0)
-        assert replicas[1].sent[-1][:2] == ("generate", "third")
+        assert isinstance(replicas[1].sent[-1], Generate) and replicas[1].sent[-1].request_id == "third"
         pending.cancel()  # the client went away: the holder aborts it
         with pytest.raises(asyncio.CancelledError):
             await pending
-        assert replicas[1].sent[-1] == ("abort", "third")
+        assert replicas[1].sent[-1] == AbortRequest("third")
 
     asyncio.run(run())
 
@@ -280,7 +292,7 @@ def test_an_error_a_replica_sends_is_raised_from_the_stream():
         stream = engine.generate("p", PARAMS, "bad")
         pending = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)
-        engine._on_messages(0, [("out", "bad", PackedError.of(InvalidRequestError("too long", param="prompt")))])
+        engine._on_messages(0, [Output("bad", PackedError.of(InvalidRequestError("too long", param="prompt")))])
         with pytest.raises(InvalidRequestError, match="too long"):
             await pending
         assert not engine.errored
@@ -303,8 +315,8 @@ def test_a_dead_replica_ends_its_streams_and_the_engine_reports_unhealthy_while_
         with pytest.raises(EngineDeadError, match="replica 1 \\(pid 42\\) exited with code -9"):
             await one_output
         assert engine.errored and not engine.is_running
-        assert all(message[0] != "abort" for message in replicas[1].sent)  # nothing sent to the dead
-        engine._on_messages(0, [("out", "on-zero", output("on-zero", "done", True))])
+        assert not any(isinstance(message, AbortRequest) for message in replicas[1].sent)  # nothing to the dead
+        engine._on_messages(0, [Output("on-zero", output("on-zero", "done", True))])
         assert (await zero_output).finished  # the live replica's stream finishes
         with pytest.raises(EngineDeadError, match="the engine is dead"):
             await engine.generate("p", PARAMS, "late").__anext__()
@@ -314,12 +326,12 @@ def test_a_dead_replica_ends_its_streams_and_the_engine_reports_unhealthy_while_
 
 def test_a_reply_to_a_call_on_a_dead_replica_is_an_error_not_a_hang():
     engine, replicas = scripted_engine()
-    future = engine._call_now(1, "resolve_lora", (None,))
+    future = engine._call_now(1, ResolveLora(None))
     engine._on_death(1, "replica 1 gone")
     with pytest.raises(EngineDeadError, match="replica 1 gone"):
         future.result(timeout=1)
-    answered = engine._call_now(0, "remove_lora", (3,))
-    engine._on_messages(0, [("reply", replicas[0].sent[-1][1], True, False)])
+    answered = engine._call_now(0, RemoveLora(3))
+    engine._on_messages(0, [Reply(replicas[0].sent[-1].call_id, True, False)])
     assert answered.result(timeout=1) is False
 
 
@@ -454,19 +466,20 @@ def test_lora_adapters_are_added_to_and_removed_from_every_live_replica():
     engine, replicas = scripted_engine(3)
     engine._dead_reasons[2] = "replica 2 gone"
 
-    async def answer(method: str, call, values: list) -> object:
+    async def answer(expected_call, call, values: list) -> object:
         task = asyncio.ensure_future(call)
-        while not all(replica.sent and replica.sent[-1][2] == method for replica in replicas[:2]):
+        while not all(replica.sent and isinstance(replica.sent[-1], Call) for replica in replicas[:2]):
             await asyncio.sleep(0)
         for replica, value in zip(replicas[:2], values):
-            kind, call_id, sent_method, _ = replica.sent[-1]
-            assert (kind, sent_method) == ("call", method)
-            engine._on_messages(replica.index, [("reply", call_id, True, value)])
+            sent = replica.sent[-1]
+            assert sent.call == expected_call
+            engine._on_messages(replica.index, [Reply(sent.call_id, True, value)])
+            replica.sent.clear()
         return await task
 
     async def run():
-        assert await answer("add_lora", engine.add_lora("adapter"), [True, True]) is True
-        assert await answer("remove_lora", engine.remove_lora(1), [False, True]) is True
+        assert await answer(AddLora("adapter"), engine.add_lora("adapter"), [True, True]) is True
+        assert await answer(RemoveLora(1), engine.remove_lora(1), [False, True]) is True
         assert replicas[2].sent == []  # nothing to the dead one
 
     asyncio.run(run())

@@ -5,7 +5,8 @@ server cannot tell one engine from N: it sends each request to the least loaded 
 routes aborts to the replica holding the request and sums the replicas' stats.
 
 Each replica runs a plain :class:`AsyncLLM` wrapped by :class:`ReplicaHost`, which turns
-messages (plain tuples, pickled) into calls and the calls' outputs back into messages. The same
+messages (the frozen dataclasses of :mod:`~tokenloom.core.engine.replica_messages`) into calls
+and the calls' outputs back into messages. The same
 host serves both backends: an ``mp`` replica pipes its messages, a Ray actor hands them out
 from :meth:`RayReplicaActor.next_messages`, which the parent polls.
 """
@@ -30,8 +31,27 @@ from typing import Any, cast
 
 from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.distributed import import_ray
-from tokenloom.core.engine.async_llm import AsyncLLM, RequestStreams
+from tokenloom.core.engine.async_llm import AsyncLLM, RequestStreams, StreamItem
+from tokenloom.core.engine.commands import AbortRequest
 from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.engine.replica_messages import (
+    AddLora,
+    Call,
+    Encode,
+    Failed,
+    FromReplica,
+    Generate,
+    Output,
+    PackedError,
+    Ready,
+    RemoveLora,
+    ReplicaCall,
+    Reply,
+    ResolveLora,
+    Shutdown,
+    Stats,
+    ToReplica,
+)
 from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
@@ -49,9 +69,6 @@ REPLICA_STOP_TIMEOUT_SECONDS = 30.0
 STATS_INTERVAL_SECONDS = 0.5
 # the CPUs a Ray replica asks for (and keeps its torch threads to)
 REPLICA_RAY_CPUS = 1
-
-# a message between the server and a replica: a plain tuple, its kind first (see ReplicaHost)
-Message = tuple[Any, ...]
 
 # what the server's engine facts are, read once from the first replica when it is ready
 FACT_NAMES = (
@@ -135,92 +152,43 @@ def sum_stats(replica_stats: list[EngineStats]) -> EngineStats:
     )
 
 
-# -- what crosses the process boundary ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PackedError:
-    """An exception as plain data: tokenloom's errors take keyword-only arguments (``param``,
-    ``code``) that pickling an exception drops or cannot pass back to ``__init__``."""
-
-    error_class: type[BaseException]
-    message: str
-    attributes: dict[str, Any]
-
-    @classmethod
-    def of(cls, exc: BaseException) -> PackedError:
-        import pickle
-
-        attributes = {}
-        for name, value in vars(exc).items():
-            try:
-                pickle.dumps(value)
-            except Exception:
-                continue
-            attributes[name] = value
-        error_class = type(exc)
-        try:
-            pickle.dumps(error_class)
-        except Exception:  # a class only that process knows: its name still says what went wrong
-            return cls(RuntimeError, f"{error_class.__name__}: {exc}", {})
-        return cls(error_class, str(exc), attributes)
-
-    def unpack(self) -> BaseException:
-        try:
-            exc = self.error_class.__new__(self.error_class)
-            BaseException.__init__(exc, self.message)
-            exc.__dict__.update(self.attributes)
-            return exc
-        except Exception:
-            return RuntimeError(f"{self.error_class.__name__}: {self.message}")
-
-
 # -- the replica side ---------------------------------------------------------------------------
 
 
 class ReplicaHost:
     """Runs inside a replica, on its event loop: applies the server's messages to the replica's
-    :class:`AsyncLLM` and queues what goes back (outputs, call replies, stats).
-
-    Messages in: ``("generate", request_id, prompt, sampling_params, priority, lora_request,
-    client)``,
-    ``("encode", request_id, prompt, pooling_params, priority)``, ``("abort", request_id)``,
-    ``("call", call_id, method, args)``. Messages out: ``("out", request_id, output or
-    PackedError)``, ``("reply", call_id, ok, value or PackedError)``, and last in every batch
-    ``("stats", EngineStats, dead_reason or None)``."""
+    :class:`AsyncLLM` and queues what goes back: outputs, call replies, and last in every batch
+    the replica's stats (:mod:`~tokenloom.core.engine.replica_messages`)."""
 
     def __init__(self, llm: AsyncLLM):
         self.llm = llm
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._outbox: list[Message] = []
+        self._outbox: list[FromReplica] = []
         self._has_mail = asyncio.Event()
 
     def facts(self) -> dict[str, Any]:
         return {name: getattr(self.llm, name) for name in FACT_NAMES}
 
-    def handle(self, message: Message) -> None:
-        kind = message[0]
-        if kind == "generate":
-            _, request_id, prompt, sampling_params, priority, lora_request, client = message
-            stream = self.llm.generate(
-                prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
-            )
-            # the stream runs in its task's context: the client the server named (compile slots)
-            context = contextvars.copy_context()
-            context.run(REQUEST_CLIENT.set, client)
-            self._start(request_id, stream, context)
-        elif kind == "encode":
-            _, request_id, prompt, pooling_params, priority = message
-            self._start(request_id, self.llm.encode(prompt, pooling_params, request_id, priority=priority))
-        elif kind == "abort":
-            task = self._tasks.pop(message[1], None)
-            if task is not None:
-                task.cancel()  # closing the stream aborts the request in the engine
-        elif kind == "call":
-            _, call_id, method, args = message
-            asyncio.get_running_loop().create_task(self._reply(call_id, method, args))
-        else:
-            logger.error("data-parallel replica: unknown message %r", kind)
+    def handle(self, message: ToReplica) -> None:
+        match message:
+            case Generate(request_id, prompt, sampling_params, priority, lora_request, client):
+                stream = self.llm.generate(
+                    prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
+                )
+                # the stream runs in its task's context: the client the server named (compile slots)
+                context = contextvars.copy_context()
+                context.run(REQUEST_CLIENT.set, client)
+                self._start(request_id, stream, context)
+            case Encode(request_id, prompt, pooling_params, priority):
+                self._start(request_id, self.llm.encode(prompt, pooling_params, request_id, priority=priority))
+            case AbortRequest(request_id):
+                task = self._tasks.pop(request_id, None)
+                if task is not None:
+                    task.cancel()  # closing the stream aborts the request in the engine
+            case Call(call_id, call):
+                asyncio.get_running_loop().create_task(self._reply(call_id, call))
+            case _:
+                logger.error("data-parallel replica: unknown message %r", message)
 
     def _start(
         self,
@@ -239,28 +207,33 @@ class ReplicaHost:
         try:
             async with contextlib.aclosing(stream):
                 async for output in stream:
-                    self._post(("out", request_id, output))
+                    self._post(Output(request_id, output))
         except asyncio.CancelledError:
             pass
         except BaseException as exc:
-            self._post(("out", request_id, PackedError.of(exc)))
+            self._post(Output(request_id, PackedError.of(exc)))
         finally:
             self._tasks.pop(request_id, None)
 
-    async def _reply(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
+    async def _reply(self, call_id: int, call: ReplicaCall) -> None:
         try:
-            value = getattr(self.llm, method)(*args)
-            if asyncio.iscoroutine(value):
-                value = await value
-            self._post(("reply", call_id, True, value))
+            value: Any
+            match call:
+                case ResolveLora(lora_request):
+                    value = await asyncio.to_thread(self.llm.resolve_lora, lora_request)
+                case AddLora(lora_request):
+                    value = await self.llm.add_lora(lora_request)
+                case RemoveLora(lora_int_id):
+                    value = await self.llm.remove_lora(lora_int_id)
+            self._post(Reply(call_id, True, value))
         except Exception as exc:
-            self._post(("reply", call_id, False, PackedError.of(exc)))
+            self._post(Reply(call_id, False, PackedError.of(exc)))
 
-    def _post(self, message: Message) -> None:
+    def _post(self, message: FromReplica) -> None:
         self._outbox.append(message)
         self._has_mail.set()
 
-    async def next_messages(self, timeout: float = STATS_INTERVAL_SECONDS) -> list[Message]:
+    async def next_messages(self, timeout: float = STATS_INTERVAL_SECONDS) -> list[FromReplica]:
         """What is waiting to go back, at once if anything is, else after ``timeout``; always
         ends with the replica's stats (a heartbeat when there is nothing else)."""
         if not self._outbox:
@@ -268,8 +241,8 @@ class ReplicaHost:
                 await asyncio.wait_for(self._has_mail.wait(), timeout)
         self._has_mail.clear()
         messages, self._outbox = self._outbox, []
-        dead_reason = self.llm._dead_reason or ("the engine stopped" if self.llm.errored else None)
-        messages.append(("stats", self.llm.stats(), dead_reason))
+        dead_reason = self.llm.dead_reason or ("the engine stopped" if self.llm.errored else None)
+        messages.append(Stats(self.llm.stats(), dead_reason))
         return messages
 
     async def shutdown(self) -> None:
@@ -287,8 +260,8 @@ async def _build_host(engine_args: EngineArgs, tables: PlainPlugins) -> ReplicaH
 def replica_process_main(
     index: int, engine_args: EngineArgs, tables: PlainPlugins, cpu_ids: list[int] | None, inbox: Any, outbox: Any
 ) -> None:
-    """An ``mp`` replica's process: builds the engine, sends ``("ready", facts)`` (or
-    ``("failed", PackedError)``), then serves messages until told to stop or the server goes."""
+    """An ``mp`` replica's process: builds the engine, sends :class:`Ready` (or :class:`Failed`),
+    then serves messages until told to stop or the server goes."""
     # the server stops its replicas itself; a Ctrl-C reaching the whole process group must not
     # kill one before the server has ended its streams
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -311,9 +284,9 @@ async def _serve_replica(engine_args: EngineArgs, tables: PlainPlugins, inbox: A
     try:
         host = await _build_host(engine_args, tables)
     except BaseException as exc:
-        outbox.send([("failed", PackedError.of(exc))])
+        outbox.send([Failed(PackedError.of(exc))])
         return
-    outbox.send([("ready", host.facts())])
+    outbox.send([Ready(host.facts())])
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -322,8 +295,8 @@ async def _serve_replica(engine_args: EngineArgs, tables: PlainPlugins, inbox: A
             try:
                 message = inbox.recv()
             except (EOFError, OSError):  # the server is gone: stop rather than linger as an orphan
-                message = ("shutdown",)
-            if message[0] == "shutdown":
+                message = Shutdown()
+            if isinstance(message, Shutdown):
                 loop.call_soon_threadsafe(stop.set)
                 return
             loop.call_soon_threadsafe(host.handle, message)
@@ -354,11 +327,11 @@ class RayReplicaActor:
         self.host = await _build_host(engine_args, tables)
         return self.host.facts()
 
-    async def handle(self, message: Message) -> None:
+    async def handle(self, message: ToReplica) -> None:
         assert self.host is not None, "the replica has not started"
         self.host.handle(message)
 
-    async def next_messages(self, timeout: float) -> list[Message]:
+    async def next_messages(self, timeout: float) -> list[FromReplica]:
         assert self.host is not None, "the replica has not started"
         return await self.host.next_messages(timeout)
 
@@ -393,10 +366,12 @@ class ReplicaHandle:
         """Why the replica (``what`` names it) is dead after a silence of :attr:`silence_limit`."""
         return f"{what} sent nothing for {self.silence_limit:g}s ({EXECUTE_MODEL_TIMEOUT_ENV[0]} sets the limit)"
 
-    def start(self, on_messages: Callable[[int, list[Message]], None], on_death: Callable[[int, str], None]) -> None:
+    def start(
+        self, on_messages: Callable[[int, list[FromReplica]], None], on_death: Callable[[int, str], None]
+    ) -> None:
         raise NotImplementedError
 
-    def send(self, message: Message) -> None:
+    def send(self, message: ToReplica) -> None:
         """Queue ``message`` for the replica; EngineDeadError when it cannot be reached."""
         raise NotImplementedError
 
@@ -427,7 +402,9 @@ class ProcessReplica(ReplicaHandle):
         inbox_reader.close()
         outbox_writer.close()
 
-    def start(self, on_messages: Callable[[int, list[Message]], None], on_death: Callable[[int, str], None]) -> None:
+    def start(
+        self, on_messages: Callable[[int, list[FromReplica]], None], on_death: Callable[[int, str], None]
+    ) -> None:
         def receive() -> None:
             while True:
                 try:
@@ -438,13 +415,14 @@ class ProcessReplica(ReplicaHandle):
                     messages = self._outbox.recv()
                 except (EOFError, OSError):
                     break
-                if messages and messages[0][0] == "ready":
-                    self.ready.set_result(messages[0][1])
-                elif messages and messages[0][0] == "failed":
-                    self.ready.set_exception(messages[0][1].unpack())
-                    return
-                else:
-                    on_messages(self.index, messages)
+                match messages:
+                    case [Ready(facts)]:
+                        self.ready.set_result(facts)
+                    case [Failed(error)]:
+                        self.ready.set_exception(error.unpack())
+                        return
+                    case _:
+                        on_messages(self.index, messages)
             self.process.join(timeout=5)
             reason = (
                 f"data-parallel replica {self.index} (pid {self.process.pid}) exited with code {self.process.exitcode}"
@@ -464,7 +442,7 @@ class ProcessReplica(ReplicaHandle):
         on_death(self.index, self.silence_reason(f"data-parallel replica {self.index} (pid {pid}{stopped})"))
         self.process.kill()  # its workers, if any, see the pipe close and leave
 
-    def send(self, message: Message) -> None:
+    def send(self, message: ToReplica) -> None:
         try:
             with self._send_lock:
                 self._inbox.send(message)
@@ -474,7 +452,7 @@ class ProcessReplica(ReplicaHandle):
     def stop(self, timeout: float) -> None:
         self.closing = True
         with contextlib.suppress(EngineDeadError):
-            self.send(("shutdown",))
+            self.send(Shutdown())
         self.process.join(timeout)
         if self.process.is_alive():
             logger.warning("data-parallel replica %d did not stop in %.0f s: killing it", self.index, timeout)
@@ -498,7 +476,9 @@ class RayReplica(ReplicaHandle):
         self.actor: Any = cast(Any, ray.remote(RayReplicaActor).options(**actor_options).remote())
         self._started = self.actor.start.remote(index, actor_options["num_cpus"], engine_args, tables)
 
-    def start(self, on_messages: Callable[[int, list[Message]], None], on_death: Callable[[int, str], None]) -> None:
+    def start(
+        self, on_messages: Callable[[int, list[FromReplica]], None], on_death: Callable[[int, str], None]
+    ) -> None:
         ray = self._ray
 
         def receive() -> None:
@@ -527,7 +507,7 @@ class RayReplica(ReplicaHandle):
 
         threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
 
-    def send(self, message: Message) -> None:
+    def send(self, message: ToReplica) -> None:
         try:
             self.actor.handle.remote(message)
         except Exception as exc:
@@ -747,28 +727,26 @@ class DataParallelAsyncLLM(RequestStreams):
     def resolve_lora(self, lora_request: Any) -> Any:
         """The adapter checked against the model by a live replica (blocking: call it off the
         event loop once the server runs)."""
-        return self._call_now(self._live_replicas()[0], "resolve_lora", (lora_request,)).result()
+        return self._call_now(self._live_replicas()[0], ResolveLora(lora_request)).result()
 
     async def add_lora(self, lora_request: Any) -> bool:
-        await asyncio.gather(*(self._call(index, "add_lora", (lora_request,)) for index in self._live_replicas()))
+        await asyncio.gather(*(self._call(index, AddLora(lora_request)) for index in self._live_replicas()))
         return True
 
     async def remove_lora(self, lora_int_id: int) -> bool:
-        removed = await asyncio.gather(
-            *(self._call(index, "remove_lora", (lora_int_id,)) for index in self._live_replicas())
-        )
+        removed = await asyncio.gather(*(self._call(index, RemoveLora(lora_int_id)) for index in self._live_replicas()))
         return any(removed)
 
     # -- requests
 
     async def _prepare_generate(
         self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int, lora_request: Any
-    ) -> Message:
+    ) -> Generate:
         # the replica prepares it (tokenizes, compiles the grammar, resolves the adapter)
-        return ("generate", request_id, prompt, sampling_params, priority, lora_request, REQUEST_CLIENT.get())
+        return Generate(request_id, prompt, sampling_params, priority, lora_request, REQUEST_CLIENT.get())
 
-    def _prepare_encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str, priority: int) -> Message:
-        return ("encode", request_id, prompt, pooling_params, priority)
+    def _prepare_encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str, priority: int) -> Encode:
+        return Encode(request_id, prompt, pooling_params, priority)
 
     def _dispatch(self, request_id: str, request: Any) -> None:
         index = choose_replica(self.replica_loads())
@@ -783,13 +761,13 @@ class DataParallelAsyncLLM(RequestStreams):
         self._num_in_flight[index] -= 1
         if not finished and self._dead_reasons[index] is None:
             with contextlib.suppress(EngineDeadError):
-                self.replicas[index].send(("abort", request_id))
+                self.replicas[index].send(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         index = self._owner.get(request_id)
         if index is not None and self._dead_reasons[index] is None:
             with contextlib.suppress(EngineDeadError):
-                self.replicas[index].send(("abort", request_id))
+                self.replicas[index].send(AbortRequest(request_id))
 
     # -- calls that every replica answers
 
@@ -799,44 +777,44 @@ class DataParallelAsyncLLM(RequestStreams):
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
         return live
 
-    def _call_now(self, index: int, method: str, args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
+    def _call_now(self, index: int, call: ReplicaCall) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._calls_lock:
             call_id = next(self._call_ids)
             self._calls[call_id] = (index, future)
         try:
-            self.replicas[index].send(("call", call_id, method, args))
+            self.replicas[index].send(Call(call_id, call))
         except EngineDeadError as exc:
             with self._calls_lock:
                 self._calls.pop(call_id, None)
             future.set_exception(exc)
         return future
 
-    async def _call(self, index: int, method: str, args: tuple[Any, ...]) -> Any:
-        return await asyncio.wrap_future(self._call_now(index, method, args))
+    async def _call(self, index: int, call: ReplicaCall) -> Any:
+        return await asyncio.wrap_future(self._call_now(index, call))
 
     # -- the receiver threads
 
-    def _on_messages(self, index: int, messages: list[Message]) -> None:
-        outputs = []
+    def _on_messages(self, index: int, messages: list[FromReplica]) -> None:
+        outputs: list[tuple[str, StreamItem]] = []
         for message in messages:
-            kind = message[0]
-            if kind == "out":
-                item = message[2]
-                outputs.append((message[1], item.unpack() if isinstance(item, PackedError) else item))
-            elif kind == "reply":
-                _, call_id, ok, value = message
-                with self._calls_lock:
-                    _, future = self._calls.pop(call_id, (None, None))
-                if future is not None:
-                    if ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(value.unpack())
-            elif kind == "stats":
-                self._replica_stats[index] = message[1]
-                if message[2] is not None:
-                    self._on_death(index, f"data-parallel replica {index}'s engine died: {message[2]}")
+            match message:
+                case Output(request_id, output):
+                    outputs.append((request_id, output.unpack() if isinstance(output, PackedError) else output))
+                case Reply(call_id, ok, value):
+                    with self._calls_lock:
+                        _, future = self._calls.pop(call_id, (None, None))
+                    if future is not None:
+                        if ok:
+                            future.set_result(value)
+                        else:
+                            future.set_exception(value.unpack())
+                case Stats(stats, dead_reason):
+                    self._replica_stats[index] = stats
+                    if dead_reason is not None:
+                        self._on_death(index, f"data-parallel replica {index}'s engine died: {dead_reason}")
+                case _:
+                    logger.error("data-parallel replica %d sent an unknown message %r", index, message)
         if outputs:
             self._on_loop(self._put_outputs, outputs)
 
