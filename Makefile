@@ -47,11 +47,13 @@ serve: $(KERNELS)
 test: lint $(KERNELS)
 	TOKENLOOM_CPU_KERNELS=require $(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 
-# ruff (format and lint) and mypy, configured in pyproject.toml; `make test` runs it first
+# ruff (format and lint), mypy (configured in pyproject.toml) and the import contract (which
+# layer may import which, ARCHITECTURE.md; tests/test_architecture_map.py); `make test` runs it first
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture_map.py
 
 clean:
 	rm -rf $(VENV)

@@ -15,19 +15,6 @@ from tokenloom.plugins.manager import REGISTRATION_MARK
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editors
     from tokenloom.api.protocol import ChatCompletionRequest
-    from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
-    from tokenloom.builtin_plugins.tool_parsers.base import (
-        NEED_MORE,
-        ParsedCall,
-        Section,
-        SectionToolParser,
-        arguments_json,
-        call_from_object,
-        calls_from_array,
-        json_array_section,
-        json_object_section,
-        json_value_end,
-    )
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
     from tokenloom.core.executor import Executor, WorkerSpec
     from tokenloom.core.logits_processors import LogitsProcessor
@@ -64,6 +51,21 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     )
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
+    from tokenloom.parsing.reasoning_markers import MarkedReasoningParser
+    from tokenloom.parsing.tool_sections import (
+        NEED_MORE,
+        ParsedCall,
+        Section,
+        SectionToolParser,
+        arguments_json,
+        call_from_object,
+        calls_from_array,
+        json_array_section,
+        json_object_section,
+        json_value_end,
+        load_json,
+        skip_whitespace,
+    )
 
 _LAZY = {
     # interfaces
@@ -100,17 +102,19 @@ _LAZY = {
     "partial_marker_length": "tokenloom.core.parsers",
     "find_first_marker": "tokenloom.core.parsers",
     "keep_special_tokens": "tokenloom.core.parsers",
-    "SectionToolParser": "tokenloom.builtin_plugins.tool_parsers.base",
-    "Section": "tokenloom.builtin_plugins.tool_parsers.base",
-    "ParsedCall": "tokenloom.builtin_plugins.tool_parsers.base",
-    "NEED_MORE": "tokenloom.builtin_plugins.tool_parsers.base",
-    "json_value_end": "tokenloom.builtin_plugins.tool_parsers.base",
-    "arguments_json": "tokenloom.builtin_plugins.tool_parsers.base",
-    "json_object_section": "tokenloom.builtin_plugins.tool_parsers.base",
-    "json_array_section": "tokenloom.builtin_plugins.tool_parsers.base",
-    "call_from_object": "tokenloom.builtin_plugins.tool_parsers.base",
-    "calls_from_array": "tokenloom.builtin_plugins.tool_parsers.base",
-    "MarkedReasoningParser": "tokenloom.builtin_plugins.reasoning_parsers.base",
+    "SectionToolParser": "tokenloom.parsing.tool_sections",
+    "Section": "tokenloom.parsing.tool_sections",
+    "ParsedCall": "tokenloom.parsing.tool_sections",
+    "NEED_MORE": "tokenloom.parsing.tool_sections",
+    "json_value_end": "tokenloom.parsing.tool_sections",
+    "arguments_json": "tokenloom.parsing.tool_sections",
+    "json_object_section": "tokenloom.parsing.tool_sections",
+    "json_array_section": "tokenloom.parsing.tool_sections",
+    "call_from_object": "tokenloom.parsing.tool_sections",
+    "calls_from_array": "tokenloom.parsing.tool_sections",
+    "load_json": "tokenloom.parsing.tool_sections",
+    "skip_whitespace": "tokenloom.parsing.tool_sections",
+    "MarkedReasoningParser": "tokenloom.parsing.reasoning_markers",
     "ChatCompletionRequest": "tokenloom.api.protocol",
     # data that crosses boundaries
     "SamplingParams": "tokenloom.core.request",
@@ -175,6 +179,8 @@ __all__ = [
     "json_array_section",
     "call_from_object",
     "calls_from_array",
+    "load_json",
+    "skip_whitespace",
     "MarkedReasoningParser",
     "ChatCompletionRequest",
     "SamplingParams",

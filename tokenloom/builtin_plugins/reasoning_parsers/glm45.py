@@ -9,7 +9,7 @@ template writes the empty block in the prompt) is all content::
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+from tokenloom.plugin_api import MarkedReasoningParser
 
 
 class Glm45ReasoningParser(MarkedReasoningParser):

@@ -10,7 +10,7 @@ response:" (either phrase may start "Here's"); an output opening otherwise is al
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+from tokenloom.plugin_api import MarkedReasoningParser
 
 
 class GraniteReasoningParser(MarkedReasoningParser):

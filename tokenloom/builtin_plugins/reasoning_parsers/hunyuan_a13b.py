@@ -18,7 +18,7 @@ reasoning section (``The answer is 4.\\n</answer>``) is content, its closing tag
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+from tokenloom.plugin_api import MarkedReasoningParser
 
 
 class HunyuanA13BReasoningParser(MarkedReasoningParser):

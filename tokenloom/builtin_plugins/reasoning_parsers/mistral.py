@@ -7,7 +7,7 @@ decoded text for this parser. An output that does not open with ``[THINK]`` is a
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+from tokenloom.plugin_api import MarkedReasoningParser
 
 
 class MistralReasoningParser(MarkedReasoningParser):

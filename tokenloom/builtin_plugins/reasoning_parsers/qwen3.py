@@ -17,7 +17,7 @@ For Qwen3 "Thinking-2507" models, whose template opens ``<think>`` in the prompt
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+from tokenloom.plugin_api import MarkedReasoningParser
 
 
 class Qwen3ReasoningParser(MarkedReasoningParser):

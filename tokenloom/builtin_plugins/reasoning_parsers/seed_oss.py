@@ -8,7 +8,7 @@ never closes its reasoning is all reasoning::
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+from tokenloom.plugin_api import MarkedReasoningParser
 
 
 class SeedOssReasoningParser(MarkedReasoningParser):

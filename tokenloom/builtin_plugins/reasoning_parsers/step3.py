@@ -7,7 +7,7 @@ like the rest), then the answer; an output that never writes ``</think>`` is all
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.reasoning_parsers.base import MarkedReasoningParser
+from tokenloom.plugin_api import MarkedReasoningParser
 
 
 class Step3ReasoningParser(MarkedReasoningParser):

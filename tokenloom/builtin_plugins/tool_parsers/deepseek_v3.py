@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from tokenloom.builtin_plugins.tool_parsers.base import NEED_MORE, ParsedCall, Section, SectionToolParser, load_json
+from tokenloom.plugin_api import NEED_MORE, ParsedCall, Section, SectionToolParser, load_json
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

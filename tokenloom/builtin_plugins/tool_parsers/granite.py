@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.tool_parsers.base import SectionToolParser, json_array_section
+from tokenloom.plugin_api import SectionToolParser, json_array_section
 
 
 class GraniteToolParser(SectionToolParser):

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.tool_parsers.base import SectionToolParser, json_object_section
+from tokenloom.plugin_api import SectionToolParser, json_object_section
 
 CALL_TAG = "<function_call>"
 

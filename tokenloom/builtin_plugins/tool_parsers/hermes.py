@@ -9,7 +9,7 @@ its own ``<tool_call>...</tool_call>`` block, anywhere in the output::
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.tool_parsers.base import (
+from tokenloom.plugin_api import (
     NEED_MORE,
     Section,
     SectionToolParser,

@@ -9,7 +9,7 @@ An action of another kind (``<|interpreter|>``, code to run) is not a tool call.
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.tool_parsers.base import (
+from tokenloom.plugin_api import (
     NEED_MORE,
     Section,
     SectionToolParser,

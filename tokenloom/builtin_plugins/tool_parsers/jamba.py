@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.tool_parsers.base import (
+from tokenloom.plugin_api import (
     NEED_MORE,
     Section,
     SectionToolParser,

@@ -20,7 +20,7 @@ import re
 import secrets
 import string
 
-from tokenloom.builtin_plugins.tool_parsers.base import (
+from tokenloom.plugin_api import (
     NEED_MORE,
     ParsedCall,
     Section,

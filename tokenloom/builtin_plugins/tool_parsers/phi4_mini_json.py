@@ -6,7 +6,7 @@ word ``functools``::
 
 from __future__ import annotations
 
-from tokenloom.builtin_plugins.tool_parsers.base import NEED_MORE, SectionToolParser, json_array_section
+from tokenloom.plugin_api import NEED_MORE, SectionToolParser, json_array_section
 
 MARKER = "functools"
 

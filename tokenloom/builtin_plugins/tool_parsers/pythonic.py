@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import json
 
-from tokenloom.builtin_plugins.tool_parsers.base import (
+from tokenloom.plugin_api import (
     NEED_MORE,
     ParsedCall,
     Section,

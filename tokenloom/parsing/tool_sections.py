@@ -1,4 +1,5 @@
-"""What every built-in tool parser shares: :class:`SectionToolParser` finds call sections in
+"""What tool parsers are built from (tokenloom's own and plugins', through
+``tokenloom.plugin_api``): :class:`SectionToolParser` finds call sections in
 the output (a start marker anywhere, or a bare ``{``/``[`` opening the output), asks the
 format's :meth:`~SectionToolParser.parse_section` to turn each into calls, and streams with
 the very code that parses whole outputs, so any split into deltas gives the same result.
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.plugin_api import (
+from tokenloom.core.parsers import (
     DeltaMessage,
     ExtractedToolCalls,
     ParserTokenizer,
@@ -34,7 +35,8 @@ from tokenloom.plugin_api import (
 )
 
 if TYPE_CHECKING:
-    from tokenloom.plugin_api import ChatCompletionRequest, RequestT
+    from tokenloom.api.protocol import ChatCompletionRequest
+    from tokenloom.core.parsers import RequestT
 
 # the formats' modules import these from here too
 __all__ = [

@@ -1,4 +1,5 @@
-"""What every marker-based built-in reasoning parser shares: :class:`MarkedReasoningParser`
+"""What marker-based reasoning parsers are built from (tokenloom's own and plugins', through
+``tokenloom.plugin_api``): :class:`MarkedReasoningParser`
 splits an output into a reasoning section, between a start and an end marker, and the
 answer after it, streaming with the same code that splits whole outputs (so any split into
 deltas gives the same result).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenloom.plugin_api import (
+from tokenloom.core.parsers import (
     DeltaMessage,
     ParserTokenizer,
     ReasoningParser,
@@ -28,7 +29,8 @@ from tokenloom.plugin_api import (
 )
 
 if TYPE_CHECKING:
-    from tokenloom.plugin_api import ChatCompletionRequest, RequestT
+    from tokenloom.api.protocol import ChatCompletionRequest
+    from tokenloom.core.parsers import RequestT
 
 # where the split is: deciding whether the output opens with reasoning, inside it, after it
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
