@@ -57,8 +57,3 @@ class DummyLoadFormat(LoadFormat):
 
     def iterate_weights(self, path: str, model_config: Any, load_config: Any) -> Iterator[tuple[str, Any]]:
         return iter(())
-
-
-@hookimpl
-def register_load_formats(register):
-    register("dummy", "tokenloom.builtin_plugins.loaders.dummy_format:DummyLoadFormat")

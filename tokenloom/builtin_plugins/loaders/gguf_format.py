@@ -193,8 +193,3 @@ def _permute_rows(weight, order):
 
 def _materialize_float32(weight):
     return weight.dequantize() if hasattr(weight, "dequantize") else weight.float()
-
-
-@hookimpl
-def register_load_formats(register):
-    register("gguf", "tokenloom.builtin_plugins.loaders.gguf_format:GGUFLoadFormat")

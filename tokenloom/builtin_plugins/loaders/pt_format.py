@@ -63,8 +63,3 @@ def _load_state_dict(torch, file: str) -> dict:
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise ModelLoadError(f"PyTorch weight file {file} does not hold a dict of tensors")
     return state_dict
-
-
-@hookimpl
-def register_load_formats(register):
-    register("pt", "tokenloom.builtin_plugins.loaders.pt_format:PtLoadFormat")

@@ -41,8 +41,3 @@ class SafetensorsLoadFormat(hf_files.HfDirectoryFormat):
                 ) from exc
             except OSError as exc:
                 raise ModelLoadError(f"cannot read safetensors file {file}: {exc}") from exc
-
-
-@hookimpl
-def register_load_formats(register):
-    register("safetensors", "tokenloom.builtin_plugins.loaders.safetensors_format:SafetensorsLoadFormat")

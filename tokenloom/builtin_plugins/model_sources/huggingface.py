@@ -95,8 +95,3 @@ class HuggingFaceModelSource(ModelSource):
                 f"cannot download {model!r} from the Hugging Face Hub: {type(exc).__name__}: {exc}"
             ) from exc
         return ResolvedModel(path=path, name=model, source="huggingface")
-
-
-@hookimpl
-def register_model_sources(register):
-    register("huggingface", "tokenloom.builtin_plugins.model_sources.huggingface:HuggingFaceModelSource")

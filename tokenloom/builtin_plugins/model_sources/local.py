@@ -31,8 +31,3 @@ class LocalModelSource(ModelSource):
             raise ModelLoadError(f"model path {path} does not exist; pass an existing directory or .gguf file")
         load_format = "gguf" if os.path.isfile(path) and path.endswith(".gguf") else None
         return ResolvedModel(path=path, name=model, source="local", load_format=load_format)
-
-
-@hookimpl
-def register_model_sources(register):
-    register("local", "tokenloom.builtin_plugins.model_sources.local:LocalModelSource")

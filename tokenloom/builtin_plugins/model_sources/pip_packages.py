@@ -128,8 +128,3 @@ class PipPackageModelSource(ModelSource):
         finally:
             partial.unlink(missing_ok=True)
         return str(target)
-
-
-@hookimpl
-def register_model_sources(register):
-    register("pip_packages", "tokenloom.builtin_plugins.model_sources.pip_packages:PipPackageModelSource")

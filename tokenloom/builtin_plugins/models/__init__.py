@@ -1,1 +1,27 @@
-"""models."""
+"""The built-in model architectures, by the name a checkpoint's ``config.json`` gives
+(``architectures``; a GGUF file's architecture is mapped onto the same names), registered as
+``"module:Class"`` strings: loading this plugin imports no model code."""
+
+from tokenloom.plugin_api import hookimpl
+
+PACKAGE = "tokenloom.builtin_plugins.models"
+
+# architecture -> (the class that builds it, the runner it serves with)
+MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": (f"{PACKAGE}.modeling_llama:LlamaForCausalLM", "generate"),
+    "MistralForCausalLM": (f"{PACKAGE}.modeling_llama:MistralForCausalLM", "generate"),
+    "Qwen2ForCausalLM": (f"{PACKAGE}.modeling_qwen2:Qwen2ForCausalLM", "generate"),
+    "Qwen3ForCausalLM": (f"{PACKAGE}.modeling_qwen3:Qwen3ForCausalLM", "generate"),
+    "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
+    "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),
+    "BertModel": (f"{PACKAGE}.modeling_bert:BertModel", "pooling"),
+}
+
+
+@hookimpl
+def register_models(register):
+    for architecture, (target, runner) in MODELS.items():
+        if runner == "generate":
+            register(architecture, target)
+        else:
+            register(architecture, target, runner=runner)

@@ -181,17 +181,3 @@ class CpuPlatform(Platform):
             )
         else:
             logger.info("CPU platform: %d torch threads", num_threads)
-
-
-@hookimpl
-def register_platforms(register):
-    register("cpu", "tokenloom.builtin_plugins.platforms.cpu:CpuPlatform")
-
-
-@hookimpl
-def register_attention_backends(register):
-    # torch's ops run on any device; the reference is the plain definition the others are
-    # tested against; cpu_native is tokenloom's C++ kernels (vLLM's CPU backend is CPU_ATTN)
-    register("torch", "tokenloom.kernels.paged_attention:TorchPagedAttention", aliases=("torch_sdpa",))
-    register("cpu_native", "tokenloom.kernels.paged_attention:NativeCpuPagedAttention", aliases=("cpu_attn",))
-    register("reference", "tokenloom.kernels.paged_attention:ReferencePagedAttention")

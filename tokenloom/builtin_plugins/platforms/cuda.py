@@ -164,18 +164,3 @@ class CudaPlatform(Platform):
         """Through pinned (page-locked) host memory, so the copy is a DMA that does not wait
         for the host and overlaps the kernels already queued on the stream."""
         return tensor.pin_memory().to(self.torch_device(), non_blocking=True)
-
-
-@hookimpl
-def register_platforms(register):
-    register("cuda", "tokenloom.builtin_plugins.platforms.cuda:CudaPlatform")
-
-
-@hookimpl
-def register_attention_backends(register):
-    # runs on the CPU too under TRITON_INTERPRET=1 (slow: for testing the kernels)
-    register(
-        "triton",
-        "tokenloom.kernels.triton.attention:TritonPagedAttention",
-        aliases=("triton_attn", "triton_attn_vllm_v1"),
-    )
