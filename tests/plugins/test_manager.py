@@ -615,6 +615,7 @@ def test_builtin_executors_are_registered(builtin_plugins):
         ("llama_models", "LlamaForCausalLM"),
         ("qwen2_models", "Qwen2ForCausalLM"),
         ("qwen3_models", "Qwen3ForCausalLM"),
+        ("gemma2_models", "Gemma2ForCausalLM"),
         ("gemma3_models", "Gemma3ForCausalLM"),
     ],
 )

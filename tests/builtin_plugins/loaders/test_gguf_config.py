@@ -56,16 +56,17 @@ def transformers_config(architecture: str, **fields):
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
     }
     return classes[architecture](**fields)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_keys_a_file_leaves_out_take_transformers_defaults(architecture, tmp_path):
     ours = gguf_to_hf_config(GGUFFile(write_minimal_gguf(str(tmp_path / "m.gguf"), architecture)))
     fields = dict(SHAPE, rms_norm_eps=float(np.float32(1e-6)), tie_word_embeddings=True)
-    if architecture == "gemma3":
+    if architecture in ("gemma2", "gemma3"):
         fields.update(head_dim=16, query_pre_attn_scalar=16)  # hidden_size / heads, as llama.cpp computes
     if architecture == "qwen3":
         fields.update(head_dim=16)  # no attention.key_length: hidden_size / heads

@@ -1,6 +1,6 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
-attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config or
-Gemma3TextConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config,
+Gemma2Config or Gemma3TextConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
 :mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
 
@@ -332,10 +332,51 @@ def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
     return GGUFModelConfig(**fields)
 
 
+def _gemma2_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(),
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "vocab_size": 256_000,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "use_bidirectional_attention": None,
+        **_common(gguf),
+    }
+    head_dim = int(gguf.arch_get("attention.key_length", fields["hidden_size"] // fields["num_attention_heads"]))
+    fields["head_dim"] = head_dim
+    # llama.cpp scales queries by 1/sqrt(head_dim) but for the 27B (46 layers): hidden_size / num_heads,
+    # as the Hugging Face configs state
+    fields["query_pre_attn_scalar"] = (
+        fields["hidden_size"] // fields["num_attention_heads"] if fields["num_hidden_layers"] == 46 else head_dim
+    )
+    for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        gguf_key = "attention.sliding_window" if key == "sliding_window" else key
+        value = gguf.arch_get(gguf_key)
+        if value is not None:
+            fields[key] = int(value) if key == "sliding_window" else float(value)
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, head_dim)
+    # llama.cpp's Gemma 2 pattern, and transformers': even layers slide, odd ones attend globally
+    fields["layer_types"] = [
+        "sliding_attention" if index % 2 == 0 else "full_attention" for index in range(fields["num_hidden_layers"])
+    ]
+    return GGUFModelConfig(**fields)
+
+
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
     "qwen3": _qwen3_config,
+    "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
 }
 
@@ -361,7 +402,7 @@ def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
     per_token = f", {int(used)} per token" if used else ""
     raise ModelLoadError(
         f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
-        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
+        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3)"
     )
 
 
