@@ -42,6 +42,13 @@ HF_TO_GGUF_BLOCK_BY_ARCH = {
         "pre_feedforward_layernorm": "ffn_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
     },
+    "olmo2": {
+        **HF_TO_GGUF_BLOCK,
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
     "gemma3": {
         **HF_TO_GGUF_BLOCK,
         "post_attention_layernorm": "post_attention_norm",

@@ -617,6 +617,7 @@ def test_builtin_executors_are_registered(builtin_plugins):
         ("qwen3_models", "Qwen3ForCausalLM"),
         ("gemma2_models", "Gemma2ForCausalLM"),
         ("gemma3_models", "Gemma3ForCausalLM"),
+        ("olmo2_models", "Olmo2ForCausalLM"),
     ],
 )
 def test_builtin_models_are_registered_by_architecture(builtin_plugins, entry_point, architecture):

@@ -1,6 +1,6 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
 attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config,
-Gemma2Config or Gemma3TextConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+Gemma2Config, Gemma3TextConfig or Olmo2Config. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
 :mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
 
@@ -372,12 +372,40 @@ def _gemma2_config(gguf: GGUFFile) -> GGUFModelConfig:
     return GGUFModelConfig(**fields)
 
 
+def _olmo2_config(gguf: GGUFFile) -> GGUFModelConfig:
+    if gguf.arch_get("attention.sliding_window"):
+        # llama.cpp's olmo2 also holds OLMo 3, whose sliding-window layers Olmo2ForCausalLM lacks
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} is an OLMo 3 model (olmo2 architecture with a sliding window), "
+            "which tokenloom does not serve yet; OLMo 2 files load"
+        )
+    fields = {
+        **_pretrained_config_defaults(),
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": "olmo2",
+        "vocab_size": 50304,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": 1,
+        "bos_token_id": None,
+        "eos_token_id": 50279,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        **_common(gguf),
+    }
+    rotary_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, rotary_dim)
+    return GGUFModelConfig(**fields)
+
+
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
     "qwen3": _qwen3_config,
     "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
+    "olmo2": _olmo2_config,
 }
 
 # llama.cpp's expert tensors: per-layer router, stacked expert projections
@@ -402,7 +430,7 @@ def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
     per_token = f", {int(used)} per token" if used else ""
     raise ModelLoadError(
         f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
-        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3)"
+        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2)"
     )
 
 

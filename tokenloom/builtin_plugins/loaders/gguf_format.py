@@ -56,6 +56,14 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     },
+    # no norm before attention or the MLP: attn_norm / ffn_norm have no place here
+    "olmo2": {
+        **{name: module for name, module in _DECODER_BLOCK_NAMES.items() if name != "attn_norm"},
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 # tensors llama.cpp adds that have no Hugging Face parameter: the Llama 3 RoPE frequency
 # factors, which the config carries (gguf_config reads them as rope_parameters["freq_factors"])
@@ -66,7 +74,7 @@ ROPE_PERMUTED_ARCHITECTURES = ("llama",)
 OFFSET_NORM_ARCHITECTURES = ("gemma2", "gemma3")
 # architectures whose every tensor must map to a parameter: one that does not is an error, since
 # serving the model without it would compute something else (the older ones only warn)
-STRICT_ARCHITECTURES = ("gemma2",)
+STRICT_ARCHITECTURES = ("gemma2", "olmo2")
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
