@@ -42,6 +42,7 @@ HF_TO_GGUF_BLOCK_BY_ARCH = {
         "pre_feedforward_layernorm": "ffn_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
     },
+    "granite": {**HF_TO_GGUF_BLOCK, "post_attention_layernorm": "ffn_norm"},
     "olmo2": {
         **HF_TO_GGUF_BLOCK,
         "self_attn.q_norm": "attn_q_norm",
@@ -165,8 +166,13 @@ def write_model_gguf(
     writer.add_uint32(f"{prefix}.vocab_size", hf_config.vocab_size)
     add_rope_scaling(writer, architecture, hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    if architecture == "llama":
+    if architecture in ("llama", "granite"):
         writer.add_uint32(f"{prefix}.rope.dimension_count", head_dim)
+    if architecture == "granite":  # the converter's names for Granite's multipliers
+        writer.add_float32(f"{prefix}.attention.scale", hf_config.attention_multiplier)
+        writer.add_float32(f"{prefix}.embedding_scale", hf_config.embedding_multiplier)
+        writer.add_float32(f"{prefix}.residual_scale", hf_config.residual_multiplier)
+        writer.add_float32(f"{prefix}.logit_scale", hf_config.logits_scaling)
     if architecture == "qwen3":
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
@@ -190,7 +196,7 @@ def write_model_gguf(
         if hf_name == "lm_head.weight" and (hf_config.tie_word_embeddings or architecture == "gemma2"):
             continue  # the Gemma 2 converter drops lm_head: llama.cpp reads the embedding as output
         data = tensor.detach().float().numpy().copy()
-        if architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if architecture in ("llama", "granite") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in hf_name else hf_config.num_key_value_heads
             data = llama_cpp_permute(data, heads)
         if architecture in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):

@@ -618,6 +618,7 @@ def test_builtin_executors_are_registered(builtin_plugins):
         ("gemma2_models", "Gemma2ForCausalLM"),
         ("gemma3_models", "Gemma3ForCausalLM"),
         ("olmo2_models", "Olmo2ForCausalLM"),
+        ("granite_models", "GraniteForCausalLM"),
     ],
 )
 def test_builtin_models_are_registered_by_architecture(builtin_plugins, entry_point, architecture):

@@ -1,6 +1,7 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
 attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config,
-Gemma2Config, Gemma3TextConfig or Olmo2Config. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+Gemma2Config, Gemma3TextConfig, Olmo2Config or
+GraniteConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
 :mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
 
@@ -399,6 +400,34 @@ def _olmo2_config(gguf: GGUFFile) -> GGUFModelConfig:
     return GGUFModelConfig(**fields)
 
 
+def _granite_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = _llama_config(gguf).to_dict()
+    fields.pop("pretraining_tp")
+    head_dim = fields.pop("head_dim")
+    if head_dim != fields["hidden_size"] // fields["num_attention_heads"]:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} rotates {head_dim} of each head's "
+            f"{fields['hidden_size'] // fields['num_attention_heads']} features (rope.dimension_count), "
+            "which Granite cannot state; tokenloom serves Granite files that rotate whole heads"
+        )
+    logits_scaling = gguf.arch_get("logit_scale")
+    if logits_scaling is None:  # llama.cpp refuses such a file too
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} lacks the metadata key granite.logit_scale; the file is incomplete"
+        )
+    # llama.cpp reads an absent (or zero) multiplier as none, and an absent attention scale as 1/sqrt(head size)
+    attention_scale = float(gguf.arch_get("attention.scale", 0.0))
+    fields.update(
+        architectures=["GraniteForCausalLM"],
+        model_type="granite",
+        embedding_multiplier=float(gguf.arch_get("embedding_scale", 0.0)) or 1.0,
+        residual_multiplier=float(gguf.arch_get("residual_scale", 0.0)) or 1.0,
+        attention_multiplier=attention_scale or head_dim**-0.5,
+        logits_scaling=float(logits_scaling),
+    )
+    return GGUFModelConfig(**fields)
+
+
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
@@ -406,6 +435,7 @@ GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
     "olmo2": _olmo2_config,
+    "granite": _granite_config,
 }
 
 # llama.cpp's expert tensors: per-layer router, stacked expert projections
@@ -430,7 +460,7 @@ def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
     per_token = f", {int(used)} per token" if used else ""
     raise ModelLoadError(
         f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
-        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2)"
+        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite)"
     )
 
 

@@ -56,6 +56,7 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     },
+    "granite": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
     # no norm before attention or the MLP: attn_norm / ffn_norm have no place here
     "olmo2": {
         **{name: module for name, module in _DECODER_BLOCK_NAMES.items() if name != "attn_norm"},
@@ -69,12 +70,12 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
 # factors, which the config carries (gguf_config reads them as rope_parameters["freq_factors"])
 IGNORED_TENSORS = ("rope_freqs.weight",)
 # architectures whose llama.cpp converter permuted the Q/K rows for its rotary layout
-ROPE_PERMUTED_ARCHITECTURES = ("llama",)
+ROPE_PERMUTED_ARCHITECTURES = ("llama", "granite")
 # architectures whose norms llama.cpp stores as ``1 + w`` (the HF modules compute ``x * (1 + w)``)
 OFFSET_NORM_ARCHITECTURES = ("gemma2", "gemma3")
 # architectures whose every tensor must map to a parameter: one that does not is an error, since
 # serving the model without it would compute something else (the older ones only warn)
-STRICT_ARCHITECTURES = ("gemma2", "olmo2")
+STRICT_ARCHITECTURES = ("gemma2", "olmo2", "granite")
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
