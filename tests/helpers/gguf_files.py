@@ -43,6 +43,12 @@ HF_TO_GGUF_BLOCK_BY_ARCH = {
         "post_feedforward_layernorm": "post_ffw_norm",
     },
     "granite": {**HF_TO_GGUF_BLOCK, "post_attention_layernorm": "ffn_norm"},
+    "phi3": {
+        **HF_TO_GGUF_BLOCK,
+        "self_attn.qkv_proj": "attn_qkv",
+        "mlp.gate_up_proj": "ffn_up",
+        "post_attention_layernorm": "ffn_norm",
+    },
     "olmo2": {
         **HF_TO_GGUF_BLOCK,
         "self_attn.q_norm": "attn_q_norm",
@@ -176,6 +182,19 @@ def write_model_gguf(
     if architecture == "qwen3":
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
+    if architecture == "phi3":  # Phi3MiniModel.set_gguf_parameters and generate_extra_tensors
+        rope = rope_parameters_of(hf_config)
+        rotary_dim = int(rope.get("partial_rotary_factor", 1.0) * head_dim)
+        original = getattr(hf_config, "original_max_position_embeddings", hf_config.max_position_embeddings)
+        writer.add_uint32(f"{prefix}.rope.dimension_count", rotary_dim)
+        writer.add_uint32(f"{prefix}.rope.scaling.original_context_length", original)
+        writer.add_uint32(f"{prefix}.attention.sliding_window", getattr(hf_config, "sliding_window", None) or 0)
+        if rope.get("long_factor"):
+            scale = hf_config.max_position_embeddings / original
+            attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+            writer.add_float32(f"{prefix}.rope.scaling.attn_factor", attn_factor)
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if architecture == "gemma2":
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
@@ -188,6 +207,8 @@ def write_model_gguf(
         writer.add_uint32(f"{prefix}.attention.sliding_window", hf_config.sliding_window)
     writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    if architecture == "phi3":  # its config's default (32000) lies outside a tiny vocabulary
+        writer.add_uint32("tokenizer.ggml.padding_token_id", hf_config.pad_token_id)
     if tokenizer:
         add_tokenizer(writer, tokenizer)
     if architecture == "llama" and rope_parameters_of(hf_config).get("rope_type") == "llama3":
@@ -371,6 +392,8 @@ def tiny_config(architecture: str):
     if architecture == "qwen3":
         # transformers' GGUF conversion ignores attention.key_length: keep head_dim = hidden / heads here
         return transformers.Qwen3Config(rope_theta=10000.0, head_dim=16, **common)
+    if architecture == "phi3":
+        return transformers.Phi3Config(rope_theta=10000.0, pad_token_id=0, **common)
     if architecture == "gemma2":
         return transformers.Gemma2Config(
             head_dim=32, sliding_window=64, query_pre_attn_scalar=32, **{**common, "tie_word_embeddings": True}
@@ -398,6 +421,7 @@ def tiny_model_state_dict(architecture: str, seed: int = 0) -> tuple[Any, dict[s
         "qwen3": transformers.Qwen3ForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }
     torch.manual_seed(seed)
     model = classes[architecture](config)

@@ -619,6 +619,7 @@ def test_builtin_executors_are_registered(builtin_plugins):
         ("gemma3_models", "Gemma3ForCausalLM"),
         ("olmo2_models", "Olmo2ForCausalLM"),
         ("granite_models", "GraniteForCausalLM"),
+        ("phi3_models", "Phi3ForCausalLM"),
     ],
 )
 def test_builtin_models_are_registered_by_architecture(builtin_plugins, entry_point, architecture):

@@ -59,11 +59,12 @@ def transformers_config(architecture: str, **fields):
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "olmo2": transformers.Olmo2Config,
+        "phi3": transformers.Phi3Config,
     }
     return classes[architecture](**fields)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "phi3"])
 def test_keys_a_file_leaves_out_take_transformers_defaults(architecture, tmp_path):
     ours = gguf_to_hf_config(GGUFFile(write_minimal_gguf(str(tmp_path / "m.gguf"), architecture)))
     fields = dict(SHAPE, rms_norm_eps=float(np.float32(1e-6)), tie_word_embeddings=True)

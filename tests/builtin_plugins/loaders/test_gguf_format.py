@@ -29,7 +29,7 @@ from tokenloom.core.model_files import LoadFormat
 from tokenloom.errors import ModelLoadError
 from tokenloom.plugins.registry import resolve_target
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 
 
 def dense(weight) -> torch.Tensor:
@@ -84,6 +84,7 @@ def test_config_equals_transformers_conversion(tiny_gguf):
             "qwen3": "Qwen3ForCausalLM",
             "gemma2": "Gemma2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
         }[tiny_gguf.architecture]
     ]
     for key in (
@@ -247,7 +248,7 @@ def test_unknown_architecture_names_the_file_the_architecture_and_the_supported_
             action()
         message = str(error.value)
         assert path in message and "'mamba'" in message
-        assert "gemma2, gemma3, granite, llama, olmo2, qwen2, qwen3" in message
+        assert "gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3" in message
 
 
 def test_unsupported_quant_type_is_reported_with_file_tensor_and_type(tmp_path):

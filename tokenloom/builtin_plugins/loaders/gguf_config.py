@@ -1,7 +1,7 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
 attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config,
-Gemma2Config, Gemma3TextConfig, Olmo2Config or
-GraniteConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+Gemma2Config, Gemma3TextConfig, Olmo2Config,
+GraniteConfig or Phi3Config. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
 :mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
 
@@ -428,6 +428,65 @@ def _granite_config(gguf: GGUFFile) -> GGUFModelConfig:
     return GGUFModelConfig(**fields)
 
 
+# llama.cpp's Phi-3 LongRoPE factors (per rotary frequency), which the config carries
+PHI3_ROPE_FACTOR_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+
+
+def _phi3_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(),
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "pad_token_id": 32000,
+        # llama.cpp disables Phi-3's sliding window (the converter's value is unreliable), as does
+        # transformers' GGUF conversion
+        "sliding_window": None,
+        **_common(gguf),
+    }
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    rotary_dim = int(gguf.arch_get("rope.dimension_count", head_dim))
+    original = gguf.arch_get("rope.scaling.original_context_length")
+    fields["original_max_position_embeddings"] = int(original) if original is not None else 4096
+    rope: dict[str, Any] = {
+        "rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA),
+        "partial_rotary_factor": rotary_dim / head_dim,
+        "rope_type": "default",
+    }
+    present = [name for name in PHI3_ROPE_FACTOR_TENSORS.values() if name in gguf.tensors]
+    if present:
+        if len(present) != 2:
+            raise ModelLoadError(f"GGUF file {gguf.path} holds {present[0]} without its long/short counterpart")
+        rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = fields["original_max_position_embeddings"]
+        for key, tensor_name in PHI3_ROPE_FACTOR_TENSORS.items():
+            rope[key] = _float_tensor(gguf, tensor_name, rotary_dim // 2)
+        attn_factor = gguf.arch_get("rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
+    fields["rope_parameters"] = rope
+    return GGUFModelConfig(**fields)
+
+
+def _float_tensor(gguf: GGUFFile, name: str, length: int) -> list[float]:
+    info = gguf.tensors[name]
+    dtype = _FLOAT_ARRAY_TYPES.get(info.ggml_type)
+    if dtype is None or info.num_elements != length:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path}: {name} must be {length} F32 or F16 values (one per rotary frequency); it "
+            f"holds {info.num_elements} of ggml type {info.ggml_type}"
+        )
+    return [float(value) for value in gguf.tensor_data(info).view(dtype)]
+
+
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
@@ -436,6 +495,7 @@ GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "gemma3": _gemma3_config,
     "olmo2": _olmo2_config,
     "granite": _granite_config,
+    "phi3": _phi3_config,
 }
 
 # llama.cpp's expert tensors: per-layer router, stacked expert projections
@@ -460,7 +520,7 @@ def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
     per_token = f", {int(used)} per token" if used else ""
     raise ModelLoadError(
         f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
-        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite)"
+        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite, Phi-3)"
     )
 
 

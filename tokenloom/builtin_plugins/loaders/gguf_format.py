@@ -57,6 +57,13 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_k_norm": "self_attn.k_norm",
     },
     "granite": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    # fused projections as the Hugging Face checkpoint has them (Phi3ForCausalLM splits them)
+    "phi3": {
+        **{name: module for name, module in _DECODER_BLOCK_NAMES.items() if name not in ("ffn_gate", "ffn_up")},
+        "attn_qkv": "self_attn.qkv_proj",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_norm": "post_attention_layernorm",
+    },
     # no norm before attention or the MLP: attn_norm / ffn_norm have no place here
     "olmo2": {
         **{name: module for name, module in _DECODER_BLOCK_NAMES.items() if name != "attn_norm"},
@@ -67,15 +74,16 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
     },
 }
 # tensors llama.cpp adds that have no Hugging Face parameter: the Llama 3 RoPE frequency
-# factors, which the config carries (gguf_config reads them as rope_parameters["freq_factors"])
-IGNORED_TENSORS = ("rope_freqs.weight",)
+# factors and Phi-3's LongRoPE factors, which the config carries (gguf_config reads them as
+# rope_parameters["freq_factors"], ["long_factor"] and ["short_factor"])
+IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # architectures whose llama.cpp converter permuted the Q/K rows for its rotary layout
 ROPE_PERMUTED_ARCHITECTURES = ("llama", "granite")
 # architectures whose norms llama.cpp stores as ``1 + w`` (the HF modules compute ``x * (1 + w)``)
 OFFSET_NORM_ARCHITECTURES = ("gemma2", "gemma3")
 # architectures whose every tensor must map to a parameter: one that does not is an error, since
 # serving the model without it would compute something else (the older ones only warn)
-STRICT_ARCHITECTURES = ("gemma2", "olmo2", "granite")
+STRICT_ARCHITECTURES = ("gemma2", "olmo2", "granite", "phi3")
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
