@@ -82,6 +82,30 @@ def test_olmo2_served_greedy_matches_transformers(load_format, tmp_path):
     assert_greedy_agrees(served_greedy_top_k(llm, PROMPTS, 10), expected)
 
 
+def test_olmo2_with_two_tensor_parallel_ranks_matches_transformers(tmp_path):
+    """-tp 2 with one KV head: each rank normalises its half of the queries and the replicated
+    key over the whole projection (the sum of squares all-reduced)."""
+    hf_model = hf_olmo2(seed=8, num_key_value_heads=1)
+    with torch.no_grad():
+        # rank 1's query heads 4x rank 0's: a norm over one rank's half would equalise them
+        for layer in hf_model.model.layers:
+            layer.self_attn.q_proj.weight[32:] *= 4
+    expected = [hf_greedy_top_k(hf_model, prompt, 10) for prompt in PROMPTS]
+    hf_model.save_pretrained(str(tmp_path))
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_model_len=64,
+        kv_cache_memory_bytes=2**20,
+        skip_tokenizer_init=True,
+    )
+    try:
+        assert_greedy_agrees(served_greedy_top_k(llm, PROMPTS, 10), expected)
+    finally:
+        llm.engine.shutdown()
+
+
 class TwoRanks:
     """Rank ``rank`` of a two-rank group whose other rank contributed ``other`` to the sum."""
 

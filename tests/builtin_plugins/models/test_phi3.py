@@ -104,6 +104,30 @@ def test_phi3_served_greedy_matches_transformers(load_format, tmp_path):
     assert_greedy_agrees(served_greedy_top_k(llm, PROMPTS, 10), expected)
 
 
+def test_a_quantized_gguf_with_two_tensor_parallel_ranks_agrees_with_one(tmp_path):
+    """-tp 2 on a Q8_0 file: the packed fused tensors are cut into q/k/v and gate/up, then into
+    each rank's rows, without unpacking."""
+    from gguf import GGMLQuantizationType
+    from helpers.gguf_files import write_model_gguf
+
+    hf_model = hf_phi3(seed=5, intermediate_size=128, **LONGROPE)  # each rank's down_proj: whole blocks
+    path = write_model_gguf(
+        str(tmp_path / "model.gguf"),
+        "phi3",
+        hf_model.config,
+        hf_model.state_dict(),
+        quant_type=GGMLQuantizationType.Q8_0,
+    )
+    options = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
+    expected = served_greedy_top_k(LLM(model=path, **options), PROMPTS, 10)
+    assert all(len(set(tokens)) > 3 for tokens, _ in expected), "greedy decoding is degenerate"
+    llm = LLM(model=path, tensor_parallel_size=2, **options)
+    try:
+        assert_greedy_agrees(served_greedy_top_k(llm, PROMPTS, 10), expected)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_longrope_past_the_original_context_is_refused_saying_what_to_pass():
     """Past its original context transformers switches the whole sequence to the long factors
     and recomputes its cache; a paged cache cannot, so the longer context is refused."""
