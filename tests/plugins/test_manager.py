@@ -615,7 +615,11 @@ def test_builtin_executors_are_registered(builtin_plugins):
         ("llama_models", "LlamaForCausalLM"),
         ("qwen2_models", "Qwen2ForCausalLM"),
         ("qwen3_models", "Qwen3ForCausalLM"),
+        ("gemma2_models", "Gemma2ForCausalLM"),
         ("gemma3_models", "Gemma3ForCausalLM"),
+        ("olmo2_models", "Olmo2ForCausalLM"),
+        ("granite_models", "GraniteForCausalLM"),
+        ("phi3_models", "Phi3ForCausalLM"),
     ],
 )
 def test_builtin_models_are_registered_by_architecture(builtin_plugins, entry_point, architecture):
