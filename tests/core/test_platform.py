@@ -32,8 +32,8 @@ def no_backend_environment(monkeypatch):
 
 def test_the_built_in_backends_are_registered_by_the_platform_plugins():
     assert set(BACKENDS.names()) >= {"torch", "cpu_native", "reference", "triton"}
-    assert BACKENDS.entry("torch").plugin_name == "cpu_platform"
-    assert BACKENDS.entry("triton").plugin_name == "cuda_platform"
+    assert BACKENDS.entry("torch").plugin_name == "builtin_platforms"
+    assert BACKENDS.entry("triton").plugin_name == "builtin_platforms"
 
 
 def test_auto_is_the_platforms_choice():

@@ -36,6 +36,26 @@ HF_TO_GGUF_BLOCK_BY_ARCH = {
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
     },
+    "gemma2": {
+        **HF_TO_GGUF_BLOCK,
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "granite": {**HF_TO_GGUF_BLOCK, "post_attention_layernorm": "ffn_norm"},
+    "phi3": {
+        **HF_TO_GGUF_BLOCK,
+        "self_attn.qkv_proj": "attn_qkv",
+        "mlp.gate_up_proj": "ffn_up",
+        "post_attention_layernorm": "ffn_norm",
+    },
+    "olmo2": {
+        **HF_TO_GGUF_BLOCK,
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
     "gemma3": {
         **HF_TO_GGUF_BLOCK,
         "post_attention_layernorm": "post_attention_norm",
@@ -126,10 +146,12 @@ def write_model_gguf(
     *,
     quant_type: GGMLQuantizationType | None = None,
     tokenizer: dict | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> str:
     """Write ``state_dict`` (a transformers model's) as a llama.cpp-style GGUF of ``architecture``.
 
     2-D weights whose rows fit ``quant_type`` blocks are quantized; norms and biases stay F32.
+    ``extra_tensors`` (GGUF name -> array) are written as they are.
     """
     writer = GGUFWriter(path, architecture)
     prefix = architecture
@@ -140,44 +162,73 @@ def write_model_gguf(
     writer.add_uint32(f"{prefix}.attention.head_count", hf_config.num_attention_heads)
     writer.add_uint32(f"{prefix}.attention.head_count_kv", hf_config.num_key_value_heads)
     writer.add_float32(f"{prefix}.attention.layer_norm_rms_epsilon", hf_config.rms_norm_eps)
-    writer.add_float32(
-        f"{prefix}.rope.freq_base",
-        hf_config.rope_parameters.get("rope_theta")
-        if "rope_theta" in hf_config.rope_parameters
-        else hf_config.rope_parameters["full_attention"]["rope_theta"],
-    )
+    if architecture != "gemma2":  # the Gemma 2 converter writes no RoPE base: llama.cpp's 10000 applies
+        writer.add_float32(
+            f"{prefix}.rope.freq_base",
+            hf_config.rope_parameters.get("rope_theta")
+            if "rope_theta" in hf_config.rope_parameters
+            else hf_config.rope_parameters["full_attention"]["rope_theta"],
+        )
     writer.add_uint32(f"{prefix}.vocab_size", hf_config.vocab_size)
     add_rope_scaling(writer, architecture, hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    if architecture == "llama":
+    if architecture in ("llama", "granite"):
         writer.add_uint32(f"{prefix}.rope.dimension_count", head_dim)
+    if architecture == "granite":  # the converter's names for Granite's multipliers
+        writer.add_float32(f"{prefix}.attention.scale", hf_config.attention_multiplier)
+        writer.add_float32(f"{prefix}.embedding_scale", hf_config.embedding_multiplier)
+        writer.add_float32(f"{prefix}.residual_scale", hf_config.residual_multiplier)
+        writer.add_float32(f"{prefix}.logit_scale", hf_config.logits_scaling)
     if architecture == "qwen3":
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
+    if architecture == "phi3":  # Phi3MiniModel.set_gguf_parameters and generate_extra_tensors
+        rope = rope_parameters_of(hf_config)
+        rotary_dim = int(rope.get("partial_rotary_factor", 1.0) * head_dim)
+        original = getattr(hf_config, "original_max_position_embeddings", hf_config.max_position_embeddings)
+        writer.add_uint32(f"{prefix}.rope.dimension_count", rotary_dim)
+        writer.add_uint32(f"{prefix}.rope.scaling.original_context_length", original)
+        writer.add_uint32(f"{prefix}.attention.sliding_window", getattr(hf_config, "sliding_window", None) or 0)
+        if rope.get("long_factor"):
+            scale = hf_config.max_position_embeddings / original
+            attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+            writer.add_float32(f"{prefix}.rope.scaling.attn_factor", attn_factor)
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    if architecture == "gemma2":
+        writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
+        writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
+        writer.add_float32(f"{prefix}.attn_logit_softcapping", hf_config.attn_logit_softcapping)
+        writer.add_float32(f"{prefix}.final_logit_softcapping", hf_config.final_logit_softcapping)
+        writer.add_uint32(f"{prefix}.attention.sliding_window", hf_config.sliding_window)
     if architecture == "gemma3":
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.sliding_window", hf_config.sliding_window)
     writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    if architecture == "phi3":  # its config's default (32000) lies outside a tiny vocabulary
+        writer.add_uint32("tokenizer.ggml.padding_token_id", hf_config.pad_token_id)
     if tokenizer:
         add_tokenizer(writer, tokenizer)
     if architecture == "llama" and rope_parameters_of(hf_config).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(hf_config))
     for hf_name, tensor in state_dict.items():
-        if hf_name == "lm_head.weight" and hf_config.tie_word_embeddings:
-            continue
+        if hf_name == "lm_head.weight" and (hf_config.tie_word_embeddings or architecture == "gemma2"):
+            continue  # the Gemma 2 converter drops lm_head: llama.cpp reads the embedding as output
         data = tensor.detach().float().numpy().copy()
-        if architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if architecture in ("llama", "granite") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in hf_name else hf_config.num_key_value_heads
             data = llama_cpp_permute(data, heads)
-        if architecture == "gemma3" and hf_name.endswith("norm.weight"):
+        if architecture in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             data = data + 1.0
         name = gguf_name(architecture, hf_name)
         if quant_type is not None and data.ndim == 2 and data.shape[-1] % 32 == 0:
             writer.add_tensor(name, quantize(data, quant_type), raw_dtype=quant_type)
         else:
             writer.add_tensor(name, data.astype(np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     finish(writer)
     return path
 
@@ -341,6 +392,12 @@ def tiny_config(architecture: str):
     if architecture == "qwen3":
         # transformers' GGUF conversion ignores attention.key_length: keep head_dim = hidden / heads here
         return transformers.Qwen3Config(rope_theta=10000.0, head_dim=16, **common)
+    if architecture == "phi3":
+        return transformers.Phi3Config(rope_theta=10000.0, pad_token_id=0, **common)
+    if architecture == "gemma2":
+        return transformers.Gemma2Config(
+            head_dim=32, sliding_window=64, query_pre_attn_scalar=32, **{**common, "tie_word_embeddings": True}
+        )
     if architecture == "gemma3":
         return transformers.Gemma3TextConfig(
             rope_theta=1000000.0,
@@ -362,7 +419,9 @@ def tiny_model_state_dict(architecture: str, seed: int = 0) -> tuple[Any, dict[s
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }
     torch.manual_seed(seed)
     model = classes[architecture](config)

@@ -122,7 +122,7 @@ def load_checkpoint(load_format: str, hf_model, directory) -> tuple:
 
         from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
-        architecture = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[hf_model.config.model_type]
+        architecture = hf_model.config.model_type  # llama.cpp's names are transformers' model types
         path = write_model_gguf(str(directory / "model.gguf"), architecture, hf_model.config, hf_model.state_dict())
         reader = GGUFLoadFormat()
     config = reader.load_config(path, ModelConfig())

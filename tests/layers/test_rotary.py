@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -134,8 +135,8 @@ def test_table_covers_scaled_context_or_the_model_length():
 
 
 def test_unsupported_rope_type_is_a_config_error():
-    with pytest.raises(ConfigError, match="longrope"):
-        compute_inv_freq({"rope_type": "longrope", "rope_theta": 1.0}, 8, 16)
+    with pytest.raises(ConfigError, match="'mrope'"):
+        compute_inv_freq({"rope_type": "mrope", "rope_theta": 1.0}, 8, 16)
     with pytest.raises(ConfigError, match="even"):
         get_rope(6, {"rope_type": "default", "partial_rotary_factor": 0.5}, 16)
 
@@ -167,3 +168,41 @@ def test_llama3_freq_factors_reproduce_the_llama3_scaling():
         {"rope_type": "default", "rope_theta": 500000.0, "freq_factors": factors}, HEAD_SIZE, MAX_POSITIONS
     )
     torch.testing.assert_close(inv_freq, expected, atol=0, rtol=1e-6)
+
+
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "original_max_position_embeddings": 64,
+    "short_factor": [1.0, 1.5, 2.0, 4.0],
+    "long_factor": [3.0, 5.0, 7.0, 9.0],
+}
+
+
+@pytest.mark.parametrize("attention_factor", [None, 1.3])
+def test_longrope_within_the_original_context_matches_transformers(attention_factor):
+    """transformers' short-factor frequencies and its attention factor from the context ratio."""
+    from transformers import Phi3Config
+
+    # a copy: transformers fills in the dict it is given
+    parameters = dict(LONGROPE, attention_factor=attention_factor) if attention_factor else dict(LONGROPE)
+    config = Phi3Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_parameters=parameters,
+    )
+    expected_inv_freq, expected_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=64)
+    inv_freq, scaling, table_len = compute_inv_freq(rope_parameters_from_config(config), 8, 256)
+    torch.testing.assert_close(inv_freq, expected_inv_freq, atol=0, rtol=1e-6)
+    assert scaling == pytest.approx(expected_scaling) and table_len == 64
+    assert scaling == pytest.approx(attention_factor or (1 + math.log(4) / math.log(64)) ** 0.5)
+
+
+def test_longrope_past_the_original_context_is_refused_naming_the_flag():
+    assert get_rope(8, LONGROPE, 256, max_position=64).max_position == 64
+    for max_position in (65, None):  # None: the model's whole context, 256
+        with pytest.raises(ConfigError, match=r"--max-model-len 64") as error:
+            get_rope(8, LONGROPE, 256, max_position=max_position)
+        assert error.value.param == "max-model-len"

@@ -49,6 +49,14 @@ def test_loads_shards_plain_parameters_and_reports_names(caplog):
     assert "vision.proj.weight" in caplog.text
 
 
+def test_a_model_that_asks_refuses_unknown_tensors_by_name():
+    weights = [*checkpoint().items(), ("self_attn.q_norm.weight", torch.ones(4))]
+    with pytest.raises(ModelLoadError, match=r"Block has no parameter for: self_attn\.q_norm\.weight"):
+        load_checkpoint_weights(Block(), weights, refuse_unexpected=True)
+    # exporter buffers and skipped prefixes are still no error
+    load_checkpoint_weights(Block(), checkpoint().items(), refuse_unexpected=True, skip_prefixes=("vision.",))
+
+
 def test_missing_shard_is_named():
     weights = checkpoint()
     del weights["mlp.up_proj.weight"]

@@ -594,7 +594,7 @@ def registered_by(plugin_set, entry_point: str, kind: str) -> list[str]:
 def test_builtin_cpu_platform_is_registered(builtin_plugins):
     from tokenloom.plugin_api import Platform
 
-    assert "cpu" in registered_by(builtin_plugins, "cpu_platform", "platform")
+    assert registered_by(builtin_plugins, "builtin_platforms", "platform") == ["cpu", "cuda"]
     platform_class = builtin_plugins.registry("platform").get("cpu")
     assert issubclass(platform_class, Platform) and platform_class.is_available()
 
@@ -609,56 +609,54 @@ def test_builtin_executors_are_registered(builtin_plugins):
 
 
 @pytest.mark.hook("register_models")
-@pytest.mark.parametrize(
-    "entry_point, architecture",
-    [
-        ("llama_models", "LlamaForCausalLM"),
-        ("qwen2_models", "Qwen2ForCausalLM"),
-        ("qwen3_models", "Qwen3ForCausalLM"),
-        ("gemma3_models", "Gemma3ForCausalLM"),
-    ],
-)
-def test_builtin_models_are_registered_by_architecture(builtin_plugins, entry_point, architecture):
+def test_builtin_models_are_registered_by_architecture(builtin_plugins):
     import torch
 
-    assert architecture in registered_by(builtin_plugins, entry_point, "model")
-    assert issubclass(builtin_plugins.registry("model").get(architecture), torch.nn.Module)
+    from tokenloom.builtin_plugins.models import MODELS
+
+    assert registered_by(builtin_plugins, "builtin_models", "model") == list(MODELS)
+    for architecture in MODELS:
+        assert issubclass(builtin_plugins.registry("model").get(architecture), torch.nn.Module)
 
 
 @pytest.mark.hook("register_load_formats")
-@pytest.mark.parametrize(
-    "entry_point, name",
-    [
-        ("safetensors_format", "safetensors"),
-        ("pt_format", "pt"),
-        ("gguf_format", "gguf"),
-        ("dummy_format", "dummy"),
-    ],
-)
-def test_builtin_load_formats_are_registered(builtin_plugins, entry_point, name):
+def test_builtin_load_formats_are_registered(builtin_plugins):
     from tokenloom.plugin_api import LoadFormat
 
-    assert name in registered_by(builtin_plugins, entry_point, "load_format")
-    assert issubclass(builtin_plugins.registry("load_format").get(name), LoadFormat)
+    names = ["safetensors", "pt", "gguf", "dummy"]  # --load-format auto asks them in this order
+    assert registered_by(builtin_plugins, "builtin_load_formats", "load_format") == names
+    for name in names:
+        assert issubclass(builtin_plugins.registry("load_format").get(name), LoadFormat)
 
 
 @pytest.mark.hook("register_quantization_methods")
 def test_builtin_gguf_quantization_is_registered(builtin_plugins):
     from tokenloom.plugin_api import QuantizationMethod
 
-    assert "gguf" in registered_by(builtin_plugins, "gguf_quantization", "quantization")
+    assert "gguf" in registered_by(builtin_plugins, "builtin_quantization", "quantization")
     assert issubclass(builtin_plugins.registry("quantization").get("gguf"), QuantizationMethod)
 
 
 @pytest.mark.hook("register_model_sources")
-@pytest.mark.parametrize("entry_point", ["local_sources", "huggingface_source", "pip_package_sources"])
-def test_builtin_model_sources_are_registered(builtin_plugins, entry_point):
+def test_builtin_model_sources_are_registered(builtin_plugins):
     from tokenloom.plugin_api import ModelSource
 
-    names = registered_by(builtin_plugins, entry_point, "model_source")
-    assert names, f"{entry_point} registered no model source"
+    names = registered_by(builtin_plugins, "builtin_model_sources", "model_source")
+    assert names == ["local", "huggingface", "pip_packages"]  # the order a tag is offered to them
     for name in names:
         assert issubclass(builtin_plugins.registry("model_source").get(name), ModelSource)
+
+
+def test_every_builtin_kind_is_one_package_entry_point(builtin_plugins):
+    """One registration convention: each built-in plugin is a package of builtin_plugins whose
+    __init__ holds its hooks, registered as a third party's package is."""
+    builtin = [info for info in builtin_plugins.plugins if info.origin.startswith("tokenloom ")]
+    assert builtin and all(info.name.startswith("builtin_") for info in builtin), [i.name for i in builtin]
+    from importlib_metadata import entry_points
+
+    for entry_point in entry_points(group="tokenloom.plugins"):
+        if entry_point.name.startswith("builtin_"):
+            assert entry_point.value.count(".") == 2, entry_point  # tokenloom.builtin_plugins.<package>
 
 
 def test_builtins_register_before_third_party_plugins(builtin_plugins):

@@ -104,5 +104,5 @@ def mixture_of_experts_error(hf_config: Any, architecture: str) -> ModelLoadErro
     per_token = f", {used} per token" if isinstance(used, int) else ""
     return ModelLoadError(
         f"{architecture} is a mixture-of-experts model ({style}{num_experts} experts{per_token}), which tokenloom "
-        "does not serve yet: its built-in models are dense (Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
+        "does not serve yet: its built-in models are dense (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite, Phi-3)"
     )

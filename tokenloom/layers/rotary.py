@@ -1,6 +1,7 @@
 """Rotary position embeddings (neox / ``rotate_half`` layout, as Hugging Face checkpoints
 use): the RoPE parameters read from a config, the inverse frequencies of each scaling
-variant (default, linear, dynamic NTK, llama3, yarn), and :class:`RotaryEmbedding`, which
+variant (default, linear, dynamic NTK, llama3, yarn, and longrope within its original
+context), and :class:`RotaryEmbedding`, which
 precomputes its cos/sin table once and rotates queries and keys by position.
 
 Besides the Hugging Face keys, the RoPE parameters may carry ``freq_factors``: one divisor per
@@ -137,10 +138,44 @@ def _scaled_inv_freq(
         return _llama3_inv_freq(parameters, base, rotary_dim), 1.0, max_position_embeddings
     if rope_type == "yarn":
         return _yarn_inv_freq(parameters, base, rotary_dim, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_short_inv_freq(parameters, base, rotary_dim, max_position_embeddings)
     raise ConfigError(
-        f"unsupported RoPE type {rope_type!r}; supported: default, linear, dynamic, llama3, yarn",
+        f"unsupported RoPE type {rope_type!r}; supported: default, linear, dynamic, llama3, yarn, "
+        "longrope (within its original context)",
         param="rope_scaling",
     )
+
+
+def longrope_original_length(parameters: dict[str, Any]) -> int:
+    original = parameters.get("original_max_position_embeddings")
+    if not original:
+        raise ConfigError("longrope RoPE scaling needs original_max_position_embeddings", param="rope_scaling")
+    return int(original)
+
+
+def _longrope_short_inv_freq(
+    parameters: dict[str, Any], base: float, rotary_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float, int]:
+    """LongRoPE (Phi-3) as transformers computes it for a sequence within the original context:
+    each frequency divided by its ``short_factor``, cos/sin scaled by the attention factor (from
+    the ratio of the extended to the original context). The table covers the original context
+    only: past it transformers switches to ``long_factor`` for the whole sequence, recomputing
+    keys already cached, which a paged cache cannot do (:func:`get_rope` refuses a longer one)."""
+    original = longrope_original_length(parameters)
+    short_factor = parameters.get("short_factor")
+    if not isinstance(short_factor, list | tuple) or len(short_factor) != rotary_dim // 2:
+        raise ConfigError(
+            f"longrope short_factor must be {rotary_dim // 2} numbers, one per rotary frequency",
+            param="rope_scaling",
+        )
+    factor = parameters.get("factor") or max_position_embeddings / original
+    attention_factor = parameters.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (torch.tensor(short_factor, dtype=torch.float32) * base**exponents)
+    return inv_freq, float(attention_factor), original
 
 
 class RotaryEmbedding(nn.Module):
@@ -221,6 +256,17 @@ def get_rope(
     """A :class:`RotaryEmbedding` for ``rope_parameters`` (see :func:`rope_parameters_from_config`);
     the table covers the scaled context, or ``max_position`` if that is longer."""
     rotary_dim = int(head_size * float(rope_parameters.get("partial_rotary_factor") or 1.0))
+    if rope_parameters.get("rope_type") == "longrope":
+        original = longrope_original_length(rope_parameters)
+        context = max_position or max_position_embeddings
+        if context > original:
+            raise ConfigError(
+                f"longrope RoPE scaling is exact only within the original context of {original} tokens (its short "
+                f"factors); past it transformers switches every position of the sequence to the long factors, "
+                f"recomputing the keys it cached, which tokenloom's paged KV cache cannot do. The context asked "
+                f"for is {context} tokens: pass --max-model-len {original} (or less)",
+                param="max-model-len",
+            )
     inv_freq, attention_scaling, table_len = compute_inv_freq(rope_parameters, rotary_dim, max_position_embeddings)
     return RotaryEmbedding(
         head_size,

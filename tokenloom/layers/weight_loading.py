@@ -1,7 +1,8 @@
 """Loading checkpoint tensors, by their Hugging Face names, into a model built from
 tokenloom layers: fused projections take their shards through a stacked-parameter mapping,
 every other tensor goes to the module at its dotted path. A missing tensor is an error that
-names it; a checkpoint tensor the model has no place for is logged and skipped.
+names it; a checkpoint tensor the model has no place for is logged and skipped, or, for a model
+that asks (``refuse_unexpected``), an error naming it too.
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ def load_checkpoint_weights(
     stacked_params: Iterable[tuple[str, str, Any]] = DECODER_STACKED_PARAMS,
     rename: Callable[[str], str | None] | None = None,
     skip_prefixes: tuple[str, ...] = (),
+    refuse_unexpected: bool = False,
 ) -> set[str]:
     """Load ``(hf_name, tensor)`` pairs into ``model`` and run each linear layer's
     ``process_weights_after_loading``; returns the model parameter names filled.
 
     :param rename: maps a checkpoint name to the model's name, or None to skip it.
     :param skip_prefixes: model names not loaded and not required (e.g. a tied ``lm_head.``).
+    :param refuse_unexpected: a checkpoint tensor no module takes is a ModelLoadError naming it
+        (a model that skipped, say, its q/k norms would serve wrong text), not a warning.
     """
     modules = dict(model.named_modules())
     stacked_params = [(f".{fused}.", f".{original}.", shard_id) for fused, original, shard_id in stacked_params]
@@ -106,6 +110,12 @@ def load_checkpoint_weights(
             for path, param, shard in missing
         )
         raise ModelLoadError(f"the checkpoint lacks {len(names)} weight(s) the model needs: {', '.join(names[:10])}")
+    if unexpected and refuse_unexpected:
+        raise ModelLoadError(
+            f"the checkpoint holds {len(unexpected)} tensor(s) {type(model).__name__} has no parameter for: "
+            f"{', '.join(unexpected[:10])}; it is not the architecture its config names, or a variant of "
+            "it tokenloom does not implement"
+        )
     if unexpected:
         logger.warning(
             "skipped %d checkpoint tensor(s) the model has no place for, e.g. %s", len(unexpected), unexpected[:5]

@@ -56,16 +56,19 @@ def transformers_config(architecture: str, **fields):
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "olmo2": transformers.Olmo2Config,
+        "phi3": transformers.Phi3Config,
     }
     return classes[architecture](**fields)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "phi3"])
 def test_keys_a_file_leaves_out_take_transformers_defaults(architecture, tmp_path):
     ours = gguf_to_hf_config(GGUFFile(write_minimal_gguf(str(tmp_path / "m.gguf"), architecture)))
     fields = dict(SHAPE, rms_norm_eps=float(np.float32(1e-6)), tie_word_embeddings=True)
-    if architecture == "gemma3":
+    if architecture in ("gemma2", "gemma3"):
         fields.update(head_dim=16, query_pre_attn_scalar=16)  # hidden_size / heads, as llama.cpp computes
     if architecture == "qwen3":
         fields.update(head_dim=16)  # no attention.key_length: hidden_size / heads
@@ -74,6 +77,13 @@ def test_keys_a_file_leaves_out_take_transformers_defaults(architecture, tmp_pat
     for key in ("architectures", "transformers_version"):
         ours_dict.pop(key, None), reference.pop(key, None)
     assert ours_dict == reference
+
+
+def test_an_olmo3_file_is_refused_as_one(tmp_path):
+    """llama.cpp writes OLMo 3 as olmo2 with a sliding window, which Olmo2ForCausalLM lacks."""
+    path = write_metadata_only_gguf(str(tmp_path / "m.gguf"), "olmo2", extra={"olmo2.attention.sliding_window": 4096})
+    with pytest.raises(ModelLoadError, match="OLMo 3"):
+        gguf_to_hf_config(GGUFFile(path))
 
 
 def test_the_vocabulary_size_falls_back_to_the_token_count(tmp_path):

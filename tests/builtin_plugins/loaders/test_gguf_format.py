@@ -20,6 +20,7 @@ from helpers.gguf_files import (
     write_model_gguf,
 )
 
+from tokenloom.builtin_plugins import loaders
 from tokenloom.builtin_plugins.loaders import gguf_format
 from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat, hf_tensor_name
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
@@ -29,7 +30,7 @@ from tokenloom.core.model_files import LoadFormat
 from tokenloom.errors import ModelLoadError
 from tokenloom.plugins.registry import resolve_target
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 
 
 def dense(weight) -> torch.Tensor:
@@ -68,8 +69,8 @@ def test_config_equals_transformers_conversion(tiny_gguf):
     # names, and the class to build, are ours to state; transformers leaves architectures empty
     for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version"):
         ours_dict.pop(key, None), reference_dict.pop(key, None)
-    if tiny_gguf.architecture == "gemma3":
-        # llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim); transformers keeps the class default
+    if tiny_gguf.architecture in ("gemma2", "gemma3"):
+        # llama.cpp scales Gemma queries by 1/sqrt(head_dim); transformers keeps the class default
         assert ours_dict.pop("query_pre_attn_scalar") == tiny_gguf.config.head_dim
         reference_dict.pop("query_pre_attn_scalar")
     if tiny_gguf.architecture == "qwen3":
@@ -82,7 +83,9 @@ def test_config_equals_transformers_conversion(tiny_gguf):
             "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
+            "gemma2": "Gemma2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
         }[tiny_gguf.architecture]
     ]
     for key in (
@@ -245,7 +248,8 @@ def test_unknown_architecture_names_the_file_the_architecture_and_the_supported_
         with pytest.raises(ModelLoadError) as error:
             action()
         message = str(error.value)
-        assert path in message and "'mamba'" in message and "gemma3, llama, qwen2" in message
+        assert path in message and "'mamba'" in message
+        assert "gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3" in message
 
 
 def test_unsupported_quant_type_is_reported_with_file_tensor_and_type(tmp_path):
@@ -277,7 +281,8 @@ def test_tensor_name_mapping():
 
 @pytest.mark.hook("register_load_formats")
 def test_hook_registers_gguf_lazily():
-    registered = []
-    gguf_format.register_load_formats(register=lambda name, target, **o: registered.append((name, target)))
-    assert registered == [("gguf", "tokenloom.builtin_plugins.loaders.gguf_format:GGUFLoadFormat")]
-    assert issubclass(resolve_target(registered[0][1]), LoadFormat)
+    registered = {}
+    loaders.register_load_formats(register=lambda name, target, **o: registered.setdefault(name, target))
+    assert registered["gguf"] == "tokenloom.builtin_plugins.loaders.gguf_format:GGUFLoadFormat"
+    assert list(registered) == ["safetensors", "pt", "gguf", "dummy"]  # --load-format auto's order
+    assert issubclass(resolve_target(registered["gguf"]), LoadFormat)

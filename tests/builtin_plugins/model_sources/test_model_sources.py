@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tokenloom.builtin_plugins import model_sources
 from tokenloom.builtin_plugins.model_sources import huggingface, local, pip_packages
 from tokenloom.builtin_plugins.model_sources.huggingface import HuggingFaceModelSource
 from tokenloom.builtin_plugins.model_sources.local import LocalModelSource
@@ -240,7 +241,9 @@ def test_pip_gemma3_assembles_a_gguf_file():
     "module, name", [(local, "local"), (huggingface, "huggingface"), (pip_packages, "pip_packages")]
 )
 def test_hooks_register_lazily(module, name):
-    registered = []
-    module.register_model_sources(register=lambda n, t, **o: registered.append((n, t)))
-    assert [n for n, _ in registered] == [name]
-    assert isinstance(registered[0][1], str) and issubclass(resolve_target(registered[0][1]), ModelSource)
+    registered = dict[str, str]()
+    model_sources.register_model_sources(register=lambda n, t, **o: registered.setdefault(n, t))
+    assert list(registered) == ["local", "huggingface", "pip_packages"]  # the order tags are tried in
+    assert registered[name].startswith(module.__name__ + ":") and issubclass(
+        resolve_target(registered[name]), ModelSource
+    )

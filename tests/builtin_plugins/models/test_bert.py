@@ -146,11 +146,11 @@ def test_unsupported_configs_are_config_errors():
 
 
 @pytest.mark.hook("register_models")
-def test_the_entry_point_module_registers_bert_as_a_pooling_model_without_importing_torch():
+def test_the_models_plugin_registers_bert_as_a_pooling_model_without_importing_torch():
     code = (
-        "import sys; import tokenloom.builtin_plugins.models.bert as bert; found = []; "
-        "bert.register_models(lambda name, target, **options: found.append((name, target, options))); "
-        "print(found); print('torch' in sys.modules)"
+        "import sys; import tokenloom.builtin_plugins.models as models; found = []; "
+        "models.register_models(lambda name, target, **options: found.append((name, target, options))); "
+        "print([entry for entry in found if entry[0] == 'BertModel']); print('torch' in sys.modules)"
     )
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert lines[0] == (

@@ -11,7 +11,7 @@ from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditionalGeneration
 
-from tokenloom.builtin_plugins.models.gemma3 import register_models
+from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
 PROMPTS = [[2, 17, 99, 3, 42, 7, 8, 140, 66], [2, 120, 4], [2, 33, 61, 5, 90, 11, 150, 23, 8, 77, 5, 64, 31]]
@@ -129,7 +129,8 @@ def test_gemma3_conditional_generation_accepts_legacy_checkpoint_names():
 def test_registration():
     registered = {}
     register_models(lambda name, target: registered.setdefault(name, target))
-    assert registered == {
+    expected = {
         "Gemma3ForCausalLM": "tokenloom.builtin_plugins.models.modeling_gemma3:Gemma3ForCausalLM",
         "Gemma3ForConditionalGeneration": "tokenloom.builtin_plugins.models.modeling_gemma3:Gemma3ForConditionalGeneration",
     }
+    assert {name: registered[name] for name in expected} == expected

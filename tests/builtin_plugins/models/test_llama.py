@@ -20,7 +20,7 @@ from transformers import LlamaConfig, MistralConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import MistralForCausalLM as HFMistralForCausalLM
 
-from tokenloom.builtin_plugins.models.llama import register_models
+from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM, MistralForCausalLM
 from tokenloom.errors import ModelLoadError
 
@@ -197,7 +197,8 @@ def test_kv_cache_spec_and_registration():
     assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.sliding_windows) == (3, 2, 16, [None] * 3)
     registered = {}
     register_models(lambda name, target: registered.setdefault(name, target))
-    assert registered == {
+    expected = {
         "LlamaForCausalLM": "tokenloom.builtin_plugins.models.modeling_llama:LlamaForCausalLM",
         "MistralForCausalLM": "tokenloom.builtin_plugins.models.modeling_llama:MistralForCausalLM",
     }
+    assert {name: registered[name] for name in expected} == expected

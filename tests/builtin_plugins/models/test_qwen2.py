@@ -9,8 +9,8 @@ from helpers.model_parity import assert_matches_transformers, build_model, pertu
 from transformers import Qwen2Config
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
+from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_qwen2 import Qwen2ForCausalLM
-from tokenloom.builtin_plugins.models.qwen2 import register_models
 
 PROMPTS = [[9, 14, 130, 3, 57, 71], [100, 6, 28], [45, 2, 19, 88, 110, 7, 36, 52, 9, 140]]
 TINY = dict(
@@ -51,4 +51,5 @@ def test_qwen2_matches_transformers(overrides, windows):
 def test_registration():
     registered = {}
     register_models(lambda name, target: registered.setdefault(name, target))
-    assert registered == {"Qwen2ForCausalLM": "tokenloom.builtin_plugins.models.modeling_qwen2:Qwen2ForCausalLM"}
+    expected = {"Qwen2ForCausalLM": "tokenloom.builtin_plugins.models.modeling_qwen2:Qwen2ForCausalLM"}
+    assert {name: registered[name] for name in expected} == expected

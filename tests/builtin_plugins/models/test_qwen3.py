@@ -20,8 +20,8 @@ from transformers import Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from tokenloom import LLM
+from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_qwen3 import Qwen3ForCausalLM
-from tokenloom.builtin_plugins.models.qwen3 import register_models
 from tokenloom.errors import ModelLoadError
 
 PROMPTS = [[9, 14, 130, 3, 57, 71], [100, 6, 28], [45, 2, 19, 88, 110, 7, 36, 52, 9, 140]]
@@ -86,4 +86,5 @@ def test_a_checkpoint_without_q_k_norms_is_refused():
 def test_registration():
     registered = {}
     register_models(lambda name, target: registered.setdefault(name, target))
-    assert registered == {"Qwen3ForCausalLM": "tokenloom.builtin_plugins.models.modeling_qwen3:Qwen3ForCausalLM"}
+    expected = {"Qwen3ForCausalLM": "tokenloom.builtin_plugins.models.modeling_qwen3:Qwen3ForCausalLM"}
+    assert {name: registered[name] for name in expected} == expected

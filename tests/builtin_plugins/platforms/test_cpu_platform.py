@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
+from tokenloom.builtin_plugins import platforms
 from tokenloom.builtin_plugins.platforms import cpu
-from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform, read_meminfo, register_platforms
+from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform, read_meminfo
 
 MEMINFO = (
     "MemTotal:       16000000 kB\nMemFree:         2000000 kB\nMemAvailable:    8000000 kB\nHugePages_Total:       0\n"
@@ -102,11 +103,15 @@ def test_configure_threads_uses_the_affinity_mask():
 @pytest.mark.hook("register_attention_backends")
 def test_the_cpu_platforms_attention_backends_are_registered_and_build():
     registered = {}
-    cpu.register_attention_backends(lambda name, target, **options: registered.setdefault(name, (target, options)))
-    assert set(registered) == {"torch", "cpu_native", "reference"}
+    platforms.register_attention_backends(
+        lambda name, target, **options: registered.setdefault(name, (target, options))
+    )
+    assert set(registered) == {"torch", "cpu_native", "reference", "triton"}
     assert registered["torch"][1] == {"aliases": ("torch_sdpa",)}
     assert CpuPlatform().attention_backend() in registered  # the platform names a registered one
-    for target, _ in registered.values():
+    for name, (target, _) in registered.items():
+        if name == "triton":
+            continue  # its module needs triton, the gpu extra (tests/kernels/triton test it)
         module_name, _, class_name = target.partition(":")
         backend = getattr(importlib.import_module(module_name), class_name)()
         assert callable(backend.forward)
@@ -116,8 +121,8 @@ def test_platform_basics_and_registration():
     assert CpuPlatform.is_available()
     assert CpuPlatform().torch_device() == torch.device("cpu")
     registered = {}
-    register_platforms(lambda name, target: registered.setdefault(name, target))
-    assert registered == {"cpu": "tokenloom.builtin_plugins.platforms.cpu:CpuPlatform"}
+    platforms.register_platforms(lambda name, target: registered.setdefault(name, target))
+    assert registered["cpu"] == "tokenloom.builtin_plugins.platforms.cpu:CpuPlatform"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenloom.builtin_plugins import platforms
 from tokenloom.builtin_plugins.platforms import cuda
 from tokenloom.builtin_plugins.platforms.cuda import (
     CudaPlatform,
     MemorySnapshot,
     check_requested_memory,
     kv_cache_budget,
-    register_platforms,
 )
 from tokenloom.core.engine.llm_engine import choose_platform
 from tokenloom.errors import ConfigError
@@ -176,11 +176,11 @@ def test_host_to_device_goes_through_pinned_memory(monkeypatch):
 def test_attention_backend_is_triton_and_registration():
     assert CudaPlatform().attention_backend() == "triton"
     backends = {}
-    cuda.register_attention_backends(lambda name, target, **options: backends.setdefault(name, target))
-    assert backends == {"triton": "tokenloom.kernels.triton.attention:TritonPagedAttention"}
+    platforms.register_attention_backends(lambda name, target, **options: backends.setdefault(name, target))
+    assert backends["triton"] == "tokenloom.kernels.triton.attention:TritonPagedAttention"
     assert CudaPlatform().default_kv_cache_bytes() is None  # the profile alone sizes the cache
     registered = {}
-    register_platforms(lambda name, target: registered.setdefault(name, target))
-    assert registered == {"cuda": "tokenloom.builtin_plugins.platforms.cuda:CudaPlatform"}
+    platforms.register_platforms(lambda name, target: registered.setdefault(name, target))
+    assert registered["cuda"] == "tokenloom.builtin_plugins.platforms.cuda:CudaPlatform"
     assert cuda.CudaPlatform.auto_priority > 0
     assert cuda.CudaPlatform.profiles_activations  # the runner's largest-step pass precedes the budget

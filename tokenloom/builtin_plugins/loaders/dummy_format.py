@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
+from tokenloom.plugin_api import LoadFormat, ModelLoadError
 
 # the real formats config and tokenizer are read with, in the order they are tried
 DELEGATE_FORMATS = (

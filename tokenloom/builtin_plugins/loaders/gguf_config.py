@@ -1,6 +1,7 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
-attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config or
-Gemma3TextConfig. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config,
+Gemma2Config, Gemma3TextConfig, Olmo2Config,
+GraniteConfig or Phi3Config. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
 :mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
 
@@ -332,11 +333,169 @@ def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
     return GGUFModelConfig(**fields)
 
 
+def _gemma2_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(),
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "vocab_size": 256_000,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "use_bidirectional_attention": None,
+        **_common(gguf),
+    }
+    head_dim = int(gguf.arch_get("attention.key_length", fields["hidden_size"] // fields["num_attention_heads"]))
+    fields["head_dim"] = head_dim
+    # llama.cpp scales queries by 1/sqrt(head_dim) but for the 27B (46 layers): hidden_size / num_heads,
+    # as the Hugging Face configs state
+    fields["query_pre_attn_scalar"] = (
+        fields["hidden_size"] // fields["num_attention_heads"] if fields["num_hidden_layers"] == 46 else head_dim
+    )
+    for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        gguf_key = "attention.sliding_window" if key == "sliding_window" else key
+        value = gguf.arch_get(gguf_key)
+        if value is not None:
+            fields[key] = int(value) if key == "sliding_window" else float(value)
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, head_dim)
+    # llama.cpp's Gemma 2 pattern, and transformers': even layers slide, odd ones attend globally
+    fields["layer_types"] = [
+        "sliding_attention" if index % 2 == 0 else "full_attention" for index in range(fields["num_hidden_layers"])
+    ]
+    return GGUFModelConfig(**fields)
+
+
+def _olmo2_config(gguf: GGUFFile) -> GGUFModelConfig:
+    if gguf.arch_get("attention.sliding_window"):
+        # llama.cpp's olmo2 also holds OLMo 3, whose sliding-window layers Olmo2ForCausalLM lacks
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} is an OLMo 3 model (olmo2 architecture with a sliding window), "
+            "which tokenloom does not serve yet; OLMo 2 files load"
+        )
+    fields = {
+        **_pretrained_config_defaults(),
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": "olmo2",
+        "vocab_size": 50304,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": 1,
+        "bos_token_id": None,
+        "eos_token_id": 50279,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        **_common(gguf),
+    }
+    rotary_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, rotary_dim)
+    return GGUFModelConfig(**fields)
+
+
+def _granite_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = _llama_config(gguf).to_dict()
+    fields.pop("pretraining_tp")
+    head_dim = fields.pop("head_dim")
+    if head_dim != fields["hidden_size"] // fields["num_attention_heads"]:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} rotates {head_dim} of each head's "
+            f"{fields['hidden_size'] // fields['num_attention_heads']} features (rope.dimension_count), "
+            "which Granite cannot state; tokenloom serves Granite files that rotate whole heads"
+        )
+    logits_scaling = gguf.arch_get("logit_scale")
+    if logits_scaling is None:  # llama.cpp refuses such a file too
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} lacks the metadata key granite.logit_scale; the file is incomplete"
+        )
+    # llama.cpp reads an absent (or zero) multiplier as none, and an absent attention scale as 1/sqrt(head size)
+    attention_scale = float(gguf.arch_get("attention.scale", 0.0))
+    fields.update(
+        architectures=["GraniteForCausalLM"],
+        model_type="granite",
+        embedding_multiplier=float(gguf.arch_get("embedding_scale", 0.0)) or 1.0,
+        residual_multiplier=float(gguf.arch_get("residual_scale", 0.0)) or 1.0,
+        attention_multiplier=attention_scale or head_dim**-0.5,
+        logits_scaling=float(logits_scaling),
+    )
+    return GGUFModelConfig(**fields)
+
+
+# llama.cpp's Phi-3 LongRoPE factors (per rotary frequency), which the config carries
+PHI3_ROPE_FACTOR_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+
+
+def _phi3_config(gguf: GGUFFile) -> GGUFModelConfig:
+    fields = {
+        **_pretrained_config_defaults(),
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "pad_token_id": 32000,
+        # llama.cpp disables Phi-3's sliding window (the converter's value is unreliable), as does
+        # transformers' GGUF conversion
+        "sliding_window": None,
+        **_common(gguf),
+    }
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    rotary_dim = int(gguf.arch_get("rope.dimension_count", head_dim))
+    original = gguf.arch_get("rope.scaling.original_context_length")
+    fields["original_max_position_embeddings"] = int(original) if original is not None else 4096
+    rope: dict[str, Any] = {
+        "rope_theta": _rope_theta(gguf, DEFAULT_ROPE_THETA),
+        "partial_rotary_factor": rotary_dim / head_dim,
+        "rope_type": "default",
+    }
+    present = [name for name in PHI3_ROPE_FACTOR_TENSORS.values() if name in gguf.tensors]
+    if present:
+        if len(present) != 2:
+            raise ModelLoadError(f"GGUF file {gguf.path} holds {present[0]} without its long/short counterpart")
+        rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = fields["original_max_position_embeddings"]
+        for key, tensor_name in PHI3_ROPE_FACTOR_TENSORS.items():
+            rope[key] = _float_tensor(gguf, tensor_name, rotary_dim // 2)
+        attn_factor = gguf.arch_get("rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
+    fields["rope_parameters"] = rope
+    return GGUFModelConfig(**fields)
+
+
+def _float_tensor(gguf: GGUFFile, name: str, length: int) -> list[float]:
+    info = gguf.tensors[name]
+    dtype = _FLOAT_ARRAY_TYPES.get(info.ggml_type)
+    if dtype is None or info.num_elements != length:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path}: {name} must be {length} F32 or F16 values (one per rotary frequency); it "
+            f"holds {info.num_elements} of ggml type {info.ggml_type}"
+        )
+    return [float(value) for value in gguf.tensor_data(info).view(dtype)]
+
+
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
     "qwen3": _qwen3_config,
+    "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
+    "olmo2": _olmo2_config,
+    "granite": _granite_config,
+    "phi3": _phi3_config,
 }
 
 # llama.cpp's expert tensors: per-layer router, stacked expert projections
@@ -361,7 +520,7 @@ def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
     per_token = f", {int(used)} per token" if used else ""
     raise ModelLoadError(
         f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
-        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
+        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite, Phi-3)"
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from tokenloom.builtin_plugins.loaders import hf_files
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, GGUFTensorInfo, find_gguf_file
 from tokenloom.errors import ConfigError
-from tokenloom.plugin_api import LoadFormat, ModelLoadError, hookimpl
+from tokenloom.plugin_api import LoadFormat, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,12 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     },
+    "gemma2": {
+        **_DECODER_BLOCK_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
     "gemma3": {
         **_DECODER_BLOCK_NAMES,
         "post_attention_norm": "post_attention_layernorm",
@@ -50,14 +56,34 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     },
+    "granite": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    # fused projections as the Hugging Face checkpoint has them (Phi3ForCausalLM splits them)
+    "phi3": {
+        **{name: module for name, module in _DECODER_BLOCK_NAMES.items() if name not in ("ffn_gate", "ffn_up")},
+        "attn_qkv": "self_attn.qkv_proj",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_norm": "post_attention_layernorm",
+    },
+    # no norm before attention or the MLP: attn_norm / ffn_norm have no place here
+    "olmo2": {
+        **{name: module for name, module in _DECODER_BLOCK_NAMES.items() if name != "attn_norm"},
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 # tensors llama.cpp adds that have no Hugging Face parameter: the Llama 3 RoPE frequency
-# factors, which the config carries (gguf_config reads them as rope_parameters["freq_factors"])
-IGNORED_TENSORS = ("rope_freqs.weight",)
+# factors and Phi-3's LongRoPE factors, which the config carries (gguf_config reads them as
+# rope_parameters["freq_factors"], ["long_factor"] and ["short_factor"])
+IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # architectures whose llama.cpp converter permuted the Q/K rows for its rotary layout
-ROPE_PERMUTED_ARCHITECTURES = ("llama",)
+ROPE_PERMUTED_ARCHITECTURES = ("llama", "granite")
 # architectures whose norms llama.cpp stores as ``1 + w`` (the HF modules compute ``x * (1 + w)``)
-OFFSET_NORM_ARCHITECTURES = ("gemma3",)
+OFFSET_NORM_ARCHITECTURES = ("gemma2", "gemma3")
+# architectures whose every tensor must map to a parameter: one that does not is an error, since
+# serving the model without it would compute something else (the older ones only warn)
+STRICT_ARCHITECTURES = ("gemma2", "olmo2", "granite", "phi3")
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -158,6 +184,11 @@ class GGUFLoadFormat(LoadFormat):
         ):
             hf_name = hf_tensor_name(architecture, info.name)
             if hf_name is None:
+                if architecture in STRICT_ARCHITECTURES and info.name not in IGNORED_TENSORS:
+                    raise ModelLoadError(
+                        f"GGUF tensor {info.name} of {gguf.path} has no counterpart in tokenloom's "
+                        f"{architecture} model: the file is of a variant tokenloom does not implement"
+                    )
                 if info.name not in IGNORED_TENSORS:
                     logger.warning(
                         "GGUF tensor %s of %s has no Hugging Face counterpart; skipped", info.name, gguf.path

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
-from tokenloom.plugin_api import ModelLoadError, hookimpl
+from tokenloom.plugin_api import ModelLoadError
 
 EXTENSIONS = (".bin", ".pt", ".pth")
 INDEX_NAMES = ("pytorch_model.bin.index.json", "model.pt.index.json")

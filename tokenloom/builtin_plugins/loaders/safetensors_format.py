@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
-from tokenloom.plugin_api import ModelLoadError, hookimpl
+from tokenloom.plugin_api import ModelLoadError
 
 EXTENSIONS = (".safetensors",)
 INDEX_NAMES = ("model.safetensors.index.json",)

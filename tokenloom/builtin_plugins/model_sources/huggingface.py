@@ -13,7 +13,7 @@ import socket
 import threading
 from urllib.parse import urlparse
 
-from tokenloom.plugin_api import ModelLoadError, ModelSource, ResolvedModel, hookimpl
+from tokenloom.plugin_api import ModelLoadError, ModelSource, ResolvedModel
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # what a model needs; a GGUF repo's many quantized files are left alone (pass one .gguf path instead)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tokenloom.plugin_api import ModelLoadError, ModelSource, ResolvedModel, hookimpl
+from tokenloom.plugin_api import ModelLoadError, ModelSource, ResolvedModel
 
 MODEL_FILE_EXTENSIONS = (".gguf", ".safetensors", ".bin", ".pt")
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.plugin_api import ModelLoadError, ModelSource, ResolvedModel, hookimpl
+from tokenloom.plugin_api import ModelLoadError, ModelSource, ResolvedModel
 
 
 @dataclass(frozen=True)

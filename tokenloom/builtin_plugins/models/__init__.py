@@ -12,8 +12,12 @@ MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": (f"{PACKAGE}.modeling_llama:MistralForCausalLM", "generate"),
     "Qwen2ForCausalLM": (f"{PACKAGE}.modeling_qwen2:Qwen2ForCausalLM", "generate"),
     "Qwen3ForCausalLM": (f"{PACKAGE}.modeling_qwen3:Qwen3ForCausalLM", "generate"),
+    "Gemma2ForCausalLM": (f"{PACKAGE}.modeling_gemma2:Gemma2ForCausalLM", "generate"),
     "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
     "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),
+    "Olmo2ForCausalLM": (f"{PACKAGE}.modeling_olmo2:Olmo2ForCausalLM", "generate"),
+    "GraniteForCausalLM": (f"{PACKAGE}.modeling_granite:GraniteForCausalLM", "generate"),
+    "Phi3ForCausalLM": (f"{PACKAGE}.modeling_phi3:Phi3ForCausalLM", "generate"),
     "BertModel": (f"{PACKAGE}.modeling_bert:BertModel", "pooling"),
 }
 

@@ -122,6 +122,8 @@ class DecoderForCausalLM(nn.Module):
 
     norm_class: type[nn.Module] = RMSNorm
     stacked_params = DECODER_STACKED_PARAMS
+    #: a checkpoint tensor no parameter takes is a load error (True), or a logged warning
+    refuse_unexpected_weights = False
 
     def __init__(self, ctx: ModelContext):
         super().__init__()
@@ -253,6 +255,7 @@ class DecoderForCausalLM(nn.Module):
             stacked_params=self.stacked_params,
             rename=self.checkpoint_name,
             skip_prefixes=self.skipped_weight_prefixes(),
+            refuse_unexpected=self.refuse_unexpected_weights,
         )
 
     def skipped_weight_prefixes(self) -> tuple[str, ...]:

@@ -24,7 +24,17 @@ _LEGACY_LOCAL_ROPE_THETA = 10000.0
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, model: Gemma3ForCausalLM, layer_index: int, layer_type: str):
+    """Gemma's sandwich layer. ``rope_layer_type`` picks the RoPE settings (None: the model's
+    one setting); ``qk_norm`` is Gemma 3's per-head query/key norm (None for Gemma 2)."""
+
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        layer_index: int,
+        rope_layer_type: str | None,
+        *,
+        qk_norm: type[nn.Module] | None = GemmaRMSNorm,
+    ):
         super().__init__()
         config = model.config
         hidden_size, eps, dtype = config.hidden_size, config.rms_norm_eps, model.dtype
@@ -36,13 +46,13 @@ class Gemma3DecoderLayer(nn.Module):
             config.num_key_value_heads,
             model.head_size,
             layer_index=layer_index,
-            rotary_emb=model.rope(layer_type),
+            rotary_emb=model.rope(rope_layer_type),
             scale=config.query_pre_attn_scalar**-0.5,
             qkv_bias=attention_bias,
             output_bias=attention_bias,
             sliding_window=model.sliding_windows[layer_index],
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
-            qk_norm=GemmaRMSNorm,
+            qk_norm=qk_norm,
             norm_eps=eps,
             **model.linear_options(),
         )

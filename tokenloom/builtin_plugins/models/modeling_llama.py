@@ -17,7 +17,8 @@ from tokenloom.layers.fused_decode import FusedDecodeLayer
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and a dense SwiGLU MLP; ``qk_norm`` (a norm class) normalises each
-    query and key head before RoPE (Qwen3)."""
+    query and key head before RoPE (Qwen3); ``attention_scale`` replaces ``head_size ** -0.5``
+    as the softmax scale (Granite)."""
 
     def __init__(
         self,
@@ -27,6 +28,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         output_bias: bool,
         qk_norm: type[nn.Module] | None = None,
+        attention_scale: float | None = None,
     ):
         super().__init__()
         config = model.config
@@ -43,6 +45,7 @@ class LlamaDecoderLayer(nn.Module):
             model.head_size,
             layer_index=layer_index,
             rotary_emb=model.rope(),
+            scale=attention_scale,
             qkv_bias=qkv_bias,
             output_bias=output_bias,
             sliding_window=model.sliding_windows[layer_index],

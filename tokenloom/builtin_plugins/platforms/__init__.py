@@ -21,5 +21,7 @@ def register_attention_backends(register):
     register("cpu_native", "tokenloom.kernels.paged_attention:NativeCpuPagedAttention", aliases=("cpu_attn",))
     register("reference", "tokenloom.kernels.paged_attention:ReferencePagedAttention")
     register(
-        "triton", "tokenloom.kernels.triton.attention:TritonPagedAttention", aliases=("triton_attn", "triton_attn_vllm_v1")
+        "triton",
+        "tokenloom.kernels.triton.attention:TritonPagedAttention",
+        aliases=("triton_attn", "triton_attn_vllm_v1"),
     )

@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 from tokenloom.core.platform import Platform
-from tokenloom.plugin_api import hookimpl
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from tokenloom.core.platform import Platform
 from tokenloom.errors import ConfigError
-from tokenloom.plugin_api import hookimpl
 
 logger = logging.getLogger(__name__)
 
