@@ -188,7 +188,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise InvalidRequestError(f"{where} must be an object (an input item)", param=where)
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            given_role = item.get("role")
+            role = _ROLES.get(given_role) if isinstance(given_role, str) else None
             if role is None:
                 raise InvalidRequestError(
                     f"{where}.role must be user, assistant, system or developer, got {item.get('role')!r}",
