@@ -118,6 +118,7 @@ def test_input_items_become_chat_messages():
     "items, param",
     [
         ([{"role": "robot", "content": "x"}], "input[0].role"),
+        ([{"role": ["user"], "content": "x"}], "input[0].role"),  # not a string: once a TypeError (a 500)
         ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
         ([{"type": "item_reference", "id": "x"}], "input[0].type"),
         ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
@@ -449,6 +450,7 @@ async def test_a_finished_background_response_is_stored(make_app, tokenizer):
         ({"input": "hi", "metadata": {f"k{index}": "v" for index in range(17)}}, "metadata", "at most 16"),
         ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata", "at most 64"),
         ({"input": "hi", "metadata": {"note": "v" * 513}}, "metadata.note", "at most 512"),
+        ({"input": [{"role": {"name": "user"}, "content": "hi"}]}, "input[0].role", "must be user"),
     ],
 )
 async def test_bad_requests_are_4xx_naming_the_responses_parameter(client, body, param, words):

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -76,18 +78,19 @@ def _warn_of_blank_api_keys(config: ServerConfig, api_keys: list[str]) -> None:
     )
 
 
-def _parser_class(plugins: PluginSet | None, kind: str, name: str | None) -> type | None:
+def _parser_class(plugins: PluginSet | None, kind: str, name: str | None) -> type[Any] | None:
     """The parser class registered under ``name``; an unknown name fails start-up, listing the known ones."""
     if not name:
         return None
     if plugins is None:
         raise ConfigError(f"{name!r} was asked for as a {kind}, but no plugins were loaded", param=kind)
-    return plugins.registry(kind).get(name)
+    parser_class: type[Any] = plugins.registry(kind).get(name)  # the registry holds "module:Class" targets
+    return parser_class
 
 
-def _lifespan(engine: EngineClient, config: ServerConfig):
+def _lifespan(engine: EngineClient, config: ServerConfig) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         stats_task = None if config.disable_log_stats else asyncio.create_task(log_stats_periodically(engine))
         try:
@@ -102,7 +105,7 @@ def _lifespan(engine: EngineClient, config: ServerConfig):
     return lifespan
 
 
-async def _guarded(raw_request: Request, work) -> Response:
+async def _guarded(raw_request: Request, work: Awaitable[Response]) -> Response:
     """Runs a route; an unexpected exception becomes a logged, generic 500 (Starlette would
     re-raise it after answering, taking the traceback to the server's error log twice)."""
     try:
@@ -142,7 +145,9 @@ def build_app(
     completions = CompletionsHandler(ctx)
     chat = ChatHandler(ctx, renderer, config.response_role, tool_parser_class, reasoning_parser_class)
 
-    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = (
+        {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    )
     # --root-path is given to uvicorn (run_server), which puts it in every request's scope
     app = FastAPI(title="tokenloom", version=__version__, lifespan=_lifespan(engine, config), **docs)
     app.state.engine = engine

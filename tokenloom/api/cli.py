@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,10 +64,10 @@ class Subcommand:
 SUBCOMMANDS: dict[str, Subcommand] = {}
 
 
-def subcommand(name: str, summary: str):
+def subcommand(name: str, summary: str) -> Callable[[Callable[[list[str]], int]], Callable[[list[str]], int]]:
     """Register ``run(argv) -> exit code`` as ``tokenloom NAME``."""
 
-    def decorate(run: Callable[[list[str]], int]):
+    def decorate(run: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
         SUBCOMMANDS[name] = Subcommand(name, summary, run)
         return run
 
@@ -229,7 +229,7 @@ def _resolve_every_target(plugin_set: Any) -> list[tuple[str, str, str]]:
 
 
 @contextlib.contextmanager
-def _quiet_logger(name: str):
+def _quiet_logger(name: str) -> Iterator[None]:
     logger = logging.getLogger(name)
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -282,4 +282,5 @@ def serve_command(argv: list[str]) -> int:
     check_plugin_choices(serve_args)
     from tokenloom.api.server import run_server
 
-    return run_server(serve_args) or 0
+    run_server(serve_args)
+    return 0

@@ -8,7 +8,11 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    import openai
+    from openai.types.chat import ChatCompletionMessageParam
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 
@@ -29,7 +33,7 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _client(options):
+def _client(options: argparse.Namespace) -> tuple[openai.OpenAI, str]:
     import openai
 
     api_key = options.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TOKENLOOM_API_KEY") or "EMPTY"
@@ -73,9 +77,11 @@ def chat(argv: list[str], stdin: TextIO = sys.stdin) -> int:
     parser.add_argument("--system-prompt", default=None, help="a system message starting the conversation")
     options = parser.parse_args(argv)
 
-    def command(_argv) -> int:
+    def command(_argv: list[str]) -> int:
         client, model = _client(options)
-        messages = [{"role": "system", "content": options.system_prompt}] if options.system_prompt else []
+        messages: list[ChatCompletionMessageParam] = (
+            [{"role": "system", "content": options.system_prompt}] if options.system_prompt else []
+        )
 
         def ask(text: str) -> None:
             messages.append({"role": "user", "content": text})
@@ -101,7 +107,7 @@ def complete(argv: list[str], stdin: TextIO = sys.stdin) -> int:
     )
     options = parser.parse_args(argv)
 
-    def command(_argv) -> int:
+    def command(_argv: list[str]) -> int:
         client, model = _client(options)
 
         def ask(text: str) -> None:

@@ -70,7 +70,7 @@ class Flag:
     kind: str = "str"  # a key of CONVERTERS
     nargs: str | None = None  # "+" (one or more values) or "?" (an optional value)
     repeat: bool = False  # may be given several times; the values are collected in a list
-    choices: tuple | None = None
+    choices: tuple[Any, ...] | None = None
     default: Any = None  # flags that are not implemented: vLLM's default, accepted silently
     aliases: tuple[str, ...] = ()  # short forms: -tp, -pp, -q, -O ...
     negatable: bool = False  # has a --no-NAME form
@@ -120,7 +120,7 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def parse_json_object(text: str) -> dict:
+def parse_json_object(text: str) -> dict[str, Any]:
     """A JSON object given as text (``'{"factor": 2.0}'``)."""
     try:
         value = json.loads(text)
@@ -145,7 +145,7 @@ def parse_str_list(text: str) -> list[str]:
     return [text]
 
 
-def parse_level_or_json(text: str) -> int | dict:
+def parse_level_or_json(text: str) -> int | dict[str, Any]:
     """An optimisation level (``3``) or a JSON object, as vLLM's ``-O`` takes."""
     return int(text) if text.strip().isdigit() else parse_json_object(text)
 
@@ -173,27 +173,27 @@ JSON_KINDS = ("json", "level_or_json")  # kinds that also take vLLM's dotted for
 # -- constructors that keep the table below readable -------------------------------------
 
 
-def implemented(name: str, group: str, dest: str | None = None, **options) -> Flag:
+def implemented(name: str, group: str, dest: str | None = None, **options: Any) -> Flag:
     return Flag(name, group, IMPLEMENTED, dest=dest or name[2:].replace("-", "_"), **options)
 
 
-def server(name: str, dest: str | None = None, **options) -> Flag:
+def server(name: str, dest: str | None = None, **options: Any) -> Flag:
     return implemented(name, "Frontend", dest, to=SERVER, **options)
 
 
-def cpu_noop(name: str, group: str, note: str, help: str, **options) -> Flag:
+def cpu_noop(name: str, group: str, note: str, help: str, **options: Any) -> Flag:
     return Flag(name, group, CPU_NOOP, help=help, note=note, **options)
 
 
-def noop(name: str, group: str, note: str, help: str, **options) -> Flag:
+def noop(name: str, group: str, note: str, help: str, **options: Any) -> Flag:
     return Flag(name, group, NOOP, help=help, note=note, **options)
 
 
-def unimplemented(name: str, group: str, help: str, **options) -> Flag:
+def unimplemented(name: str, group: str, help: str, **options: Any) -> Flag:
     return Flag(name, group, UNIMPLEMENTED, help=help, **options)
 
 
-def _bool(**options) -> dict:
+def _bool(**options: Any) -> dict[str, Any]:
     return {"kind": "bool", "negatable": True, "default": False, **options}
 
 

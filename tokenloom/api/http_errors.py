@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +43,7 @@ INTERNAL_ERROR_MESSAGE = "internal server error; the server log has the details 
 
 def error_body(
     status: int, message: str, *, error_type: str | None = None, param: str | None = None, code: int | str | None = None
-) -> dict:
+) -> dict[str, Any]:
     info = ErrorInfo(
         message=message,
         type=error_type or _TYPE_BY_STATUS.get(status, "Error"),
@@ -51,11 +53,11 @@ def error_body(
     return ErrorResponse(error=info).model_dump()
 
 
-def error_json(status: int, message: str, **kwargs) -> JSONResponse:
+def error_json(status: int, message: str, **kwargs: Any) -> JSONResponse:
     return JSONResponse(error_body(status, message, **kwargs), status_code=status)
 
 
-def exception_body(exc: TokenloomError) -> dict:
+def exception_body(exc: TokenloomError) -> dict[str, Any]:
     return error_body(exc.status_code, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code)
 
 
@@ -77,7 +79,7 @@ def _shorten(text: str) -> str:
     return text if len(text) <= MAX_PROBLEM_CHARS else text[: MAX_PROBLEM_CHARS - 3] + "..."
 
 
-def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
+def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """A short message listing the first few problems with their field paths (never the input
     values, which may be huge), and the first problem's path as ``param``."""
     problems: list[str] = []
@@ -108,7 +110,8 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def request_id_of(request: Request) -> str:
-    return request.scope.get("tokenloom.request_id", "-")
+    request_id: str = request.scope.get("tokenloom.request_id", "-")  # RequestIdMiddleware sets a str
+    return request_id
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,10 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from tokenloom.core.engine.llm_engine import EngineStats
+    from tokenloom.core.engine.protocol import EngineClient
+    from tokenloom.core.scheduler import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +56,11 @@ STATS_LOG_INTERVAL_S = 10.0
 class EngineStatsCollector:
     """Reads ``engine.stats()`` when Prometheus scrapes."""
 
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine = engine
         self.model_name = model_name
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         try:
             stats = self.engine.stats()
         except Exception as exc:  # a dead engine must not break the rest of /metrics
@@ -113,12 +121,12 @@ class EngineStatsCollector:
 class ServerMetrics:
     """The app's metrics; one instance (and one CollectorRegistry) per app."""
 
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
-        def histogram(name: str, documentation: str, buckets=LATENCY_BUCKETS) -> Histogram:
+        def histogram(name: str, documentation: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
             return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to first token, seconds.")
@@ -184,7 +192,10 @@ class RequestTimer:
 
 
 def format_stats_line(
-    stats: Any, previous_totals: tuple[int, int] | None, elapsed_s: float, previous_spec: Any = None
+    stats: EngineStats,
+    previous_totals: tuple[int, int] | None,
+    elapsed_s: float,
+    previous_spec: SpecDecodingStats | None = None,
 ) -> str:
     """One line: throughput since the previous line (``previous_totals`` are its prompt and
     generation token totals), queue sizes, KV usage, prefix-cache hit rate; with speculative
@@ -204,7 +215,7 @@ def format_stats_line(
     )
 
 
-def _spec_decoding_summary(spec: Any, previous: Any) -> str:
+def _spec_decoding_summary(spec: SpecDecodingStats | None, previous: SpecDecodingStats | None) -> str:
     if spec is None:
         return ""
     drafts = spec.num_drafts - (previous.num_drafts if previous else 0)
@@ -219,10 +230,11 @@ def _spec_decoding_summary(spec: Any, previous: Any) -> str:
     )
 
 
-async def log_stats_periodically(engine: Any, interval_s: float = STATS_LOG_INTERVAL_S) -> None:
+async def log_stats_periodically(engine: EngineClient, interval_s: float = STATS_LOG_INTERVAL_S) -> None:
     """Runs until cancelled (the app's lifespan owns the task)."""
-    previous, previous_time = None, time.monotonic()
-    previous_spec = None
+    previous: tuple[int, int] | None = None
+    previous_time = time.monotonic()
+    previous_spec: SpecDecodingStats | None = None
     while True:
         await asyncio.sleep(interval_s)
         try:

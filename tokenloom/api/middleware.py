@@ -22,6 +22,7 @@ import json
 import logging
 import secrets
 import uuid
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -45,21 +46,22 @@ ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 def route_path(scope: Scope) -> str:
     """The path as the router sees it: without the ``root_path`` prefix servers may include."""
-    path = scope.get("path", "")
-    root_path = scope.get("root_path", "")
+    path: str = scope.get("path", "")
+    root_path: str = scope.get("root_path", "")
     if root_path and path.startswith(root_path):
         path = path[len(root_path) :] or "/"
     return path
 
 
 def header_value(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", ()):
+    headers: Iterable[tuple[bytes, bytes]] = scope.get("headers", ())
+    for key, value in headers:
         if key.lower() == name:
             return value
     return None
 
 
-async def send_error(send: Send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(send: Send, status: int, message: str, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error_body(status, message)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra_headers]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -306,7 +308,8 @@ def add_user_middleware(app: FastAPI, import_paths: list[str]) -> None:
     for path in import_paths:
         target = import_object(path, "--middleware")
         if inspect.isclass(target):
-            app.add_middleware(target)
+            # an imported class: whether its constructor takes (app) shows only when Starlette builds the stack
+            app.add_middleware(target)  # type: ignore[arg-type]
         elif inspect.iscoroutinefunction(target):
             app.middleware("http")(target)
         else:

@@ -15,7 +15,15 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tokenloom.core.structured_output import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH
 from tokenloom.errors import InvalidRequestError
@@ -335,8 +343,8 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_absent_details(self, handler):
-        data = handler(self)
+    def _drop_absent_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
         if data.get("prompt_tokens_details") is None:
             data.pop("prompt_tokens_details", None)
         return data
@@ -407,7 +415,7 @@ class DeltaFunctionCall(ResponseModel):
     arguments: str | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
@@ -418,7 +426,7 @@ class DeltaToolCall(ResponseModel):
     function: DeltaFunctionCall | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
@@ -438,7 +446,7 @@ class DeltaMessage(ResponseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 

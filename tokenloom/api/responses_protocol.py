@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from tokenloom.api.protocol import (
     ChatMessage,
@@ -27,6 +27,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+# an output item's status
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 def new_item_id(prefix: str) -> str:
@@ -188,7 +190,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise InvalidRequestError(f"{where} must be an object (an input item)", param=where)
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            given_role = item.get("role")
+            role = _ROLES.get(given_role) if isinstance(given_role, str) else None
             if role is None:
                 raise InvalidRequestError(
                     f"{where}.role must be user, assistant, system or developer, got {item.get('role')!r}",
@@ -244,7 +247,7 @@ class ReasoningText(ResponseModel):
 class MessageItem(ResponseModel):
     type: Literal["message"] = "message"
     id: str
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: ItemStatus = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText] = Field(default_factory=list)
 
@@ -255,7 +258,7 @@ class FunctionCallItem(ResponseModel):
     call_id: str
     name: str
     arguments: str
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: ItemStatus = "completed"
 
 
 class ReasoningItem(ResponseModel):
@@ -263,7 +266,7 @@ class ReasoningItem(ResponseModel):
     id: str
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText] = Field(default_factory=list)
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: ItemStatus = "completed"
 
 
 OutputItem = MessageItem | FunctionCallItem | ReasoningItem
@@ -314,9 +317,9 @@ class ResponseObject(ResponseModel):
     user: str | None = None
 
     @model_serializer(mode="wrap")
-    def _output_text(self, handler):
+    def _output_text(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # the SDKs' ``response.output_text`` is a client-side property; send it for raw HTTP users too
-        data = handler(self)
+        data: dict[str, Any] = handler(self)
         data["output_text"] = "".join(
             part["text"] for item in data["output"] if item["type"] == "message" for part in item["content"]
         )
@@ -342,7 +345,7 @@ def output_messages(output: list[OutputItem]) -> list[dict[str, Any]]:
     return messages
 
 
-def message_items(message: ChatMessage, status: str = "completed") -> list[OutputItem]:
+def message_items(message: ChatMessage, status: ItemStatus = "completed") -> list[OutputItem]:
     """A whole chat message as output items: its reasoning, its text, then its calls."""
     items: list[OutputItem] = []
     if message.reasoning_content:

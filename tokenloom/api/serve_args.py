@@ -15,12 +15,16 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokenloom.api import flags as catalogue
 from tokenloom.api.flags import CLI, CPU_NOOP, ENGINE, FLAG_BY_KEY, FLAG_BY_NAME, FLAGS, NOOP, UNIMPLEMENTED, Flag
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.errors import ConfigError, NotImplementedFlagError
+
+if TYPE_CHECKING:
+    from tokenloom.core.config import EngineArgs
+    from tokenloom.plugins.manager import PluginSet
 
 DEFAULT_MODEL = "smollm2"
 API_KEY_ENV = "TOKENLOOM_API_KEY"
@@ -33,11 +37,11 @@ class ServeArgs:
     """What ``tokenloom serve`` parsed: the engine's arguments and the server's config.
     ``run_server`` logs ``warnings`` (flags accepted but ignored) once logging is set up."""
 
-    engine_args: Any  # tokenloom.core.config.EngineArgs
+    engine_args: EngineArgs
     server: ServerConfig
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the EngineArgs keyword arguments
     warnings: list[str] = field(default_factory=list)
-    plugins: Any = None  # the PluginSet, once the serve command has loaded plugins
+    plugins: PluginSet | None = None  # once the serve command has loaded plugins
     plugins_load_seconds: float | None = None  # how long that took (run_server logs it)
 
 
@@ -88,7 +92,9 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
     names, every API route and model source, every ``--middleware`` -- imports (a PluginError
     or ConfigError naming the plugin and the name), so that a typo in a ``"module:Class"``
     string fails the start at once rather than a minute in, once the model has loaded."""
-    engine, server = serve_args.engine_kwargs, serve_args.server
+    engine, server, plugins = serve_args.engine_kwargs, serve_args.server, serve_args.plugins
+    if plugins is None:  # a caller's mistake: the serve command loads them first
+        raise RuntimeError("check_plugin_choices needs the loaded plugins in serve_args.plugins")
     backend = engine.get("guided_decoding_backend")
     chosen = [
         ("tool_parser", server.tool_call_parser, None),
@@ -102,12 +108,10 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
         ("proposer", (engine.get("speculative_config") or {}).get("method"), None),
     ]
     entries = [
-        serve_args.plugins.registry(kind).entry(name)
-        for kind, name, automatic in chosen
-        if name is not None and name != automatic
+        plugins.registry(kind).entry(name) for kind, name, automatic in chosen if name is not None and name != automatic
     ]
     for kind in ("api_route", "model_source"):  # every one of these is used
-        entries += serve_args.plugins.registry(kind).entries()
+        entries += plugins.registry(kind).entries()
     for entry in entries:
         entry.resolve()
     if server.middleware:
@@ -193,7 +197,7 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
             if not value:
                 continue
             value = flag.const
-        put((flag.to, flag.dest), value, flag)
+        put((flag.to, flag.dest or flag.key), value, flag)  # implemented() gives every flag a dest
     if speculative:
         routed[(ENGINE, "speculative_config")] = speculative
     return routed
@@ -212,21 +216,27 @@ def _unimplemented_message(flag: Flag) -> str:
 class ConfigErrorParser(argparse.ArgumentParser):
     """An ArgumentParser that raises ConfigError instead of printing usage and exiting."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise ConfigError(message)
 
 
 class _MergeJsonAction(argparse.Action):
     """A JSON flag given more than once (or in vLLM's dotted form) merges its objects."""
 
-    def __call__(self, parser, namespace, value, option_string=None):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        value: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
         existing = getattr(namespace, self.dest, None)
         if isinstance(existing, dict) and isinstance(value, dict):
             value = _deep_merge(existing, value)
         setattr(namespace, self.dest, value)
 
 
-def _deep_merge(base: dict, update: dict) -> dict:
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in update.items():
         both_objects = isinstance(merged.get(key), dict) and isinstance(value, dict)
@@ -293,7 +303,7 @@ def _normalize_tokens(tokens: list[str]) -> list[str]:
     ``--flag=false`` for booleans, and the dotted JSON form ``--hf-overrides.key value``
     (``key+`` appends to a list)."""
     normalized: list[str] = []
-    dotted: dict[str, dict] = {}
+    dotted: dict[str, dict[str, Any]] = {}
     index = 0
     while index < len(tokens):
         token = tokens[index]
@@ -346,7 +356,7 @@ def _bool_value(text: str, option: str) -> bool:
         raise ConfigError(f"argument {option}: {exc}", param=option.lstrip("-")) from None
 
 
-def _set_dotted(target: dict, path: str, text: str, option: str) -> None:
+def _set_dotted(target: dict[str, Any], path: str, text: str, option: str) -> None:
     keys = path.split(".")
     for key in keys[:-1]:
         target = target.setdefault(key, {})

@@ -12,9 +12,18 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.api.serve_args import LOGGING_LEVEL_ENV
+
+if TYPE_CHECKING:
+    import socket
+
+    import uvicorn
+
+    from tokenloom.api.serve_args import ServeArgs
+    from tokenloom.api.server_config import ServerConfig
+    from tokenloom.core.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +72,13 @@ def _since_start() -> str:
     return "" if seconds is None else f" ({seconds:.2f} s since the process started)"
 
 
-def _reasoning_parser_name(engine_args: Any) -> str | None:
+def _reasoning_parser_name(engine_args: EngineArgs) -> str | None:
     # an engine argument (the structured-output layer needs it too); EngineArgs raises
     # AttributeError for a name that was not given
     return getattr(engine_args, "reasoning_parser", None)
 
 
-def uvicorn_config(app: Any, server: Any):
+def uvicorn_config(app: Any, server: ServerConfig) -> uvicorn.Config:
     import uvicorn
 
     return uvicorn.Config(
@@ -93,7 +102,7 @@ def uvicorn_config(app: Any, server: Any):
 GIL_SWITCH_INTERVAL_SECONDS = 0.0005
 
 
-def run_server(serve_args: Any) -> None:
+def run_server(serve_args: ServeArgs) -> None:
     """Blocks until the server stops (Ctrl-C or SIGTERM)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     server = serve_args.server
@@ -106,7 +115,7 @@ def run_server(serve_args: Any) -> None:
     asyncio.run(_serve(serve_args))
 
 
-async def _serve(serve_args: Any) -> None:
+async def _serve(serve_args: ServeArgs) -> None:
     # one event loop for the engine and uvicorn: the engine's asyncio objects belong to it
     with startup_phase("importing the engine (torch)"):
         from tokenloom.core.engine import build_engine_client
@@ -149,7 +158,7 @@ async def _serve(serve_args: Any) -> None:
         address = f"{scheme}://{server.host}:{server.port}{server.root_path or ''}"
 
         class _Server(uvicorn.Server):
-            async def startup(self, sockets=None) -> None:
+            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
                 started_at = time.perf_counter()
                 await super().startup(sockets)
                 if self.started:

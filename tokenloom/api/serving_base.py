@@ -14,20 +14,29 @@ import contextlib
 import copy
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from tokenloom.api.http_errors import request_id_of
 from tokenloom.api.metrics import RequestTimer, ServerMetrics
 from tokenloom.api.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_models import ServedModels
-from tokenloom.core.request import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
+from tokenloom.core.request import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -35,6 +44,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# what ServingContext.generate_all gives: (prompt_index, output) pairs, closed to abort early
+IndexedOutputs = AsyncGenerator[tuple[int, RequestOutput], None]
+# app._guarded: awaits a route's work, answering an unexpected exception with a logged 500
+RouteGuard = Callable[[Request, Awaitable[Response]], Awaitable[Response]]
 
 # Request input at least this large (characters of text, or token ids) is tokenized or
 # detokenized in a worker thread: tokenizing runs at about a megabyte a second, and the event
@@ -65,9 +78,20 @@ async def tokenize_off_loop_if_large(tokenize: Callable[..., T], text: str, *arg
     return await off_loop_if_large(len(text), OFF_LOOP_TOKENIZE_CHARS, tokenize, text, *args)
 
 
-def input_size(inputs: list[Any]) -> int:
+def input_size(inputs: Sequence[Any]) -> int:
     """The characters of the texts and the number of token ids among ``inputs``."""
     return sum(len(item) if isinstance(item, (str, list)) else 0 for item in inputs)
+
+
+def logit_bias_by_token_id(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """A request's ``logit_bias`` (JSON object keys are strings) keyed by token id, as
+    SamplingParams holds it; SamplingParams checks the count, the ids and the values."""
+    if logit_bias is None:
+        return None
+    try:
+        return {int(token_id): bias for token_id, bias in logit_bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids and values numbers", param="logit_bias") from None
 
 
 class ClientDisconnected(Exception):
@@ -247,7 +271,8 @@ class ServingContext:
 
         def decode() -> str:
             self.check_token_ids(token_ids, param)
-            return self.tokenizer.decode(token_ids)
+            text: str = self.tokenizer.decode(token_ids)
+            return text
 
         return await off_loop_if_large(len(token_ids), OFF_LOOP_DETOKENIZE_TOKENS, decode)
 
@@ -318,12 +343,12 @@ class ServingContext:
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None,
-        structured_outputs: dict | None,
+        structured_outputs: dict[str, Any] | None,
     ) -> SamplingParams:
-        def default(value, fallback):
+        def default(value: T | None, fallback: T) -> T:
             return fallback if value is None else value
 
-        def model_default(value, name: str, fallback):
+        def model_default(value: Any, name: str, fallback: Any) -> Any:
             """The request's value, else the generation config's, else OpenAI's default."""
             return value if value is not None else self.generation_defaults.get(name, fallback)
 
@@ -368,7 +393,7 @@ class ServingContext:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             detokenize=self.tokenizer is not None,
-            logit_bias=request.logit_bias,
+            logit_bias=logit_bias_by_token_id(request.logit_bias),
             allowed_token_ids=request.allowed_token_ids,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
             # the API layer always accumulates deltas itself: streaming or not, one code path
@@ -391,7 +416,9 @@ class ServingContext:
 
     # -- beam search -------------------------------------------------------------------
 
-    def check_beam_search(self, request: SamplingRequest, num_beams: int, structured_outputs: dict | None) -> None:
+    def check_beam_search(
+        self, request: SamplingRequest, num_beams: int, structured_outputs: dict[str, Any] | None
+    ) -> None:
         """Refuse, by name, what a beam search cannot honour: it ranks beams by the model's own
         log-probabilities, so anything that would reshape the distribution (or a stream of
         partial text) would otherwise be dropped without a word. vLLM refuses streaming too."""
@@ -462,7 +489,7 @@ class ServingContext:
         num_choices: int,
         logprobs: int | None,
         skip_special_tokens: bool,
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> IndexedOutputs:
         """Beam search for each ``(prompt_token_ids, BeamSearchParams)`` on the engine, as the
         ``(prompt_index, output)`` pairs :meth:`generate_all` gives: one finished output per
         prompt, holding its ``num_choices`` best beams. Each step's beams are one-token engine
@@ -502,7 +529,8 @@ class ServingContext:
                     await asyncio.gather(*tasks, return_exceptions=True)
 
         def decode(token_ids: list[int]) -> str:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+            text: str = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+            return text
 
         for prompt_index, (prompt_token_ids, params) in enumerate(prompts):
             timer = RequestTimer(self.metrics, len(prompt_token_ids))
@@ -560,7 +588,8 @@ class ServingContext:
             return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        return self.tokenizer.decode([token_id])
+        text: str = self.tokenizer.decode([token_id])
+        return text
 
     def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
         details = (
@@ -574,7 +603,9 @@ class ServingContext:
         )
 
     @staticmethod
-    def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
+    def prompt_logprobs_json(
+        prompt_logprobs: PromptLogprobs | None,
+    ) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's shape: per prompt position None or {token_id: {logprob, rank, decoded_token}}."""
         if prompt_logprobs is None:
             return None
@@ -601,7 +632,7 @@ class ServingContext:
         request_id: str,
         priority: int,
         lora_request: Any = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one prompt (with ``lora_request``'s adapter, if any),
         observed for the metrics; leaving early (an error, a cancelled task, a closed
         generator) aborts the request in the engine."""
@@ -647,7 +678,7 @@ class ServingContext:
         request_id: str,
         priority: int,
         lora_request: Any = None,
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> IndexedOutputs:
         """Several ``(prompt_token_ids, params)`` at once, as ``(prompt_index, output)`` in
         arrival order."""
         if len(prompts) == 1:
@@ -677,7 +708,7 @@ class EngineStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, so a client that goes away
     while a chunk is being sent still aborts the engine request at once (not at GC time)."""
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -687,7 +718,7 @@ class EngineStreamingResponse(StreamingResponse):
                     await close()
 
 
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
     try:
         while pending:
@@ -709,7 +740,22 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
                 await stream.aclose()
 
 
-async def respond(raw_request: Request, run: Any, outputs: AsyncIterator, request_id: str, stream: bool) -> Response:
+class GenerationRun(Protocol):
+    """One generation request's answer, built from the ``(prompt_index, output)`` pairs of
+    :meth:`ServingContext.generate_all` (the completions, chat, Responses and Messages runs)."""
+
+    def stream(self, first: tuple[int, RequestOutput], outputs: IndexedOutputs) -> AsyncIterator[str]:
+        """The server-sent events, from the first output on; closes ``outputs`` when done."""
+        ...
+
+    async def collect(self, outputs: IndexedOutputs) -> BaseModel:
+        """The whole response, once every output is in."""
+        ...
+
+
+async def respond(
+    raw_request: Request, run: GenerationRun, outputs: IndexedOutputs, request_id: str, stream: bool
+) -> Response:
     """The HTTP response of one generation request: ``run.stream(first, outputs)`` as
     server-sent events, or ``run.collect(outputs)`` as JSON; 499 when the client goes away
     before the first output (or the whole response) is ready."""
@@ -724,7 +770,7 @@ async def respond(raw_request: Request, run: Any, outputs: AsyncIterator, reques
     return JSONResponse(response.model_dump(mode="json"))
 
 
-async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:
+async def cancel_on_disconnect(raw_request: Request, work: Awaitable[T]) -> T:
     """Awaits ``work`` unless the client disconnects first, in which case ``work`` is
     cancelled (aborting its engine requests) and ClientDisconnected is raised."""
     outcome: dict[str, Any] = {}
@@ -752,4 +798,5 @@ async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> An
         raise outcome["error"]
     if "value" not in outcome:
         raise ClientDisconnected()
-    return outcome["value"]
+    value: T = outcome["value"]
+    return value

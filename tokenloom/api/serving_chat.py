@@ -16,8 +16,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Literal
 
 import anyio
 from fastapi import Request
@@ -40,11 +40,13 @@ from tokenloom.api.protocol import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    UsageInfo,
     sse_event,
 )
 from tokenloom.api.serving_base import (
     MIN_LOGPROB,
     ChoiceState,
+    IndexedOutputs,
     ServingContext,
     clamp_logprob,
     pick_best,
@@ -54,10 +56,13 @@ from tokenloom.api.serving_base import (
 from tokenloom.api.serving_completions import check_output
 from tokenloom.chat_template import ChatRenderer, message_text
 from tokenloom.core import parsers
-from tokenloom.core.request import Logprob, RequestOutput
+from tokenloom.core.request import Logprob, PromptLogprobs, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
 logger = logging.getLogger(__name__)
+
+# how a chat request's tools are handled: see ChatHandler.tool_mode
+ToolMode = Literal["parser", "required"] | dict[str, Any] | None
 
 
 async def render_chat_request(renderer: ChatRenderer, request: Any) -> str:
@@ -81,7 +86,7 @@ def new_tool_call_id() -> str:
 def chat_logprobs(
     ctx: ServingContext,
     token_ids: list[int],
-    positions: list[dict[int, Logprob] | None],
+    positions: Sequence[dict[int, Logprob] | None],
     num_top: int,
     as_token_ids: bool,
 ) -> ChatLogProbs:
@@ -96,7 +101,7 @@ def chat_logprobs(
                 for candidate_id, candidate in position.items()
                 if candidate.rank is not None and candidate.rank <= num_top
             ),
-            key=lambda item: item[1].rank,
+            key=lambda item: item[1].rank or 0,  # never None: filtered above
         )
         top = []
         for candidate_id, candidate in ranked[:num_top]:
@@ -143,8 +148,8 @@ class ChatHandler:
         ctx: ServingContext,
         renderer: ChatRenderer,
         response_role: str,
-        tool_parser_class: type | None = None,
-        reasoning_parser_class: type | None = None,
+        tool_parser_class: type[parsers.ToolParser] | None = None,
+        reasoning_parser_class: type[parsers.ReasoningParser] | None = None,
     ):
         self.ctx = ctx
         self.renderer = renderer
@@ -152,7 +157,7 @@ class ChatHandler:
         self.tool_parser_class = tool_parser_class
         self.reasoning_parser_class = reasoning_parser_class
 
-    def tool_mode(self, request: ChatCompletionRequest) -> str | dict | None:
+    def tool_mode(self, request: ChatCompletionRequest) -> ToolMode:
         """None (plain text), ``"parser"`` (the tool-call parser reads the output),
         ``"required"`` (the output is a JSON array of calls, generated under
         :func:`required_tool_calls_schema`), or the named function's definition (its arguments
@@ -199,7 +204,7 @@ class ChatHandler:
 
     async def start(
         self, request: ChatCompletionRequest, raw_request: Request, id_prefix: str = "chatcmpl"
-    ) -> tuple[_ChatRun, AsyncIterator[tuple[int, RequestOutput]]]:
+    ) -> tuple[_ChatRun, IndexedOutputs]:
         """Checks and renders ``request`` and submits it: the run that reads its outputs, and the
         outputs. The Responses and Messages endpoints start their converted requests here too."""
         ctx = self.ctx
@@ -219,7 +224,7 @@ class ChatHandler:
         ctx.check_logprobs(logprobs, "top_logprobs")
         ctx.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         tool_mode = self.tool_mode(request)
-        if tool_mode == "parser":
+        if tool_mode == "parser" and self.tool_parser_class is not None:  # "parser" implies a parser class
             # e.g. keep the special tokens that delimit tool calls in the output
             request = self.tool_parser_class(ctx.tokenizer).adjust_request(request) or request
         if self.reasoning_parser_class is not None:
@@ -238,13 +243,14 @@ class ChatHandler:
             requested_max,
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
         )
+        structured: dict[str, Any] | None
         if isinstance(tool_mode, dict) or tool_mode == "required":
             # Calls are compact JSON: whitespace carries nothing in arguments, and a small model
             # sampling at high temperature can spend max_tokens on it and leave no whole call.
             schema = (
-                required_tool_calls_schema(request.tools, request.parallel_tool_calls)
-                if tool_mode == "required"
-                else tool_mode.get("parameters") or {"type": "object"}
+                tool_mode.get("parameters") or {"type": "object"}
+                if isinstance(tool_mode, dict)
+                else required_tool_calls_schema(request.tools or [], request.parallel_tool_calls)  # tools: given
             )
             structured = {"json": schema, "disable_any_whitespace": True}
         else:
@@ -290,7 +296,7 @@ class _ChatRun:
         request_id: str,
         model_name: str,
         prompt_ids: list[int],
-        tool_mode: str | dict | None,
+        tool_mode: ToolMode,
     ):
         self.ctx = handler.ctx
         self.handler = handler
@@ -309,21 +315,22 @@ class _ChatRun:
     def parsers_for(self, index: int) -> _ChoiceParsers:
         if index not in self._parsers:
             tokenizer = self.ctx.tokenizer
-            tool = self.handler.tool_parser_class(tokenizer) if self.tool_mode == "parser" else None
+            tool_parser_class = self.handler.tool_parser_class if self.tool_mode == "parser" else None
+            tool = tool_parser_class(tokenizer) if tool_parser_class is not None else None
             reasoning = self.handler.reasoning_parser_class(tokenizer) if self.handler.reasoning_parser_class else None
             self._parsers[index] = _ChoiceParsers(tool, reasoning)
         return self._parsers[index]
 
-    def logprobs_for(self, token_ids: list[int], positions: list) -> ChatLogProbs | None:
+    def logprobs_for(self, token_ids: list[int], positions: Sequence[dict[int, Logprob] | None]) -> ChatLogProbs | None:
         if not self.request.logprobs:
             return None
         return chat_logprobs(self.ctx, token_ids, positions, self.request.top_logprobs or 0, self.as_token_ids)
 
     # -- whole responses --------------------------------------------------------------
 
-    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
+    async def collect(self, outputs: IndexedOutputs) -> ChatCompletionResponse:
         states: dict[int, ChoiceState] = {}
-        prompt_logprobs = None
+        prompt_logprobs: PromptLogprobs | None = None
         cached_tokens = 0
         async for _, output in outputs:
             check_output(output, self.request_id)
@@ -357,7 +364,7 @@ class _ChatRun:
         finish_reason = state.finish_reason
         parsers_ = self.parsers_for(index)
         if parsers_.reasoning is not None:
-            reasoning, content = parsers_.reasoning.extract_reasoning(content, self.request)
+            reasoning, content = parsers_.reasoning.extract_reasoning(state.text, self.request)
         if isinstance(self.tool_mode, dict):
             tool_calls = [
                 ToolCall(
@@ -410,7 +417,7 @@ class _ChatRun:
         logprobs: ChatLogProbs | None = None,
         finish_reason: str | None = None,
         stop_reason: Any = None,
-        usage=None,
+        usage: UsageInfo | None = None,
     ) -> str:
         choice = ChatStreamChoice(
             index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
@@ -421,16 +428,14 @@ class _ChatRun:
             )
         )
 
-    async def stream(
-        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[str]:
+    async def stream(self, first: tuple[int, RequestOutput], outputs: IndexedOutputs) -> AsyncIterator[str]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
         states: dict[int, ChoiceState] = {}
         cached = {"tokens": first[1].num_cached_tokens}
 
-        def usage():
+        def usage() -> UsageInfo:
             return self.ctx.usage(
                 self.num_prompt_tokens, sum(len(s.token_ids) for s in states.values()), cached["tokens"]
             )
@@ -462,7 +467,13 @@ class _ChatRun:
                 await outputs.aclose()
         yield SSE_DONE
 
-    def chunks(self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict, usage) -> list[str]:
+    def chunks(
+        self,
+        output: RequestOutput,
+        states: dict[int, ChoiceState],
+        cached: dict[str, int],
+        usage: Callable[[], UsageInfo] | None,
+    ) -> list[str]:
         return [
             self.chunk(
                 piece.index,
@@ -475,7 +486,9 @@ class _ChatRun:
             for piece in self.deltas(output, states, cached)
         ]
 
-    def deltas(self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict) -> list[ChoiceDelta]:
+    def deltas(
+        self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict[str, int]
+    ) -> list[ChoiceDelta]:
         """What one engine output adds to each choice, through the parsers; ``states``
         accumulates the choices, ``cached["tokens"]`` the prompt's cached-token count."""
         check_output(output, self.request_id)
@@ -514,7 +527,8 @@ class _ChatRun:
                     function=DeltaFunctionCall(name=self.tool_mode["name"], arguments=text),
                 )
             return DeltaMessage(tool_calls=[call])
-        content, reasoning = text, None
+        content: str | None = text
+        reasoning: str | None = None
         if parsers_.reasoning is not None:
             piece = parsers_.reasoning.extract_reasoning_delta(text, self.request)
             content = piece.content if piece else None
@@ -577,7 +591,7 @@ class _ChatRun:
         return wire_delta(piece)
 
 
-def required_tool_calls_schema(tools: list[dict[str, Any]], parallel_tool_calls: bool | None = None) -> dict:
+def required_tool_calls_schema(tools: list[dict[str, Any]], parallel_tool_calls: bool | None = None) -> dict[str, Any]:
     """tool_choice "required": a JSON array of ``{"name", "parameters"}`` calls, at least one, each
     valid for one of the tools; the tools' ``$defs`` move to the top, where their refs point."""
     definitions: dict[str, Any] = {}

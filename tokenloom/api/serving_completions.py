@@ -21,11 +21,13 @@ from tokenloom.api.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    UsageInfo,
     sse_event,
 )
 from tokenloom.api.serving_base import (
     OFF_LOOP_DETOKENIZE_TOKENS,
     ChoiceState,
+    IndexedOutputs,
     ServingContext,
     clamp_logprob,
     input_size,
@@ -33,7 +35,7 @@ from tokenloom.api.serving_base import (
     pick_best,
     respond,
 )
-from tokenloom.core.request import Logprob, RequestOutput
+from tokenloom.core.request import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
 logger = logging.getLogger(__name__)
@@ -174,7 +176,7 @@ class _CompletionRun:
         self.num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         # per prompt: its prompt logprobs, which come once (with its first output), for the
         # echo of every choice, however late that choice's first token comes
-        self.prompt_logprobs: dict[int, list] = {}
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}
 
     def choice_index(self, prompt_index: int, output_index: int) -> int:
         return prompt_index * self.request.n + output_index
@@ -183,25 +185,26 @@ class _CompletionRun:
         self,
         prompt_index: int,
         state_tokens: list[int],
-        state_logprobs: list,
+        state_logprobs: SampleLogprobs,
         echo_prompt: bool,
-        prompt_logprobs: list | None,
+        prompt_logprobs: PromptLogprobs | None,
         initial_offset: int,
     ) -> CompletionLogProbs | None:
         if self.request.logprobs is None:
             return None
-        token_ids, positions = list(state_tokens), list(state_logprobs)
+        token_ids = list(state_tokens)
+        positions: list[dict[int, Logprob] | None] = list(state_logprobs)
         if echo_prompt:
             prompt = self.prompt_ids[prompt_index]
-            prompt_positions = list(prompt_logprobs) if prompt_logprobs else [None] * len(prompt)
+            prompt_positions: PromptLogprobs = list(prompt_logprobs) if prompt_logprobs else [None] * len(prompt)
             token_ids, positions = prompt + token_ids, prompt_positions + positions
         return completion_logprobs(
             self.ctx, token_ids, positions, self.request.logprobs, self.as_token_ids, initial_offset
         )
 
-    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
+    async def collect(self, outputs: IndexedOutputs) -> CompletionResponse:
         states: dict[tuple[int, int], ChoiceState] = {}
-        prompt_logprobs: dict[int, list] = {}
+        prompt_logprobs: dict[int, PromptLogprobs] = {}
         cached_tokens: dict[int, int] = {}
         async for prompt_index, output in outputs:
             check_output(output, self.request_id)
@@ -241,9 +244,7 @@ class _CompletionRun:
             id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage
         )
 
-    async def stream(
-        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[str]:
+    async def stream(self, first: tuple[int, RequestOutput], outputs: IndexedOutputs) -> AsyncIterator[str]:
         options = self.request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
@@ -273,7 +274,7 @@ class _CompletionRun:
                 await outputs.aclose()
         yield SSE_DONE
 
-    def usage_so_far(self, states: dict[int, ChoiceState], cached_tokens: dict[int, int]):
+    def usage_so_far(self, states: dict[int, ChoiceState], cached_tokens: dict[int, int]) -> UsageInfo:
         return self.ctx.usage(
             self.num_prompt_tokens, sum(len(state.token_ids) for state in states.values()), sum(cached_tokens.values())
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Request
@@ -35,11 +35,16 @@ from tokenloom.api.messages_protocol import (
     stop_reason_of,
 )
 from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
-from tokenloom.api.serving_base import ChoiceState, respond, tokenize_off_loop_if_large
+from tokenloom.api.serving_base import ChoiceState, IndexedOutputs, respond, tokenize_off_loop_if_large
 from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.api.serving_responses import renamed_error
 from tokenloom.core.request import RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
+
+if TYPE_CHECKING:
+    from tokenloom.api.serving_chat import _ChatRun
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 logger = logging.getLogger("tokenloom.api")
 
@@ -54,7 +59,7 @@ def anthropic_error(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
 
 
-async def parse_body(raw_request: Request, model_class: type[BaseModel]) -> Any:
+async def parse_body(raw_request: Request, model_class: type[ModelT]) -> ModelT:
     """The request body as ``model_class``; bad JSON or fields are an InvalidRequestError
     (the app's validation handler would answer in OpenAI's shape)."""
     try:
@@ -126,7 +131,7 @@ class MessagesHandler:
 
 
 class _MessagesRun:
-    def __init__(self, chat_run: Any):
+    def __init__(self, chat_run: _ChatRun):
         self.chat_run = chat_run
         self.message_id = new_message_id()
 
@@ -137,7 +142,7 @@ class _MessagesRun:
             cache_read_input_tokens=num_cached_tokens,
         )
 
-    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> MessageObject:
+    async def collect(self, outputs: IndexedOutputs) -> MessageObject:
         chat_response = await self.chat_run.collect(outputs)
         choice = chat_response.choices[0]
         stop_reason, stop_sequence = stop_reason_of(
@@ -154,9 +159,7 @@ class _MessagesRun:
             usage=self.usage(usage.completion_tokens, cached),
         )
 
-    async def stream(
-        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[str]:
+    async def stream(self, first: tuple[int, RequestOutput], outputs: IndexedOutputs) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
         cached = {"tokens": first[1].num_cached_tokens}
         writer = MessagesEventWriter()
@@ -210,7 +213,7 @@ class MessagesEventWriter:
     """Streamed chat deltas as Anthropic's content-block events: each block started, its deltas,
     then stopped before the next one starts."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.num_blocks = 0
         self.current: str | None = None  # "thinking", "text" or "tool_use"
         self.tool_blocks: dict[int, int] = {}  # the chat call index -> its block index

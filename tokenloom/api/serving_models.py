@@ -10,10 +10,13 @@ import json
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.api.protocol import ModelCard
 from tokenloom.errors import ConfigError, InvalidRequestError, NotFoundError
+
+if TYPE_CHECKING:
+    from tokenloom.core.engine.protocol import EngineClient
 
 # vLLM's switch, and tokenloom's own spelling of it
 RUNTIME_LORA_UPDATING_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "TOKENLOOM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -73,7 +76,7 @@ def parse_lora_modules(values: list[str] | None) -> list[LoRAModulePath]:
 class ServedModels:
     """Base-model names and adapters, by the ``model`` name requests use."""
 
-    def __init__(self, engine: Any, base_model_names: list[str], max_model_len: int):
+    def __init__(self, engine: EngineClient, base_model_names: list[str], max_model_len: int):
         self.engine = engine
         self.base_model_names = list(base_model_names)
         self.max_model_len = max_model_len

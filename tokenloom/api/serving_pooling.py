@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -63,7 +63,8 @@ def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
     (what OpenAI clients decode with ``numpy.frombuffer(..., dtype="float32")``)."""
     if encoding_format == "base64":
         return base64.b64encode(vector.float().numpy().astype("<f4").tobytes()).decode("ascii")
-    return vector.float().tolist()
+    floats: list[float] = vector.float().tolist()
+    return floats
 
 
 class PoolingHandler:
@@ -98,7 +99,7 @@ class PoolingHandler:
         return truncate
 
     async def tokenize_inputs(
-        self, inputs: list[str | list[int]], options: PoolingOptions, param: str
+        self, inputs: Sequence[str | list[int]], options: PoolingOptions, param: str
     ) -> list[list[int]]:
         """Token ids of every input (texts in one batched tokenizer call), truncated and
         checked against the vocabulary and the context length; in a worker thread when the
@@ -112,13 +113,13 @@ class PoolingHandler:
         )
 
     def _tokenize_inputs(
-        self, inputs: list[str | list[int]], options: PoolingOptions, truncate: int | None, param: str
+        self, inputs: Sequence[str | list[int]], options: PoolingOptions, truncate: int | None, param: str
     ) -> list[list[int]]:
         texts = [(index, text) for index, text in enumerate(inputs) if isinstance(text, str)]
         for index, text in texts:
             if not text:
                 raise InvalidRequestError(f"{param}[{index}] is an empty string", param=param)
-        token_ids: list[list[int] | None] = [None] * len(inputs)
+        token_ids_by_index: dict[int, list[int]] = {}
         if texts:
             self.ctx.require_tokenizer("a text input", param)
             batch = [text for _, text in texts]
@@ -130,14 +131,15 @@ class PoolingHandler:
                         batch, add_special_tokens=options.add_special_tokens, truncation=True, max_length=truncate
                     )["input_ids"]
             for (index, _), ids in zip(texts, encoded):
-                token_ids[index] = list(ids)
+                token_ids_by_index[index] = list(ids)
         for index, value in enumerate(inputs):
             if isinstance(value, str):
                 continue
             if not value:
                 raise InvalidRequestError(f"{param}[{index}] is an empty list of token ids", param=param)
             self.ctx.check_token_ids(value, param)
-            token_ids[index] = list(value)[-truncate:] if truncate is not None else list(value)
+            token_ids_by_index[index] = list(value)[-truncate:] if truncate is not None else list(value)
+        token_ids = [token_ids_by_index[index] for index in range(len(inputs))]  # every input is one of the two
         limit = self.ctx.max_model_len
         for index, ids in enumerate(token_ids):
             if len(ids) > limit:
@@ -209,26 +211,27 @@ class PoolingHandler:
         vectors = await self.encode_all(raw_request, token_ids, params, request_id, request.priority)
         num_tokens = sum(len(ids) for ids in token_ids)
         usage = PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        body: EmbeddingResponse | PoolingResponse
         if object_kind == "embedding":
-            data = [
+            embeddings = [
                 EmbeddingData(index=index, embedding=encode_vector(vector, request.encoding_format))
                 for index, vector in enumerate(vectors)
             ]
-            body = EmbeddingResponse(id=request_id, model=model_name, data=data, usage=usage)
+            body = EmbeddingResponse(id=request_id, model=model_name, data=embeddings, usage=usage)
         else:
-            data = [
+            pooled = [
                 PoolingData(index=index, data=encode_vector(vector, request.encoding_format))
                 for index, vector in enumerate(vectors)
             ]
-            body = PoolingResponse(id=request_id, model=model_name, data=data, usage=usage)
+            body = PoolingResponse(id=request_id, model=model_name, data=pooled, usage=usage)
         return JSONResponse(body.model_dump())
 
     async def _similarities(
         self,
         raw_request: Request,
         options: PoolingOptions,
-        first: list,
-        second: list,
+        first: Sequence[str | list[int]],
+        second: Sequence[str | list[int]],
         pairs: list[tuple[int, int]],
         param_1: str,
         param_2: str,

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import APIRouter, Request
@@ -32,6 +32,7 @@ from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
 from tokenloom.api.responses_protocol import (
     FunctionCallItem,
     InputTokensDetails,
+    ItemStatus,
     MessageItem,
     OutputItem,
     OutputText,
@@ -47,10 +48,13 @@ from tokenloom.api.responses_protocol import (
     new_item_id,
     output_messages,
 )
-from tokenloom.api.serving_base import ChoiceState, respond
+from tokenloom.api.serving_base import ChoiceState, IndexedOutputs, RouteGuard, respond
 from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.core.request import RequestOutput
 from tokenloom.errors import InvalidRequestError, NotFoundError, TokenloomError
+
+if TYPE_CHECKING:
+    from tokenloom.api.serving_chat import _ChatRun
 
 logger = logging.getLogger("tokenloom.api")
 
@@ -112,7 +116,7 @@ class StoredResponse:
     # the conversation so far without the instructions (which do not carry over), this output included
     messages: list[dict[str, Any]]
     owner: str | None
-    task: asyncio.Task | None = field(default=None, repr=False)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def num_bytes(self) -> int:
         """The entry's size as the store counts it: its response and its conversation as JSON
@@ -309,7 +313,7 @@ class _ResponsesRun:
     def __init__(
         self,
         handler: ResponsesHandler,
-        chat_run: Any,
+        chat_run: _ChatRun,
         response: ResponseObject,
         history: list[dict[str, Any]],
         owner: str | None,
@@ -352,16 +356,16 @@ class _ResponsesRun:
             self.handler.not_stored(response)
         return response
 
-    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ResponseObject:
+    async def collect(self, outputs: IndexedOutputs) -> ResponseObject:
         chat_response = await self.chat_run.collect(outputs)
         choice = chat_response.choices[0]
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        status: ItemStatus = "incomplete" if choice.finish_reason == "length" else "completed"
         output = message_items(choice.message, status)
         usage = chat_response.usage
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
         return self.finish(output, choice.finish_reason, self.usage(usage.completion_tokens, cached, output))
 
-    async def run_in_background(self, entry: StoredResponse, outputs: AsyncIterator) -> None:
+    async def run_in_background(self, entry: StoredResponse, outputs: IndexedOutputs) -> None:
         entry.response.status = "in_progress"
         try:
             await self.collect(outputs)
@@ -378,9 +382,7 @@ class _ResponsesRun:
         finally:
             entry.task = None
 
-    async def stream(
-        self, first: tuple[int, RequestOutput], outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[str]:
+    async def stream(self, first: tuple[int, RequestOutput], outputs: IndexedOutputs) -> AsyncIterator[str]:
         writer = ResponsesEventWriter(self.response)
         states: dict[int, ChoiceState] = {}
         cached = {"tokens": first[1].num_cached_tokens}
@@ -402,7 +404,7 @@ class _ResponsesRun:
             async for _, output in outputs:
                 for event in events_of(output):
                     yield event
-            items_status = "incomplete" if finish_reason == "length" else "completed"
+            items_status: ItemStatus = "incomplete" if finish_reason == "length" else "completed"
             for event in writer.close_current(items_status):
                 yield event
             state = states.get(0, ChoiceState())
@@ -467,7 +469,7 @@ class ResponsesEventWriter:
             )
         return events
 
-    def close_current(self, status: str = "completed") -> list[str]:
+    def close_current(self, status: ItemStatus = "completed") -> list[str]:
         item = self.current
         if item is None:
             return []
@@ -506,21 +508,25 @@ class ResponsesEventWriter:
             return []
         events: list[str] = []
         if delta.reasoning_content:
-            if not isinstance(self.current, ReasoningItem):
-                events += self._open(ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text="")]))
-            self.current.content[0].text += delta.reasoning_content
+            reasoning_item = self.current
+            if not isinstance(reasoning_item, ReasoningItem):
+                reasoning_item = ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text="")])
+                events += self._open(reasoning_item)
+            reasoning_item.content[0].text += delta.reasoning_content
             events.append(
                 self.part_event(
-                    "response.reasoning_text.delta", self.current, len(self.items) - 1, delta=delta.reasoning_content
+                    "response.reasoning_text.delta", reasoning_item, len(self.items) - 1, delta=delta.reasoning_content
                 )
             )
         if delta.content:
-            if not isinstance(self.current, MessageItem):
-                events += self._open(MessageItem(id=new_item_id("msg"), content=[OutputText(text="")]))
-            self.current.content[0].text += delta.content
+            message_item = self.current
+            if not isinstance(message_item, MessageItem):
+                message_item = MessageItem(id=new_item_id("msg"), content=[OutputText(text="")])
+                events += self._open(message_item)
+            message_item.content[0].text += delta.content
             events.append(
                 self.part_event(
-                    "response.output_text.delta", self.current, len(self.items) - 1, delta=delta.content, logprobs=[]
+                    "response.output_text.delta", message_item, len(self.items) - 1, delta=delta.content, logprobs=[]
                 )
             )
         for call in delta.tool_calls or []:
@@ -558,7 +564,7 @@ class ResponsesEventWriter:
         )
 
 
-def responses_routes(handler: ResponsesHandler, guarded: Any) -> APIRouter:
+def responses_routes(handler: ResponsesHandler, guarded: RouteGuard) -> APIRouter:
     """POST /v1/responses, and GET / DELETE / POST cancel of a stored response."""
     router = APIRouter()
 

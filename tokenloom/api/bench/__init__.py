@@ -53,7 +53,8 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"unknown bench command {name!r}; choose one of: {', '.join(COMMANDS)}")
     module = importlib.import_module(COMMANDS[name][0])
     try:
-        return module.run(rest)
+        exit_code: int = module.run(rest)  # every bench module's run(argv) -> exit code
+        return exit_code
     except ConfigError:
         raise
     except TokenloomError as exc:

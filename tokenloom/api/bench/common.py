@@ -8,7 +8,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from tokenloom.errors import ConfigError
 
@@ -24,7 +24,7 @@ class BenchParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(**kwargs)
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise ConfigError(message)
 
 

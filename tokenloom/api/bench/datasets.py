@@ -88,9 +88,10 @@ def random_text_requests(
         rng, num_requests, input_len, output_len, allowed, range_ratio=range_ratio, prefix_len=prefix_len
     )
     for request in requests:
-        request.prompt, request.prompt_len = decode_to_length(
-            rng, tokenizer, request.prompt, request.prompt_len, allowed
-        )
+        if isinstance(request.prompt, list):  # always: random_token_requests gives token ids
+            request.prompt, request.prompt_len = decode_to_length(
+                rng, tokenizer, request.prompt, request.prompt_len, allowed
+            )
     return requests
 
 

@@ -150,8 +150,8 @@ def random_prompts(llm: Any, batch_size: int, input_len: int, seed: int | None) 
 
 
 def batch_generator(
-    llm: Any, prompts: list, *, n: int, output_len: int, detokenize: bool, beam_search: bool = False
-) -> Callable[[], list]:
+    llm: Any, prompts: list[Any], *, n: int, output_len: int, detokenize: bool, beam_search: bool = False
+) -> Callable[[], list[Any]]:
     """A function generating the whole batch once, with vLLM's latency sampling settings (or beam
     search of width ``n``, as vLLM's --use-beam-search)."""
     from tokenloom import BeamSearchParams, SamplingParams

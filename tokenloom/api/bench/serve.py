@@ -238,6 +238,8 @@ def run(argv: list[str]) -> int:
     )
 
     def payload_for(request: SampleRequest) -> dict[str, Any]:
+        if not isinstance(request.prompt, str):  # both datasets above give text prompts
+            raise TypeError(f"bench serve sends text prompts, got token ids: {request.prompt[:8]}...")
         return build_payload(
             kind,
             adapter_of.get(id(request)) or options.served_model_name or model,
@@ -369,7 +371,8 @@ def fetch_model_id(base_url: str, headers: dict[str, str]) -> str:
     try:
         response = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
         response.raise_for_status()
-        return response.json()["data"][0]["id"]
+        model_id: str = response.json()["data"][0]["id"]
+        return model_id
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise ConfigError(
             f"cannot read the model name from {base_url}/v1/models ({type(exc).__name__}: {exc}); pass --model",

@@ -8,7 +8,7 @@ the same surface) and the tests' fakes; ``tokenloom.api`` reads an engine only t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -114,13 +114,13 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         lora_request: Any = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as they come; bad input raises before anything is queued, and
-        closing the iterator early aborts the request. ``request_id`` must be unused."""
+        closing the generator early (``aclose()``) aborts the request. ``request_id`` must be unused."""
 
     def encode(
         self, prompt: Any, pooling_params: PoolingParams | None, request_id: str, *, priority: int = 0
-    ) -> AsyncIterator[PoolingRequestOutput]:
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """The pooled output of one prompt (a single, final item)."""
 
     async def abort(self, request_id: str) -> None:
