@@ -10,14 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.logits_processors import LogitsProcessorResolver
-from tokenloom.core.request import (
-    CompletionOutput,
-    Logprob,
-    RequestMetrics,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
+from tokenloom.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenloom.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
 DEFAULT_REPLIES = (

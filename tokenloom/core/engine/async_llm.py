@@ -20,7 +20,8 @@ from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest, EngineCommand
 from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
 from tokenloom.core.logits_processors import LogitsProcessorResolver
-from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.structured_output import REQUEST_CLIENT
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet

@@ -22,17 +22,12 @@ from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, P
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
 from tokenloom.core.model_loader import ModelInfo, resolve_model, resolve_source
+from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.core.platform import check_attention_backend
 from tokenloom.core.pooling import POOLING
-from tokenloom.core.request import (
-    PoolingParams,
-    PoolingRequestOutput,
-    RequestOutput,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
-)
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
+from tokenloom.core.sequence import Sequence, SequenceStatus
 from tokenloom.core.structured_output import CompiledConstraint, Constraint, StructuredOutputManager
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from tokenloom.core.config import EngineArgs
     from tokenloom.core.engine.llm_engine import EngineStats
     from tokenloom.core.logits_processors import LogitsProcessorResolver
-    from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+    from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
+    from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.plugins.manager import PluginSet
 
 
