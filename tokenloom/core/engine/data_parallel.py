@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.config import EngineArgs, EngineConfig, LoRAConfig
 from tokenloom.core.distributed import import_ray
 from tokenloom.core.engine.async_llm import AsyncLLM, RequestStreams, StreamItem
 from tokenloom.core.engine.commands import AbortRequest
@@ -691,8 +691,8 @@ class DataParallelAsyncLLM(RequestStreams):
         return cast(str, self._facts["scheduling_policy"])
 
     @property
-    def lora_enabled(self) -> bool:
-        return self.config.lora.enable_lora
+    def lora_config(self) -> LoRAConfig:
+        return self.config.lora
 
     @property
     def logits_processor_resolver(self) -> LogitsProcessorResolver:
