@@ -9,7 +9,7 @@ import statistics
 import time
 
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tokenloom.core.request import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 
 
 def echo(conn):

@@ -68,7 +68,7 @@ def boundary_costs(hidden_size: int, rounds: int) -> None:
 
 def _decode_steps(rank: int, pp_size: int, init_method: str, spec, num_steps: int, results) -> None:
     from tokenloom.core.batch import CachedRequestData, NewRequestData, SchedulerOutput
-    from tokenloom.core.request import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.core.worker import Worker
 
     place = ParallelRank.of(rank, 1, pp_size)

@@ -17,7 +17,7 @@ from tests.conftest import package_dir
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import AsyncLLM, LLMEngine
-from tokenloom.core.request import PoolingParams
+from tokenloom.core.sampling_params import PoolingParams
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError
 
 TEXTS = [

@@ -82,7 +82,7 @@ PROBE = textwrap.dedent("""
     import tokenloom
     from tokenloom.kernels import cpu_native
     from tokenloom.llm import LLM
-    from tokenloom.core.request import SamplingParams
+    from tokenloom.core.sampling_params import SamplingParams
 
     ops = cpu_native.load()
     llm = LLM("smollm2", max_model_len=256)

@@ -10,11 +10,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "tokenloom.llm",
-    "SamplingParams": "tokenloom.core.request",
-    "RequestOutput": "tokenloom.core.request",
-    "CompletionOutput": "tokenloom.core.request",
-    "PoolingParams": "tokenloom.core.request",
-    "PoolingRequestOutput": "tokenloom.core.request",
+    "SamplingParams": "tokenloom.core.sampling_params",
+    "RequestOutput": "tokenloom.core.outputs",
+    "CompletionOutput": "tokenloom.core.outputs",
+    "PoolingParams": "tokenloom.core.sampling_params",
+    "PoolingRequestOutput": "tokenloom.core.outputs",
     "EngineArgs": "tokenloom.core.config",
     "BeamSearchParams": "tokenloom.core.beam_search",
     "AsyncLLM": "tokenloom.core.engine",

@@ -9,16 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import LLMEngine
+from tokenloom.core.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput
 from tokenloom.core.pooling import cosine_similarity, score_inputs
-from tokenloom.core.request import (
-    EmbeddingOutput,
-    PoolingParams,
-    PoolingRequestOutput,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-    ScoringOutput,
-)
+from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from tokenloom.errors import TokenloomError
 from tokenloom.plugins.manager import load_plugins
 

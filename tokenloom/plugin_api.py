@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.logits_processors import LogitsProcessor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext, ModelProtocol
+    from tokenloom.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from tokenloom.core.parsers import (
         DeltaMessage,
         ExtractedToolCalls,
@@ -34,13 +35,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         partial_marker_length,
     )
     from tokenloom.core.platform import Platform
-    from tokenloom.core.request import (
-        CompletionOutput,
-        PoolingParams,
-        PoolingRequestOutput,
-        RequestOutput,
-        SamplingParams,
-    )
+    from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
     from tokenloom.core.structured_output import (
         BackendOptions,
@@ -117,11 +112,11 @@ _LAZY = {
     "MarkedReasoningParser": "tokenloom.parsing.reasoning_markers",
     "ChatCompletionRequest": "tokenloom.api.protocol",
     # data that crosses boundaries
-    "SamplingParams": "tokenloom.core.request",
-    "RequestOutput": "tokenloom.core.request",
-    "CompletionOutput": "tokenloom.core.request",
-    "PoolingParams": "tokenloom.core.request",
-    "PoolingRequestOutput": "tokenloom.core.request",
+    "SamplingParams": "tokenloom.core.sampling_params",
+    "RequestOutput": "tokenloom.core.outputs",
+    "CompletionOutput": "tokenloom.core.outputs",
+    "PoolingParams": "tokenloom.core.sampling_params",
+    "PoolingRequestOutput": "tokenloom.core.outputs",
     "SchedulerOutput": "tokenloom.core.batch",
     "ModelRunnerOutput": "tokenloom.core.batch",
     "AttentionMetadata": "tokenloom.core.batch",

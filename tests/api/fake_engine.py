@@ -9,15 +9,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.core.config import LoRAConfig
 from tokenloom.core.logits_processors import LogitsProcessorResolver
-from tokenloom.core.request import (
-    CompletionOutput,
-    Logprob,
-    RequestMetrics,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
+from tokenloom.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenloom.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
 DEFAULT_REPLIES = (
@@ -90,7 +85,7 @@ class FakeEngine:
         self.eos_token_ids = {tokenizer.eos_token_id} if tokenizer is not None else set()
         self.scheduling_policy = "priority"  # so a request's priority reaches the fake
         self.logits_processor_resolver = LogitsProcessorResolver(None, None)
-        self.lora_enabled = False
+        self.lora_config = LoRAConfig()
         self.dead_reason: str | None = None
 
     async def start(self) -> None:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.api.conftest import client_for, sse_events
-from tokenloom.core.request import RequestOutputKind
+from tokenloom.core.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.anyio
 

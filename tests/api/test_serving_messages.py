@@ -31,7 +31,7 @@ from tokenloom.api.messages_protocol import (
 from tokenloom.api.protocol import ChatCompletionRequest
 from tokenloom.api.serving_base import ChoiceState
 from tokenloom.api.serving_messages import MessagesEventWriter
-from tokenloom.core.request import CompletionOutput
+from tokenloom.core.outputs import CompletionOutput
 from tokenloom.errors import InvalidRequestError
 
 TOOLS = [

@@ -5,6 +5,7 @@ API key, their errors OpenAI-shaped, and the lora_requests_info gauge."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from tests.api.conftest import client_for
 from tests.api.fake_engine import FakeEngine
 from tokenloom.api.metrics import EngineStatsCollector
 from tokenloom.api.serving_models import LoRAModulePath, parse_lora_modules
+from tokenloom.core.config import LoRAConfig
 from tokenloom.errors import ConfigError
 from tokenloom.lora.peft import LoRAAdapterError
 
@@ -22,18 +24,25 @@ pytestmark = pytest.mark.anyio
 class LoRAFakeEngine(FakeEngine):
     """The fake engine with AsyncLLM's LoRA methods; a path containing "bad" is refused."""
 
-    def __init__(self, *args, enable_lora=True, **kwargs):
+    def __init__(self, *args, enable_lora=True, max_loras=4, max_cpu_loras=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.lora_enabled = enable_lora
+        self.lora_config = LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_cpu_loras=max_cpu_loras)
         self.lora_seen: dict[str, object] = {}
         self.removed: list[int] = []
+        self.added: list[object] = []
+        self.resolved: list[object] = []
+        self.add_gate: asyncio.Event | None = None  # when set, add_lora waits for it
 
     def resolve_lora(self, lora_request):
+        self.resolved.append(lora_request)
         if "bad" in lora_request.lora_path:
             raise LoRAAdapterError(f"LoRA adapter {lora_request.lora_path} has rank 64, more than --max-lora-rank 16")
         return lora_request
 
     async def add_lora(self, lora_request):
+        self.added.append(lora_request)
+        if self.add_gate is not None:
+            await self.add_gate.wait()
         self.resolve_lora(lora_request)
         return True
 
@@ -170,3 +179,75 @@ def test_lora_requests_info_gauge():
     stats.max_lora = 0
     families = {family.name for family in EngineStatsCollector(SimpleNamespace(stats=lambda: stats), "m").collect()}
     assert "vllm:lora_requests_info" not in families
+
+
+# -- loading edges (issue 37, item 11) -------------------------------------------------------------
+
+
+async def test_two_concurrent_loads_of_one_name_reach_the_engine_once(make_app, lora_engine, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    lora_engine.add_gate = asyncio.Event()
+    async with client_for(make_app(engine=lora_engine)) as client:
+        body = {"lora_name": "twin", "lora_path": "/adapters/twin"}
+        first = asyncio.ensure_future(client.post("/v1/load_lora_adapter", json=body))
+        while not lora_engine.added:
+            await asyncio.sleep(0.01)
+        second = await client.post("/v1/load_lora_adapter", json=body)
+        assert second.status_code == 400 and "'twin' is being loaded" in second.json()["error"]["message"]
+        lora_engine.add_gate.set()
+        assert (await first).status_code == 200
+    assert [request.lora_name for request in lora_engine.added] == ["twin"]  # no orphan in the engine
+
+
+async def test_a_failed_load_leaves_its_name_free(make_app, lora_engine, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    async with client_for(make_app(engine=lora_engine)) as client:
+        bad = await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/bad"})
+        assert bad.status_code == 400
+        good = await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/good"})
+        assert good.status_code == 200
+
+
+async def test_runtime_loads_are_bounded_by_max_cpu_loras(make_app, tokenizer, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    engine = LoRAFakeEngine(tokenizer, max_loras=1, max_cpu_loras=3)
+    async with client_for(make_app(engine=engine, lora_modules=["static=/adapters/static"])) as client:
+        for name in ("a", "b"):
+            loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": f"/{name}"})
+            assert loaded.status_code == 200
+        refused = await client.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/c"})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["code"] == "lora_adapter_limit"
+        assert "at most 3 LoRA adapters (--max-cpu-loras)" in error["message"]
+        assert "unload one with POST /v1/unload_lora_adapter" in error["message"]
+        assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})).status_code == 200
+        again = await client.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/c"})
+        assert again.status_code == 200
+    assert [request.lora_name for request in engine.added] == ["a", "b", "c"]
+
+
+async def test_the_default_bound_is_max_loras_or_the_static_adapters(make_app, tokenizer, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    engine = LoRAFakeEngine(tokenizer, max_loras=1)
+    app = make_app(engine=engine, lora_modules=["s1=/s1", "s2=/s2"])  # more than --max-loras: allowed
+    async with client_for(app) as client:
+        refused = await client.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/c"})
+        assert refused.status_code == 400 and "at most 2 LoRA adapters" in refused.json()["error"]["message"]
+    with pytest.raises(ConfigError, match="--lora-modules names 2 adapters, more than --max-cpu-loras 1"):
+        make_app(engine=LoRAFakeEngine(tokenizer, max_loras=1, max_cpu_loras=1), lora_modules=["s1=/s1", "s2=/s2"])
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+async def test_runtime_loads_may_name_a_hub_repo_only_when_allowed(make_app, lora_engine, monkeypatch, allowed):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    if allowed:
+        monkeypatch.setenv("TOKENLOOM_ALLOW_RUNTIME_LORA_HUB", "true")
+    else:
+        monkeypatch.delenv("TOKENLOOM_ALLOW_RUNTIME_LORA_HUB", raising=False)
+    app = make_app(engine=lora_engine, lora_modules=["static=org/static"])
+    async with client_for(app) as client:
+        body = {"lora_name": "hub", "lora_path": "org/adapter"}
+        assert (await client.post("/v1/load_lora_adapter", json=body)).status_code == 200
+    (runtime,) = lora_engine.added
+    assert runtime.allow_hub is allowed
+    assert lora_engine.resolved[0].lora_name == "static" and lora_engine.resolved[0].allow_hub  # the operator's

@@ -19,7 +19,7 @@ from tests.api.fake_engine import FakeEngine
 from tests.conftest import package_dir
 from tokenloom.api.app import build_app
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.core.request import PoolingOutput, PoolingRequestOutput
+from tokenloom.core.outputs import PoolingOutput, PoolingRequestOutput
 from tokenloom.layers.pooler import Pooler
 
 pytestmark = pytest.mark.anyio

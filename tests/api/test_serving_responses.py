@@ -37,7 +37,7 @@ from tokenloom.api.serving_responses import (
     StoredResponse,
 )
 from tokenloom.chat_template import ChatRenderer, load_chat_template
-from tokenloom.core.request import CompletionOutput, RequestOutput
+from tokenloom.core.outputs import CompletionOutput, RequestOutput
 from tokenloom.errors import InvalidRequestError, NotFoundError
 from tokenloom.plugins.manager import load_plugins
 

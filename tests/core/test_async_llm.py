@@ -11,7 +11,7 @@ import torch
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import AsyncLLM
-from tokenloom.core.request import RequestOutputKind
+from tokenloom.core.sampling_params import RequestOutputKind
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 
 PROMPT = "A short story about a robot:"

@@ -18,7 +18,7 @@ from tokenloom.core.batch import (
     StructuredOutputMasks,
     TokenLogprobs,
 )
-from tokenloom.core.request import PoolingParams, SamplingParams
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.lora.request import LoRARequest
 
 

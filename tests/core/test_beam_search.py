@@ -12,7 +12,7 @@ import pytest
 
 from tokenloom import LLM, BeamSearchParams, SamplingParams
 from tokenloom.core.beam_search import BeamSearch, beam_search, beam_search_async, beam_search_score
-from tokenloom.core.request import CompletionOutput, Logprob, RequestOutput
+from tokenloom.core.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.errors import InvalidRequestError
 
 PROMPT = "The weather today is"

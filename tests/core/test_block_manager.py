@@ -8,7 +8,8 @@ import random
 import pytest
 
 from tokenloom.core.block_manager import BlockManager
-from tokenloom.core.request import SamplingParams, Sequence
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sequence import Sequence
 from tokenloom.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tokenloom.core.detokenizer import IncrementalDetokenizer
-from tokenloom.core.request import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow

@@ -129,7 +129,7 @@ def test_prompt_logprobs_of_a_chunked_prefill_are_complete(tiny_llama_dir, unchu
 
 
 def test_prompt_logprobs_come_once_and_complete_in_delta_outputs(tiny_llama_dir, unchunked_prompt_logprobs):
-    from tokenloom.core.request import RequestOutputKind
+    from tokenloom.core.sampling_params import RequestOutputKind
 
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=16)
     engine = llm.engine

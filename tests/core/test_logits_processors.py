@@ -14,8 +14,8 @@ from tokenloom.core.logits_processors import (
     build_processor,
     resolve_engine_processors,
 )
-from tokenloom.core.request import SamplingParams
 from tokenloom.core.sampler import Sampler, SamplingMetadata, SamplingState
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import ConfigError, InvalidRequestError
 from tokenloom.plugins.manager import load_plugins
 from tokenloom.plugins.registry import Registry

@@ -20,8 +20,9 @@ from tokenloom.core.config import EngineArgs
 from tokenloom.core.distributed import ParallelRank, init_parallel_state
 from tokenloom.core.executor import WorkerSpec
 from tokenloom.core.model_loader import resolve_model
-from tokenloom.core.request import SamplingParams, Sequence
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.sequence import Sequence
 from tokenloom.core.worker import Worker
 from tokenloom.plugins.manager import load_plugins
 

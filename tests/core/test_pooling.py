@@ -21,7 +21,7 @@ from tokenloom.core.pooling import (
     sentence_transformers_max_seq_length,
     sentence_transformers_pooler,
 )
-from tokenloom.core.request import PoolingParams
+from tokenloom.core.sampling_params import PoolingParams
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
 
 

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from tokenloom.core.request import SamplingParams
 from tokenloom.core.sampler import (
     Sampler,
     SamplingMetadata,
@@ -17,6 +16,7 @@ from tokenloom.core.sampler import (
     row_argmax,
     tokenize_bad_words,
 )
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import ConfigError, InvalidRequestError
 
 NEG_INF = float("-inf")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.core.request import SamplingParams
 from tokenloom.core.sampler import Sampler, SamplingMetadata, SamplingState
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.structured_output import allocate_bitmask, set_allowed_tokens
 
 VOCAB_SIZE = 100

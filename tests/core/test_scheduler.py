@@ -14,8 +14,9 @@ import pytest
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenloom.core.config import CacheConfig, SchedulerConfig
-from tokenloom.core.request import SamplingParams, Sequence, SequenceStatus
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
+from tokenloom.core.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
 EOS = 2

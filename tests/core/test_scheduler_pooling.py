@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from tokenloom.core.batch import ModelRunnerOutput
 from tokenloom.core.config import CacheConfig, SchedulerConfig
-from tokenloom.core.request import PoolingParams, SamplingParams, Sequence, SequenceStatus
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(budget=32, max_num_seqs=8, num_blocks=64, max_model_len=40, prefix_caching=True):

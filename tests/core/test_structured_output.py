@@ -15,8 +15,9 @@ import torch
 
 from tokenloom.core.batch import SchedulerOutput
 from tokenloom.core.config import StructuredOutputConfig
-from tokenloom.core.request import SamplingParams, Sequence
 from tokenloom.core.sampler import unpack_bitmask
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sequence import Sequence
 from tokenloom.core.structured_output import (
     BackendOptions,
     Matcher,

@@ -123,7 +123,7 @@ def test_bad_adapters_are_refused_saying_why(server, client, adapter_dirs, tmp_p
     assert too_big.status_code == 400
     assert "more than --max-lora-rank 16" in too_big.json()["error"]["message"]
     nowhere = post(server, "/v1/load_lora_adapter", {"lora_name": "nowhere", "lora_path": str(tmp_path / "nowhere")})
-    assert nowhere.status_code == 400 and "does not exist" in nowhere.json()["error"]["message"]
+    assert nowhere.status_code == 400 and "is not a usable adapter" in nowhere.json()["error"]["message"]
     assert "big" not in {model.id for model in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
         complete(client, "no-such-adapter")

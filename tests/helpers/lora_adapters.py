@@ -54,3 +54,50 @@ def peft_greedy(base_model, adapter_dir, prompts_ids, max_new_tokens, *, merged=
     if reuse:
         model.unload()  # the LoRA layers out again: base_model is as it was
     return results
+
+
+# SmolLM2-135M's shapes (the model the e2e servers run), for adapters written without loading it
+SMOLLM2_135M = {
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "vocab_size": 49152,
+}
+
+
+def save_constant_adapter(directory, *, value, r=4, targets=ALL_PROJECTIONS, embeddings=True, config=SMOLLM2_135M):
+    """A PEFT adapter for ``config``'s model (SmolLM2-135M's by default) whose every weight is
+    ``value`` (nan, or a huge finite number whose products overflow), on every layer's ``targets``
+    and, with ``embeddings``, on ``embed_tokens`` and ``lm_head``; ``lora_alpha = r``, so its
+    scaling is 1 and ``value`` is what the slots hold. Written directly, without PEFT."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from tokenloom.lora.peft import SUPPORTED_PROJECTIONS, module_shapes_from_config
+
+    shapes = module_shapes_from_config(SimpleNamespace(**config))
+    prefix = "base_model.model.model."
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for projection in targets:
+            name = f"layers.{layer}.{SUPPORTED_PROJECTIONS[projection]}.{projection}"
+            in_features, out_features = shapes[name]
+            tensors[f"{prefix}{name}.lora_A.weight"] = torch.full((r, in_features), value)
+            tensors[f"{prefix}{name}.lora_B.weight"] = torch.full((out_features, r), value)
+    if embeddings:
+        vocab, hidden = config["vocab_size"], config["hidden_size"]
+        tensors[f"{prefix}embed_tokens.lora_embedding_A"] = torch.full((r, vocab), value)
+        tensors[f"{prefix}embed_tokens.lora_embedding_B"] = torch.full((hidden, r), value)
+        tensors["base_model.model.lm_head.lora_A.weight"] = torch.full((r, hidden), value)
+        tensors["base_model.model.lm_head.lora_B.weight"] = torch.full((vocab, r), value)
+    os.makedirs(directory, exist_ok=True)
+    modules = list(targets) + (["embed_tokens", "lm_head"] if embeddings else [])
+    with open(os.path.join(directory, "adapter_config.json"), "w") as handle:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": modules, "bias": "none"}, handle)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    return str(directory)

@@ -955,3 +955,35 @@ def test_native_decode_rejects_lengths_past_the_block_table():
     tables = torch.zeros(2, 2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="exceeds the 8 keys its block table holds"):
         ops.paged_decode_attention(torch.empty_like(query), query, cache, tables, torch.tensor([8, 9]), 0.5, 0, 0.0)
+
+
+def _poison_unused_slots(kv_cache, metadata, value):
+    """Every cache slot that holds none of the step's sequences' positions set to ``value``:
+    what freed blocks hold after a request whose activations overflowed (issue 37, item 3)."""
+    block_size = metadata.block_size
+    used = torch.zeros(kv_cache.shape[1] * block_size, dtype=torch.bool)
+    for row, seq_len in enumerate(metadata.seq_lens_cpu):
+        table = metadata.block_tables[row].tolist()
+        for position in range(seq_len):
+            used[table[position // block_size] * block_size + position % block_size] = True
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    flat[:, ~used] = value
+
+
+@pytest.mark.parametrize("specs", MIXED_BATCHES)
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("poison", [float("nan"), 3e38], ids=["nan", "3e38"])
+@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+@at_the_host_level()
+def test_stale_non_finite_slots_never_reach_the_output(specs, window, poison, backend_class):
+    """Padded reads (a block's tail past the sequence's end, padding blocks of a shorter
+    sequence, which read block 0) are masked by selection: a masked score or value that is nan,
+    or whose product overflows, must not turn the output into nan through 0 * nan."""
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 16, torch.float32, 5)
+    _poison_unused_slots(kv_cache, metadata, poison)
+    expected = reference_paged_attention(
+        query, key, value, kv_cache.clone(), metadata, scale=0.25, sliding_window=window
+    )
+    assert torch.isfinite(expected).all()
+    output = backend_class().forward(query, key, value, kv_cache, metadata, scale=0.25, sliding_window=window)
+    torch.testing.assert_close(output, expected, atol=2e-6, rtol=2e-5)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokenloom.core.request import PoolingParams
+from tokenloom.core.sampling_params import PoolingParams
 from tokenloom.errors import ConfigError
 from tokenloom.layers.pooler import Pooler
 

@@ -87,12 +87,12 @@ def test_a_layer_no_adapter_of_the_step_targets_adds_nothing():
     assert not lora.applies()
 
 
-def tied_embedding_and_head(vocab=10, dim=6, max_loras=3, max_rank=4):
-    embedding = VocabParallelEmbedding(vocab, dim, params_dtype=torch.float64)
+def tied_embedding_and_head(vocab=10, dim=6, max_loras=3, max_rank=4, dtype=torch.float64):
+    embedding = VocabParallelEmbedding(vocab, dim, params_dtype=dtype)
     embedding.weight.data.copy_(randn(vocab, dim, seed=0))
-    head = ParallelLMHead(vocab, dim, params_dtype=torch.float64)
+    head = ParallelLMHead(vocab, dim, params_dtype=dtype)
     head.tie_to(embedding)
-    state = LoRABatchState(max_loras=max_loras, max_rank=max_rank, dtype=torch.float64)
+    state = LoRABatchState(max_loras=max_loras, max_rank=max_rank, dtype=dtype)
     embedding.lora = EmbeddingLoRA(vocab, dim, [(0, 0)], state)
     head.lora = LogitsLoRA(dim, vocab, [(0, vocab)], state)
     return embedding, head, state
@@ -148,3 +148,71 @@ def test_lm_head_rows_get_the_slot_of_the_token_they_come_from():
     state.select_rows(rows[:2])
     with pytest.raises(RuntimeError, match="got 3 rows for a batch of 2 tokens"):
         head.compute_logits(hidden)
+
+
+# -- a broken adapter stays in its own rows (issue 37, item 3) ------------------------------------
+# 3e38 is finite in float32 and bfloat16, but its products overflow: the other rows must be
+# computed without ever meeting the bad slot's values (0 * inf and 0 * nan are nan)
+BAD_VALUES = [float("nan"), 3e38]
+
+
+def _without_slot(lora, slot, run):
+    """``run()`` with ``slot`` emptied, then the slot's contents put back."""
+    saved_a, saved_b = lora.lora_a.clone(), lora.lora_b.clone()
+    lora.clear_slot(slot)
+    try:
+        return run()
+    finally:
+        lora.lora_a.copy_(saved_a)
+        lora.lora_b.copy_(saved_b)
+        lora._filled[slot] = True
+
+
+@pytest.mark.parametrize("bad_value", BAD_VALUES)
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_a_non_finite_slot_leaves_the_other_rows_of_a_linear_layer_alone(bad_value, native, monkeypatch):
+    from tokenloom.lora import layers
+
+    if not native:
+        monkeypatch.setattr(layers, "_native_bgmv", lambda x, output: None)
+    elif layers._native_bgmv(torch.zeros(1, 8), torch.zeros(1, 6)) is None:
+        pytest.skip("tokenloom's CPU kernels are not built")
+    state = LoRABatchState(max_loras=3, max_rank=4, dtype=torch.float32)
+    lora = LinearLoRA(8, 6, [(0, 6)], state)
+    lora.set_slot(0, 0, randn(2, 8, seed=1).float(), randn(6, 2, seed=2).float())
+    lora.set_slot(1, 0, torch.full((4, 8), bad_value), torch.full((6, 4), bad_value))
+    x, base = randn(5, 8, seed=3).float(), randn(5, 6, seed=4).float()
+    token_slots = [0, -1, 1, 0, -1]
+    state.set_batch(token_slots)
+    output = lora.add_delta(x, base.clone())
+    clean = _without_slot(lora, 1, lambda: lora.add_delta(x, base.clone()))
+    others = [row for row, slot in enumerate(token_slots) if slot != 1]
+    assert torch.isfinite(output[others]).all()
+    assert torch.equal(output[others], clean[others])
+    assert torch.equal(output[[1, 4]], base[[1, 4]])  # base-model rows: nothing added
+
+
+@pytest.mark.parametrize("bad_value", BAD_VALUES)
+def test_a_non_finite_slot_leaves_the_other_rows_of_the_embedding_and_head_alone(bad_value):
+    embedding, head, state = tied_embedding_and_head(dtype=torch.float32)
+    for lora in (embedding.lora, head.lora):
+        rows, columns = (10, 6) if lora is embedding.lora else (6, 10)
+        lora.set_slot(0, 0, randn(3, rows, seed=50).float(), randn(columns, 3, seed=51).float())
+        lora.set_slot(2, 0, torch.full((4, rows), bad_value), torch.full((columns, 4), bad_value))
+    input_ids = torch.tensor([3, 7, 3, 0, 9])
+    token_slots = [0, -1, 2, 2, 0]
+    others = [0, 1, 4]
+    state.set_batch(token_slots)
+    looked_up = embedding(input_ids)
+    clean = _without_slot(embedding.lora, 2, lambda: embedding(input_ids))
+    assert torch.isfinite(looked_up[others]).all() and torch.equal(looked_up[others], clean[others])
+    state.end_forward()
+    hidden = randn(3, 6, seed=6).float()
+    rows = torch.tensor([0, 1, 3])  # slots 0, -1, 2
+
+    def logits():
+        state.select_rows(rows)
+        return head.compute_logits(hidden)
+
+    adapted, clean_logits = logits(), _without_slot(head.lora, 2, logits)
+    assert torch.isfinite(adapted[:2]).all() and torch.equal(adapted[:2], clean_logits[:2])

@@ -166,3 +166,56 @@ def test_adapters_that_add_tokens_are_refused_saying_why(tmp_path, source, confi
         load_peft_adapter(path, max_lora_rank=4, module_shapes=EMBEDDING_SHAPES)
     if "embedding LoRA" not in message:  # each refusal of a new vocabulary says why
         assert "no per-adapter vocabulary" in refused.value.message
+
+
+# -- broken weights (issue 37, items 3 and 11) -----------------------------------------------------
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (Q_A, float("nan"), "q_proj's lora_A holds nan or inf"),
+        (Q_B, float("inf"), "q_proj's lora_B times the scaling 2 holds nan or inf"),
+        # finite in float32, but times alpha / r = 2 it is not
+        (Q_B, 3e38, "q_proj's lora_B times the scaling 2 holds nan or inf"),
+    ],
+)
+def test_non_finite_weights_are_refused_at_load(tmp_path, key, value, message):
+    source = tensors()
+    source[key] = torch.full_like(source[key], value)
+    with pytest.raises(LoRAAdapterError, match=message):
+        load_peft_adapter(write_adapter(tmp_path / "a", source), max_lora_rank=4, module_shapes=SHAPES)
+
+
+def test_weights_beyond_the_lora_dtype_are_refused_and_finite_extremes_are_not(tmp_path):
+    source = tensors()
+    source[Q_A] = torch.full_like(source[Q_A], 3e38)  # finite in float32 and bfloat16
+    path = write_adapter(tmp_path / "a", source)
+    for dtype in (None, torch.float32, torch.bfloat16):
+        load_peft_adapter(path, max_lora_rank=4, module_shapes=SHAPES, dtype=dtype)
+    with pytest.raises(LoRAAdapterError, match=r"lora_A holds values beyond float16's range \(±6.55e\+04"):
+        load_peft_adapter(path, max_lora_rank=4, module_shapes=SHAPES, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("safetensors", [True, False])
+@pytest.mark.parametrize("shape", [(), (2,), (2, 8, 1)], ids=["0-dim", "1-dim", "3-dim"])
+def test_lora_a_that_is_not_a_matrix_is_refused(tmp_path, safetensors, shape):
+    source = tensors()
+    source[Q_A] = torch.ones(shape)
+    path = write_adapter(tmp_path / "a", source, safetensors=safetensors)
+    with pytest.raises(LoRAAdapterError, match="each must be a matrix"):
+        load_peft_adapter(path, max_lora_rank=4, module_shapes=SHAPES)
+
+
+def test_a_bin_file_that_is_not_a_mapping_of_tensors_is_refused(tmp_path):
+    path = tmp_path / "a"
+    write_adapter(path, tensors(), safetensors=False)
+    torch.save([torch.ones(2)], str(path / "adapter_model.bin"))
+    with pytest.raises(LoRAAdapterError, match="not a mapping of names to tensors"):
+        load_peft_adapter(str(path), max_lora_rank=4, module_shapes=SHAPES)
+    torch.save({"a": 1}, str(path / "adapter_model.bin"))
+    with pytest.raises(LoRAAdapterError, match="not a mapping of names to tensors"):
+        load_peft_adapter(str(path), max_lora_rank=4, module_shapes=SHAPES)

@@ -3,7 +3,7 @@ bodies, plus vLLM's documented extra parameters, tokenize and detokenize.
 
 Request models accept unknown fields (OpenAI clients send new ones all the time); the server
 ignores them and names them in one log line per request, as vLLM does. Value checks beyond types are left to
-:class:`~tokenloom.core.request.SamplingParams`, whose errors name the parameter.
+:class:`~tokenloom.core.sampling_params.SamplingParams`, whose errors name the parameter.
 
 Over ~400 lines on purpose: one model per OpenAI request and response shape, mirrored field
 by field (with vLLM's extras), to be read next to OpenAI's reference rather than as logic.

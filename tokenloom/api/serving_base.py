@@ -29,14 +29,8 @@ from tokenloom.api.metrics import RequestTimer, ServerMetrics
 from tokenloom.api.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_models import ServedModels
-from tokenloom.core.request import (
-    CompletionOutput,
-    Logprob,
-    PromptLogprobs,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
+from tokenloom.core.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from tokenloom.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 
 if TYPE_CHECKING:

@@ -56,7 +56,7 @@ from tokenloom.api.serving_base import (
 from tokenloom.api.serving_completions import check_output
 from tokenloom.chat_template import ChatRenderer, message_text
 from tokenloom.core import parsers
-from tokenloom.core.request import Logprob, PromptLogprobs, RequestOutput
+from tokenloom.core.outputs import Logprob, PromptLogprobs, RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from tokenloom.api.serving_base import (
     pick_best,
     respond,
 )
-from tokenloom.core.request import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from tokenloom.core.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
 logger = logging.getLogger(__name__)

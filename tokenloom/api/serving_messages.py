@@ -38,7 +38,7 @@ from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
 from tokenloom.api.serving_base import ChoiceState, IndexedOutputs, respond, tokenize_off_loop_if_large
 from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.api.serving_responses import renamed_error
-from tokenloom.core.request import RequestOutput
+from tokenloom.core.outputs import RequestOutput
 from tokenloom.errors import InvalidRequestError, TokenloomError
 
 if TYPE_CHECKING:

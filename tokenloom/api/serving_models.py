@@ -16,16 +16,22 @@ from tokenloom.api.protocol import ModelCard
 from tokenloom.errors import ConfigError, InvalidRequestError, NotFoundError
 
 if TYPE_CHECKING:
+    from tokenloom.core.config import LoRAConfig
     from tokenloom.core.engine.protocol import EngineClient
 
 # vLLM's switch, and tokenloom's own spelling of it
 RUNTIME_LORA_UPDATING_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "TOKENLOOM_ALLOW_RUNTIME_LORA_UPDATING")
+# whether a runtime load may name a Hugging Face Hub repo (downloaded by the server): off unless set
+RUNTIME_LORA_HUB_ENV = "TOKENLOOM_ALLOW_RUNTIME_LORA_HUB"
+_TRUE_VALUES = ("1", "true", "yes", "on")
 
 
 def runtime_lora_updating_allowed() -> bool:
-    return any(
-        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in RUNTIME_LORA_UPDATING_ENV
-    )
+    return any(os.environ.get(name, "").strip().lower() in _TRUE_VALUES for name in RUNTIME_LORA_UPDATING_ENV)
+
+
+def runtime_lora_hub_allowed() -> bool:
+    return os.environ.get(RUNTIME_LORA_HUB_ENV, "").strip().lower() in _TRUE_VALUES
 
 
 @dataclass(frozen=True)
@@ -81,14 +87,30 @@ class ServedModels:
         self.base_model_names = list(base_model_names)
         self.max_model_len = max_model_len
         self._adapters: dict[str, Any] = {}  # name -> LoRARequest
+        # names of runtime loads under way: reserved before the engine checks the adapter, so a
+        # concurrent load of the same name (or one past the limit) is refused before it starts
+        self._loading: set[str] = set()
+        self._num_static = 0
         self._next_lora_id = 1
         self._lock = threading.Lock()
 
     @property
-    def lora_enabled(self) -> bool:
-        return self.engine.lora_enabled
+    def _lora_config(self) -> LoRAConfig:
+        return self.engine.lora_config
 
-    def _new_request(self, name: str, path: str, base_model_name: str | None) -> Any:
+    @property
+    def lora_enabled(self) -> bool:
+        return self._lora_config.enable_lora
+
+    @property
+    def max_adapters(self) -> int:
+        """How many adapters the server serves at once: ``--max-cpu-loras`` (vLLM's "LoRAs kept
+        in CPU memory"; every served adapter fits the worker's cache), by default ``--max-loras``
+        or the number of ``--lora-modules`` if that is larger."""
+        lora = self._lora_config
+        return lora.max_cpu_loras or max(lora.max_loras, self._num_static)
+
+    def _new_request(self, name: str, path: str, base_model_name: str | None, allow_hub: bool = True) -> Any:
         from tokenloom.lora.request import LoRARequest
 
         if base_model_name is not None and base_model_name not in self.base_model_names:
@@ -100,7 +122,9 @@ class ServedModels:
         with self._lock:
             lora_id = self._next_lora_id
             self._next_lora_id += 1
-        return LoRARequest(name, lora_id, path, base_model_name=base_model_name or self.base_model_names[0])
+        return LoRARequest(
+            name, lora_id, path, base_model_name=base_model_name or self.base_model_names[0], allow_hub=allow_hub
+        )
 
     def _check_new_name(self, name: str) -> None:
         if not isinstance(name, str) or not name:
@@ -120,6 +144,12 @@ class ServedModels:
         """The ``--lora-modules`` adapters, each checked now: a bad one stops the start-up."""
         if modules and not self.lora_enabled:
             raise ConfigError("--lora-modules needs --enable-lora", param="enable-lora")
+        self._num_static = len(modules)
+        if len(modules) > self.max_adapters:
+            raise ConfigError(
+                f"--lora-modules names {len(modules)} adapters, more than --max-cpu-loras {self.max_adapters}",
+                param="max-cpu-loras",
+            )
         for module in modules:
             self._check_new_name(module.name)
             request = self._new_request(module.name, module.path, module.base_model_name)
@@ -127,16 +157,32 @@ class ServedModels:
             self._adapters[module.name] = request
 
     async def load(self, name: str, path: str, base_model_name: str | None = None) -> None:
+        """A runtime load (``POST /v1/load_lora_adapter``): all or nothing. The name is reserved
+        first, so two loads of one name never both reach the engine, and a failed check leaves
+        nothing behind."""
         self._need_lora()
-        self._check_new_name(name)
         if not isinstance(path, str) or not path:
             raise InvalidRequestError("lora_path must be a non-empty string", param="lora_path")
-        request = self._new_request(name, path, base_model_name)
-        await _maybe_await(self.engine.add_lora(request))
         with self._lock:
-            if name in self._adapters:  # loaded by a concurrent call meanwhile
-                raise InvalidRequestError(f"the LoRA adapter {name!r} has already been loaded", param="lora_name")
-            self._adapters[name] = request
+            self._check_new_name(name)
+            if name in self._loading:
+                raise InvalidRequestError(f"the LoRA adapter {name!r} is being loaded", param="lora_name")
+            if len(self._adapters) + len(self._loading) >= self.max_adapters:
+                raise InvalidRequestError(
+                    f"this server serves at most {self.max_adapters} LoRA adapters (--max-cpu-loras) and has "
+                    "that many: unload one with POST /v1/unload_lora_adapter first",
+                    param="lora_name",
+                    code="lora_adapter_limit",
+                )
+            self._loading.add(name)
+        try:
+            request = self._new_request(name, path, base_model_name, allow_hub=runtime_lora_hub_allowed())
+            await _maybe_await(self.engine.add_lora(request))
+            with self._lock:
+                self._adapters[name] = request
+        finally:
+            with self._lock:
+                self._loading.discard(name)
 
     async def unload(self, name: str, lora_int_id: int | None = None) -> None:
         with self._lock:

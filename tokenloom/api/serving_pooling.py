@@ -48,7 +48,7 @@ from tokenloom.api.serving_base import (
     off_loop_if_large,
 )
 from tokenloom.core.pooling import check_pooling_params, cosine_similarity, score_inputs
-from tokenloom.core.request import PoolingParams
+from tokenloom.core.sampling_params import PoolingParams
 from tokenloom.errors import ContextLengthError, InvalidRequestError, TokenloomError
 
 logger = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from tokenloom.api.responses_protocol import (
 )
 from tokenloom.api.serving_base import ChoiceState, IndexedOutputs, RouteGuard, respond
 from tokenloom.api.serving_chat import ChatHandler
-from tokenloom.core.request import RequestOutput
+from tokenloom.core.outputs import RequestOutput
 from tokenloom.errors import InvalidRequestError, NotFoundError, TokenloomError
 
 if TYPE_CHECKING:

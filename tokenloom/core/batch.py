@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenloom.core.request import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 
 
 @dataclass

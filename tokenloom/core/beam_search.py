@@ -15,7 +15,8 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from tokenloom.core.request import Logprob, RequestOutput, SamplingParams
+from tokenloom.core.outputs import Logprob, RequestOutput
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import InvalidRequestError
 
 

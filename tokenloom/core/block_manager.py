@@ -22,7 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenloom.core.request import Sequence
+from tokenloom.core.sequence import Sequence
 from tokenloom.errors import ConfigError, TokenloomError
 
 PREFIX_HASH_ALGOS = ("sha256", "builtin")

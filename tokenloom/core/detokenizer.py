@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from tokenloom.core.request import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import InvalidRequestError
 
 # Prompt tokens decoded ahead of the first output token, so tokenizers that drop a leading

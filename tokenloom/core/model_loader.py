@@ -64,10 +64,18 @@ class ModelInfo:
 
 
 def resolve_source(
-    model: str, plugins: PluginSet, model_config: ModelConfig, download_dir: str | None
+    model: str,
+    plugins: PluginSet,
+    model_config: ModelConfig,
+    download_dir: str | None,
+    skip_sources: tuple[str, ...] = (),
 ) -> ResolvedModel:
+    """The first model source (in registration order) that recognises ``model``, resolved;
+    sources named in ``skip_sources`` are not asked."""
     registry = plugins.registry("model_source")
     for entry in registry.entries():
+        if entry.name in skip_sources:
+            continue
         source: ModelSource = entry.resolve()()
         if source.matches(model):
             return source.resolve(model, revision=model_config.revision, download_dir=download_dir)

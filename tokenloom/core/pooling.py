@@ -1,7 +1,7 @@
 """Pooling models, main-process side: which runner a model gets (``--runner``, ``--task``,
 ``--convert``, or how its plugin registered it), its pooler settings (the model's
 sentence-transformers files, then ``--pooler-config``), and the validation of a pooling
-prompt and its :class:`~tokenloom.core.request.PoolingParams`. Plain data and JSON only:
+prompt and its :class:`~tokenloom.core.sampling_params.PoolingParams`. Plain data and JSON only:
 the pooling itself runs in the worker (``tokenloom.layers.pooler``).
 """
 
@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tokenloom.core.request import PoolingParams, unwrap_prompt
+from tokenloom.core.sampling_params import PoolingParams, unwrap_prompt
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)

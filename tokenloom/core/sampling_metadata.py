@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tokenloom.core.logits_processors import LogitsProcessorSpec, ProcessorFn, build_processor
-from tokenloom.core.request import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import InvalidRequestError
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.block_manager import BlockManager
 from tokenloom.core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from tokenloom.core.request import Sequence, SequenceStatus
+from tokenloom.core.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)

@@ -277,10 +277,12 @@ def _attend_sequence(
 
 
 def _decode_all_heads(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_bias: torch.Tensor, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One query per sequence, ``query [B, Hq, D]`` over gathered ``keys/values [B, L, Hkv, D]``
-    with ``score_bias [B, 1, L]`` (0 or -inf) -> ``[B, Hq, D]``.
+    where ``allowed [B, 1, L]`` -> ``[B, Hq, D]``. A key that is not allowed gets score -inf by
+    selection (whatever its product was: nan or inf from a stale slot included); its value must
+    be finite, as its zero weight multiplies it.
 
     Each sequence's query heads are multiplied against *all* its KV heads in one batched
     matmul straight from the gathered layout, and each head's own KV head is then picked out
@@ -293,7 +295,8 @@ def _decode_all_heads(
     scores = torch.bmm(query, keys.view(num_seqs, num_keys * num_kv_heads, head_size).transpose(1, 2))
     # [B, Hkv(query's), G, L, Hkv(key's)] -> the matching pairs, [B, G, L, Hkv]
     scores = scores.view(num_seqs, num_kv_heads, group_size, num_keys, num_kv_heads).diagonal(dim1=1, dim2=4)
-    scores = scores.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, num_keys).float() * scale + score_bias
+    scores = scores.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, num_keys).float() * scale
+    scores = scores.masked_fill_(~allowed, float("-inf"))
     probs = scores.softmax(dim=-1).to(query.dtype)
     output = torch.bmm(probs, values.view(num_seqs, num_keys, num_kv_heads * head_size))
     # [B, Hkv(query's), G, Hkv(value's), D] -> the matching pairs
@@ -355,6 +358,9 @@ class _ContextGather:
     block_ids: torch.Tensor
     # [num_seqs, blocks_per_seq * block_size] position of every gathered key slot
     key_positions: torch.Tensor
+    # flat indices of the gathered slots that hold none of their sequence's positions (the tail
+    # of its last block): what an earlier request left there, zeroed after the gather
+    stale_rows: torch.Tensor
 
 
 @dataclass
@@ -366,16 +372,6 @@ class _DecodeGroup:
     gather: _ContextGather
     # [group size, 1, 1, keys] allowed mask
     mask: torch.Tensor
-    # [group size, 1, keys] float32: 0 where allowed, -inf elsewhere (built on first use)
-    additive_mask: torch.Tensor | None = None
-
-    def score_bias(self) -> torch.Tensor:
-        if self.additive_mask is None:
-            allowed = self.mask[:, 0]
-            self.additive_mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
-                ~allowed, float("-inf")
-            )
-        return self.additive_mask
 
 
 @dataclass
@@ -431,16 +427,24 @@ def _plan_context_gather(
     block_size: int,
 ) -> _ContextGather:
     """Blocks holding positions ``first_positions[i] .. seq_lens[i]-1`` of each sequence,
-    padded to the same count per sequence (padding reads block 0 and is masked out)."""
+    padded to the same count per sequence (padding re-reads the sequence's own first block and
+    is masked out by position)."""
     device = block_tables.device
-    first_blocks = [first // block_size for first in first_positions]
-    blocks_per_seq = max((seq_len - 1) // block_size - first + 1 for seq_len, first in zip(seq_lens, first_blocks))
-    columns = torch.tensor(first_blocks, device=device).unsqueeze(1) + torch.arange(blocks_per_seq, device=device)
+    first_blocks = torch.tensor([first // block_size for first in first_positions], device=device)
+    last_blocks = torch.tensor([(seq_len - 1) // block_size for seq_len in seq_lens], device=device)
+    blocks_per_seq = int((last_blocks - first_blocks).max()) + 1
+    columns = first_blocks.unsqueeze(1) + torch.arange(blocks_per_seq, device=device)
+    # padding reads a block of the sequence's own rather than block 0, which may be another
+    # request's: masked reads still take part in the arithmetic (a zero weight times the value)
+    read_columns = torch.where(columns <= last_blocks.unsqueeze(1), columns, first_blocks.unsqueeze(1))
     table_rows = block_tables[torch.tensor(seq_indices, device=device)]
-    # padding columns past the table's width are clamped for the read and masked by position
-    block_ids = table_rows.gather(1, columns.clamp(max=table_rows.shape[1] - 1)).to(torch.long).flatten()
-    key_positions = (columns.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).flatten(1)
-    return _ContextGather(block_ids=block_ids, key_positions=key_positions)
+    block_ids = table_rows.gather(1, read_columns.clamp(max=table_rows.shape[1] - 1)).to(torch.long).flatten()
+    offsets = torch.arange(block_size, device=device)
+    key_positions = (columns.unsqueeze(-1) * block_size + offsets).flatten(1)
+    # what the read slots hold: positions of the sequence's, unless past its end (a last block's tail)
+    read_positions = (read_columns.unsqueeze(-1) * block_size + offsets).flatten(1)
+    stale = read_positions >= torch.tensor(seq_lens, device=device).unsqueeze(1)
+    return _ContextGather(block_ids=block_ids, key_positions=key_positions, stale_rows=stale.flatten().nonzero()[:, 0])
 
 
 class TorchPagedAttention:
@@ -454,9 +458,11 @@ class TorchPagedAttention:
     (or chunked-prefill) sequence runs its own SDPA call: ``is_causal`` on the new tokens
     when nothing is cached before them, else an explicit mask over the gathered context.
 
-    The cache must hold finite values in every slot (allocate it with ``torch.zeros``):
-    padded reads past a sequence's end are masked out, but a masked NaN would still turn
-    SDPA's output into NaN.
+    Masking is by selection, because whatever an earlier request left in a freed block (nan or
+    inf from one whose activations overflowed) must never reach the output, and a masked nan
+    still turns SDPA's output into nan (its zero weight times nan): the padding of a shorter
+    sequence re-reads its own first block, the tail of a sequence's last block past its end is
+    zeroed in the gathered copy, and batched decode masks scores with ``masked_fill``.
 
     Index plans are computed once per step and reused by every layer: the backend keys them
     on the ``AttentionMetadata`` object, so a runner builds a fresh metadata object per step.
@@ -612,8 +618,12 @@ class TorchPagedAttention:
 
     # -- compute ---------------------------------------------------------------------
 
-    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the listed blocks, ``[len(block_ids) * block_size, Hkv, D]`` each."""
+    def _gather(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, stale_rows: torch.Tensor, zero_stale_keys: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the listed blocks, ``[len(block_ids) * block_size, Hkv, D]`` each, with the
+        ``stale_rows`` (slots no query may see) zeroed: values always, keys unless the caller
+        masks their scores by selection itself."""
         block_shape = kv_cache.shape[2:]
         numel = block_ids.numel() * block_shape.numel()
         workspace = self._workspace
@@ -623,17 +633,30 @@ class TorchPagedAttention:
         values = workspace[numel : 2 * numel].view(block_ids.numel(), *block_shape)
         torch.index_select(kv_cache[0], 0, block_ids, out=keys)
         torch.index_select(kv_cache[1], 0, block_ids, out=values)
-        return keys.flatten(0, 1), values.flatten(0, 1)
+        keys, values = keys.flatten(0, 1), values.flatten(0, 1)
+        if stale_rows.numel():
+            # masking is by selection: a slot a query may not see holds whatever an earlier request
+            # left there (a freed block, or block 0 read as padding: possibly nan or inf from a
+            # request whose activations overflowed), and its zero softmax weight times nan is nan
+            for rows in (keys, values) if zero_stale_keys else (values,):
+                if rows.dtype in FP8_KV_CACHE_LIMITS:  # no index_fill_ for fp8 on the CPU
+                    rows.index_put_((stale_rows,), torch.zeros((), dtype=rows.dtype, device=rows.device))
+                else:
+                    rows.index_fill_(0, stale_rows, 0)
+        return keys, values
 
     def _decode(self, query, kv_cache, group: _DecodeGroup, scale, logits_soft_cap, kv_scales) -> torch.Tensor:
         num_seqs, num_q_heads, head_size = query.shape
         num_kv_heads = kv_cache.shape[-2]
-        keys, values = self._gather(kv_cache, group.gather.block_ids)
+        batched = num_seqs > 1 and logits_soft_cap is None  # _decode_all_heads, which selects scores
+        keys, values = self._gather(
+            kv_cache, group.gather.block_ids, group.gather.stale_rows, zero_stale_keys=not batched
+        )
         # [B*L, Hkv, D] -> [B, L, Hkv, D]
         keys = dequantize_kv(keys.view(num_seqs, -1, num_kv_heads, head_size), kv_scales[0], query.dtype)
         values = dequantize_kv(values.view(num_seqs, -1, num_kv_heads, head_size), kv_scales[1], query.dtype)
-        if num_seqs > 1 and logits_soft_cap is None:
-            return _decode_all_heads(query, keys, values, group.score_bias(), scale)
+        if batched:
+            return _decode_all_heads(query, keys, values, group.mask[:, 0], scale)
         # one query per sequence: its head group as G query rows of the KV head (SDPA's
         # enable_gqa is several times slower here in bfloat16)
         folded_query = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_size)
@@ -682,11 +705,11 @@ class TorchPagedAttention:
         gather = _plan_context_gather(
             attn_metadata.block_tables, [seq_index], [first_position], [seq_len], attn_metadata.block_size
         )
-        seq_keys, seq_values = self._gather(kv_cache, gather.block_ids)
         query_positions = torch.arange(context_len, seq_len, device=query.device)
         allowed = attention_allowed(
             query_positions, gather.key_positions[0], causal=True, sliding_window=sliding_window
         )
+        seq_keys, seq_values = self._gather(kv_cache, gather.block_ids, gather.stale_rows)
         output[tokens] = _attend_sequence(
             query[tokens],
             dequantize_kv(seq_keys, kv_scales[0], query.dtype),

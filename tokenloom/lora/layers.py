@@ -3,11 +3,12 @@ layer gets a LoRA object holding every slot's ``A`` and ``B`` stacked, and adds 
 own adapter's delta to the base output. The base computation is untouched (float,
 oneDNN-packed or int4/int8 GGUF alike): the delta is a second, small product added to its output.
 
-The batched form (vLLM's punica BGMV, as two dense matmuls): ``x @ A_stack.T`` computes
-every used slot's ``x @ A`` at once (``[tokens, used_slots * shards * max_rank]``), a per-token
-mask keeps each token's own slot's columns (zero for base-model tokens), and one more matmul
-with ``B_stack`` gives each token its own adapter's delta. The stacks are cut at the highest
-used slot, so the cost follows the adapters in the batch, not ``--max-loras``.
+The torch form (vLLM's punica BGMV, by slot): the step's tokens are grouped by slot once, and
+each used slot's tokens get ``x @ A_slot.T @ B_slot.T`` added to their rows; base-model tokens
+are never touched. A token's result is computed from its own slot's weights only, never by
+multiplying another slot's by zero: an adapter whose weights are (or whose products become)
+inf or nan would turn ``0 * inf`` into nan in every row of the batch (issue 37). The cost
+follows the adapters in the batch, not ``--max-loras``.
 
 The embedding's ``A`` is a lookup instead of a product (PEFT's ``lora_embedding_A`` is
 ``[rank, vocab]``: a token's column is its ``x @ A``); the LM head's delta is one per logits
@@ -26,7 +27,7 @@ from torch.nn import functional as F
 
 class LoRABatchState:
     """What every LoRA layer of a model reads in a step: each token's slot (-1: the base
-    model), as masks over the stacked columns, built once per step and shared."""
+    model), grouped by slot once per step and shared."""
 
     def __init__(self, max_loras: int, max_rank: int, dtype: torch.dtype):
         self.max_loras = max_loras
@@ -36,12 +37,12 @@ class LoRABatchState:
         self.num_used_slots = 0
         self.used_slots: frozenset[int] = frozenset()
         self._token_slots: torch.Tensor | None = None  # kept after the forward, for the logits rows
-        self._masks: dict[int, torch.Tensor] = {}
+        self._groups: list[tuple[int, torch.Tensor | None]] | None = None
         self._row_slots: torch.Tensor | None = None
 
     def set_batch(self, token_slots: list[int]) -> None:
         """This step's slot per token, in batch order."""
-        self._masks = {}
+        self._groups = None
         self._row_slots = None
         used = {slot for slot in token_slots if slot >= 0}
         self.active = bool(used)
@@ -70,7 +71,7 @@ class LoRABatchState:
         """The step's forward is done: the layers stop adding deltas (a drafter running the
         model after it runs the base model), while the token slots stay for the logits rows."""
         self.active = False
-        self._masks = {}
+        self._groups = None
 
     def select_rows(self, token_index: torch.Tensor) -> None:
         """The next ``compute_logits`` gets the hidden states of these tokens of the step:
@@ -84,21 +85,21 @@ class LoRABatchState:
         row_slots, self._row_slots = self._row_slots, None
         return row_slots
 
-    def mask(self, num_shards: int) -> torch.Tensor:
-        """``[tokens, used_slots * num_shards * max_rank]``: 1 on each token's own slot's
-        columns, 0 elsewhere (everywhere for a base-model token)."""
-        mask = self._masks.get(num_shards)
-        if mask is None:
+    def slot_groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        """The step's tokens by slot: ``(slot, token indices)`` for each used slot, the indices
+        None when the slot has every token of the step (no gather, no scatter)."""
+        if self._groups is None:
             assert self._token_slots is not None  # only asked for while active
-            mask = self.mask_for(self._token_slots, num_shards)
-            self._masks[num_shards] = mask
-        return mask
+            self._groups = self.groups_for(self._token_slots)
+        return self._groups
 
-    def mask_for(self, slots: torch.Tensor, num_shards: int) -> torch.Tensor:
-        columns_per_slot = num_shards * self.max_rank
-        num_used_slots = int(slots.max()) + 1
-        column_slot = torch.arange(num_used_slots * columns_per_slot) // columns_per_slot
-        return (column_slot.unsqueeze(0) == slots.unsqueeze(1)).to(self.dtype)
+    @staticmethod
+    def groups_for(slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in sorted({slot for slot in slots.tolist() if slot >= 0}):
+            rows = (slots == slot).nonzero().squeeze(1)
+            groups.append((slot, None if rows.shape[0] == slots.shape[0] else rows))
+        return groups
 
 
 class _SlotStacks:
@@ -160,6 +161,27 @@ class _SlotStacks:
         state = self.state
         return state.active and any(self._filled[slot] for slot in state.used_slots)
 
+    def _slot_columns(self, slot: int) -> slice:
+        """The stacks' columns (A's rows) of ``slot``: all its shards, each ``max_rank`` wide."""
+        return slice(self._columns(slot, 0), self._columns(slot + 1, 0))
+
+    def _add_by_slot(
+        self, output: torch.Tensor, groups: list[tuple[int, torch.Tensor | None]], delta_of
+    ) -> torch.Tensor:
+        """``output`` plus, for each slot this layer holds, ``delta_of(slot, rows)`` on its rows
+        (a new tensor: the base output may be shared)."""
+        added = False
+        for slot, rows in groups:
+            if not self._filled[slot]:
+                continue
+            delta = delta_of(slot, rows).to(output.dtype)
+            if rows is None:
+                output = output.add_(delta) if added else output + delta
+            else:
+                output = output.index_add_(0, rows, delta) if added else output.index_add(0, rows, delta)
+            added = True
+        return output
+
     def _check_rows(self, rows: int, expected: int) -> None:
         if rows != expected:
             # every adapted layer sees the whole flat batch; anything else would mix tokens' slots
@@ -185,13 +207,18 @@ class LinearLoRA(_SlotStacks):
                 output, x.contiguous(), self.lora_a, self.lora_b_t, state.token_slots, self.shard_table, state.max_rank
             )
             return output
-        mask = state.mask(len(self.shards))
-        return output + self._delta(x, mask).to(output.dtype)
+        return self.add_delta_torch(x, output)
 
-    def _delta(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        width = mask.shape[1]
-        projected = F.linear(x.to(self.state.dtype), self.lora_a[:width])
-        return F.linear(projected * mask, self.lora_b[:, :width])
+    def add_delta_torch(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """The torch path of :meth:`add_delta` (a new tensor), slot by slot."""
+        return self._add_by_slot(output, self.state.slot_groups(), lambda slot, rows: self._delta(x, slot, rows))
+
+    def _delta(self, x: torch.Tensor, slot: int, rows: torch.Tensor | None) -> torch.Tensor:
+        """``x[rows] @ A_slot.T @ B_slot.T``: the slot's own columns only."""
+        columns = self._slot_columns(slot)
+        x_rows = x if rows is None else x.index_select(0, rows)
+        projected = F.linear(x_rows.to(self.state.dtype), self.lora_a[columns])
+        return F.linear(projected, self.lora_b[:, columns])
 
 
 class LogitsLoRA(LinearLoRA):
@@ -207,8 +234,8 @@ class LogitsLoRA(LinearLoRA):
         if not any(self._filled[slot] for slot in set(row_slots.tolist()) if slot >= 0):
             return output
         self._check_rows(x.shape[0], row_slots.shape[0])
-        mask = self.state.mask_for(row_slots, 1)
-        return output + self._delta(x, mask).to(output.dtype)
+        groups = self.state.groups_for(row_slots)
+        return self._add_by_slot(output, groups, lambda slot, rows: self._delta(x, slot, rows))
 
 
 class EmbeddingLoRA(_SlotStacks):
@@ -247,13 +274,16 @@ class EmbeddingLoRA(_SlotStacks):
     def add_delta(self, input_ids: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         if not self.applies():
             return output
-        mask = self.state.mask(1)
         flat_ids = input_ids.reshape(-1)
-        self._check_rows(flat_ids.shape[0], mask.shape[0])
-        width = mask.shape[1]
-        looked_up = F.embedding(flat_ids, self.lora_a[:, :width])
-        delta = F.linear(looked_up * mask, self.lora_b[:, :width])
-        return output + delta.reshape(output.shape).to(output.dtype)
+        self._check_rows(flat_ids.shape[0], self.state.num_tokens)
+        flat_output = output.reshape(flat_ids.shape[0], -1)
+
+        def delta_of(slot: int, rows: torch.Tensor | None) -> torch.Tensor:
+            columns = self._slot_columns(slot)
+            ids = flat_ids if rows is None else flat_ids.index_select(0, rows)
+            return F.linear(F.embedding(ids, self.lora_a[:, columns]), self.lora_b[:, columns])
+
+        return self._add_by_slot(flat_output, self.state.slot_groups(), delta_of).reshape(output.shape)
 
 
 # lora_bgmv_ for every token count, though it re-reads a slot's A and B per token (at 32 tokens

@@ -92,7 +92,10 @@ class LoRAModelManager:
             self._cpu_cache.move_to_end(lora_id)
             return adapter
         adapter = load_peft_adapter(
-            lora_request.lora_path, max_lora_rank=self.max_lora_rank, module_shapes=self.module_shapes
+            lora_request.lora_path,
+            max_lora_rank=self.max_lora_rank,
+            module_shapes=self.module_shapes,
+            dtype=self.state.dtype,
         )
         self._cpu_cache[lora_id] = adapter
         while len(self._cpu_cache) > self.max_cpu_loras:

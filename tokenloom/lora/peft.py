@@ -57,6 +57,11 @@ class LoRAAdapterError(InvalidRequestError):
     """An adapter that cannot be served with this model and these settings (400)."""
 
 
+class UnusableAdapterPathError(LoRAAdapterError):
+    """The path leads to no adapter files that can be read; the catalog answers every such path
+    with one message (what exists on the server is not a client's business)."""
+
+
 @dataclass
 class PeftAdapter:
     """One adapter's weights, ready for the worker's slots.
@@ -88,23 +93,29 @@ def canonical_name(layer_index: int, block: str, projection: str) -> str:
 def find_adapter_files(path: str) -> tuple[str, str]:
     """``(config file, weight file)`` of the adapter folder at ``path``."""
     if not os.path.isdir(path):
-        raise LoRAAdapterError(f"LoRA adapter path {path} is not a directory holding {CONFIG_FILE}", param="lora_path")
+        raise UnusableAdapterPathError(
+            f"LoRA adapter path {path} is not a directory holding {CONFIG_FILE}", param="lora_path"
+        )
     config_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_file):
-        raise LoRAAdapterError(f"LoRA adapter folder {path} has no {CONFIG_FILE}", param="lora_path")
+        raise UnusableAdapterPathError(f"LoRA adapter folder {path} has no {CONFIG_FILE}", param="lora_path")
     for weight_name in WEIGHT_FILES:
         weight_file = os.path.join(path, weight_name)
         if os.path.isfile(weight_file):
             return config_file, weight_file
-    raise LoRAAdapterError(f"LoRA adapter folder {path} has neither {' nor '.join(WEIGHT_FILES)}", param="lora_path")
+    raise UnusableAdapterPathError(
+        f"LoRA adapter folder {path} has neither {' nor '.join(WEIGHT_FILES)}", param="lora_path"
+    )
 
 
 def read_adapter_config(config_file: str) -> dict[str, Any]:
     try:
         with open(config_file, encoding="utf-8") as handle:
             config = json.load(handle)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LoRAAdapterError(f"cannot read {config_file}: {exc}", param="lora_path") from None
+    except OSError as exc:  # unreadable (permissions): as if it were not there
+        raise UnusableAdapterPathError(f"cannot read {config_file}: {exc}", param="lora_path") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LoRAAdapterError(f"{CONFIG_FILE} of the adapter is not valid JSON: {exc}", param="lora_path") from None
     if not isinstance(config, dict):
         raise LoRAAdapterError(f"{config_file} does not hold a JSON object", param="lora_path")
     return config
@@ -172,9 +183,16 @@ def _load_tensors(weight_file: str) -> dict[str, Any]:
             from safetensors.torch import load_file
 
             return load_file(weight_file, device="cpu")
-        return torch.load(weight_file, map_location="cpu", weights_only=True)
+        tensors = torch.load(weight_file, map_location="cpu", weights_only=True)
+    except OSError as exc:  # unreadable (permissions): as if it were not there
+        raise UnusableAdapterPathError(f"cannot read LoRA weights {weight_file}: {exc}", param="lora_path") from None
     except Exception as exc:  # a truncated or foreign file: say which
         raise LoRAAdapterError(f"cannot read LoRA weights {weight_file}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(tensors, dict) or not all(
+        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in tensors.items()
+    ):
+        raise LoRAAdapterError(f"LoRA weights {weight_file} are not a mapping of names to tensors")
+    return tensors
 
 
 def load_peft_adapter(
@@ -183,9 +201,14 @@ def load_peft_adapter(
     max_lora_rank: int,
     module_shapes: dict[str, tuple[int, int]],
     base_model_description: str = "this model",
+    dtype: Any = None,
 ) -> PeftAdapter:
     """Read the adapter at ``path`` and check every tensor against ``module_shapes``
-    (canonical name -> ``(input features, output features)`` of the base projection)."""
+    (canonical name -> ``(input features, output features)`` of the base projection).
+
+    :param dtype: the LoRA weights' dtype in the slots (``--lora-dtype``), when known: every
+        weight must be finite there too (a float32 weight beyond float16's range is inf in it).
+    """
     import torch
 
     config_file, weight_file = find_adapter_files(path)
@@ -241,11 +264,12 @@ def load_peft_adapter(
             )
         lora_a, lora_b = sides["A"].to(torch.float32), sides["B"].to(torch.float32)
         in_features, out_features = module_shapes[name]
-        module_rank = lora_a.shape[0]
-        if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_b.shape[1] != module_rank:
+        if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_b.shape[1] != lora_a.shape[0]:
             raise LoRAAdapterError(
-                f"{where}: {name}'s lora_A {tuple(lora_a.shape)} and lora_B {tuple(lora_b.shape)} do not pair up"
+                f"{where}: {name}'s lora_A {tuple(lora_a.shape)} and lora_B {tuple(lora_b.shape)} do not pair up: "
+                "each must be a matrix, lora_A [rank, in] and lora_B [out, rank]"
             )
+        module_rank = lora_a.shape[0]
         if module_rank > max_lora_rank:
             raise LoRAAdapterError(
                 f"{where}: {name} has rank {module_rank}, more than --max-lora-rank {max_lora_rank}",
@@ -259,8 +283,33 @@ def load_peft_adapter(
                 f"{base_model_description}'s {name} maps {in_features} -> {out_features}{mismatch_hint}: "
                 "the adapter was trained for another base model"
             )
-        adapter.weights[name] = (lora_a.contiguous(), (lora_b * scaling).contiguous())
+        scaled_b = lora_b * scaling
+        _check_finite(where, name, "lora_A", lora_a, dtype)
+        _check_finite(
+            where, name, "lora_B" if scaling == 1 else f"lora_B times the scaling {scaling:g}", scaled_b, dtype
+        )
+        adapter.weights[name] = (lora_a.contiguous(), scaled_b.contiguous())
     return adapter
+
+
+def _check_finite(where: str, name: str, what: str, weight: Any, dtype: Any) -> None:
+    """Refuse a weight that is nan or inf, in float32 or in the slots' ``dtype``.
+
+    Such a weight can only give its own requests nan (the layers never mix a slot's values
+    into another's rows), but an adapter that cannot produce a number is broken: say so at
+    load rather than serve empty text. Finite weights whose products overflow are not refused
+    (no bound on them is principled short of running the model): they too stay in their rows.
+    """
+    import torch
+
+    if bool(torch.isfinite(weight).all()) and (dtype is None or bool(torch.isfinite(weight.to(dtype)).all())):
+        return
+    if not bool(torch.isfinite(weight).all()):
+        problem = "holds nan or inf values"
+    else:
+        limit = torch.finfo(dtype).max
+        problem = f"holds values beyond {str(dtype).removeprefix('torch.')}'s range (±{limit:.4g}, the LoRA dtype)"
+    raise LoRAAdapterError(f"{where}: {name}'s {what} {problem}; the adapter cannot be served", param="lora_path")
 
 
 def _check_vocabulary(

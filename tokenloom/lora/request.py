@@ -18,12 +18,16 @@ class LoRARequest:
     :param lora_path: where the adapter is: a local folder, a pip-packaged adapter or a Hub id
         (resolved by the model-source plugins); the engine replaces it with the local folder.
     :param base_model_name: the served model the adapter belongs to (listed as its ``parent``).
+    :param allow_hub: whether ``lora_path`` may be a Hugging Face Hub repo id (tokenloom's own
+        field): the server sets it False for runtime loads unless
+        ``TOKENLOOM_ALLOW_RUNTIME_LORA_HUB`` is true, so a client cannot make it download.
     """
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = None
+    allow_hub: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:

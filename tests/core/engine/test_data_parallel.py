@@ -40,7 +40,8 @@ from tokenloom.core.engine.replica_messages import (
     ResolveLora,
     Stats,
 )
-from tokenloom.core.request import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from tokenloom.core.outputs import CompletionOutput, RequestOutput
+from tokenloom.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError, UnknownNameError
 from tokenloom.plugins.manager import PluginSet
 

@@ -13,7 +13,8 @@ import pytest
 from tokenloom.core.engine import AsyncLLM, PreparedPrompt
 from tokenloom.core.engine.async_llm import RequestStreams
 from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest
-from tokenloom.core.request import PoolingParams, RequestOutput, SamplingParams
+from tokenloom.core.outputs import RequestOutput
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.errors import InvalidRequestError, OverloadedError
 
 PREPARED = PreparedPrompt([1, 2, 3], None)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt, sequence_id
-from tokenloom.core.request import PoolingParams, RequestOutputKind, SamplingParams, SequenceStatus
+from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from tokenloom.core.sequence import SequenceStatus
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
 

@@ -8,7 +8,8 @@ import pytest
 from tokenloom.core.batch import ModelRunnerOutput, TokenLogprobs
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
-from tokenloom.core.request import PoolingParams, RequestOutputKind, SamplingParams, Sequence, SequenceStatus
+from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from tokenloom.core.sequence import Sequence, SequenceStatus
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom.core.request import SamplingParams
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.spec_decode.rejection_sampler import DraftPrefixState, RejectionSampler
 
 VOCAB = 8

@@ -189,3 +189,21 @@ def test_bad_block_sizes_are_config_errors():
         TritonPagedAttention(prefill_block_m=8)
     with pytest.raises(ConfigError, match="multiple"):
         TritonPagedAttention(partition_size=40, decode_block_n=16)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 3e38], ids=["nan", "3e38"])
+def test_stale_non_finite_slots_never_reach_the_output(poison):
+    """Slots past a sequence's end (freed blocks' leftovers: nan from a request whose activations
+    overflowed, issue 37) are never loaded: masked loads give 0, masked scores -inf by selection."""
+    query, key, value, cache, metadata = make_step(MIXED, 8, 2, 64, torch.float32, seed=11)
+    used = torch.zeros(cache.shape[1] * BLOCK_SIZE, dtype=torch.bool)
+    for row, seq_len in enumerate(metadata.seq_lens_cpu):
+        table = metadata.block_tables[row].tolist()
+        for position in range(seq_len):
+            used[table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE] = True
+    cache.view(2, -1, *cache.shape[3:])[:, ~used] = poison
+    expected = reference_paged_attention(query, key, value, cache.clone(), metadata, scale=0.125)
+    backend = TritonPagedAttention(partition_size=32, prefill_block_m=16, prefill_block_n=16, decode_block_n=16)
+    actual = backend.forward(query, key, value, cache, metadata, scale=0.125)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)

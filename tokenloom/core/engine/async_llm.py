@@ -16,11 +16,12 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
-from tokenloom.core.config import EngineArgs
+from tokenloom.core.config import EngineArgs, LoRAConfig
 from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest, EngineCommand
 from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
 from tokenloom.core.logits_processors import LogitsProcessorResolver
-from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.structured_output import REQUEST_CLIENT
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet
@@ -279,8 +280,8 @@ class AsyncLLM(RequestStreams):
         return self.engine.config.scheduler.scheduling_policy
 
     @property
-    def lora_enabled(self) -> bool:
-        return self.engine.config.lora.enable_lora
+    def lora_config(self) -> LoRAConfig:
+        return self.engine.config.lora
 
     @property
     def logits_processor_resolver(self) -> LogitsProcessorResolver:

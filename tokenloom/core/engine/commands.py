@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.engine.input_processor import PreparedPrompt
-from tokenloom.core.request import PoolingParams, SamplingParams
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.config import EngineArgs, EngineConfig, LoRAConfig
 from tokenloom.core.distributed import import_ray
 from tokenloom.core.engine.async_llm import AsyncLLM, RequestStreams, StreamItem
 from tokenloom.core.engine.commands import AbortRequest
@@ -54,7 +54,8 @@ from tokenloom.core.engine.replica_messages import (
 )
 from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped
 from tokenloom.core.logits_processors import LogitsProcessorResolver
-from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.structured_output import REQUEST_CLIENT
 from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PlainPlugins, PluginSet
@@ -690,8 +691,8 @@ class DataParallelAsyncLLM(RequestStreams):
         return cast(str, self._facts["scheduling_policy"])
 
     @property
-    def lora_enabled(self) -> bool:
-        return self.config.lora.enable_lora
+    def lora_config(self) -> LoRAConfig:
+        return self.config.lora
 
     @property
     def logits_processor_resolver(self) -> LogitsProcessorResolver:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.pooling import check_pooling_params, prepare_pooling_prompt
-from tokenloom.core.request import PoolingParams, RequestOutputKind, SamplingParams, Sequence, unwrap_prompt
 from tokenloom.core.sampling_metadata import SamplingState, tokenize_bad_words
+from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, unwrap_prompt
+from tokenloom.core.sequence import Sequence
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
 

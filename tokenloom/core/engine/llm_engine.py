@@ -22,17 +22,12 @@ from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, P
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
 from tokenloom.core.model_loader import ModelInfo, resolve_model, resolve_source
+from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.core.platform import check_attention_backend
 from tokenloom.core.pooling import POOLING
-from tokenloom.core.request import (
-    PoolingParams,
-    PoolingRequestOutput,
-    RequestOutput,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
-)
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
+from tokenloom.core.sequence import Sequence, SequenceStatus
 from tokenloom.core.structured_output import CompiledConstraint, Constraint, StructuredOutputManager
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
@@ -153,14 +148,20 @@ class LLMEngine:
             return None
         from tokenloom.lora.catalog import LoRACatalog
 
-        def resolve_path(tag: str) -> str:
-            return resolve_source(tag, self.plugins, self.config.model, self.config.load.download_dir).path
+        def resolve_path(tag: str, allow_hub: bool) -> str:
+            # a request that may not name a Hub repo never reaches the source that downloads one
+            skip = () if allow_hub else ("huggingface",)
+            return resolve_source(tag, self.plugins, self.config.model, self.config.load.download_dir, skip).path
 
+        import torch
+
+        dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
         return LoRACatalog(
             max_lora_rank=self.config.lora.max_lora_rank,
             hf_config=self.model_info.hf_config,
             resolve_path=resolve_path,
             model_name=self.model_name,
+            dtype=dtypes.get(self.config.lora.lora_dtype),
         )
 
     def resolve_lora(self, lora_request: Any) -> Any:

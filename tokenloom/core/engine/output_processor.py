@@ -16,19 +16,16 @@ from typing import Any
 from tokenloom.core.batch import ModelRunnerOutput, TokenLogprobs
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.engine.input_processor import PreparedPrompt
-from tokenloom.core.request import (
+from tokenloom.core.outputs import (
     CompletionOutput,
     Logprob,
     PoolingOutput,
-    PoolingParams,
     PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
 )
+from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from tokenloom.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -12,10 +12,11 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from tokenloom.core.config import EngineArgs
+    from tokenloom.core.config import EngineArgs, LoRAConfig
     from tokenloom.core.engine.llm_engine import EngineStats
     from tokenloom.core.logits_processors import LogitsProcessorResolver
-    from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+    from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
+    from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.plugins.manager import PluginSet
 
 
@@ -72,8 +73,8 @@ class EngineClient(Protocol):
         """``fcfs`` or ``priority``: whether a request's ``priority`` means anything."""
 
     @property
-    def lora_enabled(self) -> bool:
-        """``--enable-lora``: requests may name LoRA adapters, and adapters may be loaded."""
+    def lora_config(self) -> LoRAConfig:
+        """The LoRA settings (``--enable-lora``, ``--max-loras``, ``--max-cpu-loras``, ...)."""
 
     @property
     def logits_processor_resolver(self) -> LogitsProcessorResolver:

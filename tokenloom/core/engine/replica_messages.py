@@ -15,7 +15,8 @@ from typing import Any
 
 from tokenloom.core.engine.commands import AbortRequest
 from tokenloom.core.engine.llm_engine import EngineStats
-from tokenloom.core.request import PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
+from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 
 
 @dataclass(frozen=True)

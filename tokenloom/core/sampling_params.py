@@ -1,14 +1,14 @@
-"""Request-side data: :class:`SamplingParams` (validated on construction), the engine's
-:class:`Sequence` state, and the :class:`RequestOutput` the APIs return, shaped like vLLM's.
+"""What a request asks for, checked when it is built: :class:`SamplingParams` (a generate
+request's sampling, stops, logprobs and constraints) and :class:`PoolingParams` (a pooling
+request's), with the caps on fields whose cost grows with their size, shaped like vLLM's.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.errors import InvalidRequestError
 
@@ -16,21 +16,26 @@ from tokenloom.errors import InvalidRequestError
 # their size. Generous next to OpenAI's (4 stop sequences, 300 logit_bias entries) so that no
 # real client meets them, small enough that one request cannot stall the others.
 MAX_STOP_STRINGS = 64
+
+
 MAX_STOP_STRING_CHARS = 1024
+
+
 MAX_STOP_TOKEN_IDS = 1024
+
+
 MAX_BAD_WORDS = 1024
+
+
 MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
 # a list of allowed ids longer than any vocabulary is never useful (the server also checks
 # it against the model's vocabulary size)
 MAX_ALLOWED_TOKEN_IDS = 262144
+
+
 MAX_CACHE_SALT_CHARS = 4096
-
-if TYPE_CHECKING:
-    from tokenloom.core.batch import TokenLogprobs
-
-# a "logprob" entry: token id -> Logprob
-SampleLogprobs = list[dict[int, "Logprob"]]
-PromptLogprobs = list[dict[int, "Logprob"] | None]
 
 
 def unwrap_prompt(prompt: Any, param: str) -> Any:
@@ -223,144 +228,6 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"
-
-    @property
-    def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclass
-class Sequence:
-    """The engine's state of one sequence (one of the ``n`` outputs of a user request)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: set[int] = field(default_factory=set)
-    arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0
-    # the user request this sequence belongs to, and its index among the n outputs
-    parent_id: str | None = None
-    index: int = 0
-    prompt: str | None = None
-
-    output_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
-    num_preemptions: int = 0
-    stop_reason: int | str | None = None
-    # as the worker reported them, per sampled token / per computed prompt position; the
-    # engine's output processor turns them into SampleLogprobs / PromptLogprobs
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    # set for a pooling request: prefill-only, finished once its prompt is computed
-    pooling_params: PoolingParams | None = None
-    # the LoRA adapter this sequence runs with (a tokenloom.lora.request.LoRARequest; None: the base model)
-    lora_request: Any = None
-    # speculative decoding: tokens the proposer drafted, to verify in the next step
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.sampling_params.logprobs is not None:
-            self.logprobs = []
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.status.finished
-
-    @property
-    def finish_reason(self) -> str | None:
-        if self.status in (
-            SequenceStatus.FINISHED_STOPPED,
-            SequenceStatus.FINISHED_LENGTH,
-            SequenceStatus.FINISHED_ABORTED,
-        ):
-            return str(self.status.value)
-        if self.status is SequenceStatus.FINISHED_ERROR:
-            return "error"
-        return None
-
-
-@dataclass
-class CompletionOutput:
-    """One of a request's ``n`` outputs (``RequestOutput.outputs[i]``)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: SampleLogprobs | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-
-
-@dataclass
-class RequestOutput:
-    """What ``LLM.generate`` returns and ``AsyncLLM.generate`` yields, like vLLM's."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: PromptLogprobs | None
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-
-
-# -- pooling (embeddings, scores) ------------------------------------------------------
-
-
 @dataclass
 class PoolingParams:
     """How to pool one request of a pooling model (``--runner pooling``), like vLLM's.
@@ -395,41 +262,3 @@ class PoolingParams:
         import dataclasses
 
         return dataclasses.replace(self, **changes)
-
-
-@dataclass
-class PoolingOutput:
-    """The pooled output of one prompt: a float32 CPU tensor (``[hidden_size]`` for embeddings)."""
-
-    data: Any
-
-
-@dataclass
-class EmbeddingOutput:
-    """One prompt's embedding as a list of floats (``LLM.embed``)."""
-
-    embedding: list[float]
-
-    @property
-    def hidden_size(self) -> int:
-        return len(self.embedding)
-
-
-@dataclass
-class ScoringOutput:
-    """The similarity score of one (text_1, text_2) pair (``LLM.score``)."""
-
-    score: float
-
-
-@dataclass
-class PoolingRequestOutput:
-    """What ``LLM.encode/embed/score`` return and ``AsyncLLM.encode`` yields: ``outputs`` is a
-    :class:`PoolingOutput`, :class:`EmbeddingOutput` or :class:`ScoringOutput`."""
-
-    request_id: str
-    outputs: Any
-    prompt_token_ids: list[int]
-    finished: bool
-    prompt: str | None = None
-    error: str | None = None

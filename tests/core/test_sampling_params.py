@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tokenloom.core.request import SamplingParams
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import InvalidRequestError
 
 
