@@ -124,6 +124,6 @@ def test_a_gguf_tensor_without_a_parameter_is_refused(tmp_path):
 
 def test_registration():
     registered = {}
-    register_models(lambda name, target: registered.setdefault(name, target))
+    register_models(lambda name, target, **options: registered.setdefault(name, target))
     expected = {"Gemma2ForCausalLM": "tokenloom.builtin_plugins.models.modeling_gemma2:Gemma2ForCausalLM"}
     assert {name: registered[name] for name in expected} == expected

@@ -128,7 +128,7 @@ def test_gemma3_conditional_generation_accepts_legacy_checkpoint_names():
 
 def test_registration():
     registered = {}
-    register_models(lambda name, target: registered.setdefault(name, target))
+    register_models(lambda name, target, **options: registered.setdefault(name, target))
     expected = {
         "Gemma3ForCausalLM": "tokenloom.builtin_plugins.models.modeling_gemma3:Gemma3ForCausalLM",
         "Gemma3ForConditionalGeneration": "tokenloom.builtin_plugins.models.modeling_gemma3:Gemma3ForConditionalGeneration",

@@ -196,7 +196,7 @@ def test_kv_cache_spec_and_registration():
     spec = model.kv_cache_spec
     assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.sliding_windows) == (3, 2, 16, [None] * 3)
     registered = {}
-    register_models(lambda name, target: registered.setdefault(name, target))
+    register_models(lambda name, target, **options: registered.setdefault(name, target))
     expected = {
         "LlamaForCausalLM": "tokenloom.builtin_plugins.models.modeling_llama:LlamaForCausalLM",
         "MistralForCausalLM": "tokenloom.builtin_plugins.models.modeling_llama:MistralForCausalLM",

@@ -160,6 +160,6 @@ def test_a_pre_norm_in_the_checkpoint_is_refused():
 
 def test_registration():
     registered = {}
-    register_models(lambda name, target: registered.setdefault(name, target))
+    register_models(lambda name, target, **options: registered.setdefault(name, target))
     expected = {"Olmo2ForCausalLM": "tokenloom.builtin_plugins.models.modeling_olmo2:Olmo2ForCausalLM"}
     assert {name: registered[name] for name in expected} == expected

@@ -154,6 +154,6 @@ def test_a_checkpoint_tensor_without_a_parameter_is_refused():
 
 def test_registration():
     registered = {}
-    register_models(lambda name, target: registered.setdefault(name, target))
+    register_models(lambda name, target, **options: registered.setdefault(name, target))
     expected = {"Phi3ForCausalLM": "tokenloom.builtin_plugins.models.modeling_phi3:Phi3ForCausalLM"}
     assert {name: registered[name] for name in expected} == expected

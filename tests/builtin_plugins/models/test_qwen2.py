@@ -50,6 +50,6 @@ def test_qwen2_matches_transformers(overrides, windows):
 
 def test_registration():
     registered = {}
-    register_models(lambda name, target: registered.setdefault(name, target))
+    register_models(lambda name, target, **options: registered.setdefault(name, target))
     expected = {"Qwen2ForCausalLM": "tokenloom.builtin_plugins.models.modeling_qwen2:Qwen2ForCausalLM"}
     assert {name: registered[name] for name in expected} == expected

@@ -85,6 +85,6 @@ def test_a_checkpoint_without_q_k_norms_is_refused():
 
 def test_registration():
     registered = {}
-    register_models(lambda name, target: registered.setdefault(name, target))
+    register_models(lambda name, target, **options: registered.setdefault(name, target))
     expected = {"Qwen3ForCausalLM": "tokenloom.builtin_plugins.models.modeling_qwen3:Qwen3ForCausalLM"}
     assert {name: registered[name] for name in expected} == expected

@@ -78,9 +78,7 @@ def test_available_with_a_gpu(device):
 
 def test_device_auto_prefers_the_gpu_and_falls_back_to_the_cpu(monkeypatch):
     # the CPU platform is registered first, yet a GPU wins when one is there
-    plugins = load_plugins(
-        ["tokenloom.builtin_plugins.platforms.cpu", "tokenloom.builtin_plugins.platforms.cuda"], entry_points=False
-    )
+    plugins = load_plugins(["tokenloom.builtin_plugins.platforms"], entry_points=False)
     assert plugins.registry("platform").names()[:2] == ["cpu", "cuda"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert choose_platform("auto", plugins) == "cuda"
