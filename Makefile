@@ -40,7 +40,7 @@ serve: $(KERNELS)
 	$(VENV)/bin/tokenloom serve $(MODEL) --host $(HOST) --port $(PORT)
 
 # the lint checks first; a kernel that does not build or load fails the run instead of leaving
-# its tests on torch's path; two pytest workers (about 12 minutes instead of 20 on 2 cores), each on
+# its tests on torch's path; two pytest workers (10-17 minutes instead of 20-30 on 2 cores), each on
 # its own cores (tests/conftest.py), loadscope keeps a module (and its server) in one worker and
 # tests/helpers/xdist_scheduling.py starts the longest modules first (refresh their recorded
 # seconds with PYTEST_ARGS=--record-xdist-seconds)
