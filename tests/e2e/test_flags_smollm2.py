@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -91,14 +92,18 @@ def test_max_logprobs_minus_one_means_no_cap(client):
 
 def test_load_counts_a_request_while_it_streams(server, client):
     assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
+    # long enough that it is still streaming when /load is asked (40 tokens could all be sent,
+    # into the socket's buffer, before the second request arrives); closed early once counted
     stream = client.completions.create(
-        model=MODEL, prompt="Count to twenty:", max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL, prompt="Count to twenty:", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
     )
     next(iter(stream))  # the request is running
     assert httpx.get(server.base_url + "/load").json() == {"server_load": 1}
-    for _ in stream:
-        pass
-    assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
+    stream.close()  # the client leaves: the server aborts the request and uncounts it
+    deadline = time.monotonic() + 30
+    while httpx.get(server.base_url + "/load").json() != {"server_load": 0}:
+        assert time.monotonic() < deadline, "the request was still counted 30 s after its client left"
+        time.sleep(0.05)
 
 
 def test_prompts_are_logged_only_with_enable_log_requests(client, server):
