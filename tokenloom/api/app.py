@@ -20,6 +20,7 @@ from tokenloom import __version__
 from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, install_error_handlers, request_id_of
 from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
 from tokenloom.api.middleware import ServerLoad, install_middleware
+from tokenloom.api.prompt_inputs import OFF_LOOP_TOKENIZE_CHARS, off_loop_if_large
 from tokenloom.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +33,7 @@ from tokenloom.api.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.api.serving_base import OFF_LOOP_TOKENIZE_CHARS, ServingContext, off_loop_if_large
+from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler, render_chat_request
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_messages import MessagesHandler, messages_routes

@@ -23,7 +23,9 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenloom.api.engine_runs import IndexedOutputs, respond
 from tokenloom.api.http_errors import sse_error_event
+from tokenloom.api.prompt_inputs import tokenize_off_loop_if_large
 from tokenloom.api.protocol import (
     SSE_DONE,
     ChatChoice,
@@ -43,16 +45,7 @@ from tokenloom.api.protocol import (
     UsageInfo,
     sse_event,
 )
-from tokenloom.api.serving_base import (
-    MIN_LOGPROB,
-    ChoiceState,
-    IndexedOutputs,
-    ServingContext,
-    clamp_logprob,
-    pick_best,
-    respond,
-    tokenize_off_loop_if_large,
-)
+from tokenloom.api.serving_base import MIN_LOGPROB, ChoiceState, ServingContext, clamp_logprob, pick_best
 from tokenloom.api.serving_completions import check_output
 from tokenloom.chat_template import ChatRenderer, message_text
 from tokenloom.core import parsers

@@ -27,6 +27,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.api.engine_runs import IndexedOutputs, respond
 from tokenloom.api.http_errors import exception_body
 from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
 from tokenloom.api.responses_protocol import (
@@ -48,7 +49,7 @@ from tokenloom.api.responses_protocol import (
     new_item_id,
     output_messages,
 )
-from tokenloom.api.serving_base import ChoiceState, IndexedOutputs, RouteGuard, respond
+from tokenloom.api.serving_base import ChoiceState, RouteGuard
 from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.core.outputs import RequestOutput
 from tokenloom.errors import InvalidRequestError, NotFoundError, TokenloomError
