@@ -32,6 +32,7 @@ from tokenloom.api.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from tokenloom.api.response_store import ResponseStore, store_size_from_env
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler, render_chat_request
@@ -39,7 +40,7 @@ from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_models import parse_lora_modules, runtime_lora_updating_allowed
 from tokenloom.api.serving_pooling import pooling_routes
-from tokenloom.api.serving_responses import ResponsesHandler, ResponseStore, responses_routes, store_size_from_env
+from tokenloom.api.serving_responses import ResponsesHandler, responses_routes
 from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.errors import ConfigError, InvalidRequestError, PluginError, TokenloomError
 
