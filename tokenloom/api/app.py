@@ -21,9 +21,10 @@ from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, instal
 from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
 from tokenloom.api.middleware import ServerLoad, install_middleware
 from tokenloom.api.prompt_inputs import OFF_LOOP_TOKENIZE_CHARS, off_loop_if_large
-from tokenloom.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from tokenloom.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloom.api.response_store import ResponseStore, store_size_from_env
+from tokenloom.api.server_config import ServerConfig
+from tokenloom.api.server_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     LoadLoRAAdapterRequest,
@@ -32,8 +33,6 @@ from tokenloom.api.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
-from tokenloom.api.response_store import ResponseStore, store_size_from_env
-from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler, render_chat_request
 from tokenloom.api.serving_completions import CompletionsHandler
