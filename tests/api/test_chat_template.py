@@ -606,7 +606,7 @@ async def test_the_tool_history_renders_and_tokenizes_over_http(client, engine, 
 
 @pytest.mark.anyio
 async def test_large_inputs_tokenize_off_the_loop_with_the_same_result(client, tokenizer, monkeypatch):
-    from tokenloom.api import serving_base
+    from tokenloom.api import prompt_inputs
 
     calls = []
     real_run_sync = anyio.to_thread.run_sync
@@ -615,8 +615,8 @@ async def test_large_inputs_tokenize_off_the_loop_with_the_same_result(client, t
         calls.append(getattr(function, "__name__", repr(function)))
         return await real_run_sync(function, *args, **kwargs)
 
-    monkeypatch.setattr(serving_base.anyio.to_thread, "run_sync", recording_run_sync)
-    text = "tokenize me " * (serving_base.OFF_LOOP_TOKENIZE_CHARS // 12 + 1)
+    monkeypatch.setattr(prompt_inputs.anyio.to_thread, "run_sync", recording_run_sync)
+    text = "tokenize me " * (prompt_inputs.OFF_LOOP_TOKENIZE_CHARS // 12 + 1)
     response = await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
     assert response.json()["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert "tokenize_text" in calls

@@ -190,6 +190,7 @@ BEHAVIOUR_TESTS: dict[str, str] = {
 
 REQUEST_MODEL_MODULES = (
     "tokenloom.api.protocol",
+    "tokenloom.api.server_protocol",
     "tokenloom.api.responses_protocol",
     "tokenloom.api.messages_protocol",
     "tokenloom.api.pooling_protocol",
@@ -197,7 +198,13 @@ REQUEST_MODEL_MODULES = (
 # where request fields are declared: a read in their pydantic validators is not a use (their
 # other methods, such as the structured-output constraint a request asks for, are)
 REQUEST_MODEL_FILES = frozenset(
-    {"api/protocol.py", "api/responses_protocol.py", "api/messages_protocol.py", "api/pooling_protocol.py"}
+    {
+        "api/protocol.py",
+        "api/server_protocol.py",
+        "api/responses_protocol.py",
+        "api/messages_protocol.py",
+        "api/pooling_protocol.py",
+    }
 )
 # (model, field) -> what happens to a field the serving code does not read
 UNREAD_REQUEST_FIELDS: dict[tuple[str, str], str] = {}

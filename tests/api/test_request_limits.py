@@ -10,7 +10,7 @@ import pytest
 
 from tests.api.conftest import client_for
 from tests.api.fake_engine import FakeEngine, LoopRecordingTokenizer
-from tokenloom.api.serving_base import OFF_LOOP_DETOKENIZE_TOKENS, OFF_LOOP_TOKENIZE_CHARS
+from tokenloom.api.prompt_inputs import OFF_LOOP_DETOKENIZE_TOKENS, OFF_LOOP_TOKENIZE_CHARS
 from tokenloom.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tokenloom.errors import OverloadedError
 

@@ -179,7 +179,7 @@ async def test_inputs_are_tokenized_off_the_loop_and_truncation_never_touches_th
     # issue 37: the pooling routes tokenized on the event loop; and moved to threads, a call
     # that sets truncation on the shared fast tokenizer would race its other users
     from tests.api.fake_engine import LoopRecordingTokenizer
-    from tokenloom.api.serving_base import OFF_LOOP_TOKENIZE_CHARS
+    from tokenloom.api.prompt_inputs import OFF_LOOP_TOKENIZE_CHARS
 
     app = app_for(pooling_engine)
     recording = app.state.serving.tokenizer = LoopRecordingTokenizer(minilm_tokenizer)

@@ -21,6 +21,7 @@ from tests.api.test_serving_chat_tools import (
 )
 from tests.builtin_plugins.tool_parsers.formats import TIME, WEATHER
 from tokenloom.api.protocol import ChatCompletionRequest
+from tokenloom.api.response_store import ResponseStore, StoredResponse
 from tokenloom.api.responses_protocol import (
     MessageItem,
     ResponseObject,
@@ -31,11 +32,7 @@ from tokenloom.api.responses_protocol import (
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler
-from tokenloom.api.serving_responses import (
-    ResponsesEventWriter,
-    ResponseStore,
-    StoredResponse,
-)
+from tokenloom.api.serving_responses import ResponsesEventWriter
 from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.core.outputs import CompletionOutput, RequestOutput
 from tokenloom.errors import InvalidRequestError, NotFoundError

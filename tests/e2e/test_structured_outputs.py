@@ -17,8 +17,8 @@ import pytest
 
 from tests.builtin_plugins.structured_output.cases import CHOICES, GRAMMAR_EBNF, GRAMMAR_LARK, REGEXES, SCHEMAS
 from tests.e2e.conftest import API_KEY
+from tokenloom.api.chat_tool_calls import required_tool_calls_schema
 from tokenloom.api.protocol import ChatCompletionRequest
-from tokenloom.api.serving_chat import required_tool_calls_schema
 from tokenloom.builtin_plugins.structured_output.guidance_backend import GuidanceBackend
 from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_backend import LMFormatEnforcerBackend
 from tokenloom.builtin_plugins.structured_output.outlines_backend import OutlinesBackend

@@ -20,9 +20,11 @@ from tokenloom import __version__
 from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, install_error_handlers, request_id_of
 from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
 from tokenloom.api.middleware import ServerLoad, install_middleware
-from tokenloom.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from tokenloom.api.prompt_inputs import OFF_LOOP_TOKENIZE_CHARS, off_loop_if_large
+from tokenloom.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloom.api.response_store import ResponseStore, store_size_from_env
+from tokenloom.api.server_config import ServerConfig
+from tokenloom.api.server_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     LoadLoRAAdapterRequest,
@@ -31,14 +33,13 @@ from tokenloom.api.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
-from tokenloom.api.server_config import ServerConfig
-from tokenloom.api.serving_base import OFF_LOOP_TOKENIZE_CHARS, ServingContext, off_loop_if_large
+from tokenloom.api.serving_base import ServingContext
 from tokenloom.api.serving_chat import ChatHandler, render_chat_request
 from tokenloom.api.serving_completions import CompletionsHandler
 from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_models import parse_lora_modules, runtime_lora_updating_allowed
 from tokenloom.api.serving_pooling import pooling_routes
-from tokenloom.api.serving_responses import ResponsesHandler, ResponseStore, responses_routes, store_size_from_env
+from tokenloom.api.serving_responses import ResponsesHandler, responses_routes
 from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.errors import ConfigError, InvalidRequestError, PluginError, TokenloomError
 

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenloom.api.protocol import ErrorInfo, ErrorResponse
+from tokenloom.api.server_protocol import ErrorInfo, ErrorResponse
 from tokenloom.errors import OverloadedError, TokenloomError
 
 logger = logging.getLogger(__name__)

@@ -6,19 +6,14 @@ Requests accept unknown fields (named in one log line per request), as the other
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import Field
 
-from tokenloom.api.protocol import RequestModel, ResponseModel
+from tokenloom.api.protocol import RequestModel, ResponseModel, unix_now
 
 # one input: text or token ids; a request: one input or a list of them
 PoolingInput = str | list[int] | list[str] | list[list[int]]
-
-
-def _now() -> int:
-    return int(time.time())
 
 
 class PoolingOptions(RequestModel):
@@ -76,7 +71,7 @@ class EmbeddingData(ResponseModel):
 class EmbeddingResponse(ResponseModel):
     id: str
     object: Literal["list"] = "list"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     data: list[EmbeddingData]
     usage: PoolingUsage
@@ -91,7 +86,7 @@ class PoolingData(ResponseModel):
 class PoolingResponse(ResponseModel):
     id: str
     object: Literal["list"] = "list"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     data: list[PoolingData]
     usage: PoolingUsage
@@ -106,7 +101,7 @@ class ScoreData(ResponseModel):
 class ScoreResponse(ResponseModel):
     id: str
     object: Literal["list"] = "list"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     data: list[ScoreData]
     usage: PoolingUsage

@@ -1,12 +1,11 @@
-"""Pydantic models of the HTTP API: OpenAI's completions, chat completions, models and error
-bodies, plus vLLM's documented extra parameters, tokenize and detokenize.
+"""Pydantic models of the HTTP API's generation routes: OpenAI's completions and chat
+completions (requests, whole responses and stream chunks) with vLLM's documented extra
+parameters, the request and response bases every API family builds on, and server-sent events.
+The other routes' models are in :mod:`~tokenloom.api.server_protocol`.
 
 Request models accept unknown fields (OpenAI clients send new ones all the time); the server
 ignores them and names them in one log line per request, as vLLM does. Value checks beyond types are left to
 :class:`~tokenloom.core.sampling_params.SamplingParams`, whose errors name the parameter.
-
-Over ~400 lines on purpose: one model per OpenAI request and response shape, mirrored field
-by field (with vLLM's extras), to be read next to OpenAI's reference rather than as logic.
 """
 
 from __future__ import annotations
@@ -285,42 +284,6 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(RequestModel):
-    """POST /tokenize: either ``prompt`` (completions style) or ``messages`` (chat style)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    documents: list[dict[str, Any]] | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[int]
-
-
-class LoadLoRAAdapterRequest(RequestModel):
-    """``POST /v1/load_lora_adapter`` (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
-
-    lora_name: str
-    lora_path: str
-    base_model_name: str | None = None
-
-
-class UnloadLoRAAdapterRequest(RequestModel):
-    """``POST /v1/unload_lora_adapter``."""
-
-    lora_name: str
-    lora_int_id: int | None = None
-
-
 # -- responses -------------------------------------------------------------------------
 
 
@@ -328,7 +291,7 @@ class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _now() -> int:
+def unix_now() -> int:
     return int(time.time())
 
 
@@ -373,7 +336,7 @@ class CompletionChoice(ResponseModel):
 class CompletionResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
@@ -393,7 +356,7 @@ class CompletionStreamChoice(ResponseModel):
 class CompletionStreamResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
@@ -475,7 +438,7 @@ class ChatChoice(ResponseModel):
 class ChatCompletionResponse(ResponseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
@@ -494,47 +457,10 @@ class ChatStreamChoice(ResponseModel):
 class ChatCompletionStreamResponse(ResponseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
-
-
-class ModelCard(ResponseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "tokenloom"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(ResponseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(ResponseModel):
-    prompt: str
-
-
-class ErrorInfo(ResponseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(ResponseModel):
-    error: ErrorInfo
 
 
 def flat_tool_as_chat_tool(tool: dict[str, Any], index: int, schema_key: str) -> dict[str, Any]:

@@ -2,64 +2,52 @@
 as OpenAI chat responses or SSE chunks (role delta first), with chat logprobs, echo,
 named tool choice, and the ``--tool-call-parser`` / ``--reasoning-parser`` plugins (the reasoning
 parser reads the output first, the tool parser its content; ``parallel_tool_calls: false``
-keeps the first call).
-
-Over ~400 lines: whole and streamed answers share the per-choice parser state of one run
-(:class:`_ChatRun`), which the Responses and Messages layers reuse; the SSE chunk formatting
-is the seam to split at if it grows.
+keeps the first call). Whole and streamed answers share the per-choice parser state of one run
+(:class:`_ChatRun`), which the Responses and Messages layers reuse; the SSE chunks are written
+by :mod:`~tokenloom.api.chat_stream`, and tool calls take their wire shape in
+:mod:`~tokenloom.api.chat_tool_calls`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
-import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenloom.api.http_errors import sse_error_event
+from tokenloom.api.chat_stream import ChatChunkWriter, ChoiceDelta
+from tokenloom.api.chat_tool_calls import (
+    merge_deltas,
+    new_tool_call_id,
+    parse_required_tool_calls,
+    required_tool_calls_schema,
+    wire_delta,
+)
+from tokenloom.api.engine_runs import IndexedOutputs, respond
+from tokenloom.api.prompt_inputs import tokenize_off_loop_if_large
 from tokenloom.api.protocol import (
-    SSE_DONE,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatCompletionStreamResponse,
     ChatLogProb,
     ChatLogProbs,
     ChatLogProbsContent,
     ChatMessage,
-    ChatStreamChoice,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
-    UsageInfo,
-    sse_event,
 )
-from tokenloom.api.serving_base import (
-    MIN_LOGPROB,
-    ChoiceState,
-    IndexedOutputs,
-    ServingContext,
-    clamp_logprob,
-    pick_best,
-    respond,
-    tokenize_off_loop_if_large,
-)
+from tokenloom.api.serving_base import MIN_LOGPROB, ChoiceState, ServingContext, clamp_logprob, pick_best
 from tokenloom.api.serving_completions import check_output
 from tokenloom.chat_template import ChatRenderer, message_text
 from tokenloom.core import parsers
 from tokenloom.core.outputs import Logprob, PromptLogprobs, RequestOutput
-from tokenloom.errors import InvalidRequestError, TokenloomError
-
-logger = logging.getLogger(__name__)
+from tokenloom.errors import InvalidRequestError
 
 # how a chat request's tools are handled: see ChatHandler.tool_mode
 ToolMode = Literal["parser", "required"] | dict[str, Any] | None
@@ -77,10 +65,6 @@ async def render_chat_request(renderer: ChatRenderer, request: Any) -> str:
         chat_template=request.chat_template,
         chat_template_kwargs=request.chat_template_kwargs,
     )
-
-
-def new_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def chat_logprobs(
@@ -118,17 +102,6 @@ def chat_logprobs(
             )
         )
     return ChatLogProbs(content=content)
-
-
-@dataclasses.dataclass
-class ChoiceDelta:
-    """What one engine output added to one choice, parsed: the streaming path's unit."""
-
-    index: int
-    delta: DeltaMessage | None
-    finish_reason: str | None
-    stop_reason: Any
-    logprobs: ChatLogProbs | None
 
 
 class _ChoiceParsers:
@@ -409,82 +382,8 @@ class _ChatRun:
 
     # -- streaming --------------------------------------------------------------------
 
-    def chunk(
-        self,
-        index: int,
-        delta: DeltaMessage,
-        *,
-        logprobs: ChatLogProbs | None = None,
-        finish_reason: str | None = None,
-        stop_reason: Any = None,
-        usage: UsageInfo | None = None,
-    ) -> str:
-        choice = ChatStreamChoice(
-            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
-        )
-        return sse_event(
-            ChatCompletionStreamResponse(
-                id=self.request_id, created=self.created, model=self.model_name, choices=[choice], usage=usage
-            )
-        )
-
-    async def stream(self, first: tuple[int, RequestOutput], outputs: IndexedOutputs) -> AsyncIterator[str]:
-        options = self.request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous_usage = bool(options and options.continuous_usage_stats)
-        states: dict[int, ChoiceState] = {}
-        cached = {"tokens": first[1].num_cached_tokens}
-
-        def usage() -> UsageInfo:
-            return self.ctx.usage(
-                self.num_prompt_tokens, sum(len(s.token_ids) for s in states.values()), cached["tokens"]
-            )
-
-        try:
-            for index in range(self.request.n):
-                yield self.chunk(index, DeltaMessage(role=self.role), usage=usage() if continuous_usage else None)
-                if self.echo_text:
-                    yield self.chunk(
-                        index, DeltaMessage(content=self.echo_text), usage=usage() if continuous_usage else None
-                    )
-            for event in self.chunks(first[1], states, cached, usage if continuous_usage else None):
-                yield event
-            async for _, output in outputs:
-                for event in self.chunks(output, states, cached, usage if continuous_usage else None):
-                    yield event
-            if include_usage:
-                yield sse_event(
-                    ChatCompletionStreamResponse(
-                        id=self.request_id, created=self.created, model=self.model_name, choices=[], usage=usage()
-                    )
-                )
-        except Exception as exc:
-            if not isinstance(exc, TokenloomError):
-                logger.exception("request %s failed while streaming", self.request_id)
-            yield sse_error_event(exc, self.request_id)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()
-        yield SSE_DONE
-
-    def chunks(
-        self,
-        output: RequestOutput,
-        states: dict[int, ChoiceState],
-        cached: dict[str, int],
-        usage: Callable[[], UsageInfo] | None,
-    ) -> list[str]:
-        return [
-            self.chunk(
-                piece.index,
-                piece.delta or DeltaMessage(),
-                logprobs=piece.logprobs,
-                finish_reason=piece.finish_reason,
-                stop_reason=piece.stop_reason,
-                usage=usage() if usage else None,
-            )
-            for piece in self.deltas(output, states, cached)
-        ]
+    def stream(self, first: tuple[int, RequestOutput], outputs: IndexedOutputs) -> AsyncIterator[str]:
+        return ChatChunkWriter(self).stream(first, outputs)
 
     def deltas(
         self, output: RequestOutput, states: dict[int, ChoiceState], cached: dict[str, int]
@@ -589,79 +488,3 @@ class _ChatRun:
         if piece is not None and self.request.parallel_tool_calls is False:
             piece = dataclasses.replace(piece, tool_calls=[call for call in piece.tool_calls if call.index == 0])
         return wire_delta(piece)
-
-
-def required_tool_calls_schema(tools: list[dict[str, Any]], parallel_tool_calls: bool | None = None) -> dict[str, Any]:
-    """tool_choice "required": a JSON array of ``{"name", "parameters"}`` calls, at least one, each
-    valid for one of the tools; the tools' ``$defs`` move to the top, where their refs point."""
-    definitions: dict[str, Any] = {}
-    calls = []
-    for tool in tools:
-        function = tool.get("function") or {}
-        parameters = dict(function.get("parameters") or {"type": "object"})
-        for name, definition in (parameters.pop("$defs", None) or {}).items():
-            if definitions.setdefault(name, definition) != definition:
-                raise InvalidRequestError(f"two tools define $defs/{name} differently; rename one", param="tools")
-        calls.append(
-            {
-                "type": "object",
-                "properties": {"name": {"enum": [function.get("name")]}, "parameters": parameters},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-        )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if parallel_tool_calls is False:
-        schema["maxItems"] = 1
-    if definitions:
-        schema["$defs"] = definitions
-    return schema
-
-
-def parse_required_tool_calls(text: str) -> list[ToolCall]:
-    """The calls of a tool_choice "required" output; none when it is not a whole array (cut
-    short by max_tokens or a stop string)."""
-    try:
-        calls = json.loads(text)
-        return [
-            ToolCall(
-                id=new_tool_call_id(),
-                function=FunctionCall(name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False)),
-            )
-            for call in calls
-        ]
-    except (ValueError, TypeError, KeyError):
-        return []
-
-
-def wire_delta(piece: parsers.DeltaMessage | None) -> DeltaMessage | None:
-    """A parser's DeltaMessage as the API's; None when it carries nothing."""
-    if piece is None:
-        return None
-    tool_calls = []
-    for call in piece.tool_calls:
-        function = None
-        if call.name is not None or call.arguments is not None:
-            function = DeltaFunctionCall(name=call.name, arguments=call.arguments)
-        call_id = call.id or (new_tool_call_id() if call.name is not None else None)
-        tool_calls.append(
-            DeltaToolCall(index=call.index, id=call_id, type="function" if call_id else None, function=function)
-        )
-    if piece.content is None and piece.reasoning_content is None and not tool_calls:
-        return None
-    return DeltaMessage(content=piece.content, reasoning_content=piece.reasoning_content, tool_calls=tool_calls or None)
-
-
-def merge_deltas(first: DeltaMessage | None, second: DeltaMessage | None) -> DeltaMessage | None:
-    if first is None or second is None:
-        return first or second
-
-    def join(a: str | None, b: str | None) -> str | None:
-        return None if a is None and b is None else (a or "") + (b or "")
-
-    tool_calls = (first.tool_calls or []) + (second.tool_calls or [])
-    return DeltaMessage(
-        content=join(first.content, second.content),
-        reasoning_content=join(first.reasoning_content, second.reasoning_content),
-        tool_calls=tool_calls or None,
-    )

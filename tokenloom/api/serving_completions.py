@@ -12,7 +12,9 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenloom.api.engine_runs import IndexedOutputs, respond
 from tokenloom.api.http_errors import sse_error_event
+from tokenloom.api.prompt_inputs import OFF_LOOP_DETOKENIZE_TOKENS, input_size, off_loop_if_large
 from tokenloom.api.protocol import (
     SSE_DONE,
     CompletionChoice,
@@ -24,17 +26,7 @@ from tokenloom.api.protocol import (
     UsageInfo,
     sse_event,
 )
-from tokenloom.api.serving_base import (
-    OFF_LOOP_DETOKENIZE_TOKENS,
-    ChoiceState,
-    IndexedOutputs,
-    ServingContext,
-    clamp_logprob,
-    input_size,
-    off_loop_if_large,
-    pick_best,
-    respond,
-)
+from tokenloom.api.serving_base import ChoiceState, ServingContext, clamp_logprob, pick_best
 from tokenloom.core.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from tokenloom.errors import InvalidRequestError, TokenloomError
 

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from tokenloom.api.engine_runs import IndexedOutputs, respond
 from tokenloom.api.http_errors import (
     INTERNAL_ERROR_MESSAGE,
     describe_validation_errors,
@@ -34,8 +35,9 @@ from tokenloom.api.messages_protocol import (
     sse,
     stop_reason_of,
 )
+from tokenloom.api.prompt_inputs import tokenize_off_loop_if_large
 from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
-from tokenloom.api.serving_base import ChoiceState, IndexedOutputs, respond, tokenize_off_loop_if_large
+from tokenloom.api.serving_base import ChoiceState
 from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.api.serving_responses import renamed_error
 from tokenloom.core.outputs import RequestOutput

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.api.protocol import ModelCard
+from tokenloom.api.server_protocol import ModelCard
 from tokenloom.errors import ConfigError, InvalidRequestError, NotFoundError
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.api.engine_runs import ClientDisconnected, cancel_on_disconnect
 from tokenloom.api.http_errors import request_id_of
 from tokenloom.api.pooling_protocol import (
     EmbeddingData,
@@ -39,14 +40,8 @@ from tokenloom.api.pooling_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from tokenloom.api.serving_base import (
-    OFF_LOOP_TOKENIZE_CHARS,
-    ClientDisconnected,
-    ServingContext,
-    cancel_on_disconnect,
-    input_size,
-    off_loop_if_large,
-)
+from tokenloom.api.prompt_inputs import OFF_LOOP_TOKENIZE_CHARS, input_size, off_loop_if_large
+from tokenloom.api.serving_base import ServingContext
 from tokenloom.core.pooling import check_pooling_params, cosine_similarity, score_inputs
 from tokenloom.core.sampling_params import PoolingParams
 from tokenloom.errors import ContextLengthError, InvalidRequestError, TokenloomError

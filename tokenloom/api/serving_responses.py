@@ -2,33 +2,26 @@
 become chat messages, the chat path renders, runs and parses them (same tool and reasoning
 parsers, same structured outputs), and its message or streamed deltas come back as output
 items and Responses events. Stored responses (``store``, ``previous_response_id``, GET,
-DELETE, cancel of ``background`` ones) live in memory, bounded in entries and in bytes
-(least recently used dropped first), and are lost on restart.
-
-Over ~400 lines: the input-item translation, the streamed event writer and the response
-store are one API's three halves; the store is the seam to split at if it grows.
+DELETE, cancel of ``background`` ones) are kept by :mod:`~tokenloom.api.response_store`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.api.engine_runs import IndexedOutputs, respond
 from tokenloom.api.http_errors import exception_body
 from tokenloom.api.protocol import ChatCompletionRequest, DeltaMessage
+from tokenloom.api.response_store import ResponseStore, StoredResponse, owner_of
 from tokenloom.api.responses_protocol import (
     FunctionCallItem,
     InputTokensDetails,
@@ -48,20 +41,16 @@ from tokenloom.api.responses_protocol import (
     new_item_id,
     output_messages,
 )
-from tokenloom.api.serving_base import ChoiceState, IndexedOutputs, RouteGuard, respond
+from tokenloom.api.serving_base import ChoiceState, RouteGuard
 from tokenloom.api.serving_chat import ChatHandler
 from tokenloom.core.outputs import RequestOutput
-from tokenloom.errors import InvalidRequestError, NotFoundError, TokenloomError
+from tokenloom.errors import InvalidRequestError, TokenloomError
 
 if TYPE_CHECKING:
     from tokenloom.api.serving_chat import _ChatRun
 
 logger = logging.getLogger("tokenloom.api")
 
-STORE_SIZE_ENV = "TOKENLOOM_RESPONSES_STORE_SIZE"
-DEFAULT_STORE_SIZE = 1000
-# ServerConfig.responses_store_max_bytes' default, for stores built without a config
-DEFAULT_STORE_MAX_BYTES = 128 * 1024 * 1024
 # the chat path's names for what the Responses API calls otherwise, for error messages and params
 _RESPONSES_NAMES = (
     ("max_completion_tokens", "max_output_tokens"),
@@ -69,23 +58,6 @@ _RESPONSES_NAMES = (
     ("messages", "input"),
     ("response_format", "text.format"),
 )
-
-
-def store_size_from_env() -> int:
-    raw = os.environ.get(STORE_SIZE_ENV)
-    if not raw:
-        return DEFAULT_STORE_SIZE
-    try:
-        size = int(raw)
-    except ValueError:
-        size = -1
-    if size < 0:
-        from tokenloom.errors import ConfigError
-
-        raise ConfigError(
-            f"{STORE_SIZE_ENV} must be a whole number >= 0 (0 stores nothing), got {raw!r}", param=STORE_SIZE_ENV
-        )
-    return size
 
 
 def renamed_error(exc: TokenloomError, names: tuple[tuple[str, str], ...]) -> TokenloomError:
@@ -97,93 +69,6 @@ def renamed_error(exc: TokenloomError, names: tuple[tuple[str, str], ...]) -> To
             exc.message = exc.message.replace(chat_name, own_name)
     exc.args = (exc.message,)
     return exc
-
-
-def owner_of(raw_request: Request, keys_in_use: bool) -> str | None:
-    """Whose stored responses a request may see: a digest of its API key, when keys are in use
-    (the middleware has checked the key already)."""
-    if not keys_in_use:
-        return None
-    header = raw_request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    key = token.strip() if scheme.lower() == "bearer" else raw_request.headers.get("x-api-key", "")
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-@dataclass
-class StoredResponse:
-    response: ResponseObject
-    # the conversation so far without the instructions (which do not carry over), this output included
-    messages: list[dict[str, Any]]
-    owner: str | None
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    def num_bytes(self) -> int:
-        """The entry's size as the store counts it: its response and its conversation as JSON
-        (UTF-8 bytes), which is what a client can make large (input, instructions, tools,
-        metadata, text.format, reasoning, the output, a chain of previous turns)."""
-        response = self.response.model_dump_json().encode()
-        messages = json.dumps(self.messages, ensure_ascii=False, default=str).encode()
-        return len(response) + len(messages)
-
-
-class ResponseStore:
-    """Stored responses by id, least recently used dropped first beyond ``max_entries``
-    entries or ``max_bytes`` bytes (:meth:`StoredResponse.num_bytes`, measured when stored)."""
-
-    def __init__(self, max_entries: int, max_bytes: int = DEFAULT_STORE_MAX_BYTES):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-        self._sizes: dict[str, int] = {}
-        self.num_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, entry: StoredResponse) -> bool:
-        """Store ``entry`` (replacing one with its id), dropping the least recently used beyond
-        the bounds; False, and nothing kept under its id, when it alone exceeds ``max_bytes``
-        (or the store keeps no entries)."""
-        response_id = entry.response.id
-        size = entry.num_bytes()
-        self._forget(response_id)
-        if size > self.max_bytes or self.max_entries < 1:
-            return False
-        self._entries[response_id] = entry
-        self._sizes[response_id] = size
-        self.num_bytes += size
-        while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
-            dropped_id = next(iter(self._entries))
-            dropped = self._entries[dropped_id]
-            self._forget(dropped_id)
-            if dropped.task is not None and not dropped.task.done():
-                dropped.task.cancel()
-        return True
-
-    def _forget(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.pop(response_id, None)
-        self.num_bytes -= self._sizes.pop(response_id, 0)
-        return entry
-
-    def get(self, response_id: str, owner: str | None, param: str = "response_id") -> StoredResponse:
-        entry = self._entries.get(response_id)
-        # another key's response is as absent as a missing one: its existence is not shown
-        if entry is None or entry.owner != owner:
-            raise NotFoundError(
-                f"no stored response {response_id!r} (responses live in this server's memory: a "
-                "restart, store: false or the store's size limit loses them)",
-                param=param,
-            )
-        self._entries.move_to_end(response_id)
-        return entry
-
-    def delete(self, response_id: str, owner: str | None) -> StoredResponse:
-        entry = self.get(response_id, owner)
-        self._forget(response_id)
-        if entry.task is not None and not entry.task.done():
-            entry.task.cancel()
-        return entry
 
 
 class ResponsesHandler:
