@@ -177,7 +177,7 @@ def test_quantization_named_must_be_registered(tiny_llama_dir):
 def test_disable_sliding_window_gives_every_layer_full_attention():
     from transformers import MistralConfig
 
-    from tokenloom.builtin_plugins.models.causal_lm import sliding_windows_of
+    from tokenloom.models.causal_lm import sliding_windows_of
     from tokenloom.core.config import ModelConfig
 
     config = MistralConfig(num_hidden_layers=3, sliding_window=5)

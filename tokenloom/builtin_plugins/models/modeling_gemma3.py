@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM, layer_types_of
+from tokenloom.models.causal_lm import DecoderForCausalLM, layer_types_of
 from tokenloom.layers.decoder import GatedMLP, SelfAttention
 from tokenloom.layers.layernorm import GemmaRMSNorm
 from tokenloom.layers.rotary import rope_parameters_from_config

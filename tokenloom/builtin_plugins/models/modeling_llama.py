@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
+from tokenloom.models.causal_lm import DecoderForCausalLM
 from tokenloom.core.model_interface import mixture_of_experts_error
 from tokenloom.layers.decoder import GatedMLP, SelfAttention
 from tokenloom.layers.fused_decode import FusedDecodeLayer

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
+from tokenloom.models.causal_lm import DecoderForCausalLM
 from tokenloom.errors import ModelLoadError
 from tokenloom.layers.decoder import GatedMLP, SelfAttention
 from tokenloom.layers.quantization import materialize
