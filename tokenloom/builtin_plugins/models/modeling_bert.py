@@ -18,13 +18,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenloom.core.model_interface import KVCacheSpec, ModelContext
-from tokenloom.errors import ConfigError
-from tokenloom.layers.attention import Attention
-from tokenloom.layers.embedding import VocabParallelEmbedding
-from tokenloom.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tokenloom.layers.pooler import Pooler
-from tokenloom.layers.weight_loading import load_checkpoint_weights
+from tokenloom.model_api import (
+    Attention,
+    ColumnParallelLinear,
+    ConfigError,
+    KVCacheSpec,
+    ModelContext,
+    Pooler,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_checkpoint_weights,
+)
 
 # checkpoint projection names -> the fused QKV projection's shards
 BERT_STACKED_PARAMS = (

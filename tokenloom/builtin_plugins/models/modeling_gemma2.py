@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
-from tokenloom.layers.rotary import rope_parameters_from_config
+from tokenloom.model_api import rope_parameters_from_config
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):

@@ -14,10 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.models.causal_lm import DecoderForCausalLM, layer_types_of
-from tokenloom.layers.decoder import GatedMLP, SelfAttention
-from tokenloom.layers.layernorm import GemmaRMSNorm
-from tokenloom.layers.rotary import rope_parameters_from_config
+from tokenloom.model_api import (
+    DecoderForCausalLM,
+    GatedMLP,
+    GemmaRMSNorm,
+    SelfAttention,
+    layer_types_of,
+    rope_parameters_from_config,
+)
 
 # transformers < 4.53 kept one RoPE config for global layers and a base for local ones
 _LEGACY_LOCAL_ROPE_THETA = 10000.0

@@ -10,10 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.models.causal_lm import DecoderForCausalLM
-from tokenloom.errors import ModelLoadError
-from tokenloom.layers.decoder import GatedMLP, SelfAttention
-from tokenloom.layers.quantization import materialize
+from tokenloom.model_api import DecoderForCausalLM, GatedMLP, ModelLoadError, SelfAttention, materialize
 
 
 class ProjectionRMSNorm(nn.Module):

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
-from tokenloom.errors import ModelLoadError
+from tokenloom.model_api import ModelLoadError
 
 
 def _rows(weight: Any, start: int, length: int) -> Any:
