@@ -16,8 +16,6 @@ from tokenloom.model_api import rope_parameters_from_config
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
-    refuse_unexpected_weights = True
-
     def make_layer(self, layer_index: int) -> nn.Module:
         return Gemma3DecoderLayer(self, layer_index, None, qk_norm=None)
 

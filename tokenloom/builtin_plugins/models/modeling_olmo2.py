@@ -115,7 +115,5 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
-    refuse_unexpected_weights = True
-
     def make_layer(self, layer_index: int) -> nn.Module:
         return Olmo2DecoderLayer(self, layer_index)

@@ -24,8 +24,6 @@ def _rows(weight: Any, start: int, length: int) -> Any:
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    refuse_unexpected_weights = True
-
     def make_layer(self, layer_index: int) -> nn.Module:
         return LlamaDecoderLayer(self, layer_index, qkv_bias=False, output_bias=False)
 
