@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
+from tokenloom.builtin_plugins.loaders.gguf_config import GGUF_ARCHITECTURES
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, GGUFTensorInfo, find_gguf_file
 from tokenloom.errors import ConfigError
 from tokenloom.plugin_api import LoadFormat, ModelLoadError
@@ -124,6 +125,8 @@ def gguf_path(path: str) -> str:
 
 class GGUFLoadFormat(LoadFormat):
     """Reads ``.gguf`` files; see the module docstring."""
+
+    architecture_names = GGUF_ARCHITECTURES
 
     def can_load(self, path: str) -> bool:
         return find_gguf_file(path) is not None
