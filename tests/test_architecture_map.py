@@ -173,11 +173,6 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
 KNOWN_EXCEPTIONS: tuple[tuple[str, str], ...] = (
     ("builtin_plugins/executors/", "tokenloom.core."),
     ("builtin_plugins/executors/worker_grid.py", "tokenloom.plugins.manager"),
-    ("builtin_plugins/platforms/", "tokenloom.core.platform"),
-    ("builtin_plugins/structured_output/", "tokenloom.core.structured_output"),
-    ("builtin_plugins/structured_output/common.py", "tokenloom.core.byte_level"),
-    ("builtin_plugins/loaders/generation_defaults.py", "tokenloom.core.generation_config"),
-    ("builtin_plugins/loaders/gguf_tokenizer.py", "tokenloom.core.byte_level"),
     ("builtin_plugins/loaders/dummy_format.py", "tokenloom.plugins.registry"),
     ("builtin_plugins/proposers/draft_model.py", "tokenloom.core."),
     ("builtin_plugins/proposers/draft_model.py", "tokenloom.plugins.registry"),
