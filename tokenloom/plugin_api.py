@@ -1,5 +1,6 @@
 """The one stable import surface for plugin authors: hook markers, decorators, and the
-interface of every plugin kind. Internal modules may move; the names here do not.
+interface of every plugin kind. Internal modules may move; the names here do not. A model
+plugin's model file imports its layers from :mod:`tokenloom.model_api` (which imports torch).
 
 Importing this module is cheap: interfaces that need torch are imported on first access.
 """

@@ -1,5 +1,6 @@
-"""What the built-in decoder-only models share: reading head size and per-layer sliding
-windows from a Hugging Face config, and :class:`DecoderForCausalLM`, the
+"""What decoder-only models share, built-in or a plugin's (through :mod:`tokenloom.model_api`):
+reading head size and per-layer sliding windows from a Hugging Face config, and
+:class:`DecoderForCausalLM`, the
 ``model.embed_tokens -> model.layers -> model.norm -> lm_head`` skeleton with forward,
 logits, weight loading and the KV-cache spec. A model file adds only its decoder layer.
 """
