@@ -204,6 +204,27 @@ def test_a_checkpoint_tensor_without_a_parameter_is_refused():
     build_model(LlamaForCausalLM, hf_model.config, [*hf_model.state_dict().items(), *buffers])
 
 
+def test_serving_a_checkpoint_with_a_tensor_the_model_lacks_fails_naming_it(tmp_path):
+    """Through the offline API, as a user meets it: the engine does not start."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenloom import LLM
+
+    hf_model = hf_llama()
+    hf_model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.2.self_attn.k_norm.weight"] = torch.ones(16)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"no parameter for: model\.layers\.2\.self_attn\.k_norm\.weight"):
+        LLM(
+            model=str(tmp_path),
+            dtype="float32",
+            max_model_len=64,
+            kv_cache_memory_bytes=2**20,
+            skip_tokenizer_init=True,
+        )
+
+
 def test_a_gguf_tensor_without_a_counterpart_is_refused(tmp_path):
     from helpers.gguf_files import write_model_gguf
 
