@@ -156,11 +156,13 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "plugins": {"errors"},
     "core": {"errors", "plugins"},
     "lora": {"errors", "layers", "kernels"},
+    "models": {"errors", "core", "layers", "kernels"},
+    "model_api": {"errors", "core", "layers", "models"},
     "chat_template": {"errors"},
     "parsing": {"errors", "core"},
     "plugin_api": {"errors", "plugins", "core", "parsing"},
     "plugin_testing": {"errors", "plugins", "core", "plugin_api"},
-    "builtin_plugins": {"errors", "plugin_api", "layers", "kernels"},
+    "builtin_plugins": {"errors", "plugin_api", "model_api", "layers", "kernels"},
     "llm": {"errors", "plugins", "core", "chat_template", "lora"},
     "api": {"errors", "plugins", "core", "chat_template", "lora", "llm", "__init__"},
     "__main__": {"api"},
@@ -171,12 +173,6 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
 KNOWN_EXCEPTIONS: tuple[tuple[str, str], ...] = (
     ("builtin_plugins/executors/", "tokenloom.core."),
     ("builtin_plugins/executors/worker_grid.py", "tokenloom.plugins.manager"),
-    ("builtin_plugins/models/", "tokenloom.core.model_interface"),
-    ("builtin_plugins/platforms/", "tokenloom.core.platform"),
-    ("builtin_plugins/structured_output/", "tokenloom.core.structured_output"),
-    ("builtin_plugins/structured_output/common.py", "tokenloom.core.byte_level"),
-    ("builtin_plugins/loaders/generation_defaults.py", "tokenloom.core.generation_config"),
-    ("builtin_plugins/loaders/gguf_tokenizer.py", "tokenloom.core.byte_level"),
     ("builtin_plugins/loaders/dummy_format.py", "tokenloom.plugins.registry"),
     ("builtin_plugins/proposers/draft_model.py", "tokenloom.core."),
     ("builtin_plugins/proposers/draft_model.py", "tokenloom.plugins.registry"),
@@ -231,6 +227,26 @@ def test_imports_follow_the_layers_except_the_known_exceptions():
     assert not violations, (
         "imports that cross ARCHITECTURE.md's layers (move the code, or list the import among the "
         "map's known exceptions and in KNOWN_EXCEPTIONS):\n" + "\n".join(violations)
+    )
+
+
+# the built-in models are written as a third party's: their only tokenloom imports are the two
+# public modules and each other
+MODEL_PLUGIN_IMPORTS = ("tokenloom.plugin_api", "tokenloom.model_api", "tokenloom.builtin_plugins.models")
+
+
+def test_built_in_models_import_only_the_public_modules():
+    models = sorted((PACKAGE / "builtin_plugins" / "models").rglob("*.py"))
+    assert len(models) > 5
+    private = [
+        f"{path.relative_to(REPO)} imports {module}"
+        for path in models
+        for module in tokenloom_imports(path)
+        if not (module in MODEL_PLUGIN_IMPORTS or module.startswith("tokenloom.builtin_plugins.models."))
+    ]
+    assert not private, (
+        "a model plugin imports from tokenloom.model_api (layers) or tokenloom.plugin_api (hooks):\n"
+        + "\n".join(private)
     )
 
 

@@ -1,5 +1,6 @@
 """The one stable import surface for plugin authors: hook markers, decorators, and the
-interface of every plugin kind. Internal modules may move; the names here do not.
+interface of every plugin kind. Internal modules may move; the names here do not. A model
+plugin's model file imports its layers from :mod:`tokenloom.model_api` (which imports torch).
 
 Importing this module is cheap: interfaces that need torch are imported on first access.
 """
@@ -16,7 +17,9 @@ from tokenloom.plugins.manager import REGISTRATION_MARK
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editors
     from tokenloom.api.protocol import ChatCompletionRequest
     from tokenloom.core.batch import AttentionMetadata, ModelRunnerOutput, SchedulerOutput
+    from tokenloom.core.byte_level import bytes_to_unicode
     from tokenloom.core.executor import Executor, WorkerSpec
+    from tokenloom.core.generation_config import read_generation_config_json
     from tokenloom.core.logits_processors import LogitsProcessor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext, ModelProtocol
@@ -42,7 +45,9 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         Constraint,
         Matcher,
         StructuredOutputBackend,
+        allocate_bitmask,
         compile_cancelled,
+        set_allowed_tokens,
     )
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
@@ -85,6 +90,12 @@ _LAZY = {
     "Constraint": "tokenloom.core.structured_output",
     "BackendOptions": "tokenloom.core.structured_output",
     "compile_cancelled": "tokenloom.core.structured_output",
+    "allocate_bitmask": "tokenloom.core.structured_output",
+    "set_allowed_tokens": "tokenloom.core.structured_output",
+    # what load formats and guided-decoding backends share with the core: GPT-2's byte-level
+    # alphabet, generation_config.json's sampling defaults
+    "bytes_to_unicode": "tokenloom.core.byte_level",
+    "read_generation_config_json": "tokenloom.core.generation_config",
     "ToolParser": "tokenloom.core.parsers",
     "ReasoningParser": "tokenloom.core.parsers",
     "ParserTokenizer": "tokenloom.core.parsers",
@@ -153,6 +164,10 @@ __all__ = [
     "Constraint",
     "BackendOptions",
     "compile_cancelled",
+    "allocate_bitmask",
+    "set_allowed_tokens",
+    "bytes_to_unicode",
+    "read_generation_config_json",
     "ToolParser",
     "ReasoningParser",
     "ParserTokenizer",

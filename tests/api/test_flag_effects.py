@@ -177,8 +177,8 @@ def test_quantization_named_must_be_registered(tiny_llama_dir):
 def test_disable_sliding_window_gives_every_layer_full_attention():
     from transformers import MistralConfig
 
-    from tokenloom.builtin_plugins.models.causal_lm import sliding_windows_of
     from tokenloom.core.config import ModelConfig
+    from tokenloom.model_api import sliding_windows_of
 
     config = MistralConfig(num_hidden_layers=3, sliding_window=5)
     assert sliding_windows_of(config) == [5, 5, 5]

@@ -1,9 +1,8 @@
 """load_checkpoint_weights: stacked shards, plain parameters of custom modules, skipped
-prefixes and unknown tensors, and missing tensors named in the error."""
+prefixes, unknown tensors refused by name unless the model lists them as ignorable, and missing
+tensors named in the error."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from tokenloom.errors import ModelLoadError
 from tokenloom.layers.decoder import GatedMLP
 from tokenloom.layers.layernorm import RMSNorm
-from tokenloom.layers.weight_loading import load_checkpoint_weights
+from tokenloom.layers.weight_loading import ROTARY_BUFFERS, load_checkpoint_weights
 
 
 class Block(nn.Module):
@@ -31,14 +30,12 @@ def checkpoint():
         "mlp.down_proj.weight": torch.randn(4, 6, generator=generator),
         "norm.weight": torch.randn(4, generator=generator),
         "gate_scale": torch.tensor([1.5, 2.5]),
-        "rotary_emb.inv_freq": torch.ones(2),
     }
 
 
-def test_loads_shards_plain_parameters_and_reports_names(caplog):
+def test_loads_shards_plain_parameters_and_reports_names():
     block, weights = Block(), checkpoint()
-    with caplog.at_level(logging.WARNING):
-        loaded = load_checkpoint_weights(block, [*weights.items(), ("vision.proj.weight", torch.ones(1))])
+    loaded = load_checkpoint_weights(block, weights.items())
     assert loaded == {"mlp.gate_up_proj.weight", "mlp.down_proj.weight", "norm.weight", "gate_scale"}
     # linear weights are oneDNN-packed once loaded: to_dense() reads their values back
     torch.testing.assert_close(
@@ -46,15 +43,32 @@ def test_loads_shards_plain_parameters_and_reports_names(caplog):
         torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]),
     )
     torch.testing.assert_close(block.gate_scale, torch.tensor([1.5, 2.5]))
-    assert "vision.proj.weight" in caplog.text
 
 
-def test_a_model_that_asks_refuses_unknown_tensors_by_name():
+def test_a_tensor_no_parameter_takes_is_refused_by_name():
+    """A model without, say, q/k norms would serve wrong text if their tensors were dropped."""
     weights = [*checkpoint().items(), ("self_attn.q_norm.weight", torch.ones(4))]
-    with pytest.raises(ModelLoadError, match=r"Block has no parameter for: self_attn\.q_norm\.weight"):
-        load_checkpoint_weights(Block(), weights, refuse_unexpected=True)
-    # exporter buffers and skipped prefixes are still no error
-    load_checkpoint_weights(Block(), checkpoint().items(), refuse_unexpected=True, skip_prefixes=("vision.",))
+    with pytest.raises(
+        ModelLoadError, match=r"Block has no parameter for: self_attn\.q_norm\.weight; .*ignored_checkpoint_weights"
+    ):
+        load_checkpoint_weights(Block(), weights)
+    # skipped prefixes are still no error
+    load_checkpoint_weights(
+        Block(), [*checkpoint().items(), ("vision.proj.weight", torch.ones(1))], skip_prefixes=("vision.",)
+    )
+
+
+def test_ignored_patterns_leave_only_the_tensors_they_match_unread():
+    extra = {
+        "rotary_emb.inv_freq": torch.ones(2),
+        "layers.3.self_attn.rotary_emb.cos_cached": torch.ones(2),
+        "vision.tower.0.weight": torch.ones(3),
+    }
+    weights = [*checkpoint().items(), *extra.items()]
+    loaded = load_checkpoint_weights(Block(), weights, ignored=(*ROTARY_BUFFERS, "vision.*"))
+    assert loaded == {"mlp.gate_up_proj.weight", "mlp.down_proj.weight", "norm.weight", "gate_scale"}
+    with pytest.raises(ModelLoadError, match=r"has no parameter for: vision\.tower\.0\.weight;"):
+        load_checkpoint_weights(Block(), weights, ignored=ROTARY_BUFFERS)
 
 
 def test_missing_shard_is_named():
@@ -72,7 +86,7 @@ def test_skip_prefixes_neither_load_nor_require():
     assert "norm.weight" not in loaded
 
 
-def test_rename_maps_and_drops_names():
+def test_rename_maps_checkpoint_names_to_the_model_s():
     weights = {"inner." + name: tensor for name, tensor in checkpoint().items()}
     loaded = load_checkpoint_weights(Block(), weights.items(), rename=lambda name: name.removeprefix("inner."))
     assert "norm.weight" in loaded

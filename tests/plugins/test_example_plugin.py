@@ -1,5 +1,6 @@
-"""The third-party example plugin (examples/tokenloom-example-plugin): its tool parser and model
-source work, and once pip-installed it is discovered through its real entry-point metadata."""
+"""The third-party example plugin (examples/tokenloom-example-plugin): its tool parser, model
+source and model (ArceeForCausalLM, built from tokenloom.model_api alone) work, and once
+pip-installed it is discovered through its real entry-point metadata and serves its model."""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def example_modules():
         from tokenloom_example_plugin import call_tags, example_source
 
         yield call_tags, example_source
+    finally:
+        sys.path.remove(str(EXAMPLE_DIR))
+        for name in [name for name in sys.modules if name.startswith("tokenloom_example_plugin")]:
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def example_model_file():
+    """The example's model file imported from its source directory (no installation)."""
+    sys.path.insert(0, str(EXAMPLE_DIR))
+    try:
+        from tokenloom_example_plugin import modeling_arcee
+
+        yield modeling_arcee
     finally:
         sys.path.remove(str(EXAMPLE_DIR))
         for name in [name for name in sys.modules if name.startswith("tokenloom_example_plugin")]:
@@ -153,6 +168,66 @@ def test_model_source_says_which_variable_to_set(example_modules, monkeypatch):
         example_source.ExampleModelSource().resolve("example:")
 
 
+# -- the model ---------------------------------------------------------------------------------------
+
+ARCEE_PROMPTS = [[5, 17, 99, 3, 42, 7], [120, 4], [33, 61, 2, 90, 11, 150, 23, 8]]
+
+
+def hf_arcee(seed: int = 0, **overrides):
+    import torch
+    from helpers.model_parity import randomize_parameters
+    from transformers import ArceeConfig, ArceeForCausalLM
+
+    tiny = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return randomize_parameters(ArceeForCausalLM(ArceeConfig(**{**tiny, **overrides})).eval(), seed)
+
+
+def test_the_model_file_imports_only_the_public_model_api():
+    source = (EXAMPLE_DIR / "tokenloom_example_plugin" / "modeling_arcee.py").read_text(encoding="utf-8")
+    imported = {
+        line.split()[1] for line in source.splitlines() if line.startswith(("from tokenloom", "import tokenloom"))
+    }
+    assert imported == {"tokenloom.model_api"}
+
+
+def test_plugins_md_shows_the_model_file_whole():
+    source = (EXAMPLE_DIR / "tokenloom_example_plugin" / "modeling_arcee.py").read_text(encoding="utf-8")
+    plugins_md = (EXAMPLE_DIR.parents[1] / "PLUGINS.md").read_text(encoding="utf-8")
+    assert f"```python\n{source}```" in plugins_md, "copy modeling_arcee.py into PLUGINS.md's register_models example"
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}])
+def test_the_example_model_matches_transformers(example_model_file, overrides):
+    from helpers.model_parity import assert_matches_transformers, build_model
+
+    hf_model = hf_arcee(seed=3, **overrides)
+    model, loaded = build_model(example_model_file.ArceeForCausalLM, hf_model.config, hf_model.state_dict().items())
+    assert {"model.layers.2.mlp.up_proj.weight", "model.layers.2.self_attn.qkv_proj.weight"} <= loaded
+    assert_matches_transformers(model, hf_model, ARCEE_PROMPTS, num_new_tokens=6)
+
+
+def test_the_example_model_refuses_a_gated_checkpoint_by_name(example_model_file):
+    """A Llama checkpoint under Arcee's name: its gate_proj has no parameter here."""
+    import torch
+    from helpers.model_parity import build_model
+
+    hf_model = hf_arcee()
+    weights = [*hf_model.state_dict().items(), ("model.layers.0.mlp.gate_proj.weight", torch.ones(96, 64))]
+    with pytest.raises(ModelLoadError, match=r"no parameter for: model\.layers\.0\.mlp\.gate_proj\.weight"):
+        build_model(example_model_file.ArceeForCausalLM, hf_model.config, weights)
+
+
 # -- installed with pip, discovered through its entry point ------------------------------------------
 
 
@@ -200,6 +275,7 @@ def run_tokenloom(args: list[str], pythonpath: Path | None, **env_updates) -> su
 
 @pytest.mark.hook("register_tool_parsers")
 @pytest.mark.hook("register_model_sources")
+@pytest.mark.hook("register_models")
 def test_tokenloom_plugins_lists_the_installed_example(installed_example):
     assert list(installed_example.glob("tokenloom_example_plugin-0.1.0.dist-info/entry_points.txt"))
     result = run_tokenloom(["plugins", "--json"], installed_example)
@@ -207,7 +283,11 @@ def test_tokenloom_plugins_lists_the_installed_example(installed_example):
     listing = json.loads(result.stdout)
     [example] = [plugin for plugin in listing["plugins"] if plugin["name"] == "example"]
     assert example["origin"] == "tokenloom-example-plugin 0.1.0"
-    assert example["registered"] == {"tool_parser": ["example_call_tags"], "model_source": ["example"]}
+    assert example["registered"] == {
+        "tool_parser": ["example_call_tags"],
+        "model_source": ["example"],
+        "model": ["ArceeForCausalLM"],
+    }
     # the text listing shows it too
     text = run_tokenloom(["plugins"], installed_example, TOKENLOOM_PLUGINS="example")
     assert "example  (tokenloom-example-plugin 0.1.0)" in text.stdout
@@ -242,3 +322,37 @@ def test_installed_example_resolves_lazily_and_works(installed_example, tmp_path
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report == {"lazy": True, "calls": [["f", '{"x": 1}']], "path": str(tmp_path / "tiny"), "heavy": []}
+
+
+def test_installed_example_model_is_listed_and_serves_transformers_greedy_tokens(installed_example, tmp_path):
+    """The worked example of PLUGINS.md end to end: pip-installed, ``tokenloom models`` lists its
+    architecture, and ``LLM(model=...)`` on an Arcee checkpoint finds the model through the entry
+    point and generates transformers' greedy tokens."""
+    from helpers.model_parity import assert_greedy_agrees, hf_greedy_top_k
+
+    listing = run_tokenloom(["models", "--json"], installed_example)
+    assert listing.returncode == 0, listing.stderr
+    [row] = [row for row in json.loads(listing.stdout)["architectures"] if row["architecture"] == "ArceeForCausalLM"]
+    assert (row["plugin"], row["origin"], row["runner"]) == ("example", "tokenloom-example-plugin 0.1.0", "generate")
+
+    hf_model = hf_arcee(seed=5)
+    hf_model.save_pretrained(tmp_path / "arcee")
+    expected = [hf_greedy_top_k(hf_model, prompt, 8) for prompt in ARCEE_PROMPTS]
+    assert all(len(set(tokens)) > 3 for tokens, _ in expected), "greedy decoding is degenerate"
+    serve = textwrap.dedent(f"""
+        import json
+        from helpers.model_parity import served_greedy_top_k
+        from tokenloom import LLM
+
+        llm = LLM(model={str(tmp_path / "arcee")!r}, dtype="float32", max_model_len=64,
+                  kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
+        served = served_greedy_top_k(llm, {ARCEE_PROMPTS!r}, 8)
+        print(json.dumps([[tokens, [sorted(step) for step in top]] for tokens, top in served]))
+    """)
+    tests_dir = Path(__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items() if key != "TOKENLOOM_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(installed_example), str(tests_dir), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", serve], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    served = [(tokens, [set(step) for step in top]) for tokens, top in json.loads(result.stdout.splitlines()[-1])]
+    assert_greedy_agrees(served, expected)

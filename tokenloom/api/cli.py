@@ -1,6 +1,6 @@
 """The ``tokenloom`` command line: ``serve`` (its flags parsed in :mod:`tokenloom.api.serve_args`,
 its help rendered in :mod:`tokenloom.api.serve_help`), ``bench`` (:mod:`tokenloom.api.bench`),
-``plugins``, ``chat``, ``complete`` and ``version``.
+``plugins``, ``models``, ``chat``, ``complete`` and ``version``.
 
 A subcommand is one function registered with :func:`subcommand`. Nothing heavy (torch,
 transformers, plugin modules) is imported before a command needs it, so ``--help`` and
@@ -213,6 +213,41 @@ def plugins_command(argv: list[str]) -> int:
         for kind, name, cause in unresolved:
             print(f"  {kind} {name!r}: {cause}")
         return 1 if failed else 0
+    return 0
+
+
+@subcommand("models", "list the model architectures tokenloom serves: runner, load formats, plugin")
+def models_command(argv: list[str]) -> int:
+    parser = ConfigErrorParser(
+        prog="tokenloom models",
+        description="List every model architecture tokenloom serves natively (built in or added by a plugin).",
+    )
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON instead of text")
+    output.add_argument("--markdown", action="store_true", help="print the Markdown table of docs/models.md")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also load this importable module as a plugin (repeatable)",
+    )
+    if any(token in ("-h", "--help") for token in argv):
+        print(parser.format_help())
+        return 0
+    options = parser.parse_args(argv)
+    from tokenloom.api.model_catalog import architecture_rows, render_json, render_markdown, render_text
+    from tokenloom.plugins.manager import load_plugins
+
+    with _quiet_logger("tokenloom.plugins.manager"):
+        plugin_set = load_plugins(modules=options.plugin)
+    rows = architecture_rows(plugin_set)
+    if options.json:
+        print(json.dumps(render_json(rows), indent=2))
+    elif options.markdown:
+        sys.stdout.write(render_markdown(rows))
+    else:
+        print(render_text(rows))
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -41,6 +41,11 @@ class LoadFormat:
     Registered with ``register_load_formats``. ``can_load``, ``load_config`` and
     ``load_tokenizer`` run in the main process; ``iterate_weights`` runs in the worker.
     """
+
+    #: the model architectures the format reads, by its own name for each -> the registered
+    #: architecture it loads as (``gguf``: llama.cpp's ``{"llama": "LlamaForCausalLM", ...}``);
+    #: None: any architecture, under the name the files' config gives. ``tokenloom models`` shows it.
+    architecture_names: ClassVar[dict[str, str] | None] = None
 
     def can_load(self, path: str) -> bool:
         """True when this format can read the files at ``path`` (for ``--load-format auto``)."""

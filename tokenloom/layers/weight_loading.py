@@ -1,14 +1,14 @@
 """Loading checkpoint tensors, by their Hugging Face names, into a model built from
 tokenloom layers: fused projections take their shards through a stacked-parameter mapping,
 every other tensor goes to the module at its dotted path. A missing tensor is an error that
-names it; a checkpoint tensor the model has no place for is logged and skipped, or, for a model
-that asks (``refuse_unexpected``), an error naming it too.
+names it, and so is a checkpoint tensor the model has no place for, unless the model lists it as
+ignorable: a model that dropped, say, its q/k norms would otherwise serve wrong text silently.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -17,8 +17,6 @@ from torch import nn
 from tokenloom.errors import ModelLoadError
 from tokenloom.layers.linear import LinearBase, process_weights_after_loading
 from tokenloom.layers.quantization import materialize
-
-logger = logging.getLogger(__name__)
 
 # (fused sub-module, checkpoint sub-module, shard id) of the common decoder projections
 DECODER_STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
@@ -29,8 +27,8 @@ DECODER_STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
     ("gate_up_proj", "up_proj", 1),
 )
 
-# checkpoint entries that are not weights (buffers some exporters save)
-_NON_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# checkpoint entries that are not weights: the rotary buffers some exporters save
+ROTARY_BUFFERS = ("*rotary_emb.inv_freq", "*rotary_emb.cos_cached", "*rotary_emb.sin_cached")
 
 
 def _expected_entries(model: nn.Module, skip_prefixes: tuple[str, ...]) -> set[tuple[str, str, Any]]:
@@ -63,17 +61,19 @@ def load_checkpoint_weights(
     weights: Iterable[tuple[str, Any]],
     *,
     stacked_params: Iterable[tuple[str, str, Any]] = DECODER_STACKED_PARAMS,
-    rename: Callable[[str], str | None] | None = None,
+    rename: Callable[[str], str] | None = None,
     skip_prefixes: tuple[str, ...] = (),
-    refuse_unexpected: bool = False,
+    ignored: tuple[str, ...] = (),
 ) -> set[str]:
     """Load ``(hf_name, tensor)`` pairs into ``model`` and run each linear layer's
     ``process_weights_after_loading``; returns the model parameter names filled.
 
-    :param rename: maps a checkpoint name to the model's name, or None to skip it.
+    A checkpoint tensor no module takes is a ModelLoadError naming it.
+
+    :param rename: maps a checkpoint name to the model's name.
     :param skip_prefixes: model names not loaded and not required (e.g. a tied ``lm_head.``).
-    :param refuse_unexpected: a checkpoint tensor no module takes is a ModelLoadError naming it
-        (a model that skipped, say, its q/k norms would serve wrong text), not a warning.
+    :param ignored: shell-style patterns (:func:`fnmatch.fnmatchcase`; ``*`` crosses dots) of
+        checkpoint names the model may leave unread, e.g. :data:`ROTARY_BUFFERS`.
     """
     modules = dict(model.named_modules())
     stacked_params = [(f".{fused}.", f".{original}.", shard_id) for fused, original, shard_id in stacked_params]
@@ -81,7 +81,9 @@ def load_checkpoint_weights(
     unexpected: list[str] = []
     for checkpoint_name, loaded_weight in weights:
         name = rename(checkpoint_name) if rename else checkpoint_name
-        if name is None or name.startswith(skip_prefixes) or name.endswith(_NON_WEIGHT_SUFFIXES):
+        if name.startswith(skip_prefixes):
+            continue
+        if any(fnmatchcase(checkpoint_name, pattern) for pattern in ignored):
             continue
         shard_id = None
         dotted = "." + name  # so a top-level "q_proj.weight" matches ".q_proj." too
@@ -110,15 +112,12 @@ def load_checkpoint_weights(
             for path, param, shard in missing
         )
         raise ModelLoadError(f"the checkpoint lacks {len(names)} weight(s) the model needs: {', '.join(names[:10])}")
-    if unexpected and refuse_unexpected:
+    if unexpected:
         raise ModelLoadError(
             f"the checkpoint holds {len(unexpected)} tensor(s) {type(model).__name__} has no parameter for: "
             f"{', '.join(unexpected[:10])}; it is not the architecture its config names, or a variant of "
-            "it tokenloom does not implement"
-        )
-    if unexpected:
-        logger.warning(
-            "skipped %d checkpoint tensor(s) the model has no place for, e.g. %s", len(unexpected), unexpected[:5]
+            "it tokenloom does not implement (a model plugin names the tensors it may leave unread in "
+            "its ignored_checkpoint_weights)"
         )
     process_weights_after_loading(model)
     filled = {f"{path}.{param}" if path else param for path, param, _ in loaded}

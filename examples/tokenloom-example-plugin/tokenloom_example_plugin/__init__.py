@@ -1,5 +1,6 @@
 """tokenloom-example-plugin: the hooks only. Targets are "module:Class" strings, imported by
-tokenloom on first use, so loading this plugin imports nothing else."""
+tokenloom on first use, so loading this plugin imports nothing else (no torch: the model file
+is imported by the worker that builds the model)."""
 
 from tokenloom.plugin_api import hookimpl
 
@@ -12,3 +13,8 @@ def register_tool_parsers(register):
 @hookimpl
 def register_model_sources(register):
     register("example", "tokenloom_example_plugin.example_source:ExampleModelSource")
+
+
+@hookimpl
+def register_models(register):
+    register("ArceeForCausalLM", "tokenloom_example_plugin.modeling_arcee:ArceeForCausalLM")

@@ -13,8 +13,13 @@ import pytest
 from gguf import GGUFWriter
 from helpers.gguf_files import byte_level_vocab, finish, write_metadata_only_gguf
 
-from tokenloom.builtin_plugins.loaders.gguf_config import GGUFModelConfig, gguf_to_hf_config
-from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+from tokenloom.builtin_plugins.loaders.gguf_config import (
+    GGUF_ARCHITECTURES,
+    GGUF_CONFIG_BUILDERS,
+    GGUFModelConfig,
+    gguf_to_hf_config,
+)
+from tokenloom.builtin_plugins.loaders.gguf_format import BLOCK_NAMES, GGUFLoadFormat
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
 from tokenloom.core.config import ModelConfig
 from tokenloom.core.model_loader import apply_rope_overrides, resolve_dtype
@@ -249,3 +254,13 @@ def test_a_mixture_of_experts_file_is_refused_as_one_whatever_its_architecture(t
     )
     with pytest.raises(ModelLoadError, match=r"Mixtral-style: llama architecture with 6 experts\)"):
         gguf_to_hf_config(GGUFFile(path))
+
+
+def test_every_gguf_architecture_has_a_config_a_tensor_map_and_a_model():
+    """One table names what each llama.cpp architecture loads as (``tokenloom models`` shows it):
+    a GGUF architecture added to one of the three tables and not the others fails here."""
+    from tokenloom.builtin_plugins.models import MODELS
+
+    assert set(GGUF_ARCHITECTURES) == set(GGUF_CONFIG_BUILDERS) == set(BLOCK_NAMES)
+    assert set(GGUF_ARCHITECTURES.values()) <= set(MODELS)
+    assert GGUFLoadFormat.architecture_names is GGUF_ARCHITECTURES

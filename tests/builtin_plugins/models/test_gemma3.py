@@ -13,6 +13,7 @@ from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditiona
 
 from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from tokenloom.errors import ModelLoadError
 
 PROMPTS = [[2, 17, 99, 3, 42, 7, 8, 140, 66], [2, 120, 4], [2, 33, 61, 5, 90, 11, 150, 23, 8, 77, 5, 64, 31]]
 
@@ -124,6 +125,16 @@ def test_gemma3_conditional_generation_accepts_legacy_checkpoint_names():
     model, loaded = build_model(Gemma3ForConditionalGeneration, config, legacy.items())
     expected, _ = build_model(Gemma3ForCausalLM, config, hf_model.state_dict().items())
     torch.testing.assert_close(model.state_dict(), expected.state_dict())
+
+
+def test_gemma3_conditional_generation_refuses_what_is_neither_text_nor_vision():
+    config = tiny_text_config()
+    hf_model = perturb_parameters(HFGemma3ForCausalLM(config).eval(), seed=6)
+    weights = [("language_model." + name, tensor) for name, tensor in hf_model.state_dict().items()]
+    weights += [("vision_tower.vision_model.post_layernorm.weight", torch.zeros(3))]  # ignored
+    weights += [("model.audio_tower.proj.weight", torch.zeros(3))]
+    with pytest.raises(ModelLoadError, match=r"has no parameter for: model\.audio_tower\.proj\.weight"):
+        build_model(Gemma3ForConditionalGeneration, config, weights)
 
 
 def test_registration():

@@ -6,6 +6,7 @@ a mixture-of-experts config."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers.model_parity import (
@@ -188,6 +189,58 @@ def test_wrong_shape_names_the_checkpoint_tensor():
     weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     with pytest.raises(ModelLoadError, match="up_proj"):
         build_model(LlamaForCausalLM, hf_model.config, weights.items())
+
+
+def test_a_checkpoint_tensor_without_a_parameter_is_refused():
+    """A Qwen3-style q/k norm given to Llama would be dropped and the model serve wrong text."""
+    hf_model = hf_llama()
+    weights = [*hf_model.state_dict().items(), ("model.layers.1.self_attn.q_norm.weight", torch.ones(16))]
+    with pytest.raises(
+        ModelLoadError, match=r"LlamaForCausalLM has no parameter for: model\.layers\.1\.self_attn\.q_norm\.weight"
+    ):
+        build_model(LlamaForCausalLM, hf_model.config, weights)
+    # the rotary buffers some exporters save are no weights: ignored
+    buffers = [(f"model.layers.{index}.self_attn.rotary_emb.inv_freq", torch.ones(8)) for index in range(3)]
+    build_model(LlamaForCausalLM, hf_model.config, [*hf_model.state_dict().items(), *buffers])
+
+
+def test_serving_a_checkpoint_with_a_tensor_the_model_lacks_fails_naming_it(tmp_path):
+    """Through the offline API, as a user meets it: the engine does not start."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenloom import LLM
+
+    hf_model = hf_llama()
+    hf_model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.2.self_attn.k_norm.weight"] = torch.ones(16)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"no parameter for: model\.layers\.2\.self_attn\.k_norm\.weight"):
+        LLM(
+            model=str(tmp_path),
+            dtype="float32",
+            max_model_len=64,
+            kv_cache_memory_bytes=2**20,
+            skip_tokenizer_init=True,
+        )
+
+
+def test_a_gguf_tensor_without_a_counterpart_is_refused(tmp_path):
+    from helpers.gguf_files import write_model_gguf
+
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+    from tokenloom.core.config import LoadConfig, ModelConfig
+
+    hf_model = hf_llama()
+    path = write_model_gguf(
+        str(tmp_path / "model.gguf"),
+        "llama",
+        hf_model.config,
+        hf_model.state_dict(),
+        extra_tensors={"blk.0.attn_q_norm.weight": np.ones(16, np.float32)},
+    )
+    with pytest.raises(ModelLoadError, match=r"GGUF tensor blk\.0\.attn_q_norm\.weight .* no counterpart"):
+        list(GGUFLoadFormat().iterate_weights(path, ModelConfig(), LoadConfig(use_tqdm_on_load=False)))
 
 
 def test_kv_cache_spec_and_registration():

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, find_gguf_file
 from tokenloom.builtin_plugins.loaders.hf_files import model_directory
-from tokenloom.core.generation_config import read_generation_config_json
+from tokenloom.plugin_api import read_generation_config_json
 
 # llama.cpp's general.sampling.* keys
 GGUF_KEYS = {

@@ -212,7 +212,6 @@ def _rope_parameters(gguf: GGUFFile, default_theta: float, rotary_dim: int) -> d
 def _llama_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
-        "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": 32000,
         "hidden_act": "silu",
@@ -239,7 +238,6 @@ def _qwen2_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
         **_qwen_fields(gguf),
-        "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
     }
     rotary_dim = fields["hidden_size"] // fields["num_attention_heads"]
@@ -251,7 +249,6 @@ def _qwen3_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
         **_qwen_fields(gguf),
-        "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "attention_bias": False,
     }
@@ -287,7 +284,6 @@ def _qwen_fields(gguf: GGUFFile) -> dict[str, Any]:
 def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
-        "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
         "vocab_size": 262_208,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -336,7 +332,6 @@ def _gemma3_config(gguf: GGUFFile) -> GGUFModelConfig:
 def _gemma2_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
-        "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
         "vocab_size": 256_000,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -382,7 +377,6 @@ def _olmo2_config(gguf: GGUFFile) -> GGUFModelConfig:
         )
     fields = {
         **_pretrained_config_defaults(),
-        "architectures": ["Olmo2ForCausalLM"],
         "model_type": "olmo2",
         "vocab_size": 50304,
         "hidden_act": "silu",
@@ -418,7 +412,6 @@ def _granite_config(gguf: GGUFFile) -> GGUFModelConfig:
     # llama.cpp reads an absent (or zero) multiplier as none, and an absent attention scale as 1/sqrt(head size)
     attention_scale = float(gguf.arch_get("attention.scale", 0.0))
     fields.update(
-        architectures=["GraniteForCausalLM"],
         model_type="granite",
         embedding_multiplier=float(gguf.arch_get("embedding_scale", 0.0)) or 1.0,
         residual_multiplier=float(gguf.arch_get("residual_scale", 0.0)) or 1.0,
@@ -435,7 +428,6 @@ PHI3_ROPE_FACTOR_TENSORS = {"long_factor": "rope_factors_long.weight", "short_fa
 def _phi3_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = {
         **_pretrained_config_defaults(),
-        "architectures": ["Phi3ForCausalLM"],
         "model_type": "phi3",
         "vocab_size": 32064,
         "resid_pdrop": 0.0,
@@ -487,6 +479,18 @@ def _float_tensor(gguf: GGUFFile, name: str, length: int) -> list[float]:
     return [float(value) for value in gguf.tensor_data(info).view(dtype)]
 
 
+# llama.cpp's architecture name -> the model architecture it is served as (the config's ``architectures``)
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
 GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
@@ -533,4 +537,6 @@ def gguf_to_hf_config(gguf: GGUFFile) -> GGUFModelConfig:
             f"GGUF file {gguf.path} holds a model of architecture {gguf.architecture or '(none)'!r}, "
             f"which tokenloom cannot load from GGUF; supported architectures: {', '.join(sorted(GGUF_CONFIG_BUILDERS))}"
         )
-    return builder(gguf)
+    config = builder(gguf)
+    config.architectures = [GGUF_ARCHITECTURES[gguf.architecture]]
+    return config

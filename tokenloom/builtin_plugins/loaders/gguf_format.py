@@ -8,18 +8,16 @@ memory-mapped file; the ``gguf`` quantization method dequantizes them.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Iterator
 from typing import Any
 
 from tokenloom.builtin_plugins.loaders import hf_files
+from tokenloom.builtin_plugins.loaders.gguf_config import GGUF_ARCHITECTURES
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile, GGUFTensorInfo, find_gguf_file
 from tokenloom.errors import ConfigError
 from tokenloom.plugin_api import LoadFormat, ModelLoadError
-
-logger = logging.getLogger(__name__)
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _DECODER_BLOCK_NAMES = {
@@ -81,9 +79,6 @@ IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factor
 ROPE_PERMUTED_ARCHITECTURES = ("llama", "granite")
 # architectures whose norms llama.cpp stores as ``1 + w`` (the HF modules compute ``x * (1 + w)``)
 OFFSET_NORM_ARCHITECTURES = ("gemma2", "gemma3")
-# architectures whose every tensor must map to a parameter: one that does not is an error, since
-# serving the model without it would compute something else (the older ones only warn)
-STRICT_ARCHITECTURES = ("gemma2", "olmo2", "granite", "phi3")
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -130,6 +125,8 @@ def gguf_path(path: str) -> str:
 
 class GGUFLoadFormat(LoadFormat):
     """Reads ``.gguf`` files; see the module docstring."""
+
+    architecture_names = GGUF_ARCHITECTURES
 
     def can_load(self, path: str) -> bool:
         return find_gguf_file(path) is not None
@@ -184,14 +181,11 @@ class GGUFLoadFormat(LoadFormat):
         ):
             hf_name = hf_tensor_name(architecture, info.name)
             if hf_name is None:
-                if architecture in STRICT_ARCHITECTURES and info.name not in IGNORED_TENSORS:
+                # serving the model without the tensor would compute something else
+                if info.name not in IGNORED_TENSORS:
                     raise ModelLoadError(
                         f"GGUF tensor {info.name} of {gguf.path} has no counterpart in tokenloom's "
                         f"{architecture} model: the file is of a variant tokenloom does not implement"
-                    )
-                if info.name not in IGNORED_TENSORS:
-                    logger.warning(
-                        "GGUF tensor %s of %s has no Hugging Face counterpart; skipped", info.name, gguf.path
                     )
                 continue
             weight = _tensor(gguf, info)

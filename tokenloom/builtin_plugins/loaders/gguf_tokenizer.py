@@ -25,8 +25,8 @@ from typing import Any
 
 from tokenloom.builtin_plugins.loaders.derived_cache import DerivedCache
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
-from tokenloom.core.byte_level import bytes_to_unicode
 from tokenloom.errors import ModelLoadError
+from tokenloom.plugin_api import bytes_to_unicode
 
 logger = logging.getLogger(__name__)
 

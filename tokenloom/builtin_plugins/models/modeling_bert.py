@@ -18,13 +18,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenloom.core.model_interface import KVCacheSpec, ModelContext
-from tokenloom.errors import ConfigError
-from tokenloom.layers.attention import Attention
-from tokenloom.layers.embedding import VocabParallelEmbedding
-from tokenloom.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tokenloom.layers.pooler import Pooler
-from tokenloom.layers.weight_loading import load_checkpoint_weights
+from tokenloom.model_api import (
+    Attention,
+    ColumnParallelLinear,
+    ConfigError,
+    KVCacheSpec,
+    ModelContext,
+    Pooler,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_checkpoint_weights,
+)
 
 # checkpoint projection names -> the fused QKV projection's shards
 BERT_STACKED_PARAMS = (
@@ -32,9 +37,6 @@ BERT_STACKED_PARAMS = (
     ("qkv_proj", "key", "k"),
     ("qkv_proj", "value", "v"),
 )
-# checkpoint tensors outside the encoder: BERT's next-sentence pooler, pre-training heads,
-# the position-id buffer
-_SKIPPED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -151,6 +153,15 @@ class BertModel(nn.Module):
     sentence-transformers files or ``--pooler-config`` say otherwise)."""
 
     default_pooling_type = "CLS"
+    #: checkpoint tensors outside the encoder: BERT's next-sentence pooler, the pre-training
+    #: heads, the position-id buffer (with or without a head model's ``bert.`` prefix)
+    ignored_checkpoint_weights = (
+        "pooler.*",
+        "bert.pooler.*",
+        "cls.*",
+        "embeddings.position_ids",
+        "bert.embeddings.position_ids",
+    )
 
     def __init__(self, ctx: ModelContext):
         super().__init__()
@@ -185,12 +196,10 @@ class BertModel(nn.Module):
         )
 
     @staticmethod
-    def checkpoint_name(name: str) -> str | None:
+    def checkpoint_name(name: str) -> str:
         """Checkpoints of BERT with a head prefix the encoder ``bert.``; old ones name
         LayerNorm parameters ``gamma``/``beta``."""
         name = name.removeprefix("bert.")
-        if name.startswith(_SKIPPED_PREFIXES):
-            return None
         if name.endswith(".gamma"):
             return name[: -len("gamma")] + "weight"
         if name.endswith(".beta"):
@@ -198,4 +207,10 @@ class BertModel(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return load_checkpoint_weights(self, weights, stacked_params=BERT_STACKED_PARAMS, rename=self.checkpoint_name)
+        return load_checkpoint_weights(
+            self,
+            weights,
+            stacked_params=BERT_STACKED_PARAMS,
+            rename=self.checkpoint_name,
+            ignored=self.ignored_checkpoint_weights,
+        )

@@ -12,12 +12,10 @@ from typing import Any
 from torch import nn
 
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
-from tokenloom.layers.rotary import rope_parameters_from_config
+from tokenloom.model_api import rope_parameters_from_config
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
-    refuse_unexpected_weights = True
-
     def make_layer(self, layer_index: int) -> nn.Module:
         return Gemma3DecoderLayer(self, layer_index, None, qk_norm=None)
 

@@ -14,10 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM, layer_types_of
-from tokenloom.layers.decoder import GatedMLP, SelfAttention
-from tokenloom.layers.layernorm import GemmaRMSNorm
-from tokenloom.layers.rotary import rope_parameters_from_config
+from tokenloom.model_api import (
+    DecoderForCausalLM,
+    GatedMLP,
+    GemmaRMSNorm,
+    SelfAttention,
+    layer_types_of,
+    rope_parameters_from_config,
+)
 
 # transformers < 4.53 kept one RoPE config for global layers and a base for local ones
 _LEGACY_LOCAL_ROPE_THETA = 10000.0
@@ -94,6 +98,15 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """The language model of a multimodal Gemma 3 checkpoint; vision weights are skipped."""
 
+    # the vision tower and its projector, under either naming (transformers >= 4.52 first)
+    ignored_checkpoint_weights = (
+        *Gemma3ForCausalLM.ignored_checkpoint_weights,
+        "model.vision_tower.*",
+        "model.multi_modal_projector.*",
+        "vision_tower.*",
+        "multi_modal_projector.*",
+    )
+
     # checkpoint prefixes of the language model: transformers >= 4.52 names first
     _TEXT_PREFIXES = (
         ("model.language_model.", "model."),
@@ -106,8 +119,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def text_config(hf_config):
         return getattr(hf_config, "text_config", hf_config)
 
-    def checkpoint_name(self, name: str) -> str | None:
+    def checkpoint_name(self, name: str) -> str:
         for prefix, replacement in self._TEXT_PREFIXES:
             if name.startswith(prefix):
                 return replacement + name[len(prefix) :]
-        return None
+        return name

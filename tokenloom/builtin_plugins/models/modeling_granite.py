@@ -38,8 +38,6 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
-    refuse_unexpected_weights = True
-
     def make_layer(self, layer_index: int) -> nn.Module:
         return GraniteDecoderLayer(self, layer_index)
 

@@ -9,10 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
-from tokenloom.core.model_interface import mixture_of_experts_error
-from tokenloom.layers.decoder import GatedMLP, SelfAttention
-from tokenloom.layers.fused_decode import FusedDecodeLayer
+from tokenloom.model_api import DecoderForCausalLM, FusedDecodeLayer, GatedMLP, SelfAttention, mixture_of_experts_error
 
 
 class LlamaDecoderLayer(nn.Module):

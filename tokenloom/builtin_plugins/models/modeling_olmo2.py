@@ -10,10 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.builtin_plugins.models.causal_lm import DecoderForCausalLM
-from tokenloom.errors import ModelLoadError
-from tokenloom.layers.decoder import GatedMLP, SelfAttention
-from tokenloom.layers.quantization import materialize
+from tokenloom.model_api import DecoderForCausalLM, GatedMLP, ModelLoadError, SelfAttention, materialize
 
 
 class ProjectionRMSNorm(nn.Module):
@@ -118,7 +115,5 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
-    refuse_unexpected_weights = True
-
     def make_layer(self, layer_index: int) -> nn.Module:
         return Olmo2DecoderLayer(self, layer_index)

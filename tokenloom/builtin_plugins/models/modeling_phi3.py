@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
-from tokenloom.errors import ModelLoadError
+from tokenloom.model_api import ModelLoadError
 
 
 def _rows(weight: Any, start: int, length: int) -> Any:
@@ -24,8 +24,6 @@ def _rows(weight: Any, start: int, length: int) -> Any:
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    refuse_unexpected_weights = True
-
     def make_layer(self, layer_index: int) -> nn.Module:
         return LlamaDecoderLayer(self, layer_index, qkv_bias=False, output_bias=False)
 

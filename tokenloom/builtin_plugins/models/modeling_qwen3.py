@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
-from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.model_api import RMSNorm
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any
 
-from tokenloom.core.platform import Platform
+from tokenloom.plugin_api import Platform
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.core.platform import Platform
 from tokenloom.errors import ConfigError
+from tokenloom.plugin_api import Platform
 
 logger = logging.getLogger(__name__)
 

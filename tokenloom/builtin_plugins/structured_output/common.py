@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from tokenloom.core.byte_level import bytes_to_unicode
+from tokenloom.plugin_api import bytes_to_unicode
 
 # keywords whose values are subschemas (or maps / lists of them)
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -266,7 +266,7 @@ class JsonControlByteFilter:
     def __init__(self, tokenizer: Any, vocab_size: int):
         import torch
 
-        from tokenloom.core.structured_output import allocate_bitmask, set_allowed_tokens
+        from tokenloom.plugin_api import allocate_bitmask, set_allowed_tokens
 
         whitespace = {0x09, 0x0A, 0x0D}
         never, inside_only, sentinels = set(), set(), []

@@ -16,8 +16,8 @@ import threading
 from typing import Any
 
 from tokenloom.builtin_plugins.structured_output.common import rewrite_schema, schema_keywords
-from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
 from tokenloom.errors import InvalidRequestError
+from tokenloom.plugin_api import Constraint, Matcher, StructuredOutputBackend
 
 # at most this many whitespace characters between two JSON tokens, like xgrammar's bound:
 # unbounded, small models at high temperature can emit whitespace until max_tokens. The

@@ -18,8 +18,8 @@ from tokenloom.builtin_plugins.structured_output.common import (
     ebnf_string,
     unsupported_keywords_reason,
 )
-from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
 from tokenloom.errors import InvalidRequestError
+from tokenloom.plugin_api import Constraint, Matcher, StructuredOutputBackend
 
 MAX_JSON_WHITESPACE = 32
 # without optional whitespace, JSON as compact as json.dumps(separators=(",", ":")), like the

@@ -1,5 +1,6 @@
-"""What the built-in decoder-only models share: reading head size and per-layer sliding
-windows from a Hugging Face config, and :class:`DecoderForCausalLM`, the
+"""What decoder-only models share, built-in or a plugin's (through :mod:`tokenloom.model_api`):
+reading head size and per-layer sliding windows from a Hugging Face config, and
+:class:`DecoderForCausalLM`, the
 ``model.embed_tokens -> model.layers -> model.norm -> lm_head`` skeleton with forward,
 logits, weight loading and the KV-cache spec. A model file adds only its decoder layer.
 """
@@ -19,7 +20,7 @@ from tokenloom.layers.linear import kv_heads_per_rank
 from tokenloom.layers.pipeline import MissingLayer, number_attention_layers, stage_layers
 from tokenloom.layers.pooler import Pooler
 from tokenloom.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from tokenloom.layers.weight_loading import DECODER_STACKED_PARAMS, load_checkpoint_weights
+from tokenloom.layers.weight_loading import DECODER_STACKED_PARAMS, ROTARY_BUFFERS, load_checkpoint_weights
 
 
 def head_size_of(config: Any) -> int:
@@ -122,8 +123,10 @@ class DecoderForCausalLM(nn.Module):
 
     norm_class: type[nn.Module] = RMSNorm
     stacked_params = DECODER_STACKED_PARAMS
-    #: a checkpoint tensor no parameter takes is a load error (True), or a logged warning
-    refuse_unexpected_weights = False
+    #: checkpoint names (shell-style patterns) the model may leave unread; any other tensor no
+    #: parameter takes is a load error naming it. A tied LM head and another pipeline stage's
+    #: modules are skipped by :meth:`skipped_weight_prefixes` instead.
+    ignored_checkpoint_weights: tuple[str, ...] = ROTARY_BUFFERS
 
     def __init__(self, ctx: ModelContext):
         super().__init__()
@@ -205,8 +208,8 @@ class DecoderForCausalLM(nn.Module):
         """A factor applied to the token embeddings, or None."""
         return None
 
-    def checkpoint_name(self, name: str) -> str | None:
-        """The model's name for a checkpoint tensor (None: not part of this model)."""
+    def checkpoint_name(self, name: str) -> str:
+        """The model's name for a checkpoint tensor."""
         return name
 
     # -- shared pieces -----------------------------------------------------------------
@@ -255,7 +258,7 @@ class DecoderForCausalLM(nn.Module):
             stacked_params=self.stacked_params,
             rename=self.checkpoint_name,
             skip_prefixes=self.skipped_weight_prefixes(),
-            refuse_unexpected=self.refuse_unexpected_weights,
+            ignored=self.ignored_checkpoint_weights,
         )
 
     def skipped_weight_prefixes(self) -> tuple[str, ...]:
