@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
+    from tokenloom.plugins.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -170,14 +171,14 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
     return info, tokenizer
 
 
-def choose_model_implementation(hf_config: Any, config: EngineConfig, model_registry: Any) -> str:
+def choose_model_implementation(hf_config: Any, config: EngineConfig, model_registry: Registry) -> str:
     """The ``model`` registry name that builds the model, by ``--model-impl``: ``auto`` takes the
     native plugin of one of the config's ``architectures`` and else the Transformers fallback,
     ``vllm`` (or ``native``) only the native plugin, ``transformers`` only the fallback. The
     fallback's class says whether it can run the model (``check_engine_config``); the choice is
     logged."""
     model_impl = config.model.model_impl
-    architectures = list(getattr(hf_config, "architectures", None) or [])
+    architectures: list[str] = list(getattr(hf_config, "architectures", None) or [])
     named = architectures[0] if architectures else "<none in config>"
     native = next((a for a in architectures if a in model_registry and a != TRANSFORMERS_FALLBACK), None)
     if native is not None and model_impl != "transformers":
@@ -202,7 +203,7 @@ def choose_model_implementation(hf_config: Any, config: EngineConfig, model_regi
         )
     fallback = model_registry.get(TRANSFORMERS_FALLBACK)
     try:
-        running = fallback.check_engine_config(hf_config, config)
+        running: str = fallback.check_engine_config(hf_config, config)
     except ModelLoadError as exc:
         if model_impl == "auto":
             raise ModelLoadError(f"no native model plugin serves {named}, and {exc}") from exc

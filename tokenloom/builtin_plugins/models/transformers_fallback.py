@@ -266,7 +266,9 @@ class TransformersForCausalLM(nn.Module):
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size, sliding_windows=sliding_windows
         )
         self.dtype = ctx.dtype
-        logger.info("Transformers fallback: running transformers' %s with tokenloom's paged attention", self.architecture)
+        logger.info(
+            "Transformers fallback: running transformers' %s with tokenloom's paged attention", self.architecture
+        )
 
     @staticmethod
     def check_engine_config(hf_config: Any, config: Any) -> str:
