@@ -1,8 +1,9 @@
 """The Transformers fallback (``--model-impl``): transformers' own modeling code with tokenloom's
 paged attention plugged into its attention interface. Tiny random checkpoints of architectures
 with no native plugin (GPT-NeoX: fused QKV, partial rotary, parallel residual, a renamed LM head;
-Starcoder2: GQA, biases, a 4-token sliding window; Cohere: tied head, logit scale) and of one with
-a native plugin (Qwen2, forced with ``--model-impl transformers``), compared with transformers:
+Starcoder2: GQA, biases, a 4-token sliding window; Cohere: tied head, logit scale) and of ones with
+a native plugin (Qwen2, forced with ``--model-impl transformers``, also from a Q8_0 GGUF; Gemma 2:
+its own attention scale, soft caps and alternating windows), compared with transformers:
 every position's logits through the paged cache, greedy ids through the engine (a concurrent
 batch of mixed lengths, prefilled in chunks, then a prefix-cache hit); and the start-up errors
 of ``--model-impl`` and of models the fallback cannot run."""
@@ -17,7 +18,6 @@ from helpers.model_parity import (
     assert_matches_transformers,
     build_model,
     hf_greedy_top_k,
-    load_checkpoint,
     randomize_parameters,
     served_greedy_top_k,
 )
@@ -47,12 +47,23 @@ CONFIGS = {
     "starcoder2": lambda: transformers.Starcoder2Config(**SHAPE, num_key_value_heads=2, sliding_window=4),
     "cohere": lambda: transformers.CohereConfig(**SHAPE, num_key_value_heads=2, logit_scale=0.5),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, num_key_value_heads=2, tie_word_embeddings=False),
+    # a scale from query_pre_attn_scalar, attention and final soft caps, alternating sliding windows
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SHAPE,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        attn_logit_softcapping=6.0,
+        final_logit_softcapping=5.0,
+    ),
 }
 MODEL_CLASSES = {
     "gpt_neox": transformers.GPTNeoXForCausalLM,
     "starcoder2": transformers.Starcoder2ForCausalLM,
     "cohere": transformers.CohereForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
 }
 
 
@@ -82,23 +93,45 @@ def make_llm(path: str, **options) -> LLM:
     )
 
 
-@pytest.mark.parametrize("architecture", ["gpt_neox", "starcoder2", "cohere"])
+@pytest.mark.parametrize("architecture", ["gpt_neox", "starcoder2", "cohere", "gemma2"])
 def test_every_position_matches_transformers_through_the_paged_cache(architecture):
     hf_model = hf_tiny(architecture)
     model, loaded = build_model(TransformersForCausalLM, hf_model.config, hf_model.state_dict().items())
     assert loaded == {name for name, _ in model.named_parameters()}
-    if architecture == "starcoder2":
-        assert model.kv_cache_spec.sliding_windows == [4, 4]
+    windows = {"starcoder2": [4, 4], "gemma2": [4, None]}.get(architecture, [None, None])
+    assert model.kv_cache_spec.sliding_windows == windows
     assert_matches_transformers(model, hf_model, PROMPTS, num_new_tokens=6, atol=1e-3)
 
 
-def test_a_gguf_checkpoint_runs_dequantized_by_transformers_names(tmp_path):
-    """A GGUF file's config (plain attributes) becomes transformers' config class of its type."""
+def test_a_quantized_gguf_checkpoint_runs_dequantized_by_transformers_names(tmp_path):
+    """A GGUF file's config (plain attributes) becomes transformers' config class of its type;
+    its Q8_0 matrices are dequantized into the float32 parameters by their transformers names."""
+    from gguf import GGMLQuantizationType
+    from helpers.gguf_files import write_model_gguf
+
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+    from tokenloom.core.config import LoadConfig, ModelConfig
+
     hf_model = hf_tiny("qwen2")
-    config, weights = load_checkpoint("gguf", hf_model, tmp_path)
+    path = write_model_gguf(
+        str(tmp_path / "model.gguf"),
+        "qwen2",
+        hf_model.config,
+        hf_model.state_dict(),
+        quant_type=GGMLQuantizationType.Q8_0,
+    )
+    reader = GGUFLoadFormat()
+    config = reader.load_config(path, ModelConfig())
+    weights = list(reader.iterate_weights(path, ModelConfig(), LoadConfig(use_tqdm_on_load=False)))
     assert not isinstance(config, transformers.PreTrainedConfig)
-    model, _ = build_model(TransformersForCausalLM, config, weights)
+    assert any(hasattr(tensor, "dequantize") for _, tensor in weights)
+    model, loaded = build_model(TransformersForCausalLM, config, weights)
     assert model.architecture == "Qwen2ForCausalLM"
+    assert loaded == {name for name, _ in model.named_parameters()}
+    # transformers' model with the same dequantized weights
+    dequantized = {name: tensor.dequantize() if hasattr(tensor, "dequantize") else tensor for name, tensor in weights}
+    assert set(dequantized) == set(hf_model.state_dict())
+    hf_model.load_state_dict(dequantized)
     assert_matches_transformers(model, hf_model, PROMPTS, num_new_tokens=4, atol=1e-3)
 
 

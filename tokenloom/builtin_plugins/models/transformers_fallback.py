@@ -79,7 +79,8 @@ def transformers_causal_lm_class(hf_config: Any) -> type:
             "another head): the Transformers fallback generates text with causal LMs only; an encoder "
             "with a native plugin serves embeddings with --model-impl auto"
         )
-    if transformers_config(hf_config).get_text_config() is not transformers_config(hf_config):
+    config = transformers_config(hf_config)
+    if config.get_text_config() is not config:
         raise ModelLoadError(
             f"{architecture} is a multimodal model: the Transformers fallback serves text-only causal LMs; {NATIVE_HINT}"
         )
