@@ -211,7 +211,7 @@ def test_an_architecture_transformers_does_not_have_is_refused_at_start_up(tmp_p
         make_llm(str(tmp_path))
     message = str(raised.value)
     assert "no native model plugin serves MadeUpForCausalLM" in message
-    assert f"transformers {transformers.__version__} has no class MadeUpForCausalLM either" in message
+    assert f"transformers {transformers.__version__} has no class MadeUpForCausalLM, so the" in message
     assert "write a model plugin" in message
 
 

@@ -69,8 +69,8 @@ def transformers_causal_lm_class(hf_config: Any) -> type:
         )
     if not known:
         raise ModelLoadError(
-            f"transformers {version} has no class {', '.join(architectures)} either: no Transformers fallback "
-            f"for it; {NATIVE_HINT}"
+            f"transformers {version} has no class {', '.join(architectures)}, so the Transformers fallback "
+            f"cannot run it; {NATIVE_HINT}"
         )
     architecture = known[0]
     if architecture not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
@@ -91,8 +91,8 @@ def transformers_causal_lm_class(hf_config: Any) -> type:
     if not model_class.is_backend_compatible():
         raise ModelLoadError(
             f"{architecture}'s attention does not go through transformers' attention interface (transformers "
-            f"{version} does not declare it compatible with custom attention backends), so tokenloom's paged "
-            f"attention cannot be plugged in: no Transformers fallback for it; {NATIVE_HINT}"
+            f"{version} does not declare it compatible with custom attention backends), so the Transformers "
+            f"fallback cannot plug tokenloom's paged attention in; {NATIVE_HINT}"
         )
     return model_class
 
