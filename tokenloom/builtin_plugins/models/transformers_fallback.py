@@ -84,6 +84,16 @@ def transformers_causal_lm_class(hf_config: Any) -> type:
         raise ModelLoadError(
             f"{architecture} is a multimodal model: the Transformers fallback serves text-only causal LMs; {NATIVE_HINT}"
         )
+    # a recurrent or convolutional layer would mix the flat batch's sequences (transformers keeps
+    # their state in its own cache, which the fallback does not use)
+    other_layers = sorted(
+        set(getattr(config.get_text_config(), "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    )
+    if other_layers:
+        raise ModelLoadError(
+            f"{architecture} has {', '.join(other_layers)} layers: the Transformers fallback runs models whose "
+            f"layers all attend (fully or in a sliding window) over tokenloom's paged KV cache; {NATIVE_HINT}"
+        )
     moe_error = mixture_of_experts_error(hf_config, architecture)
     if moe_error is not None:
         raise moe_error
