@@ -54,8 +54,8 @@ def transformers_config(hf_config: Any) -> Any:
 def transformers_causal_lm_class(hf_config: Any) -> type:
     """The transformers class the fallback would run for ``hf_config``, or a ModelLoadError that
     says why it cannot: no such class in the installed transformers, not a decoder-only causal
-    LM, a multimodal model, a mixture of experts, or attention that does not go through
-    transformers' attention interface."""
+    LM, a multimodal model, layers that do not attend, a mixture of experts, or attention that
+    does not go through transformers' attention interface."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -228,8 +228,6 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         config = copy.deepcopy(transformers_config(ctx.hf_config))
         model_class = transformers_causal_lm_class(config)
-        if ctx.parallel is not None and (ctx.parallel.tp.size > 1 or ctx.parallel.place.pp_size > 1):
-            raise ConfigError("the Transformers fallback runs in one worker: use -tp 1 and -pp 1")
         register_paged_attention()
         config._attn_implementation = ATTENTION_IMPLEMENTATION
         config.dtype = ctx.dtype
