@@ -184,7 +184,7 @@ def choose_model_implementation(hf_config: Any, config: EngineConfig, model_regi
     if native is not None and model_impl != "transformers":
         logger.info("model implementation (--model-impl %s): tokenloom's native %s", model_impl, native)
         return native
-    if model_impl == "auto":
+    if native is None:
         # a plugin registering the architecture serves its experts; without one, say what the model is
         moe_error = mixture_of_experts_error(hf_config, architectures[0] if architectures else "the model")
         if moe_error is not None:
