@@ -234,7 +234,7 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused(tmp_path):
 def test_a_model_with_recurrent_layers_is_refused(tmp_path):
     """Their state would run across the flat batch's sequences: refused, not silently wrong."""
     config = transformers.Qwen3NextConfig(
-        vocab_size=160, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1
+        vocab_size=160, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, num_experts=0
     )
     config.architectures = ["Qwen3NextForCausalLM"]
     save_config(tmp_path, config)
