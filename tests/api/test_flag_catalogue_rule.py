@@ -144,6 +144,7 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--override-pooler-config": "tests/core/test_pooling.py::test_pooler_config_flag_overrides_the_files_field_by_field",
     "--pooler-config": "tests/core/test_pooling.py::test_pooler_config_flag_overrides_the_files_field_by_field",
     "--disable-sliding-window": "tests/api/test_flag_effects.py::test_disable_sliding_window_gives_every_layer_full_attention",
+    "--model-impl": "tests/builtin_plugins/models/test_transformers_fallback.py::test_served_greedy_matches_transformers_with_chunked_prefill_and_a_prefix_hit",
     "--quantization": "tests/api/test_flag_effects.py::test_quantization_named_must_be_registered",
     # -- LoadConfig
     "--load-format": "tests/builtin_plugins/model_sources/test_model_sources.py::test_local_directory_and_gguf_file",

@@ -332,12 +332,7 @@ def test_unimplemented_flags_are_refused_by_name_unless_given_their_default():
     with pytest.raises(NotImplementedFlagError, match="HF_TOKEN"):
         parse("--hf-token")
     # the value that changes nothing passes silently: configs copied from vLLM keep working
-    assert (
-        parse(
-            "--num-scheduler-steps", "1", "--no-enable-lora", "--preemption-mode", "recompute", "--model-impl", "auto"
-        ).warnings
-        == []
-    )
+    assert parse("--num-scheduler-steps", "1", "--no-enable-lora", "--preemption-mode", "recompute").warnings == []
 
 
 def test_cpu_noop_flags_are_accepted_with_one_warning_each():

@@ -372,14 +372,7 @@ FLAGS: tuple[Flag, ...] = (
         default="auto",
         choices=("auto", "hf", "mistral"),
     ),
-    unimplemented(
-        "--model-impl",
-        "ModelConfig",
-        "Which implementation of the model to run.",
-        default="auto",
-        choices=("auto", "vllm", "transformers", "terratorch"),
-        note="tokenloom always runs its own model plugins",
-    ),
+    implemented("--model-impl", "ModelConfig", choices=("auto", "vllm", "native", "transformers", "terratorch")),
     unimplemented(
         "--allowed-local-media-path", "ModelConfig", "Directory that requests may read local media from.", default=""
     ),

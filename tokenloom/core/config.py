@@ -13,6 +13,8 @@ from typing import Any
 from tokenloom.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# --model-impl: vLLM's names (its ``terratorch`` is refused), plus ``native`` for ``vllm``
+MODEL_IMPL_CHOICES = ("auto", "vllm", "native", "transformers")
 
 
 @dataclass
@@ -78,6 +80,13 @@ class ModelConfig:
     """JSON dict overriding the pooler (pooling_type, normalize, softmax)."""
     disable_sliding_window: bool = False
     """Disable sliding-window attention, capping the context at the window."""
+    model_impl: str = "auto"
+    """Which implementation runs the model: ``auto`` takes tokenloom's native model plugin for
+    the architecture and, where none is registered, transformers' own modeling code with
+    tokenloom's paged attention (the Transformers fallback: decoder-only causal LMs whose
+    attention goes through transformers' attention interface; one worker, no LoRA); ``vllm``
+    (or ``native``) only a native plugin; ``transformers`` the fallback even where a native
+    plugin exists. ``terratorch`` is refused."""
     quantization: str | None = None
     """Quantization method of the weights; default is what the model's files need."""
     logits_processors: list[str] | None = None
@@ -490,6 +499,7 @@ class EngineArgs:
     convert: str = ModelConfig.convert
     override_pooler_config: dict[str, Any] | None = ModelConfig.override_pooler_config
     disable_sliding_window: bool = ModelConfig.disable_sliding_window
+    model_impl: str = ModelConfig.model_impl
     quantization: str | None = ModelConfig.quantization
     logits_processors: list[str] | None = ModelConfig.logits_processors
     logits_processor_pattern: str | None = ModelConfig.logits_processor_pattern
@@ -715,6 +725,12 @@ def validate_engine_config(config: EngineConfig) -> None:
             "tokenizer-mode",
             f"{config.model.tokenizer_mode!r} is not implemented: tokenloom reads Hugging Face tokenizers "
             "(tokenizer.json) and GGUF vocabularies; use auto or slow",
+        )
+    if config.model.model_impl not in MODEL_IMPL_CHOICES:
+        bad(
+            "model-impl",
+            f"{config.model.model_impl!r} is not implemented: tokenloom runs its native model plugins or "
+            "transformers' modeling code; use auto, vllm (native) or transformers",
         )
     if config.model.tokenizer_revision is not None:
         bad("tokenizer-revision", "is not implemented: pass a local tokenizer directory to --tokenizer")

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
+    from tokenloom.plugins.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ ADD_MODEL_HINT = (
     "@hookimpl def register_models(register): register('MyArch', 'my_pkg.model:MyModel') "
     "(see PLUGINS.md, register_models)"
 )
+
+
+# the ``model`` registry name of the Transformers fallback (vLLM's name for its own): a model
+# plugin that runs transformers' modeling code for any architecture transformers has. Its class
+# has ``check_engine_config(hf_config, config) -> str``, the transformers class it would run, or
+# a ModelLoadError / ConfigError saying why it cannot
+TRANSFORMERS_FALLBACK = "TransformersForCausalLM"
 
 
 @dataclass
@@ -125,20 +133,8 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
         finished - tokenizer_started,
     )
 
-    architectures = list(getattr(hf_config, "architectures", None) or [])
     model_registry = plugins.registry("model")
-    architecture = next((a for a in architectures if a in model_registry), None)
-    if architecture is None:
-        # a plugin registering the architecture serves its experts; without one, say what the model is
-        moe_error = mixture_of_experts_error(hf_config, architectures[0] if architectures else "the model")
-        if moe_error is not None:
-            raise moe_error
-        raise UnknownNameError(
-            "model architecture",
-            architectures[0] if architectures else "<none in config>",
-            model_registry.names(),
-            hint=ADD_MODEL_HINT,
-        )
+    architecture = choose_model_implementation(hf_config, config, model_registry)
 
     quantization = model_config.quantization or load_format.quantization(resolved.path)
     if quantization is not None and quantization not in plugins.registry("quantization"):
@@ -173,6 +169,52 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
         ),
     )
     return info, tokenizer
+
+
+def choose_model_implementation(hf_config: Any, config: EngineConfig, model_registry: Registry) -> str:
+    """The ``model`` registry name that builds the model, by ``--model-impl``: ``auto`` takes the
+    native plugin of one of the config's ``architectures`` and else the Transformers fallback,
+    ``vllm`` (or ``native``) only the native plugin, ``transformers`` only the fallback. The
+    fallback's class says whether it can run the model (``check_engine_config``); the choice is
+    logged."""
+    model_impl = config.model.model_impl
+    architectures: list[str] = list(getattr(hf_config, "architectures", None) or [])
+    named = architectures[0] if architectures else "<none in config>"
+    native = next((a for a in architectures if a in model_registry and a != TRANSFORMERS_FALLBACK), None)
+    if native is not None and model_impl != "transformers":
+        logger.info("model implementation (--model-impl %s): tokenloom's native %s", model_impl, native)
+        return native
+    if native is None:
+        # a plugin registering the architecture serves its experts; without one, say what the model is
+        moe_error = mixture_of_experts_error(hf_config, architectures[0] if architectures else "the model")
+        if moe_error is not None:
+            raise moe_error
+    if model_impl in ("vllm", "native") or TRANSFORMERS_FALLBACK not in model_registry:
+        raise UnknownNameError(
+            "model architecture",
+            named,
+            [name for name in model_registry.names() if name != TRANSFORMERS_FALLBACK],
+            hint=(
+                "pass --model-impl transformers to run transformers' modeling code for it, or "
+                if TRANSFORMERS_FALLBACK in model_registry
+                else ""
+            )
+            + ADD_MODEL_HINT,
+        )
+    fallback = model_registry.get(TRANSFORMERS_FALLBACK)
+    try:
+        running: str = fallback.check_engine_config(hf_config, config)
+    except ModelLoadError as exc:
+        if model_impl == "auto":
+            raise ModelLoadError(f"no native model plugin serves {named}, and {exc}") from exc
+        raise
+    logger.info(
+        "model implementation (--model-impl %s): the Transformers fallback, running transformers' %s%s",
+        model_impl,
+        running,
+        "" if native is None else f" instead of tokenloom's native {native}",
+    )
+    return TRANSFORMERS_FALLBACK
 
 
 def apply_rope_overrides(hf_config: Any, model_config: ModelConfig) -> None:

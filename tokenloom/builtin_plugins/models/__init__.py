@@ -19,6 +19,8 @@ MODELS: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": (f"{PACKAGE}.modeling_granite:GraniteForCausalLM", "generate"),
     "Phi3ForCausalLM": (f"{PACKAGE}.modeling_phi3:Phi3ForCausalLM", "generate"),
     "BertModel": (f"{PACKAGE}.modeling_bert:BertModel", "pooling"),
+    # any other decoder-only causal LM transformers has (--model-impl; core/model_loader.py:TRANSFORMERS_FALLBACK)
+    "TransformersForCausalLM": (f"{PACKAGE}.transformers_fallback:TransformersForCausalLM", "generate"),
 }
 
 
