@@ -20,10 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.builtin_plugins.models.causal_lm import head_size_of, sliding_windows_of
-from tokenloom.core.model_interface import KVCacheSpec, ModelContext, mixture_of_experts_error
-from tokenloom.errors import ConfigError, ModelLoadError
-from tokenloom.layers.attention import Attention
+from tokenloom.model_api import (
+    Attention,
+    ConfigError,
+    KVCacheSpec,
+    ModelContext,
+    ModelLoadError,
+    head_size_of,
+    mixture_of_experts_error,
+    sliding_windows_of,
+)
 
 logger = logging.getLogger(__name__)
 
