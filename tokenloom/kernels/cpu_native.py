@@ -8,10 +8,7 @@ one ``TOKENLOOM_CPU_ISA`` names (a lower level, for tests and benchmarks; one th
 is an error). Builds are cached per source, torch, Python, CPU and level in
 ``$TOKENLOOM_CACHE_DIR`` (default ``~/.cache/tokenloom``)/``kernels`` and load in milliseconds on
 later starts; ``make install`` (``python -m tokenloom.kernels.cpu_native``) builds every level the
-host can run, side by side, so a first start does not pay the compile. A level is one
-translation unit that includes every source: torch's headers, most of a source's compile time,
-are parsed once per level instead of once per source (so the sources' file-local helpers need
-distinct names: a clash is a compile error).
+host can run, so a first start does not pay the compile.
 
 :func:`load` returns the operator namespace of the selected level, or None when the operators
 cannot be had (no C++ compiler, a build error, or ``TOKENLOOM_CPU_KERNELS=0``); callers then keep
@@ -119,8 +116,6 @@ LEVELS = (
 LEVELS_BY_NAME = {level.name: level for level in LEVELS}
 
 _lock = threading.Lock()
-# one per level, so that several levels build at once (main); a level builds once per process
-_level_locks = {level.name: threading.Lock() for level in LEVELS}
 _loaded: dict[str, Any] = {}  # level name -> its ops namespace, or None when it failed
 _failures: dict[str, str] = {}  # level name -> why it did not load
 _selection: dict[str, Any] = {}  # "level": the selected IsaLevel; "ops": its namespace (hot path)
@@ -209,7 +204,7 @@ def build_directory(level: IsaLevel | None = None) -> Path:
 def load_level(level: IsaLevel) -> Any:
     """``level``'s operator namespace, building its library first when it is not cached; None
     when it cannot be built or loaded (the reason in :func:`failure`)."""
-    with _level_locks[level.name]:
+    with _lock:
         if level.name not in _loaded:
             try:
                 _loaded[level.name] = _load_or_build(level)
@@ -325,12 +320,9 @@ def _build(level: IsaLevel, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     logger.info("building tokenloom CPU kernels (%s) in %s (once per source, torch and CPU)", level.name, directory)
     started = time.perf_counter()
-    # the level's one translation unit (see the module's docstring)
-    unit = directory / f"{level.library_name}.cpp"
-    unit.write_text("".join(f'#include "{source}"\n' for source in SOURCES))
     cpp_extension.load(
         name=level.library_name,
-        sources=[str(unit)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=compiler_flags(level),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -420,19 +412,14 @@ def env_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Build (or find cached) every level the host can run, all at once (a level is one compiler
-    process); exit 1 when one fails."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Build (or find cached) every level the host can run; exit 1 when the selected one fails."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not enabled():
         print(f"tokenloom CPU kernels: off ({ENV_SWITCH}=0)")
         return 0
     status = 0
-    levels = host_levels()
-    with ThreadPoolExecutor(max_workers=len(levels)) as pool:
-        loaded = list(pool.map(load_level, levels))
-    for level, ops in zip(levels, loaded):
+    for level in host_levels():
+        ops = load_level(level)
         if ops is None:
             print(f"tokenloom CPU kernels ({level.name}): not available ({failure(level)})")
             status = 1
