@@ -46,18 +46,24 @@ def start_server(args: list[str], log_path: str, timeout: float = 240.0) -> Runn
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log = open(log_path, "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
+    return wait_ready(RunningServer(process, f"http://127.0.0.1:{port}", log_path), timeout)
+
+
+def wait_ready(server: RunningServer, timeout: float = 240.0) -> RunningServer:
+    """``server`` once its /health answers (polled often: the suite starts dozens of servers and
+    each would otherwise wait for the next poll); killed and an error with its log's tail when
+    it exits or is not ready within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"tokenloom serve exited with {process.returncode}:\n{server.log()[-4000:]}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"tokenloom serve exited with {server.process.returncode}:\n{server.log()[-4000:]}")
         try:
             if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
-    process.kill()
+        time.sleep(0.1)
+    server.process.kill()
     raise RuntimeError(f"tokenloom serve was not ready after {timeout}s:\n{server.log()[-4000:]}")
 
 

@@ -8,13 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
-import httpx
 import openai
 
-from tests.e2e.conftest import REPO_ROOT, RunningServer, free_port, start_server
+from tests.e2e.conftest import REPO_ROOT, RunningServer, free_port, start_server, wait_ready
 from tests.plugins.scripted_model.model_dir import marker, write_model_dir
 
 MODEL = "scripted"
@@ -70,18 +68,7 @@ class Launch:
         self.server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
 
     def wait_ready(self, timeout: float = 240.0) -> RunningServer:
-        server, deadline = self.server, time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if server.process.poll() is not None:
-                raise RuntimeError(f"tokenloom serve exited with {server.process.returncode}:\n{server.log()[-4000:]}")
-            try:
-                if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        server.process.kill()
-        raise RuntimeError(f"tokenloom serve was not ready after {timeout}s:\n{server.log()[-4000:]}")
+        return wait_ready(self.server, timeout)
 
 
 @dataclass

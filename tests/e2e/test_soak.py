@@ -8,7 +8,7 @@ answer, every bad one a 4xx, `/metrics` shows nothing running or waiting and the
 at idle (no leaked blocks), the log grew by at most a line per request with unknown fields,
 and the server's RSS has settled.
 
-The CI run lasts ``TOKENLOOM_SOAK_SECONDS`` (default 40) of load; the long run is
+The CI run lasts ``TOKENLOOM_SOAK_SECONDS`` (default 25) of load; the long run is
 ``TOKENLOOM_SOAK_SECONDS=150 pytest -s tests/e2e/test_soak.py`` (see docs/hardening.md), which
 prints the counts and, with ``TOKENLOOM_SOAK_REPORT=FILE``, writes them as JSON.
 """
@@ -31,7 +31,7 @@ from tests.e2e.test_server_smollm2 import metric
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2"
-SOAK_SECONDS = float(os.environ.get("TOKENLOOM_SOAK_SECONDS", "40"))
+SOAK_SECONDS = float(os.environ.get("TOKENLOOM_SOAK_SECONDS", "25"))
 CONCURRENCY = int(os.environ.get("TOKENLOOM_SOAK_CONCURRENCY", "64"))
 MAX_BODY_BYTES = 64 * 1024
 # A KV cache the engine maps completely while idle at start-up (its idle prefault maps up to
