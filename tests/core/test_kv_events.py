@@ -1,0 +1,263 @@
+"""KV-cache events (``--kv-events-config``): what the block manager records as its prefix cache
+stores, evicts and clears, and the ZMQ publisher's wire format and replay, decoded with msgspec
+structs that mirror vLLM's (``vllm/distributed/kv_events.py``)."""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+import pytest
+import zmq
+
+from tokenloom.core.block_manager import BlockManager
+from tokenloom.core.config import KVEventsConfig
+from tokenloom.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ZmqEventPublisher,
+    offset_endpoint_port,
+)
+from tokenloom.errors import ConfigError
+from tests.core.test_block_manager import decode, make_request, prefill
+
+
+# -- vLLM's schema, as a subscriber declares it -------------------------------------------------
+
+
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmKVEventBatch(VllmEventBatch):
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(VllmKVEventBatch)
+
+
+def live_hashes(events, live=None) -> set:
+    """The hashes a consumer believes cached after applying ``events`` in order."""
+    live = set() if live is None else live
+    for event in events:
+        if isinstance(event, (BlockStored, VllmBlockStored)):
+            assert not live & set(event.block_hashes), "a block was stored twice without a removal"
+            live |= set(event.block_hashes)
+        elif isinstance(event, (BlockRemoved, VllmBlockRemoved)):
+            assert set(event.block_hashes) <= live, "a block was removed that was never stored"
+            live -= set(event.block_hashes)
+        else:
+            live.clear()
+    return live
+
+
+# -- recording in the block manager -----------------------------------------------------------
+
+
+def recording(num_blocks: int = 6, hash_algo: str = "sha256") -> BlockManager:
+    return BlockManager(num_blocks, 4, True, hash_algo=hash_algo, enable_kv_cache_events=True)
+
+
+@pytest.mark.parametrize("hash_algo", ["sha256", "builtin"])
+def test_a_shared_prefix_is_stored_once_and_its_continuations_follow_it(hash_algo):
+    manager = recording(hash_algo=hash_algo)
+    first = make_request("first", [*range(8), 50, 51])
+    prefill(manager, first)
+    # full blocks are offered to the cache once computed: at the sequence's next allocation
+    assert manager.take_kv_events() == []
+    decode(manager, first, 52)
+    (stored,) = manager.take_kv_events()
+    assert stored == BlockStored(
+        block_hashes=[manager._block_hash(first, 0), manager._block_hash(first, 1)],
+        parent_block_hash=None,
+        token_ids=list(range(8)),
+        block_size=4,
+        lora_id=None,
+    )
+    assert manager.take_kv_events() == []  # drained
+
+    second = make_request("second", [*range(8), 60, 61, 62, 63, 64])
+    assert prefill(manager, second) == 8  # the shared two blocks are hits, not stored again
+    manager.free(second)
+    (continuation,) = manager.take_kv_events()
+    assert continuation == BlockStored(
+        block_hashes=[manager._block_hash(second, 2)],
+        parent_block_hash=manager._block_hash(first, 1),
+        token_ids=[60, 61, 62, 63],
+        block_size=4,
+        lora_id=None,
+    )
+    # a block filled by decoding is stored once computed
+    decode(manager, first, 53)
+    assert manager.take_kv_events() == []
+    decode(manager, first, 54)  # tokens 0-11 computed: block 2 of first ([50, 51, 52, 53]) is full
+    (decoded,) = manager.take_kv_events()
+    assert decoded.token_ids == [50, 51, 52, 53] and decoded.parent_block_hash == manager._block_hash(first, 1)
+    assert live_hashes([stored, continuation, decoded]) == manager.cached_block_hashes()
+
+
+def test_eviction_removes_the_least_recently_freed_block_by_hash():
+    manager = recording(num_blocks=3)
+    old = make_request("old", range(100, 109))  # 2 full blocks + 1 token: all 3 blocks
+    prefill(manager, old)
+    manager.free(old)
+    events = manager.take_kv_events()
+    assert [type(event) for event in events] == [BlockStored]
+    old_hashes = events[0].block_hashes
+    # 3 blocks: the uncached free block first, then the two cached ones, the prefix's tail first
+    new = make_request("new", range(9))
+    prefill(manager, new)
+    removed = [event for event in manager.take_kv_events() if isinstance(event, BlockRemoved)]
+    assert removed == [BlockRemoved([old_hashes[1]]), BlockRemoved([old_hashes[0]])]
+    assert not manager.cached_block_hashes() & set(old_hashes)
+    assert live_hashes(events + manager.take_kv_events()) <= set(old_hashes) | manager.cached_block_hashes()
+
+
+def test_reset_clears_all_and_a_block_in_use_is_not_stored_again():
+    manager = recording(num_blocks=8)
+    running = make_request("running", range(9))
+    prefill(manager, running)
+    decode(manager, running, 1)
+    before = manager.take_kv_events()
+    assert live_hashes(before) == manager.cached_block_hashes() and len(manager.cached_block_hashes()) == 2
+    manager.reset_prefix_cache()
+    assert manager.take_kv_events() == [AllBlocksCleared()]
+    decode(manager, running, 2)
+    decode(manager, running, 3)
+    decode(manager, running, 4)  # its 3rd block is full and computed now
+    manager.free(running)
+    events = manager.take_kv_events()
+    assert [event.token_ids for event in events] == [[8, 1, 2, 3]]
+    assert events[0].parent_block_hash == manager._block_hash(running, 1)  # which a consumer no longer holds
+    assert live_hashes(before + [AllBlocksCleared()] + events) == manager.cached_block_hashes()
+
+
+def test_a_lora_requests_blocks_carry_its_adapter_id():
+    from tokenloom.lora.request import LoRARequest
+
+    manager = recording()
+    request = make_request("lora", range(5))
+    request.lora_request = LoRARequest("adapter", 7, "/nowhere")
+    prefill(manager, request)
+    manager.free(request)
+    (stored,) = manager.take_kv_events()
+    assert stored.lora_id == 7 and stored.token_ids == [0, 1, 2, 3]
+
+
+def test_nothing_is_recorded_unless_asked():
+    manager = BlockManager(6, 4, True)
+    prefill(manager, make_request("a", range(9)))
+    manager.reset_prefix_cache()
+    assert manager.take_kv_events() == []
+
+
+# -- the publisher --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_batches_decode_with_vllms_schema_and_the_replay_returns_missed_ones():
+    pub_port, replay_port = free_port(), free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"tcp://*:{pub_port}",
+        replay_endpoint=f"tcp://*:{replay_port}",
+        buffer_steps=2,
+        topic="kv",
+    )
+    publisher = ZmqEventPublisher(config, data_parallel_rank=0)
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    dealer = context.socket(zmq.DEALER)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(f"tcp://127.0.0.1:{pub_port}")
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        stored = BlockStored([b"\x01" * 32], None, [1, 2, 3, 4], 4, None)
+        # a PUB drops what it sends before the subscription arrives: publish until one lands
+        for _ in range(100):
+            publisher.publish([stored])
+            try:
+                topic, seq, payload = sub.recv_multipart()
+                break
+            except zmq.Again:
+                continue
+        else:
+            pytest.fail("no batch reached the subscriber")
+        assert topic == b"kv" and len(seq) == 8
+        first = DECODER.decode(payload)
+        assert first.data_parallel_rank == 0 and first.ts > 0
+        assert first.events == [VllmBlockStored([b"\x01" * 32], None, [1, 2, 3, 4], 4, None, "GPU")]
+
+        sub.setsockopt(zmq.RCVTIMEO, 5000)
+        publisher.publish([BlockRemoved([b"\x01" * 32]), AllBlocksCleared()])
+        _, last_seq, last_payload = sub.recv_multipart()
+        assert int.from_bytes(last_seq, "big") == int.from_bytes(seq, "big") + 1
+        assert DECODER.decode(last_payload).events == [VllmBlockRemoved([b"\x01" * 32], "GPU"), VllmAllBlocksCleared()]
+
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", last_seq])
+        assert dealer.recv_multipart() == [b"", last_seq, last_payload]
+        assert dealer.recv_multipart() == [b"", (-1).to_bytes(8, "big", signed=True), b""]
+        # only buffer_steps batches are kept: asking from 0 returns the last two
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = [dealer.recv_multipart() for _ in range(3)]
+        assert [int.from_bytes(frames[1], "big", signed=True) for frames in replayed] == [
+            int.from_bytes(last_seq, "big") - 1,
+            int.from_bytes(last_seq, "big"),
+            -1,
+        ]
+    finally:
+        sub.close(linger=0)
+        dealer.close(linger=0)
+        publisher.shutdown()
+
+
+def test_each_data_parallel_replica_publishes_on_its_own_port():
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("tcp://10.0.0.1:6000", 1) == "tcp://10.0.0.1:6001"
+    assert offset_endpoint_port("inproc://events", 1) == "inproc://events_dp1"
+    with pytest.raises(ConfigError, match="no tcp port"):
+        offset_endpoint_port("ipc:///tmp/events", 1)
+
+
+def test_a_taken_port_is_a_start_up_error():
+    port = free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}")
+    first = ZmqEventPublisher(config)
+    try:
+        with pytest.raises(ConfigError, match=f"--kv-events-config: cannot open tcp://\\*:{port}"):
+            ZmqEventPublisher(config)
+    finally:
+        first.shutdown()
