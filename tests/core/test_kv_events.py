@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 
+from tests.core.test_block_manager import decode, make_request, prefill
 from tokenloom.core.block_manager import BlockManager
 from tokenloom.core.config import KVEventsConfig
 from tokenloom.core.kv_events import (
@@ -20,8 +21,6 @@ from tokenloom.core.kv_events import (
     offset_endpoint_port,
 )
 from tokenloom.errors import ConfigError
-from tests.core.test_block_manager import decode, make_request, prefill
-
 
 # -- vLLM's schema, as a subscriber declares it -------------------------------------------------
 
