@@ -181,16 +181,17 @@ def test_events_follow_the_prefix_cache_through_evictions_and_a_reset(events_ser
     assert live_hashes(events + after[0].events) == set()
 
 
-@pytest.mark.parametrize(
-    ("config", "message"),
-    [
-        ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher 'kafka' is not implemented"),
-        ('{"enable_kv_cache_events": tru', "--kv-events-config"),
-    ],
-)
-def test_bad_kv_events_configs_fail_start_up_in_one_line(config, message):
+def test_an_unknown_publisher_fails_start_up_in_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "tokenloom", "serve", "smollm2", "--kv-events-config", config],
+        [
+            sys.executable,
+            "-m",
+            "tokenloom",
+            "serve",
+            "smollm2",
+            "--kv-events-config",
+            '{"enable_kv_cache_events": true, "publisher": "kafka"}',
+        ],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
@@ -198,5 +199,6 @@ def test_bad_kv_events_configs_fail_start_up_in_one_line(config, message):
         timeout=120,
     )
     output = result.stderr + result.stdout
-    assert result.returncode != 0 and message in output and "Traceback" not in output
+    assert result.returncode != 0 and "Traceback" not in output
+    assert "--kv-events-config: publisher 'kafka' is not implemented; use one of null, zmq" in output
     assert len([line for line in output.splitlines() if "--kv-events-config" in line]) == 1, output
