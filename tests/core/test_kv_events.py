@@ -260,3 +260,78 @@ def test_a_taken_port_is_a_start_up_error():
             ZmqEventPublisher(config)
     finally:
         first.shutdown()
+
+
+def consecutive_free_ports(count: int) -> int:
+    """A port p with p .. p + count - 1 all free now."""
+    for _ in range(50):
+        base = free_port()
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError("no run of free ports")
+
+
+def replay_all(port: int) -> list[VllmKVEventBatch]:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches = []
+        while (frames := dealer.recv_multipart())[1] != (-1).to_bytes(8, "big", signed=True):
+            batches.append(DECODER.decode(frames[2]))
+        return batches
+    finally:
+        dealer.close(linger=0)
+
+
+@pytest.mark.slow  # two engine processes
+def test_each_data_parallel_replica_publishes_its_own_blocks_with_its_rank(tiny_llama_dir):
+    import asyncio
+
+    from tokenloom.core.config import EngineArgs
+    from tokenloom.core.engine import build_engine_client
+    from tokenloom.core.sampling_params import SamplingParams
+
+    pub, replay = consecutive_free_ports(2), consecutive_free_ports(2)
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+    engine = build_engine_client(
+        EngineArgs(model=tiny_llama_dir, dtype="float32", block_size=4, data_parallel_size=2, kv_events_config=config)
+    )
+    prompts = ["A short story about a robot: it woke up", "Numbers: 1, 2, 3, 4, 5, 6, 7"]
+
+    async def run():
+        await engine.start()
+        try:
+
+            async def generate(request_id: str, prompt: str) -> None:
+                async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2), request_id):
+                    pass
+
+            # both at once: one on each replica (the one with fewer in flight gets the next)
+            await asyncio.gather(*(generate(f"r{i}", prompt) for i, prompt in enumerate(prompts)))
+            await engine.reset_prefix_cache()
+        finally:
+            await asyncio.sleep(0.5)  # the publishers' threads send the last batches
+            by_rank = [replay_all(replay + rank) for rank in (0, 1)]
+            await engine.shutdown()
+        return by_rank
+
+    by_rank = asyncio.run(run())
+    first_blocks = set()
+    for rank, batches in enumerate(by_rank):
+        assert batches and {batch.data_parallel_rank for batch in batches} == {rank}
+        events = [event for batch in batches for event in batch.events]
+        stored = [event for event in events if isinstance(event, VllmBlockStored)]
+        assert stored and stored[0].parent_block_hash is None
+        first_blocks.add(tuple(stored[0].token_ids[:4]))
+        assert events[-1] == VllmAllBlocksCleared() and live_hashes(events) == set()
+    assert len(first_blocks) == 2  # each replica cached its own prompt
