@@ -96,6 +96,8 @@ class LLMEngine:
         )
         # sends what the prefix cache stored, evicted and cleared (--kv-events-config), or None
         self.kv_event_publisher = build_event_publisher(config.kv_events, config.parallel.data_parallel_rank)
+        if self.kv_event_publisher is not None and not config.cache.enable_prefix_caching:
+            logger.warning("KV-cache events are on but prefix caching is off: no block is ever cached or evicted")
         # batches handed to the executor whose results are not applied yet, oldest first
         # (more than one only when the executor overlaps steps: pipeline parallelism)
         self._batch_queue: deque[tuple[SchedulerOutput, concurrent.futures.Future[ModelRunnerOutput]]] = deque()
