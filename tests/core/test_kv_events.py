@@ -5,6 +5,7 @@ structs that mirror vLLM's (``vllm/distributed/kv_events.py``)."""
 from __future__ import annotations
 
 import socket
+import time
 
 import msgspec
 import pytest
@@ -293,45 +294,65 @@ def replay_all(port: int) -> list[VllmKVEventBatch]:
         dealer.close(linger=0)
 
 
-@pytest.mark.slow  # two engine processes
-def test_each_data_parallel_replica_publishes_its_own_blocks_with_its_rank(tiny_llama_dir):
-    import asyncio
+def events_of(batches) -> list:
+    return [event for batch in batches for event in batch.events]
 
-    from tokenloom.core.config import EngineArgs
-    from tokenloom.core.engine import build_engine_client
-    from tokenloom.core.sampling_params import SamplingParams
+
+def replay_until(port: int, done, timeout: float = 30.0) -> list[VllmKVEventBatch]:
+    """The replayed batches, asked again until ``done(batches)`` (the publisher's thread sends
+    a moment after the engine hands it a batch)."""
+    deadline = time.monotonic() + timeout
+    while not done(batches := replay_all(port)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return batches
+
+
+def test_an_engine_publishes_its_cache_with_its_data_parallel_rank_on_its_ports(tiny_llama_dir):
+    """Replica 1 of -dp: its batches carry rank 1 and leave on the ports plus 1; replayed, they
+    describe exactly the blocks its prefix cache holds, through a shared prefix and a reset."""
+    from tokenloom import LLM, SamplingParams
 
     pub, replay = consecutive_free_ports(2), consecutive_free_ports(2)
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
-    engine = build_engine_client(
-        EngineArgs(model=tiny_llama_dir, dtype="float32", block_size=4, data_parallel_size=2, kv_events_config=config)
-    )
-    prompts = ["A short story about a robot: it woke up", "Numbers: 1, 2, 3, 4, 5, 6, 7"]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=4, kv_events_config=config, data_parallel_rank=1)
+    publisher = llm.engine.kv_event_publisher
+    block_manager = llm.engine.scheduler.block_manager
+    try:
+        assert (publisher.endpoint, publisher.replay_endpoint) == (f"tcp://*:{pub + 1}", f"tcp://*:{replay + 1}")
+        params = SamplingParams(temperature=0, max_tokens=3)
+        llm.generate(["A short story about a robot: it woke up", "A short story about a robot: it fell"], params)
+        cached = block_manager.cached_block_hashes()
+        # the publisher thread sends (and keeps) what the last step handed it a moment later
+        batches = replay_until(replay + 1, lambda batches: live_hashes(events_of(batches)) == cached)
+        events = events_of(batches)
+        assert {batch.data_parallel_rank for batch in batches} == {1}
+        assert cached and live_hashes(events) == cached
+        llm.engine.reset_prefix_cache()
+        cleared = replay_until(
+            replay + 1, lambda batches: bool(batches) and batches[-1].events == [VllmAllBlocksCleared()]
+        )
+        assert cleared[-1].events == [VllmAllBlocksCleared()] and live_hashes(events_of(cleared)) == set()
+    finally:
+        llm.engine.shutdown()
 
-    async def run():
-        await engine.start()
-        try:
 
-            async def generate(request_id: str, prompt: str) -> None:
-                async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2), request_id):
-                    pass
+def test_data_parallel_replicas_are_built_with_their_index_as_rank(monkeypatch):
+    from tokenloom.core.config import EngineArgs
+    from tokenloom.core.engine import data_parallel
 
-            # both at once: one on each replica (the one with fewer in flight gets the next)
-            await asyncio.gather(*(generate(f"r{i}", prompt) for i, prompt in enumerate(prompts)))
-            await engine.reset_prefix_cache()
-        finally:
-            await asyncio.sleep(0.5)  # the publishers' threads send the last batches
-            by_rank = [replay_all(replay + rank) for rank in (0, 1)]
-            await engine.shutdown()
-        return by_rank
+    ranks = []
 
-    by_rank = asyncio.run(run())
-    first_blocks = set()
-    for rank, batches in enumerate(by_rank):
-        assert batches and {batch.data_parallel_rank for batch in batches} == {rank}
-        events = [event for batch in batches for event in batch.events]
-        stored = [event for event in events if isinstance(event, VllmBlockStored)]
-        assert stored and stored[0].parent_block_hash is None
-        first_blocks.add(tuple(stored[0].token_ids[:4]))
-        assert events[-1] == VllmAllBlocksCleared() and live_hashes(events) == set()
-    assert len(first_blocks) == 2  # each replica cached its own prompt
+    class RecordingReplica:
+        def __init__(self, index, engine_args, tables, cpu_ids):
+            ranks.append((index, engine_args.data_parallel_rank, engine_args.data_parallel_size))
+
+        def start(self, on_messages, on_death):
+            raise RuntimeError("recorded")
+
+        def stop(self, timeout):
+            pass
+
+    monkeypatch.setattr(data_parallel, "ProcessReplica", RecordingReplica)
+    with pytest.raises(RuntimeError, match="recorded"):
+        data_parallel.DataParallelAsyncLLM.from_engine_args(EngineArgs(data_parallel_size=3))
+    assert ranks == [(0, 0, 1), (1, 1, 1), (2, 2, 1)]
