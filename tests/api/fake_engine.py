@@ -74,6 +74,7 @@ class FakeEngine:
         self.requests: list[RecordedRequest] = []
         self.aborted: list[str] = []
         self.abort_calls: list[str] = []
+        self.prefix_cache_resets = 0
         self.counters = FakeStats()
         self.first_step_event = asyncio.Event()
         # the rest of what the server reads of an engine (EngineClient)
@@ -108,6 +109,9 @@ class FakeEngine:
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         return False
+
+    async def reset_prefix_cache(self) -> None:
+        self.prefix_cache_resets += 1
 
     async def encode(self, prompt, pooling_params, request_id: str, *, priority: int = 0):
         raise InvalidRequestError("the fake engine generates; it does not pool", param="model")

@@ -377,3 +377,15 @@ async def test_openai_client_errors(openai_client):
     with pytest.raises(openai.BadRequestError) as info:
         await openai_client.completions.create(model="smollm2", prompt="Hi", suffix="x")
     assert "suffix" in info.value.message
+
+
+def test_reset_prefix_cache_is_served_in_vllms_dev_mode_only(make_app, engine, monkeypatch):
+    """vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE; so does tokenloom."""
+    for name in ("VLLM_SERVER_DEV_MODE", "TOKENLOOM_SERVER_DEV_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    with TestClient(make_app()) as test_client:
+        assert test_client.post("/reset_prefix_cache").status_code == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with TestClient(make_app()) as test_client:
+        assert test_client.post("/reset_prefix_cache").status_code == 200
+    assert engine.prefix_cache_resets == 1

@@ -140,6 +140,7 @@ SAMPLES = {
     "--speculative-max-model-len": None,
     # speculative decoding needs a method and a number of tokens
     "--speculative-config": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+    "--kv-events-config": ["--kv-events-config", '{"enable_kv_cache_events": true}'],
     "--speculative-model": ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],
     "--num-speculative-tokens": ["--num-speculative-tokens", "2", "--speculative-model", "[ngram]"],
     **{
@@ -734,3 +735,46 @@ def test_older_draft_model_flags_map_onto_the_config():
 def test_bad_draft_model_configs_say_what_to_change(options, message):
     with pytest.raises(ConfigError, match=message):
         parse("--speculative-config", options)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "nats"}'],
+            r"--kv-events-config: publisher 'nats' is not implemented; use one of null, zmq",
+        ),
+        (["--kv-events-config", '{"buffer_step": 5}'], r"--kv-events-config: unknown key 'buffer_step'"),
+        (["--kv-events-config", '{"hwm": 0}'], r"--kv-events-config: hwm must be a whole number of at least 1"),
+    ],
+)
+def test_bad_kv_events_configs_say_what_to_change(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv)
+
+
+def test_kv_events_config_takes_vllms_keys_and_defaults():
+    """vLLM's form, JSON or dotted keys; the publisher defaults to zmq once events are enabled."""
+    from tokenloom.core.config import KVEventsConfig
+
+    given = parse("--kv-events-config", '{"enable_kv_cache_events": true, "topic": "kv", "buffer_steps": 8}')
+    dotted = parse(
+        "--kv-events-config.enable_kv_cache_events", "true", "--kv-events-config.topic", "kv",
+        "--kv-events-config.buffer_steps", "8",
+    )  # fmt: skip
+    for serve_args in (given, dotted):
+        config = serve_args.engine_args.create_engine_config().kv_events
+        assert config == KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="kv", buffer_steps=8)
+        assert config.publishes and config.endpoint == "tcp://*:5557" and config.hwm == 100_000
+    assert not parse().engine_args.create_engine_config().kv_events.publishes
+
+
+def test_missing_pyzmq_is_a_start_up_error_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "zmq" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'tokenloom\[kv-events\]'"):
+        parse("--kv-events-config", '{"enable_kv_cache_events": true}').engine_args.create_engine_config()

@@ -230,6 +230,14 @@ def _declared_public_paths(entry: Any) -> set[str]:
     return set(paths)
 
 
+# vLLM's switch for its development routes, and tokenloom's own spelling of it
+SERVER_DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENLOOM_SERVER_DEV_MODE")
+
+
+def server_dev_mode() -> bool:
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in SERVER_DEV_MODE_ENV)
+
+
 def _routes(
     ctx: ServingContext,
     renderer: ChatRenderer,
@@ -263,6 +271,13 @@ def _routes(
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
             await ctx.models.unload(request.lora_name, request.lora_int_id)
             return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+    if server_dev_mode():
+        # vLLM's development route, only when VLLM_SERVER_DEV_MODE is true
+        @router.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            await engine.reset_prefix_cache()
+            return Response(status_code=200)
 
     @router.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:

@@ -933,7 +933,18 @@ FLAGS: tuple[Flag, ...] = (
         ),
     ),
     unimplemented("--kv-transfer-config", "VllmConfig", "JSON settings of distributed KV-cache transfer.", kind="json"),
-    unimplemented("--kv-events-config", "VllmConfig", "JSON settings of KV-cache event publishing.", kind="json"),
+    implemented(
+        "--kv-events-config",
+        "VllmConfig",
+        to=CLI,
+        kind="json",
+        help=(
+            "JSON KV-cache event settings, vLLM's keys: enable_kv_cache_events, publisher (zmq or null), "
+            "endpoint (default tcp://*:5557), replay_endpoint, buffer_steps, hwm, max_queue_size, topic. "
+            "Publishes vLLM's BlockStored, BlockRemoved and AllBlocksCleared batches (msgpack over ZMQ) as the "
+            "prefix cache changes; with -dp, replica r on the ports plus r. Needs pip install 'tokenloom[kv-events]'."
+        ),
+    ),
     unimplemented("--additional-config", "VllmConfig", "JSON settings for the platform plugin.", kind="json"),
     cpu_noop(
         "--compilation-config",

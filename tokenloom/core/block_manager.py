@@ -22,6 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from tokenloom.core.sequence import Sequence
 from tokenloom.errors import ConfigError, TokenloomError
 
@@ -96,7 +97,12 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_algo: str = DEFAULT_PREFIX_HASH_ALGO
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        hash_algo: str = DEFAULT_PREFIX_HASH_ALGO,
+        enable_kv_cache_events: bool = False,
     ):
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
@@ -121,6 +127,9 @@ class BlockManager:
         # free blocks that still hold a cached prefix, least recently freed first (the LRU order)
         self._free_cached: OrderedDict[int, Block] = OrderedDict()
         self._sequences: dict[str, _SequenceBlocks] = {}
+        # what the prefix cache stored, evicted and cleared since the last take_kv_events()
+        # (None: not recorded)
+        self._kv_events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -137,6 +146,10 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Blocks (in use or free) whose content can be hit by a prefix lookup."""
         return len(self._block_by_hash)
+
+    def cached_block_hashes(self) -> set[Hashable]:
+        """The hashes a prefix lookup can hit now (what KV-cache events describe)."""
+        return set(self._block_by_hash)
 
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_count
@@ -181,9 +194,18 @@ class BlockManager:
             parent = ("block", cached.serial)
         return hit_blocks, len(hit_blocks) * self.block_size
 
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call, oldest first."""
+        if not self._kv_events:
+            return []
+        events, self._kv_events = self._kv_events, []
+        return events
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after new weights); blocks in use keep serving their
         own requests but are no longer shared and return to the pool uncached."""
+        if self._kv_events is not None:
+            self._kv_events.append(AllBlocksCleared())
         self._free_uncached.extend(self._free_cached.values())
         self._free_cached.clear()
         for block in self._block_by_hash.values():
@@ -273,6 +295,8 @@ class BlockManager:
             return self._free_uncached.pop()
         _, block = self._free_cached.popitem(last=False)
         del self._block_by_hash[block.block_hash]
+        if self._kv_events is not None:
+            self._kv_events.append(BlockRemoved([block.block_hash]))
         block.block_hash = block.content = None
         return block
 
@@ -286,6 +310,7 @@ class BlockManager:
         num_full_computed = min(request.num_computed_tokens // self.block_size, len(table))
         block_index = record.num_registered
         parent = record.next_parent
+        stored: list[int] = []  # indices of the blocks this call caches, for the KV-cache events
         while block_index < num_full_computed and parent is not None:
             block = self.blocks[table[block_index]]
             block_hash = self._block_hash(request, block_index)
@@ -297,6 +322,7 @@ class BlockManager:
                 self._next_serial += 1
                 self._block_by_hash[block_hash] = block
                 parent = ("block", block.content.serial)
+                stored.append(block_index)
             else:
                 # a duplicate of a cached block stays private (freed uncached); its children
                 # follow the cached copy, but only if that copy truly holds the same content
@@ -308,6 +334,29 @@ class BlockManager:
             block_index += 1
         record.num_registered = block_index
         record.next_parent = parent
+        if self._kv_events is not None and stored:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Sequence, block_indices: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (a duplicate of a block
+        cached before, which stays private, splits a run)."""
+        assert self._kv_events is not None  # only called while recording
+        runs: list[list[int]] = []
+        for block_index in block_indices:
+            if runs and runs[-1][-1] == block_index - 1:
+                runs[-1].append(block_index)
+            else:
+                runs.append([block_index])
+        for run in runs:
+            self._kv_events.append(
+                BlockStored(
+                    block_hashes=[self._block_hash(request, index) for index in run],
+                    parent_block_hash=self._block_hash(request, run[0] - 1) if run[0] else None,
+                    token_ids=[token for index in run for token in self._block_token_ids(request, index)],
+                    block_size=self.block_size,
+                    lora_id=_lora_id(request),
+                )
+            )
 
     def _block_hash(self, request: Sequence, block_index: int) -> Hashable:
         """The chain hash of full block ``block_index`` of the request, computing the chain up

@@ -7,6 +7,7 @@ Attribute docstrings (the string literal under each field) are the CLI help text
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +168,9 @@ class ParallelConfig:
     data_parallel_backend: str = "mp"
     """Where data-parallel replicas run: ``mp`` (one process each on this machine) or ``ray``
     (one Ray actor each, on the cluster ``RAY_ADDRESS`` names or a local Ray)."""
+    data_parallel_rank: int = 0
+    """This engine's rank among the data-parallel replicas (``-dp`` sets it per replica): its
+    KV-cache event batches carry it, and its event endpoints' ports are offset by it."""
     distributed_executor_backend: str | None = None
     """Executor plugin that owns the workers: ``uni`` (one worker in the engine's process),
     ``mp`` (worker processes on this machine) or ``ray`` (Ray actors, across machines); by
@@ -413,6 +417,79 @@ class SpeculativeConfig:
             )
 
 
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass
+class KVEventsConfig:
+    """KV-cache events, from ``--kv-events-config`` (vLLM's JSON keys and defaults): what the
+    prefix cache stores, evicts and clears, published as vLLM's msgpack event batches."""
+
+    enable_kv_cache_events: bool = False
+    """Record BlockStored, BlockRemoved and AllBlocksCleared events as the prefix cache changes."""
+    publisher: str | None = None
+    """``zmq`` or ``null`` (record nothing, publish nothing); unset: ``zmq`` when events are
+    enabled, else ``null``."""
+    endpoint: str = "tcp://*:5557"
+    """The ZMQ PUB address: bound when it holds ``*``, ``::``, or is ``ipc://`` or ``inproc://``,
+    connected to otherwise. With ``-dp``, replica r publishes on the port plus r."""
+    replay_endpoint: str | None = None
+    """The ZMQ ROUTER address (always bound) that sends again the batches from a given sequence
+    number on; unset: no replay."""
+    buffer_steps: int = 10_000
+    """Batches (one per engine step that changed the cache) kept for replay."""
+    hwm: int = 100_000
+    """The PUB socket's high-water mark: messages queued for a slow subscriber before ZMQ drops."""
+    max_queue_size: int = 100_000
+    """Batches waiting for the publisher thread; past that, a step's batch is dropped (the step
+    never waits) and a warning is logged."""
+    topic: str = ""
+    """The topic frame of every published message (subscribers filter on its prefix)."""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> KVEventsConfig:
+        """vLLM's ``--kv-events-config`` object -> a checked config; a ConfigError names the key."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in known:
+                raise _bad_kv_events(f"unknown key {key!r}; known: {', '.join(known)}")
+        config = cls(**options)
+        config.validate()
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        """Events are recorded and published (a ``zmq`` publisher with events enabled)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def validate(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise _bad_kv_events(f"enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}")
+        if self.publisher not in KV_EVENTS_PUBLISHERS:
+            raise _bad_kv_events(
+                f"publisher {self.publisher!r} is not implemented; use one of {', '.join(KV_EVENTS_PUBLISHERS)}"
+            )
+        for key in ("endpoint", "topic"):
+            if not isinstance(getattr(self, key), str):
+                raise _bad_kv_events(f"{key} must be a string, got {getattr(self, key)!r}")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise _bad_kv_events(f"replay_endpoint must be a string, got {self.replay_endpoint!r}")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _bad_kv_events(f"{key} must be a whole number of at least 1, got {value!r}")
+        if self.publishes and importlib.util.find_spec("zmq") is None:
+            raise _bad_kv_events("the zmq publisher needs pyzmq and msgspec: pip install 'tokenloom[kv-events]'")
+
+
+def _bad_kv_events(message: str) -> ConfigError:
+    return ConfigError(f"--kv-events-config: {message}", param="kv-events-config")
+
+
 @dataclass
 class EngineConfig:
     """The grouped configuration the engine and its executor receive, as the user gave it:
@@ -429,6 +506,7 @@ class EngineConfig:
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
     """Set when speculative decoding is on."""
+    kv_events: KVEventsConfig = dataclasses.field(default_factory=KVEventsConfig)
 
 
 _GROUPS: tuple[tuple[str, type], ...] = (
@@ -453,7 +531,7 @@ def _engine_arg_fields() -> dict[str, str]:
 
 ENGINE_ARG_GROUPS = _engine_arg_fields()
 # engine args that hold a whole config as vLLM's JSON, turned into their group by EngineArgs
-JSON_CONFIG_ARGS = ("speculative_config",)
+JSON_CONFIG_ARGS = ("speculative_config", "kv_events_config")
 # structured-output fields take vLLM's engine-arg names
 STRUCTURED_OUTPUT_ARGS = {
     "guided_decoding_backend": "backend",
@@ -526,6 +604,7 @@ class EngineArgs:
     data_parallel_size: int = ParallelConfig.data_parallel_size
     data_parallel_size_local: int | None = ParallelConfig.data_parallel_size_local
     data_parallel_backend: str = ParallelConfig.data_parallel_backend
+    data_parallel_rank: int = ParallelConfig.data_parallel_rank
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     # -> DeviceConfig
     device: str = DeviceConfig.device
@@ -552,6 +631,8 @@ class EngineArgs:
     structured_outputs_request_backends: str = StructuredOutputConfig.request_backends
     # -> SpeculativeConfig (vLLM's JSON object; None: no speculative decoding)
     speculative_config: dict[str, Any] | None = None
+    # -> KVEventsConfig (vLLM's JSON object; None: no KV-cache events)
+    kv_events_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -591,6 +672,7 @@ class EngineArgs:
             structured_output=StructuredOutputConfig(**structured),
             lora=LoRAConfig(**groups["lora"]),
             speculative=self._speculative(),
+            kv_events=self._kv_events(),
         )
         validate_engine_config(config)
         return config
@@ -607,6 +689,15 @@ class EngineArgs:
                 f"--speculative-config must be a JSON object, got {type(options).__name__}", param="speculative-config"
             )
         return SpeculativeConfig.from_dict(options) if options else None
+
+    def _kv_events(self) -> KVEventsConfig:
+        options = self.kv_events_config
+        if isinstance(options, KVEventsConfig):
+            options.validate()
+            return options
+        if options is not None and not isinstance(options, dict):
+            raise _bad_kv_events(f"must be a JSON object, got {type(options).__name__}")
+        return KVEventsConfig.from_dict(options or {})
 
 
 def check_worker_grid(parallel: ParallelConfig) -> None:

@@ -158,6 +158,7 @@ class Scheduler:
         max_loras: int | None = None,
         send_token_ids: bool = False,
         num_lookahead_tokens: int = 0,
+        enable_kv_cache_events: bool = False,
     ):
         """:param send_token_ids: put each step's tokens in ``CachedRequestData.new_token_ids``
         (pipeline parallelism: the stages before the last never sample)."""
@@ -191,6 +192,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             hash_algo=cache_config.prefix_caching_hash_algo,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
 
         self.requests: dict[str, Sequence] = {}

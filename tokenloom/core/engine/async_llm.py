@@ -17,7 +17,13 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from tokenloom.core.config import EngineArgs, LoRAConfig
-from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest, EngineCommand
+from tokenloom.core.engine.commands import (
+    AbortRequest,
+    AddPoolingRequest,
+    AddRequest,
+    EngineCommand,
+    ResetPrefixCache,
+)
 from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
@@ -375,6 +381,14 @@ class AsyncLLM(RequestStreams):
     async def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, on the engine thread between steps."""
+        if self.errored:
+            raise EngineDeadError(f"the engine died: {self._dead_reason}")
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._send(ResetPrefixCache(done))
+        await asyncio.wrap_future(done)
+
     def _send(self, command: EngineCommand) -> None:
         self._commands.put(command)
         self._wakeup.set()
@@ -401,6 +415,14 @@ class AsyncLLM(RequestStreams):
         engine = self.engine
         if isinstance(command, AbortRequest):
             engine.abort_request(command.request_id)
+            return
+        if isinstance(command, ResetPrefixCache):
+            try:
+                engine.reset_prefix_cache()
+            except Exception as exc:
+                command.done.set_exception(exc)
+            else:
+                command.done.set_result(None)
             return
         if command.request_id not in self._streams:
             return  # the client went away before the engine saw the request

@@ -3,6 +3,7 @@ put on one queue and applied by the engine thread between steps, in order."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,4 +45,11 @@ class AbortRequest:
     request_id: str
 
 
-EngineCommand = AddRequest | AddPoolingRequest | AbortRequest
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every cached prefix block; ``done`` is resolved once the engine has."""
+
+    done: concurrent.futures.Future[None]
+
+
+EngineCommand = AddRequest | AddPoolingRequest | AbortRequest | ResetPrefixCache

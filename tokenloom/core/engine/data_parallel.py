@@ -47,6 +47,7 @@ from tokenloom.core.engine.replica_messages import (
     RemoveLora,
     ReplicaCall,
     Reply,
+    ResetPrefixCacheCall,
     ResolveLora,
     Shutdown,
     Stats,
@@ -226,6 +227,9 @@ class ReplicaHost:
                     value = await self.llm.add_lora(lora_request)
                 case RemoveLora(lora_int_id):
                     value = await self.llm.remove_lora(lora_int_id)
+                case ResetPrefixCacheCall():
+                    await self.llm.reset_prefix_cache()
+                    value = None
             self._post(Reply(call_id, True, value))
         except Exception as exc:
             self._post(Reply(call_id, False, PackedError.of(exc)))
@@ -525,6 +529,11 @@ class RayReplica(ReplicaHandle):
         self._ray.kill(self.actor)
 
 
+def with_rank(replica_args: EngineArgs, index: int) -> EngineArgs:
+    """A replica's engine arguments: its rank (what its KV-cache events carry) is its index."""
+    return dataclasses.replace(replica_args, data_parallel_rank=index)
+
+
 def local_cpu_sets(num_replicas: int) -> list[list[int] | None]:
     """This machine's cores dealt out to ``num_replicas`` local replicas, an equal run each
     (shared round-robin when there are more replicas than cores)."""
@@ -610,10 +619,10 @@ class DataParallelAsyncLLM(RequestStreams):
                     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
                     self._ray_started_here = True
                 for index, options in enumerate(ray_actor_options(parallel, ray)):
-                    replicas.append(RayReplica(index, replica_args, tables, options))
+                    replicas.append(RayReplica(index, with_rank(replica_args, index), tables, options))
             else:
                 for index, cpu_ids in enumerate(local_cpu_sets(parallel.data_parallel_size)):
-                    replicas.append(ProcessReplica(index, replica_args, tables, cpu_ids))
+                    replicas.append(ProcessReplica(index, with_rank(replica_args, index), tables, cpu_ids))
             self._num_in_flight = [0] * len(replicas)
             self._replica_stats = [None] * len(replicas)
             self._dead_reasons = [None] * len(replicas)
@@ -737,6 +746,9 @@ class DataParallelAsyncLLM(RequestStreams):
     async def remove_lora(self, lora_int_id: int) -> bool:
         removed = await asyncio.gather(*(self._call(index, RemoveLora(lora_int_id)) for index in self._live_replicas()))
         return any(removed)
+
+    async def reset_prefix_cache(self) -> None:
+        await asyncio.gather(*(self._call(index, ResetPrefixCacheCall()) for index in self._live_replicas()))
 
     # -- requests
 

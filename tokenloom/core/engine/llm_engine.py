@@ -21,6 +21,7 @@ from tokenloom.core.config import EngineArgs, EngineConfig, ParallelConfig
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.core.kv_events import build_event_publisher
 from tokenloom.core.model_loader import ModelInfo, resolve_model, resolve_source
 from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.core.platform import check_attention_backend
@@ -91,7 +92,12 @@ class LLMEngine:
             speculative=config.speculative,
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
             num_lookahead_tokens=num_lookahead_tokens,
+            enable_kv_cache_events=config.kv_events.publishes,
         )
+        # sends what the prefix cache stored, evicted and cleared (--kv-events-config), or None
+        self.kv_event_publisher = build_event_publisher(config.kv_events, config.parallel.data_parallel_rank)
+        if self.kv_event_publisher is not None and not config.cache.enable_prefix_caching:
+            logger.warning("KV-cache events are on but prefix caching is off: no block is ever cached or evicted")
         # batches handed to the executor whose results are not applied yet, oldest first
         # (more than one only when the executor overlaps steps: pipeline parallelism)
         self._batch_queue: deque[tuple[SchedulerOutput, concurrent.futures.Future[ModelRunnerOutput]]] = deque()
@@ -289,6 +295,19 @@ class LLMEngine:
                 continue
             self.scheduler.finish_requests(state.sequence_ids, SequenceStatus.FINISHED_ABORTED)
             self._forget_constraint(state)
+        self._publish_kv_events()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (vLLM's ``/reset_prefix_cache``)."""
+        self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the prefix cache recorded since the last call to the publisher, as one batch."""
+        if self.kv_event_publisher is not None:
+            events = self.scheduler.block_manager.take_kv_events()
+            if events:
+                self.kv_event_publisher.publish(events)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or bool(self._batch_queue)
@@ -494,6 +513,7 @@ class LLMEngine:
             if state.finished:
                 self.output_processor.pop(state.request_id)
                 self._forget_constraint(state)
+        self._publish_kv_events()  # one batch per step: what scheduling and finishing cached or evicted
         return outputs
 
     def check_health(self) -> None:
@@ -535,6 +555,8 @@ class LLMEngine:
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
 
 # methods vLLM has that need trained heads or layers: refused by name unless a plugin registers

@@ -136,6 +136,9 @@ class EngineClient(Protocol):
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (``/v1/unload_lora_adapter``); False when it was not loaded."""
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (``/reset_prefix_cache``), on every replica."""
+
 
 def build_engine_client(engine_args: EngineArgs, plugins: PluginSet | None = None) -> EngineClient:
     """The engine for these arguments, built (a build error is raised here): one

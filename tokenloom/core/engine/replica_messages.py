@@ -104,8 +104,13 @@ class RemoveLora:
     lora_int_id: int
 
 
+@dataclass(frozen=True)
+class ResetPrefixCacheCall:
+    """Forget every cached prefix block; the reply is None once the replica's engine has."""
+
+
 # the calls a replica answers with a Reply
-ReplicaCall = ResolveLora | AddLora | RemoveLora
+ReplicaCall = ResolveLora | AddLora | RemoveLora | ResetPrefixCacheCall
 
 
 @dataclass(frozen=True)
