@@ -37,13 +37,8 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.platform import Platform
     from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
-    from tokenloom.core.structured_output import (
-        BackendOptions,
-        Constraint,
-        Matcher,
-        StructuredOutputBackend,
-        compile_cancelled,
-    )
+    from tokenloom.core.structured_output import Matcher, StructuredOutputBackend, compile_cancelled
+    from tokenloom.core.structured_output_constraints import BackendOptions, Constraint
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
     from tokenloom.parsing.reasoning_markers import MarkedReasoningParser
@@ -82,8 +77,8 @@ _LAZY = {
     "StructuredOutputBackend": "tokenloom.core.structured_output",
     "LogitsProcessor": "tokenloom.core.logits_processors",
     "Matcher": "tokenloom.core.structured_output",
-    "Constraint": "tokenloom.core.structured_output",
-    "BackendOptions": "tokenloom.core.structured_output",
+    "Constraint": "tokenloom.core.structured_output_constraints",
+    "BackendOptions": "tokenloom.core.structured_output_constraints",
     "compile_cancelled": "tokenloom.core.structured_output",
     "ToolParser": "tokenloom.core.parsers",
     "ReasoningParser": "tokenloom.core.parsers",

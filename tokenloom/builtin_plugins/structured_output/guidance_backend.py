@@ -16,7 +16,8 @@ import threading
 from typing import Any
 
 from tokenloom.builtin_plugins.structured_output.common import rewrite_schema, schema_keywords
-from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
+from tokenloom.core.structured_output import Matcher, StructuredOutputBackend
+from tokenloom.core.structured_output_constraints import Constraint
 from tokenloom.errors import InvalidRequestError
 
 # at most this many whitespace characters between two JSON tokens, like xgrammar's bound:

@@ -23,7 +23,8 @@ from tokenloom.builtin_plugins.structured_output.common import (
     token_bytes,
     unsupported_keywords_reason,
 )
-from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend, allocate_bitmask
+from tokenloom.core.structured_output import Matcher, StructuredOutputBackend, allocate_bitmask
+from tokenloom.core.structured_output_constraints import Constraint
 
 # what lm-format-enforcer's JSON parser does not enforce: outputs could break these (small
 # integer ranges are enforced anyway, as enums)

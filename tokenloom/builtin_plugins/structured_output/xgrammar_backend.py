@@ -18,7 +18,8 @@ from tokenloom.builtin_plugins.structured_output.common import (
     ebnf_string,
     unsupported_keywords_reason,
 )
-from tokenloom.core.structured_output import Constraint, Matcher, StructuredOutputBackend
+from tokenloom.core.structured_output import Matcher, StructuredOutputBackend
+from tokenloom.core.structured_output_constraints import Constraint
 from tokenloom.errors import InvalidRequestError
 
 MAX_JSON_WHITESPACE = 32

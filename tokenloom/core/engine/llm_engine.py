@@ -28,7 +28,8 @@ from tokenloom.core.pooling import POOLING
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
 from tokenloom.core.sequence import Sequence, SequenceStatus
-from tokenloom.core.structured_output import CompiledConstraint, Constraint, StructuredOutputManager
+from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
+from tokenloom.core.structured_output_constraints import Constraint
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
 
