@@ -15,7 +15,7 @@ from tokenloom.core.batch import SchedulerOutput
 from tokenloom.core.config import StructuredOutputConfig
 from tokenloom.core.sampler import unpack_bitmask
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.core.sequence import Sequence
+from tokenloom.core.sequence import EngineSequence
 from tokenloom.core.structured_output import (
     Matcher,
     StructuredOutputBackend,
@@ -136,8 +136,8 @@ def make_manager(backend="auto", reasoning_parser_class=None, **config) -> Struc
     )
 
 
-def make_request(request_id="r", prompt=(1, 3), output=()) -> Sequence:
-    request = Sequence(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
+def make_request(request_id="r", prompt=(1, 3), output=()) -> EngineSequence:
+    request = EngineSequence(seq_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
     request.output_token_ids = list(output)
     return request
 
@@ -147,8 +147,8 @@ def allowed_ids(masks, row=0) -> list[int]:
     return unpack_bitmask(bitmask, VOCAB_SIZE)[row].nonzero().flatten().tolist()
 
 
-def decode_step(request: Sequence, num_scheduled: int = 1) -> SchedulerOutput:
-    return SchedulerOutput(num_scheduled_tokens={request.request_id: num_scheduled})
+def decode_step(request: EngineSequence, num_scheduled: int = 1) -> SchedulerOutput:
+    return SchedulerOutput(num_scheduled_tokens={request.seq_id: num_scheduled})
 
 
 # -- errors, bitmasks ---------------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_masks_only_for_constrained_rows_that_sample_and_tokens_advance_the_matc
     manager.add_sequence(constrained, compiled_for(manager))
     manager.add_sequence(chunking, compiled_for(manager))
     step = SchedulerOutput(num_scheduled_tokens={"c": 2, "free": 2, "chunk": 2})  # chunk: 2 of 4 prompt tokens
-    requests = {r.request_id: r for r in (constrained, free, chunking)}
+    requests = {r.seq_id: r for r in (constrained, free, chunking)}
     masks = manager.grammar_bitmask(step, requests.get)
     assert masks.req_ids == ["c"] and allowed_ids(masks) == [5]
     constrained.num_computed_tokens = 2

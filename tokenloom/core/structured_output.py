@@ -34,6 +34,8 @@ from tokenloom.errors import ConfigError, InvalidRequestError, OverloadedError
 if TYPE_CHECKING:
     import torch
 
+    from tokenloom.core.sequence import EngineSequence
+
 logger = logging.getLogger(__name__)
 
 # --structured-outputs-request-backends: a request may name any backend / only the server's
@@ -544,25 +546,27 @@ class StructuredOutputManager:
 
     # -- sequences (engine thread) -----------------------------------------------------------
 
-    def add_sequence(self, request: Any, compiled: CompiledConstraint) -> None:
-        state = _SequenceGrammar(compiled.new_matcher(), compiled.backend_name, num_preemptions=request.num_preemptions)
+    def add_sequence(self, seq: EngineSequence, compiled: CompiledConstraint) -> None:
+        state = _SequenceGrammar(compiled.new_matcher(), compiled.backend_name, num_preemptions=seq.num_preemptions)
         if self.reasoning_parser_class is not None:
             # the parser judges generated tokens only (its contract): with none yet, a parser
             # that knows the output has no reasoning section says so, and the constraint starts
             # at the first token; otherwise it starts after the token that ends the section
             state.reasoning_parser = self.reasoning_parser_class(self.tokenizer)
-            state.reasoning_ended = self._reasoning_ended(state, request.output_token_ids)
-            state.constraint_start = len(request.output_token_ids)
-        self._sequences[request.request_id] = state
+            state.reasoning_ended = self._reasoning_ended(state, seq.output_token_ids)
+            state.constraint_start = len(seq.output_token_ids)
+        self._sequences[seq.seq_id] = state
 
-    def remove_sequences(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            self._sequences.pop(request_id, None)
+    def remove_sequences(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in seq_ids:
+            self._sequences.pop(seq_id, None)
 
-    def is_constrained(self, request_id: str) -> bool:
-        return request_id in self._sequences
+    def is_constrained(self, seq_id: str) -> bool:
+        return seq_id in self._sequences
 
-    def grammar_bitmask(self, scheduler_output: Any, get_request: Callable[[str], Any]) -> StructuredOutputMasks | None:
+    def grammar_bitmask(
+        self, scheduler_output: Any, get_sequence: Callable[[str], EngineSequence | None]
+    ) -> StructuredOutputMasks | None:
         """The bitmask rows of the constrained sequences that sample this step.
 
         A sequence verifying draft tokens gets one row per position, each computed with the
@@ -570,49 +574,49 @@ class StructuredOutputManager:
         grammar rejects (``scheduler_output.trim_draft_tokens``), which could never be accepted.
         """
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        rows: list[tuple[str, _SequenceGrammar, Any]] = []
-        for req_id, num_tokens in list(scheduler_output.num_scheduled_tokens.items()):
-            state = self._sequences.get(req_id)
-            request = get_request(req_id) if state is not None else None
-            if state is None or request is None:
+        rows: list[tuple[str, _SequenceGrammar, EngineSequence]] = []
+        for seq_id, num_tokens in list(scheduler_output.num_scheduled_tokens.items()):
+            state = self._sequences.get(seq_id)
+            seq = get_sequence(seq_id) if state is not None else None
+            if state is None or seq is None:
                 continue
-            num_drafts = len(spec_tokens.get(req_id, ()))
-            if request.num_computed_tokens + num_tokens - num_drafts < request.num_tokens:
+            num_drafts = len(spec_tokens.get(seq_id, ()))
+            if seq.num_computed_tokens + num_tokens - num_drafts < seq.num_tokens:
                 continue  # a prompt chunk that samples nothing
             if state.error is None:
-                self._sync(request, state)
+                self._sync(seq, state)
             if not state.reasoning_ended or state.error is not None:
                 # while it reasons a draft could end the reasoning, after which the grammar applies
-                scheduler_output.trim_draft_tokens(req_id, 0)
+                scheduler_output.trim_draft_tokens(seq_id, 0)
             if state.reasoning_ended:
-                rows.append((req_id, state, request))
+                rows.append((seq_id, state, seq))
         if not rows:
             return None
-        bitmask = allocate_bitmask(sum(1 + len(spec_tokens.get(req_id, ())) for req_id, _, _ in rows), self.vocab_size)
-        row_req_ids: list[str] = []
-        for req_id, state, request in rows:
-            row = len(row_req_ids)
-            row_req_ids.append(req_id)
+        bitmask = allocate_bitmask(sum(1 + len(spec_tokens.get(seq_id, ())) for seq_id, _, _ in rows), self.vocab_size)
+        row_seq_ids: list[str] = []
+        for seq_id, state, seq in rows:
+            row = len(row_seq_ids)
+            row_seq_ids.append(seq_id)
             try:
                 if state.error is not None or state.matcher.is_terminated():
                     set_allowed_tokens(bitmask[row], self.eos_token_ids)
                 else:
                     state.matcher.fill_bitmask(bitmask, row)
             except Exception as exc:  # fails this request only, after this step
-                logger.exception("structured output backend %s failed on request %s", state.backend_name, req_id)
+                logger.exception("structured output backend %s failed on request %s", state.backend_name, seq_id)
                 state.error = f"{state.backend_name} failed computing the allowed tokens: {clean_error(exc)}"
                 set_allowed_tokens(bitmask[row], self.eos_token_ids)
-                scheduler_output.trim_draft_tokens(req_id, 0)
+                scheduler_output.trim_draft_tokens(seq_id, 0)
                 continue
-            drafts = spec_tokens.get(req_id)
+            drafts = spec_tokens.get(seq_id)
             if drafts:
-                num_kept = self._draft_rows(request, state, drafts, bitmask, row + 1)
-                scheduler_output.trim_draft_tokens(req_id, num_kept)
-                row_req_ids.extend([req_id] * num_kept)
-        return StructuredOutputMasks(row_req_ids, bitmask[: len(row_req_ids)].numpy())
+                num_kept = self._draft_rows(seq, state, drafts, bitmask, row + 1)
+                scheduler_output.trim_draft_tokens(seq_id, num_kept)
+                row_seq_ids.extend([seq_id] * num_kept)
+        return StructuredOutputMasks(row_seq_ids, bitmask[: len(row_seq_ids)].numpy())
 
     def _draft_rows(
-        self, request: Any, state: _SequenceGrammar, drafts: list[int], bitmask: torch.Tensor, first_row: int
+        self, seq: EngineSequence, state: _SequenceGrammar, drafts: list[int], bitmask: torch.Tensor, first_row: int
     ) -> int:
         """Fill the rows after each draft the grammar accepts (from ``first_row``), then take
         the drafts back; returns how many drafts it accepted (the rest are never verified)."""
@@ -632,42 +636,40 @@ class StructuredOutputManager:
             logger.exception("structured output backend %s failed on a draft token", state.backend_name)
             num_kept = 0
         finally:
-            self._take_back(request, state, num_accepted)
+            self._take_back(seq, state, num_accepted)
         return num_kept
 
-    def _take_back(self, request: Any, state: _SequenceGrammar, num_tokens: int) -> None:
+    def _take_back(self, seq: EngineSequence, state: _SequenceGrammar, num_tokens: int) -> None:
         if num_tokens == 0:
             return
         try:
             state.matcher.rollback(num_tokens)
         except NotImplementedError:  # a backend without rollback replays the real output
-            self._replay(state, request.output_token_ids)
-            self._sync(request, state)
+            self._replay(state, seq.output_token_ids)
+            self._sync(seq, state)
 
-    def advance(self, request: Any) -> str | None:
+    def advance(self, seq: EngineSequence) -> str | None:
         """Feed a sequence's new output tokens to its matcher; the error message when the
         backend failed or rejected a token (the engine then fails that request)."""
-        state = self._sequences.get(request.request_id)
+        state = self._sequences.get(seq.seq_id)
         if state is None:
             return None
         if state.error is None:
             try:
-                self._sync(request, state)
+                self._sync(seq, state)
             except Exception as exc:
-                logger.exception(
-                    "structured output backend %s failed on request %s", state.backend_name, request.request_id
-                )
+                logger.exception("structured output backend %s failed on request %s", state.backend_name, seq.seq_id)
                 state.error = f"{state.backend_name} failed: {clean_error(exc)}"
         return state.error
 
-    def _sync(self, request: Any, state: _SequenceGrammar) -> None:
+    def _sync(self, seq: EngineSequence, state: _SequenceGrammar) -> None:
         """Bring the matcher in line with the request's output tokens: rebuild it after a
         preemption, notice the end of reasoning, accept new tokens."""
-        output = request.output_token_ids
-        if request.num_preemptions != state.num_preemptions:
+        output = seq.output_token_ids
+        if seq.num_preemptions != state.num_preemptions:
             # the worker rebuilt this request from scratch: rebuild the grammar state too, so it
             # cannot drift from the tokens the request really holds
-            state.num_preemptions = request.num_preemptions
+            state.num_preemptions = seq.num_preemptions
             self._replay(state, output)
         if not state.reasoning_ended:
             if not self._reasoning_ended(state, output):
