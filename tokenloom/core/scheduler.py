@@ -618,7 +618,7 @@ class Scheduler:
         :returns: the requests finished by this call.
         """
         if not status.finished:
-            raise InvalidRequestError(f"finish_requests needs a FINISHED_* status, got {status.name}", param="status")
+            raise InvalidRequestError(f"finish_sequences needs a FINISHED_* status, got {status.name}", param="status")
         if isinstance(seq_ids, str):
             seq_ids = (seq_ids,)
         known_ids = {seq_id for seq_id in seq_ids if seq_id in self.sequences}
