@@ -191,10 +191,10 @@ class BlockManager:
     def allocate_slots(
         self, seq: EngineSequence, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> list[int] | None:
-        """Grow the request's block table to cover ``request.num_computed_tokens`` plus the
+        """Grow the sequence's block table to cover ``seq.num_computed_tokens`` plus the
         prefix hit (``computed_blocks``, only on the first allocation) plus ``num_new_tokens``.
 
-        The caller sets ``request.num_computed_tokens`` to include the hit after this succeeds.
+        The caller sets ``seq.num_computed_tokens`` to include the hit after this succeeds.
         Passing ``computed_blocks`` (even ``[]``) marks a prefix lookup whose result is used:
         it is counted in :attr:`prefix_cache_stats` once per allocation that uses it.
 
@@ -244,7 +244,7 @@ class BlockManager:
     def free(self, seq: EngineSequence) -> None:
         """Release the request's blocks (finish, abort or preemption).
 
-        Full blocks whose KV is computed (per ``request.num_computed_tokens``) are cached first,
+        Full blocks whose KV is computed (per ``seq.num_computed_tokens``) are cached first,
         so a preempted request can hit its own blocks when it resumes.
         """
         record = self._sequences.pop(seq.seq_id, None)
@@ -348,7 +348,7 @@ class BlockManager:
         return ("root", seq.sampling_params.cache_salt, "lora", lora_id)
 
     def _block_token_ids(self, seq: EngineSequence, block_index: int) -> tuple[int, ...]:
-        # sliced from the two lists directly: request.all_token_ids copies the whole sequence
+        # sliced from the two lists directly: seq.all_token_ids copies the whole sequence
         start = block_index * self.block_size
         end = start + self.block_size
         prompt = seq.prompt_token_ids

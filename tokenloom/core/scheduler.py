@@ -248,7 +248,7 @@ class Scheduler:
             self.waiting.push(seq, self._order_key(seq))
 
     def _check_admissible(self, seq: EngineSequence) -> None:
-        """Raise when ``request`` can never be queued: its id is taken, or it can never fit."""
+        """Raise when ``seq`` can never be queued: its id is taken, or it can never fit."""
         seq_id = seq.seq_id
         if seq_id in self.sequences:
             raise InvalidRequestError(
