@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.platform import Platform
     from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
-    from tokenloom.core.structured_output import Matcher, StructuredOutputBackend, compile_cancelled
+    from tokenloom.core.structured_output import Matcher, StructuredOutputBackend
+    from tokenloom.core.structured_output_compile import compile_cancelled
     from tokenloom.core.structured_output_constraints import BackendOptions, Constraint
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
@@ -79,7 +80,7 @@ _LAZY = {
     "Matcher": "tokenloom.core.structured_output",
     "Constraint": "tokenloom.core.structured_output_constraints",
     "BackendOptions": "tokenloom.core.structured_output_constraints",
-    "compile_cancelled": "tokenloom.core.structured_output",
+    "compile_cancelled": "tokenloom.core.structured_output_compile",
     "ToolParser": "tokenloom.core.parsers",
     "ReasoningParser": "tokenloom.core.parsers",
     "ParserTokenizer": "tokenloom.core.parsers",

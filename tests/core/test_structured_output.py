@@ -425,7 +425,7 @@ def test_a_compile_past_the_time_limit_is_a_400_and_the_pool_goes_on():
 
 
 def test_runaway_compiles_are_bounded():
-    from tokenloom.core.structured_output import MAX_RUNAWAY_COMPILES
+    from tokenloom.core.structured_output_compile import MAX_RUNAWAY_COMPILES
     from tokenloom.errors import OverloadedError
 
     manager = make_slow_manager(compile_timeout=0.2)
@@ -488,7 +488,7 @@ def test_a_constraint_is_checked_in_the_pool_within_the_time_limit():
 
 
 def test_one_client_cannot_hold_every_runaway_slot():
-    from tokenloom.core.structured_output import MAX_RUNAWAY_COMPILES, MAX_RUNAWAY_PER_CLIENT
+    from tokenloom.core.structured_output_compile import MAX_RUNAWAY_COMPILES, MAX_RUNAWAY_PER_CLIENT
     from tokenloom.errors import OverloadedError
 
     assert MAX_RUNAWAY_PER_CLIENT < MAX_RUNAWAY_COMPILES
@@ -540,7 +540,7 @@ class CancellableBackend(DigitsBackend):
     """Works until told it overran, as a backend with a killable child process does."""
 
     def compile(self, constraint):
-        from tokenloom.core.structured_output import compile_cancelled
+        from tokenloom.core.structured_output_compile import compile_cancelled
 
         if constraint.spec.startswith("0"):
             while not compile_cancelled():

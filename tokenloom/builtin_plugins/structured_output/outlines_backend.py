@@ -26,7 +26,8 @@ from tokenloom.builtin_plugins.structured_output.common import (
     unsupported_keywords_reason,
 )
 from tokenloom.builtin_plugins.structured_output.outlines_worker import read_message, write_message
-from tokenloom.core.structured_output import Matcher, StructuredOutputBackend, compile_cancelled
+from tokenloom.core.structured_output import Matcher, StructuredOutputBackend
+from tokenloom.core.structured_output_compile import compile_cancelled
 from tokenloom.core.structured_output_constraints import Constraint
 
 # idle index-building children kept for the next compiles (the compile pool runs two at once)

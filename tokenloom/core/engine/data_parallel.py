@@ -55,7 +55,7 @@ from tokenloom.core.engine.replica_messages import (
 from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
-from tokenloom.core.structured_output import REQUEST_CLIENT
+from tokenloom.core.structured_output_compile import REQUEST_CLIENT
 from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PlainPlugins, PluginSet
 

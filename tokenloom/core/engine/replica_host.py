@@ -40,7 +40,7 @@ from tokenloom.core.engine.replica_messages import (
     ToReplica,
 )
 from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
-from tokenloom.core.structured_output import REQUEST_CLIENT
+from tokenloom.core.structured_output_compile import REQUEST_CLIENT
 from tokenloom.plugins.manager import PlainPlugins, PluginSet
 
 logger = logging.getLogger(__name__)
