@@ -41,14 +41,13 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
     from tokenloom.core.structured_output import (
-        BackendOptions,
-        Constraint,
         Matcher,
         StructuredOutputBackend,
         allocate_bitmask,
-        compile_cancelled,
         set_allowed_tokens,
     )
+    from tokenloom.core.structured_output_compile import compile_cancelled
+    from tokenloom.core.structured_output_constraints import BackendOptions, Constraint
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
     from tokenloom.layers.quantization import QuantizationMethod
     from tokenloom.parsing.reasoning_markers import MarkedReasoningParser
@@ -87,9 +86,9 @@ _LAZY = {
     "StructuredOutputBackend": "tokenloom.core.structured_output",
     "LogitsProcessor": "tokenloom.core.logits_processors",
     "Matcher": "tokenloom.core.structured_output",
-    "Constraint": "tokenloom.core.structured_output",
-    "BackendOptions": "tokenloom.core.structured_output",
-    "compile_cancelled": "tokenloom.core.structured_output",
+    "Constraint": "tokenloom.core.structured_output_constraints",
+    "BackendOptions": "tokenloom.core.structured_output_constraints",
+    "compile_cancelled": "tokenloom.core.structured_output_compile",
     "allocate_bitmask": "tokenloom.core.structured_output",
     "set_allowed_tokens": "tokenloom.core.structured_output",
     # what load formats and guided-decoding backends share with the core: GPT-2's byte-level

@@ -259,7 +259,8 @@ def test_generation_config_choices_and_override_keys_are_checked_before_loading(
 
 def test_guided_decoding_server_options_shape_every_json_constraint():
     from tokenloom.core.config import StructuredOutputConfig
-    from tokenloom.core.structured_output import StructuredOutputManager, parse_constraint
+    from tokenloom.core.structured_output import StructuredOutputManager
+    from tokenloom.core.structured_output_constraints import parse_constraint
     from tokenloom.plugins.registry import Registry
 
     def options(**config):

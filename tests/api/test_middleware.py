@@ -235,7 +235,7 @@ async def test_client_middleware_names_the_client_for_the_request(keyed, headers
     import hashlib
 
     from tokenloom.api.middleware import ClientMiddleware
-    from tokenloom.core.structured_output import REQUEST_CLIENT
+    from tokenloom.core.structured_output_compile import REQUEST_CLIENT
 
     seen = []
 

@@ -9,15 +9,15 @@ import pytest
 
 from tokenloom.core.block_manager import BlockManager
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.core.sequence import Sequence
+from tokenloom.core.sequence import EngineSequence
 from tokenloom.errors import ConfigError
 
 
-def make_request(request_id: str, prompt: list[int]) -> Sequence:
-    return Sequence(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
+def make_request(request_id: str, prompt: list[int]) -> EngineSequence:
+    return EngineSequence(seq_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
 
 
-def prefill(manager: BlockManager, request: Sequence, use_cache: bool = True) -> int:
+def prefill(manager: BlockManager, request: EngineSequence, use_cache: bool = True) -> int:
     """Allocate the whole (uncached part of the) sequence as a scheduler would, then mark it
     computed; returns the number of tokens the prefix cache supplied."""
     computed_blocks, num_cached = manager.get_computed_blocks(request) if use_cache else (None, 0)
@@ -27,7 +27,7 @@ def prefill(manager: BlockManager, request: Sequence, use_cache: bool = True) ->
     return num_cached
 
 
-def decode(manager: BlockManager, request: Sequence, token_id: int) -> list[int] | None:
+def decode(manager: BlockManager, request: EngineSequence, token_id: int) -> list[int] | None:
     """One decode step: the sampled token joins the sequence and gets a KV slot."""
     request.output_token_ids.append(token_id)
     new_blocks = manager.allocate_slots(request, 1)
@@ -287,7 +287,7 @@ def test_random_workload_leaves_every_block_free(seed):
     )
     # few distinct prefixes, so requests share blocks often
     prefixes = [[rng.randrange(5) for _ in range(rng.randint(1, 12))] for _ in range(4)]
-    live: dict[str, Sequence] = {}
+    live: dict[str, EngineSequence] = {}
     for step in range(300):
         action = rng.random()
         if action < 0.3 and len(live) < 8:
@@ -300,7 +300,7 @@ def test_random_workload_leaves_every_block_free(seed):
                 manager.free(request)
                 continue
             request.num_computed_tokens = num_cached + chunk
-            live[request.request_id] = request
+            live[request.seq_id] = request
         elif action < 0.85 and live:
             request = live[rng.choice(sorted(live))]
             if request.num_computed_tokens == request.num_tokens:
@@ -327,9 +327,9 @@ def test_random_workload_leaves_every_block_free(seed):
 # ---- isolation: cache_salt, sha256 by default, hits checked against content -----------------
 
 
-def salted_request(request_id: str, prompt: list[int], cache_salt: str | None) -> Sequence:
-    return Sequence(
-        request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams(cache_salt=cache_salt)
+def salted_request(request_id: str, prompt: list[int], cache_salt: str | None) -> EngineSequence:
+    return EngineSequence(
+        seq_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams(cache_salt=cache_salt)
     )
 
 
@@ -435,11 +435,11 @@ def test_every_hit_holds_exactly_the_requests_prefix(seed, weak_hash):
         collide_every_hash(manager, lambda parent, token_ids: sum(token_ids) % 3)
     # what each block's KV was computed for: (salt, all tokens up to the end of the block)
     written: dict[int, tuple] = {}
-    live: dict[str, Sequence] = {}
+    live: dict[str, EngineSequence] = {}
     num_hits = 0
 
-    def record_writes(request: Sequence, first_new_block: int) -> None:
-        table = manager.get_block_table(request.request_id)
+    def record_writes(request: EngineSequence, first_new_block: int) -> None:
+        table = manager.get_block_table(request.seq_id)
         for block_index in range(first_new_block, request.num_computed_tokens // block_size):
             written[table[block_index]] = (
                 request.sampling_params.cache_salt,
@@ -463,7 +463,7 @@ def test_every_hit_holds_exactly_the_requests_prefix(seed, weak_hash):
             written_before = request.num_computed_tokens = num_cached
             request.num_computed_tokens = request.num_tokens
             record_writes(request, written_before // block_size)
-            live[request.request_id] = request
+            live[request.seq_id] = request
         elif live and rng.random() < 0.6:
             request = live[rng.choice(sorted(live))]
             request.output_token_ids.append(rng.randrange(3))

@@ -131,7 +131,7 @@ def test_a_compiling_request_waits_outside_the_scheduler_without_stalling_others
         finished = {}
         while "free" not in finished:
             finished.update({o.request_id: o for o in engine.step() if o.finished})
-        assert engine.scheduler.get_request("guided") is None  # still compiling: never scheduled
+        assert engine.scheduler.get_sequence("guided") is None  # still compiling: never scheduled
         assert engine.has_unfinished_requests()
     finally:
         grammar_test_backends.COMPILE_GATE.set()

@@ -22,7 +22,7 @@ from tokenloom.core.executor import WorkerSpec
 from tokenloom.core.model_loader import resolve_model
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.core.sequence import Sequence
+from tokenloom.core.sequence import EngineSequence
 from tokenloom.core.worker import Worker
 from tokenloom.plugins.manager import load_plugins
 
@@ -76,18 +76,18 @@ def drive(spec: WorkerSpec, execute) -> dict:
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [
-        Sequence(request_id=f"r{i}", prompt_token_ids=list(prompt), sampling_params=params, eos_token_ids={2})
+        EngineSequence(seq_id=f"r{i}", prompt_token_ids=list(prompt), sampling_params=params, eos_token_ids={2})
         for i, prompt in enumerate(PROMPTS)
     ]
     for request in requests:
-        scheduler.add_request(request)
+        scheduler.add_sequence(request)
     num_steps = 0
-    while scheduler.has_unfinished_requests():
+    while scheduler.has_unfinished_sequences():
         scheduler_output = scheduler.schedule()
         scheduler.update_from_output(scheduler_output, execute(scheduler_output))
         num_steps += 1
     return {
-        "tokens": {request.request_id: list(request.output_token_ids) for request in requests},
+        "tokens": {request.seq_id: list(request.output_token_ids) for request in requests},
         "num_preemptions": scheduler.num_preemptions,
         "num_steps": num_steps,
     }

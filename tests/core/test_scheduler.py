@@ -16,7 +16,7 @@ from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from tokenloom.core.config import CacheConfig, SchedulerConfig
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
-from tokenloom.core.sequence import Sequence, SequenceStatus
+from tokenloom.core.sequence import EngineSequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
 EOS = 2
@@ -123,11 +123,11 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int
 
 def make_request(
     request_id: str, prompt, priority: int = 0, arrival_time: float | None = None, **sampling_args
-) -> Sequence:
+) -> EngineSequence:
     sampling_args.setdefault("max_tokens", 8)
     extra = {} if arrival_time is None else {"arrival_time": arrival_time}
-    return Sequence(
-        request_id=request_id,
+    return EngineSequence(
+        seq_id=request_id,
         prompt_token_ids=list(prompt),
         sampling_params=SamplingParams(**sampling_args),
         eos_token_ids={EOS},
@@ -139,13 +139,13 @@ def make_request(
 @dataclass
 class Run:
     outputs: list[SchedulerOutput] = field(default_factory=list)
-    finished: dict[str, Sequence] = field(default_factory=dict)
+    finished: dict[str, EngineSequence] = field(default_factory=dict)
 
 
 def run(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 500, run_log: Run | None = None) -> Run:
     run_log = run_log or Run()
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_sequences():
             return run_log
         step(scheduler, worker, run_log)
     raise AssertionError("requests did not finish")
@@ -160,7 +160,7 @@ def step(scheduler: Scheduler, worker: FakeWorker, run_log: Run | None = None) -
     changed = scheduler.update_from_output(scheduler_output, worker.execute(scheduler_output))
     if run_log is not None:
         run_log.outputs.append(scheduler_output)
-        run_log.finished.update((r.request_id, r) for r in changed if r.finished)
+        run_log.finished.update((r.seq_id, r) for r in changed if r.finished)
     return scheduler_output
 
 
@@ -180,7 +180,7 @@ def test_budget_and_sequence_cap_hold_every_step_and_outputs_are_exact():
     worker = FakeWorker(200, 4)
     prompts = {f"r{i}": [(i * 7 + j) % 50 + 3 for j in range(1 + (i * 13) % 45)] for i in range(10)}
     for req_id, prompt in prompts.items():
-        scheduler.add_request(make_request(req_id, prompt, max_tokens=3 + len(prompt) % 7, ignore_eos=True))
+        scheduler.add_sequence(make_request(req_id, prompt, max_tokens=3 + len(prompt) % 7, ignore_eos=True))
     result = run(scheduler, worker)
     assert any(o.total_num_scheduled_tokens == 32 for o in result.outputs)  # the budget was binding
     for req_id, prompt in prompts.items():
@@ -193,12 +193,12 @@ def test_budget_and_sequence_cap_hold_every_step_and_outputs_are_exact():
 def test_long_prompt_is_chunked_while_another_request_decodes():
     scheduler = make_scheduler(max_num_batched_tokens=16)
     worker = FakeWorker(64, 4)
-    scheduler.add_request(make_request("short", range(10, 14), max_tokens=10, ignore_eos=True))
+    scheduler.add_sequence(make_request("short", range(10, 14), max_tokens=10, ignore_eos=True))
     first = step(scheduler, worker)
     assert first.num_scheduled_tokens == {"short": 4}
 
     long_prompt = [(5 * i) % 97 + 3 for i in range(40)]
-    scheduler.add_request(make_request("long", long_prompt, max_tokens=3, ignore_eos=True))
+    scheduler.add_sequence(make_request("long", long_prompt, max_tokens=3, ignore_eos=True))
     outputs = [step(scheduler, worker) for _ in range(4)]
     assert [o.num_scheduled_tokens for o in outputs] == [
         {"short": 1, "long": 15},
@@ -209,7 +209,7 @@ def test_long_prompt_is_chunked_while_another_request_decodes():
     assert new_ids(outputs[0]) == ["long"]
     assert [c.num_computed_tokens for c in outputs[1].scheduled_cached_reqs if c.req_id == "long"] == [15]
     assert [c.num_computed_tokens for c in outputs[2].scheduled_cached_reqs if c.req_id == "long"] == [30]
-    long_request = scheduler.get_request("long")
+    long_request = scheduler.get_sequence("long")
     assert long_request.num_computed_tokens == 41 and len(long_request.output_token_ids) == 2
     result = run(scheduler, worker)
     assert result.finished["long"].output_token_ids == expected_tokens(long_prompt, 3)
@@ -219,10 +219,10 @@ def test_long_prompt_is_chunked_while_another_request_decodes():
 def test_a_prompt_waits_while_an_earlier_prompt_takes_the_whole_budget():
     scheduler = make_scheduler(max_num_batched_tokens=8)
     worker = FakeWorker(64, 4)
-    scheduler.add_request(make_request("long", range(3, 40), ignore_eos=True))
-    scheduler.add_request(make_request("short", range(50, 52), ignore_eos=True))
+    scheduler.add_sequence(make_request("long", range(3, 40), ignore_eos=True))
+    scheduler.add_sequence(make_request("short", range(50, 52), ignore_eos=True))
     assert [step(scheduler, worker).num_scheduled_tokens for _ in range(3)] == [{"long": 8}] * 3
-    scheduler.finish_requests("long", SequenceStatus.FINISHED_ABORTED)
+    scheduler.finish_sequences("long", SequenceStatus.FINISHED_ABORTED)
     assert step(scheduler, worker).num_scheduled_tokens == {"short": 2}
 
 
@@ -231,17 +231,17 @@ def test_partial_prefill_limit_and_long_prefill_threshold():
         scheduler = make_scheduler(
             max_num_batched_tokens=32, long_prefill_token_threshold=8, max_num_partial_prefills=max_partial
         )
-        scheduler.add_request(make_request("a", range(3, 40)))
-        scheduler.add_request(make_request("b", range(50, 90)))
+        scheduler.add_sequence(make_request("a", range(3, 40)))
+        scheduler.add_sequence(make_request("b", range(50, 90)))
         assert step(scheduler, FakeWorker(64, 4)).num_scheduled_tokens == expected
 
 
 def test_without_chunked_prefill_prompts_wait_for_room_and_huge_ones_run_alone():
     scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
     worker = FakeWorker(64, 4)
-    scheduler.add_request(make_request("a", range(3, 7), max_tokens=3, ignore_eos=True))
-    scheduler.add_request(make_request("b", range(10, 18), max_tokens=2, ignore_eos=True))
-    scheduler.add_request(make_request("huge", range(20, 40), max_tokens=2, ignore_eos=True))
+    scheduler.add_sequence(make_request("a", range(3, 7), max_tokens=3, ignore_eos=True))
+    scheduler.add_sequence(make_request("b", range(10, 18), max_tokens=2, ignore_eos=True))
+    scheduler.add_sequence(make_request("huge", range(20, 40), max_tokens=2, ignore_eos=True))
     outputs = [step(scheduler, worker) for _ in range(6)]
     assert [o.num_scheduled_tokens for o in outputs] == [
         {"a": 4},
@@ -265,7 +265,7 @@ def test_preempted_requests_resume_and_match_an_unconstrained_run(enable_prefix_
     scheduler = make_scheduler(num_blocks=10, block_size=4, enable_prefix_caching=enable_prefix_caching)
     worker = FakeWorker(10, 4)
     for req_id, prompt in prompts.items():
-        scheduler.add_request(make_request(req_id, prompt, max_tokens=10, ignore_eos=True))
+        scheduler.add_sequence(make_request(req_id, prompt, max_tokens=10, ignore_eos=True))
     with caplog.at_level(logging.WARNING, logger="tokenloom.core.scheduler"):
         result = run(scheduler, worker)
 
@@ -275,7 +275,7 @@ def test_preempted_requests_resume_and_match_an_unconstrained_run(enable_prefix_
     assert scheduler.stats().num_preemptions == scheduler.num_preemptions
     assert sum(r.num_preemptions for r in result.finished.values()) == scheduler.num_preemptions
     preempted = [r for r in result.finished.values() if r.num_preemptions]
-    assert any(r.request_id in caplog.text for r in preempted)
+    assert any(r.seq_id in caplog.text for r in preempted)
     assert "preempted" in caplog.text
 
     # a preemption is announced in that step's finished_req_ids, and the request comes back
@@ -289,15 +289,15 @@ def test_preempted_requests_resume_and_match_an_unconstrained_run(enable_prefix_
                 resumed_with_output |= bool(later[0].output_token_ids)
     assert resumed_with_output
     assert scheduler.block_manager.num_free_blocks == 10
-    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.has_unfinished_sequences()
 
 
 @pytest.mark.parametrize("policy, victim", [("fcfs", "late"), ("priority", "early-unimportant")])
 def test_preemption_victim_is_the_latest_or_least_important(policy, victim):
     scheduler = make_scheduler(num_blocks=6, block_size=4, scheduling_policy=policy, enable_prefix_caching=False)
     worker = FakeWorker(6, 4)
-    scheduler.add_request(make_request("early-unimportant", range(3, 11), priority=9, max_tokens=30, ignore_eos=True))
-    scheduler.add_request(make_request("late", range(20, 28), priority=0, max_tokens=30, ignore_eos=True))
+    scheduler.add_sequence(make_request("early-unimportant", range(3, 11), priority=9, max_tokens=30, ignore_eos=True))
+    scheduler.add_sequence(make_request("late", range(20, 28), priority=0, max_tokens=30, ignore_eos=True))
     first_preempted = None
     for _ in range(40):
         output = step(scheduler, worker)
@@ -305,20 +305,20 @@ def test_preemption_victim_is_the_latest_or_least_important(policy, victim):
             first_preempted = sorted(output.finished_req_ids)
             break
     assert first_preempted == [victim]
-    assert scheduler.get_request(victim).status is SequenceStatus.PREEMPTED
-    assert scheduler.get_request(victim).num_computed_tokens == 0
+    assert scheduler.get_sequence(victim).status is SequenceStatus.PREEMPTED
+    assert scheduler.get_sequence(victim).num_computed_tokens == 0
     assert scheduler.num_waiting == 1
 
 
 def test_a_preempted_request_goes_back_to_the_front_of_the_waiting_queue():
     scheduler = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
     worker = FakeWorker(6, 4)
-    scheduler.add_request(make_request("first", range(3, 11), max_tokens=12, ignore_eos=True))
-    scheduler.add_request(make_request("second", range(20, 28), max_tokens=10, ignore_eos=True))
+    scheduler.add_sequence(make_request("first", range(3, 11), max_tokens=12, ignore_eos=True))
+    scheduler.add_sequence(make_request("second", range(20, 28), max_tokens=10, ignore_eos=True))
     result = Run()
     step(scheduler, worker, result)  # both prompts: 2 blocks each
     # needs 3 blocks: it waits, and the two running requests then outgrow the pool together
-    scheduler.add_request(make_request("third", range(30, 39), max_tokens=2, ignore_eos=True))
+    scheduler.add_sequence(make_request("third", range(30, 39), max_tokens=2, ignore_eos=True))
     run(scheduler, worker, run_log=result)
     preempted_at = next(i for i, o in enumerate(result.outputs) if "second" in o.finished_req_ids)
     readmitted = [req_id for o in result.outputs[preempted_at:] for req_id in new_ids(o)]
@@ -330,7 +330,7 @@ def test_a_preempted_request_goes_back_to_the_front_of_the_waiting_queue():
 def test_a_request_that_outgrows_the_whole_cache_finishes_with_length():
     scheduler = make_scheduler(num_blocks=2, block_size=4, max_model_len=100)
     worker = FakeWorker(2, 4)
-    scheduler.add_request(make_request("greedy", [3, 4, 5], max_tokens=None, ignore_eos=True))
+    scheduler.add_sequence(make_request("greedy", [3, 4, 5], max_tokens=None, ignore_eos=True))
     result = run(scheduler, worker, max_steps=20)
     request = result.finished["greedy"]
     assert request.status is SequenceStatus.FINISHED_LENGTH
@@ -358,7 +358,7 @@ def test_waiting_order_by_policy(policy, expected_order):
         ("normal", 1, 3.0),
         ("urgent-later", 0, 4.0),
     ):
-        scheduler.add_request(make_request(req_id, range(3, 9), priority=priority, arrival_time=arrival, max_tokens=2))
+        scheduler.add_sequence(make_request(req_id, range(3, 9), priority=priority, arrival_time=arrival, max_tokens=2))
     result = run(scheduler, worker)
     assert [req_id for o in result.outputs for req_id in new_ids(o)] == expected_order
 
@@ -366,10 +366,10 @@ def test_waiting_order_by_policy(policy, expected_order):
 def test_fcfs_head_of_line_blocks_later_requests_so_none_starves():
     scheduler = make_scheduler(num_blocks=8, block_size=4, enable_prefix_caching=False)
     worker = FakeWorker(8, 4)
-    scheduler.add_request(make_request("running", range(3, 15), max_tokens=6, ignore_eos=True))
+    scheduler.add_sequence(make_request("running", range(3, 15), max_tokens=6, ignore_eos=True))
     step(scheduler, worker)
-    scheduler.add_request(make_request("big", range(20, 40), max_tokens=2, ignore_eos=True))  # 5 blocks
-    scheduler.add_request(make_request("small", [50, 51], max_tokens=2, ignore_eos=True))  # 1 block
+    scheduler.add_sequence(make_request("big", range(20, 40), max_tokens=2, ignore_eos=True))  # 5 blocks
+    scheduler.add_sequence(make_request("small", [50, 51], max_tokens=2, ignore_eos=True))  # 1 block
     result = run(scheduler, worker)
     first_step = {req_id: index for index, o in enumerate(result.outputs) for req_id in reversed(new_ids(o))}
     assert first_step["big"] <= first_step["small"]
@@ -383,52 +383,52 @@ def test_fcfs_head_of_line_blocks_later_requests_so_none_starves():
 def test_admission_rejects_prompts_too_long_for_the_model():
     scheduler = make_scheduler(max_model_len=16)
     with pytest.raises(ContextLengthError, match="16 tokens.*maximum context length is 16 tokens"):
-        scheduler.add_request(make_request("too-long", range(16)))
-    scheduler.add_request(make_request("fits", range(15)))
+        scheduler.add_sequence(make_request("too-long", range(16)))
+    scheduler.add_sequence(make_request("fits", range(15)))
     assert scheduler.num_waiting == 1
 
 
 def test_admission_rejects_prompts_too_big_for_the_block_pool():
     scheduler = make_scheduler(num_blocks=2, block_size=4)
     with pytest.raises(InvalidRequestError, match="needs 3 KV-cache blocks.*only 2 blocks") as raised:
-        scheduler.add_request(make_request("too-big", range(8)))
+        scheduler.add_sequence(make_request("too-big", range(8)))
     assert not isinstance(raised.value, ContextLengthError)
-    assert not scheduler.has_unfinished_requests()
-    scheduler.add_request(make_request("fits", range(7)))
+    assert not scheduler.has_unfinished_sequences()
+    scheduler.add_sequence(make_request("fits", range(7)))
     assert scheduler.num_waiting == 1
 
 
 def test_admission_rejects_empty_prompts_duplicate_ids_and_a_full_queue():
     scheduler = make_scheduler(max_waiting_requests=2)
     with pytest.raises(InvalidRequestError, match="empty"):
-        scheduler.add_request(make_request("empty", []))
-    scheduler.add_request(make_request("a", [3]))
+        scheduler.add_sequence(make_request("empty", []))
+    scheduler.add_sequence(make_request("a", [3]))
     with pytest.raises(InvalidRequestError, match="already in use"):
-        scheduler.add_request(make_request("a", [4]))
-    scheduler.add_request(make_request("b", [3]))
+        scheduler.add_sequence(make_request("a", [4]))
+    scheduler.add_sequence(make_request("b", [3]))
     with pytest.raises(OverloadedError):
-        scheduler.add_request(make_request("c", [3]))
+        scheduler.add_sequence(make_request("c", [3]))
 
 
 def test_a_group_is_queued_whole_or_not_at_all():
     # the n sequences of one request: a refusal of any of them (id taken, too long, queue full)
     # leaves none of them queued
     scheduler = make_scheduler(num_blocks=8, max_model_len=64, max_waiting_requests=3)
-    scheduler.add_request(make_request("q#1", [3, 4]))
+    scheduler.add_sequence(make_request("q#1", [3, 4]))
     with pytest.raises(InvalidRequestError, match="'q#1' is already in use"):
-        scheduler.add_requests([make_request("q#0", [3, 4]), make_request("q#1", [3, 4])])
+        scheduler.add_sequences([make_request("q#0", [3, 4]), make_request("q#1", [3, 4])])
     with pytest.raises(InvalidRequestError, match="appears twice"):
-        scheduler.add_requests([make_request("d", [3]), make_request("d", [3])])
+        scheduler.add_sequences([make_request("d", [3]), make_request("d", [3])])
     with pytest.raises(InvalidRequestError, match="KV-cache blocks"):
-        scheduler.add_requests([make_request("fits", [3]), make_request("huge", [3] * 40)])
-    assert [scheduler.get_request(i) for i in ("q#0", "d", "fits", "huge")] == [None] * 4
+        scheduler.add_sequences([make_request("fits", [3]), make_request("huge", [3] * 40)])
+    assert [scheduler.get_sequence(i) for i in ("q#0", "d", "fits", "huge")] == [None] * 4
     assert scheduler.num_waiting == 1
     # below the limit a group is admitted whole, even past the limit; at the limit, not at all
-    scheduler.add_requests([make_request(f"r#{i}", [5]) for i in range(3)])
+    scheduler.add_sequences([make_request(f"r#{i}", [5]) for i in range(3)])
     assert scheduler.num_waiting == 4
     with pytest.raises(OverloadedError):
-        scheduler.add_requests([make_request("s#0", [5]), make_request("s#1", [5])])
-    assert scheduler.get_request("s#0") is None and scheduler.num_waiting == 4
+        scheduler.add_sequences([make_request("s#0", [5]), make_request("s#1", [5])])
+    assert scheduler.get_sequence("s#0") is None and scheduler.num_waiting == 4
     worker = FakeWorker(num_blocks=8, block_size=4)
     finished = run(scheduler, worker).finished
     assert sorted(finished) == ["q#1", "r#0", "r#1", "r#2"]
@@ -448,43 +448,43 @@ def test_bad_scheduler_configuration_is_a_config_error():
 def test_abort_frees_blocks_at_once_and_reports_the_id_once():
     scheduler = make_scheduler(num_blocks=16)
     worker = FakeWorker(16, 4)
-    scheduler.add_request(make_request("running", range(3, 12)))
+    scheduler.add_sequence(make_request("running", range(3, 12)))
     step(scheduler, worker)
-    scheduler.add_request(make_request("waiting", range(3, 5)))
+    scheduler.add_sequence(make_request("waiting", range(3, 5)))
     assert scheduler.block_manager.num_free_blocks == 13
 
-    finished = scheduler.finish_requests(["running", "waiting", "unknown"], SequenceStatus.FINISHED_ABORTED)
-    assert sorted(r.request_id for r in finished) == ["running", "waiting"]
+    finished = scheduler.finish_sequences(["running", "waiting", "unknown"], SequenceStatus.FINISHED_ABORTED)
+    assert sorted(r.seq_id for r in finished) == ["running", "waiting"]
     assert all(r.status is SequenceStatus.FINISHED_ABORTED for r in finished)
     assert scheduler.block_manager.num_free_blocks == 16
-    assert not scheduler.has_unfinished_requests()
-    assert scheduler.get_request("running") is None
+    assert not scheduler.has_unfinished_sequences()
+    assert scheduler.get_sequence("running") is None
     assert scheduler.schedule().finished_req_ids == {"running", "waiting"}
     assert scheduler.schedule().finished_req_ids == set()
-    assert scheduler.finish_requests("running", SequenceStatus.FINISHED_ABORTED) == []
+    assert scheduler.finish_sequences("running", SequenceStatus.FINISHED_ABORTED) == []
 
 
 def test_abort_between_schedule_and_update_is_ignored_by_the_update():
     scheduler = make_scheduler()
     worker = FakeWorker(64, 4)
-    scheduler.add_request(make_request("a", range(3, 8)))
-    scheduler.add_request(make_request("b", range(3, 8)))
+    scheduler.add_sequence(make_request("a", range(3, 8)))
+    scheduler.add_sequence(make_request("b", range(3, 8)))
     output = scheduler.schedule()
     runner_output = worker.execute(output)
-    scheduler.finish_requests("a", SequenceStatus.FINISHED_ABORTED)
+    scheduler.finish_sequences("a", SequenceStatus.FINISHED_ABORTED)
     changed = scheduler.update_from_output(output, runner_output)
-    assert [r.request_id for r in changed] == ["b"]
+    assert [r.seq_id for r in changed] == ["b"]
     assert scheduler.num_running == 1
 
 
 def test_finished_requests_are_listed_in_the_next_schedule():
     scheduler = make_scheduler()
     worker = FakeWorker(64, 4)
-    scheduler.add_request(make_request("one-token", [3, 4], max_tokens=1))
-    scheduler.add_request(make_request("two-tokens", [5, 6], max_tokens=2, ignore_eos=True))
+    scheduler.add_sequence(make_request("one-token", [3, 4], max_tokens=1))
+    scheduler.add_sequence(make_request("two-tokens", [5, 6], max_tokens=2, ignore_eos=True))
     output = scheduler.schedule()
     changed = scheduler.update_from_output(output, worker.execute(output))
-    assert {r.request_id: r.finished for r in changed} == {"one-token": True, "two-tokens": False}
+    assert {r.seq_id: r.finished for r in changed} == {"one-token": True, "two-tokens": False}
     second = step(scheduler, worker)
     assert second.finished_req_ids == {"one-token"}
     assert step(scheduler, worker).finished_req_ids == {"two-tokens"}
@@ -493,21 +493,21 @@ def test_finished_requests_are_listed_in_the_next_schedule():
 def test_worker_errors_finish_only_the_failing_request():
     scheduler = make_scheduler(num_blocks=16)
     worker = FakeWorker(16, 4, errors={"bad": "sampler exploded"})
-    scheduler.add_request(make_request("bad", range(3, 9)))
-    scheduler.add_request(make_request("good", range(3, 9), max_tokens=2, ignore_eos=True))
+    scheduler.add_sequence(make_request("bad", range(3, 9)))
+    scheduler.add_sequence(make_request("good", range(3, 9), max_tokens=2, ignore_eos=True))
     output = scheduler.schedule()
     changed = scheduler.update_from_output(output, worker.execute(output))
-    statuses = {r.request_id: r.status for r in changed}
+    statuses = {r.seq_id: r.status for r in changed}
     assert statuses == {"good": SequenceStatus.RUNNING, "bad": SequenceStatus.FINISHED_ERROR}
     result = run(scheduler, worker)
     assert result.finished["good"].status is SequenceStatus.FINISHED_LENGTH
     assert scheduler.block_manager.num_free_blocks == 16
 
 
-def scripted_run(tokens: list[int], max_model_len: int = 256, prompt=(3, 4, 5), **sampling_args) -> Sequence:
+def scripted_run(tokens: list[int], max_model_len: int = 256, prompt=(3, 4, 5), **sampling_args) -> EngineSequence:
     scheduler = make_scheduler(max_model_len=max_model_len)
     worker = FakeWorker(64, 4, scripts={"r": list(tokens)})
-    scheduler.add_request(make_request("r", prompt, **sampling_args))
+    scheduler.add_sequence(make_request("r", prompt, **sampling_args))
     request = run(scheduler, worker).finished["r"]
     assert scheduler.block_manager.num_free_blocks == 64
     return request
@@ -563,7 +563,7 @@ def test_logprobs_and_prompt_logprobs_are_kept_as_token_logprobs():
     scheduler = make_scheduler(max_num_batched_tokens=4)
     worker = FakeWorker(64, 4, logprobs=True)
     request = make_request("r", range(3, 9), max_tokens=2, ignore_eos=True, logprobs=1, prompt_logprobs=0)
-    scheduler.add_request(request)
+    scheduler.add_sequence(request)
     prompt_entries = {0: [TokenLogprobs([3], [-1.0], 1)] * 4, 1: [TokenLogprobs([7], [-2.0], 1)] * 2}
     for index in range(3):
         output = scheduler.schedule()
@@ -584,9 +584,9 @@ def test_prefix_hit_sets_computed_tokens_before_the_first_chunk():
     scheduler = make_scheduler(num_blocks=32, block_size=4)
     worker = FakeWorker(32, 4)
     prompt = [(3 * i) % 41 + 3 for i in range(18)]
-    scheduler.add_request(make_request("first", prompt, max_tokens=2, ignore_eos=True))
+    scheduler.add_sequence(make_request("first", prompt, max_tokens=2, ignore_eos=True))
     run(scheduler, worker)
-    scheduler.add_request(make_request("second", prompt + [7, 8], max_tokens=3, ignore_eos=True))
+    scheduler.add_sequence(make_request("second", prompt + [7, 8], max_tokens=3, ignore_eos=True))
     output = scheduler.schedule()
     assert [n.num_computed_tokens for n in output.scheduled_new_reqs] == [16]
     assert output.num_scheduled_tokens == {"second": 4}
@@ -602,9 +602,9 @@ def test_prefix_hit_sets_computed_tokens_before_the_first_chunk():
 def test_prompt_logprobs_requests_skip_the_prefix_cache():
     scheduler = make_scheduler(num_blocks=32, block_size=4)
     worker = FakeWorker(32, 4)
-    scheduler.add_request(make_request("first", range(3, 15), max_tokens=1))
+    scheduler.add_sequence(make_request("first", range(3, 15), max_tokens=1))
     run(scheduler, worker)
-    scheduler.add_request(make_request("second", range(3, 15), max_tokens=1, prompt_logprobs=1))
+    scheduler.add_sequence(make_request("second", range(3, 15), max_tokens=1, prompt_logprobs=1))
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"second": 12}
     assert output.scheduled_new_reqs[0].num_computed_tokens == 0
@@ -613,18 +613,18 @@ def test_prompt_logprobs_requests_skip_the_prefix_cache():
 def test_introspection():
     scheduler = make_scheduler(num_blocks=10, max_num_seqs=1)
     worker = FakeWorker(10, 4)
-    scheduler.add_request(make_request("a", range(3, 10)))
-    scheduler.add_request(make_request("b", range(3, 10)))
+    scheduler.add_sequence(make_request("a", range(3, 10)))
+    scheduler.add_sequence(make_request("b", range(3, 10)))
     assert (scheduler.num_running, scheduler.num_waiting) == (0, 2)
     step(scheduler, worker)
     stats = scheduler.stats()
     assert (stats.num_running, stats.num_waiting) == (1, 1)
     assert stats.kv_cache_usage == pytest.approx(0.2)
-    assert scheduler.get_request("a").first_scheduled_time is not None
-    assert scheduler.get_request("a").first_token_time is not None
-    assert scheduler.get_request("b").first_scheduled_time is None
-    assert scheduler.get_request("missing") is None
-    assert scheduler.has_unfinished_requests()
+    assert scheduler.get_sequence("a").first_scheduled_time is not None
+    assert scheduler.get_sequence("a").first_token_time is not None
+    assert scheduler.get_sequence("b").first_scheduled_time is None
+    assert scheduler.get_sequence("missing") is None
+    assert scheduler.has_unfinished_sequences()
 
 
 # ---- batches in flight (pipeline parallelism's batch queue) ------------------------------------
@@ -638,14 +638,14 @@ def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int, max_step
 
     run_log, queue, most_in_flight = Run(), deque(), 0
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests() and not queue:
+        if not scheduler.has_unfinished_sequences() and not queue:
             return run_log, most_in_flight
         if len(queue) < depth:
             scheduler_output = scheduler.schedule()
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
                 in_flight = {req_id for batch, _ in queue for req_id in batch.num_scheduled_tokens}
                 assert not in_flight & set(scheduler_output.num_scheduled_tokens), "a request in two batches"
-                assert scheduler.num_requests_in_flight == len(in_flight | set(scheduler_output.num_scheduled_tokens))
+                assert scheduler.num_sequences_in_flight == len(in_flight | set(scheduler_output.num_scheduled_tokens))
                 queue.append((scheduler_output, worker.execute(scheduler_output)))
                 most_in_flight = max(most_in_flight, len(queue))
                 run_log.outputs.append(scheduler_output)
@@ -653,11 +653,11 @@ def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int, max_step
                     continue
             else:
                 changed = scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
-                run_log.finished.update((r.request_id, r) for r in changed if r.finished)
+                run_log.finished.update((r.seq_id, r) for r in changed if r.finished)
         if queue:
             batch, result = queue.popleft()
             changed = scheduler.update_from_output(batch, result)
-            run_log.finished.update((r.request_id, r) for r in changed if r.finished)
+            run_log.finished.update((r.seq_id, r) for r in changed if r.finished)
     raise AssertionError("requests did not finish")
 
 
@@ -668,21 +668,21 @@ def test_batches_in_flight_never_share_a_request_and_outputs_stay_exact(depth, n
     worker = FakeWorker(num_blocks, 4)
     prompts = {f"r{i}": [(i * 7 + j) % 50 + 3 for j in range(1 + (i * 13) % 30)] for i in range(8)}
     for req_id, prompt in prompts.items():
-        scheduler.add_request(make_request(req_id, prompt, max_tokens=4 + len(prompt) % 5, ignore_eos=True))
+        scheduler.add_sequence(make_request(req_id, prompt, max_tokens=4 + len(prompt) % 5, ignore_eos=True))
     result, most_in_flight = run_pipelined(scheduler, worker, depth)
     assert most_in_flight == depth
     for req_id, prompt in prompts.items():
         assert result.finished[req_id].output_token_ids == expected_tokens(prompt, 4 + len(prompt) % 5)
     assert (scheduler.num_preemptions > 0) == (num_blocks == 24)
-    assert scheduler.block_manager.num_free_blocks == num_blocks and scheduler.num_requests_in_flight == 0
+    assert scheduler.block_manager.num_free_blocks == num_blocks and scheduler.num_sequences_in_flight == 0
 
 
 def test_a_request_in_flight_is_neither_scheduled_again_nor_preempted():
     # two blocks of 4 tokens, two 4-token prompts: after their prefill the cache is full
     scheduler = make_scheduler(num_blocks=2, max_num_batched_tokens=4, scheduling_policy="priority")
     worker = FakeWorker(2, 4)
-    scheduler.add_request(make_request("low", [3, 4, 5, 6], priority=1, max_tokens=4, ignore_eos=True))
-    scheduler.add_request(make_request("vip", [7, 8, 9, 10], priority=0, max_tokens=4, ignore_eos=True))
+    scheduler.add_sequence(make_request("low", [3, 4, 5, 6], priority=1, max_tokens=4, ignore_eos=True))
+    scheduler.add_sequence(make_request("vip", [7, 8, 9, 10], priority=0, max_tokens=4, ignore_eos=True))
     vip_prefill = scheduler.schedule()
     assert vip_prefill.num_scheduled_tokens == {"vip": 4}
     low_prefill = scheduler.schedule()  # "vip" is in flight: the next batch is "low"'s
@@ -693,7 +693,7 @@ def test_a_request_in_flight_is_neither_scheduled_again_nor_preempted():
     # "vip" needs a third block; the natural victim, "low", has its batch in flight: "vip" waits
     waiting = scheduler.schedule()
     assert waiting.is_empty and scheduler.num_preemptions == 0
-    assert scheduler.get_request("low").status is SequenceStatus.RUNNING
+    assert scheduler.get_sequence("low").status is SequenceStatus.RUNNING
     scheduler.update_from_output(waiting, ModelRunnerOutput())
     scheduler.update_from_output(low_prefill, low_result)
     # with "low"'s result applied it can give its block up
@@ -705,14 +705,14 @@ def test_a_request_in_flight_is_neither_scheduled_again_nor_preempted():
 def test_an_aborted_request_s_result_in_flight_is_dropped():
     scheduler = make_scheduler()
     worker = FakeWorker(64, 4)
-    scheduler.add_request(make_request("gone", [5, 6, 7], max_tokens=4, ignore_eos=True))
-    scheduler.add_request(make_request("kept", [8, 9], max_tokens=4, ignore_eos=True))
+    scheduler.add_sequence(make_request("gone", [5, 6, 7], max_tokens=4, ignore_eos=True))
+    scheduler.add_sequence(make_request("kept", [8, 9], max_tokens=4, ignore_eos=True))
     first = scheduler.schedule()
     first_result = worker.execute(first)
-    scheduler.finish_requests("gone", SequenceStatus.FINISHED_ABORTED)
+    scheduler.finish_sequences("gone", SequenceStatus.FINISHED_ABORTED)
     assert scheduler.schedule().finished_req_ids == {"gone"}  # "kept" is still in flight
     changed = scheduler.update_from_output(first, first_result)
-    assert [r.request_id for r in changed] == ["kept"] and scheduler.num_requests_in_flight == 0
+    assert [r.seq_id for r in changed] == ["kept"] and scheduler.num_sequences_in_flight == 0
     assert scheduler.block_manager.num_free_blocks == 64 - 1
 
 
@@ -726,9 +726,9 @@ def test_step_token_ids_are_sent_only_for_stages_that_do_not_sample():
             send_token_ids=send_token_ids,
         )
         worker = FakeWorker(16, 4)
-        scheduler.add_request(make_request("r", [5, 6, 7, 8, 9], max_tokens=3, ignore_eos=True))
+        scheduler.add_sequence(make_request("r", [5, 6, 7, 8, 9], max_tokens=3, ignore_eos=True))
         windows = []
-        while scheduler.has_unfinished_requests():
+        while scheduler.has_unfinished_sequences():
             scheduler_output = scheduler.schedule()
             windows += [cached.new_token_ids for cached in scheduler_output.scheduled_cached_reqs]
             scheduler.update_from_output(scheduler_output, worker.execute(scheduler_output))
@@ -756,7 +756,7 @@ def lookahead_scheduler(num_blocks: int, num_lookahead_tokens: int = 3, **specul
 
 def test_lookahead_slots_are_allocated_past_the_scheduled_tokens():
     scheduler = lookahead_scheduler(num_blocks=16)
-    scheduler.add_request(make_request("a", range(10, 18)))  # 8 tokens: two whole blocks
+    scheduler.add_sequence(make_request("a", range(10, 18)))  # 8 tokens: two whole blocks
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {"a": 8}
     # positions 8..10 (the drafts' KV written after the step) get a third block
@@ -765,13 +765,13 @@ def test_lookahead_slots_are_allocated_past_the_scheduled_tokens():
 
 def test_lookahead_slots_are_dropped_rather_than_preempting():
     scheduler = lookahead_scheduler(num_blocks=2)
-    scheduler.add_request(make_request("a", range(10, 17)))  # 7 tokens and the first output fit 2 blocks
+    scheduler.add_sequence(make_request("a", range(10, 17)))  # 7 tokens and the first output fit 2 blocks
     assert scheduler.schedule().num_scheduled_tokens == {"a": 7}
     assert len(scheduler.block_manager.get_block_table("a")) == 2  # 7 + 3 slots would need 3
 
 
 def test_no_lookahead_slots_while_speculation_is_off():
     scheduler = lookahead_scheduler(num_blocks=16, disable_by_batch_size=1)
-    scheduler.add_requests([make_request("a", range(10, 18)), make_request("b", range(20, 28))])
+    scheduler.add_sequences([make_request("a", range(10, 18)), make_request("b", range(20, 28))])
     scheduler.schedule()  # two requests queued: above disable_by_batch_size
     assert len(scheduler.block_manager.get_block_table("a")) == 2

@@ -1,12 +1,10 @@
-"""The guided-decoding core without a model: constraint parsing, backend option syntax, bitmask
-packing, and the StructuredOutputManager with fake backends — backend choice and fallback,
+"""The guided-decoding core without a model (constraint parsing is in
+test_structured_output_constraints.py): bitmask packing, and the StructuredOutputManager with fake backends — backend choice and fallback,
 the compile cache, per-step masks, advancing matchers, failures, preemption (reset and
 replay) and reasoning sections."""
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import time
 
@@ -17,17 +15,13 @@ from tokenloom.core.batch import SchedulerOutput
 from tokenloom.core.config import StructuredOutputConfig
 from tokenloom.core.sampler import unpack_bitmask
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.core.sequence import Sequence
+from tokenloom.core.sequence import EngineSequence
 from tokenloom.core.structured_output import (
-    BackendOptions,
     Matcher,
     StructuredOutputBackend,
     StructuredOutputManager,
     allocate_bitmask,
     clean_error,
-    forbid_additional_properties,
-    parse_backend_option,
-    parse_constraint,
     set_allowed_tokens,
 )
 from tokenloom.errors import ConfigError, InvalidRequestError, UnknownNameError
@@ -142,8 +136,8 @@ def make_manager(backend="auto", reasoning_parser_class=None, **config) -> Struc
     )
 
 
-def make_request(request_id="r", prompt=(1, 3), output=()) -> Sequence:
-    request = Sequence(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
+def make_request(request_id="r", prompt=(1, 3), output=()) -> EngineSequence:
+    request = EngineSequence(seq_id=request_id, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
     request.output_token_ids = list(output)
     return request
 
@@ -153,92 +147,11 @@ def allowed_ids(masks, row=0) -> list[int]:
     return unpack_bitmask(bitmask, VOCAB_SIZE)[row].nonzero().flatten().tolist()
 
 
-def decode_step(request: Sequence, num_scheduled: int = 1) -> SchedulerOutput:
-    return SchedulerOutput(num_scheduled_tokens={request.request_id: num_scheduled})
+def decode_step(request: EngineSequence, num_scheduled: int = 1) -> SchedulerOutput:
+    return SchedulerOutput(num_scheduled_tokens={request.seq_id: num_scheduled})
 
 
-# -- parsing ---------------------------------------------------------------------------------
-
-
-def test_parse_constraint_forms_and_options():
-    constraint, backend, no_fallback = parse_constraint(
-        {"json": '{"type": "object"}', "backend": "xgrammar", "disable_fallback": True}, BackendOptions()
-    )
-    assert (constraint.kind, constraint.spec, backend, no_fallback) == ("json", {"type": "object"}, "xgrammar", True)
-    assert parse_constraint({"choice": ["a", "b"]}, BackendOptions())[0].spec == ("a", "b")
-    assert parse_constraint({"json_object": True}, BackendOptions())[0].kind == "json_object"
-    relaxed = parse_constraint({"json": {}, "whitespace_pattern": "[ ]?"}, BackendOptions())[0]
-    assert relaxed.any_whitespace and relaxed.whitespace_pattern == "[ ]?"
-    compact = parse_constraint({"json": {}}, BackendOptions(disable_any_whitespace=True))[0]
-    assert not compact.any_whitespace
-    # only JSON has optional whitespace: the pattern does not split the regex cache entries
-    assert parse_constraint({"regex": "a", "whitespace_pattern": " "}, BackendOptions())[0].whitespace_pattern is None
-
-
-def test_pydantic_model_class_is_a_schema():
-    pydantic = pytest.importorskip("pydantic")
-
-    class Point(pydantic.BaseModel):
-        x: int
-
-    constraint = parse_constraint({"json": Point}, BackendOptions())[0]
-    assert constraint.spec["properties"]["x"]["type"] == "integer"
-
-
-@pytest.mark.parametrize(
-    "request_dict, message",
-    [
-        ({"jsn": {}}, "unknown structured_outputs key(s) jsn"),
-        ({"json": {}, "regex": "a"}, "exactly one constraint"),
-        ({}, "got none"),
-        ({"json": "{not json"}, "not valid JSON"),
-        ({"json": {"type": "foo"}}, "invalid JSON schema"),
-        ({"json": {"properties": {"a": {"minimum": "zero"}}}}, "invalid JSON schema at properties/a/minimum"),
-        ({"json": [1, 2]}, "must be a JSON object"),
-        ({"choice": []}, "non-empty list of strings"),
-        ({"choice": ["a", 1]}, "non-empty list of strings"),
-        ({"regex": ""}, "non-empty string"),
-        ({"structural_tag": "[oops"}, "not valid JSON"),
-    ],
-)
-def test_bad_constraints_name_the_problem(request_dict, message):
-    with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
-        parse_constraint(request_dict, BackendOptions())
-    assert error.value.param == "structured_outputs"
-
-
-def test_disable_additional_properties_closes_every_object():
-    schema = {
-        "type": "object",
-        "properties": {
-            "a": {"type": "object", "properties": {}},
-            "b": {"type": "object", "additionalProperties": True},
-        },
-        "$defs": {"d": {"properties": {"x": {"enum": [{"type": "object"}]}}}},
-    }
-    closed = forbid_additional_properties(schema)
-    assert closed["additionalProperties"] is False
-    assert closed["properties"]["a"]["additionalProperties"] is False
-    assert closed["properties"]["b"]["additionalProperties"] is True  # an explicit choice stays
-    assert closed["$defs"]["d"]["additionalProperties"] is False
-    assert closed["$defs"]["d"]["properties"]["x"]["enum"] == [{"type": "object"}]  # values are not schemas
-    assert "additionalProperties" not in schema  # the request's schema is not changed
-    constraint = parse_constraint({"json": schema, "disable_additional_properties": True}, BackendOptions())[0]
-    assert constraint.spec == closed
-
-
-def test_backend_option_syntax():
-    assert parse_backend_option("auto") == ("auto", BackendOptions())
-    assert parse_backend_option("xgrammar:disable-any-whitespace") == (
-        "xgrammar",
-        BackendOptions(disable_any_whitespace=True),
-    )
-    assert parse_backend_option("outlines:no-fallback, no-additional-properties") == (
-        "outlines",
-        BackendOptions(disable_fallback=True, disable_additional_properties=True),
-    )
-    with pytest.raises(ConfigError, match="unknown option 'fast'"):
-        parse_backend_option("xgrammar:fast")
+# -- errors, bitmasks ---------------------------------------------------------------------
 
 
 def test_clean_error_drops_native_location_prefixes():
@@ -366,7 +279,7 @@ def test_masks_only_for_constrained_rows_that_sample_and_tokens_advance_the_matc
     manager.add_sequence(constrained, compiled_for(manager))
     manager.add_sequence(chunking, compiled_for(manager))
     step = SchedulerOutput(num_scheduled_tokens={"c": 2, "free": 2, "chunk": 2})  # chunk: 2 of 4 prompt tokens
-    requests = {r.request_id: r for r in (constrained, free, chunking)}
+    requests = {r.seq_id: r for r in (constrained, free, chunking)}
     masks = manager.grammar_bitmask(step, requests.get)
     assert masks.req_ids == ["c"] and allowed_ids(masks) == [5]
     constrained.num_computed_tokens = 2
@@ -512,7 +425,7 @@ def test_a_compile_past_the_time_limit_is_a_400_and_the_pool_goes_on():
 
 
 def test_runaway_compiles_are_bounded():
-    from tokenloom.core.structured_output import MAX_RUNAWAY_COMPILES
+    from tokenloom.core.structured_output_compile import MAX_RUNAWAY_COMPILES
     from tokenloom.errors import OverloadedError
 
     manager = make_slow_manager(compile_timeout=0.2)
@@ -537,60 +450,6 @@ def test_an_oversized_constraint_is_refused_unread():
     with pytest.raises(InvalidRequestError, match="longer than 262144 characters") as error:
         manager.resolve({"regex": "5" * (300 * 1024)})
     assert error.value.param == "structured_outputs"
-
-
-# -- schema checks: size and depth first, off the caller's thread, bounded ---------------------
-
-
-def wide_schema(num_properties: int) -> dict:
-    return {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(num_properties)}}
-
-
-def deep_schema(depth: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
-
-
-def test_an_oversized_schema_is_refused_before_jsonschema_reads_it(monkeypatch):
-    import jsonschema
-
-    def never(*args, **kwargs):
-        raise AssertionError("the schema check ran on an oversized schema")
-
-    monkeypatch.setattr(jsonschema.validators, "validator_for", never)
-    schema = wide_schema(50_000)  # 1.7 MB of JSON: jsonschema takes about 20 s over it
-    for value in (schema, json.dumps(schema)):
-        with pytest.raises(InvalidRequestError, match="longer than 262144 characters of JSON") as error:
-            parse_constraint({"json": value}, BackendOptions())
-        assert error.value.param == "structured_outputs"
-
-
-@pytest.mark.parametrize("as_text", [False, True])
-def test_a_deep_schema_is_a_400_not_a_recursion_error(as_text):
-    from tokenloom.core.structured_output import MAX_CONSTRAINT_DEPTH
-
-    schema = deep_schema(150)  # 301 levels of JSON objects
-    with pytest.raises(InvalidRequestError, match=f"nests deeper than {MAX_CONSTRAINT_DEPTH} levels") as error:
-        parse_constraint({"json": json.dumps(schema) if as_text else schema}, BackendOptions())
-    assert error.value.param == "structured_outputs"
-    # far deeper than the C parser's own limit: still a 400
-    with pytest.raises(InvalidRequestError, match="nests deeper"):
-        parse_constraint({"json": "[" * 200_000}, BackendOptions())
-    # at the limit it is checked as usual (jsonschema's recursion fits in the stack)
-    constraint, _, _ = parse_constraint({"json": deep_schema((MAX_CONSTRAINT_DEPTH - 1) // 2)}, BackendOptions())
-    assert constraint.kind == "json"
-
-
-def test_a_deep_structural_tag_or_choice_is_a_400():
-    nested: list = []
-    for _ in range(100):
-        nested = [nested]
-    with pytest.raises(InvalidRequestError, match="nests deeper"):
-        parse_constraint({"structural_tag": {"structures": nested, "triggers": []}}, BackendOptions())
-    with pytest.raises(InvalidRequestError, match="longer than"):
-        parse_constraint({"choice": ["x" * 1000] * 300}, BackendOptions())
 
 
 class SlowCheckBackend(DigitsBackend):
@@ -629,7 +488,7 @@ def test_a_constraint_is_checked_in_the_pool_within_the_time_limit():
 
 
 def test_one_client_cannot_hold_every_runaway_slot():
-    from tokenloom.core.structured_output import MAX_RUNAWAY_COMPILES, MAX_RUNAWAY_PER_CLIENT
+    from tokenloom.core.structured_output_compile import MAX_RUNAWAY_COMPILES, MAX_RUNAWAY_PER_CLIENT
     from tokenloom.errors import OverloadedError
 
     assert MAX_RUNAWAY_PER_CLIENT < MAX_RUNAWAY_COMPILES
@@ -681,7 +540,7 @@ class CancellableBackend(DigitsBackend):
     """Works until told it overran, as a backend with a killable child process does."""
 
     def compile(self, constraint):
-        from tokenloom.core.structured_output import compile_cancelled
+        from tokenloom.core.structured_output_compile import compile_cancelled
 
         if constraint.spec.startswith("0"):
             while not compile_cancelled():

@@ -23,7 +23,7 @@ from tokenloom.builtin_plugins.structured_output.guidance_backend import Guidanc
 from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_backend import LMFormatEnforcerBackend
 from tokenloom.builtin_plugins.structured_output.outlines_backend import OutlinesBackend
 from tokenloom.builtin_plugins.structured_output.xgrammar_backend import XGrammarBackend
-from tokenloom.core.structured_output import BackendOptions, Constraint
+from tokenloom.core.structured_output_constraints import BackendOptions, Constraint
 from tokenloom.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow

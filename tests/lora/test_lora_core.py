@@ -34,12 +34,12 @@ def test_scheduler_runs_at_most_max_loras_distinct_adapters_per_step():
     for index in range(9):
         lora = None if index % 4 == 3 else ADAPTERS[index % 3]
         requests.append(with_lora(make_request(f"r{index}", [5 + index, 6, 7], max_tokens=6), lora))
-    scheduler.add_requests(requests[:1])
+    scheduler.add_sequences(requests[:1])
     for request in requests[1:]:
-        scheduler.add_request(request)
+        scheduler.add_sequence(request)
     worker = FakeWorker(num_blocks=64, block_size=4)
     log = run(scheduler, worker)
-    by_id = {request.request_id: request for request in requests}
+    by_id = {request.seq_id: request for request in requests}
     for output in log.outputs:
         adapters_in_step = {
             by_id[req_id].lora_request.lora_int_id
@@ -49,16 +49,16 @@ def test_scheduler_runs_at_most_max_loras_distinct_adapters_per_step():
         assert len(adapters_in_step) <= 2
     assert set(log.finished) == set(by_id)
     for request in requests:
-        assert log.finished[request.request_id].output_token_ids == expected_tokens(request.prompt_token_ids, 6)
+        assert log.finished[request.seq_id].output_token_ids == expected_tokens(request.prompt_token_ids, 6)
     # the third adapter had to wait for a slot: some step ran without it although it was queued
     assert any(len(output.scheduled_new_reqs) < len(output.num_scheduled_tokens) for output in log.outputs)
 
 
 def test_scheduler_reports_running_and_waiting_adapters():
     scheduler = make_scheduler(max_loras=1)
-    scheduler.add_request(with_lora(make_request("a", [1, 2, 3]), ADAPTERS[0]))
-    scheduler.add_request(with_lora(make_request("b", [1, 2, 3]), ADAPTERS[1]))
-    scheduler.add_request(make_request("base", [1, 2, 3]))
+    scheduler.add_sequence(with_lora(make_request("a", [1, 2, 3]), ADAPTERS[0]))
+    scheduler.add_sequence(with_lora(make_request("b", [1, 2, 3]), ADAPTERS[1]))
+    scheduler.add_sequence(make_request("base", [1, 2, 3]))
     output = scheduler.schedule()
     assert list(output.num_scheduled_tokens) == ["a"]  # b waits for the slot, and base behind it
     assert [new.lora_request for new in output.scheduled_new_reqs] == [ADAPTERS[0]]

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.api.http_errors import error_body
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.core.structured_output import REQUEST_CLIENT
+from tokenloom.core.structured_output_compile import REQUEST_CLIENT
 from tokenloom.errors import ConfigError
 
 logger = logging.getLogger("tokenloom.api")
@@ -132,7 +132,7 @@ def presented_api_key(scope: Scope) -> bytes | None:
 
 
 class ClientMiddleware:
-    """Sets :data:`~tokenloom.core.structured_output.REQUEST_CLIENT` for the request: its API
+    """Sets :data:`~tokenloom.core.structured_output_compile.REQUEST_CLIENT` for the request: its API
     key (a digest of it) when the server checks keys, else its peer address; a client cannot
     pick a new identity for free, since a key it makes up is refused and an address is the
     TCP peer's. Behind a proxy every client shares the proxy's address."""

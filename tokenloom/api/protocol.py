@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenloom.core.structured_output import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH
+from tokenloom.core.structured_output_constraints import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH
 from tokenloom.errors import InvalidRequestError
 
 # -- requests --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from tokenloom.core.sequence import Sequence
+from tokenloom.core.sequence import EngineSequence
 from tokenloom.errors import ConfigError, TokenloomError
 
 PREFIX_HASH_ALGOS = ("sha256", "builtin")
@@ -154,9 +154,9 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_count
 
-    def get_block_table(self, request_id: str) -> list[int]:
+    def get_block_table(self, seq_id: str) -> list[int]:
         """A copy of the request's block table (empty when it holds no blocks)."""
-        record = self._sequences.get(request_id)
+        record = self._sequences.get(seq_id)
         return list(record.table) if record is not None and record.table is not None else []
 
     def num_blocks_needed(self, num_tokens: int) -> int:
@@ -164,7 +164,7 @@ class BlockManager:
 
     # ---- prefix cache ----------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Sequence) -> tuple[list[int], int]:
+    def get_computed_blocks(self, seq: EngineSequence) -> tuple[list[int], int]:
         """The longest run of cached full blocks that starts the request's tokens.
 
         The hit stops one token short of the whole sequence (rounded down to a block) so the
@@ -174,20 +174,16 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         hit_blocks: list[int] = []
-        parent = self._root_ref(request)
+        parent = self._root_ref(seq)
         for block_index in range(max_hit_blocks):
-            block = self._block_by_hash.get(self._block_hash(request, block_index))
+            block = self._block_by_hash.get(self._block_hash(seq, block_index))
             if block is None:
                 break
             cached = block.content
             # the hash only finds a candidate: its content and what it follows must match too
-            if (
-                cached is None
-                or cached.parent != parent
-                or cached.token_ids != self._block_token_ids(request, block_index)
-            ):
+            if cached is None or cached.parent != parent or cached.token_ids != self._block_token_ids(seq, block_index):
                 self.prefix_cache_stats.collisions += 1
                 break
             hit_blocks.append(block.block_id)
@@ -215,27 +211,27 @@ class BlockManager:
     # ---- allocation ------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self, seq: EngineSequence, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> list[int] | None:
-        """Grow the request's block table to cover ``request.num_computed_tokens`` plus the
+        """Grow the sequence's block table to cover ``seq.num_computed_tokens`` plus the
         prefix hit (``computed_blocks``, only on the first allocation) plus ``num_new_tokens``.
 
-        The caller sets ``request.num_computed_tokens`` to include the hit after this succeeds.
+        The caller sets ``seq.num_computed_tokens`` to include the hit after this succeeds.
         Passing ``computed_blocks`` (even ``[]``) marks a prefix lookup whose result is used:
         it is counted in :attr:`prefix_cache_stats` once per allocation that uses it.
 
         :returns: the block ids added, or None (and nothing allocated) when too few are free.
         """
-        request_id = request.request_id
-        record = self._sequences.get(request_id)
+        seq_id = seq.seq_id
+        record = self._sequences.get(seq_id)
         table = record.table if record is not None else None
         hit_blocks = [self.blocks[block_id] for block_id in computed_blocks or ()]
         if hit_blocks and table:
             raise TokenloomError(
-                f"request {request_id!r} already holds blocks; a prefix hit only applies to its first allocation"
+                f"sequence {seq_id!r} already holds blocks; a prefix hit only applies to its first allocation"
             )
         num_held = len(table) if table else 0
-        num_tokens = request.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
+        num_tokens = seq.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
         num_to_allocate = max(0, self.num_blocks_needed(num_tokens) - num_held - len(hit_blocks))
         # hit blocks that are free leave the free pool when touched
         num_revived = sum(1 for block in hit_blocks if block.ref_count == 0)
@@ -243,13 +239,13 @@ class BlockManager:
             return None
 
         if record is None:
-            record = self._sequences[request_id] = _SequenceBlocks()
+            record = self._sequences[seq_id] = _SequenceBlocks()
         if table is None:
             table = record.table = []
             record.num_registered = len(hit_blocks)
-            record.next_parent = ("block", self._serial_of(hit_blocks[-1])) if hit_blocks else self._root_ref(request)
+            record.next_parent = ("block", self._serial_of(hit_blocks[-1])) if hit_blocks else self._root_ref(seq)
             if computed_blocks is not None and self.enable_prefix_caching:
-                self.prefix_cache_stats.queries += request.num_tokens
+                self.prefix_cache_stats.queries += seq.num_tokens
                 self.prefix_cache_stats.hits += len(hit_blocks) * self.block_size
         # take the hit blocks before popping new ones, so the pops cannot evict them
         for block in hit_blocks:
@@ -264,20 +260,20 @@ class BlockManager:
             new_block_ids.append(block.block_id)
         table.extend(new_block_ids)
         if self.enable_prefix_caching:
-            self._register_computed_blocks(request, record)
+            self._register_computed_blocks(seq, record)
         return new_block_ids
 
-    def free(self, request: Sequence) -> None:
+    def free(self, seq: EngineSequence) -> None:
         """Release the request's blocks (finish, abort or preemption).
 
-        Full blocks whose KV is computed (per ``request.num_computed_tokens``) are cached first,
+        Full blocks whose KV is computed (per ``seq.num_computed_tokens``) are cached first,
         so a preempted request can hit its own blocks when it resumes.
         """
-        record = self._sequences.pop(request.request_id, None)
+        record = self._sequences.pop(seq.seq_id, None)
         if record is None or record.table is None:
             return
         if self.enable_prefix_caching:
-            self._register_computed_blocks(request, record)
+            self._register_computed_blocks(seq, record)
         # the tail goes into the LRU queue first, so a prefix outlives its own continuation
         for block_id in reversed(record.table):
             block = self.blocks[block_id]
@@ -300,21 +296,21 @@ class BlockManager:
         block.block_hash = block.content = None
         return block
 
-    def _register_computed_blocks(self, request: Sequence, record: _SequenceBlocks) -> None:
+    def _register_computed_blocks(self, seq: EngineSequence, record: _SequenceBlocks) -> None:
         """Offer each newly computed full block of the sequence to the cache.
 
         Only blocks whose KV was written in earlier steps qualify, so a lookup can never hit a
         block the worker is still filling.
         """
         table = record.table or []
-        num_full_computed = min(request.num_computed_tokens // self.block_size, len(table))
+        num_full_computed = min(seq.num_computed_tokens // self.block_size, len(table))
         block_index = record.num_registered
         parent = record.next_parent
         stored: list[int] = []  # indices of the blocks this call caches, for the KV-cache events
         while block_index < num_full_computed and parent is not None:
             block = self.blocks[table[block_index]]
-            block_hash = self._block_hash(request, block_index)
-            token_ids = self._block_token_ids(request, block_index)
+            block_hash = self._block_hash(seq, block_index)
+            token_ids = self._block_token_ids(seq, block_index)
             cached_block = self._block_by_hash.get(block_hash)
             if cached_block is None and not block.is_cached:
                 block.block_hash = block_hash
@@ -335,9 +331,9 @@ class BlockManager:
         record.num_registered = block_index
         record.next_parent = parent
         if self._kv_events is not None and stored:
-            self._record_stored(request, stored)
+            self._record_stored(seq, stored)
 
-    def _record_stored(self, request: Sequence, block_indices: list[int]) -> None:
+    def _record_stored(self, seq: EngineSequence, block_indices: list[int]) -> None:
         """One BlockStored per run of consecutive newly cached blocks (a duplicate of a block
         cached before, which stays private, splits a run)."""
         assert self._kv_events is not None  # only called while recording
@@ -350,21 +346,21 @@ class BlockManager:
         for run in runs:
             self._kv_events.append(
                 BlockStored(
-                    block_hashes=[self._block_hash(request, index) for index in run],
-                    parent_block_hash=self._block_hash(request, run[0] - 1) if run[0] else None,
-                    token_ids=[token for index in run for token in self._block_token_ids(request, index)],
+                    block_hashes=[self._block_hash(seq, index) for index in run],
+                    parent_block_hash=self._block_hash(seq, run[0] - 1) if run[0] else None,
+                    token_ids=[token for index in run for token in self._block_token_ids(seq, index)],
                     block_size=self.block_size,
-                    lora_id=_lora_id(request),
+                    lora_id=_lora_id(seq),
                 )
             )
 
-    def _block_hash(self, request: Sequence, block_index: int) -> Hashable:
+    def _block_hash(self, seq: EngineSequence, block_index: int) -> Hashable:
         """The chain hash of full block ``block_index`` of the request, computing the chain up
         to it on first use."""
-        chain = self._sequences.setdefault(request.request_id, _SequenceBlocks()).hashes
+        chain = self._sequences.setdefault(seq.seq_id, _SequenceBlocks()).hashes
         while len(chain) <= block_index:
-            parent = chain[-1] if chain else self._root_hash(request)
-            chain.append(self._hash_block(parent, self._block_token_ids(request, len(chain))))
+            parent = chain[-1] if chain else self._root_hash(seq)
+            chain.append(self._hash_block(parent, self._block_token_ids(seq, len(chain))))
         return chain[block_index]
 
     def _hash_block(self, parent: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
@@ -374,18 +370,18 @@ class BlockManager:
             return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
         return hash((parent, token_ids))
 
-    def _root_hash(self, request: Sequence) -> Hashable:
+    def _root_hash(self, seq: EngineSequence) -> Hashable:
         """The parent of the first block: derived from the request's cache salt, so requests
         with different salts have different hashes for every block (and never share one)."""
-        salt = request.sampling_params.cache_salt
-        lora_id = _lora_id(request)
+        salt = seq.sampling_params.cache_salt
+        lora_id = _lora_id(seq)
         if self.hash_algo == "sha256":
             return hashlib.sha256(
                 b"tokenloom-prefix-root\0"
                 + (b"" if salt is None else b"salt\0" + salt.encode("utf-8"))
                 + (b"" if lora_id is None else b"\0lora\0" + str(lora_id).encode("ascii"))
             ).digest()
-        return self._root_ref(request)
+        return self._root_ref(seq)
 
     @staticmethod
     def _serial_of(block: Block) -> int:
@@ -394,27 +390,27 @@ class BlockManager:
         return block.content.serial
 
     @staticmethod
-    def _root_ref(request: Sequence) -> tuple[Any, ...]:
-        lora_id = _lora_id(request)
+    def _root_ref(seq: EngineSequence) -> tuple[Any, ...]:
+        lora_id = _lora_id(seq)
         if lora_id is None:
-            return ("root", request.sampling_params.cache_salt)
-        return ("root", request.sampling_params.cache_salt, "lora", lora_id)
+            return ("root", seq.sampling_params.cache_salt)
+        return ("root", seq.sampling_params.cache_salt, "lora", lora_id)
 
-    def _block_token_ids(self, request: Sequence, block_index: int) -> tuple[int, ...]:
-        # sliced from the two lists directly: request.all_token_ids copies the whole sequence
+    def _block_token_ids(self, seq: EngineSequence, block_index: int) -> tuple[int, ...]:
+        # sliced from the two lists directly: seq.all_token_ids copies the whole sequence
         start = block_index * self.block_size
         end = start + self.block_size
-        prompt = request.prompt_token_ids
+        prompt = seq.prompt_token_ids
         num_prompt = len(prompt)
         if end <= num_prompt:
             return tuple(prompt[start:end])
-        output = request.output_token_ids
+        output = seq.output_token_ids
         if start >= num_prompt:
             return tuple(output[start - num_prompt : end - num_prompt])
         return tuple(prompt[start:]) + tuple(output[: end - num_prompt])
 
 
-def _lora_id(request: Sequence) -> int | None:
+def _lora_id(seq: EngineSequence) -> int | None:
     """The id of the LoRA adapter the request runs with (None: the base model)."""
-    lora_request = request.lora_request
+    lora_request = seq.lora_request
     return None if lora_request is None else lora_request.lora_int_id

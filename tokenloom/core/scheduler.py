@@ -1,4 +1,4 @@
-"""Continuous batching: each step decides which requests run and how many tokens each
+"""Continuous batching: each step decides which sequences run and how many tokens each
 computes, under a token budget and a sequence cap, with chunked prefill, prefix-cache hits,
 preemption by recompute, and FCFS or priority order. It owns the waiting and running queues
 and the :class:`~tokenloom.core.block_manager.BlockManager`.
@@ -9,11 +9,11 @@ resumed request with its output) runs whole, alone in a step, once nothing else 
 
 With pipeline parallelism the engine keeps several batches in flight (vLLM V1's batch
 queue): ``schedule()`` may run again before the previous batch's ``update_from_output``, and a
-request with a batch in flight is never scheduled again (nor preempted) until its result is
-applied, so a request is in at most one batch and every batch sees its latest tokens.
+sequence with a batch in flight is never scheduled again (nor preempted) until its result is
+applied, so a sequence is in at most one batch and every batch sees its latest tokens.
 
 Over ~400 lines on purpose: admission, ``schedule()``, ``update_from_output()`` and preemption
-keep one set of invariants together (a request is in exactly one of the waiting queue and the
+keep one set of invariants together (a sequence is in exactly one of the waiting queue and the
 running list, holds blocks only while running, and every finished id reaches the worker once);
 split apart, each half would have to re-check the other's.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.block_manager import BlockManager
 from tokenloom.core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from tokenloom.core.sequence import Sequence, SequenceStatus
+from tokenloom.core.sequence import EngineSequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
 logger = logging.getLogger(__name__)
@@ -93,25 +93,25 @@ class _FCFSQueue:
     """Waiting requests in arrival order; preempted ones go back to the front."""
 
     def __init__(self) -> None:
-        self._requests: deque[Sequence] = deque()
+        self._sequences: deque[EngineSequence] = deque()
 
-    def push(self, request: Sequence, order_key: OrderKey) -> None:
-        self._requests.append(request)
+    def push(self, seq: EngineSequence, order_key: OrderKey) -> None:
+        self._sequences.append(seq)
 
-    def push_front(self, request: Sequence, order_key: OrderKey) -> None:
-        self._requests.appendleft(request)
+    def push_front(self, seq: EngineSequence, order_key: OrderKey) -> None:
+        self._sequences.appendleft(seq)
 
-    def peek(self) -> Sequence:
-        return self._requests[0]
+    def peek(self) -> EngineSequence:
+        return self._sequences[0]
 
-    def pop(self) -> Sequence:
-        return self._requests.popleft()
+    def pop(self) -> EngineSequence:
+        return self._sequences.popleft()
 
-    def remove_ids(self, request_ids: set[str]) -> None:
-        self._requests = deque(r for r in self._requests if r.request_id not in request_ids)
+    def remove_ids(self, seq_ids: set[str]) -> None:
+        self._sequences = deque(r for r in self._sequences if r.seq_id not in seq_ids)
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._sequences)
 
 
 class _PriorityQueue:
@@ -119,21 +119,21 @@ class _PriorityQueue:
     which puts it ahead of everything that arrived after it at its priority."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[OrderKey, Sequence]] = []
+        self._heap: list[tuple[OrderKey, EngineSequence]] = []
 
-    def push(self, request: Sequence, order_key: OrderKey) -> None:
-        heapq.heappush(self._heap, (order_key, request))
+    def push(self, seq: EngineSequence, order_key: OrderKey) -> None:
+        heapq.heappush(self._heap, (order_key, seq))
 
     push_front = push
 
-    def peek(self) -> Sequence:
+    def peek(self) -> EngineSequence:
         return self._heap[0][1]
 
-    def pop(self) -> Sequence:
+    def pop(self) -> EngineSequence:
         return heapq.heappop(self._heap)[1]
 
-    def remove_ids(self, request_ids: set[str]) -> None:
-        self._heap = [entry for entry in self._heap if entry[1].request_id not in request_ids]
+    def remove_ids(self, seq_ids: set[str]) -> None:
+        self._heap = [entry for entry in self._heap if entry[1].seq_id not in seq_ids]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:
@@ -195,21 +195,21 @@ class Scheduler:
             enable_kv_cache_events=enable_kv_cache_events,
         )
 
-        self.requests: dict[str, Sequence] = {}
+        self.sequences: dict[str, EngineSequence] = {}
         self.waiting = _PriorityQueue() if self.use_priority else _FCFSQueue()
-        self.running: list[Sequence] = []
+        self.running: list[EngineSequence] = []
         self.num_preemptions = 0
         self._admission_seq: dict[str, int] = {}
         self._next_admission_seq = 0
         # ids whose state the worker must drop at the next step
-        self._finished_req_ids: set[str] = set()
-        self._preempted_req_ids: set[str] = set()
+        self._finished_seq_ids: set[str] = set()
+        self._preempted_seq_ids: set[str] = set()
         # requests finished inside schedule(); the next update_from_output returns them
-        self._finished_in_schedule: list[Sequence] = []
+        self._finished_in_schedule: list[EngineSequence] = []
         # requests scheduled in a batch whose result update_from_output has not applied yet
         # (several batches in flight under pipeline parallelism), by id: the object scheduled,
         # so a result never lands on a later request that reuses an aborted request's id
-        self._in_flight: dict[str, Sequence] = {}
+        self._in_flight: dict[str, EngineSequence] = {}
         self.send_token_ids = send_token_ids
         self.speculative = speculative
         self.spec_decoding_stats = SpecDecodingStats(speculative.num_speculative_tokens) if speculative else None
@@ -219,11 +219,11 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def add_request(self, request: Sequence) -> None:
+    def add_sequence(self, seq: EngineSequence) -> None:
         """Queue a request, or reject it at once when it can never run."""
-        self.add_requests([request])
+        self.add_sequences([seq])
 
-    def add_requests(self, requests: list[Sequence]) -> None:
+    def add_sequences(self, sequences: list[EngineSequence]) -> None:
         """Queue the sequences of one user request together, or none of them: every check runs
         on all of them before the first is queued, so a refusal leaves nothing behind.
 
@@ -232,37 +232,35 @@ class Scheduler:
         capped by the request validation), and a request with ``n`` above the limit can run.
         """
         seen: set[str] = set()
-        for request in requests:
-            if request.request_id in seen:
-                raise InvalidRequestError(
-                    f"request id {request.request_id!r} appears twice in one request", param="request_id"
-                )
-            seen.add(request.request_id)
-            self._check_admissible(request)
+        for seq in sequences:
+            if seq.seq_id in seen:
+                raise InvalidRequestError(f"request id {seq.seq_id!r} appears twice in one request", param="request_id")
+            seen.add(seq.seq_id)
+            self._check_admissible(seq)
         if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
             raise OverloadedError(
                 f"{len(self.waiting)} requests are already waiting "
                 f"(--max-waiting-requests {self.max_waiting_requests}); retry later"
             )
-        for request in requests:
-            request.status = SequenceStatus.WAITING
-            self.requests[request.request_id] = request
-            self._admission_seq[request.request_id] = self._next_admission_seq
+        for seq in sequences:
+            seq.status = SequenceStatus.WAITING
+            self.sequences[seq.seq_id] = seq
+            self._admission_seq[seq.seq_id] = self._next_admission_seq
             self._next_admission_seq += 1
-            self.waiting.push(request, self._order_key(request))
+            self.waiting.push(seq, self._order_key(seq))
 
-    def _check_admissible(self, request: Sequence) -> None:
-        """Raise when ``request`` can never be queued: its id is taken, or it can never fit."""
-        request_id = request.request_id
-        if request_id in self.requests:
+    def _check_admissible(self, seq: EngineSequence) -> None:
+        """Raise when ``seq`` can never be queued: its id is taken, or it can never fit."""
+        seq_id = seq.seq_id
+        if seq_id in self.sequences:
             raise InvalidRequestError(
-                f"request id {request_id!r} is already in use; give each request a unique id", param="request_id"
+                f"request id {seq_id!r} is already in use; give each request a unique id", param="request_id"
             )
-        num_prompt_tokens = request.num_prompt_tokens
+        num_prompt_tokens = seq.num_prompt_tokens
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="prompt")
         # a pooling prompt may fill the context: no output token follows it
-        num_output_slots = 0 if request.pooling_params is not None else 1
+        num_output_slots = 0 if seq.pooling_params is not None else 1
         if num_prompt_tokens + num_output_slots > self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's maximum context length is "
@@ -289,97 +287,97 @@ class Scheduler:
         budget and the sequence cap."""
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids_by_req: dict[str, list[int]] = {}
+        new_block_ids_by_seq: dict[str, list[int]] = {}
         spec_decode_tokens: dict[str, list[int]] = {}
         preempted_this_step = False
         speculate = self._speculation_on()
 
         # a snapshot: preemption removes requests from self.running while we walk it
-        for request in list(self.running):
+        for seq in list(self.running):
             if token_budget <= 0:
                 break
-            if request.status is not SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if request.request_id in self._in_flight:
+            if seq.seq_id in self._in_flight:
                 continue  # its tokens are not known until its batch comes back
-            num_new_tokens = self._num_running_tokens_to_schedule(request, token_budget)
+            num_new_tokens = self._num_running_tokens_to_schedule(seq, token_budget)
             if num_new_tokens == 0:
                 continue
             # drafts are verified in this step or never: the next step brings new ones
-            drafts, request.draft_token_ids = request.draft_token_ids, []
-            if speculate and drafts and request.num_tokens - request.num_computed_tokens == 1:
-                drafts = drafts[: self._max_draft_tokens(request, token_budget)]
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            if speculate and drafts and seq.num_tokens - seq.num_computed_tokens == 1:
+                drafts = drafts[: self._max_draft_tokens(seq, token_budget)]
                 if drafts:
                     # the lookahead slots get KV blocks with the pending token's
                     num_new_tokens += len(drafts)
-                    spec_decode_tokens[request.request_id] = drafts
+                    spec_decode_tokens[seq.seq_id] = drafts
             while True:
-                new_block_ids = self._allocate_with_lookahead(request, num_new_tokens, speculate)
+                new_block_ids = self._allocate_with_lookahead(seq, num_new_tokens, speculate)
                 if new_block_ids is not None:
                     break
                 # a request with a batch in flight keeps its blocks: that batch writes them
-                victim = max((r for r in self.running if r.request_id not in self._in_flight), key=self._order_key)
-                if victim is request and len(self.running) == 1:
-                    self._finish_unfittable(request)
+                victim = max((r for r in self.running if r.seq_id not in self._in_flight), key=self._order_key)
+                if victim is seq and len(self.running) == 1:
+                    self._finish_unfittable(seq)
                     break
-                if victim is request and any(r.request_id in self._in_flight for r in self.running):
+                if victim is seq and any(r.seq_id in self._in_flight for r in self.running):
                     # only requests in flight could give blocks back: wait for their results
                     new_block_ids = None
                     break
                 preempted_this_step = True
-                if victim.request_id in num_scheduled_tokens:
+                if victim.seq_id in num_scheduled_tokens:
                     # already scheduled this step: take its tokens back
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    del new_block_ids_by_req[victim.request_id]
-                    spec_decode_tokens.pop(victim.request_id, None)
+                    token_budget += num_scheduled_tokens.pop(victim.seq_id)
+                    del new_block_ids_by_seq[victim.seq_id]
+                    spec_decode_tokens.pop(victim.seq_id, None)
                 self._preempt(victim)
-                if victim is request:
+                if victim is seq:
                     break
             if new_block_ids is None:
-                spec_decode_tokens.pop(request.request_id, None)
+                spec_decode_tokens.pop(seq.seq_id, None)
                 continue
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_block_ids_by_req[request.request_id] = new_block_ids
+            num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            new_block_ids_by_seq[seq.seq_id] = new_block_ids
             token_budget -= num_new_tokens
 
         cached_reqs = [
             CachedRequestData(
-                req_id=req_id,
+                req_id=seq_id,
                 new_block_ids=block_ids,
-                num_computed_tokens=self.requests[req_id].num_computed_tokens,
-                new_token_ids=self._step_token_ids(req_id, num_scheduled_tokens, spec_decode_tokens),
+                num_computed_tokens=self.sequences[seq_id].num_computed_tokens,
+                new_token_ids=self._step_token_ids(seq_id, num_scheduled_tokens, spec_decode_tokens),
             )
-            for req_id, block_ids in new_block_ids_by_req.items()
+            for seq_id, block_ids in new_block_ids_by_seq.items()
         ]
         # after a preemption memory is short: admitting more would only preempt again
         new_reqs = [] if preempted_this_step else self._schedule_waiting(token_budget, num_scheduled_tokens, speculate)
 
-        finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
-        preempted_req_ids, self._preempted_req_ids = self._preempted_req_ids, set()
-        for req_id in num_scheduled_tokens:
-            self._in_flight[req_id] = self.requests[req_id]
+        finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, set()
+        preempted_seq_ids, self._preempted_seq_ids = self._preempted_seq_ids, set()
+        for seq_id in num_scheduled_tokens:
+            self._in_flight[seq_id] = self.sequences[seq_id]
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
-            finished_req_ids=finished_req_ids,
-            preempted_req_ids=preempted_req_ids & finished_req_ids,
+            finished_req_ids=finished_seq_ids,
+            preempted_req_ids=preempted_seq_ids & finished_seq_ids,
             scheduled_spec_decode_tokens=spec_decode_tokens,
             propose_drafts=speculate,
         )
 
     def _step_token_ids(
-        self, req_id: str, num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]]
+        self, seq_id: str, num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]]
     ) -> list[int]:
         if not self.send_token_ids:
             return []
-        request = self.requests[req_id]
-        start = request.num_computed_tokens
-        end = start + num_scheduled_tokens[req_id] - len(spec_decode_tokens.get(req_id, ()))
-        return request.all_token_ids[start:end]
+        seq = self.sequences[seq_id]
+        start = seq.num_computed_tokens
+        end = start + num_scheduled_tokens[seq_id] - len(spec_decode_tokens.get(seq_id, ()))
+        return seq.all_token_ids[start:end]
 
     @property
-    def num_requests_in_flight(self) -> int:
+    def num_sequences_in_flight(self) -> int:
         """Requests scheduled in batches whose results are not applied yet."""
         return len(self._in_flight)
 
@@ -391,18 +389,18 @@ class Scheduler:
         limit = self.speculative.disable_by_batch_size
         return limit is None or len(self.running) + len(self.waiting) <= limit
 
-    def _max_draft_tokens(self, request: Sequence, token_budget: int) -> int:
+    def _max_draft_tokens(self, seq: EngineSequence, token_budget: int) -> int:
         """Drafts worth verifying for a decoding request: within the step's token budget (after
         its pending token), and no more than its output may still grow (max_tokens, the
         model's context: a draft's position must stay inside it)."""
-        limit = min(token_budget - 1, self.max_model_len - request.num_tokens - 1)
-        max_tokens = request.sampling_params.max_tokens
+        limit = min(token_budget - 1, self.max_model_len - seq.num_tokens - 1)
+        max_tokens = seq.sampling_params.max_tokens
         if max_tokens is not None:
-            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+            limit = min(limit, max_tokens - seq.num_output_tokens - 1)
         return max(0, limit)
 
-    def _num_running_tokens_to_schedule(self, request: Sequence, token_budget: int) -> int:
-        num_uncomputed = request.num_tokens - request.num_computed_tokens
+    def _num_running_tokens_to_schedule(self, seq: EngineSequence, token_budget: int) -> int:
+        num_uncomputed = seq.num_tokens - seq.num_computed_tokens
         if not self.enable_chunked_prefill:
             return num_uncomputed if num_uncomputed <= token_budget else 0
         num_new_tokens = min(num_uncomputed, token_budget)
@@ -411,18 +409,18 @@ class Scheduler:
         return num_new_tokens
 
     def _allocate_with_lookahead(
-        self, request: Sequence, num_new_tokens: int, speculate: bool, computed_blocks: list[int] | None = None
+        self, seq: EngineSequence, num_new_tokens: int, speculate: bool, computed_blocks: list[int] | None = None
     ) -> list[int] | None:
         """``allocate_slots`` for the scheduled tokens plus the lookahead slots while
         speculating; when the lookahead does not fit, the scheduled tokens alone (the proposer
         then drafts fewer tokens: it never writes past the block table it is given)."""
         if speculate and self.num_lookahead_tokens:
             new_block_ids = self.block_manager.allocate_slots(
-                request, num_new_tokens + self.num_lookahead_tokens, computed_blocks
+                seq, num_new_tokens + self.num_lookahead_tokens, computed_blocks
             )
             if new_block_ids is not None:
                 return new_block_ids
-        return self.block_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+        return self.block_manager.allocate_slots(seq, num_new_tokens, computed_blocks)
 
     def _schedule_waiting(
         self, token_budget: int, num_scheduled_tokens: dict[str, int], speculate: bool = False
@@ -435,15 +433,15 @@ class Scheduler:
             num_partial_prefills = sum(
                 1
                 for r in self.running
-                if r.num_tokens - r.num_computed_tokens - num_scheduled_tokens.get(r.request_id, 0) > 1
+                if r.num_tokens - r.num_computed_tokens - num_scheduled_tokens.get(r.seq_id, 0) > 1
             )
         now = time.monotonic()
         running_loras = self.running_lora_ids()
         while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            if request.request_id in self._in_flight:
+            seq = self.waiting.peek()
+            if seq.seq_id in self._in_flight:
                 break  # its id's aborted predecessor has a batch in flight: after that result
-            lora_id = None if request.lora_request is None else request.lora_request.lora_int_id
+            lora_id = None if seq.lora_request is None else seq.lora_request.lora_int_id
             if (
                 lora_id is not None
                 and self.max_loras is not None
@@ -458,13 +456,13 @@ class Scheduler:
             # the hidden states a pooling request pools)
             if (
                 self.block_manager.enable_prefix_caching
-                and request.sampling_params.prompt_logprobs is None
-                and request.pooling_params is None
+                and seq.sampling_params.prompt_logprobs is None
+                and seq.pooling_params is None
             ):
-                computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(request)
-            num_uncomputed = request.num_tokens - num_cached_tokens
+                computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(seq)
+            num_uncomputed = seq.num_tokens - num_cached_tokens
             # a pooling request pools its whole prompt in one step: never chunked
-            if self.enable_chunked_prefill and request.pooling_params is None:
+            if self.enable_chunked_prefill and seq.pooling_params is None:
                 num_new_tokens = min(num_uncomputed, token_budget)
                 if self.long_prefill_token_threshold:
                     num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
@@ -476,51 +474,51 @@ class Scheduler:
                 num_new_tokens = num_uncomputed  # can never fit the budget: runs whole, alone
             else:
                 break
-            new_block_ids = self._allocate_with_lookahead(request, num_new_tokens, speculate, computed_blocks)
+            new_block_ids = self._allocate_with_lookahead(seq, num_new_tokens, speculate, computed_blocks)
             if new_block_ids is None:
                 break
             self.waiting.pop()
             if num_new_tokens < num_uncomputed:
                 num_partial_prefills += 1
-            request.status = SequenceStatus.RUNNING
-            request.num_computed_tokens = num_cached_tokens
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-                request.num_cached_tokens = num_cached_tokens
-            self.running.append(request)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached_tokens
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                seq.num_cached_tokens = num_cached_tokens
+            self.running.append(seq)
             if lora_id is not None:
                 running_loras.add(lora_id)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            num_scheduled_tokens[seq.seq_id] = num_new_tokens
             token_budget -= num_new_tokens
             new_reqs.append(
                 NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=self.block_manager.get_block_table(request.request_id),
+                    req_id=seq.seq_id,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=list(seq.output_token_ids),
+                    sampling_params=seq.sampling_params,
+                    block_ids=self.block_manager.get_block_table(seq.seq_id),
                     num_computed_tokens=num_cached_tokens,
-                    pooling_params=request.pooling_params,
-                    lora_request=request.lora_request,
+                    pooling_params=seq.pooling_params,
+                    lora_request=seq.lora_request,
                 )
             )
         return new_reqs
 
     def running_lora_ids(self) -> set[int]:
         """The ids of the LoRA adapters of the running requests."""
-        return {request.lora_request.lora_int_id for request in self.running if request.lora_request is not None}
+        return {seq.lora_request.lora_int_id for seq in self.running if seq.lora_request is not None}
 
     def waiting_lora_ids(self) -> set[int]:
         """The ids of the LoRA adapters of the waiting requests."""
         return {
-            request.lora_request.lora_int_id
-            for request in self.requests.values()
-            if request.lora_request is not None and request.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+            seq.lora_request.lora_int_id
+            for seq in self.sequences.values()
+            if seq.lora_request is not None and seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
         }
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[Sequence]:
+    ) -> list[EngineSequence]:
         """Apply one step's results: advance computed tokens, append sampled tokens and
         logprobs, check token-level stops, free what finished.
 
@@ -530,176 +528,176 @@ class Scheduler:
         errors = model_runner_output.errors
         now = time.monotonic()
         any_finished = False
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            scheduled = self._in_flight.pop(req_id, None)
-            request = self.requests.get(req_id)
-            if request is None or request.status is not SequenceStatus.RUNNING or req_id in errors:
+        for seq_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            scheduled = self._in_flight.pop(seq_id, None)
+            seq = self.sequences.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING or seq_id in errors:
                 continue  # finished or aborted since schedule(); errors are handled below
-            if scheduled is not None and scheduled is not request:
+            if scheduled is not None and scheduled is not seq:
                 continue  # a new request reusing the id of one aborted while in flight
-            if request.num_output_tokens == 0 and req_id in model_runner_output.prompt_logprobs:
-                if request.prompt_logprobs is None:
-                    request.prompt_logprobs = []
-                request.prompt_logprobs.extend(model_runner_output.prompt_logprobs[req_id])
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if seq.num_output_tokens == 0 and seq_id in model_runner_output.prompt_logprobs:
+                if seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = []
+                seq.prompt_logprobs.extend(model_runner_output.prompt_logprobs[seq_id])
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq_id)
             num_rejected = 0
             if drafts:
                 # the worker returns the accepted drafts plus one token: the rejected drafts'
                 # positions count as uncomputed, so the next step overwrites their KV slots
-                num_accepted = max(0, len(model_runner_output.sampled_token_ids.get(req_id) or [1]) - 1)
+                num_accepted = max(0, len(model_runner_output.sampled_token_ids.get(seq_id) or [1]) - 1)
                 num_rejected = len(drafts) - num_accepted
                 if self.spec_decoding_stats is not None:
                     self.spec_decoding_stats.observe(len(drafts), num_accepted)
-            request.num_computed_tokens += num_tokens - num_rejected
-            if request.pooling_params is not None:
-                self._finish_pooled(request, model_runner_output)
+            seq.num_computed_tokens += num_tokens - num_rejected
+            if seq.pooling_params is not None:
+                self._finish_pooled(seq, model_runner_output)
                 any_finished = True
-                changed.append(request)
+                changed.append(seq)
                 continue
-            sampled_token_ids = model_runner_output.sampled_token_ids.get(req_id)
+            sampled_token_ids = model_runner_output.sampled_token_ids.get(seq_id)
             # a chunk that leaves prompt tokens uncomputed samples nothing
-            if not sampled_token_ids or request.num_computed_tokens < request.num_tokens:
+            if not sampled_token_ids or seq.num_computed_tokens < seq.num_tokens:
                 continue
-            token_logprobs = model_runner_output.logprobs.get(req_id) or []
+            token_logprobs = model_runner_output.logprobs.get(seq_id) or []
             for position, token_id in enumerate(sampled_token_ids):
-                request.output_token_ids.append(token_id)
+                seq.output_token_ids.append(token_id)
                 if position < len(token_logprobs):
-                    if request.logprobs is None:
-                        request.logprobs = []
-                    request.logprobs.append(token_logprobs[position])
-                if self._check_stop(request, token_id):
+                    if seq.logprobs is None:
+                        seq.logprobs = []
+                    seq.logprobs.append(token_logprobs[position])
+                if self._check_stop(seq, token_id):
                     # a stop before the last verified token leaves fewer tokens than were
                     # computed; blocks are cached only over real tokens
-                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                    self._finish(request, request.status)
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                    self._finish(seq, seq.status)
                     any_finished = True
                     break
-            if not request.finished:
-                request.draft_token_ids = list(model_runner_output.draft_token_ids.get(req_id, ()))
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            changed.append(request)
-        for req_id in errors:
-            request = self.requests.get(req_id)
-            if request is None:
+            if not seq.finished:
+                seq.draft_token_ids = list(model_runner_output.draft_token_ids.get(seq_id, ()))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            changed.append(seq)
+        for seq_id in errors:
+            seq = self.sequences.get(seq_id)
+            if seq is None:
                 continue
-            logger.warning("request %s failed in the worker: %s", req_id, errors[req_id])
-            if request.status is not SequenceStatus.RUNNING:
-                self.waiting.remove_ids({req_id})
-            self._finish(request, SequenceStatus.FINISHED_ERROR)
+            logger.warning("request %s failed in the worker: %s", seq_id, errors[seq_id])
+            if seq.status is not SequenceStatus.RUNNING:
+                self.waiting.remove_ids({seq_id})
+            self._finish(seq, SequenceStatus.FINISHED_ERROR)
             any_finished = True
-            changed.append(request)
+            changed.append(seq)
         if any_finished:
             self.running = [r for r in self.running if not r.finished]
         return changed
 
-    def _check_stop(self, request: Sequence, token_id: int) -> bool:
+    def _check_stop(self, seq: EngineSequence, token_id: int) -> bool:
         """Token-level stops, in order: stop_token_ids, EOS, max_tokens, max_model_len."""
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
             if token_id in (params.stop_token_ids or ()):
-                request.status = SequenceStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = token_id
                 return True
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                request.status = SequenceStatus.FINISHED_STOPPED
-                request.stop_reason = None
+            if not params.ignore_eos and token_id in seq.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = None
                 return True
         if (
-            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-        ) or request.num_tokens >= self.max_model_len:
-            request.status = SequenceStatus.FINISHED_LENGTH
+            params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+        ) or seq.num_tokens >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH
             return True
         return False
 
     # ---- finishing and preemption --------------------------------------------------------------
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: SequenceStatus) -> list[Sequence]:
+    def finish_sequences(self, seq_ids: str | Iterable[str], status: SequenceStatus) -> list[EngineSequence]:
         """Finish requests from outside (abort, stop string): they leave the queues and free
         their blocks now. Unknown or already finished ids are ignored.
 
         :returns: the requests finished by this call.
         """
         if not status.finished:
-            raise InvalidRequestError(f"finish_requests needs a FINISHED_* status, got {status.name}", param="status")
-        if isinstance(request_ids, str):
-            request_ids = (request_ids,)
-        known_ids = {req_id for req_id in request_ids if req_id in self.requests}
+            raise InvalidRequestError(f"finish_sequences needs a FINISHED_* status, got {status.name}", param="status")
+        if isinstance(seq_ids, str):
+            seq_ids = (seq_ids,)
+        known_ids = {seq_id for seq_id in seq_ids if seq_id in self.sequences}
         if not known_ids:
             return []
-        self.running = [r for r in self.running if r.request_id not in known_ids]
+        self.running = [r for r in self.running if r.seq_id not in known_ids]
         self.waiting.remove_ids(known_ids)
-        finished = [self.requests[req_id] for req_id in known_ids]
-        for request in finished:
-            self._finish(request, status)
+        finished = [self.sequences[seq_id] for seq_id in known_ids]
+        for seq in finished:
+            self._finish(seq, status)
         return finished
 
-    def _finish(self, request: Sequence, status: SequenceStatus) -> None:
+    def _finish(self, seq: EngineSequence, status: SequenceStatus) -> None:
         """Release a request that has already left (or is about to leave) the queues."""
-        request.status = status
-        self.block_manager.free(request)
-        del self.requests[request.request_id]
-        del self._admission_seq[request.request_id]
-        self._finished_req_ids.add(request.request_id)
-        self._preempted_req_ids.discard(request.request_id)
+        seq.status = status
+        self.block_manager.free(seq)
+        del self.sequences[seq.seq_id]
+        del self._admission_seq[seq.seq_id]
+        self._finished_seq_ids.add(seq.seq_id)
+        self._preempted_seq_ids.discard(seq.seq_id)
 
-    def _finish_pooled(self, request: Sequence, model_runner_output: ModelRunnerOutput) -> None:
+    def _finish_pooled(self, seq: EngineSequence, model_runner_output: ModelRunnerOutput) -> None:
         """A pooling request ends in the step that computed its prompt, freeing its blocks."""
-        if request.request_id in model_runner_output.pooled:
-            self._finish(request, SequenceStatus.FINISHED_STOPPED)
+        if seq.seq_id in model_runner_output.pooled:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
             return
-        request.stop_reason = "the model runner returned no pooled output for this prompt"
-        self._finish(request, SequenceStatus.FINISHED_ERROR)
+        seq.stop_reason = "the model runner returned no pooled output for this prompt"
+        self._finish(seq, SequenceStatus.FINISHED_ERROR)
 
-    def _finish_unfittable(self, request: Sequence) -> None:
+    def _finish_unfittable(self, seq: EngineSequence) -> None:
         logger.warning(
             "request %s needs more KV-cache blocks than the whole cache holds (%d blocks of %d "
             "tokens) after %d tokens; finishing it with reason 'length'",
-            request.request_id,
+            seq.seq_id,
             self.block_manager.num_blocks,
             self.block_manager.block_size,
-            request.num_tokens,
+            seq.num_tokens,
         )
-        self.running.remove(request)
-        self._finish(request, SequenceStatus.FINISHED_LENGTH)
-        self._finished_in_schedule.append(request)
+        self.running.remove(seq)
+        self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        self._finished_in_schedule.append(seq)
 
-    def _preempt(self, request: Sequence) -> None:
+    def _preempt(self, seq: EngineSequence) -> None:
         """Free a running request's blocks and queue it to be recomputed from scratch.
 
         Its computed full blocks stay in the prefix cache, so on resumption it usually hits
         them instead of recomputing everything.
         """
-        self.running.remove(request)
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
-        request.draft_token_ids = []
-        request.status = SequenceStatus.PREEMPTED
-        request.num_preemptions += 1
-        if request.num_output_tokens == 0 and request.prompt_logprobs:
-            request.prompt_logprobs = []  # the prompt is recomputed from its first position
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        if seq.num_output_tokens == 0 and seq.prompt_logprobs:
+            seq.prompt_logprobs = []  # the prompt is recomputed from its first position
         self.num_preemptions += 1
-        self._finished_req_ids.add(request.request_id)
-        self._preempted_req_ids.add(request.request_id)
-        self.waiting.push_front(request, self._order_key(request))
+        self._finished_seq_ids.add(seq.seq_id)
+        self._preempted_seq_ids.add(seq.seq_id)
+        self.waiting.push_front(seq, self._order_key(seq))
         logger.warning(
             "request %s preempted (KV cache full, %d preemptions so far); it will be recomputed. "
             "More KV-cache memory or a lower --max-num-seqs avoids this.",
-            request.request_id,
+            seq.seq_id,
             self.num_preemptions,
         )
 
-    def _order_key(self, request: Sequence) -> OrderKey:
+    def _order_key(self, seq: EngineSequence) -> OrderKey:
         """Lower runs first; the highest running key is preempted first."""
-        seq = self._admission_seq[request.request_id]
+        admission_seq = self._admission_seq[seq.seq_id]
         if self.use_priority:
-            return (request.priority, request.arrival_time, seq)
-        return (seq,)
+            return (seq.priority, seq.arrival_time, admission_seq)
+        return (admission_seq,)
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def has_unfinished_requests(self) -> bool:
+    def has_unfinished_sequences(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
     @property
@@ -710,8 +708,8 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def get_request(self, request_id: str) -> Sequence | None:
-        return self.requests.get(request_id)
+    def get_sequence(self, seq_id: str) -> EngineSequence | None:
+        return self.sequences.get(seq_id)
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

@@ -1,4 +1,4 @@
-"""The engine's state of one sequence (:class:`Sequence`: one of a request's ``n`` outputs,
+"""The engine's state of one sequence (:class:`EngineSequence`: one of a request's ``n`` outputs,
 its tokens, status and what the scheduler and model runner keep for it)."""
 
 from __future__ import annotations
@@ -29,17 +29,21 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
-class Sequence:
-    """The engine's state of one sequence (one of the ``n`` outputs of a user request)."""
+class EngineSequence:
+    """The engine's state of one sequence (one of the ``n`` outputs of a user request).
 
-    request_id: str
+    ``seq_id`` is the sequence's own id, the one the scheduler, the block manager and the
+    worker key it by (``request_id`` itself when ``n`` is 1, else ``request_id#index``);
+    ``request_id`` is the user request it belongs to (by default the same id)."""
+
+    seq_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: set[int] = field(default_factory=set)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
-    # the user request this sequence belongs to, and its index among the n outputs
-    parent_id: str | None = None
+    # the user request this sequence belongs to ("": seq_id), and its index among the n outputs
+    request_id: str = ""
     index: int = 0
     prompt: str | None = None
 
@@ -65,6 +69,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = self.seq_id
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 

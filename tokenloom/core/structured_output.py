@@ -1,83 +1,47 @@
 """Guided decoding: the plugin interface (:class:`StructuredOutputBackend` compiles a
-:class:`Constraint`; a :class:`Matcher` tracks one sequence) and the engine's
-:class:`StructuredOutputManager`, which picks a backend per request, compiles in a thread
-pool behind an LRU cache, and each step fills the allowed-token bitmask of every constrained
-sequence that samples, then advances its matcher by the sampled token.
+:class:`~tokenloom.core.structured_output_constraints.Constraint`; a :class:`Matcher` tracks
+one sequence) and the engine's :class:`StructuredOutputManager`, which picks a backend per
+request, compiles in a thread pool (``structured_output_compile.py``) behind an LRU cache, and each step fills the allowed-token
+bitmask of every constrained sequence that samples, then advances its matcher by the sampled
+token. How a request's dict becomes a constraint is ``structured_output_constraints.py``.
 
 Bitmasks are int32 tensors of shape ``[rows, ceil(vocab_size / 32)]``; bit ``t % 32`` of word
 ``t // 32`` set means token ``t`` is allowed (xgrammar's layout).
-
-Over ~400 lines on purpose: the backend and matcher contract, the request-side constraint
-parsing it is given and the manager that drives both are read together when writing a
-backend; the constraint parsing (``parse_constraint`` and its JSON helpers) is the seam to
-split at if it grows.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
-import functools
 import hashlib
-import json
 import logging
 import threading
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.batch import StructuredOutputMasks
+from tokenloom.core.structured_output_compile import COMPILE_THREADS, DEFAULT_COMPILE_TIMEOUT, CompilePool
+from tokenloom.core.structured_output_constraints import (
+    AUTO,
+    BackendOptions,
+    Constraint,
+    parse_backend_option,
+    parse_constraint,
+)
 from tokenloom.errors import ConfigError, InvalidRequestError, OverloadedError
 
 if TYPE_CHECKING:
     import torch
 
+    from tokenloom.core.sequence import EngineSequence
+
 logger = logging.getLogger(__name__)
 
-CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-CONSTRAINT_OPTIONS = (
-    "backend",
-    "disable_fallback",
-    "disable_any_whitespace",
-    "disable_additional_properties",
-    "whitespace_pattern",
-)
-# backend option words of vLLM's syntax, "xgrammar:disable-any-whitespace,no-fallback"
-BACKEND_OPTION_WORDS = {
-    "no-fallback": "disable_fallback",
-    "disable-fallback": "disable_fallback",
-    "disable-any-whitespace": "disable_any_whitespace",
-    "no-additional-properties": "disable_additional_properties",
-    "disable-additional-properties": "disable_additional_properties",
-}
-AUTO = "auto"
 # --structured-outputs-request-backends: a request may name any backend / only the server's
 ANY_BACKEND = "any"
 NO_OTHER_BACKEND = "none"
 COMPILE_CACHE_SIZE = 256
-COMPILE_THREADS = 2
-DEFAULT_COMPILE_TIMEOUT = 30.0
-# compiles past their time limit whose threads are still running (Python cannot stop a
-# thread); beyond this many, new constraints are refused with a 429 until one ends
-MAX_RUNAWAY_COMPILES = 4
-# one client (API key, else peer address) has one check or compile running at a time within
-# its time limit (the rest wait in line), so the others always have a thread; while this many
-# of its jobs overran and still run, its new ones get a 429: one client never holds every
-# runaway slot
-MAX_RUNAWAY_PER_CLIENT = 2
-# a constraint's text (schema, regex, grammar, ...) longer than this is refused unread
-MAX_CONSTRAINT_CHARS = 256 * 1024
-# JSON nesting (objects and arrays, the outermost one counts 1) of a schema or structural
-# tag: deeper is a 400 before any recursive walk (jsonschema's check, the backends' compilers)
-# can run out of stack; OpenAI allows 10 levels of object nesting, which is 20 or so here
-MAX_CONSTRAINT_DEPTH = 64
-
-
-# who the request being served comes from (an opaque key: its API key's digest, or its peer
-# address), set per HTTP request by the server's ClientMiddleware; None offline. Compile slots
-# are shared out by it.
-REQUEST_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tokenloom_request_client", default=None)
 
 
 def num_bitmask_words(vocab_size: int) -> int:
@@ -101,45 +65,6 @@ def set_allowed_tokens(bitmask_row: torch.Tensor, token_ids: Iterable[int]) -> N
     words = np.zeros(num_words, dtype=np.uint32)
     np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
     bitmask_row.copy_(torch.from_numpy(words.view(np.int32)))
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """One request's constraint, normalised. ``spec`` holds, by ``kind``: ``json`` a schema
-    dict, ``json_object`` None, ``regex`` and ``grammar`` a string, ``choice`` a tuple of
-    strings, ``structural_tag`` a dict (xgrammar's structural-tag format)."""
-
-    kind: str
-    spec: Any
-    any_whitespace: bool = True
-    # a regex for the whitespace between JSON tokens (outlines' guided_whitespace_pattern)
-    whitespace_pattern: str | None = None
-
-    @functools.cached_property
-    def key(self) -> str:
-        """Canonical text: equal constraints have equal keys (the compile cache's key). Cached:
-        first read when the constraint is checked, in the compile pool, never on the loop."""
-        spec = list(self.spec) if isinstance(self.spec, tuple) else self.spec
-        return json.dumps([self.kind, spec, self.any_whitespace, self.whitespace_pattern], sort_keys=True)
-
-    def describe(self) -> str:
-        return {
-            "json": "a JSON schema",
-            "json_object": "any JSON object",
-            "regex": "a regex",
-            "choice": "a choice",
-            "grammar": "a grammar",
-            "structural_tag": "a structural tag",
-        }[self.kind]
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """Settings from ``--guided-decoding-*`` (and the backend's option syntax)."""
-
-    disable_fallback: bool = False
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
 
 
 class Matcher:
@@ -184,7 +109,8 @@ class StructuredOutputBackend:
     ``supports`` and ``compile`` run in the compile pool's threads, each call bounded by
     ``--structured-outputs-compile-timeout``, and ``compile`` may run in several at once. A
     compile that can be stopped part-way (work in a child process, say) polls
-    :func:`compile_cancelled` and gives up once it is true.
+    :func:`~tokenloom.core.structured_output_compile.compile_cancelled` and gives up once it is
+    true.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], options: BackendOptions):
@@ -205,167 +131,6 @@ class StructuredOutputBackend:
     def new_matcher(self, compiled: Any) -> Matcher:
         """A fresh matcher at the start of ``compiled`` (one per sequence)."""
         raise NotImplementedError
-
-
-# -- requests -> constraints ---------------------------------------------------------------
-
-
-def parse_backend_option(value: str) -> tuple[str, BackendOptions]:
-    """``"xgrammar:disable-any-whitespace,no-fallback"`` -> ("xgrammar", options)."""
-    name, _, words = (value or AUTO).partition(":")
-    settings: dict[str, bool] = {}
-    for word in filter(None, (w.strip() for w in words.split(","))):
-        if word not in BACKEND_OPTION_WORDS:
-            raise ConfigError(
-                f"--guided-decoding-backend: unknown option {word!r} in {value!r}; known: "
-                + ", ".join(BACKEND_OPTION_WORDS),
-                param="guided-decoding-backend",
-            )
-        settings[BACKEND_OPTION_WORDS[word]] = True
-    return name.strip() or AUTO, BackendOptions(**settings)
-
-
-def _bad(message: str) -> InvalidRequestError:
-    return InvalidRequestError(message, param="structured_outputs")
-
-
-def check_size_and_depth(value: Any, what: str) -> None:
-    """A 400 when ``value`` (JSON-like data, or a string) would be longer than
-    MAX_CONSTRAINT_CHARS as JSON text or nests deeper than MAX_CONSTRAINT_DEPTH. Iterative, and
-    it stops as soon as a limit is passed, so a huge or deep value costs no more than a small
-    one; what it counts is a lower bound of the JSON text's length."""
-    num_chars = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, (dict, list, tuple)):
-            depth += 1
-            if depth > MAX_CONSTRAINT_DEPTH:
-                raise _bad(
-                    f"{what} nests deeper than {MAX_CONSTRAINT_DEPTH} levels of objects and arrays; "
-                    "flatten it (for example with $defs and $ref)"
-                )
-            if isinstance(node, dict):
-                num_chars += 2 + 4 * len(node)  # braces, and each key's quotes, colon and comma
-                for key, child in node.items():
-                    num_chars += len(key) if isinstance(key, str) else 1
-                    stack.append((child, depth))
-            else:
-                num_chars += 2 + len(node)
-                stack.extend((child, depth) for child in node)
-        elif isinstance(node, str):
-            num_chars += len(node)
-        else:
-            num_chars += 1
-        if num_chars > MAX_CONSTRAINT_CHARS:
-            raise _bad(f"{what} is longer than {MAX_CONSTRAINT_CHARS} characters of JSON; send a smaller one")
-
-
-def _json_object(value: Any, what: str) -> dict[str, Any]:
-    """``value`` (a dict, or a string of JSON) as a dict; a 400 naming ``what`` otherwise."""
-    if isinstance(value, str):
-        check_size_and_depth(value, what)
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _bad(f"{what} is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise _bad(f"{what} nests deeper than {MAX_CONSTRAINT_DEPTH} levels of objects and arrays") from None
-        check_size_and_depth(value, what)  # its depth (the text's length was checked)
-    if not isinstance(value, dict):
-        raise _bad(f"{what} must be a JSON object, got {type(value).__name__}")
-    return dict(value)
-
-
-def _json_schema(value: Any) -> dict[str, Any]:
-    if isinstance(value, type) and hasattr(value, "model_json_schema"):
-        value = value.model_json_schema()  # a pydantic model class
-    schema = _json_object(value, "the JSON schema")
-    try:
-        import jsonschema
-    except ImportError:  # the backends still reject what they cannot compile
-        return schema
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "/".join(str(part) for part in exc.path)
-        raise _bad(f"invalid JSON schema{' at ' + where if where else ''}: {exc.message}") from None
-    except RecursionError:  # within MAX_CONSTRAINT_DEPTH this does not happen; never a 500
-        raise _bad("the JSON schema nests too deeply to check; flatten it (for example with $defs and $ref)") from None
-    return schema
-
-
-def forbid_additional_properties(schema: Any) -> Any:
-    """A copy of ``schema`` where every object schema without ``additionalProperties`` gets
-    ``additionalProperties: false`` (``--guided-decoding-disable-additional-properties``)."""
-    if isinstance(schema, list):
-        return [forbid_additional_properties(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    copy = {
-        key: forbid_additional_properties(value) if key not in ("enum", "const", "default", "examples") else value
-        for key, value in schema.items()
-    }
-    if (copy.get("type") == "object" or "properties" in copy) and "additionalProperties" not in copy:
-        copy["additionalProperties"] = False
-    return copy
-
-
-def parse_constraint(request: dict[str, Any], defaults: BackendOptions) -> tuple[Constraint, str | None, bool]:
-    """A ``SamplingParams.structured_outputs`` dict -> (constraint, requested backend or None,
-    fallback disabled). Raises InvalidRequestError naming what to change."""
-    if not isinstance(request, dict):
-        raise _bad(f"structured_outputs must be an object, got {type(request).__name__}")
-    unknown = sorted(set(request) - set(CONSTRAINT_KINDS) - set(CONSTRAINT_OPTIONS))
-    if unknown:
-        raise _bad(
-            f"unknown structured_outputs key(s) {', '.join(unknown)}; known: "
-            + ", ".join(CONSTRAINT_KINDS + CONSTRAINT_OPTIONS)
-        )
-    given = [kind for kind in CONSTRAINT_KINDS if request.get(kind) not in (None, False)]
-    if len(given) != 1:
-        raise _bad(
-            "give exactly one constraint ("
-            + " | ".join(CONSTRAINT_KINDS)
-            + "), got "
-            + (", ".join(given) if given else "none")
-        )
-    kind = given[0]
-    value = request[kind]
-    if isinstance(value, (str, dict, list, tuple)):
-        # before anything else reads it: a huge or deep value is refused at the cost of a small one
-        check_size_and_depth(value, f"the {kind} constraint")
-    whitespace_pattern = request.get("whitespace_pattern")
-    if whitespace_pattern is not None and not isinstance(whitespace_pattern, str):
-        raise _bad("whitespace_pattern must be a string (a regex)")
-    any_whitespace = not (request.get("disable_any_whitespace") or defaults.disable_any_whitespace)
-    if kind == "json":
-        value = _json_schema(value)
-        if request.get("disable_additional_properties") or defaults.disable_additional_properties:
-            value = forbid_additional_properties(value)
-    elif kind == "json_object":
-        value = None
-    elif kind in ("regex", "grammar"):
-        if not isinstance(value, str) or not value:
-            raise _bad(f"{kind} must be a non-empty string")
-    elif kind == "choice":
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
-            raise _bad("choice must be a non-empty list of strings")
-        value = tuple(value)
-    elif kind == "structural_tag":
-        value = _json_object(value, "structural_tag")
-    if kind not in ("json", "json_object"):
-        whitespace_pattern = None  # only JSON has optional whitespace
-    backend = request.get("backend")
-    if backend is not None and not isinstance(backend, str):
-        raise _bad("backend must be a string")
-    constraint = Constraint(kind, value, any_whitespace=any_whitespace, whitespace_pattern=whitespace_pattern)
-    if len(constraint.key) > MAX_CONSTRAINT_CHARS:
-        raise _bad(
-            f"the {kind} constraint is {len(constraint.key)} characters long; at most "
-            f"{MAX_CONSTRAINT_CHARS} are allowed"
-        )
-    return constraint, backend or None, bool(request.get("disable_fallback"))
 
 
 # -- the engine side ---------------------------------------------------------------------
@@ -405,215 +170,6 @@ class StructuredOutputStats:
     cache_hits: int = 0
     matcher_resets: int = 0
     replayed_tokens: int = 0
-
-
-_current_job = threading.local()
-
-
-def compile_cancelled() -> bool:
-    """True when the compile (or check) running on this thread overran its time limit: its
-    request already got its 400. A backend that can stop its work (say, a compile in a child
-    process it can kill) polls this and raises; Python cannot stop the thread for it."""
-    job = getattr(_current_job, "job", None)
-    return job is not None and job.timed_out
-
-
-class _CompileJob:
-    def __init__(
-        self,
-        future: concurrent.futures.Future[Any],
-        work: Callable[[], Any],
-        describe: str,
-        client: str | None,
-        overrun_error: Callable[[float], Exception],
-    ):
-        self.future = future
-        self.work = work
-        self.describe = describe
-        self.client = client
-        self.overrun_error = overrun_error
-        self.finished = False
-        self.timed_out = False
-
-
-def _compile_overran(describe: str) -> Callable[[float], Exception]:
-    return lambda timeout: InvalidRequestError(
-        f"{describe} took longer than the server's limit of {timeout:g}s "
-        "(--structured-outputs-compile-timeout); simplify it (for example smaller maxLength, maxItems "
-        "or repetition counts)",
-        param="structured_outputs",
-    )
-
-
-class CompilePool:
-    """Runs compiles (and constraint checks) on ``num_threads`` daemon threads, each bounded by
-    ``timeout`` seconds: a job that overruns fails its Future with a 400 at once, its thread
-    is abandoned (it ends when the work does, or sooner if the backend watches
-    :func:`compile_cancelled`; its result is dropped) and a fresh thread takes its place, so
-    one pathological constraint never holds up the others. Runaway threads still burn CPU, so
-    at most ``max_runaway`` may exist; past that, new jobs get a 429.
-
-    Jobs carry the client they come from (None: no client, no limit): one client's jobs run
-    one at a time within their time limit (the rest wait in line, in order), so one client
-    never holds every thread; a job that overran leaves the line (its thread was replaced) but
-    counts against ``max_runaway_per_client``, and a client with that many gets a 429 for new
-    jobs (and its queued ones) while the others' jobs go on.
-    """
-
-    def __init__(
-        self,
-        num_threads: int = COMPILE_THREADS,
-        timeout: float = DEFAULT_COMPILE_TIMEOUT,
-        max_runaway: int = MAX_RUNAWAY_COMPILES,
-        max_runaway_per_client: int = MAX_RUNAWAY_PER_CLIENT,
-    ):
-        self.timeout = timeout
-        self.max_runaway = max_runaway
-        self.max_runaway_per_client = max_runaway_per_client
-        self._queue: deque[_CompileJob] = deque()
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._num_runaway = 0
-        # clients with a job running within its time limit; each client's runaway jobs
-        self._busy_clients: set[str] = set()
-        self._runaway: Counter[str] = Counter()
-        self._num_workers = 0
-        self._closed = False
-        for _ in range(num_threads):
-            self._start_worker()
-
-    @property
-    def num_runaway(self) -> int:
-        """Compiles that overran their time limit and are still running."""
-        return self._num_runaway
-
-    def num_runaway_of(self, client: str) -> int:
-        """``client``'s jobs that overran their limit and still run."""
-        with self._lock:
-            return self._runaway[client]
-
-    def submit(
-        self,
-        work: Callable[[], Any],
-        describe: str,
-        client: str | None = None,
-        overrun_error: Callable[[float], Exception] | None = None,
-    ) -> concurrent.futures.Future[Any]:
-        """Queue ``work``; its Future fails with ``overrun_error(timeout)`` (by default: the
-        compile took too long, a 400) when it overruns. Raises OverloadedError (429) while the
-        runaway slots, or ``client``'s share of them, are full."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            if self._num_runaway >= self.max_runaway:
-                raise OverloadedError(
-                    f"the grammar compiler is busy with {self._num_runaway} constraints that "
-                    f"overran their {self.timeout:g}s limit; retry later"
-                )
-            if client is not None and self._runaway[client] >= self.max_runaway_per_client:
-                raise self._client_overloaded()
-            self._queue.append(_CompileJob(future, work, describe, client, overrun_error or _compile_overran(describe)))
-            self._wakeup.notify()
-        return future
-
-    def _client_overloaded(self) -> OverloadedError:
-        return OverloadedError(
-            f"{self.max_runaway_per_client} of your constraints are still compiling past the server's "
-            f"{self.timeout:g}s limit (--structured-outputs-compile-timeout); retry when they end, "
-            "and simplify constraints that overran"
-        )
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._wakeup.notify_all()
-
-    def _start_worker(self) -> None:
-        self._num_workers += 1
-        threading.Thread(target=self._work, name="tokenloom-grammar", daemon=True).start()
-
-    def _next_job(self) -> _CompileJob | None:
-        """The first queued job whose client has nothing running (the lock is held)."""
-        for index, job in enumerate(self._queue):
-            if job.client is None or job.client not in self._busy_clients:
-                del self._queue[index]
-                if job.client is not None:
-                    self._busy_clients.add(job.client)
-                return job
-        return None
-
-    def _leave_line(self, job: _CompileJob) -> None:
-        """``job`` ended or overran (the lock is held): its client's next job may start."""
-        if job.client is not None:
-            self._busy_clients.discard(job.client)
-            self._wakeup.notify_all()
-
-    def _work(self) -> None:
-        while True:
-            with self._wakeup:
-                job = self._next_job()
-                while job is None and not self._closed:
-                    self._wakeup.wait()
-                    job = self._next_job()
-                if job is None:
-                    self._num_workers -= 1
-                    return
-            if not job.future.set_running_or_notify_cancel():
-                with self._lock:
-                    self._leave_line(job)
-                continue
-            timer = threading.Timer(self.timeout, self._on_timeout, (job,))
-            timer.daemon = True
-            timer.start()
-            result, error = None, None
-            _current_job.job = job
-            try:
-                result = job.work()
-            except BaseException as exc:  # handed to whoever waits on the Future
-                error = exc
-            finally:
-                _current_job.job = None
-            timer.cancel()
-            with self._lock:
-                job.finished = True
-                if not job.timed_out:
-                    self._leave_line(job)
-                else:  # already answered, out of its client's line, and a replacement thread runs
-                    self._num_runaway -= 1
-                    if job.client is not None:
-                        self._runaway[job.client] -= 1
-                        if not self._runaway[job.client]:
-                            del self._runaway[job.client]
-                    self._num_workers -= 1
-                    logger.warning("a grammar job that overran its limit ended after all: %s", job.describe)
-                    return
-            if error is not None:
-                job.future.set_exception(error)
-            else:
-                job.future.set_result(result)
-
-    def _on_timeout(self, job: _CompileJob) -> None:
-        refused: list[_CompileJob] = []
-        with self._lock:
-            if job.finished:
-                return
-            job.timed_out = True
-            self._num_runaway += 1
-            self._leave_line(job)
-            if job.client is not None:
-                self._runaway[job.client] += 1
-                if self._runaway[job.client] >= self.max_runaway_per_client:
-                    # the client has all the runaway jobs it may: its queued ones get the 429 a
-                    # new one would (they would only add to its runaways)
-                    refused = [queued for queued in self._queue if queued.client == job.client]
-                    for queued in refused:
-                        self._queue.remove(queued)
-            if not self._closed:
-                self._start_worker()
-        logger.warning("%s overran its %gs limit; its request gets a 400", job.describe, self.timeout)
-        job.future.set_exception(job.overrun_error(self.timeout))
-        for queued in refused:
-            if queued.future.set_running_or_notify_cancel():
-                queued.future.set_exception(self._client_overloaded())
 
 
 class StructuredOutputManager:
@@ -766,25 +322,27 @@ class StructuredOutputManager:
 
     # -- sequences (engine thread) -----------------------------------------------------------
 
-    def add_sequence(self, request: Any, compiled: CompiledConstraint) -> None:
-        state = _SequenceGrammar(compiled.new_matcher(), compiled.backend_name, num_preemptions=request.num_preemptions)
+    def add_sequence(self, seq: EngineSequence, compiled: CompiledConstraint) -> None:
+        state = _SequenceGrammar(compiled.new_matcher(), compiled.backend_name, num_preemptions=seq.num_preemptions)
         if self.reasoning_parser_class is not None:
             # the parser judges generated tokens only (its contract): with none yet, a parser
             # that knows the output has no reasoning section says so, and the constraint starts
             # at the first token; otherwise it starts after the token that ends the section
             state.reasoning_parser = self.reasoning_parser_class(self.tokenizer)
-            state.reasoning_ended = self._reasoning_ended(state, request.output_token_ids)
-            state.constraint_start = len(request.output_token_ids)
-        self._sequences[request.request_id] = state
+            state.reasoning_ended = self._reasoning_ended(state, seq.output_token_ids)
+            state.constraint_start = len(seq.output_token_ids)
+        self._sequences[seq.seq_id] = state
 
-    def remove_sequences(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            self._sequences.pop(request_id, None)
+    def remove_sequences(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in seq_ids:
+            self._sequences.pop(seq_id, None)
 
-    def is_constrained(self, request_id: str) -> bool:
-        return request_id in self._sequences
+    def is_constrained(self, seq_id: str) -> bool:
+        return seq_id in self._sequences
 
-    def grammar_bitmask(self, scheduler_output: Any, get_request: Callable[[str], Any]) -> StructuredOutputMasks | None:
+    def grammar_bitmask(
+        self, scheduler_output: Any, get_sequence: Callable[[str], EngineSequence | None]
+    ) -> StructuredOutputMasks | None:
         """The bitmask rows of the constrained sequences that sample this step.
 
         A sequence verifying draft tokens gets one row per position, each computed with the
@@ -792,49 +350,49 @@ class StructuredOutputManager:
         grammar rejects (``scheduler_output.trim_draft_tokens``), which could never be accepted.
         """
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        rows: list[tuple[str, _SequenceGrammar, Any]] = []
-        for req_id, num_tokens in list(scheduler_output.num_scheduled_tokens.items()):
-            state = self._sequences.get(req_id)
-            request = get_request(req_id) if state is not None else None
-            if state is None or request is None:
+        rows: list[tuple[str, _SequenceGrammar, EngineSequence]] = []
+        for seq_id, num_tokens in list(scheduler_output.num_scheduled_tokens.items()):
+            state = self._sequences.get(seq_id)
+            seq = get_sequence(seq_id) if state is not None else None
+            if state is None or seq is None:
                 continue
-            num_drafts = len(spec_tokens.get(req_id, ()))
-            if request.num_computed_tokens + num_tokens - num_drafts < request.num_tokens:
+            num_drafts = len(spec_tokens.get(seq_id, ()))
+            if seq.num_computed_tokens + num_tokens - num_drafts < seq.num_tokens:
                 continue  # a prompt chunk that samples nothing
             if state.error is None:
-                self._sync(request, state)
+                self._sync(seq, state)
             if not state.reasoning_ended or state.error is not None:
                 # while it reasons a draft could end the reasoning, after which the grammar applies
-                scheduler_output.trim_draft_tokens(req_id, 0)
+                scheduler_output.trim_draft_tokens(seq_id, 0)
             if state.reasoning_ended:
-                rows.append((req_id, state, request))
+                rows.append((seq_id, state, seq))
         if not rows:
             return None
-        bitmask = allocate_bitmask(sum(1 + len(spec_tokens.get(req_id, ())) for req_id, _, _ in rows), self.vocab_size)
-        row_req_ids: list[str] = []
-        for req_id, state, request in rows:
-            row = len(row_req_ids)
-            row_req_ids.append(req_id)
+        bitmask = allocate_bitmask(sum(1 + len(spec_tokens.get(seq_id, ())) for seq_id, _, _ in rows), self.vocab_size)
+        row_seq_ids: list[str] = []
+        for seq_id, state, seq in rows:
+            row = len(row_seq_ids)
+            row_seq_ids.append(seq_id)
             try:
                 if state.error is not None or state.matcher.is_terminated():
                     set_allowed_tokens(bitmask[row], self.eos_token_ids)
                 else:
                     state.matcher.fill_bitmask(bitmask, row)
             except Exception as exc:  # fails this request only, after this step
-                logger.exception("structured output backend %s failed on request %s", state.backend_name, req_id)
+                logger.exception("structured output backend %s failed on request %s", state.backend_name, seq_id)
                 state.error = f"{state.backend_name} failed computing the allowed tokens: {clean_error(exc)}"
                 set_allowed_tokens(bitmask[row], self.eos_token_ids)
-                scheduler_output.trim_draft_tokens(req_id, 0)
+                scheduler_output.trim_draft_tokens(seq_id, 0)
                 continue
-            drafts = spec_tokens.get(req_id)
+            drafts = spec_tokens.get(seq_id)
             if drafts:
-                num_kept = self._draft_rows(request, state, drafts, bitmask, row + 1)
-                scheduler_output.trim_draft_tokens(req_id, num_kept)
-                row_req_ids.extend([req_id] * num_kept)
-        return StructuredOutputMasks(row_req_ids, bitmask[: len(row_req_ids)].numpy())
+                num_kept = self._draft_rows(seq, state, drafts, bitmask, row + 1)
+                scheduler_output.trim_draft_tokens(seq_id, num_kept)
+                row_seq_ids.extend([seq_id] * num_kept)
+        return StructuredOutputMasks(row_seq_ids, bitmask[: len(row_seq_ids)].numpy())
 
     def _draft_rows(
-        self, request: Any, state: _SequenceGrammar, drafts: list[int], bitmask: torch.Tensor, first_row: int
+        self, seq: EngineSequence, state: _SequenceGrammar, drafts: list[int], bitmask: torch.Tensor, first_row: int
     ) -> int:
         """Fill the rows after each draft the grammar accepts (from ``first_row``), then take
         the drafts back; returns how many drafts it accepted (the rest are never verified)."""
@@ -854,42 +412,40 @@ class StructuredOutputManager:
             logger.exception("structured output backend %s failed on a draft token", state.backend_name)
             num_kept = 0
         finally:
-            self._take_back(request, state, num_accepted)
+            self._take_back(seq, state, num_accepted)
         return num_kept
 
-    def _take_back(self, request: Any, state: _SequenceGrammar, num_tokens: int) -> None:
+    def _take_back(self, seq: EngineSequence, state: _SequenceGrammar, num_tokens: int) -> None:
         if num_tokens == 0:
             return
         try:
             state.matcher.rollback(num_tokens)
         except NotImplementedError:  # a backend without rollback replays the real output
-            self._replay(state, request.output_token_ids)
-            self._sync(request, state)
+            self._replay(state, seq.output_token_ids)
+            self._sync(seq, state)
 
-    def advance(self, request: Any) -> str | None:
+    def advance(self, seq: EngineSequence) -> str | None:
         """Feed a sequence's new output tokens to its matcher; the error message when the
         backend failed or rejected a token (the engine then fails that request)."""
-        state = self._sequences.get(request.request_id)
+        state = self._sequences.get(seq.seq_id)
         if state is None:
             return None
         if state.error is None:
             try:
-                self._sync(request, state)
+                self._sync(seq, state)
             except Exception as exc:
-                logger.exception(
-                    "structured output backend %s failed on request %s", state.backend_name, request.request_id
-                )
+                logger.exception("structured output backend %s failed on request %s", state.backend_name, seq.seq_id)
                 state.error = f"{state.backend_name} failed: {clean_error(exc)}"
         return state.error
 
-    def _sync(self, request: Any, state: _SequenceGrammar) -> None:
+    def _sync(self, seq: EngineSequence, state: _SequenceGrammar) -> None:
         """Bring the matcher in line with the request's output tokens: rebuild it after a
         preemption, notice the end of reasoning, accept new tokens."""
-        output = request.output_token_ids
-        if request.num_preemptions != state.num_preemptions:
+        output = seq.output_token_ids
+        if seq.num_preemptions != state.num_preemptions:
             # the worker rebuilt this request from scratch: rebuild the grammar state too, so it
             # cannot drift from the tokens the request really holds
-            state.num_preemptions = request.num_preemptions
+            state.num_preemptions = seq.num_preemptions
             self._replay(state, output)
         if not state.reasoning_ended:
             if not self._reasoning_ended(state, output):
@@ -992,16 +548,10 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 __all__ = [
-    "BackendOptions",
     "CompiledConstraint",
-    "Constraint",
     "Matcher",
     "StructuredOutputBackend",
     "StructuredOutputManager",
-    "StructuredOutputMasks",
     "allocate_bitmask",
-    "compile_cancelled",
-    "parse_backend_option",
-    "parse_constraint",
     "set_allowed_tokens",
 ]

@@ -17,7 +17,7 @@ from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_backend impo
     lm_format_enforcer_schema,
 )
 from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_json import StrictJsonSchemaParser
-from tokenloom.core.structured_output import BackendOptions, Constraint
+from tokenloom.core.structured_output_constraints import BackendOptions, Constraint
 
 JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 JSON_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")

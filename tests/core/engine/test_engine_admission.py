@@ -41,7 +41,7 @@ def test_a_sequence_id_collision_queues_nothing_of_the_new_request(llm):
     with pytest.raises(InvalidRequestError, match="'q#1' is already in use") as refused:
         engine.add_request("q", PROMPT, params.clone(n=2))
     assert refused.value.param == "request_id"
-    assert engine.scheduler.get_request("q#0") is None and "q" not in engine.requests
+    assert engine.scheduler.get_sequence("q#0") is None and "q" not in engine.requests
     # and the other way round: a request named like a live request's sequence
     engine.add_request("r", PROMPT, params.clone(n=2))
     with pytest.raises(InvalidRequestError, match="'r#0' is already in use"):
@@ -57,7 +57,7 @@ def test_a_full_waiting_queue_refuses_the_whole_request(llm):
     engine.add_request("b", PROMPT, params)  # two waiting: the limit
     with pytest.raises(OverloadedError, match="--max-waiting-requests 2"):
         engine.add_request("c", PROMPT, params.clone(n=3))
-    assert [engine.scheduler.get_request(f"c#{i}") for i in range(3)] == [None] * 3
+    assert [engine.scheduler.get_sequence(f"c#{i}") for i in range(3)] == [None] * 3
     assert engine.stats().num_waiting == 2 and "c" not in engine.requests
     # the id is free again: the same request is admitted whole once there is room
     assert sorted(run_to_completion(engine)) == ["a", "b"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt, sequence_id
+from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt, make_seq_id
 from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 from tokenloom.core.sequence import SequenceStatus
 from tokenloom.errors import ContextLengthError, InvalidRequestError
@@ -83,14 +83,14 @@ def test_parameters_are_checked_against_the_model():
 def test_the_sequences_of_a_request():
     prepared = PreparedPrompt([1, 3], "abc")
     [single] = processor().build_sequences("r", prepared, SamplingParams(seed=7), priority=2, arrival_time=5.0)
-    assert (single.request_id, single.parent_id, single.index, single.sampling_params.seed) == ("r", "r", 0, 7)
+    assert (single.seq_id, single.request_id, single.index, single.sampling_params.seed) == ("r", "r", 0, 7)
     assert (single.priority, single.arrival_time, single.eos_token_ids, single.prompt) == (2, 5.0, {2}, "abc")
     assert single.status is SequenceStatus.WAITING
 
     sequences = processor().build_sequences("r", prepared, SamplingParams(n=3, seed=7))
-    assert [seq.request_id for seq in sequences] == ["r#0", "r#1", "r#2"] == [sequence_id("r", i, 3) for i in range(3)]
+    assert [seq.seq_id for seq in sequences] == ["r#0", "r#1", "r#2"] == [make_seq_id("r", i, 3) for i in range(3)]
     assert [seq.sampling_params.seed for seq in sequences] == [7, 8, 9]  # distinct but reproducible
-    assert {seq.parent_id for seq in sequences} == {"r"} and [seq.index for seq in sequences] == [0, 1, 2]
+    assert {seq.request_id for seq in sequences} == {"r"} and [seq.index for seq in sequences] == [0, 1, 2]
     # every sequence has its own prompt list: one growing never changes another
     sequences[0].prompt_token_ids.append(4)
     assert sequences[1].prompt_token_ids == prepared.prompt_token_ids == [1, 3]

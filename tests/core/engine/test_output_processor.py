@@ -9,7 +9,7 @@ from tokenloom.core.batch import ModelRunnerOutput, TokenLogprobs
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
-from tokenloom.core.sequence import Sequence, SequenceStatus
+from tokenloom.core.sequence import EngineSequence, SequenceStatus
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -36,7 +36,7 @@ def new_request(tokenizer, request_id: str, params: SamplingParams) -> tuple[Out
 def advance(
     processor: OutputProcessor,
     state: RequestState,
-    seq: Sequence,
+    seq: EngineSequence,
     token_ids: list[int],
     runner_output: ModelRunnerOutput | None = None,
     status: SequenceStatus | None = None,
@@ -155,7 +155,7 @@ def test_request_ids_and_sequence_ids_are_tracked_until_popped(smollm2_tokenizer
 
 
 def test_pooling_output(smollm2_tokenizer):
-    sequence = Sequence("p", [1, 2], SamplingParams(max_tokens=1), pooling_params=PoolingParams())
+    sequence = EngineSequence("p", [1, 2], SamplingParams(max_tokens=1), pooling_params=PoolingParams())
     state = OutputProcessor.new_pooling_state("p", PreparedPrompt([1, 2], None), PoolingParams(), sequence)
     sequence.status = SequenceStatus.FINISHED_STOPPED
     output = OutputProcessor.make_pooling_output(state, ModelRunnerOutput(pooled={"p": [0.5, 0.25]}))

@@ -28,7 +28,7 @@ from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
-from tokenloom.core.structured_output import REQUEST_CLIENT
+from tokenloom.core.structured_output_compile import REQUEST_CLIENT
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet
 

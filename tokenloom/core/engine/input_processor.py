@@ -14,7 +14,7 @@ from typing import Any
 from tokenloom.core.pooling import check_pooling_params, prepare_pooling_prompt
 from tokenloom.core.sampling_metadata import SamplingState, tokenize_bad_words
 from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, unwrap_prompt
-from tokenloom.core.sequence import Sequence
+from tokenloom.core.sequence import EngineSequence
 from tokenloom.errors import ContextLengthError, InvalidRequestError
 
 
@@ -121,7 +121,7 @@ class InputProcessor:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> list[Sequence]:
+    ) -> list[EngineSequence]:
         """The ``params.n`` sequences of one request, ids ``request_id`` (n = 1) or
         ``request_id#index``; seeded requests give each sequence its own seed."""
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -131,14 +131,14 @@ class InputProcessor:
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + index)  # distinct but reproducible
             sequences.append(
-                Sequence(
-                    request_id=sequence_id(request_id, index, params.n),
+                EngineSequence(
+                    seq_id=make_seq_id(request_id, index, params.n),
                     prompt_token_ids=list(prepared.prompt_token_ids),
                     sampling_params=child_params,
                     eos_token_ids=set(self.limits.eos_token_ids),
                     arrival_time=arrival_time,
                     priority=priority,
-                    parent_id=request_id,
+                    request_id=request_id,
                     index=index,
                     prompt=prepared.prompt,
                 )
@@ -153,22 +153,22 @@ class InputProcessor:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> Sequence:
+    ) -> EngineSequence:
         """The one prefill-only sequence of a pooling request."""
         # the sampling params are inert: the runner pools this request and never samples it
         sampling_params = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        return Sequence(
-            request_id=request_id,
+        return EngineSequence(
+            seq_id=request_id,
             prompt_token_ids=list(prepared.prompt_token_ids),
             sampling_params=sampling_params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
-            parent_id=request_id,
+            request_id=request_id,
             prompt=prepared.prompt,
             pooling_params=params,
         )
 
 
-def sequence_id(request_id: str, index: int, n: int) -> str:
+def make_seq_id(request_id: str, index: int, n: int) -> str:
     """The scheduler's id of sequence ``index`` of a request with ``n`` sequences."""
     return request_id if n == 1 else f"{request_id}#{index}"

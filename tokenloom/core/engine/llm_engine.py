@@ -28,8 +28,9 @@ from tokenloom.core.platform import check_attention_backend
 from tokenloom.core.pooling import POOLING
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
-from tokenloom.core.sequence import Sequence, SequenceStatus
-from tokenloom.core.structured_output import CompiledConstraint, Constraint, StructuredOutputManager
+from tokenloom.core.sequence import EngineSequence, SequenceStatus
+from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
+from tokenloom.core.structured_output_constraints import Constraint
 from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
 
@@ -245,7 +246,7 @@ class LLMEngine:
             request_id, prepared, params, priority=priority, arrival_time=arrival_time
         )
         for seq in sequences:
-            self._check_id_free(seq.request_id)
+            self._check_id_free(seq.seq_id)
             seq.lora_request = lora_request
         state = self.output_processor.new_request_state(request_id, prepared, params, sequences, arrival_time)
         pending = None if grammar is not None else self.submit_structured_output(params)
@@ -256,7 +257,7 @@ class LLMEngine:
         elif pending is not None:
             self._admit_constrained(state, pending.result())  # a bad constraint raises here
         else:
-            self.scheduler.add_requests(sequences)
+            self.scheduler.add_sequences(sequences)
         self.output_processor.add(state)
         self.prompt_tokens_total += len(prepared.prompt_token_ids)
 
@@ -278,12 +279,12 @@ class LLMEngine:
             request_id, prepared, params, priority=priority, arrival_time=arrival_time
         )
         state = self.output_processor.new_pooling_state(request_id, prepared, params, sequence)
-        self.scheduler.add_requests([sequence])
+        self.scheduler.add_sequences([sequence])
         self.output_processor.add(state)
         self.prompt_tokens_total += len(prepared.prompt_token_ids)
 
     def _check_id_free(self, request_id: str) -> None:
-        if self.output_processor.id_in_use(request_id) or self.scheduler.get_request(request_id) is not None:
+        if self.output_processor.id_in_use(request_id) or self.scheduler.get_sequence(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -293,7 +294,7 @@ class LLMEngine:
             state = self.output_processor.pop(request_id)
             if state is None:
                 continue
-            self.scheduler.finish_requests(state.sequence_ids, SequenceStatus.FINISHED_ABORTED)
+            self.scheduler.finish_sequences(state.seq_ids, SequenceStatus.FINISHED_ABORTED)
             self._forget_constraint(state)
         self._publish_kv_events()
 
@@ -310,7 +311,7 @@ class LLMEngine:
                 self.kv_event_publisher.publish(events)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or bool(self._batch_queue)
+        return self.scheduler.has_unfinished_sequences() or bool(self._awaiting_grammar) or bool(self._batch_queue)
 
     # -- structured outputs -----------------------------------------------------------
 
@@ -368,13 +369,13 @@ class LLMEngine:
         try:
             for seq in state.sequences:
                 self.structured_outputs.add_sequence(seq, compiled)
-            self.scheduler.add_requests(state.sequences)
+            self.scheduler.add_sequences(state.sequences)
         except Exception:
-            self.structured_outputs.remove_sequences(state.sequence_ids)
+            self.structured_outputs.remove_sequences(state.seq_ids)
             raise
 
     def _admit_compiled_requests(self, touched: dict[str, RequestState]) -> None:
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_sequences():
             # nothing else to run: wait (briefly, so commands are still read) for a compile
             concurrent.futures.wait(
                 [grammar for _, grammar in self._awaiting_grammar],
@@ -396,7 +397,7 @@ class LLMEngine:
                 touched[state.request_id] = state
         self._awaiting_grammar = waiting
 
-    def _advance_grammar(self, seq: Sequence) -> None:
+    def _advance_grammar(self, seq: EngineSequence) -> None:
         """Feed the step's tokens to the sequence's matcher; a backend failure fails it alone."""
         assert self.structured_outputs is not None  # only called when there is a manager
         error = self.structured_outputs.advance(seq)
@@ -407,11 +408,11 @@ class LLMEngine:
             # it ended on the end-of-sequence token the failed row was limited to
             seq.status = SequenceStatus.FINISHED_ERROR
         else:
-            self.scheduler.finish_requests([seq.request_id], SequenceStatus.FINISHED_ERROR)
+            self.scheduler.finish_sequences([seq.seq_id], SequenceStatus.FINISHED_ERROR)
 
     def _forget_constraint(self, state: RequestState) -> None:
         if self.structured_outputs is not None:
-            self.structured_outputs.remove_sequences(state.sequence_ids)
+            self.structured_outputs.remove_sequences(state.seq_ids)
             self._awaiting_grammar = [item for item in self._awaiting_grammar if item[0] is not state]
 
     # -- the step -----------------------------------------------------------------------
@@ -437,7 +438,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if self.structured_outputs is not None:
             scheduler_output.structured_output = self.structured_outputs.grammar_bitmask(
-                scheduler_output, self.scheduler.get_request
+                scheduler_output, self.scheduler.get_sequence
             )
         return scheduler_output
 
@@ -479,14 +480,14 @@ class LLMEngine:
         """Apply one batch's result (None: none, only ``touched``): the scheduler's tokens and
         stops, grammars, detokenization and stop strings; returns the outputs of every request
         touched."""
-        changed: list[Sequence] = []
+        changed: list[EngineSequence] = []
         if scheduler_output is not None and runner_output is not None:
             changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         else:
             runner_output = ModelRunnerOutput()
         now = time.monotonic()
         for seq in changed:
-            state = self.output_processor.owner(seq.request_id)
+            state = self.output_processor.owner(seq.seq_id)
             if state is None:
                 continue
             try:
@@ -494,12 +495,12 @@ class LLMEngine:
                     self._advance_grammar(seq)
                 if self.output_processor.process_sequence(state, seq, runner_output, now) is not None:
                     # a stop string ended it: the scheduler frees it, then its text is final
-                    self.scheduler.finish_requests([seq.request_id], SequenceStatus.FINISHED_STOPPED)
+                    self.scheduler.finish_sequences([seq.seq_id], SequenceStatus.FINISHED_STOPPED)
                     self.output_processor.update_text(state, seq)
             except Exception as exc:  # one request's failure never stops the others
                 logger.exception("request %s failed while processing its output", state.request_id)
                 seq.stop_reason = f"{type(exc).__name__}: {exc}"
-                self.scheduler.finish_requests([seq.request_id], SequenceStatus.FINISHED_ERROR)
+                self.scheduler.finish_sequences([seq.seq_id], SequenceStatus.FINISHED_ERROR)
             touched[state.request_id] = state
         outputs: list[RequestOutput | PoolingRequestOutput] = []
         for state in touched.values():

@@ -25,7 +25,7 @@ from tokenloom.core.outputs import (
     RequestOutput,
 )
 from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
-from tokenloom.core.sequence import Sequence, SequenceStatus
+from tokenloom.core.sequence import EngineSequence, SequenceStatus
 
 
 @dataclass
@@ -36,7 +36,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    sequences: list[Sequence]
+    sequences: list[EngineSequence]
     detokenizers: list[IncrementalDetokenizer | None]
     arrival_time: float
     # per sequence: text / tokens / logprobs already sent (for DELTA outputs)
@@ -56,8 +56,8 @@ class RequestState:
         return all(seq.finished for seq in self.sequences)
 
     @property
-    def sequence_ids(self) -> list[str]:
-        return [seq.request_id for seq in self.sequences]
+    def seq_ids(self) -> list[str]:
+        return [seq.seq_id for seq in self.sequences]
 
 
 class OutputProcessor:
@@ -77,7 +77,7 @@ class OutputProcessor:
         request_id: str,
         prepared: PreparedPrompt,
         params: SamplingParams,
-        sequences: list[Sequence],
+        sequences: list[EngineSequence],
         arrival_time: float,
     ) -> RequestState:
         """The state of a generate request (not yet registered: see :meth:`add`)."""
@@ -99,7 +99,7 @@ class OutputProcessor:
 
     @staticmethod
     def new_pooling_state(
-        request_id: str, prepared: PreparedPrompt, params: PoolingParams, sequence: Sequence
+        request_id: str, prepared: PreparedPrompt, params: PoolingParams, sequence: EngineSequence
     ) -> RequestState:
         """The state of a pooling request (not yet registered: see :meth:`add`)."""
         return RequestState(
@@ -126,17 +126,17 @@ class OutputProcessor:
         """Register an admitted request so that its sequences' progress is reported."""
         self.requests[state.request_id] = state
         for seq in state.sequences:
-            self._sequence_owner[seq.request_id] = state
+            self._sequence_owner[seq.seq_id] = state
 
-    def owner(self, sequence_id: str) -> RequestState | None:
-        return self._sequence_owner.get(sequence_id)
+    def owner(self, seq_id: str) -> RequestState | None:
+        return self._sequence_owner.get(seq_id)
 
     def pop(self, request_id: str) -> RequestState | None:
         """Forget a request (finished or aborted); its state, or None when unknown."""
         state = self.requests.pop(request_id, None)
         if state is not None:
             for seq in state.sequences:
-                self._sequence_owner.pop(seq.request_id, None)
+                self._sequence_owner.pop(seq.seq_id, None)
         return state
 
     def __iter__(self) -> Iterator[RequestState]:
@@ -150,7 +150,7 @@ class OutputProcessor:
     # -- one step's tokens --------------------------------------------------------------
 
     def process_sequence(
-        self, state: RequestState, seq: Sequence, runner_output: ModelRunnerOutput, now: float
+        self, state: RequestState, seq: EngineSequence, runner_output: ModelRunnerOutput, now: float
     ) -> str | None:
         """Take in the step's new tokens of ``seq``: logprobs, text, stop strings.
 
@@ -158,8 +158,8 @@ class OutputProcessor:
             must then finish it in the scheduler and call :meth:`update_text`), else None.
         """
         index = seq.index
-        if seq.request_id in runner_output.errors:
-            seq.stop_reason = runner_output.errors[seq.request_id]
+        if seq.seq_id in runner_output.errors:
+            seq.stop_reason = runner_output.errors[seq.seq_id]
         new_token_ids = seq.output_token_ids[state.num_processed_tokens[index] :]
         state.num_processed_tokens[index] = len(seq.output_token_ids)
         self.generation_tokens_total += len(new_token_ids)
@@ -172,7 +172,7 @@ class OutputProcessor:
         sequence_logprobs = state.logprobs[index]
         if sequence_logprobs is not None:
             # a step may verify several tokens and the scheduler keep fewer (a stop token)
-            for entry in runner_output.logprobs.get(seq.request_id, [])[: len(new_token_ids)]:
+            for entry in runner_output.logprobs.get(seq.seq_id, [])[: len(new_token_ids)]:
                 sequence_logprobs.append(self.logprob_dict(entry))
                 seq.cumulative_logprob += entry.logprobs[0]
         detokenizer = state.detokenizers[index]
@@ -205,7 +205,7 @@ class OutputProcessor:
             self.update_text(state, seq)
         return stopped_by
 
-    def _drop_tokens_after(self, state: RequestState, seq: Sequence, num_dropped: int) -> None:
+    def _drop_tokens_after(self, state: RequestState, seq: EngineSequence, num_dropped: int) -> None:
         """Take back the last ``num_dropped`` output tokens (they followed a stop string)."""
         if num_dropped <= 0:
             return
@@ -222,7 +222,7 @@ class OutputProcessor:
         # the scheduler caches blocks only over tokens the sequence really holds
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
 
-    def update_text(self, state: RequestState, seq: Sequence) -> None:
+    def update_text(self, state: RequestState, seq: EngineSequence) -> None:
         """The text of ``seq`` that may be shown: all of it once finished, else what can no
         longer turn out to start a stop string."""
         detokenizer = state.detokenizers[seq.index]
@@ -318,7 +318,7 @@ class OutputProcessor:
         error = None
         if sequence.status is SequenceStatus.FINISHED_ERROR:
             error = str(sequence.stop_reason or "the request failed in the worker")
-        pooled = runner_output.pooled.get(sequence.request_id)
+        pooled = runner_output.pooled.get(sequence.seq_id)
         return PoolingRequestOutput(
             request_id=state.request_id,
             outputs=PoolingOutput(data=pooled),

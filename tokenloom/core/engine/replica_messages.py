@@ -135,7 +135,7 @@ ToReplica = Generate | Encode | AbortRequest | Call | Shutdown
 @dataclass(frozen=True)
 class Ready:
     """The replica built its engine; ``facts`` are the engine's answers to the server's
-    questions about the model (see ``FACT_NAMES`` in data_parallel)."""
+    questions about the model (see ``FACT_NAMES`` in replica_host)."""
 
     facts: dict[str, Any]
 
