@@ -1,7 +1,7 @@
 """Mixture-of-experts models over HTTP with the openai client: `tokenloom serve` on a tiny random
-Qwen3-MoE checkpoint (safetensors, ``-tp 2``: each rank holds half of every expert's intermediate
-features) and a tiny random Mixtral GGUF with Q4_0 experts (the platform's dtype: the experts run
-4-bit on the moe_experts operator). A concurrent batch of mixed-length token-id prompts, each
+Mixtral checkpoint (safetensors, ``-tp 2``: each rank holds half of every expert's intermediate
+features) and a tiny random Qwen3-MoE GGUF with Q4_0 experts (the platform's dtype: the experts
+run 4-bit on the moe_experts operator). A concurrent batch of mixed-length token-id prompts, each
 greedy completion compared with transformers' ``generate`` the vLLM way (agreeing until the first
 position where each side's token is in the other's top-5). One server per model, in turn."""
 
@@ -41,18 +41,24 @@ SHAPE = dict(
 NUM_NEW_TOKENS = 8
 
 
-def qwen3_moe(directory) -> tuple:
-    config = transformers.Qwen3MoeConfig(
-        **SHAPE, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16
-    )
-    hf_model = randomize_parameters(transformers.Qwen3MoeForCausalLM(config).eval(), seed=1)
+def mixtral(directory) -> tuple:
+    config = transformers.MixtralConfig(**SHAPE, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2)
+    hf_model = randomize_parameters(transformers.MixtralForCausalLM(config).eval(), seed=2)
     hf_model.save_pretrained(str(directory))
     return hf_model, [str(directory), "-tp", "2", "--dtype", "float32"]
 
 
-def mixtral_q4_0(directory) -> tuple:
-    config = transformers.MixtralConfig(**SHAPE, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2)
-    hf_model = randomize_parameters(transformers.MixtralForCausalLM(config).eval(), seed=2)
+def qwen3_moe_q4_0(directory) -> tuple:
+    config = transformers.Qwen3MoeConfig(
+        **SHAPE,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+        norm_topk_prob=True,  # as llama.cpp runs every qwen3moe file
+    )
+    hf_model = randomize_parameters(transformers.Qwen3MoeForCausalLM(config).eval(), seed=3)
     q4_0 = GGMLQuantizationType.Q4_0
     with torch.no_grad():  # transformers holds what the file holds
         for name, param in hf_model.named_parameters():
@@ -60,12 +66,12 @@ def mixtral_q4_0(directory) -> tuple:
                 data = param.detach().numpy()
                 param.copy_(torch.from_numpy(dequantize(quantize(data, q4_0), q4_0).reshape(data.shape)))
     path = write_model_gguf(
-        str(directory / "model.gguf"), "llama", hf_model.config, hf_model.state_dict(), expert_quant_type=q4_0
+        str(directory / "model.gguf"), "qwen3moe", hf_model.config, hf_model.state_dict(), expert_quant_type=q4_0
     )
     return hf_model, [path]
 
 
-MODELS = {"qwen3moe-tp2": qwen3_moe, "mixtral-q4_0": mixtral_q4_0}
+MODELS = {"mixtral-tp2": mixtral, "qwen3moe-q4_0": qwen3_moe_q4_0}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -107,5 +113,5 @@ def test_a_concurrent_batch_agrees_with_transformers(served):
         top = [{int(key.removeprefix("token_id:")) for key in step} for step in choice.logprobs.top_logprobs]
         ours.append((list(choice.token_ids), top))
     assert_greedy_agrees(ours, expected)
-    if name == "qwen3moe-tp2":
+    if name == "mixtral-tp2":
         assert "worker 1: model loaded in" in server.log()
