@@ -265,7 +265,8 @@ class FusedExperts(nn.Module):
     # -- forward -----------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of each token's routed experts (float32 when split over ranks)."""
+        """Each token's routed experts summed with its routing weights (this rank's share under
+        tensor parallelism), in ``x``'s dtype."""
         ops = ops_for(x) if self.kernel_activation is not None else None
         if self.w13_packed is not None:
             return fused_experts(x, weights, ids, self.w13_packed, self.w2_packed, self.kernel_activation, ops)
