@@ -41,6 +41,8 @@ from tokenloom.layers.quantization import QuantizationMethod, materialize
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 PROJECTIONS = ("gate", "up", "down")
+# one weight's 4-bit (codes, scales, zeros), see tokenloom.kernels.int4_matmul
+Int4Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # Hugging Face ``hidden_act`` -> the activation name of the CPU operators' act_and_mul
 _KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -169,7 +171,7 @@ class FusedExperts(nn.Module):
         self.w2_packed: torch.Tensor | None = None
         self._loaded: set[tuple[str, int]] = set()
         # 4-bit checkpoint weights the quantization method keeps 4-bit, packed once all are loaded
-        self._int4_groups: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        self._int4_groups: dict[tuple[str, int], Int4Groups] = {}
 
     # -- loading ---------------------------------------------------------------------
 
@@ -232,30 +234,31 @@ class FusedExperts(nn.Module):
         groups, self._int4_groups = self._int4_groups, {}
         if not groups:
             return
-        packed = self._pack_int4(groups) if len(groups) == 3 * self.num_experts else None
+        whole = len(groups) == 3 * self.num_experts and self.kernel_activation is not None
+        packed = self._pack_int4(groups) if whole else None
         if packed is not None:
             self.w13_packed, self.w2_packed = packed
-            meta = dict(dtype=self.params_dtype, device="meta")
-            self.w13_weight = nn.Parameter(torch.empty(self.w13_weight.shape, **meta), requires_grad=False)
-            self.w2_weight = nn.Parameter(torch.empty(self.w2_weight.shape, **meta), requires_grad=False)
+            for name in ("w13_weight", "w2_weight"):  # no dense copy: the shape and dtype stay
+                shape = getattr(self, name).shape
+                setattr(self, name, nn.Parameter(torch.empty(shape, dtype=self.params_dtype, device="meta"), False))
             return
         # some experts of another type, a shape the kernel's layout refuses, or no kernel: dense
         for (projection, expert), (codes, scales, zeros) in groups.items():
             self._copy_dense(projection, expert, dequantize_int4(codes, scales, zeros).to(self.params_dtype))
 
-    def _pack_int4(self, groups: dict[tuple[str, int], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
+    def _pack_int4(self, groups: dict[tuple[str, int], Int4Groups]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every expert's gate+up and down packed for tokenloom's int4_linear kernel and stacked, or
         None when the kernel is not built or a shape does not fit its layout."""
         w13, w2 = [], []
         for expert in range(self.num_experts):
             gate, up, down = (groups[(projection, expert)] for projection in PROJECTIONS)
-            gate_up = tuple(torch.cat([gate[index], up[index]]) for index in range(3))
-            for codes, scales, _ in (gate_up, down):
-                if scales.shape[1] * NATIVE_GROUP_SIZE != codes.shape[1] or not can_pack(
-                    *codes.shape, NATIVE_GROUP_SIZE
-                ):
+            gate_up = (torch.cat([gate[0], up[0]]), torch.cat([gate[1], up[1]]), torch.cat([gate[2], up[2]]))
+            packed = []
+            for codes, scales, zeros in (gate_up, down):
+                rows, columns = codes.shape
+                if scales.shape[1] * NATIVE_GROUP_SIZE != columns or not can_pack(rows, columns, NATIVE_GROUP_SIZE):
                     return None
-            packed = [pack_int4(*weight, torch.bfloat16) for weight in (gate_up, down)]
+                packed.append(pack_int4(codes, scales, zeros, torch.bfloat16))
             if any(weight.kernel is None for weight in packed):
                 return None
             w13.append(packed[0].packed)
@@ -267,11 +270,12 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token's routed experts summed with its routing weights (this rank's share under
         tensor parallelism), in ``x``'s dtype."""
-        ops = ops_for(x) if self.kernel_activation is not None else None
-        if self.w13_packed is not None:
-            return fused_experts(x, weights, ids, self.w13_packed, self.w2_packed, self.kernel_activation, ops)
-        if ops is not None and self.w13_weight.dtype in (torch.float32, torch.bfloat16):
-            return fused_experts(x, weights, ids, self.w13_weight, self.w2_weight, self.kernel_activation, ops)
+        activation = self.kernel_activation
+        ops = ops_for(x) if activation is not None else None
+        if self.w13_packed is not None and self.w2_packed is not None and activation is not None:
+            return fused_experts(x, weights, ids, self.w13_packed, self.w2_packed, activation, ops)
+        if ops is not None and activation is not None and self.w13_weight.dtype in (torch.float32, torch.bfloat16):
+            return fused_experts(x, weights, ids, self.w13_weight, self.w2_weight, activation, ops)
         return fused_experts_reference(x, weights, ids, self.w13_weight, self.w2_weight, self.act_fn)
 
     def extra_repr(self) -> str:
