@@ -24,6 +24,7 @@ from tokenloom.layers.attention import Attention
 from tokenloom.layers.decoder import GatedMLP, SelfAttention
 from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenloom.layers.fused_decode import FusedDecodeLayer
+from tokenloom.layers.fused_moe import FusedMoE, expert_stacked_params, route
 from tokenloom.layers.layernorm import GemmaRMSNorm, RMSNorm
 from tokenloom.layers.linear import (
     ColumnParallelLinear,
@@ -80,6 +81,10 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "FusedDecodeLayer",
+    # mixture of experts: router, top-k routing, every expert a batch routes to in one operator
+    "FusedMoE",
+    "expert_stacked_params",
+    "route",
     "Pooler",
     # pipeline stages
     "MissingLayer",

@@ -1,6 +1,7 @@
-"""The model loader's refusals that name what a model is: a mixture-of-experts checkpoint
-(Hugging Face or GGUF) is refused as one, through the offline API (``LLM``), rather than as an
-unknown architecture or a checkpoint lacking its MLP weights."""
+"""The model loader's refusals that name what a model is: a mixture-of-experts checkpoint of an
+architecture tokenloom does not serve is refused as one, through the offline API (``LLM``),
+rather than as an unknown architecture or a checkpoint lacking its MLP weights; a Mixtral GGUF
+(llama with experts), once refused so, loads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from helpers.gguf_files import write_mixtral_gguf
 
-from tokenloom import LLM
+from tokenloom import LLM, SamplingParams
 from tokenloom.core.model_interface import mixture_of_experts_error
 from tokenloom.errors import ModelLoadError
 
@@ -29,22 +30,27 @@ def make_llm(model: str) -> LLM:
     return LLM(model=model, dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
 
 
-def test_a_mixtral_gguf_is_refused_as_a_mixture_of_experts_model(tmp_path):
+def test_a_mixtral_gguf_loads_as_mixtral(tmp_path):
+    """llama.cpp writes Mixtral as the llama architecture with expert_count: it was refused as an
+    MoE model; it now builds MixtralForCausalLM (with all-zero experts here) and generates."""
     path = write_mixtral_gguf(str(tmp_path / "mixtral.gguf"), num_experts=4, experts_per_token=2)
-    with pytest.raises(ModelLoadError) as raised:
-        make_llm(path)
-    message = str(raised.value)
-    assert "mixture-of-experts model (Mixtral-style: llama architecture with 4 experts, 2 per token)" in message
-    assert "does not serve yet" in message and "lacks" not in message
+    llm = make_llm(path)
+    assert llm.engine.model_info.architecture == "MixtralForCausalLM"
+    output = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(output[0].outputs[0].token_ids) == 3
 
 
-def test_a_mixtral_checkpoint_is_refused_as_a_mixture_of_experts_model(tmp_path):
-    from transformers import MixtralConfig, MixtralForCausalLM
+def test_an_unserved_mixture_of_experts_checkpoint_is_refused_as_one(tmp_path):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
-    MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2)).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match=r"MixtralForCausalLM is a mixture-of-experts model \(Mixtral-style, 8 "):
+    config = Qwen2MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as raised:
         make_llm(str(tmp_path))
+    message = str(raised.value)
+    assert "Qwen2MoeForCausalLM is a mixture-of-experts model (8 experts, 2 per token)" in message
+    assert "Qwen3MoeForCausalLM and MixtralForCausalLM" in message and "lacks" not in message
 
 
 def test_a_dense_architecture_with_experts_in_its_config_is_refused_when_built(tmp_path):

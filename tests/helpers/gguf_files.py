@@ -65,6 +65,8 @@ HF_TO_GGUF_BLOCK_BY_ARCH = {
         "self_attn.k_norm": "attn_k_norm",
     },
 }
+HF_TO_GGUF_BLOCK_BY_ARCH["qwen3moe"] = {**HF_TO_GGUF_BLOCK_BY_ARCH["qwen3"], "mlp.gate": "ffn_gate_inp"}
+HF_TO_GGUF_BLOCK_BY_ARCH["llama"]["mlp.gate"] = "ffn_gate_inp"  # Mixtral's router
 HF_TO_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -138,6 +140,30 @@ def gguf_name(architecture: str, hf_name: str) -> str:
     return f"{HF_TO_GGUF_TOP[module]}.{suffix}"
 
 
+def num_experts_of(hf_config: Any) -> int:
+    """A mixture-of-experts config's experts per layer (0: dense)."""
+    return getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+
+
+def expert_stacks(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The experts of a transformers (>= 5) MoE model's state dict as llama.cpp stacks them:
+    ``blk.N.ffn_{gate,up,down}_exps.weight`` of shape [experts, out, in]."""
+    stacks = {}
+    for name, tensor in state_dict.items():
+        match = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if not match:
+            continue
+        layer, kind = match.groups()
+        data = tensor.detach().float().numpy()
+        if kind == "down_proj":
+            stacks[f"blk.{layer}.ffn_down_exps.weight"] = data.copy()
+        else:
+            half = data.shape[1] // 2
+            stacks[f"blk.{layer}.ffn_gate_exps.weight"] = data[:, :half].copy()
+            stacks[f"blk.{layer}.ffn_up_exps.weight"] = data[:, half:].copy()
+    return stacks
+
+
 def write_model_gguf(
     path: str,
     architecture: str,
@@ -145,12 +171,15 @@ def write_model_gguf(
     state_dict: dict[str, torch.Tensor],
     *,
     quant_type: GGMLQuantizationType | None = None,
+    expert_quant_type: GGMLQuantizationType | None = None,
     tokenizer: dict | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> str:
     """Write ``state_dict`` (a transformers model's) as a llama.cpp-style GGUF of ``architecture``.
 
     2-D weights whose rows fit ``quant_type`` blocks are quantized; norms and biases stay F32.
+    A mixture of experts' stacked expert weights are quantized to ``expert_quant_type`` (its
+    router stays F32, as llama.cpp's converter keeps it), and its expert keys are written.
     ``extra_tensors`` (GGUF name -> array) are written as they are.
     """
     writer = GGUFWriter(path, architecture)
@@ -179,7 +208,13 @@ def write_model_gguf(
         writer.add_float32(f"{prefix}.embedding_scale", hf_config.embedding_multiplier)
         writer.add_float32(f"{prefix}.residual_scale", hf_config.residual_multiplier)
         writer.add_float32(f"{prefix}.logit_scale", hf_config.logits_scaling)
-    if architecture == "qwen3":
+    num_experts = num_experts_of(hf_config)
+    if num_experts:  # what the converter writes for Mixtral (llama) and Qwen3-MoE
+        writer.add_uint32(f"{prefix}.expert_count", num_experts)
+        writer.add_uint32(f"{prefix}.expert_used_count", hf_config.num_experts_per_tok)
+        if architecture == "qwen3moe":
+            writer.add_uint32(f"{prefix}.expert_feed_forward_length", hf_config.moe_intermediate_size)
+    if architecture in ("qwen3", "qwen3moe"):
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
     if architecture == "phi3":  # Phi3MiniModel.set_gguf_parameters and generate_extra_tensors
@@ -213,7 +248,14 @@ def write_model_gguf(
         add_tokenizer(writer, tokenizer)
     if architecture == "llama" and rope_parameters_of(hf_config).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(hf_config))
+    for name, data in expert_stacks(state_dict).items():
+        if expert_quant_type is not None:
+            writer.add_tensor(name, quantize(data, expert_quant_type), raw_dtype=expert_quant_type)
+        else:
+            writer.add_tensor(name, data.astype(np.float32))
     for hf_name, tensor in state_dict.items():
+        if ".mlp.experts." in hf_name:
+            continue  # written stacked, above
         if hf_name == "lm_head.weight" and (hf_config.tie_word_embeddings or architecture == "gemma2"):
             continue  # the Gemma 2 converter drops lm_head: llama.cpp reads the embedding as output
         data = tensor.detach().float().numpy().copy()
@@ -223,7 +265,7 @@ def write_model_gguf(
         if architecture in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             data = data + 1.0
         name = gguf_name(architecture, hf_name)
-        if quant_type is not None and data.ndim == 2 and data.shape[-1] % 32 == 0:
+        if quant_type is not None and data.ndim == 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:
             writer.add_tensor(name, quantize(data, quant_type), raw_dtype=quant_type)
         else:
             writer.add_tensor(name, data.astype(np.float32))

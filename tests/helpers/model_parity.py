@@ -24,13 +24,13 @@ def perturb_parameters(hf_model, seed: int = 0, scale: float = 0.05):
 
 def randomize_parameters(hf_model, seed: int = 0, std: float = 2.0):
     """Fresh random weights large enough that greedy decoding is not degenerate (no token
-    repeated forever) and attention depends on position: each matrix ``N(0, std^2 / fan_in)``,
-    each vector (norm weights, biases) ``1 + N(0, 0.01)``."""
+    repeated forever) and attention depends on position: each matrix (and each stack of experts'
+    matrices) ``N(0, std^2 / fan_in)``, each vector (norm weights, biases) ``1 + N(0, 0.01)``."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in hf_model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * std / param.shape[1] ** 0.5)
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * std / param.shape[-1] ** 0.5)
             else:
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
     return hf_model

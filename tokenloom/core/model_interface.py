@@ -89,10 +89,12 @@ _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def mixture_of_experts_error(hf_config: Any, architecture: str) -> ModelLoadError | None:
-    """The error refusing ``hf_config`` as a mixture-of-experts model, or None for a dense one.
+    """The error refusing ``hf_config`` as a mixture-of-experts model ``architecture`` does not
+    serve, or None for a dense one.
 
-    tokenloom has no expert layers yet: a dense model built from an MoE checkpoint would only
-    report its MLP weights as missing, so the model is named for what it is instead.
+    A dense model built from an MoE checkpoint would only report its MLP weights as missing, so
+    the model is named for what it is instead (the loader asks for an architecture no plugin
+    registers, a dense built-in model for a config stating experts).
     """
     num_experts = next(
         (value for key in _EXPERT_COUNT_KEYS if isinstance(value := getattr(hf_config, key, None), int)), 0
@@ -104,5 +106,5 @@ def mixture_of_experts_error(hf_config: Any, architecture: str) -> ModelLoadErro
     per_token = f", {used} per token" if isinstance(used, int) else ""
     return ModelLoadError(
         f"{architecture} is a mixture-of-experts model ({style}{num_experts} experts{per_token}), which tokenloom "
-        "does not serve yet: its built-in models are dense (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite, Phi-3)"
+        "does not serve: its built-in mixture-of-experts models are Qwen3MoeForCausalLM and MixtralForCausalLM"
     )

@@ -39,7 +39,14 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_qlinear.cpp", "cpu_decoder.cpp", "cpu_lora.cpp")
+    for name in (
+        "cpu_attention.cpp",
+        "cpu_layers.cpp",
+        "cpu_qlinear.cpp",
+        "cpu_decoder.cpp",
+        "cpu_lora.cpp",
+        "cpu_moe.cpp",
+    )
 )
 # -ffast-math vectorises exp and the reductions (the kernels keep every value finite); -fopenmp
 # makes at::parallel_for parallel, on torch's own OpenMP pool (the same libgomp.so.1, already loaded)
@@ -54,6 +61,7 @@ OPERATORS = {
     "int8_linear": "a dense LM head (oneDNN matmul)",
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
+    "moe_experts": "a torch loop over the experts a batch routes to",
     "lora_bgmv_": "the torch LoRA delta (every used slot's columns, masked, as two matmuls)",
     "paged_decode_attention": "the torch paged attention (gathered keys and values, SDPA)",
     "write_kv_cache": "the torch paged attention (index_put)",

@@ -56,6 +56,14 @@ class QuantizationMethod:
         """``x @ weight.T + bias``."""
         raise NotImplementedError
 
+    def int4_groups(
+        self, loaded_weight: Any, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(codes, scales, zeros)`` (see :mod:`tokenloom.kernels.int4_matmul`) of a checkpoint
+        weight this method would keep 4-bit in a layer of ``dtype``, else None (it is loaded
+        dense): how layers that are not linear (:mod:`tokenloom.layers.fused_moe`) ask."""
+        return None
+
 
 class UnquantizedMethod(QuantizationMethod):
     """Dense weights in the model dtype. Once loaded, a CPU weight oneDNN multiplies natively

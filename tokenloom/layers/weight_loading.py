@@ -37,6 +37,8 @@ def _expected_entries(model: nn.Module, skip_prefixes: tuple[str, ...]) -> set[t
     for path, module in model.named_modules():
         if path.startswith(skip_prefixes) or (path + ".").startswith(skip_prefixes):
             continue
+        if getattr(module, "checks_own_weights", False):
+            continue  # it names what it lacks itself, in process_weights_after_loading (fused experts)
         if isinstance(module, LinearBase):
             expected.update((path, "weight", shard_id) for shard_id in module.shard_ids)
             if module.bias is not None:
@@ -120,10 +122,14 @@ def load_checkpoint_weights(
             "its ignored_checkpoint_weights)"
         )
     process_weights_after_loading(model)
-    filled = {f"{path}.{param}" if path else param for path, param, _ in loaded}
+    own_checks = {path for path, module in modules.items() if getattr(module, "checks_own_weights", False)}
+    filled = {f"{path}.{param}" if path else param for path, param, _ in loaded if path not in own_checks}
     # a quantization method may hold a linear weight in parameters of its own naming
-    # ("qweight", scales, ...): all of them were filled through the layer's "weight"
+    # ("qweight", scales, ...): all of them were filled through the layer's "weight"; a module
+    # checking its own weights (fused experts) filled all of its parameters, or raised
     for path, module in modules.items():
         if isinstance(module, LinearBase) and (path, "weight", module.shard_ids[0]) in loaded:
             filled.update(f"{path}.{name}" for name, _ in module.named_parameters(recurse=False) if name != "bias")
+        elif path in own_checks:
+            filled.update(f"{path}.{name}" for name, _ in module.named_parameters(recurse=False))
     return filled

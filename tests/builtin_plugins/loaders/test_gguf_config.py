@@ -234,26 +234,52 @@ def test_rope_scaling_tokenloom_cannot_reproduce_is_refused_by_name(extra, tenso
         gguf_to_hf_config(GGUFFile(path))
 
 
-def test_a_mixture_of_experts_file_is_refused_as_one_whatever_its_architecture(tmp_path):
-    """Qwen3-MoE has an architecture of its own, not yet loaded: the error says it is an MoE model."""
+def test_mixture_of_experts_files_map_onto_qwen3_moe_and_mixtral(tmp_path):
+    experts = {"expert_count": 16, "expert_used_count": 4}
     path = write_metadata_only_gguf(
-        str(tmp_path / "m.gguf"), "qwen3moe", extra={"qwen3moe.expert_count": 128, "qwen3moe.expert_used_count": 8}
-    )
-    with pytest.raises(
-        ModelLoadError, match=r"mixture-of-experts model \(architecture 'qwen3moe' with 128 experts, 8 per"
-    ):
-        gguf_to_hf_config(GGUFFile(path))
-    # expert tensors without the count: the router's rows count the experts
-    path = write_metadata_only_gguf(
-        str(tmp_path / "n.gguf"),
-        "llama",
-        tensors={
-            "token_embd.weight": np.zeros((8, 32), np.float32),
-            "blk.0.ffn_gate_inp.weight": np.zeros((6, 32), np.float32),
+        str(tmp_path / "q.gguf"),
+        "qwen3moe",
+        extra={
+            **{f"qwen3moe.{key}": value for key, value in experts.items()},
+            "qwen3moe.expert_feed_forward_length": 32,
         },
     )
-    with pytest.raises(ModelLoadError, match=r"Mixtral-style: llama architecture with 6 experts\)"):
+    config = gguf_to_hf_config(GGUFFile(path))
+    assert (config.architectures, config.model_type) == (["Qwen3MoeForCausalLM"], "qwen3_moe")
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (16, 4, 32)
+    assert (config.norm_topk_prob, config.decoder_sparse_step, config.mlp_only_layers) == (True, 1, [])
+    path = write_metadata_only_gguf(
+        str(tmp_path / "m.gguf"), "llama", extra={f"llama.{key}": value for key, value in experts.items()}
+    )
+    config = gguf_to_hf_config(GGUFFile(path))
+    assert (config.architectures, config.model_type) == (["MixtralForCausalLM"], "mixtral")
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (16, 4, 64)
+    # Qwen3-MoE without its expert size, and any MoE file without its experts per token, are incomplete
+    path = write_metadata_only_gguf(
+        str(tmp_path / "n.gguf"), "qwen3moe", extra={f"qwen3moe.{key}": value for key, value in experts.items()}
+    )
+    with pytest.raises(ModelLoadError, match=r"lacks the metadata key qwen3moe\.expert_feed_forward_length"):
         gguf_to_hf_config(GGUFFile(path))
+    path = write_metadata_only_gguf(str(tmp_path / "o.gguf"), "llama", extra={"llama.expert_count": 16})
+    with pytest.raises(ModelLoadError, match=r"lacks the metadata key llama\.expert_used_count"):
+        gguf_to_hf_config(GGUFFile(path))
+
+
+def test_expert_tensors_in_an_architecture_served_dense_are_refused_as_such(tmp_path):
+    """Expert tensors without an expert count (so not Mixtral), or in qwen2: named for what they are."""
+    for architecture in ("llama", "qwen2"):
+        path = write_metadata_only_gguf(
+            str(tmp_path / f"{architecture}.gguf"),
+            architecture,
+            tensors={
+                "token_embd.weight": np.zeros((8, 32), np.float32),
+                "blk.0.ffn_gate_inp.weight": np.zeros((6, 32), np.float32),
+            },
+        )
+        with pytest.raises(
+            ModelLoadError, match=rf"holds mixture-of-experts tensors in architecture '{architecture}', whose experts"
+        ):
+            gguf_to_hf_config(GGUFFile(path))
 
 
 def test_every_gguf_architecture_has_a_config_a_tensor_map_and_a_model():

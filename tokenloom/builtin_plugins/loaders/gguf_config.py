@@ -1,9 +1,10 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
 attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config,
 Gemma2Config, Gemma3TextConfig, Olmo2Config,
-GraniteConfig or Phi3Config. RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+GraniteConfig, Phi3Config, Qwen3MoeConfig or MixtralConfig (llama.cpp's ``llama`` with experts). RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
-:mod:`tokenloom.layers.rotary`); a mixture-of-experts file is refused by what it is.
+:mod:`tokenloom.layers.rotary`); expert tensors in an architecture tokenloom serves dense only
+are refused by what they are.
 
 Built from llama.cpp's metadata keys without transformers: ``AutoConfig.from_pretrained(...,
 gguf_file=...)`` parses the whole vocabulary, and merely importing a transformers config class
@@ -231,6 +232,38 @@ def _llama_config(gguf: GGUFFile) -> GGUFModelConfig:
         int(head_dim) if head_dim is not None else fields["hidden_size"] // fields["num_attention_heads"]
     )
     fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, fields["head_dim"])
+    if _expert_count(gguf):
+        return _mixtral_config(gguf, fields)
+    return GGUFModelConfig(**fields)
+
+
+def _expert_count(gguf: GGUFFile) -> int:
+    """The file's experts per MoE layer (0: a dense model)."""
+    count = gguf.arch_get("expert_count")
+    return int(count) if count else 0
+
+
+def _expert_fields(gguf: GGUFFile) -> dict[str, Any]:
+    used = gguf.arch_get("expert_used_count")
+    if not used:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} lacks the metadata key {gguf.architecture}.expert_used_count (experts per "
+            "token) of its mixture of experts; the file is incomplete"
+        )
+    return {"num_experts_per_tok": int(used)}
+
+
+def _mixtral_config(gguf: GGUFFile, llama_fields: dict[str, Any]) -> GGUFModelConfig:
+    """llama.cpp writes Mixtral as ``llama`` with experts; its feed_forward_length is each expert's."""
+    fields = {key: value for key, value in llama_fields.items() if key not in ("pretraining_tp", "mlp_bias")}
+    fields.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        sliding_window=None,
+        num_local_experts=_expert_count(gguf),
+        router_jitter_noise=0.0,
+        **_expert_fields(gguf),
+    )
     return GGUFModelConfig(**fields)
 
 
@@ -257,6 +290,29 @@ def _qwen3_config(gguf: GGUFFile) -> GGUFModelConfig:
         gguf.arch_get("attention.key_length", fields["hidden_size"] // fields["num_attention_heads"])
     )
     fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, fields["head_dim"])
+    return GGUFModelConfig(**fields)
+
+
+def _qwen3_moe_config(gguf: GGUFFile) -> GGUFModelConfig:
+    """llama.cpp's ``qwen3moe``: every layer a mixture of experts, routing renormalised (llama.cpp
+    does so for every qwen3moe file; the key is not written)."""
+    fields = _qwen3_config(gguf).to_dict()
+    expert_size = gguf.arch_get("expert_feed_forward_length")
+    if expert_size is None or not _expert_count(gguf):
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} lacks the metadata key qwen3moe."
+            f"{'expert_count' if not _expert_count(gguf) else 'expert_feed_forward_length'}; the file is incomplete"
+        )
+    fields.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_experts=_expert_count(gguf),
+        moe_intermediate_size=int(expert_size),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **_expert_fields(gguf),
+    )
     return GGUFModelConfig(**fields)
 
 
@@ -484,6 +540,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -495,6 +552,7 @@ GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
     "qwen3": _qwen3_config,
+    "qwen3moe": _qwen3_moe_config,
     "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
     "olmo2": _olmo2_config,
@@ -502,35 +560,25 @@ GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "phi3": _phi3_config,
 }
 
+# the built-in models a GGUF file with experts maps onto
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # llama.cpp's expert tensors: per-layer router, stacked expert projections
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate_inp|gate_exps|up_exps|down_exps|gate_up_exps)\.weight$")
 
 
-def _refuse_mixture_of_experts(gguf: GGUFFile) -> None:
-    """A ModelLoadError naming a mixture-of-experts file as one: tokenloom has no expert layers yet,
-    and a dense model built from the file would only report its MLP weights as missing."""
-    num_experts = gguf.arch_get("expert_count")
-    has_expert_tensors = any(_EXPERT_TENSOR.match(name) for name in gguf.tensors)
-    if not num_experts and not has_expert_tensors:
-        return
-    if not num_experts:
-        router = next((info for name, info in gguf.tensors.items() if name.endswith(".ffn_gate_inp.weight")), None)
-        num_experts = router.shape[0] if router is not None else None
-    style = (
-        "Mixtral-style: llama architecture" if gguf.architecture == "llama" else f"architecture {gguf.architecture!r}"
-    )
-    experts = f"{int(num_experts)} experts" if num_experts else "expert tensors"
-    used = gguf.arch_get("expert_used_count")
-    per_token = f", {int(used)} per token" if used else ""
-    raise ModelLoadError(
-        f"GGUF file {gguf.path} is a mixture-of-experts model ({style} with {experts}{per_token}), which "
-        "tokenloom does not serve yet: only dense models load (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite, Phi-3)"
-    )
+def _refuse_unserved_experts(gguf: GGUFFile, config: GGUFModelConfig) -> None:
+    """A ModelLoadError naming expert tensors in a file whose architecture tokenloom builds dense:
+    the model would only report its MLP weights as missing."""
+    if any(_EXPERT_TENSOR.match(name) for name in gguf.tensors) and config.architectures[0] not in MOE_ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} holds mixture-of-experts tensors in architecture {gguf.architecture!r}, whose "
+            f"experts tokenloom does not serve; it serves the experts of {', '.join(MOE_ARCHITECTURES)} "
+            "(llama.cpp's qwen3moe, and llama with expert_count for Mixtral)"
+        )
 
 
 def gguf_to_hf_config(gguf: GGUFFile) -> GGUFModelConfig:
     """The model config of the model in ``gguf``; ModelLoadError for other architectures."""
-    _refuse_mixture_of_experts(gguf)
     builder = GGUF_CONFIG_BUILDERS.get(gguf.architecture)
     if builder is None:
         raise ModelLoadError(
@@ -538,5 +586,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> GGUFModelConfig:
             f"which tokenloom cannot load from GGUF; supported architectures: {', '.join(sorted(GGUF_CONFIG_BUILDERS))}"
         )
     config = builder(gguf)
-    config.architectures = [GGUF_ARCHITECTURES[gguf.architecture]]
+    # a builder names the architecture where the file's is ambiguous (llama with experts: Mixtral)
+    if not config.architectures:
+        config.architectures = [GGUF_ARCHITECTURES[gguf.architecture]]
+    _refuse_unserved_experts(gguf, config)
     return config

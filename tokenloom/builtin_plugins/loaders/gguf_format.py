@@ -30,12 +30,28 @@ _DECODER_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
 }
+# llama.cpp's mixture-of-experts tensors: the router, and each projection of every expert stacked
+# (the names tokenloom's expert layers load, tokenloom.layers.fused_moe.expert_stacked_params)
+_EXPERT_BLOCK_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_exps",
+    "ffn_up_exps": "mlp.experts.up_exps",
+    "ffn_down_exps": "mlp.experts.down_exps",
+}
 # per architecture: GGUF block tensor -> Hugging Face sub-module of model.layers.N
 BLOCK_NAMES: dict[str, dict[str, str]] = {
-    "llama": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+    # (Mixtral is llama with experts)
+    "llama": {**_DECODER_BLOCK_NAMES, **_EXPERT_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
     "qwen2": {**_DECODER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
     "qwen3": {
         **_DECODER_BLOCK_NAMES,
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+    "qwen3moe": {
+        **_DECODER_BLOCK_NAMES,
+        **_EXPERT_BLOCK_NAMES,
         "ffn_norm": "post_attention_layernorm",
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",

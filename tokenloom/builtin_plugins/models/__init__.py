@@ -12,6 +12,8 @@ MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": (f"{PACKAGE}.modeling_llama:MistralForCausalLM", "generate"),
     "Qwen2ForCausalLM": (f"{PACKAGE}.modeling_qwen2:Qwen2ForCausalLM", "generate"),
     "Qwen3ForCausalLM": (f"{PACKAGE}.modeling_qwen3:Qwen3ForCausalLM", "generate"),
+    "Qwen3MoeForCausalLM": (f"{PACKAGE}.modeling_qwen3_moe:Qwen3MoeForCausalLM", "generate"),
+    "MixtralForCausalLM": (f"{PACKAGE}.modeling_mixtral:MixtralForCausalLM", "generate"),
     "Gemma2ForCausalLM": (f"{PACKAGE}.modeling_gemma2:Gemma2ForCausalLM", "generate"),
     "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
     "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),

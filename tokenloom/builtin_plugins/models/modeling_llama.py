@@ -15,7 +15,7 @@ from tokenloom.model_api import DecoderForCausalLM, FusedDecodeLayer, GatedMLP, 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and a dense SwiGLU MLP; ``qk_norm`` (a norm class) normalises each
     query and key head before RoPE (Qwen3); ``attention_scale`` replaces ``head_size ** -0.5``
-    as the softmax scale (Granite)."""
+    as the softmax scale (Granite); ``mlp`` replaces the dense MLP (a mixture of experts)."""
 
     def __init__(
         self,
@@ -26,10 +26,11 @@ class LlamaDecoderLayer(nn.Module):
         output_bias: bool,
         qk_norm: type[nn.Module] | None = None,
         attention_scale: float | None = None,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         config = model.config
-        moe_error = mixture_of_experts_error(config, type(model).__name__)
+        moe_error = mixture_of_experts_error(config, type(model).__name__) if mlp is None else None
         if moe_error is not None:
             raise moe_error  # a dense MLP would leave every expert weight unread
         norm_class, dtype = model.norm_class, model.dtype
@@ -50,22 +51,25 @@ class LlamaDecoderLayer(nn.Module):
             **model.linear_options(),
         )
         self.post_attention_layernorm = norm_class(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
-        self.mlp = GatedMLP(
+        self.mlp = mlp or GatedMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
             bias=bool(getattr(config, "mlp_bias", False)),
             **model.linear_options(),
         )
-        # the whole layer as one CPU operator for decode steps it can take (else None)
-        self.fused_decode = FusedDecodeLayer(
-            self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
+        # the whole layer as one CPU operator for decode steps it can take (a dense MLP's only)
+        self.fused_decode = (
+            FusedDecodeLayer(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+            if mlp is None
+            else None
         )
 
     def forward(self, positions, hidden_states, residual, attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = self.fused_decode(positions, hidden_states, residual, attn_metadata)
-        if fused is not None:
-            return fused
+        if self.fused_decode is not None:
+            fused = self.fused_decode(positions, hidden_states, residual, attn_metadata)
+            if fused is not None:
+                return fused
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

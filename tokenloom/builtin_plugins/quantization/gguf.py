@@ -125,6 +125,16 @@ class GGUFQuantizationMethod(UnquantizedMethod):
             return dtype
         return torch.bfloat16 if dtype == torch.float32 and not self.exact_dtype else None
 
+    def int4_groups(self, loaded_weight, dtype):
+        if (
+            self.mode == "auto"
+            and isinstance(loaded_weight, GGUFWeight)
+            and is_int4_type(loaded_weight.ggml_type)
+            and self._int4_dtype(dtype) is not None
+        ):
+            return int4_groups(loaded_weight)
+        return None
+
     def apply(self, layer, x, bias):
         gguf_blocks = getattr(layer, "gguf_blocks", None)
         if gguf_blocks is not None:

@@ -33,4 +33,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight);
 void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
                 const at::Tensor& token_slots, const at::Tensor& shard_table, int64_t max_rank);
 
+// cpu_moe.cpp
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_offsets, const at::Tensor& w13,
+                       const at::Tensor& w2, const std::string& activation);
+
 }  // namespace TOKENLOOM_CPU_NAMESPACE

@@ -53,6 +53,7 @@
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_qlinear.h"
 
 #include <algorithm>
 #include <array>
@@ -74,16 +75,6 @@ constexpr int64_t kBlockRows = 16;  // output rows per block
 template <int kBits> constexpr int64_t kCodeBytes = kBlockRows * kGroup * kBits / 8;
 template <int kBits> constexpr int64_t kGroupBytes = kBits == 4 ? 320 : 576;
 constexpr int64_t kRowChunk = 128;  // activation rows per pass over the blocks (kept in L2)
-
-// rows of x quantized per group of 32: codes [M, K]; per row and group the scale s, the sum of
-// the codes S, and s * S
-struct QuantizedRows {
-  const int8_t* codes;
-  const float* scales;
-  const int32_t* code_sums;
-  const float* scaled_sums;
-  int64_t groups;
-};
 
 // (buffers kept per calling thread: a decode step makes 120 calls, and three tensor allocations
 // a call cost a third of a millisecond a step; pointers taken in the calling thread: in the
@@ -568,6 +559,16 @@ at::Tensor qlinear_op(const char* name, const at::Tensor& x, const at::Tensor& w
   else
     qlinear<kBits>(x.data_ptr<c10::BFloat16>(), packed, out.data_ptr<c10::BFloat16>(), M, N, K);
   return out;
+}
+
+QuantizedRows int4_quantize_rows(const float* x, int64_t M, int64_t K) { return quantize_activations(x, M, K); }
+
+void int4_rows_times_block_pair(const QuantizedRows& x, const uint8_t* weight, float* out, int64_t m_begin,
+                                int64_t m_end, int64_t b0, int64_t N, int64_t K) {
+  if (b0 + 1 < N / kBlockRows)
+    qlinear_rows<4, float, 2>(x, weight, out, m_begin, m_end, b0, N, K);
+  else
+    qlinear_rows<4, float, 1>(x, weight, out, m_begin, m_end, b0, N, K);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight) {

@@ -1,0 +1,192 @@
+"""The mixture-of-experts layer (tokenloom/layers/fused_moe.py): routing exactly as transformers'
+routers route; the ``moe_experts`` operator (csrc/cpu_moe.cpp) against the torch loop over
+experts at every kernel level, for float32, bfloat16 and 4-bit experts (the 4-bit ones bit for
+bit against ``int4_linear`` run expert by expert); the layer loading per-expert and stacked
+tensors alike, tensor-parallel shards summing to the whole layer, and a missing expert named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.isa_levels import at_the_host_level
+from torch.nn import functional as F
+
+from tokenloom.errors import ModelLoadError
+from tokenloom.kernels import cpu_native
+from tokenloom.kernels.int4_matmul import int4_linear, pack_int4
+from tokenloom.layers.activation import SiluAndMul
+from tokenloom.layers.fused_moe import FusedExperts, FusedMoE, fused_experts, fused_experts_reference, route
+
+pytestmark = pytest.mark.usefixtures("isa_level")
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 6, 64, 48, 2
+
+
+def routed_batch(num_tokens: int, seed: int = 0):
+    """Tokens, their routing (every expert but the last chosen by some token), and float32 experts."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    logits = torch.randn(num_tokens, EXPERTS, generator=generator)
+    logits[:, -1] = -100.0  # an expert no token chooses costs nothing and changes nothing
+    weights, ids = route(logits, TOP_K, renormalize=True)
+    w13 = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) / INTERMEDIATE**0.5
+    return x, weights, ids, w13, w2
+
+
+def native_ops():
+    ops = cpu_native.load()
+    if ops is None:
+        pytest.skip("the CPU kernels are off")
+    return ops
+
+
+@at_the_host_level()
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_softmax_routing_matches_transformers_qwen3_moe_router(norm_topk_prob):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=8, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)
+    router = Qwen3MoeTopKRouter(config)
+    torch.manual_seed(0)
+    router.weight.data.normal_()
+    x = torch.randn(7, HIDDEN)
+    _, expected_weights, expected_ids = router(x)
+    weights, ids = route(F.linear(x, router.weight), 3, renormalize=norm_topk_prob)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=0, atol=0)
+
+
+@at_the_host_level()
+def test_sigmoid_routing_and_an_unknown_scoring_refused():
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
+    weights, ids = route(logits, 2, renormalize=False, scoring="sigmoid")
+    assert ids.tolist() == [[1, 3]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[2.0, 1.0]])))
+    weights, _ = route(logits, 2, renormalize=True, scoring="sigmoid")
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+    with pytest.raises(Exception, match="unknown expert scoring function 'relu'"):
+        route(logits, 2, renormalize=False, scoring="relu")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9, 150])  # a decode row, a small batch, past a row chunk (64)
+def test_the_operator_matches_the_torch_loop_over_experts_in_float32(num_tokens):
+    ops = native_ops()
+    x, weights, ids, w13, w2 = routed_batch(num_tokens)
+    expected = fused_experts_reference(x, weights, ids, w13, w2, SiluAndMul())
+    got = fused_experts(x, weights, ids, w13, w2, "silu", ops)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_operator_takes_bfloat16_experts_and_rows():
+    ops = native_ops()
+    x, weights, ids, w13, w2 = routed_batch(12, seed=1)
+    w13, w2, x = w13.bfloat16(), w2.bfloat16(), x.bfloat16()
+    expected = fused_experts_reference(x.float(), weights, ids, w13.float(), w2.float(), SiluAndMul())
+    got = fused_experts(x, weights, ids, w13, w2, "silu", ops)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def random_int4(rows: int, columns: int, generator: torch.Generator):
+    codes = torch.randint(0, 16, (rows, columns), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(rows, columns // 32, generator=generator) * 0.05 + 0.01
+    zeros = torch.randn(rows, columns // 32, generator=generator) * 0.01
+    return codes, scales, zeros
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_four_bit_experts_give_each_row_the_bits_int4_linear_gives_it(num_tokens):
+    ops = native_ops()
+    generator = torch.Generator().manual_seed(2)
+    x, weights, ids, _, _ = routed_batch(num_tokens, seed=2)
+    intermediate = 32  # 4-bit: multiples of 32 (groups) and of 16 (output blocks)
+    gate_up = [pack_int4(*random_int4(2 * intermediate, HIDDEN, generator), torch.bfloat16) for _ in range(EXPERTS)]
+    down = [pack_int4(*random_int4(HIDDEN, intermediate, generator), torch.bfloat16) for _ in range(EXPERTS)]
+    assert all(weight.kernel is not None for weight in gate_up + down)
+    w13 = torch.stack([weight.packed for weight in gate_up])
+    w2 = torch.stack([weight.packed for weight in down])
+    got = fused_experts(x, weights, ids, w13, w2, "silu", ops)
+    expected = torch.zeros(num_tokens, HIDDEN)
+    for token in range(num_tokens):  # expert by expert, row by row, through int4_linear
+        for slot in range(TOP_K):
+            expert = int(ids[token, slot])
+            hidden = ops.act_and_mul(int4_linear(x[token : token + 1], gate_up[expert]), "silu")
+            expected[token] += weights[token, slot] * int4_linear(hidden, down[expert])[0]
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_operator_refuses_mismatched_weights():
+    ops = native_ops()
+    x, _, _, w13, w2 = routed_batch(4)
+    offsets = torch.tensor([0, 4, 4, 4, 4, 4, 4])
+    with pytest.raises(RuntimeError, match="w13 must be \\[experts, 2 I, H\\] and w2 \\[experts, H, I\\]"):
+        ops.moe_experts(x, offsets, w13, w2[:, :, :-1].contiguous(), "silu")
+    with pytest.raises(RuntimeError, match="expert_offsets must run from 0 to the rows of x"):
+        ops.moe_experts(x, offsets - 1, w13, w2, "silu")
+
+
+def expert_tensors(w13: torch.Tensor, w2: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    size = w13.shape[1] // 2
+    tensors = {}
+    for expert in range(w13.shape[0]):
+        tensors[("gate", expert)] = w13[expert, :size]
+        tensors[("up", expert)] = w13[expert, size:]
+        tensors[("down", expert)] = w2[expert]
+    return tensors
+
+
+class FakeGroup:
+    """A tensor-parallel group of ``size`` ranks whose all-reduce is the caller's to do."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, tensor):
+        return tensor
+
+
+@at_the_host_level()
+def test_per_expert_and_stacked_tensors_load_alike_and_tensor_parallel_shards_sum_to_the_whole():
+    x, _, _, w13, w2 = routed_batch(5, seed=3)
+    router = torch.randn(EXPERTS, HIDDEN)
+    whole = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, "silu", renormalize=True)
+    whole.gate.load_checkpoint_weight("weight", router)
+    for shard, tensor in expert_tensors(w13, w2).items():
+        whole.experts.load_checkpoint_weight("weight", tensor, shard)
+    whole.experts.process_weights_after_loading()
+    stacked = FusedExperts(EXPERTS, HIDDEN, INTERMEDIATE, "silu")
+    size = INTERMEDIATE
+    for projection, tensor in (("gate", w13[:, :size]), ("up", w13[:, size:]), ("down", w2)):
+        stacked.load_checkpoint_weight("weight", tensor, (projection, None))
+    stacked.process_weights_after_loading()
+    assert torch.equal(stacked.w13_weight, w13) and torch.equal(stacked.w2_weight, w2)
+    expected = whole(x)
+    weights, ids = route(F.linear(x, router), TOP_K, renormalize=True)
+    torch.testing.assert_close(expected, fused_experts_reference(x, weights, ids, w13, w2, SiluAndMul()))
+    partial_sums = []
+    for rank in range(2):
+        shard = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, "silu", renormalize=True, tp_group=FakeGroup(rank, 2))
+        assert shard.experts.w13_weight.shape == (EXPERTS, INTERMEDIATE, HIDDEN)
+        shard.gate.load_checkpoint_weight("weight", router)
+        for name, tensor in expert_tensors(w13, w2).items():
+            shard.experts.load_checkpoint_weight("weight", tensor, name)
+        shard.experts.process_weights_after_loading()
+        partial_sums.append(shard(x))
+    torch.testing.assert_close(partial_sums[0] + partial_sums[1], expected, rtol=1e-5, atol=1e-5)
+
+
+@at_the_host_level()
+def test_a_missing_expert_weight_is_named():
+    _, _, _, w13, w2 = routed_batch(1)
+    experts = FusedExperts(EXPERTS, HIDDEN, INTERMEDIATE, "silu")
+    for shard, tensor in expert_tensors(w13, w2).items():
+        if shard != ("down", 2):
+            experts.load_checkpoint_weight("weight", tensor, shard)
+    with pytest.raises(ModelLoadError, match=r"lacks 1 expert weight\(s\) the model needs: expert 2 down"):
+        experts.process_weights_after_loading()
+    with pytest.raises(
+        ModelLoadError, match=r"expert 1's up weight has shape \(48, 32\), the model expects \(48, 64\)"
+    ):
+        experts.load_checkpoint_weight("weight", w13[1, INTERMEDIATE:, :32], ("up", 1))
