@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenloom.errors import ModelLoadError
 from tokenloom.layers.decoder import GatedMLP
+from tokenloom.layers.quantization import QuantizationMethod
 from tokenloom.layers.layernorm import RMSNorm
 from tokenloom.layers.weight_loading import load_checkpoint_weights
 
@@ -78,7 +79,7 @@ def test_rename_maps_and_drops_names():
     assert "norm.weight" in loaded
 
 
-class RenamingMethod:
+class RenamingMethod(QuantizationMethod):
     """A quantization method that keeps a linear weight under names of its own."""
 
     name = "renaming"
