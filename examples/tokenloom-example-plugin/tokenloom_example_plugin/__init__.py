@@ -12,3 +12,8 @@ def register_tool_parsers(register):
 @hookimpl
 def register_model_sources(register):
     register("example", "tokenloom_example_plugin.example_source:ExampleModelSource")
+
+
+@hookimpl
+def register_quantization_methods(register):
+    register("example-int8", "tokenloom_example_plugin.int8_weight_only:Int8WeightOnlyConfig")
