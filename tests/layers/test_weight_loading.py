@@ -11,8 +11,8 @@ from torch import nn
 
 from tokenloom.errors import ModelLoadError
 from tokenloom.layers.decoder import GatedMLP
-from tokenloom.layers.quantization import QuantizationMethod
 from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.quantization import QuantizationMethod
 from tokenloom.layers.weight_loading import load_checkpoint_weights
 
 

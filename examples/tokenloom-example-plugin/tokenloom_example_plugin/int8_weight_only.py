@@ -35,7 +35,9 @@ class Int8WeightOnlyMethod(QuantizationMethod):
         # rows follow the output features and columns the input features (the defaults); the
         # scale has no input dimension, so a row-parallel rank takes it whole
         add_parameter(layer, "weight", torch.empty(output_size, input_size, dtype=torch.int8), ParameterLayout())
-        add_parameter(layer, "weight_scale", torch.empty(output_size, dtype=torch.float32), ParameterLayout(input_dim=None))
+        add_parameter(
+            layer, "weight_scale", torch.empty(output_size, dtype=torch.float32), ParameterLayout(input_dim=None)
+        )
 
     def checkpoint_names(self, layer):
         return ("weight", "weight_scale")

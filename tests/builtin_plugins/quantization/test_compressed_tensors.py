@@ -157,7 +157,9 @@ def test_each_layer_gets_its_group_by_name_and_the_ignore_list_wins():
     quantization_config["ignore"] = ["lm_head", "model.layers.1.mlp.down_proj"]
     config = config_of(quantization_config)
     layer = RowParallelLinear(64, 32, quant_method=config)
-    assert isinstance(config.get_method(layer, "model.layers.0.mlp.down_proj", ("model.layers.0.mlp.down_proj",)), Int8ChannelMethod)
+    assert isinstance(
+        config.get_method(layer, "model.layers.0.mlp.down_proj", ("model.layers.0.mlp.down_proj",)), Int8ChannelMethod
+    )
     assert config.get_method(layer, "model.layers.1.mlp.down_proj", ("model.layers.1.mlp.down_proj",)) is None
     qkv = QKVParallelLinear(64, 16, 2, 2, quant_method=config)
     shards = tuple(f"model.layers.0.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj"))

@@ -103,7 +103,12 @@ def parse_scheme(group_name: str, group: dict[str, Any], checkpoint_format: str 
         if not activations.get("symmetric", True):
             raise _refuse(group_name, "asymmetric activations")
         dynamic = bool(activations.get("dynamic"))
-        if dynamic and activations.get("strategy") != "token" or not dynamic and activations.get("strategy") != "tensor":
+        if (
+            dynamic
+            and activations.get("strategy") != "token"
+            or not dynamic
+            and activations.get("strategy") != "tensor"
+        ):
             raise _refuse(group_name, f"{activations.get('strategy')!r} activation scales (dynamic={dynamic})")
         return Scheme("w8a8", None, True, static_input_scale=not dynamic)
     if bits == 8:
@@ -230,7 +235,9 @@ class Int4PackedMethod(QuantizationMethod):
         groups = 1 if self.scheme.group_size is None else input_size // self.scheme.group_size
         by_group = ParameterLayout(input_dim=1 if self.scheme.group_size is not None else None)
         add_parameter(
-            layer, "weight_packed", torch.empty(output_size, input_size // _INT4_PER_INT32, dtype=torch.int32),
+            layer,
+            "weight_packed",
+            torch.empty(output_size, input_size // _INT4_PER_INT32, dtype=torch.int32),
             ParameterLayout(),
         )
         add_parameter(layer, "weight_scale", torch.empty(output_size, groups, dtype=torch.float32), by_group)
@@ -242,7 +249,9 @@ class Int4PackedMethod(QuantizationMethod):
                 ParameterLayout(input_dim=by_group.input_dim, output_pack=_INT4_PER_INT32),
             )
         add_parameter(
-            layer, "weight_shape", torch.empty(_shard_count(layer), 2, dtype=torch.int64),
+            layer,
+            "weight_shape",
+            torch.empty(_shard_count(layer), 2, dtype=torch.int64),
             ParameterLayout(output_dim=None, input_dim=None, per_shard=True),
         )
 
@@ -287,12 +296,16 @@ class Int8ChannelMethod(QuantizationMethod):
         )
         if self.scheme.static_input_scale:
             add_parameter(
-                layer, "input_scale", torch.empty(_shard_count(layer), dtype=torch.float32),
+                layer,
+                "input_scale",
+                torch.empty(_shard_count(layer), dtype=torch.float32),
                 ParameterLayout(output_dim=None, input_dim=None, per_shard=True),
             )
 
     def checkpoint_names(self, layer):
-        return ("weight", "weight_scale", "input_scale") if self.scheme.static_input_scale else ("weight", "weight_scale")
+        return (
+            ("weight", "weight_scale", "input_scale") if self.scheme.static_input_scale else ("weight", "weight_scale")
+        )
 
     def process_weights_after_loading(self, layer):
         if self.scheme.static_input_scale and not bool((layer.input_scale.data > 0).all()):
@@ -308,7 +321,9 @@ class Int8ChannelMethod(QuantizationMethod):
         if layer.int8_weight is not None:
             out = int8_linear(rows, layer.int8_weight)
         else:
-            out = torch.nn.functional.linear(rows, layer.int8_codes.to(rows.dtype)) * layer.int8_scales.t().to(rows.dtype)
+            out = torch.nn.functional.linear(rows, layer.int8_codes.to(rows.dtype)) * layer.int8_scales.t().to(
+                rows.dtype
+            )
         if not (getattr(layer, "sums_partials", False) and x.dtype != torch.float32):
             out = out.to(x.dtype)  # a row-parallel shard keeps float32 until summed over ranks
         if bias is not None:
