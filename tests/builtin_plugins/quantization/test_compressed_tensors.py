@@ -278,3 +278,14 @@ def test_a_tensor_the_method_did_not_create_is_refused_by_name():
         layer.load_checkpoint_weight("weight_g_idx", torch.zeros(64, dtype=torch.int32))
     with pytest.raises(ModelLoadError, match="'weight_scale': checkpoint shape \\(32, 4\\) does not fit \\(32, 2\\)"):
         layer.load_checkpoint_weight("weight_scale", torch.zeros(32, 4))
+
+
+def test_without_the_int8_kernel_the_codes_are_kept_and_scaled_per_call(monkeypatch):
+    from tokenloom.builtin_plugins.quantization import compressed_tensors
+
+    monkeypatch.setattr(compressed_tensors, "pack_int8", lambda codes, scales: None)  # kernels not built
+    tensors, dense = quantize_w8a8(torch.randn(32, 64, generator=torch.Generator().manual_seed(6)))
+    layer = load(RowParallelLinear(64, 32, quant_method=Int8ChannelMethod(Scheme("w8a8", None, True))), tensors)
+    assert layer.int8_codes.dtype == torch.int8 and not hasattr(layer, "weight")
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(layer(x), x @ dense.T, atol=1e-4, rtol=1e-4)
