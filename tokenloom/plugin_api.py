@@ -49,7 +49,13 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.structured_output_compile import compile_cancelled
     from tokenloom.core.structured_output_constraints import BackendOptions, Constraint
     from tokenloom.errors import InvalidRequestError, ModelLoadError, PluginError
-    from tokenloom.layers.quantization import QuantizationMethod
+    from tokenloom.layers.quantization import (
+        ParameterLayout,
+        QuantizationConfig,
+        QuantizationMethod,
+        UnquantizedMethod,
+        add_parameter,
+    )
     from tokenloom.parsing.reasoning_markers import MarkedReasoningParser
     from tokenloom.parsing.tool_sections import (
         NEED_MORE,
@@ -82,7 +88,11 @@ _LAZY = {
     "ModelContext": "tokenloom.core.model_interface",
     "KVCacheSpec": "tokenloom.core.model_interface",
     "IntermediateTensors": "tokenloom.core.model_interface",
+    "QuantizationConfig": "tokenloom.layers.quantization",
     "QuantizationMethod": "tokenloom.layers.quantization",
+    "UnquantizedMethod": "tokenloom.layers.quantization",
+    "ParameterLayout": "tokenloom.layers.quantization",
+    "add_parameter": "tokenloom.layers.quantization",
     "StructuredOutputBackend": "tokenloom.core.structured_output",
     "LogitsProcessor": "tokenloom.core.logits_processors",
     "Matcher": "tokenloom.core.structured_output",
@@ -156,7 +166,11 @@ __all__ = [
     "ModelContext",
     "KVCacheSpec",
     "IntermediateTensors",
+    "QuantizationConfig",
     "QuantizationMethod",
+    "UnquantizedMethod",
+    "ParameterLayout",
+    "add_parameter",
     "StructuredOutputBackend",
     "LogitsProcessor",
     "Matcher",

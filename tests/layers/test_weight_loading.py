@@ -11,6 +11,7 @@ from torch import nn
 from tokenloom.errors import ModelLoadError
 from tokenloom.layers.decoder import GatedMLP
 from tokenloom.layers.layernorm import RMSNorm
+from tokenloom.layers.quantization import QuantizationMethod
 from tokenloom.layers.weight_loading import ROTARY_BUFFERS, load_checkpoint_weights
 
 
@@ -92,7 +93,7 @@ def test_rename_maps_checkpoint_names_to_the_model_s():
     assert "norm.weight" in loaded
 
 
-class RenamingMethod:
+class RenamingMethod(QuantizationMethod):
     """A quantization method that keeps a linear weight under names of its own."""
 
     name = "renaming"

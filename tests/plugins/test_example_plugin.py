@@ -228,6 +228,55 @@ def test_the_example_model_refuses_a_gated_checkpoint_by_name(example_model_file
         build_model(example_model_file.ArceeForCausalLM, hf_model.config, weights)
 
 
+# -- the int8 weight-only quantization ----------------------------------------------------------
+
+
+def test_int8_checkpoint_loads_through_the_quantization_plugin_alone(example_modules, tiny_llama_dir, tmp_path):
+    """The checkpoint's extra tensors (weight_scale) reach the layers with no load-format plugin,
+    the quantization is detected from config.json, and the output is transformers' on the same
+    weights dequantized."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tokenloom import LLM, SamplingParams
+
+    quantized_dir, reference_dir = tmp_path / "int8", tmp_path / "reference"
+    shutil.copytree(tiny_llama_dir, quantized_dir)
+    shutil.copytree(tiny_llama_dir, reference_dir)
+    state = load_file(str(Path(tiny_llama_dir) / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, tensor in state.items():
+        ignored = name.startswith("model.layers.1.mlp.down_proj.")  # stays dense, as the config says
+        if name.startswith("model.layers.") and name.endswith("_proj.weight") and not ignored:
+            scale = tensor.abs().amax(dim=1) / 127
+            codes = torch.round(tensor / scale.unsqueeze(1)).to(torch.int8)
+            quantized[name], quantized[name.replace(".weight", ".weight_scale")] = codes, scale
+            dequantized[name] = codes.float() * scale.unsqueeze(1)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    save_file(quantized, str(quantized_dir / "model.safetensors"))
+    save_file(dequantized, str(reference_dir / "model.safetensors"))
+    config = json.loads((quantized_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "example-int8", "ignore": ["model.layers.1.mlp.down_proj"]}
+    (quantized_dir / "config.json").write_text(json.dumps(config))
+
+    llm = LLM(model=str(quantized_dir), plugins=["tokenloom_example_plugin"], dtype="float32", max_model_len=128)
+    try:
+        assert llm.engine.model_info.quantization == "example-int8"
+        [output] = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+        layers = llm.engine.executor.worker.runner.model.model.layers
+        assert layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+        assert layers[1].mlp.down_proj.quant_method.name == "none"  # the ignore list
+    finally:
+        llm.engine.shutdown()
+    tokenizer = AutoTokenizer.from_pretrained(reference_dir)
+    model = LlamaForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert list(output.outputs[0].token_ids) == expected
+
+
 # -- installed with pip, discovered through its entry point ------------------------------------------
 
 
@@ -287,6 +336,7 @@ def test_tokenloom_plugins_lists_the_installed_example(installed_example):
         "tool_parser": ["example_call_tags"],
         "model_source": ["example"],
         "model": ["ArceeForCausalLM"],
+        "quantization": ["example-int8"],
     }
     # the text listing shows it too
     text = run_tokenloom(["plugins"], installed_example, TOKENLOOM_PLUGINS="example")

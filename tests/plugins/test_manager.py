@@ -630,11 +630,13 @@ def test_builtin_load_formats_are_registered(builtin_plugins):
 
 
 @pytest.mark.hook("register_quantization_methods")
-def test_builtin_gguf_quantization_is_registered(builtin_plugins):
-    from tokenloom.plugin_api import QuantizationMethod
+def test_builtin_quantization_plugins_are_registered(builtin_plugins):
+    from tokenloom.plugin_api import QuantizationConfig
 
-    assert "gguf" in registered_by(builtin_plugins, "builtin_quantization", "quantization")
-    assert issubclass(builtin_plugins.registry("quantization").get("gguf"), QuantizationMethod)
+    names = ["gguf", "compressed-tensors"]  # the names checkpoints state (quant_method, a GGUF file)
+    assert registered_by(builtin_plugins, "builtin_quantization", "quantization") == names
+    for name in names:
+        assert issubclass(builtin_plugins.registry("quantization").get(name), QuantizationConfig)
 
 
 @pytest.mark.hook("register_model_sources")

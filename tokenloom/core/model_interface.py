@@ -46,7 +46,8 @@ class ModelContext:
     hf_config: Any  # a config with transformers' attributes (PretrainedConfig or GGUFModelConfig), after --hf-overrides, --rope-*
     dtype: Any  # torch.dtype of weights and activations
     device: Any  # torch.device
-    # a QuantizationMethod instance, or None for unquantized weights
+    # the checkpoint's QuantizationConfig (pass it to linear layers as their quant_method: each
+    # gets its method by module name once the model is built), or None for unquantized weights
     quantization: Any = None
     # False when the platform chose the dtype (--dtype auto): layers may then run small batches
     # in a narrower dtype where that is faster; True (the default) keeps every layer in ``dtype``

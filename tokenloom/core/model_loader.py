@@ -1,6 +1,7 @@
 """From a model tag to a built model, by asking the registries: which model source resolves
 the tag, which load format reads the files, which model class implements the architecture,
-which quantization method the weights need.
+which quantization plugin the weights need (the checkpoint's, detected; ``--quantization``
+that disagrees is refused).
 
 :func:`resolve_model` runs in the main process (cheap: config and tokenizer only) and gives
 :class:`ModelInfo`, plain data a worker can receive; :func:`build_model` runs in the worker.
@@ -136,9 +137,7 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
     model_registry = plugins.registry("model")
     architecture = choose_model_implementation(hf_config, config, model_registry)
 
-    quantization = model_config.quantization or load_format.quantization(resolved.path)
-    if quantization is not None and quantization not in plugins.registry("quantization"):
-        plugins.registry("quantization").entry(quantization)  # raises the unknown-name error
+    quantization = choose_quantization(model_config.quantization, load_format, resolved.path, hf_config, plugins)
 
     max_model_len = derive_max_model_len(hf_config, model_config)
     registered_runner = model_registry.entry(architecture).options.get("runner", GENERATE)
@@ -215,6 +214,45 @@ def choose_model_implementation(hf_config: Any, config: EngineConfig, model_regi
         "" if native is None else f" instead of tokenloom's native {native}",
     )
     return TRANSFORMERS_FALLBACK
+
+
+def checkpoint_quantization(load_format: LoadFormat, path: str, hf_config: Any) -> str | None:
+    """The quantization the checkpoint states: its load format's (a GGUF file's tensor types),
+    else config.json's ``quantization_config.quant_method``; None for a format that makes its
+    own weights (``--load-format dummy``)."""
+    stated = load_format.quantization(path)
+    if stated is not None or getattr(load_format, "initializes_randomly", False):
+        return stated
+    config = getattr(hf_config, "quantization_config", None)
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    return str(method) if method is not None else None
+
+
+def choose_quantization(
+    requested: str | None, load_format: LoadFormat, path: str, hf_config: Any, plugins: PluginSet
+) -> str | None:
+    """The quantization method's registered name: the checkpoint's (``--quantization`` that
+    names another is refused), else ``--quantization``'s, else None. The method's config is
+    built once here, so a checkpoint it cannot serve fails before any worker starts."""
+    stated = checkpoint_quantization(load_format, path, hf_config)
+    if requested is not None and stated is not None and requested != stated:
+        raise ConfigError(
+            f"--quantization {requested} does not match the checkpoint at {path}, which is quantized with "
+            f"{stated!r}: drop --quantization (it is detected) or pass --quantization {stated}",
+            param="quantization",
+        )
+    name = stated or requested
+    if name is not None:
+        build_quantization_config(name, hf_config, plugins)
+    return name
+
+
+def build_quantization_config(name: str, hf_config: Any, plugins: PluginSet, exact_dtype: bool = True) -> Any:
+    """The registered quantization plugin ``name``'s config for this checkpoint (an unknown
+    name raises the registry's error listing the registered ones)."""
+    config = plugins.registry("quantization").get(name).from_checkpoint(hf_config)
+    config.exact_dtype = exact_dtype
+    return config
 
 
 def apply_rope_overrides(hf_config: Any, model_config: ModelConfig) -> None:
@@ -312,8 +350,7 @@ def build_model(
     model_class = plugins.registry("model").get(info.architecture)
     quantization = None
     if info.quantization is not None:
-        quantization = plugins.registry("quantization").get(info.quantization)()
-        quantization.exact_dtype = exact_dtype
+        quantization = build_quantization_config(info.quantization, info.hf_config, plugins, exact_dtype)
     context = ModelContext(
         hf_config=info.hf_config,
         dtype=dtype,
@@ -330,6 +367,8 @@ def build_model(
     try:
         with torch.device(device):
             model = model_class(context)
+            if quantization is not None:
+                quantization.bind_layers(model)  # each linear layer's method, by its module name
     finally:
         torch.set_default_dtype(previous_dtype)
     model.eval()

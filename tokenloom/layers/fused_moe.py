@@ -37,7 +37,7 @@ from tokenloom.kernels.cpu_native import ops_for
 from tokenloom.kernels.int4_matmul import NATIVE_GROUP_SIZE, can_pack, dequantize_int4, pack_int4
 from tokenloom.layers.activation import get_act_and_mul
 from tokenloom.layers.linear import ReplicatedLinear, divide, tensor_parallel_all_reduce, tp_place
-from tokenloom.layers.quantization import QuantizationMethod, materialize
+from tokenloom.layers.quantization import QuantizationConfig, QuantizationMethod, materialize
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 PROJECTIONS = ("gate", "up", "down")
@@ -147,17 +147,20 @@ class FusedExperts(nn.Module):
         intermediate_size: int,
         hidden_act: str,
         *,
-        quant_method: QuantizationMethod | None = None,
+        quant_method: QuantizationConfig | QuantizationMethod | None = None,
         params_dtype: torch.dtype | None = None,
         tp_group: Any = None,
     ):
         super().__init__()
         self.tp_rank, self.tp_size = tp_place(tp_group, 0, 1)
+        # a model's quantization config gives the experts their method by module name
+        # (bind_quantization, called by the loader once the model is built), as it does a linear layer's
+        self.quant_config = quant_method if isinstance(quant_method, QuantizationConfig) else None
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = divide(intermediate_size, self.tp_size, "expert intermediate size")
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.quant_method = quant_method
+        self.quant_method = quant_method if isinstance(quant_method, QuantizationMethod) else None
         self.act_fn = get_act_and_mul(hidden_act)
         self.kernel_activation = _KERNEL_ACTIVATIONS.get(hidden_act)
         size = self.intermediate_size
@@ -174,6 +177,11 @@ class FusedExperts(nn.Module):
         self._int4_groups: dict[tuple[str, int], Int4Groups] = {}
 
     # -- loading ---------------------------------------------------------------------
+
+    def bind_quantization(self, prefix: str, shard_prefixes: tuple[str, ...]) -> None:
+        """The method the model's quantization config gives the experts at ``prefix`` (None: dense)."""
+        assert self.quant_config is not None, "bound only by the config the experts were built with"
+        self.quant_method = self.quant_config.get_method(self, prefix, shard_prefixes)
 
     def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         if param_name != "weight" or not isinstance(shard_id, tuple) or shard_id[0] not in PROJECTIONS:
@@ -299,7 +307,7 @@ class FusedMoE(nn.Module):
         *,
         renormalize: bool,
         scoring: str = "softmax",
-        quant_method: QuantizationMethod | None = None,
+        quant_method: QuantizationConfig | QuantizationMethod | None = None,
         params_dtype: torch.dtype | None = None,
         tp_group: Any = None,
     ):

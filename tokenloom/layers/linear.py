@@ -2,11 +2,15 @@
 replicated, column- and row-parallel, and the fused QKV and gate/up projections that load
 several checkpoint tensors into row ranges of one weight.
 
-Each layer's weight is created and multiplied by its ``quant_method``; checkpoint tensors go
-through :meth:`LinearBase.load_checkpoint_weight`, which cuts this rank's slice and hands
-the rows to ``quant_method.load_weight``: a dense tensor is narrowed, a packed GGUF tensor is
-cut in its packed form (whole rows for a column split, whole quantization blocks of every row
-for a row split), so no rank dequantizes more than its own slice.
+Each layer's weight is created and multiplied by its ``quant_method``. A layer built with the
+model's :class:`~tokenloom.layers.quantization.QuantizationConfig` instead of a method gets its
+method once the model is built (:meth:`LinearBase.bind_quantization`, which the config calls with
+the layer's module name), so the config decides per layer. Checkpoint tensors go through
+:meth:`LinearBase.load_checkpoint_weight`, which cuts this rank's slice: ``weight`` goes to
+``quant_method.load_weight`` (a dense tensor is narrowed, a packed GGUF tensor is cut in its
+packed form: whole rows for a column split, whole quantization blocks of every row for a row
+split, so no rank dequantizes more than its own slice); every other parameter a method created
+is cut and placed by its :class:`~tokenloom.layers.quantization.ParameterLayout`.
 
 Under tensor parallelism a layer is given its group's communicator (``tp_group``: the model
 passes ``ctx.parallel.tp``, a :class:`tokenloom.core.distributed.Communicator`; layers take it
@@ -23,7 +27,14 @@ import torch
 from torch import nn
 
 from tokenloom.errors import ConfigError, ModelLoadError
-from tokenloom.layers.quantization import QuantizationMethod, UnquantizedMethod, materialize
+from tokenloom.layers.quantization import (
+    ParameterLayout,
+    QuantizationConfig,
+    QuantizationMethod,
+    UnquantizedMethod,
+    materialize,
+    parameter_layout,
+)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -81,6 +92,9 @@ class LinearBase(nn.Module):
 
     :param input_size: logical input features of this rank's weight.
     :param output_size: logical output features of this rank's weight.
+    :param quant_method: this layer's method, or the model's QuantizationConfig (the method is
+        then chosen by the layer's module name in :meth:`bind_quantization`; until then the
+        layer has no weight), or None for dense weights.
     """
 
     #: shard ids a fused layer loads (``None``: one unfused checkpoint tensor)
@@ -95,7 +109,7 @@ class LinearBase(nn.Module):
         output_size: int,
         *,
         bias: bool = False,
-        quant_method: QuantizationMethod | None = None,
+        quant_method: QuantizationMethod | QuantizationConfig | None = None,
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -111,15 +125,39 @@ class LinearBase(nn.Module):
         self.tp_size = tp_size
         self.tp_group = tp_group
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.quant_method = quant_method or UnquantizedMethod()
-        self.quant_method.create_weights(self, input_size, output_size, self.params_dtype)
+        self.quant_config = quant_method if isinstance(quant_method, QuantizationConfig) else None
+        self.quant_method: QuantizationMethod | None = None
+        if self.quant_config is None:
+            self._create_weights(quant_method or UnquantizedMethod())  # type: ignore[arg-type]
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=self.params_dtype), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
+    def _create_weights(self, method: QuantizationMethod) -> None:
+        self.quant_method = method
+        method.create_weights(self, self.input_size, self.output_size, self.params_dtype)
+
+    def bind_quantization(self, prefix: str, shard_prefixes: tuple[str, ...]) -> None:
+        """Ask the model's quantization config for this layer's method by its module name
+        ``prefix`` (a fused layer's checkpoint modules are ``shard_prefixes``) and create its
+        weights; a layer the config leaves alone gets dense ones."""
+        if self.quant_config is None or self.quant_method is not None:
+            raise RuntimeError(f"the linear layer {prefix!r} was not built with a quantization config to bind")
+        self._create_weights(self.quant_config.get_method(self, prefix, shard_prefixes) or UnquantizedMethod())
+
+    @property
+    def method(self) -> QuantizationMethod:
+        """The layer's quantization method (an error before :meth:`bind_quantization`)."""
+        if self.quant_method is None:
+            raise RuntimeError(
+                f"this {type(self).__name__} was built with a quantization config but never bound to its module "
+                "name: build the model with tokenloom's loader, or call config.bind_layers(model) after building it"
+            )
+        return self.quant_method
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = self.quant_method.apply(self, x, self.bias)
+        output = self.method.apply(self, x, self.bias)
         return output if self.lora is None else self.lora.add_delta(x, output)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -137,8 +175,8 @@ class LinearBase(nn.Module):
         return 0, self.output_size, self.tp_rank * self.output_size
 
     def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
-        """Load one checkpoint tensor (``param_name`` "weight" or "bias"), or one shard of a
-        fused layer, into this rank's parameter."""
+        """Load one checkpoint tensor (``param_name`` "weight", "bias", or a parameter the
+        quantization method created), or one shard of a fused layer, into this rank's parameter."""
         if shard_id not in self.shard_ids:
             raise ModelLoadError(f"{type(self).__name__} has no shard {shard_id!r} (it loads {self.shard_ids})")
         offset, size, checkpoint_start = self.shard_rows(shard_id)
@@ -149,9 +187,53 @@ class LinearBase(nn.Module):
             self._check_rows(tensor, size, "bias")
             self.bias.data[offset : offset + size].copy_(tensor)
             return
-        if param_name != "weight":
-            raise ModelLoadError(f"{type(self).__name__} has no parameter {param_name!r}")
-        self.quant_method.load_weight(self, self._weight_for_rank(loaded_weight, checkpoint_start, size), offset, size)
+        parameter = self._parameters.get(param_name)
+        layout = parameter_layout(parameter)
+        if param_name == "weight" and layout is None:
+            self.method.load_weight(self, self._weight_for_rank(loaded_weight, checkpoint_start, size), offset, size)
+            return
+        if parameter is None or layout is None:
+            raise ModelLoadError(
+                f"{type(self).__name__} (quantization {self.method.name}) has no parameter {param_name!r}; it "
+                f"loads {', '.join(self.method.checkpoint_names(self))}: the checkpoint's quantization is not "
+                "the one this layer was given"
+            )
+        self._load_laid_out(parameter, layout, param_name, torch.as_tensor(loaded_weight), shard_id)
+
+    def _load_laid_out(
+        self, parameter: torch.Tensor, layout: ParameterLayout, name: str, tensor: torch.Tensor, shard_id: Any
+    ) -> None:
+        """Cut a checkpoint tensor for this rank by its layout and copy it into ``parameter``
+        (at the shard's rows, or the shard's entry of a per-shard parameter)."""
+        offset, size, checkpoint_start = self.shard_rows(shard_id)
+        target = parameter.data
+        if layout.per_shard:
+            target = target[self.shard_ids.index(shard_id)]
+            tensor = tensor.reshape(target.shape) if tensor.numel() == target.numel() else tensor
+        elif layout.output_dim is not None:
+            pack = layout.output_pack
+            if offset % pack or size % pack or checkpoint_start % pack:
+                raise ModelLoadError(
+                    f"{name!r} packs {pack} output rows per element, and this shard's rows "
+                    f"{checkpoint_start}:{checkpoint_start + size} do not start and end on a packed element"
+                )
+            tensor = self._slice_for_rank(tensor, checkpoint_start // pack, size // pack, layout.output_dim)
+            target = target.narrow(layout.output_dim, offset // pack, size // pack)
+        if layout.input_dim is not None:
+            columns = self._input_columns(target.shape[layout.input_dim])
+            if columns is not None:
+                tensor = self._slice_for_rank(tensor, columns[0], columns[1], layout.input_dim)
+        if tensor.shape != target.shape:
+            raise ModelLoadError(
+                f"{name!r}: checkpoint shape {tuple(tensor.shape)} does not fit {tuple(target.shape)} of this "
+                f"layer's parameter of shape {tuple(parameter.shape)}"
+            )
+        target.copy_(tensor)
+
+    def _input_columns(self, local_size: int) -> tuple[int, int] | None:
+        """``(start, size)`` of this rank's slice along an input dimension of ``local_size``
+        per rank, or None when every rank holds all of it."""
+        return None
 
     def _weight_for_rank(self, loaded_weight: Any, checkpoint_start: int, size: int) -> Any:
         """This rank's rows of a column-split weight (or of one shard of a fused weight); a
@@ -185,9 +267,10 @@ class LinearBase(nn.Module):
             raise ModelLoadError(f"{what} of shape {tuple(tensor.shape)} does not fit {size} rows")
 
     def extra_repr(self) -> str:
+        quant = self.quant_method.name if self.quant_method is not None else "unbound"
         return (
             f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
-            f"quant={self.quant_method.name}, tp={self.tp_rank}/{self.tp_size}"
+            f"quant={quant}, tp={self.tp_rank}/{self.tp_size}"
         )
 
 
@@ -251,6 +334,9 @@ class RowParallelLinear(LinearBase):
             return loaded_weight.narrow_columns(column_start, self.input_size)
         return self._slice_for_rank(torch.as_tensor(loaded_weight), column_start, self.input_size, dim=1)
 
+    def _input_columns(self, local_size):
+        return None if self.tp_size == 1 else (self.tp_rank * local_size, local_size)
+
     def load_checkpoint_weight(self, param_name, loaded_weight, shard_id=None):
         if param_name == "bias" and self.tp_rank != 0:
             return  # the bias is added once, on rank 0, before the sum across ranks
@@ -264,7 +350,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        output = self.quant_method.apply(self, x, bias)
+        output = self.method.apply(self, x, bias)
         if self.tp_size > 1:
             # summed in float32 and rounded once, as one worker's matmul rounds its whole sum:
             # a 16-bit all-reduce would round after every addition
@@ -350,6 +436,6 @@ def process_weights_after_loading(model: nn.Module) -> None:
     weights are loaded)."""
     for module in model.modules():
         if isinstance(module, LinearBase):
-            module.quant_method.process_weights_after_loading(module)
+            module.method.process_weights_after_loading(module)
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

@@ -1,12 +1,23 @@
-"""The ``QuantizationMethod`` interface linear layers carry, and the unquantized default.
+"""The quantization interface linear layers carry, and the unquantized default.
 
-A method creates a layer's weight parameters, loads checkpoint tensors into them, and runs
-the layer's matmul; keeping weights packed with a dequantize-on-the-fly matmul, or
-dequantizing at load, is each method's own choice.
+Two objects, in the shape of vLLM's: a :class:`QuantizationConfig`, which a quantization plugin
+builds once per model from the checkpoint (``from_checkpoint``: config.json's
+``quantization_config``, a GGUF file's tensor types, or nothing but ``--quantization``), and
+decides per linear layer, by its module name, which :class:`QuantizationMethod` the layer gets
+(an ignore list, an unquantized LM head, one scheme per layer); and the method, which creates
+the layer's parameters, loads checkpoint tensors into them, repacks them once loading is done,
+and runs the layer's matmul.
+
+A method may create parameters of its own naming beside (or instead of) ``weight``: each
+carries a :class:`ParameterLayout` saying which of its dimensions follow the layer's output
+rows and input columns and how many logical values one stored element packs, so the layer's
+loader (:meth:`tokenloom.layers.linear.LinearBase.load_checkpoint_weight`) cuts a checkpoint
+tensor for its tensor-parallel rank and places a fused layer's shards (q/k/v, gate/up) itself.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,26 +34,66 @@ def materialize(loaded_weight: Any, dtype: torch.dtype | None = None) -> torch.T
     return tensor.to(dtype) if dtype is not None else tensor
 
 
-class QuantizationMethod:
-    """Registered with ``register_quantization_methods``; one instance per model, in the worker.
+@dataclass(frozen=True)
+class ParameterLayout:
+    """How a named quantized parameter lines up with its layer's logical ``[out, in]`` weight.
 
-    ``create_weights`` is called from each linear layer's constructor; the layer's weight
-    loader then receives checkpoint tensors (``loaded_weight`` may be packed, e.g. a GGUF
-    block-quantized tensor); ``process_weights_after_loading`` runs once after all weights
-    are loaded; ``apply`` is the layer's forward.
+    :param output_dim: the dimension that follows the output rows (None: not split by rows;
+        a fused layer's shards then share it, or, with ``per_shard``, each has its own entry).
+    :param input_dim: the dimension that follows the input columns (None: whole on every
+        rank of a row-parallel layer, e.g. a per-channel scale).
+    :param output_pack: logical output rows per stored element along ``output_dim`` (8 for
+        int4 zero points packed into int32 along the rows).
+    :param per_shard: one entry per shard of a fused layer along dimension 0 (a per-tensor
+        scale of q, k and v), rather than one value for the layer.
+    """
+
+    output_dim: int | None = 0
+    input_dim: int | None = 1
+    output_pack: int = 1
+    per_shard: bool = False
+
+
+def add_parameter(layer: nn.Module, name: str, tensor: torch.Tensor, layout: ParameterLayout) -> nn.Parameter:
+    """Register ``tensor`` as ``layer.<name>``, loaded from the checkpoint by ``layout``."""
+    parameter = nn.Parameter(tensor, requires_grad=False)
+    parameter.checkpoint_layout = layout  # type: ignore[attr-defined]
+    layer.register_parameter(name, parameter)
+    return parameter
+
+
+def parameter_layout(parameter: Any) -> ParameterLayout | None:
+    """The layout :func:`add_parameter` gave ``parameter``, or None for a plain one."""
+    layout: ParameterLayout | None = getattr(parameter, "checkpoint_layout", None)
+    return layout
+
+
+class QuantizationMethod:
+    """How one linear layer holds and multiplies its weight.
+
+    ``create_weights`` is called once per layer; the layer then receives checkpoint tensors:
+    ``weight`` through :meth:`load_weight` (``loaded_weight`` may be packed, e.g. a GGUF
+    block-quantized tensor), every other name through the :class:`ParameterLayout` of the
+    parameter ``create_weights`` added under that name; ``process_weights_after_loading``
+    runs once after all weights are loaded; ``apply`` is the layer's forward.
     """
 
     name: str = "none"
 
-    # set by the loader before any layer is built: False when the platform chose the model
+    # set by the config before any layer is built: False when the platform chose the model
     # dtype (``--dtype auto``), and the method may then compute small batches in a narrower
     # dtype where that is faster; True (the default, and whenever the user named ``--dtype``)
     # means no lower precision than that dtype
     exact_dtype: bool = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        """Create ``layer.weight`` (``[output_size, input_size]`` logical shape)."""
+        """Create the layer's parameters (``layer.weight``, ``[output_size, input_size]``,
+        and/or named ones with :func:`add_parameter`)."""
         raise NotImplementedError
+
+    def checkpoint_names(self, layer: nn.Module) -> tuple[str, ...]:
+        """The parameter names the checkpoint must provide for this layer (besides its bias)."""
+        return ("weight",)
 
     def load_weight(self, layer: nn.Module, loaded_weight: Any, output_offset: int, output_size: int) -> None:
         """Copy ``loaded_weight`` (rows ``output_offset:output_offset+output_size`` of the
@@ -63,6 +114,55 @@ class QuantizationMethod:
         weight this method would keep 4-bit in a layer of ``dtype``, else None (it is loaded
         dense): how layers that are not linear (:mod:`tokenloom.layers.fused_moe`) ask."""
         return None
+
+
+class QuantizationConfig:
+    """Registered with ``register_quantization_methods`` under the name a checkpoint's
+    ``quantization_config.quant_method`` (or a load format's :meth:`LoadFormat.quantization`)
+    states; built once per model, in the main process to check the checkpoint and again in
+    each worker.
+    """
+
+    name: str = "none"
+
+    # set by the loader before any method is asked for (see QuantizationMethod.exact_dtype)
+    exact_dtype: bool = True
+
+    @classmethod
+    def from_checkpoint(cls, hf_config: Any) -> QuantizationConfig:
+        """The config for a checkpoint (``hf_config.quantization_config``, when it has one,
+        is the checkpoint's own description); raise ConfigError naming what is unsupported."""
+        return cls()
+
+    def get_method(self, layer: nn.Module, prefix: str, shard_prefixes: tuple[str, ...]) -> QuantizationMethod | None:
+        """The method for the linear layer at module path ``prefix`` (a fused layer's
+        checkpoint modules are ``shard_prefixes``, e.g. its q_proj, k_proj and v_proj), or
+        None to leave it unquantized."""
+        raise NotImplementedError
+
+    def bind_layers(self, model: nn.Module) -> None:
+        """Give every linear layer built with this config its method, by its module name
+        (the loader calls this once the model is built, before any weight is loaded). A fused
+        layer's checkpoint modules come from the model's ``stacked_params`` (fused sub-module,
+        checkpoint sub-module, shard id), as its weight loading maps them."""
+        stacked = tuple(getattr(model, "stacked_params", ()))
+        for prefix, module in model.named_modules():
+            if getattr(module, "quant_config", None) is not self:
+                continue
+            parent, _, leaf = prefix.rpartition(".")
+            originals = tuple(original for fused, original, _ in stacked if fused == leaf)
+            shard_prefixes = tuple(f"{parent}.{name}" if parent else name for name in originals) or (prefix,)
+            module.bind_quantization(prefix, shard_prefixes)  # type: ignore[operator]
+
+
+def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
+    """``quantization_config`` of a Hugging Face config, as a dict, or None."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    return dict(config)
 
 
 class UnquantizedMethod(QuantizationMethod):

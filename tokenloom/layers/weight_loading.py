@@ -40,7 +40,8 @@ def _expected_entries(model: nn.Module, skip_prefixes: tuple[str, ...]) -> set[t
         if getattr(module, "checks_own_weights", False):
             continue  # it names what it lacks itself, in process_weights_after_loading (fused experts)
         if isinstance(module, LinearBase):
-            expected.update((path, "weight", shard_id) for shard_id in module.shard_ids)
+            for name in module.method.checkpoint_names(module):
+                expected.update((path, name, shard_id) for shard_id in module.shard_ids)
             if module.bias is not None:
                 expected.update((path, "bias", shard_id) for shard_id in module.shard_ids)
         else:
@@ -124,11 +125,12 @@ def load_checkpoint_weights(
     process_weights_after_loading(model)
     own_checks = {path for path, module in modules.items() if getattr(module, "checks_own_weights", False)}
     filled = {f"{path}.{param}" if path else param for path, param, _ in loaded if path not in own_checks}
-    # a quantization method may hold a linear weight in parameters of its own naming
-    # ("qweight", scales, ...): all of them were filled through the layer's "weight"; a module
-    # checking its own weights (fused experts) filled all of its parameters, or raised
+    # a quantization method may repack a layer's checkpoint tensors into parameters of other
+    # names (a kernel's layout): a layer that took its checkpoint tensors has them all filled; a
+    # module checking its own weights (fused experts) filled all of its parameters, or raised
+    loaded_layers = {path for path, _, _ in loaded}
     for path, module in modules.items():
-        if isinstance(module, LinearBase) and (path, "weight", module.shard_ids[0]) in loaded:
+        if isinstance(module, LinearBase) and path in loaded_layers:
             filled.update(f"{path}.{name}" for name, _ in module.named_parameters(recurse=False) if name != "bias")
         elif path in own_checks:
             filled.update(f"{path}.{name}" for name, _ in module.named_parameters(recurse=False))

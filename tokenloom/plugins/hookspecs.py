@@ -139,14 +139,16 @@ def register_load_formats(register: Register) -> None:
 
 @hookspec
 def register_quantization_methods(register: Register) -> None:
-    """Register quantization methods (``--quantization``).
+    """Register quantization plugins (``--quantization``), by the name a checkpoint states.
 
     :param register: ``register(name, target)``; ``target`` resolves to a
-        :class:`tokenloom.plugin_api.QuantizationMethod` subclass.
+        :class:`tokenloom.plugin_api.QuantizationConfig` subclass, built from the checkpoint,
+        which gives each linear layer its :class:`tokenloom.plugin_api.QuantizationMethod`.
     :returns: nothing.
 
-    Called once in the main process at plugin load. A load format may name the method its
-    files need (GGUF files name ``gguf``); ``--quantization`` overrides that choice.
+    Called once in the main process at plugin load. The checkpoint names its quantization
+    (config.json's ``quantization_config.quant_method``, or a load format's, e.g. ``gguf``);
+    ``--quantization`` is for checkpoints that name none, and is refused when it names another.
     """
 
 

@@ -18,3 +18,8 @@ def register_model_sources(register):
 @hookimpl
 def register_models(register):
     register("ArceeForCausalLM", "tokenloom_example_plugin.modeling_arcee:ArceeForCausalLM")
+
+
+@hookimpl
+def register_quantization_methods(register):
+    register("example-int8", "tokenloom_example_plugin.int8_weight_only:Int8WeightOnlyConfig")

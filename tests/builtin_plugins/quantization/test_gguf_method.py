@@ -17,7 +17,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels import int4_matmul
 from tokenloom.kernels.int4_matmul import int4_linear
-from tokenloom.layers.quantization import QuantizationMethod
+from tokenloom.layers.quantization import QuantizationConfig, QuantizationMethod
 from tokenloom.plugins.registry import resolve_target
 
 # on every CPU kernel level the host runs
@@ -193,9 +193,13 @@ def test_hook_registers_gguf_lazily_by_module_path():
     gguf_quantization.register_quantization_methods(
         register=lambda name, target, **o: registered.append((name, target))
     )
-    assert registered == [("gguf", "tokenloom.builtin_plugins.quantization.gguf:GGUFQuantizationMethod")]
-    method_class = resolve_target(registered[0][1])
-    assert issubclass(method_class, QuantizationMethod) and method_class.name == "gguf"
+    assert registered[0] == ("gguf", "tokenloom.builtin_plugins.quantization.gguf_config:GGUFConfig")
+    config_class = resolve_target(registered[0][1])
+    assert issubclass(config_class, QuantizationConfig) and config_class.name == "gguf"
+    # every linear layer of a GGUF model gets the one gguf method, whatever its name
+    config = config_class.from_checkpoint(None)
+    method = config.get_method(None, "model.layers.0.mlp.down_proj", ("model.layers.0.mlp.down_proj",))
+    assert isinstance(method, GGUFQuantizationMethod) and method is config.get_method(None, "lm_head", ("lm_head",))
 
 
 # -- tensor parallelism: each rank loads its slice of the packed tensor --------------------------

@@ -6,4 +6,5 @@ from tokenloom.plugin_api import hookimpl
 
 @hookimpl
 def register_quantization_methods(register):
-    register("gguf", "tokenloom.builtin_plugins.quantization.gguf:GGUFQuantizationMethod")
+    register("gguf", "tokenloom.builtin_plugins.quantization.gguf_config:GGUFConfig")
+    register("compressed-tensors", "tokenloom.builtin_plugins.quantization.compressed_tensors:CompressedTensorsConfig")
