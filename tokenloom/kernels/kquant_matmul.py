@@ -56,8 +56,10 @@ def _block_rows(values: torch.Tensor, per_row: int) -> torch.Tensor:
     """``[N, per_row * G']`` -> ``[N / 16, G', 16 * per_row]``: each group's entries for the 16
     rows of a block, row by row."""
     rows = values.shape[0]
-    return values.reshape(rows // _BLOCK_ROWS, _BLOCK_ROWS, -1, per_row).transpose(1, 2).reshape(
-        rows // _BLOCK_ROWS, -1, _BLOCK_ROWS * per_row
+    return (
+        values.reshape(rows // _BLOCK_ROWS, _BLOCK_ROWS, -1, per_row)
+        .transpose(1, 2)
+        .reshape(rows // _BLOCK_ROWS, -1, _BLOCK_ROWS * per_row)
     )
 
 

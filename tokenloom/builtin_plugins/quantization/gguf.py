@@ -33,10 +33,11 @@ from torch import nn
 from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  (GGUFWeight re-exported)
     DEQUANTIZERS,
     FLOAT_TYPES,
+    Q6_K,
+    Q8_0,
     GGUFWeight,
     supported_type_names,
 )
-from tokenloom.builtin_plugins.quantization.gguf_blocks import Q6_K, Q8_0
 from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int4_type
 from tokenloom.builtin_plugins.quantization.gguf_kquant import KQUANT_TYPES, pack_kquant, superblock_groups
 from tokenloom.errors import ConfigError, ModelLoadError

@@ -70,7 +70,7 @@ def int6_parts(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def int5_parts(weight: GGUFWeight) -> tuple[torch.Tensor, ...]:
     """A Q5_0/Q5_1/Q5_K weight's ``(codes [N, K] 0..31, scales, mins [N, K / 32] uint8, d, dmin
     [N, K / (32 G)] float16)``, ``G`` its :func:`superblock_groups`."""
-    rows, cols = weight.shape[0], weight.shape[-1]
+    rows = weight.shape[0]
     parts = _INT5_CONVERTERS[weight.ggml_type](weight.data.reshape(-1, GGML_TYPES[weight.ggml_type][2]))
     return tuple(part.reshape(rows, -1) for part in parts)
 
