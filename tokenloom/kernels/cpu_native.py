@@ -43,6 +43,7 @@ SOURCES = tuple(
         "cpu_attention.cpp",
         "cpu_layers.cpp",
         "cpu_qlinear.cpp",
+        "cpu_kquant.cpp",
         "cpu_decoder.cpp",
         "cpu_lora.cpp",
         "cpu_moe.cpp",
@@ -58,7 +59,9 @@ NAMESPACE_PREFIX = "tokenloom_cpu_"
 # the operators each level's library registers, and the torch path a layer takes without them
 OPERATORS = {
     "int4_linear": "torch's weight-only int4 matmul (aten._weight_int4pack_mm_for_cpu) or a dense copy",
-    "int8_linear": "a dense LM head (oneDNN matmul)",
+    "int8_linear": "a dense LM head (oneDNN matmul) and dense Q8_0 linear layers",
+    "int5_linear": "dense Q5_0, Q5_1 and Q5_K linear layers (dequantized at load)",
+    "int6_linear": "dense Q6_K linear layers (dequantized at load)",
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
     "moe_experts": "a torch loop over the experts a batch routes to",

@@ -17,6 +17,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels import int4_matmul
 from tokenloom.kernels.int4_matmul import int4_linear
+from tokenloom.kernels.int8_matmul import int8_linear
 from tokenloom.layers.quantization import QuantizationConfig, QuantizationMethod
 from tokenloom.plugins.registry import resolve_target
 
@@ -53,12 +54,15 @@ def test_loads_packed_shards_into_row_ranges_and_matmuls_with_the_dequantized_we
 
 
 def test_dequantizes_into_the_model_dtype():
+    """A shard no kernel takes (6 rows: not a block of 16) is dequantized once the layer is loaded."""
     method = GGUFQuantizationMethod()
     layer = make_layer(method, 64, 6, torch.bfloat16)
     weight = q8_weight(6, 64, seed=3)
     method.load_weight(layer, weight, 0, 6)
-    assert layer.weight.dtype == torch.bfloat16
-    assert torch.equal(layer.weight, weight.dequantize().to(torch.bfloat16))
+    method.process_weights_after_loading(layer)
+    dense = layer.weight.to_dense() if layer.weight.is_mkldnn else layer.weight
+    assert dense.dtype == torch.bfloat16
+    assert torch.equal(dense, weight.dequantize().to(torch.bfloat16))
 
 
 def test_dense_checkpoint_tensors_still_load():
@@ -169,22 +173,28 @@ def test_a_float32_layer_runs_the_int4_kernel_unless_float32_was_asked_for(int4_
     assert torch.equal(exact.apply(float32_layer, many_rows, None), dense_product)
 
 
-def test_int4_path_is_skipped_for_mixed_shards_and_in_dequantize_mode():
+def test_mixed_shards_keep_one_packed_run_each_and_dequantize_mode_stays_dense():
     mixed_method = GGUFQuantizationMethod()
     mixed = make_layer(mixed_method, 64, 32, torch.bfloat16)
     mixed_method.load_weight(mixed, q4_weight(16, 64, seed=4), 0, 16)
     mixed_method.load_weight(mixed, q8_weight(16, 64, seed=5), 16, 16)
     mixed_method.process_weights_after_loading(mixed)
-    assert mixed.int4_weight is None
-    dense = torch.cat([q4_weight(16, 64, seed=4).dequantize(), q8_weight(16, 64, seed=5).dequantize()])
+    assert mixed.int4_weight is None  # the fused decode operator takes all-int4 layers only
     rows = torch.randn(3, 64, dtype=torch.bfloat16)
-    assert torch.equal(mixed_method.apply(mixed, rows, None), torch.nn.functional.linear(rows, dense.bfloat16()))
+    if int4_matmul._native_kernel() is not None:  # the Q4_1 rows on the int4 kernel, the Q8_0 rows on the int8 one
+        int4_rows, int8_rows = mixed.native_segments
+        assert mixed.weight.is_meta
+        expected = torch.cat([int4_linear(rows, int4_rows), int8_linear(rows, int8_rows).to(torch.bfloat16)], dim=-1)
+        assert torch.equal(mixed_method.apply(mixed, rows, None), expected)
+    else:
+        dense = torch.cat([q4_weight(16, 64, seed=4).dequantize(), q8_weight(16, 64, seed=5).dequantize()])
+        assert torch.equal(mixed_method.apply(mixed, rows, None), torch.nn.functional.linear(rows, dense.bfloat16()))
 
     dense_only = GGUFQuantizationMethod(mode="dequantize")
     layer = make_layer(dense_only, 64, 16, torch.bfloat16)
     dense_only.load_weight(layer, q4_weight(16, 64, seed=6), 0, 16)
     dense_only.process_weights_after_loading(layer)
-    assert layer.int4_weight is None
+    assert layer.int4_weight is None and layer.native_segments is None and not layer.weight.is_meta
 
 
 @pytest.mark.hook("register_quantization_methods")

@@ -1,18 +1,22 @@
 """The ``gguf`` quantization method: linear layers whose checkpoint weights are GGML blocks
 (:class:`GGUFWeight`, yielded by the ``gguf`` load format).
 
-In mode ``"auto"`` (the default) a layer whose weight is all 4-bit blocks (Q4_0, Q4_1, Q4_K)
-keeps those blocks, repacked for the CPU's int4 matmul (:mod:`tokenloom.kernels.int4_matmul`).
-Where tokenloom's own kernel is built (every CPU kernel level: AVX512-VNNI, AVX2, plain C++; see
-:mod:`tokenloom.kernels.cpu_native`) it computes every batch, in llama.cpp's Q4 x Q8
-arithmetic, and the layer holds no dense weight at all. Elsewhere (kernels switched off or not
-built) torch's kernel serves
-small batches and the layer also keeps the weight dequantized into the model dtype (packed for
-oneDNN's matmul, as :class:`UnquantizedMethod` does) for large ones. The int4 kernels work in
-bfloat16 or better, so a float32 model uses them only when the platform chose float32
-(``--dtype auto`` on a CPU without native bfloat16); ``--dtype float32`` keeps float32 exact.
-Every other weight, and every weight in mode ``"dequantize"``, is dequantized at load into a
-dense weight of the model dtype.
+In mode ``"auto"`` (the default) a CPU layer keeps the file's codes of every shard stored as
+Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 blocks, and multiplies them with tokenloom's
+own kernels (every CPU kernel level: AVX512-VNNI, AVX2, plain C++; see
+:mod:`tokenloom.kernels.cpu_native`) in llama.cpp's Q x Q8 arithmetic: 4-bit codes with
+:mod:`tokenloom.kernels.int4_matmul`, 5- and 6-bit ones with :mod:`tokenloom.kernels.kquant_matmul`,
+8-bit ones with :mod:`tokenloom.kernels.int8_matmul`. Such a layer holds no dense weight at all.
+A fused layer whose shards differ in type (a Q4_K_M file's Q4_K q and k beside a Q6_K v) keeps
+one packed weight per run of shards of one kernel, and concatenates their outputs.
+
+Where tokenloom's kernels are not available (switched off or not built), a layer whose weight is
+all 4-bit blocks runs small batches on torch's int4 kernel and also keeps the weight dequantized
+into the model dtype (packed for oneDNN's matmul, as :class:`UnquantizedMethod` does) for large
+ones. The kernels work in bfloat16 or better, so a float32 model uses them only when the platform
+chose float32 (``--dtype auto`` on a CPU without native bfloat16); ``--dtype float32`` keeps
+float32 exact. Every other weight, and every weight in mode ``"dequantize"``, is dequantized at
+load into a dense weight of the model dtype.
 
 On a GPU (with triton installed) a layer whose weight is all Q4_0, all Q4_1 or all Q8_0 blocks
 keeps them as stored in device memory and multiplies them with the Triton dequantize-matmul
@@ -29,12 +33,17 @@ from torch import nn
 from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  (GGUFWeight re-exported)
     DEQUANTIZERS,
     FLOAT_TYPES,
+    Q6_K,
+    Q8_0,
     GGUFWeight,
     supported_type_names,
 )
 from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int4_type
+from tokenloom.builtin_plugins.quantization.gguf_kquant import KQUANT_TYPES, pack_kquant, superblock_groups
 from tokenloom.errors import ConfigError, ModelLoadError
-from tokenloom.kernels.int4_matmul import INT4_DTYPES, can_pack, int4_linear, pack_int4, prefers_int4
+from tokenloom.kernels.int4_matmul import INT4_DTYPES, Int4Weight, can_pack, int4_linear, pack_int4, prefers_int4
+from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
+from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
 from tokenloom.kernels.triton import gguf as triton_gguf
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
 
@@ -69,35 +78,67 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                 return
             if (
                 self.mode == "auto"
-                and is_int4_type(loaded_weight.ggml_type)
+                and native_kernel_family(loaded_weight.ggml_type) is not None
                 and self._int4_dtype(layer.weight.dtype) is not None
             ):
                 # kept as blocks until the whole layer is loaded: packed, and dequantized only if needed
-                layer._int4_shards = {**getattr(layer, "_int4_shards", {}), output_offset: loaded_weight}
+                layer._native_shards = {**getattr(layer, "_native_shards", {}), output_offset: loaded_weight}
                 return
         super().load_weight(layer, dequantize_to(loaded_weight, layer.weight.dtype), output_offset, output_size)
 
     def process_weights_after_loading(self, layer) -> None:
         if self._keep_gguf_blocks(layer):
             return
-        shards = getattr(layer, "_int4_shards", {})
-        layer._int4_shards = {}
+        shards = getattr(layer, "_native_shards", {})
+        layer._native_shards = {}
         layer.int4_weight = None
-        # all rows from 4-bit shards: no shard of another type was loaded
+        layer.native_segments = None
+        # all rows from shards a kernel takes: no shard of another type was loaded
         if shards and sum(shard.shape[0] for shard in shards.values()) == layer.weight.shape[0]:
-            codes, scales, zeros = (
-                torch.cat([int4_groups(shards[offset])[part] for offset in sorted(shards)]) for part in range(3)
-            )
-            if can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
-                layer.int4_weight = pack_int4(codes, scales, zeros, self._int4_dtype(layer.weight.dtype))
-                if layer.int4_weight.kernel is not None:  # it takes every batch: no dense weight
-                    layer.weight = nn.Parameter(
-                        torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False
-                    )
-                    return
-        for offset, shard in shards.items():  # the dense weight, for batches the int4 kernel does not take
+            if all(is_int4_type(shard.ggml_type) for shard in shards.values()):
+                layer.int4_weight = self._pack_int4([shards[offset] for offset in sorted(shards)], layer.weight.dtype)
+                native = layer.int4_weight is not None and layer.int4_weight.kernel is not None
+            else:
+                layer.native_segments = self._native_segments(shards, layer.weight.dtype)
+                native = layer.native_segments is not None
+            if native:  # the kernels take every batch: no dense weight
+                layer.weight = nn.Parameter(
+                    torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False
+                )
+                return
+        for offset, shard in shards.items():  # the dense weight, for batches no kernel takes
             super().load_weight(layer, shard.dequantize(layer.weight.dtype), offset, shard.shape[0])
         super().process_weights_after_loading(layer)
+
+    def _pack_int4(self, shards: list[GGUFWeight], dtype: torch.dtype) -> Int4Weight | None:
+        """4-bit row shards stacked and packed for an int4 kernel; None when the shape does not suit it."""
+        codes, scales, zeros = (torch.cat([int4_groups(shard)[part] for shard in shards]) for part in range(3))
+        if not can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
+            return None
+        return pack_int4(codes, scales, zeros, self._int4_dtype(dtype))
+
+    def _native_segments(self, shards: dict[int, GGUFWeight], dtype: torch.dtype) -> list | None:
+        """The layer's rows as runs of shards one of tokenloom's kernels takes, each packed for
+        it (a list of Int4Weight, Int8Weight, KQuantWeight in row order); None when a run cannot
+        be packed (kernels not available, rows not in blocks of 16), and the layer stays dense."""
+        runs: list[list[GGUFWeight]] = []
+        for offset in sorted(shards):
+            family = native_kernel_family(shards[offset].ggml_type)
+            if runs and native_kernel_family(runs[-1][0].ggml_type) == family:
+                runs[-1].append(shards[offset])
+            else:
+                runs.append([shards[offset]])
+        segments: list[Int4Weight | Int8Weight | KQuantWeight | None] = []
+        for run in runs:
+            if is_int4_type(run[0].ggml_type):
+                weight = self._pack_int4(run, dtype)
+                segments.append(weight if weight is not None and weight.kernel is not None else None)
+            elif run[0].ggml_type == Q8_0:
+                codes, scales = (torch.cat(parts) for parts in zip(*(shard.int8_groups() for shard in run)))
+                segments.append(pack_int8(codes, scales))
+            else:
+                segments.append(pack_kquant(run))
+        return None if any(segment is None for segment in segments) else segments
 
     def _keep_gguf_blocks(self, layer) -> bool:
         """A GPU layer loaded wholly from blocks of one Triton-multiplied type keeps them (and
@@ -139,6 +180,14 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         gguf_blocks = getattr(layer, "gguf_blocks", None)
         if gguf_blocks is not None:
             return triton_gguf.gguf_matmul(x, gguf_blocks, layer.gguf_type, gguf_blocks.shape[0], bias)
+        segments = getattr(layer, "native_segments", None)
+        if segments is not None:
+            if getattr(layer, "sums_partials", False) and x.dtype != torch.float32:
+                # a row-parallel shard stays float32 until summed over the ranks (as below)
+                x, bias = x.float(), None if bias is None else bias.float()
+            outputs = [segment_linear(x, segment) for segment in segments]
+            out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+            return out if bias is None else out + bias
         int4_weight = getattr(layer, "int4_weight", None)
         if int4_weight is not None and prefers_int4(x, int4_weight):
             if int4_weight.kernel is not None and getattr(layer, "sums_partials", False) and x.dtype != torch.float32:
@@ -147,6 +196,29 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                 return int4_linear(x.float(), int4_weight, None if bias is None else bias.float())
             return int4_linear(x, int4_weight, bias)
         return super().apply(layer, x, bias)
+
+
+def native_kernel_family(ggml_type: int) -> tuple[str, int] | None:
+    """Which of tokenloom's kernels multiplies blocks of this type, and in superblocks of how
+    many groups (shards of one family are packed together); None for types dequantized at load."""
+    if is_int4_type(ggml_type):
+        return ("int4", 1)
+    if ggml_type == Q8_0:
+        return ("int8", 1)
+    if ggml_type in KQUANT_TYPES:
+        return ("int6" if ggml_type == Q6_K else "int5", superblock_groups(ggml_type))
+    return None
+
+
+def segment_linear(x: torch.Tensor, weight: Int4Weight | Int8Weight | KQuantWeight) -> torch.Tensor:
+    """``x @ W.T`` for one packed run of a layer's rows, in ``x``'s dtype."""
+    if isinstance(weight, Int4Weight):
+        return int4_linear(x, weight)
+    if isinstance(weight, KQuantWeight):
+        return kquant_linear(x, weight)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out = int8_linear(rows, weight).to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
 def check_supported(weight: GGUFWeight) -> None:

@@ -69,12 +69,9 @@
 
 namespace TOKENLOOM_CPU_NAMESPACE {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kBlockRows = 16;  // output rows per block
 // one block's codes of one group, and with its scales
 template <int kBits> constexpr int64_t kCodeBytes = kBlockRows * kGroup * kBits / 8;
 template <int kBits> constexpr int64_t kGroupBytes = kBits == 4 ? 320 : 576;
-constexpr int64_t kRowChunk = 128;  // activation rows per pass over the blocks (kept in L2)
 
 // (buffers kept per calling thread: a decode step makes 120 calls, and three tensor allocations
 // a call cost a third of a millisecond a step; pointers taken in the calling thread: in the
@@ -89,19 +86,6 @@ inline QuantizedRows quantized_rows_buffers(int64_t M, int64_t K) {
   scaled_sum_buffer.resize(M * groups);
   code_sum_buffer.resize(M * groups);
   return {code_buffer.data(), scale_buffer.data(), code_sum_buffer.data(), scaled_sum_buffer.data(), groups};
-}
-
-// pairs of blocks, each thread a contiguous range of them (one stream); an odd last block alone.
-// Tile(rows, weight, out, m_begin, m_end, b0, blocks_in_tile) computes out[m_begin..m_end, 16 b0..]
-template <typename RowsTimesBlocks>
-void for_each_tile(int64_t M, int64_t N, const RowsTimesBlocks& rows_times_blocks) {
-  const int64_t blocks = N / kBlockRows;
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < M; m += kRowChunk) {
-      const int64_t m_end = std::min(M, m + kRowChunk);
-      for (int64_t pair = begin; pair < end; ++pair) rows_times_blocks(m, m_end, 2 * pair, 2 * pair + 1 < blocks ? 2 : 1);
-    }
-  });
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -559,6 +543,11 @@ at::Tensor qlinear_op(const char* name, const at::Tensor& x, const at::Tensor& w
   else
     qlinear<kBits>(x.data_ptr<c10::BFloat16>(), packed, out.data_ptr<c10::BFloat16>(), M, N, K);
   return out;
+}
+
+QuantizedRows quantize_activation_rows(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return quantize_activations(x.data_ptr<float>(), x.size(0), x.size(1));
+  return quantize_activations(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1));
 }
 
 QuantizedRows int4_quantize_rows(const float* x, int64_t M, int64_t K) { return quantize_activations(x, M, K); }

@@ -1,14 +1,23 @@
-// The pieces of cpu_qlinear.cpp's 4-bit matmul other operators chain (cpu_moe.cpp runs them over
-// many experts' weights in one parallel loop): rows of activations quantized once per group of
-// 32, and the tile routine over one pair of 16-row weight blocks. The weight layout and the
-// arithmetic are described at the top of cpu_qlinear.cpp.
+// What the quantized-weight matmuls share (cpu_qlinear.cpp: 4- and 8-bit codes; cpu_kquant.cpp:
+// 5- and 6-bit codes; cpu_moe.cpp chains the 4-bit tile over many experts' weights in one parallel
+// loop): the activation rows quantized to 8 bits per group of 32, the walk over pairs of 16-row
+// weight blocks, and the 4-bit tile routine. The arithmetic and layouts are described in
+// cpu_qlinear.cpp.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
 
 #include "cpu_namespace.h"
 
 namespace TOKENLOOM_CPU_NAMESPACE {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockRows = 16;  // output rows per block
+constexpr int64_t kRowChunk = 128;  // activation rows per pass over the blocks (kept in L2)
 
 // rows of x quantized per group of 32: codes [M, K]; per row and group the scale s, the sum of
 // the codes S, and s * S
@@ -19,6 +28,23 @@ struct QuantizedRows {
   const float* scaled_sums;
   int64_t groups;
 };
+
+// x [M, K] (bfloat16 or float32, contiguous, K a multiple of 32) quantized as GGML's Q8 blocks
+// (cpu_qlinear.cpp); the buffers belong to the calling thread and live until its next call
+QuantizedRows quantize_activation_rows(const at::Tensor& x);
+
+// pairs of blocks, each thread a contiguous range of them (one stream); an odd last block alone.
+// Tile(rows, weight, out, m_begin, m_end, b0, blocks_in_tile) computes out[m_begin..m_end, 16 b0..]
+template <typename RowsTimesBlocks>
+void for_each_tile(int64_t M, int64_t N, const RowsTimesBlocks& rows_times_blocks) {
+  const int64_t blocks = N / kBlockRows;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kRowChunk) {
+      const int64_t m_end = std::min(M, m + kRowChunk);
+      for (int64_t pair = begin; pair < end; ++pair) rows_times_blocks(m, m_end, 2 * pair, 2 * pair + 1 < blocks ? 2 : 1);
+    }
+  });
+}
 
 // float32 rows x [M, K] (K a multiple of 32) quantized into the calling thread's buffers: valid
 // until that thread's next quantization (int4_linear's included)

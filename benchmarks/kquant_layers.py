@@ -1,0 +1,92 @@
+"""The 5- and 6-bit kernels (csrc/cpu_kquant.cpp) against the dense path the same GGUF layers took
+before (Q6_K / Q5_K dequantized at load into the model dtype, oneDNN-packed), on the decode shapes
+of a 1.7B model ([2048 -> 8192] gate/up, [8192 -> 2048] down, [2048 -> 2048] q/o), per batch size,
+with the 4- and 8-bit kernels beside them for scale. Random codes; median milliseconds per
+matmul, each layer in several copies (more bytes than the caches hold) taken in turn, so the
+weights come from memory as in a real step.
+
+  int6   Q6_K through int6_linear          int5  Q5_K through int5_linear
+  int4   Q4_K-like codes through int4_linear   int8  Q8_0 through int8_linear
+  dense  the dequantized weight in --dtype, oneDNN-packed (what Q6_K/Q5_K layers ran before)
+
+  python benchmarks/kquant_layers.py 1,8 [--paths int6,int5,int4,int8,dense] [--rounds 15]
+
+TOKENLOOM_CPU_ISA=avx2 (or benchmarks/avx2_host.sh) measures a lower kernel level. The paths are
+measured alternately (one pass of each per round): the machine's drift hits them all alike.
+"""
+
+import argparse
+import time
+
+import torch
+
+from tokenloom.kernels import cpu_native
+from tokenloom.kernels.int4_matmul import int4_linear, pack_int4
+from tokenloom.kernels.int8_matmul import int8_linear, pack_int8
+from tokenloom.kernels.kquant_matmul import dequantize_int6, kquant_linear, pack_int5, pack_int6
+from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
+
+SHAPES = [(8192, 2048), (2048, 8192), (2048, 2048)]  # (out, in)
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("rows", help="comma-separated batch sizes")
+parser.add_argument("--paths", default="int6,int5,int4,int8,dense")
+parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+parser.add_argument("--rounds", type=int, default=15)
+parser.add_argument("--copies", type=int, default=4, help="copies of each layer, taken in turn")
+options = parser.parse_args()
+dtype = getattr(torch, options.dtype)
+paths = options.paths.split(",")
+torch.manual_seed(0)
+
+
+def build(path: str, out_features: int, in_features: int):
+    groups = in_features // 32
+    if path == "int6" or path == "dense":
+        codes = torch.randint(0, 64, (out_features, in_features), dtype=torch.uint8)
+        scales = torch.randint(-128, 128, (out_features, in_features // 16)).to(torch.int8)
+        d = (torch.rand(out_features, in_features // 256) * 0.001).half()
+        if path == "dense":
+            weight = dequantize_int6(codes, scales, d).to(dtype)
+            packed = pack_weight(weight) if packable(weight) else weight
+            return lambda x: packed_linear(x, packed) if packed.is_mkldnn else torch.nn.functional.linear(x, packed)
+        weight = pack_int6(codes, scales, d)
+        return lambda x: kquant_linear(x, weight)
+    if path == "int5":
+        codes = torch.randint(0, 32, (out_features, in_features), dtype=torch.uint8)
+        scales, mins = (torch.randint(0, 64, (out_features, groups), dtype=torch.uint8) for _ in "ab")
+        d, dmin = ((torch.rand(out_features, groups // 8) * 0.001).half() for _ in "ab")
+        weight = pack_int5(codes, scales, mins, d, dmin, 8)
+        return lambda x: kquant_linear(x, weight)
+    if path == "int4":
+        codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+        scales = (torch.rand(out_features, groups) * 0.02).half().float()
+        weight = pack_int4(codes, scales, 8 * scales, torch.bfloat16)
+        return lambda x: int4_linear(x, weight)
+    codes = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+    weight = pack_int8(codes, torch.rand(out_features, groups) * 0.01)
+    return lambda x: int8_linear(x, weight).to(x.dtype)
+
+
+print(
+    f"kernel level {cpu_native.selected_level().name}, activations {options.dtype}, {torch.get_num_threads()} threads, "
+    f"median of {options.rounds} alternating rounds, ms per matmul (noisy: a shared machine)"
+)
+for out_features, in_features in SHAPES:
+    layers = {path: [build(path, out_features, in_features) for _ in range(options.copies)] for path in paths}
+    for rows in [int(size) for size in options.rows.split(",")]:
+        x = torch.randn(rows, in_features).to(dtype)
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        for round_index in range(options.rounds + 1):
+            for path in paths:
+                started = time.perf_counter()
+                for matmul in layers[path]:
+                    matmul(x)
+                if round_index:  # the first round warms up
+                    times[path].append((time.perf_counter() - started) / options.copies)
+        medians = {path: sorted(values)[len(values) // 2] * 1e3 for path, values in times.items()}
+        print(
+            f"[{in_features:5d} -> {out_features:5d}] {rows:2d} rows: "
+            + "  ".join(f"{path} {ms:6.3f}" for path, ms in medians.items()),
+            flush=True,
+        )

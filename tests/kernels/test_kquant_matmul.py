@@ -1,0 +1,140 @@
+"""The 5- and 6-bit matmul (csrc/cpu_kquant.cpp) on every kernel level the host runs (``isa_level``):
+within float32 summation error of the dequantized weight times the 8-bit activations it computes
+with, each row's bits the same in any batch, and the packed weight about the file's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.kernels import kquant_matmul
+from tokenloom.kernels.int4_matmul import quantize_activations
+from tokenloom.kernels.kquant_matmul import (
+    dequantize_int5,
+    dequantize_int6,
+    kquant_linear,
+    pack_int5,
+    pack_int6,
+)
+
+pytestmark = pytest.mark.usefixtures("isa_level")
+
+NATIVE = kquant_matmul._kernel("int6_linear") is not None
+needs_native = pytest.mark.skipif(not NATIVE, reason="tokenloom's CPU kernels are switched off or did not build")
+
+
+def random_int6(out_features: int, in_features: int, seed: int = 0):
+    """Q6_K's parts: codes 0..63, a signed scale per 16 features, a float16 d per 256."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 64, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(-128, 128, (out_features, in_features // 16), generator=generator).to(torch.int8)
+    d = (torch.rand(out_features, in_features // 256, generator=generator) * 0.01).half()
+    return codes, scales, d
+
+
+def random_int5(out_features: int, in_features: int, superblock_groups: int, seed: int = 0):
+    """Q5_K's parts (superblock_groups 8: 6-bit scale and min per 32, float16 d and dmin per 256),
+    or Q5_0-like ones with superblocks of one group."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = in_features // 32
+    codes = torch.randint(0, 32, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales, mins = (torch.randint(0, 64, (out_features, groups), generator=generator, dtype=torch.uint8) for _ in "ab")
+    d, dmin = ((torch.rand(out_features, groups // superblock_groups, generator=generator) * 0.01).half() for _ in "ab")
+    return codes, scales, mins, d, dmin, superblock_groups
+
+
+def exact_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: the 8-bit activations times the dense weight."""
+    codes, scales = quantize_activations(x)
+    rows, features = x.shape
+    activations = codes.view(rows, -1, 32).double() * scales.double().unsqueeze(-1)
+    return activations.view(rows, features) @ weight.double().T
+
+
+# Q6_K and Q5_K with 1 and 3 superblocks, Q5_0's 20 groups of 32 (Gemma 3 270M's 640 features);
+# 16 rows (one block), 48 (a lone last block), 64
+CASES = [
+    ("int6", (16, 256)),
+    ("int6", (48, 768)),
+    ("int5-k", (64, 256)),
+    ("int5-k", (48, 768)),
+    ("int5-0", (48, 640)),
+]
+
+
+def weight_for(case: str, shape: tuple[int, int], seed: int):
+    """The packed weight and its dense float32 value."""
+    if case == "int6":
+        parts = random_int6(*shape, seed=seed)
+        return pack_int6(*parts), dequantize_int6(*parts)
+    parts = random_int5(*shape, 8 if case == "int5-k" else 1, seed=seed)
+    return pack_int5(*parts), dequantize_int5(*parts)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 130])
+@pytest.mark.parametrize("case, shape", CASES)
+def test_kernel_is_exact_up_to_float32_summation(case, shape, rows):
+    """Tiles of 1-4 rows, chunks of 128 rows, odd and even block counts, one and several
+    superblocks: within float32 summation error of the exact product."""
+    weight, dense = weight_for(case, shape, seed=rows)
+    assert weight is not None
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    out = kquant_linear(x, weight)
+    assert out.dtype == torch.float32 and out.shape == (rows, shape[0])
+    exact = exact_product(x, dense)
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())
+
+
+@needs_native
+@pytest.mark.parametrize("case, shape", [CASES[1], CASES[3], CASES[4]])
+def test_any_number_of_rows_gives_each_row_the_bits_it_gets_alone(case, shape):
+    weight, _ = weight_for(case, shape, seed=11)
+    x = torch.randn(11, shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([kquant_linear(x[row : row + 1], weight) for row in range(11)])
+    for rows in range(1, 12):
+        assert torch.equal(kquant_linear(x[:rows], weight), alone[:rows]), f"{rows} rows"
+
+
+@needs_native
+def test_bfloat16_rows_and_bias_round_once_into_the_rows_dtype():
+    weight, _ = weight_for("int6", (16, 256), seed=2)
+    x = torch.randn(2, 3, 256).to(torch.bfloat16)
+    bias = torch.randn(16)
+    out = kquant_linear(x, weight, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, 16)
+    assert torch.equal(out, (kquant_linear(x.float().view(6, 256), weight) + bias).to(torch.bfloat16).view(2, 3, 16))
+
+
+@needs_native
+def test_extreme_codes_and_scales_do_not_overflow():
+    """The largest codes and scales against the largest activation codes: a 6-bit group's integer
+    sum near 2^24, past float32's exact integers."""
+    codes = torch.full((16, 256), 63, dtype=torch.uint8)
+    codes[:, ::2] = 0
+    scales = torch.full((16, 16), -128, dtype=torch.int8)
+    d = torch.full((16, 1), 0.5).half()
+    dense = dequantize_int6(codes, scales, d)
+    x = torch.where(torch.arange(256) % 2 == 0, -1.0, 1.0).repeat(3, 1)
+    exact = exact_product(x, dense)
+    torch.testing.assert_close(kquant_linear(x, pack_int6(codes, scales, d)).double(), exact, rtol=1e-6, atol=0)
+
+
+@needs_native
+def test_packed_weights_read_about_the_files_bytes():
+    """Not widened: Q6_K's 6.5625 bits per weight exactly, Q5_K 5.625 (the file 5.5)."""
+    int6, _ = weight_for("int6", (32, 512), seed=0)
+    int5, _ = weight_for("int5-k", (32, 512), seed=0)
+    assert int6.packed.numel() * 8 / (32 * 512) == 6.5625
+    assert int5.packed.numel() * 8 / (32 * 512) == 5.625
+
+
+@needs_native
+def test_shapes_the_kernel_cannot_take_are_not_packed():
+    assert pack_int6(*random_int6(24, 256)) is None  # rows not in blocks of 16
+    codes, scales, mins, d, dmin, _ = random_int5(16, 96, 1)
+    assert pack_int5(codes, scales, mins, d, dmin, 1) is not None
+    assert pack_int5(codes, scales, mins, d[:, :1], dmin[:, :1], 2) is None  # 96 features: not whole superblocks of 64
+    weight, _ = weight_for("int6", (16, 256), seed=0)
+    with pytest.raises(RuntimeError, match="in_features must be a positive multiple of 256"):
+        weight.kernel(torch.randn(1, 128), weight.packed)
