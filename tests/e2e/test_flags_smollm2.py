@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -91,18 +92,35 @@ def test_max_logprobs_minus_one_means_no_cap(client):
 
 
 def test_load_counts_a_request_while_it_streams(server, client):
+    """/load reads 1 while a streamed request is in flight and 0 once it is done. The generation
+    config caps every request at CAP tokens, so the request is short: /load is polled from a
+    thread for the whole request (a long prompt makes its prefill the window) instead of once
+    after its first chunk, when the few tokens left may all have been sent already."""
     assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
-    # long enough that it is still streaming when /load is asked (40 tokens could all be sent,
-    # into the socket's buffer, before the second request arrives); closed early once counted
-    stream = client.completions.create(
-        model=MODEL, prompt="Count to twenty:", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
-    )
-    next(iter(stream))  # the request is running
-    assert httpx.get(server.base_url + "/load").json() == {"server_load": 1}
-    stream.close()  # the client leaves: the server aborts the request and uncounts it
+    seen: list[int] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=server.base_url) as http:
+            while not done.is_set():
+                seen.append(http.get("/load").json()["server_load"])
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        while not seen:  # the poller is reading before the request is sent
+            time.sleep(0.01)
+        stream = client.completions.create(
+            model=MODEL, prompt="Count to twenty: " + "one two three " * 100, max_tokens=CAP, stream=True
+        )
+        chunks = list(stream)
+    finally:
+        done.set()
+        poller.join()
+    assert chunks and 1 in seen and max(seen) == 1
     deadline = time.monotonic() + 30
     while httpx.get(server.base_url + "/load").json() != {"server_load": 0}:
-        assert time.monotonic() < deadline, "the request was still counted 30 s after its client left"
+        assert time.monotonic() < deadline, "the request was still counted 30 s after it ended"
         time.sleep(0.05)
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One sitting on a model of the benchmark set (benchmarks/model_set.py): tokenloom, then llama.cpp's
+# native llama-server, serving the same GGUF one at a time, each measured with vLLM's own client
+# (../shared/bench/peer.sh bench: random 256 in / 128 out, ignore_eos, greedy). Prints each
+# server's time to ready (process start to a 200 from /health), its peak RSS (VmHWM) and the
+# client's summary lines; the client's JSON and logs go to OUT_DIR.
+#
+#   benchmarks/big_model_sitting.sh /work/peer/models/smollm2-1.7b-Q4_K_M.gguf /tmp/sitting [ORDER]
+#
+# ORDER (default "tokenloom llamaserver") may repeat a server (A B A) on a noisy machine.
+# Env: PEER_DIR (peer.sh's; default /tmp/peer), PAIRS (default "1:4 8:16": concurrency:prompts),
+# TOKENLOOM (default the repository's .venv/bin/tokenloom), LLAMA_SLOTS (default 32),
+# LLAMA_CONTEXT (default 16384: 512 tokens a slot).
+# The machine has 2 cores: nothing else heavy may run during a sitting.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+gguf=${1:?GGUF file}; out=${2:?OUT_DIR}; order=${3:-tokenloom llamaserver}
+export PEER_DIR=${PEER_DIR:-/tmp/peer} MODEL=m PAIRS=${PAIRS:-1:4 8:16}
+tokenloom=${TOKENLOOM:-$here/../.venv/bin/tokenloom}
+peer=$here/../../shared/bench/peer.sh
+mkdir -p "$out"
+
+ready_and_bench() {  # name port command...
+  local name=$1 port=$2; shift 2
+  local started; started=$(date +%s.%N)
+  "$@" >"$out/$name.server.log" 2>&1 &
+  local pid=$!
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+    kill -0 "$pid" 2>/dev/null || { echo "$name exited; see $out/$name.server.log"; return 1; }
+    sleep 0.2
+  done
+  echo "$name: ready in $(echo "$(date +%s.%N) - $started" | bc) s"
+  bash "$peer" bench "http://127.0.0.1:$port" "$out/$name" | sed "s/^/$name  /"
+  echo "$name: peak RSS $(awk '/VmHWM/ {printf "%.2f GiB", $2 / 1048576}' "/proc/$pid/status")"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+for server in $order; do
+  case $server in
+  tokenloom) ready_and_bench tokenloom 8400 "$tokenloom" serve "$gguf" --served-model-name m --port 8400 ;;
+  llamaserver) ready_and_bench llamaserver 8300 "$PEER_DIR/llama.cpp-src/build/bin/llama-server" -m "$gguf" \
+      -a m -t 2 -tb 2 -c "${LLAMA_CONTEXT:-16384}" -np "${LLAMA_SLOTS:-32}" -cb --no-kv-unified \
+      --host 127.0.0.1 --port 8300 ;;
+  *) echo "unknown server $server"; exit 2 ;;
+  esac
+done
