@@ -114,9 +114,11 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def _split_32s(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
     """Fields of ``num_bits`` bits, read from successive 32-byte groups lowest bits first:
     ``[nb, 32*k]`` -> ``[nb, k * (8 // num_bits) * 32]`` in ggml's value order."""
-    shifts = torch.arange(0, 8, num_bits, dtype=torch.uint8).view(1, 1, -1, 1)
     grouped = packed.reshape(packed.shape[0], -1, 1, 32)
-    return ((grouped >> shifts) & ((1 << num_bits) - 1)).reshape(packed.shape[0], -1)
+    mask = (1 << num_bits) - 1
+    # one scalar shift per field (a broadcast tensor of shifts is several times slower on uint8)
+    fields = [(grouped >> shift) & mask for shift in range(0, 8, num_bits)]
+    return torch.cat(fields, dim=2).reshape(packed.shape[0], -1)
 
 
 def _dequantize_q4_k(blocks):
