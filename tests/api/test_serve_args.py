@@ -141,6 +141,7 @@ SAMPLES = {
     # speculative decoding needs a method and a number of tokens
     "--speculative-config": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
     "--kv-events-config": ["--kv-events-config", '{"enable_kv_cache_events": true}'],
+    "--collect-detailed-traces": ["--collect-detailed-traces", "all", "--otlp-traces-endpoint", "http://c:4317"],
     "--speculative-model": ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],
     "--num-speculative-tokens": ["--num-speculative-tokens", "2", "--speculative-model", "[ngram]"],
     **{

@@ -40,6 +40,7 @@ from tokenloom.api.serving_messages import MessagesHandler, messages_routes
 from tokenloom.api.serving_models import parse_lora_modules, runtime_lora_updating_allowed
 from tokenloom.api.serving_pooling import pooling_routes
 from tokenloom.api.serving_responses import ResponsesHandler, responses_routes
+from tokenloom.api.tracing import RequestTracer
 from tokenloom.chat_template import ChatRenderer, load_chat_template
 from tokenloom.errors import ConfigError, InvalidRequestError, PluginError, TokenloomError
 
@@ -89,7 +90,9 @@ def _parser_class(plugins: PluginSet | None, kind: str, name: str | None) -> typ
     return parser_class
 
 
-def _lifespan(engine: EngineClient, config: ServerConfig) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(
+    engine: EngineClient, config: ServerConfig, tracer: RequestTracer | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
@@ -102,6 +105,9 @@ def _lifespan(engine: EngineClient, config: ServerConfig) -> Callable[[FastAPI],
                 with contextlib.suppress(asyncio.CancelledError):
                     await stats_task
             await engine.shutdown()
+            if tracer is not None:
+                # the spans still batched go out before the process ends (off the event loop)
+                await asyncio.to_thread(tracer.shutdown)
 
     return lifespan
 
@@ -136,6 +142,14 @@ def build_app(
 
     metrics = ServerMetrics(engine, engine.served_model_names[0])
     ctx = ServingContext(engine, config, metrics)
+    if config.otlp_traces_endpoint:
+        ctx.tracer = RequestTracer(config.otlp_traces_endpoint, engine.served_model_names[0])
+        if config.collect_detailed_traces:
+            logger.warning(
+                "--collect-detailed-traces %s: the request spans carry the queue, prefill, decode and "
+                "inference times; no per-module spans are added (as in vLLM's V1 engine)",
+                " ".join(config.collect_detailed_traces),
+            )
     renderer = ChatRenderer(
         engine.tokenizer,
         load_chat_template(config.chat_template),
@@ -150,7 +164,7 @@ def build_app(
         {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     )
     # --root-path is given to uvicorn (run_server), which puts it in every request's scope
-    app = FastAPI(title="tokenloom", version=__version__, lifespan=_lifespan(engine, config), **docs)
+    app = FastAPI(title="tokenloom", version=__version__, lifespan=_lifespan(engine, config, ctx.tracer), **docs)
     app.state.engine = engine
     app.state.serving = ctx
     app.state.metrics = metrics

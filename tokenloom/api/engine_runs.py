@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from tokenloom.api.metrics import RequestTimer, ServerMetrics
+from tokenloom.api.tracing import REQUEST_TRACE_HEADERS, RequestTracer
 from tokenloom.core.outputs import CompletionOutput, RequestOutput
 from tokenloom.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -40,6 +41,7 @@ class EngineRuns:
 
     engine: EngineClient
     metrics: ServerMetrics | None
+    tracer: RequestTracer | None
     tokenizer: Any  # None under --skip-tokenizer-init
 
     async def beam_search(
@@ -132,7 +134,7 @@ class EngineRuns:
         lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one prompt (with ``lora_request``'s adapter, if any),
-        observed for the metrics; leaving early (an error, a cancelled task, a closed
+        observed for the metrics (and a trace span when tracing); leaving early (an error, a cancelled task, a closed
         generator) aborts the request in the engine."""
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
         if lora_request is None:
@@ -144,15 +146,26 @@ class EngineRuns:
         finished = False
         # DELTA outputs only carry the choices that moved, so remember how each one ended
         finish_reasons: dict[int, str] = {}
+        num_completion_tokens = 0
         try:
             async for output in stream:
                 timer.on_output(sum(len(choice.token_ids) for choice in output.outputs))
                 for choice in output.outputs:
                     if choice.finish_reason is not None:
                         finish_reasons[choice.index] = choice.finish_reason
+                num_completion_tokens += sum(len(choice.token_ids) for choice in output.outputs)
                 if output.finished:
                     finished = True
                     timer.on_finish([finish_reasons.get(index, "abort") for index in range(params.n)])
+                    if self.tracer is not None:
+                        self.tracer.record(
+                            request_id,
+                            params,
+                            len(prompt_token_ids),
+                            num_completion_tokens,
+                            output,
+                            REQUEST_TRACE_HEADERS.get(),
+                        )
                 yield output
         finally:
             if not finished:

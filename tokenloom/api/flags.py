@@ -868,13 +868,13 @@ FLAGS: tuple[Flag, ...] = (
         default=False,
     ),
     # -- ObservabilityConfig ----------------------------------------------------------------------
-    unimplemented("--otlp-traces-endpoint", "ObservabilityConfig", "URL to send OpenTelemetry traces to."),
-    unimplemented(
+    implemented("--otlp-traces-endpoint", "ObservabilityConfig", to=SERVER),
+    implemented(
         "--collect-detailed-traces",
         "ObservabilityConfig",
-        "Modules to trace in detail.",
+        to=SERVER,
         nargs="+",
-        note="it needs --otlp-traces-endpoint, which is not implemented either",
+        help="Modules to trace in detail: model, worker or all (several, or comma-separated).",
     ),
     noop(
         "--show-hidden-metrics-for-version",

@@ -10,6 +10,7 @@ Order, outermost first (a request meets them top-down; :func:`install_middleware
     ClientMiddleware       names the client (its API key, else its address) for per-client limits
     BodySizeLimitMiddleware 413 for bodies over --max-request-body-bytes
     ServerLoadMiddleware   with --enable-server-load-tracking: counts requests in flight
+    TraceContextMiddleware with --otlp-traces-endpoint: keeps the W3C trace headers for the spans
     the routes
 """
 
@@ -31,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.api.http_errors import error_body
 from tokenloom.api.server_config import ServerConfig
+from tokenloom.api.tracing import TraceContextMiddleware
 from tokenloom.core.structured_output_compile import REQUEST_CLIENT
 from tokenloom.errors import ConfigError
 
@@ -333,6 +335,8 @@ def install_middleware(
             "web page opened in a browser that can reach it can use it; set --api-key (or "
             "TOKENLOOM_API_KEY), or narrow --allowed-origins"
         )
+    if config.otlp_traces_endpoint:
+        app.add_middleware(TraceContextMiddleware)
     if config.enable_server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)

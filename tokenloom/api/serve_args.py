@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from tokenloom.api import flags as catalogue
 from tokenloom.api.flags import CLI, CPU_NOOP, ENGINE, FLAG_BY_KEY, FLAG_BY_NAME, FLAGS, NOOP, UNIMPLEMENTED, Flag
 from tokenloom.api.server_config import ServerConfig
+from tokenloom.api.tracing import check_tracing_options
 from tokenloom.errors import ConfigError, NotImplementedFlagError
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str] | None = No
 
     engine_args = EngineArgs(**engine_kwargs)
     engine_args.create_engine_config()  # value checks that need no model files, before anything loads
+    check_tracing_options(
+        server_kwargs.get("otlp_traces_endpoint"), server_kwargs.get("collect_detailed_traces"), environ
+    )
     return ServeArgs(engine_args, ServerConfig(**server_kwargs), engine_kwargs, list(dict.fromkeys(warnings)))
 
 

@@ -58,6 +58,14 @@ class ServerConfig:
     default, as in vLLM: prompts in server logs are private data)."""
     disable_log_stats: bool = False
     """Do not log the periodic engine stats line."""
+    otlp_traces_endpoint: str | None = None
+    """The OpenTelemetry collector to send a trace span per request to (OTLP over gRPC, or
+    HTTP/protobuf with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); needs the ``otel``
+    extra. A request's W3C ``traceparent`` header makes its span a child of the caller's."""
+    collect_detailed_traces: list[str] | None = None
+    """Modules to trace in detail (model, worker, all; needs --otlp-traces-endpoint). As in
+    vLLM's V1 engine, the request span already carries the queue, prefill, decode and inference
+    times; no per-module spans are added."""
     chat_template: str | None = None
     """A chat template file path or the template itself; overrides the model's."""
     chat_template_content_format: str = "auto"

@@ -25,6 +25,7 @@ from tokenloom.api.protocol import PromptTokensDetails, SamplingRequest, UsageIn
 from tokenloom.api.request_sampling import RequestSampling
 from tokenloom.api.server_config import ServerConfig
 from tokenloom.api.serving_models import ServedModels
+from tokenloom.api.tracing import RequestTracer
 from tokenloom.core.outputs import CompletionOutput, Logprob, PromptLogprobs
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.errors import EngineDeadError
@@ -80,6 +81,7 @@ class ServingContext(RequestSampling, EngineRuns):
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        self.tracer: RequestTracer | None = None  # set by build_app under --otlp-traces-endpoint
         self.tokenizer = engine.tokenizer  # None under --skip-tokenizer-init
         self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else int(engine.vocab_size)
         self.served_model_names = list(engine.served_model_names)
