@@ -141,6 +141,11 @@ SAMPLES = {
     # speculative decoding needs a method and a number of tokens
     "--speculative-config": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
     "--kv-events-config": ["--kv-events-config", '{"enable_kv_cache_events": true}'],
+    # multi-node data parallelism: a node's share of a group
+    "--headless": ["--headless", "-dp", "2", "-dpl", "1", "-dpr", "1", "-dpa", "head"],
+    "--data-parallel-start-rank": ["--data-parallel-start-rank", "1", "-dp", "2", "-dpl", "1", "-dpa", "head"],
+    "--data-parallel-rank": ["--data-parallel-rank", "1", "-dp", "2"],
+    "--data-parallel-hybrid-lb": ["--data-parallel-hybrid-lb", "-dp", "2", "-dpl", "1", "-dpr", "1"],
     "--collect-detailed-traces": ["--collect-detailed-traces", "all", "--otlp-traces-endpoint", "http://c:4317"],
     "--speculative-model": ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],
     "--num-speculative-tokens": ["--num-speculative-tokens", "2", "--speculative-model", "[ngram]"],

@@ -284,13 +284,7 @@ FLAGS: tuple[Flag, ...] = (
     server("--responses-store-max-bytes", kind="size", tokenloom_only=True),
     server("--lora-modules", nargs="+"),
     unimplemented("--prompt-adapters", "Frontend", "Prompt adapters to serve, as name=path.", nargs="+"),
-    unimplemented(
-        "--headless",
-        "Frontend",
-        "Run engine cores only, without an API server (multi-node).",
-        kind="bool",
-        default=False,
-    ),
+    server("--headless", kind="bool"),
     # -- ModelConfig ---------------------------------------------------------------------------
     implemented("--model", "ModelConfig"),
     implemented(
@@ -474,25 +468,12 @@ FLAGS: tuple[Flag, ...] = (
         note="deprecated by vLLM: use --distributed-executor-backend ray",
     ),
     implemented("--data-parallel-size-local", "ParallelConfig", kind="int", aliases=("-dpl",)),
-    unimplemented(
-        "--data-parallel-address", "ParallelConfig", "Address of the data-parallel head node.", aliases=("-dpa",)
-    ),
-    unimplemented(
-        "--data-parallel-rpc-port", "ParallelConfig", "Port for data-parallel RPC.", kind="int", aliases=("-dpp",)
-    ),
-    unimplemented(
-        "--data-parallel-start-rank",
-        "ParallelConfig",
-        "First data-parallel rank of a secondary node.",
-        kind="int",
-        aliases=("-dpr",),
-        default=0,
-    ),
-    unimplemented(
-        "--data-parallel-rank", "ParallelConfig", "Data-parallel rank of this instance.", kind="int", aliases=("-dpn",)
-    ),
+    implemented("--data-parallel-address", "ParallelConfig", aliases=("-dpa",)),
+    implemented("--data-parallel-rpc-port", "ParallelConfig", kind="int", aliases=("-dpp",)),
+    implemented("--data-parallel-start-rank", "ParallelConfig", kind="int", aliases=("-dpr",)),
+    implemented("--data-parallel-rank", "ParallelConfig", kind="int", aliases=("-dpn",)),
     implemented("--data-parallel-backend", "ParallelConfig", aliases=("-dpb",), default="mp", choices=("mp", "ray")),
-    unimplemented("--data-parallel-hybrid-lb", "ParallelConfig", "Hybrid data-parallel load balancing.", **_bool()),
+    implemented("--data-parallel-hybrid-lb", "ParallelConfig", kind="bool", negatable=True),
     unimplemented(
         "--decode-context-parallel-size",
         "ParallelConfig",

@@ -81,6 +81,8 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str] | None = No
     if "api_key" not in server_kwargs and environ.get(API_KEY_ENV):
         server_kwargs["api_key"] = [environ[API_KEY_ENV]]
     _check_combinations({**config_values, **cli_values}, engine_kwargs, server_kwargs)
+    if "data_parallel_rank" in engine_kwargs:
+        engine_kwargs["data_parallel_external_lb"] = True  # vLLM: a rank given is external load balancing
 
     engine_args = EngineArgs(**engine_kwargs)
     engine_args.create_engine_config()  # value checks that need no model files, before anything loads
@@ -126,6 +128,21 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
 
 
 def _check_combinations(given: dict[str, Any], engine: dict[str, Any], server: dict[str, Any]) -> None:
+    if server.get("headless"):
+        size, local = engine.get("data_parallel_size", 1), engine.get("data_parallel_size_local")
+        if size < 2 or local is None or not engine.get("data_parallel_address") or "data_parallel_rank" in engine:
+            raise ConfigError(
+                "--headless runs this node's share of a data-parallel group for a head node's server: give "
+                "-dp N (the whole group), --data-parallel-size-local L (the replicas here), "
+                "--data-parallel-start-rank R (the first one's rank) and --data-parallel-address HEAD",
+                param="headless",
+            )
+        if engine.get("data_parallel_hybrid_lb") or engine.get("data_parallel_backend", "mp") != "mp":
+            raise ConfigError(
+                "--headless serves a head node's API server over the mp backend: leave out "
+                "--data-parallel-hybrid-lb and --data-parallel-backend ray",
+                param="headless",
+            )
     if given.get("enable_reasoning") and not engine.get("reasoning_parser"):
         raise ConfigError(
             "--enable-reasoning needs --reasoning-parser NAME (which alone enables reasoning)", param="enable-reasoning"

@@ -100,6 +100,8 @@ def uvicorn_config(app: Any, server: ServerConfig) -> uvicorn.Config:
 # it back waits up to this long while the loop runs Python (default 5 ms); the value chosen and
 # its measurement: docs/design.md, "AsyncLLM".
 GIL_SWITCH_INTERVAL_SECONDS = 0.0005
+# how long a --headless node's replicas wait for the head node's server to answer
+HEADLESS_CONNECT_TIMEOUT_SECONDS = 900.0
 
 
 def run_server(serve_args: ServeArgs) -> None:
@@ -112,7 +114,24 @@ def run_server(serve_args: ServeArgs) -> None:
         logger.info("before the server: %.2f s since the process started (interpreter, command line, plugins)", started)
     for warning in getattr(serve_args, "warnings", None) or []:
         logger.warning(warning)
+    if server.headless:
+        _run_headless(serve_args)
+        return
     asyncio.run(_serve(serve_args))
+
+
+def _run_headless(serve_args: ServeArgs) -> None:
+    """``--headless``: this node's data-parallel replicas, for the head node's server."""
+    from tokenloom.core.engine.remote_replicas import run_headless
+    from tokenloom.plugins.manager import load_plugins
+
+    server = serve_args.server
+    plugins = getattr(serve_args, "plugins", None) or load_plugins(
+        modules=server.plugins, files=server.tool_parser_plugin, strict=server.strict_plugins
+    )
+    code = run_headless(serve_args.engine_args, plugins, timeout=HEADLESS_CONNECT_TIMEOUT_SECONDS)
+    if code:
+        raise SystemExit(code)
 
 
 async def _serve(serve_args: ServeArgs) -> None:

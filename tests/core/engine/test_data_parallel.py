@@ -142,9 +142,7 @@ def test_local_replicas_get_disjoint_cores_when_there_are_enough():
 
 
 def test_data_parallel_flags_are_checked_together():
-    with pytest.raises(
-        ConfigError, match="^--data-parallel-size-local: 1 of 2 replicas on this node needs --data-parallel-backend ray"
-    ):
+    with pytest.raises(ConfigError, match="^--data-parallel-address: 1 of 2 replicas on this node"):
         EngineArgs(data_parallel_size=2, data_parallel_size_local=1).create_engine_config()
     with pytest.raises(ConfigError, match="^--data-parallel-size-local: must be between 0 and --data-parallel-size"):
         EngineArgs(data_parallel_size=2, data_parallel_size_local=3, data_parallel_backend="ray").create_engine_config()

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from tokenloom.core.config import EngineArgs, EngineConfig, LoRAConfig
@@ -163,6 +164,43 @@ class ReplicaHandle:
     ) -> None:
         raise NotImplementedError
 
+    def receive(
+        self,
+        connection: Any,
+        on_messages: Callable[[int, list[FromReplica]], None],
+        on_death: Callable[[int, str], None],
+    ) -> bool:
+        """Reads ``connection`` (a pipe's or socket's end) until it closes: True then; False when
+        the replica failed to build or went silent (already reported)."""
+        while True:
+            try:
+                if self.ready.done() and self.silence_limit is not None:
+                    if not connection.poll(self.silence_limit):
+                        self._silent(on_death)
+                        return False
+                messages = connection.recv()
+            except (EOFError, OSError):
+                return True
+            match messages:
+                case [Ready(facts)]:
+                    self.ready.set_result(facts)
+                case [Failed(error)]:
+                    self.ready.set_exception(error.unpack())
+                    return False
+                case _:
+                    on_messages(self.index, messages)
+
+    def ended(self, reason: str, on_death: Callable[[int, str], None]) -> None:
+        """The replica's connection closed: a build that never finished fails with ``reason``,
+        a running replica is dead (unless it was being stopped)."""
+        if not self.ready.done():  # died while building: start-up raises it
+            self.ready.set_exception(EngineDeadError(reason))
+        elif not self.closing:
+            on_death(self.index, reason)
+
+    def _silent(self, on_death: Callable[[int, str], None]) -> None:
+        raise NotImplementedError
+
     def send(self, message: ToReplica) -> None:
         """Queue ``message`` for the replica; EngineDeadError when it cannot be reached."""
         raise NotImplementedError
@@ -198,31 +236,13 @@ class ProcessReplica(ReplicaHandle):
         self, on_messages: Callable[[int, list[FromReplica]], None], on_death: Callable[[int, str], None]
     ) -> None:
         def receive() -> None:
-            while True:
-                try:
-                    if self.ready.done() and self.silence_limit is not None:
-                        if not self._outbox.poll(self.silence_limit):
-                            self._silent(on_death)
-                            return
-                    messages = self._outbox.recv()
-                except (EOFError, OSError):
-                    break
-                match messages:
-                    case [Ready(facts)]:
-                        self.ready.set_result(facts)
-                    case [Failed(error)]:
-                        self.ready.set_exception(error.unpack())
-                        return
-                    case _:
-                        on_messages(self.index, messages)
+            if not self.receive(self._outbox, on_messages, on_death):
+                return
             self.process.join(timeout=5)
-            reason = (
-                f"data-parallel replica {self.index} (pid {self.process.pid}) exited with code {self.process.exitcode}"
+            self.ended(
+                f"data-parallel replica {self.index} (pid {self.process.pid}) exited with code {self.process.exitcode}",
+                on_death,
             )
-            if not self.ready.done():  # died while building: start-up raises it
-                self.ready.set_exception(EngineDeadError(reason))
-            elif not self.closing:
-                on_death(self.index, reason)
 
         threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
 
@@ -254,6 +274,83 @@ class ProcessReplica(ReplicaHandle):
 
     def kill(self) -> None:
         self.process.kill()
+
+
+class RemoteReplica(ReplicaHandle):
+    """A replica a ``tokenloom serve --headless`` node started: its messages over the one
+    authenticated TCP connection it opened to this server
+    (:mod:`~tokenloom.core.engine.remote_replicas`). It cannot be killed from here: closing
+    the connection makes it stop."""
+
+    def __init__(self, index: int, rank: int):
+        super().__init__(index)
+        self.rank = rank
+        self._connection: Connection | None = None
+        self._callbacks: tuple[Callable[[int, list[FromReplica]], None], Callable[[int, str], None]] | None = None
+        self._attach_lock = threading.Lock()
+
+    def attach(self, connection: Connection) -> None:
+        """The replica connected (the listener's thread calls this)."""
+        with self._attach_lock:
+            self._connection = connection
+            callbacks = self._callbacks
+        if callbacks is not None:
+            self._start_receiving(*callbacks)
+
+    def start(
+        self, on_messages: Callable[[int, list[FromReplica]], None], on_death: Callable[[int, str], None]
+    ) -> None:
+        with self._attach_lock:
+            self._callbacks = (on_messages, on_death)
+            attached = self._connection is not None
+        if attached:
+            self._start_receiving(on_messages, on_death)
+
+    def _start_receiving(
+        self, on_messages: Callable[[int, list[FromReplica]], None], on_death: Callable[[int, str], None]
+    ) -> None:
+        connection = self._connection
+        assert connection is not None
+
+        def receive() -> None:
+            if self.receive(connection, on_messages, on_death):
+                self.ended(
+                    f"data-parallel replica {self.index} (rank {self.rank}, on a headless node) disconnected", on_death
+                )
+
+        threading.Thread(target=receive, name=f"tokenloom-dp-receive-{self.index}", daemon=True).start()
+
+    def _silent(self, on_death: Callable[[int, str], None]) -> None:
+        if self.closing:
+            return
+        on_death(
+            self.index,
+            self.silence_reason(f"data-parallel replica {self.index} (rank {self.rank}, on a headless node)"),
+        )
+        self.kill()
+
+    def send(self, message: ToReplica) -> None:
+        connection = self._connection
+        if connection is None:
+            raise EngineDeadError(f"data-parallel replica {self.index} (rank {self.rank}) has not connected")
+        try:
+            with self._send_lock:
+                connection.send(message)
+        except (BrokenPipeError, OSError) as exc:
+            raise EngineDeadError(
+                f"data-parallel replica {self.index} (rank {self.rank}) cannot be reached: {exc}"
+            ) from None
+
+    def stop(self, timeout: float) -> None:
+        self.closing = True
+        with contextlib.suppress(EngineDeadError):
+            self.send(Shutdown())
+        self.kill()
+
+    def kill(self) -> None:
+        connection = self._connection
+        if connection is not None:
+            connection.close()
 
 
 class RayReplica(ReplicaHandle):
@@ -316,9 +413,42 @@ class RayReplica(ReplicaHandle):
         self._ray.kill(self.actor)
 
 
-def with_rank(replica_args: EngineArgs, index: int) -> EngineArgs:
-    """A replica's engine arguments: its rank (what its KV-cache events carry) is its index."""
-    return dataclasses.replace(replica_args, data_parallel_rank=index)
+def mp_replica_ranks(parallel: Any) -> tuple[list[int], list[int]]:
+    """Under ``mp``: the ranks of the replicas this server starts, and of those that connect to it
+    from --headless nodes. With --data-parallel-hybrid-lb this node's server balances over its own
+    replicas only (the other nodes run their own servers)."""
+    size, start = parallel.data_parallel_size, parallel.data_parallel_start_rank
+    local = size if parallel.data_parallel_size_local is None else parallel.data_parallel_size_local
+    local_ranks = list(range(start, start + local))
+    if parallel.data_parallel_hybrid_lb:
+        return local_ranks, []
+    return local_ranks, [rank for rank in range(size) if rank not in local_ranks]
+
+
+def single_replica_rank(parallel: Any) -> int | None:
+    """The rank of the one replica this server runs by itself (--data-parallel-rank behind an
+    external load balancer, or a --data-parallel-hybrid-lb node of one replica); None when it
+    balances over several."""
+    if parallel.data_parallel_external_lb:
+        return int(parallel.data_parallel_rank)
+    if parallel.data_parallel_size == 1 or parallel.data_parallel_backend != "mp":
+        return None
+    local_ranks, remote_ranks = mp_replica_ranks(parallel)
+    return local_ranks[0] if len(local_ranks) == 1 and not remote_ranks else None
+
+
+def replica_engine_args(engine_args: EngineArgs, rank: int) -> EngineArgs:
+    """The engine arguments of the replica of ``rank`` (what its KV-cache events carry): one
+    engine, which starts no replicas of its own."""
+    return dataclasses.replace(
+        engine_args,
+        data_parallel_size=1,
+        data_parallel_size_local=None,
+        data_parallel_rank=rank,
+        data_parallel_start_rank=0,
+        data_parallel_hybrid_lb=False,
+        data_parallel_external_lb=False,
+    )
 
 
 def local_cpu_sets(num_replicas: int) -> list[list[int] | None]:
@@ -380,6 +510,7 @@ class DataParallelAsyncLLM(RequestStreams):
         self._calls_lock = threading.Lock()
         self._stopping = False
         self._ray_started_here = False
+        self._listener: Any = None  # the ReplicaListener for --headless nodes' replicas, if any
         self._logits_processor_resolver: LogitsProcessorResolver | None = None
 
     @classmethod
@@ -391,8 +522,6 @@ class DataParallelAsyncLLM(RequestStreams):
         config = engine_args.create_engine_config()
         plugins = plugins or load_plugins()
         parallel = config.parallel
-        # each replica is one engine: dp 1 inside, so it does not start replicas of its own
-        replica_args = dataclasses.replace(engine_args, data_parallel_size=1, data_parallel_size_local=None)
         tables = plugins.to_plain()
         replicas: list[ReplicaHandle] = []
         self = cls(config, plugins, replicas)
@@ -406,10 +535,28 @@ class DataParallelAsyncLLM(RequestStreams):
                     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
                     self._ray_started_here = True
                 for index, options in enumerate(ray_actor_options(parallel, ray)):
-                    replicas.append(RayReplica(index, with_rank(replica_args, index), tables, options))
+                    replicas.append(RayReplica(index, replica_engine_args(engine_args, index), tables, options))
             else:
-                for index, cpu_ids in enumerate(local_cpu_sets(parallel.data_parallel_size)):
-                    replicas.append(ProcessReplica(index, with_rank(replica_args, index), tables, cpu_ids))
+                local_ranks, remote_ranks = mp_replica_ranks(parallel)
+                for rank, cpu_ids in zip(local_ranks, local_cpu_sets(len(local_ranks)), strict=True):
+                    replicas.append(
+                        ProcessReplica(len(replicas), replica_engine_args(engine_args, rank), tables, cpu_ids)
+                    )
+                if remote_ranks:
+                    from tokenloom.core.engine.remote_replicas import ReplicaListener
+
+                    remote = {
+                        rank: RemoteReplica(len(replicas) + offset, rank) for offset, rank in enumerate(remote_ranks)
+                    }
+                    replicas.extend(remote.values())
+                    assert parallel.data_parallel_address is not None  # checked by the config
+                    self._listener = ReplicaListener(
+                        parallel.data_parallel_address,
+                        parallel.data_parallel_rpc_port,
+                        set(remote),
+                        engine_args.model,
+                        lambda rank, connection: remote[rank].attach(connection),
+                    )
             self._num_in_flight = [0] * len(replicas)
             self._replica_stats = [None] * len(replicas)
             self._dead_reasons = [None] * len(replicas)
@@ -655,6 +802,8 @@ class DataParallelAsyncLLM(RequestStreams):
         """Stops every replica at once (each waits for its own engine) and, if this server
         started Ray, Ray too: nothing is left running."""
         self._stopping = True
+        if self._listener is not None:
+            self._listener.close()
         threads = [
             threading.Thread(target=replica.stop, args=(REPLICA_STOP_TIMEOUT_SECONDS,), daemon=True)
             for replica in self.replicas

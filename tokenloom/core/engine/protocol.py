@@ -8,6 +8,7 @@ the same surface) and the tests' fakes; ``tokenloom.api`` reads an engine only t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
     from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.plugins.manager import PluginSet
+
+logger = logging.getLogger(__name__)
 
 
 class EngineClient(Protocol):
@@ -143,12 +146,23 @@ class EngineClient(Protocol):
 def build_engine_client(engine_args: EngineArgs, plugins: PluginSet | None = None) -> EngineClient:
     """The engine for these arguments, built (a build error is raised here): one
     :class:`~tokenloom.core.engine.async_llm.AsyncLLM`, or with ``data_parallel_size > 1`` a
-    :class:`~tokenloom.core.engine.data_parallel.DataParallelAsyncLLM` over that many replicas.
+    :class:`~tokenloom.core.engine.data_parallel.DataParallelAsyncLLM` over that many replicas
+    (this node's share of them with --data-parallel-hybrid-lb; one engine of the rank given
+    with --data-parallel-rank, behind an external load balancer).
     Blocks while the engine builds: call it off the event loop."""
-    if engine_args.data_parallel_size != 1:
-        from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM
-
-        return DataParallelAsyncLLM.from_engine_args(engine_args, plugins)
     from tokenloom.core.engine.async_llm import AsyncLLM
 
+    if engine_args.data_parallel_size != 1:
+        from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM, replica_engine_args, single_replica_rank
+
+        parallel = engine_args.create_engine_config().parallel
+        single_rank = single_replica_rank(parallel)
+        if single_rank is None:
+            return DataParallelAsyncLLM.from_engine_args(engine_args, plugins)
+        logger.info(
+            "data parallel: this server runs the replica of rank %d of %d; a load balancer in front spreads the requests",
+            single_rank,
+            parallel.data_parallel_size,
+        )
+        engine_args = replica_engine_args(engine_args, single_rank)
     return AsyncLLM.from_engine_args(engine_args, plugins)

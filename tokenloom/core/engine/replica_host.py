@@ -180,7 +180,7 @@ def replica_process_main(
     # kill one before the server has ended its streams
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     enter_replica(index, cpu_ids)
-    asyncio.run(_serve_replica(engine_args, tables, inbox, outbox))
+    asyncio.run(serve_replica(engine_args, tables, inbox, outbox))
 
 
 def enter_replica(index: int, cpu_ids: list[int] | None) -> None:
@@ -194,7 +194,7 @@ def enter_replica(index: int, cpu_ids: list[int] | None) -> None:
     )
 
 
-async def _serve_replica(engine_args: EngineArgs, tables: PlainPlugins, inbox: Any, outbox: Any) -> None:
+async def serve_replica(engine_args: EngineArgs, tables: PlainPlugins, inbox: Any, outbox: Any) -> None:
     try:
         host = await _build_host(engine_args, tables)
     except BaseException as exc:
