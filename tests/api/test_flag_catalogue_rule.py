@@ -31,7 +31,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tokenloom"
 # where a flag is parsed, routed, defaulted and validated: a read there is not a use
 CONFIG_MODULES = frozenset(
-    {"core/config.py", "api/flags.py", "api/serve_args.py", "api/server_config.py", "api/serve_help.py"}
+    {"api/flags.py", "api/serve_args.py", "api/server_config.py", "api/serve_help.py"}
+    | {f"core/config/{path.name}" for path in (PACKAGE / "core" / "config").glob("*.py")}
 )
 
 # flag -> the test that shows what it does (path relative to the checkout :: test name)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from tokenloom.core.config import (
-    _GROUPS,
+    CONFIG_GROUPS,
     ENGINE_ARG_GROUPS,
     JSON_CONFIG_ARGS,
     STRUCTURED_OUTPUT_ARGS,
@@ -23,7 +23,7 @@ def test_engine_args_hold_every_group_field_with_the_groups_defaults():
     # a field added to a config group must be added to EngineArgs too (the CLI routes to it)
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
     assert set(fields) == set(ENGINE_ARG_GROUPS) | set(STRUCTURED_OUTPUT_ARGS) | set(JSON_CONFIG_ARGS)
-    for _, group in _GROUPS:
+    for _, group in CONFIG_GROUPS:
         for group_field in dataclasses.fields(group):
             assert fields[group_field.name].default == group_field.default, group_field.name
     structured = {f.name: f.default for f in dataclasses.fields(StructuredOutputConfig)}
@@ -34,7 +34,7 @@ def test_engine_args_hold_every_group_field_with_the_groups_defaults():
 def test_defaults_give_the_groups_defaults():
     config = EngineArgs().create_engine_config()
     assert config == EngineConfig(
-        **{group: cls() for group, cls in _GROUPS}, structured_output=StructuredOutputConfig()
+        **{group: cls() for group, cls in CONFIG_GROUPS}, structured_output=StructuredOutputConfig()
     )
 
 

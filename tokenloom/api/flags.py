@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import json
 import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -975,28 +976,20 @@ def flags_in_group(group: str) -> list[Flag]:
 
 
 @cache
-def _field_docs() -> dict[str, dict[str, str]]:
-    """class name -> field -> attribute docstring, for the config dataclasses."""
-    from tokenloom.api import server_config
-    from tokenloom.core import config
-
-    docs: dict[str, dict[str, str]] = {}
-    for module in (config, server_config):
-        tree = ast.parse(inspect.getsource(module))
-        for node in tree.body:
-            if not isinstance(node, ast.ClassDef):
-                continue
-            fields = docs.setdefault(node.name, {})
-            for statement, following in zip(node.body, node.body[1:]):
-                if (
-                    isinstance(statement, ast.AnnAssign)
-                    and isinstance(statement.target, ast.Name)
-                    and isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)
-                ):
-                    fields[statement.target.id] = " ".join(following.value.value.split())
-    return docs
+def _field_docs(cls: type) -> dict[str, str]:
+    """field -> attribute docstring, for one config dataclass."""
+    node = next(n for n in ast.parse(textwrap.dedent(inspect.getsource(cls))).body if isinstance(n, ast.ClassDef))
+    fields: dict[str, str] = {}
+    for statement, following in zip(node.body, node.body[1:]):
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            fields[statement.target.id] = " ".join(following.value.value.split())
+    return fields
 
 
 def _config_class(flag: Flag) -> type | None:
@@ -1010,7 +1003,7 @@ def _config_class(flag: Flag) -> type | None:
     if flag.dest in config.STRUCTURED_OUTPUT_ARGS:
         return config.StructuredOutputConfig
     group = config.ENGINE_ARG_GROUPS.get(flag.dest)
-    return dict(config._GROUPS).get(group) if group else None
+    return dict(config.CONFIG_GROUPS).get(group) if group else None
 
 
 def _config_field_name(flag: Flag) -> str | None:
@@ -1029,7 +1022,7 @@ def help_text(flag: Flag) -> str:
     if cls is None:
         return ""
     # the docstrings are reStructuredText: ``literal`` reads as literal on a terminal
-    return _field_docs().get(cls.__name__, {}).get(_config_field_name(flag) or "", "").replace("``", "")
+    return _field_docs(cls).get(_config_field_name(flag) or "", "").replace("``", "")
 
 
 def default_value(flag: Flag) -> Any:
