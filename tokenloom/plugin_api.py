@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.platform import Platform
     from tokenloom.core.sampling_params import PoolingParams, SamplingParams
     from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
-    from tokenloom.core.structured_output import (
+    from tokenloom.core.structured_output_backend import (
         Matcher,
         StructuredOutputBackend,
         allocate_bitmask,
@@ -93,14 +93,14 @@ _LAZY = {
     "UnquantizedMethod": "tokenloom.layers.quantization",
     "ParameterLayout": "tokenloom.layers.quantization",
     "add_parameter": "tokenloom.layers.quantization",
-    "StructuredOutputBackend": "tokenloom.core.structured_output",
+    "StructuredOutputBackend": "tokenloom.core.structured_output_backend",
     "LogitsProcessor": "tokenloom.core.logits_processors",
-    "Matcher": "tokenloom.core.structured_output",
+    "Matcher": "tokenloom.core.structured_output_backend",
     "Constraint": "tokenloom.core.structured_output_constraints",
     "BackendOptions": "tokenloom.core.structured_output_constraints",
     "compile_cancelled": "tokenloom.core.structured_output_compile",
-    "allocate_bitmask": "tokenloom.core.structured_output",
-    "set_allowed_tokens": "tokenloom.core.structured_output",
+    "allocate_bitmask": "tokenloom.core.structured_output_backend",
+    "set_allowed_tokens": "tokenloom.core.structured_output_backend",
     # what load formats and guided-decoding backends share with the core: GPT-2's byte-level
     # alphabet, generation_config.json's sampling defaults
     "bytes_to_unicode": "tokenloom.core.byte_level",

@@ -317,6 +317,35 @@ def test_a_model_that_does_not_load_is_one_line_naming_it_and_the_traceback_is_f
     assert debug.stderr.splitlines()[-1].startswith("tokenloom serve: error: ")
 
 
+def test_a_typo_in_a_model_plugins_target_is_one_line_naming_the_plugin(tmp_path, tiny_llama_dir):
+    """Issue 40: model targets reach the engine as plain data; a typo in one is one line naming
+    the plugin that registered it (exit 2, no traceback), not ``'<resolved in main process>'``."""
+    plugin = tmp_path / "typo_model.py"
+    plugin.write_text(
+        textwrap.dedent("""
+        from tokenloom.plugin_api import hookimpl
+
+        @hookimpl
+        def register_models(register):
+            register("LlamaForCausalLM", "my_models.llama:MyLlamForCausalLM", override=True)
+    """)
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenloom", "serve", str(tiny_llama_dir), "--tool-parser-plugin", str(plugin)]
+        + ["--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "tokenloom serve: error: model 'LlamaForCausalLM' (registered by plugin 'typo_model.py'): cannot import "
+        "plugin target 'my_models.llama:MyLlamForCausalLM': ModuleNotFoundError: No module named 'my_models'"
+    ), result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_plugins_says_why_a_plugin_registered_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(manager, "_cache", {})
     monkeypatch.setenv(manager.ENABLED_PLUGINS_ENV, "builtin_executors")

@@ -212,7 +212,7 @@ def test_tokenizer_mode_slow_on_a_gguf_vocabulary_is_refused_not_ignored(smollm2
 
 
 def test_tensor_and_pipeline_parallel_sizes_choose_the_mp_executor():
-    from tokenloom.core.engine.llm_engine import choose_executor
+    from tokenloom.core.engine.engine_setup import choose_executor
 
     config = EngineArgs(tensor_parallel_size=3, pipeline_parallel_size=2).create_engine_config()
     assert (config.parallel.world_size, choose_executor(config.parallel)) == (6, "mp")

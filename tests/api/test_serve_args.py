@@ -654,9 +654,9 @@ def test_bad_speculative_configs_say_what_to_change(options, message):
         parse("--speculative-config", options)
 
 
-def test_disable_logprobs_is_accepted_and_changes_nothing():
-    """tokenloom returns the logprobs asked for while speculating, which either value allows:
-    the key is checked and dropped, the old flag warns that it has no effect."""
+def test_disable_logprobs_changes_nothing_and_true_says_so():
+    """tokenloom returns the logprobs asked for while speculating: ``false`` is what it does, and
+    ``true`` (skip them) is accepted with a warning that it has no effect, as the old flag is."""
     plain = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
     for value in ("true", "false"):
         given = parse(
@@ -664,6 +664,14 @@ def test_disable_logprobs_is_accepted_and_changes_nothing():
         )
         built = SpeculativeConfig.from_dict(given.engine_args.speculative_config)
         assert built == SpeculativeConfig.from_dict(plain.engine_args.speculative_config)
+        assert given.warnings == (
+            [
+                "--speculative-config: disable_logprobs has no effect in tokenloom (the logprobs a request asks "
+                "for are always returned while speculating, computed by the target model); ignored"
+            ]
+            if value == "true"
+            else []
+        )
     flag = parse(
         "--disable-logprobs-during-spec-decoding", "--speculative-model", "[ngram]", "--num-speculative-tokens", "2"
     )

@@ -10,7 +10,7 @@ import json
 import threading
 
 from tokenloom.builtin_plugins.structured_output.xgrammar_backend import XGrammarBackend
-from tokenloom.core.structured_output import Matcher
+from tokenloom.core.structured_output_backend import Matcher
 from tokenloom.plugin_api import ReasoningParser, hookimpl
 
 # cleared by a test to hold compiles back, set to let them finish

@@ -8,7 +8,7 @@ import torch
 
 from tokenloom.core.sampler import Sampler, SamplingMetadata, SamplingState
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.core.structured_output import allocate_bitmask, set_allowed_tokens
+from tokenloom.core.structured_output_backend import allocate_bitmask, set_allowed_tokens
 
 VOCAB_SIZE = 100
 

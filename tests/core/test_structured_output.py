@@ -16,12 +16,11 @@ from tokenloom.core.config import StructuredOutputConfig
 from tokenloom.core.sampler import unpack_bitmask
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import EngineSequence
-from tokenloom.core.structured_output import (
+from tokenloom.core.structured_output import StructuredOutputManager, clean_error
+from tokenloom.core.structured_output_backend import (
     Matcher,
     StructuredOutputBackend,
-    StructuredOutputManager,
     allocate_bitmask,
-    clean_error,
     set_allowed_tokens,
 )
 from tokenloom.errors import ConfigError, InvalidRequestError, UnknownNameError

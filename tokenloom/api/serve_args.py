@@ -222,6 +222,10 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
                 continue
             value = flag.const
         put((flag.to, flag.dest or flag.key), value, flag)  # implemented() gives every flag a dest
+    if speculative.get("disable_logprobs") is True:
+        # read by nothing: the logprobs a request asks for are returned while speculating too
+        note = FLAG_BY_NAME["--disable-logprobs-during-spec-decoding"].note
+        warnings.append(f"--speculative-config: disable_logprobs has no effect in tokenloom ({note}); ignored")
     if speculative:
         routed[(ENGINE, "speculative_config")] = speculative
     return routed

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
     from tokenloom.api.serve_args import ServeArgs
     from tokenloom.api.server_config import ServerConfig
-    from tokenloom.core.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +69,6 @@ def seconds_since_process_start() -> float | None:
 def _since_start() -> str:
     seconds = seconds_since_process_start()
     return "" if seconds is None else f" ({seconds:.2f} s since the process started)"
-
-
-def _reasoning_parser_name(engine_args: EngineArgs) -> str | None:
-    # an engine argument (the structured-output layer needs it too); EngineArgs raises
-    # AttributeError for a name that was not given
-    return getattr(engine_args, "reasoning_parser", None)
 
 
 def uvicorn_config(app: Any, server: ServerConfig) -> uvicorn.Config:
@@ -172,7 +165,7 @@ async def _serve(serve_args: ServeArgs) -> None:
             engine = await building  # a build error is raised here, before an import error
     try:
         with startup_phase("building the app"):
-            app = build_app(engine, plugins, server, reasoning_parser=_reasoning_parser_name(serve_args.engine_args))
+            app = build_app(engine, plugins, server, reasoning_parser=serve_args.engine_args.reasoning_parser)
         scheme = "https" if server.ssl_certfile else "http"
         address = f"{scheme}://{server.host}:{server.port}{server.root_path or ''}"
 

@@ -147,7 +147,7 @@ class PoolingHandler:
 
     def pooling_params(self, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
         params = PoolingParams(dimensions=dimensions, normalize=normalize)
-        hf_config = getattr(self.ctx.engine, "hf_config", None)
+        hf_config = self.ctx.engine.hf_config
         if hf_config is not None:
             check_pooling_params(params, hf_config)
         return params

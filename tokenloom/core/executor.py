@@ -15,6 +15,7 @@ from tokenloom.errors import ConfigError
 
 if TYPE_CHECKING:
     from tokenloom.core.model_loader import ModelInfo
+    from tokenloom.core.platform import Platform
     from tokenloom.plugins.manager import PlainPlugins
 
 
@@ -73,6 +74,16 @@ class WorkerSpec:
     plugin_tables: PlainPlugins
     """The plugin registries as plain data (kind -> name -> ``"module:attr"``), which workers
     import from; workers never run plugin discovery."""
+
+    def platform_class(self) -> type[Platform]:
+        """The chosen platform plugin's class, imported from :attr:`plugin_tables`: what an
+        executor reads before any worker constructs the platform (``distributed_backend``)."""
+        from tokenloom.plugins.manager import PluginSet
+
+        platform_class: type[Platform] = (
+            PluginSet.from_plain(self.plugin_tables).registry("platform").get(self.platform)
+        )
+        return platform_class
 
 
 class Executor:

@@ -15,7 +15,7 @@ from tokenloom.builtin_plugins.platforms.cuda import (
     check_requested_memory,
     kv_cache_budget,
 )
-from tokenloom.core.engine.llm_engine import choose_platform
+from tokenloom.core.engine.engine_setup import choose_platform
 from tokenloom.errors import ConfigError
 from tokenloom.plugins.manager import load_plugins
 

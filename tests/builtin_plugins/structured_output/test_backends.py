@@ -36,7 +36,7 @@ from tokenloom.builtin_plugins.structured_output.lm_format_enforcer_backend impo
 from tokenloom.builtin_plugins.structured_output.outlines_backend import OutlinesBackend
 from tokenloom.builtin_plugins.structured_output.xgrammar_backend import XGrammarBackend
 from tokenloom.core.sampler import unpack_bitmask
-from tokenloom.core.structured_output import allocate_bitmask, set_allowed_tokens
+from tokenloom.core.structured_output_backend import allocate_bitmask, set_allowed_tokens
 from tokenloom.core.structured_output_constraints import BackendOptions, Constraint
 
 BACKENDS = {

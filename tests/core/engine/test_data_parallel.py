@@ -19,16 +19,9 @@ import pytest
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import build_engine_client
 from tokenloom.core.engine.commands import AbortRequest
-from tokenloom.core.engine.data_parallel import (
-    DataParallelAsyncLLM,
-    RayReplica,
-    ReplicaHandle,
-    ReplicaLoad,
-    choose_replica,
-    local_cpu_sets,
-    sum_stats,
-)
+from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM, ReplicaLoad, choose_replica, sum_stats
 from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.engine.replica_handles import RayReplica, ReplicaHandle, local_cpu_sets
 from tokenloom.core.engine.replica_messages import (
     AddLora,
     Call,
@@ -174,7 +167,7 @@ HEAD, W1, W2 = (f"{number:056x}" for number in (1, 2, 3))  # node ids are 28-byt
 
 
 def test_ray_replicas_beyond_the_local_count_go_to_other_nodes():
-    from tokenloom.core.engine.data_parallel import ray_actor_options
+    from tokenloom.core.engine.replica_handles import ray_actor_options
 
     parallel = EngineArgs(data_parallel_size=4, data_parallel_size_local=1, data_parallel_backend="ray")
     options = ray_actor_options(parallel.create_engine_config().parallel, FakeRay([HEAD, W1, W2]))

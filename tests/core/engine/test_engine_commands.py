@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 from tokenloom.core.engine import AsyncLLM, PreparedPrompt
-from tokenloom.core.engine.async_llm import RequestStreams
 from tokenloom.core.engine.commands import AbortRequest, AddPoolingRequest, AddRequest
+from tokenloom.core.engine.request_streams import RequestStreams
 from tokenloom.core.outputs import RequestOutput
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.errors import InvalidRequestError, OverloadedError

@@ -21,8 +21,9 @@ from tests.core.engine.test_data_parallel import collect
 from tests.e2e.conftest import REPO_ROOT, free_port
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import build_engine_client
-from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM, mp_replica_ranks, single_replica_rank
+from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM
 from tokenloom.core.engine.remote_replicas import AUTHKEY_ENV, Hello, ReplicaListener
+from tokenloom.core.engine.replica_handles import mp_replica_ranks, single_replica_rank
 from tokenloom.errors import ConfigError, EngineDeadError
 
 SECRET = "multinode-test-secret"

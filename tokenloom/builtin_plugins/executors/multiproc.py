@@ -37,9 +37,8 @@ from tokenloom.builtin_plugins.executors.worker_host import (
     describe_exit,
     free_port,
 )
-from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, WorkerSpec, is_stopped
 from tokenloom.errors import EngineDeadError
+from tokenloom.worker_api import EXECUTE_MODEL_TIMEOUT_ENV, ModelRunnerOutput, SchedulerOutput, WorkerSpec, is_stopped
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,8 @@ from tokenloom.builtin_plugins.executors.worker_grid import (
     WorkerGridExecutor,
 )
 from tokenloom.builtin_plugins.executors.worker_host import WorkerHost, WorkerLaunch, free_port
-from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.distributed import import_ray
-from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, WorkerSpec
 from tokenloom.errors import ConfigError, EngineDeadError
+from tokenloom.worker_api import EXECUTE_MODEL_TIMEOUT_ENV, ModelRunnerOutput, SchedulerOutput, WorkerSpec, import_ray
 
 logger = logging.getLogger(__name__)
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.executor import Executor
+from tokenloom.worker_api import Executor, ModelRunnerOutput, SchedulerOutput
 
 
 class UniProcExecutor(Executor):
     def initialize(self) -> int:
-        from tokenloom.core.worker import Worker
+        from tokenloom.worker_api import Worker
 
         self.worker = Worker(self.spec)
         self.worker.load_model()

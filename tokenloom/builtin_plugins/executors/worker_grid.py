@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenloom.builtin_plugins.executors.worker_host import WorkerLaunch, output_rank
-from tokenloom.core.executor import Executor, WorkerSpec, execute_model_timeout
+from tokenloom.worker_api import Executor, WorkerSpec, execute_model_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +47,14 @@ class WorkerGridExecutor(Executor):
     def worker_launches(self, init_method: str, num_local_workers: Callable[[int], int]) -> list[WorkerLaunch]:
         """Every rank's launch data: the rendezvous ``init_method`` and, for each rank, how many
         workers share its machine (``num_local_workers(rank)``)."""
-        from tokenloom.plugins.manager import PluginSet
-
-        platform = PluginSet.from_plain(self.spec.plugin_tables).registry("platform").get(self.spec.platform)
+        distributed_backend = self.spec.platform_class().distributed_backend
         log_level = logging.getLogger("tokenloom").getEffectiveLevel()
         return [
             WorkerLaunch(
                 spec=self.spec,
                 rank=rank,
                 init_method=init_method,
-                distributed_backend=platform.distributed_backend,
+                distributed_backend=distributed_backend,
                 num_local_workers=num_local_workers(rank),
                 log_level=log_level,
             )

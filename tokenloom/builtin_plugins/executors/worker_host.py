@@ -1,5 +1,5 @@
 """What runs inside one worker process (``mp``) or Ray actor (``ray``): :class:`WorkerHost`
-joins the engine's ``torch.distributed`` world, builds the :class:`~tokenloom.core.worker.Worker`
+joins the engine's ``torch.distributed`` world, builds the :class:`~tokenloom.worker_api.Worker`
 and answers the executor's calls, timing each start-up phase in the log as ``uni`` does."""
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.distributed import ParallelRank
-from tokenloom.core.executor import WorkerSpec
+from tokenloom.worker_api import ModelRunnerOutput, ParallelRank, SchedulerOutput, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +67,7 @@ class WorkerHost:
     :meth:`execute` returns the step's output only on the output rank (None elsewhere)."""
 
     def __init__(self, launch: WorkerLaunch):
-        from tokenloom.core.distributed import init_parallel_state
-        from tokenloom.core.worker import Worker
+        from tokenloom.worker_api import Worker, init_parallel_state
 
         started = time.perf_counter()
         self.launch = launch

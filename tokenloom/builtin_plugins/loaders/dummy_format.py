@@ -13,13 +13,6 @@ from typing import Any
 
 from tokenloom.plugin_api import LoadFormat, ModelLoadError
 
-# the real formats config and tokenizer are read with, in the order they are tried
-DELEGATE_FORMATS = (
-    "tokenloom.builtin_plugins.loaders.gguf_format:GGUFLoadFormat",
-    "tokenloom.builtin_plugins.loaders.safetensors_format:SafetensorsLoadFormat",
-    "tokenloom.builtin_plugins.loaders.pt_format:PtLoadFormat",
-)
-
 
 class DummyLoadFormat(LoadFormat):
     """Config and tokenizer from the real files, random weights; see the module docstring."""
@@ -31,11 +24,14 @@ class DummyLoadFormat(LoadFormat):
         return False  # only ever chosen by name
 
     def delegate(self, path: str) -> LoadFormat:
-        """The real format that reads the files at ``path``."""
-        from tokenloom.plugins.registry import resolve_target
+        """The real format that reads the files at ``path``: GGUF, safetensors, then .pt, tried in
+        that order (imported here: the dummy format alone must not import their readers)."""
+        from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+        from tokenloom.builtin_plugins.loaders.pt_format import PtLoadFormat
+        from tokenloom.builtin_plugins.loaders.safetensors_format import SafetensorsLoadFormat
 
-        for target in DELEGATE_FORMATS:
-            load_format = resolve_target(target)()
+        for format_class in (GGUFLoadFormat, SafetensorsLoadFormat, PtLoadFormat):
+            load_format = format_class()
             if load_format.can_load(path):
                 return load_format
         raise ModelLoadError(

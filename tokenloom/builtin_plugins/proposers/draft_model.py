@@ -18,13 +18,20 @@ from typing import Any
 
 import torch
 
-from tokenloom.core.config import EngineConfig
-from tokenloom.core.model_loader import ModelInfo, build_model, resolve_model
-from tokenloom.core.platform import attention_backend_target
-from tokenloom.core.step_inputs import prepare_batch
 from tokenloom.errors import ConfigError, TokenloomError
-from tokenloom.plugin_api import Draft, DraftRequest, Proposer, ProposerSpec
-from tokenloom.plugins.registry import resolve_target
+from tokenloom.worker_api import (
+    Draft,
+    DraftRequest,
+    EngineConfig,
+    ModelInfo,
+    Proposer,
+    ProposerSpec,
+    attention_backend_target,
+    build_model,
+    prepare_batch,
+    resolve_model,
+    resolve_target,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -116,7 +116,8 @@ class SpeculativeConfig:
             )
         values.pop("acceptance_method", None)
         # vLLM may skip logprobs while speculating; tokenloom always computes the ones a request
-        # asks for with the target model, which satisfies either value: checked, then dropped
+        # asks for with the target model: checked, then dropped (``tokenloom serve`` warns that
+        # true has no effect, as it does for --disable-logprobs-during-spec-decoding)
         if not isinstance(values.pop("disable_logprobs", False), bool):
             raise bad("disable_logprobs must be true or false")
         if values.pop("revision", None) is not None:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.config import EngineArgs, EngineConfig, ParallelConfig
+from tokenloom.core.config import EngineArgs, EngineConfig
+from tokenloom.core.engine.engine_setup import check_proposer, check_proposer_model, choose_executor, choose_platform
+from tokenloom.core.engine.grammar_gate import GrammarGate
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
@@ -31,13 +33,10 @@ from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
 from tokenloom.core.sequence import EngineSequence, SequenceStatus
 from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
 from tokenloom.core.structured_output_constraints import Constraint
-from tokenloom.errors import ConfigError, EngineDeadError, InvalidRequestError
+from tokenloom.errors import InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
 
 logger = logging.getLogger(__name__)
-
-# how long an idle step waits for a grammar compile before looking at new commands again
-GRAMMAR_WAIT_SECONDS = 0.05
 
 
 @dataclass
@@ -103,7 +102,7 @@ class LLMEngine:
         # (more than one only when the executor overlaps steps: pipeline parallelism)
         self._batch_queue: deque[tuple[SchedulerOutput, concurrent.futures.Future[ModelRunnerOutput]]] = deque()
         self.lora_catalog = self._lora_catalog()
-        self.structured_outputs = self._structured_output_manager()
+        self.grammars = GrammarGate(self._structured_output_manager(), self.scheduler)
         self.input_processor = InputProcessor(
             self.tokenizer,
             ModelLimits(
@@ -117,8 +116,6 @@ class LLMEngine:
             hf_config=self.model_info.hf_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        # constrained requests whose grammar is still compiling: kept out of the scheduler
-        self._awaiting_grammar: list[tuple[RequestState, concurrent.futures.Future[CompiledConstraint]]] = []
         self.prompt_tokens_total = 0
         logger.info(
             "engine ready in %.2fs: %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -249,15 +246,7 @@ class LLMEngine:
             self._check_id_free(seq.seq_id)
             seq.lora_request = lora_request
         state = self.output_processor.new_request_state(request_id, prepared, params, sequences, arrival_time)
-        pending = None if grammar is not None else self.submit_structured_output(params)
-        if grammar is not None:
-            self._admit_constrained(state, grammar)
-        elif pending is not None and not pending.done():
-            self._awaiting_grammar.append((state, pending))  # the scheduler gets it once compiled
-        elif pending is not None:
-            self._admit_constrained(state, pending.result())  # a bad constraint raises here
-        else:
-            self.scheduler.add_sequences(sequences)
+        self.grammars.admit(state, params, grammar)
         self.output_processor.add(state)
         self.prompt_tokens_total += len(prepared.prompt_token_ids)
 
@@ -295,7 +284,7 @@ class LLMEngine:
             if state is None:
                 continue
             self.scheduler.finish_sequences(state.seq_ids, SequenceStatus.FINISHED_ABORTED)
-            self._forget_constraint(state)
+            self.grammars.forget(state)
         self._publish_kv_events()
 
     def reset_prefix_cache(self) -> None:
@@ -311,7 +300,7 @@ class LLMEngine:
                 self.kv_event_publisher.publish(events)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_sequences() or bool(self._awaiting_grammar) or bool(self._batch_queue)
+        return self.scheduler.has_unfinished_sequences() or bool(self.grammars.awaiting) or bool(self._batch_queue)
 
     # -- structured outputs -----------------------------------------------------------
 
@@ -328,15 +317,16 @@ class LLMEngine:
             self.plugins.registry("reasoning_parser").get(reasoning_parser) if reasoning_parser else None,
         )
 
+    @property
+    def structured_outputs(self) -> StructuredOutputManager | None:
+        """The guided-decoding manager (None without a tokenizer)."""
+        return self.grammars.manager
+
     def submit_structured_output(self, params: SamplingParams) -> concurrent.futures.Future[CompiledConstraint] | None:
         """Check the request's constraint and start compiling it (or find it in the cache): a
         Future of the compiled constraint, None when unconstrained. Raises InvalidRequestError
         for a constraint no backend can take; compile errors come out of the Future."""
-        if params.structured_outputs is None:
-            return None
-        return self._structured_output_manager_or_400().submit(
-            *self._structured_output_manager_or_400().resolve(params.structured_outputs)
-        )
+        return self.grammars.submit(params)
 
     def check_structured_output(
         self, params: SamplingParams, client: str | None = None
@@ -344,83 +334,20 @@ class LLMEngine:
         """The server's first half of :meth:`submit_structured_output`: the request's constraint
         checked and its backend chosen in the compile pool, as ``client``'s job, bounded in time
         (a Future of ``(backend name, constraint)``); None when unconstrained. Thread-safe."""
-        if params.structured_outputs is None:
-            return None
-        return self._structured_output_manager_or_400().check(params.structured_outputs, client)
+        return self.grammars.check(params, client)
 
     def compile_structured_output(
         self, backend_name: str, constraint: Constraint, client: str | None = None
     ) -> concurrent.futures.Future[CompiledConstraint]:
         """The second half: the checked constraint compiled (or found in the cache). Thread-safe."""
-        return self._structured_output_manager_or_400().submit(backend_name, constraint, client)
-
-    def _structured_output_manager_or_400(self) -> StructuredOutputManager:
-        if self.structured_outputs is None:
-            raise InvalidRequestError(
-                "structured outputs need the tokenizer, which this server skipped (--skip-tokenizer-init)",
-                param="structured_outputs",
-            )
-        return self.structured_outputs
-
-    def _admit_constrained(self, state: RequestState, compiled: CompiledConstraint) -> None:
-        """Queue the sequences of a request whose grammar compiled, each with its own matcher
-        (n > 1: one per sequence); on an error nothing of it stays queued."""
-        assert self.structured_outputs is not None  # a grammar was compiled, so there is a manager
-        try:
-            for seq in state.sequences:
-                self.structured_outputs.add_sequence(seq, compiled)
-            self.scheduler.add_sequences(state.sequences)
-        except Exception:
-            self.structured_outputs.remove_sequences(state.seq_ids)
-            raise
-
-    def _admit_compiled_requests(self, touched: dict[str, RequestState]) -> None:
-        if not self.scheduler.has_unfinished_sequences():
-            # nothing else to run: wait (briefly, so commands are still read) for a compile
-            concurrent.futures.wait(
-                [grammar for _, grammar in self._awaiting_grammar],
-                timeout=GRAMMAR_WAIT_SECONDS,
-                return_when=concurrent.futures.FIRST_COMPLETED,
-            )
-        waiting = []
-        for state, grammar in self._awaiting_grammar:
-            if not grammar.done():
-                waiting.append((state, grammar))
-                continue
-            try:
-                self._admit_constrained(state, grammar.result())
-            except Exception as exc:  # e.g. the schema did not compile: this request fails alone
-                message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-                for seq in state.sequences:
-                    seq.status = SequenceStatus.FINISHED_ERROR
-                    seq.stop_reason = message
-                touched[state.request_id] = state
-        self._awaiting_grammar = waiting
-
-    def _advance_grammar(self, seq: EngineSequence) -> None:
-        """Feed the step's tokens to the sequence's matcher; a backend failure fails it alone."""
-        assert self.structured_outputs is not None  # only called when there is a manager
-        error = self.structured_outputs.advance(seq)
-        if error is None or seq.status is SequenceStatus.FINISHED_ERROR:
-            return
-        seq.stop_reason = error
-        if seq.finished:
-            # it ended on the end-of-sequence token the failed row was limited to
-            seq.status = SequenceStatus.FINISHED_ERROR
-        else:
-            self.scheduler.finish_sequences([seq.seq_id], SequenceStatus.FINISHED_ERROR)
-
-    def _forget_constraint(self, state: RequestState) -> None:
-        if self.structured_outputs is not None:
-            self.structured_outputs.remove_sequences(state.seq_ids)
-            self._awaiting_grammar = [item for item in self._awaiting_grammar if item[0] is not state]
+        return self.grammars.compile(backend_name, constraint, client)
 
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         touched: dict[str, RequestState] = {}
-        if self._awaiting_grammar:
-            self._admit_compiled_requests(touched)
+        if self.grammars.awaiting:
+            self.grammars.admit_compiled(touched)
         if self.executor.max_concurrent_batches > 1:
             return self._step_with_batch_queue(touched)
         scheduler_output = self._schedule()
@@ -436,10 +363,7 @@ class LLMEngine:
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
-        if self.structured_outputs is not None:
-            scheduler_output.structured_output = self.structured_outputs.grammar_bitmask(
-                scheduler_output, self.scheduler.get_sequence
-            )
+        self.grammars.fill_bitmask(scheduler_output)
         return scheduler_output
 
     def _step_with_batch_queue(self, touched: dict[str, RequestState]) -> list[RequestOutput | PoolingRequestOutput]:
@@ -491,8 +415,7 @@ class LLMEngine:
             if state is None:
                 continue
             try:
-                if self.structured_outputs is not None:
-                    self._advance_grammar(seq)
+                self.grammars.advance(seq)
                 if self.output_processor.process_sequence(state, seq, runner_output, now) is not None:
                     # a stop string ended it: the scheduler frees it, then its text is final
                     self.scheduler.finish_sequences([seq.seq_id], SequenceStatus.FINISHED_STOPPED)
@@ -513,7 +436,7 @@ class LLMEngine:
                 outputs.append(output)
             if state.finished:
                 self.output_processor.pop(state.request_id)
-                self._forget_constraint(state)
+                self.grammars.forget(state)
         self._publish_kv_events()  # one batch per step: what scheduling and finishing cached or evicted
         return outputs
 
@@ -553,65 +476,7 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        if self.structured_outputs is not None:
-            self.structured_outputs.shutdown()
+        self.grammars.shutdown()
         self.executor.shutdown()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
-
-
-# methods vLLM has that need trained heads or layers: refused by name unless a plugin registers
-# them (tokenloom's own proposers are ngram and draft_model)
-DRAFT_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
-
-
-def check_proposer(config: EngineConfig, plugins: PluginSet) -> None:
-    """The ``--speculative-config`` method names a registered proposer (before the model loads)."""
-    speculative = config.speculative
-    if speculative is None:
-        return
-    registry = plugins.registry("proposer")
-    if speculative.method in DRAFT_MODEL_METHODS and speculative.method not in registry.names():
-        raise ConfigError(
-            f"--speculative-config: method {speculative.method!r} is not implemented yet; use a registered "
-            f'proposer: {", ".join(registry.names()) or "none"} ("ngram": prompt lookup, "draft_model": a smaller model)',
-            param="speculative-config",
-        )
-    registry.entry(speculative.method)
-
-
-def choose_executor(parallel: ParallelConfig) -> str:
-    """The executor plugin's name: ``--distributed-executor-backend`` when given, else vLLM's
-    rule: ``mp`` (worker processes) for several workers, ``uni`` for one."""
-    if parallel.distributed_executor_backend:
-        return parallel.distributed_executor_backend
-    return "mp" if parallel.world_size > 1 else "uni"
-
-
-def check_proposer_model(config: EngineConfig, plugins: PluginSet, model_info: ModelInfo, tokenizer: Any) -> int:
-    """The proposer's own checks against the resolved target (e.g. a draft model's
-    vocabulary), in the main process before any worker starts. Returns the lookahead slots the
-    scheduler allocates for it."""
-    speculative = config.speculative
-    if speculative is None:
-        return 0
-    from tokenloom.core.spec_decode.proposer import ProposerSpec
-
-    proposer_class = plugins.registry("proposer").get(speculative.method)
-    proposer_class.check(ProposerSpec(speculative, config, model_info, plugins=plugins), tokenizer)
-    return int(proposer_class.lookahead_slots(speculative))
-
-
-def choose_platform(name: str, plugins: PluginSet) -> str:
-    """The device platform plugin's name: ``name`` itself (checked to exist), or for ``auto``
-    the available platform of highest ``auto_priority`` (a GPU before the CPU), the first
-    registered among equals."""
-    registry = plugins.registry("platform")
-    if name != "auto":
-        registry.entry(name)
-        return name
-    ranked = sorted(registry.entries(), key=lambda entry: -getattr(entry.resolve(), "auto_priority", 0))
-    for entry in ranked:
-        if entry.resolve().is_available():
-            return str(entry.name)
-    raise EngineDeadError(f"no available device platform among {', '.join(registry.names()) or 'none'}")

@@ -153,7 +153,8 @@ def build_engine_client(engine_args: EngineArgs, plugins: PluginSet | None = Non
     from tokenloom.core.engine.async_llm import AsyncLLM
 
     if engine_args.data_parallel_size != 1:
-        from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM, replica_engine_args, single_replica_rank
+        from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM
+        from tokenloom.core.engine.replica_handles import replica_engine_args, single_replica_rank
 
         parallel = engine_args.create_engine_config().parallel
         single_rank = single_replica_rank(parallel)

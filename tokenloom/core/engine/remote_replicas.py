@@ -161,7 +161,7 @@ def run_headless(engine_args: EngineArgs, plugins: PluginSet, timeout: float) ->
     """``tokenloom serve --headless``: starts this node's replicas and waits for them (each ends
     when the head's server stops it or goes away); SIGTERM or Ctrl-C stops them. The exit code
     is 0 when every replica ended cleanly."""
-    from tokenloom.core.engine.data_parallel import local_cpu_sets, replica_engine_args
+    from tokenloom.core.engine.replica_handles import local_cpu_sets, replica_engine_args
 
     dp_authkey()  # fail here, before any process starts
     parallel = engine_args.create_engine_config().parallel
