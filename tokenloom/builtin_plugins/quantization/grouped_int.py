@@ -3,7 +3,8 @@ AWQ checkpoints store them, repacked at load into tokenloom's kernels: 4-bit cod
 :mod:`tokenloom.kernels.int4_matmul`'s layout, symmetric 8-bit codes into
 :mod:`tokenloom.kernels.int8_matmul`'s. No dense float copy of a weight is kept.
 
-What this module owns: unpacking int32 words of 4- or 8-bit codes, the column plan that maps a
+What this module owns: unpacking int32 words of 4- or 8-bit codes (compressed-tensors' packing
+too), dropping a layer's checkpoint-form parameters once repacked, the column plan that maps a
 checkpoint's groups (``g_idx``: any input feature in any group, as GPTQ's act-order writes it)
 onto the kernels' groups of 32 consecutive features, and :class:`GroupedIntMethod`, the method
 both plugins share once each has read its tensors into ``codes [N, K]``, ``scales [N, G]``,
