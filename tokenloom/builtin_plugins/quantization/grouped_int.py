@@ -23,6 +23,7 @@ multiply with unpermuted activations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +178,7 @@ def check_rows(prefix: str, output_size: int, pack: int = 1) -> None:
         )
 
 
-def layer_columns(layer: nn.Module) -> tuple[int, int]:
+def layer_columns(layer: Any) -> tuple[int, int]:
     """``(first input feature of this rank, the layer's total input features)``: a row-parallel
     layer's rank holds a slice of the input features."""
     total = int(getattr(layer, "total_input_size", layer.input_size))
@@ -192,7 +193,9 @@ def config_value(config: dict[str, Any], *names: str, default: Any = None) -> An
     return default
 
 
-def fused_choice(method_name: str, prefix: str, shard_prefixes: tuple[str, ...], quantized) -> bool:
+def fused_choice(
+    method_name: str, prefix: str, shard_prefixes: tuple[str, ...], quantized: Callable[[str], bool]
+) -> bool:
     """Whether the layer at ``prefix`` is quantized, ``quantized(name)`` asked of each of its
     checkpoint modules; a ConfigError when a fused layer's modules disagree."""
     choices = {bool(quantized(name)) for name in shard_prefixes}
