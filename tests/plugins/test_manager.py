@@ -633,7 +633,7 @@ def test_builtin_load_formats_are_registered(builtin_plugins):
 def test_builtin_quantization_plugins_are_registered(builtin_plugins):
     from tokenloom.plugin_api import QuantizationConfig
 
-    names = ["gguf", "compressed-tensors"]  # the names checkpoints state (quant_method, a GGUF file)
+    names = ["gguf", "compressed-tensors", "gptq", "awq"]  # the names checkpoints state (quant_method, a GGUF file)
     assert registered_by(builtin_plugins, "builtin_quantization", "quantization") == names
     for name in names:
         assert issubclass(builtin_plugins.registry("quantization").get(name), QuantizationConfig)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenloom.builtin_plugins.quantization.grouped_int import drop_parameters, shard_count, unpack_int32
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.int4_matmul import INT4_DTYPES, NATIVE_GROUP_SIZE, can_pack, int4_linear, pack_int4
 from tokenloom.kernels.int8_matmul import GROUP_SIZE as INT8_GROUP_SIZE
@@ -44,10 +45,9 @@ from tokenloom.layers.quantization import (
 )
 
 # how 4-bit values sit in a compressed-tensors int32: eight per element, the first in the low
-# bits, each stored as value + 8
+# bits (grouped_int.unpack_int32's order), each stored as value + 8
 _INT4_PER_INT32 = 8
 _INT4_OFFSET = 8
-_INT4_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 _SERVED = "W4A16 (pack-quantized, int4 weights by group or channel) and W8A8 (int-quantized, int8 channel weights)"
 
@@ -206,23 +206,6 @@ def _per_32(scales: torch.Tensor, input_size: int) -> torch.Tensor:
     return scales.repeat_interleave(input_size // NATIVE_GROUP_SIZE // scales.shape[1], dim=1)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 elements of eight 4-bit values (first in the low bits) -> their unsigned codes
-    0..15 as uint8, along the last dimension."""
-    nibbles = (packed.unsqueeze(-1) >> _INT4_SHIFTS) & 0xF
-    return nibbles.reshape(*packed.shape[:-1], -1).to(torch.uint8)
-
-
-def _shard_count(layer: nn.Module) -> int:
-    return len(getattr(layer, "shard_ids", (None,)))
-
-
-def _drop(layer: nn.Module, *names: str) -> None:
-    for name in names:
-        if name in layer._parameters:
-            delattr(layer, name)
-
-
 class Int4PackedMethod(QuantizationMethod):
     """W4A16 pack-quantized weights, repacked for the int4 kernel (``layer.int4_weight``)."""
 
@@ -251,7 +234,7 @@ class Int4PackedMethod(QuantizationMethod):
         add_parameter(
             layer,
             "weight_shape",
-            torch.empty(_shard_count(layer), 2, dtype=torch.int64),
+            torch.empty(shard_count(layer), 2, dtype=torch.int64),
             ParameterLayout(output_dim=None, input_dim=None, per_shard=True),
         )
 
@@ -260,17 +243,17 @@ class Int4PackedMethod(QuantizationMethod):
         return names if self.scheme.symmetric else (*names, "weight_zero_point")
 
     def process_weights_after_loading(self, layer):
-        codes = unpack_int4(layer.weight_packed.data)
+        codes = unpack_int32(layer.weight_packed.data, 4, dim=1)
         scales = layer.weight_scale.data
         if self.scheme.symmetric:
             zeros = torch.zeros_like(scales)
         else:  # (code - zero_point) * scale = (code - 8) * scale + (8 - zero_point) * scale
-            zero_points = unpack_int4(layer.weight_zero_point.data.t().contiguous()).t()[: scales.shape[0]]
+            zero_points = unpack_int32(layer.weight_zero_point.data, 4, dim=0)[: scales.shape[0]]
             zeros = (_INT4_OFFSET - zero_points.float()) * scales
         input_size = codes.shape[1]
         dtype = layer.params_dtype if layer.params_dtype in INT4_DTYPES else torch.bfloat16
         layer.int4_weight = pack_int4(codes, _per_32(scales, input_size), _per_32(zeros, input_size), dtype)
-        _drop(layer, "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+        drop_parameters(layer, "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 
     def apply(self, layer, x, bias):
         if getattr(layer, "sums_partials", False) and x.dtype != torch.float32:
@@ -298,7 +281,7 @@ class Int8ChannelMethod(QuantizationMethod):
             add_parameter(
                 layer,
                 "input_scale",
-                torch.empty(_shard_count(layer), dtype=torch.float32),
+                torch.empty(shard_count(layer), dtype=torch.float32),
                 ParameterLayout(output_dim=None, input_dim=None, per_shard=True),
             )
 
@@ -314,7 +297,7 @@ class Int8ChannelMethod(QuantizationMethod):
         layer.int8_weight = pack_int8(codes, scales.expand(-1, codes.shape[1] // INT8_GROUP_SIZE))
         if layer.int8_weight is None:  # no kernel here: the int8 codes themselves, scaled per call
             layer.int8_codes, layer.int8_scales = codes.clone(), scales.clone()
-        _drop(layer, "weight", "weight_scale", "input_scale")
+        drop_parameters(layer, "weight", "weight_scale", "input_scale")
 
     def apply(self, layer, x, bias):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
