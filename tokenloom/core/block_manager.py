@@ -22,6 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.core.multimodal.inputs import block_extra_keys
 from tokenloom.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from tokenloom.core.sequence import EngineSequence
 from tokenloom.errors import ConfigError, TokenloomError
@@ -403,11 +404,12 @@ class BlockManager:
         prompt = seq.prompt_token_ids
         num_prompt = len(prompt)
         if end <= num_prompt:
-            return tuple(prompt[start:end])
+            # a block over an image's placeholders is keyed by the image too
+            return tuple(prompt[start:end]) + block_extra_keys(seq.mm_items, start, end)
         output = seq.output_token_ids
         if start >= num_prompt:
             return tuple(output[start - num_prompt : end - num_prompt])
-        return tuple(prompt[start:]) + tuple(output[: end - num_prompt])
+        return tuple(prompt[start:]) + tuple(output[: end - num_prompt]) + block_extra_keys(seq.mm_items, start, end)
 
 
 def _lora_id(seq: EngineSequence) -> int | None:
