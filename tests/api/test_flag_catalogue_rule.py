@@ -36,6 +36,11 @@ CONFIG_MODULES = frozenset(
 
 # flag -> the test that shows what it does (path relative to the checkout :: test name)
 BEHAVIOUR_TESTS: dict[str, str] = {
+    # -- images in (issue 35)
+    "--limit-mm-per-prompt": "tests/api/test_multimodal_inputs.py::test_limits_come_from_the_flag_within_the_models_maximum",
+    "--mm-processor-kwargs": "tests/api/test_multimodal_inputs.py::test_request_processor_kwargs_update_the_servers",
+    "--allowed-local-media-path": "tests/e2e/test_vision_server.py::test_a_file_url_under_the_allowed_path_is_read",
+    "--allowed-media-domains": "tests/api/test_media.py::test_http_urls_only_from_the_allowed_domains",
     "--logits-processors": "tests/core/test_logits_processors.py::test_engine_logits_processors_apply_to_every_request_and_request_ones_offline",
     "--logits-processor-pattern": "tests/e2e/test_requests_smollm2.py::test_a_qualified_logits_processor_allowed_by_the_pattern_runs_on_the_request",
     "--calculate-kv-scales": "tests/core/test_model_runner_kv_cache.py::test_calculate_kv_scales_sets_each_layers_scales_from_the_first_step",

@@ -66,6 +66,7 @@ def write_tiny_llava(directory, smollm2_gguf: str):
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=14,
+        num_additional_image_tokens=1,  # the class token, which the default strategy drops (as llava-1.5's)
         vision_feature_select_strategy="default",
         chat_template=CHAT_TEMPLATE,
     )

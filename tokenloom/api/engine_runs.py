@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -171,7 +171,7 @@ class EngineRuns:
 
     async def generate_all(
         self,
-        prompts: list[tuple[list[int] | dict[str, Any], SamplingParams]],
+        prompts: Sequence[tuple[list[int] | dict[str, Any], SamplingParams]],
         request_id: str,
         priority: int,
         lora_request: Any = None,

@@ -81,9 +81,7 @@ def decode_image(data: bytes, where: str) -> Any:
 def _data_url_bytes(url: str, where: str) -> bytes:
     header, comma, payload = url.partition(",")
     if not comma or not header.endswith(";base64"):
-        raise InvalidRequestError(
-            f"{where}: a data: URL must be base64, as data:image/png;base64,<data>", param=where
-        )
+        raise InvalidRequestError(f"{where}: a data: URL must be base64, as data:image/png;base64,<data>", param=where)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -130,9 +128,7 @@ def _fetched_bytes(url: str, where: str, policy: MediaPolicy) -> bytes:
             for chunk in response.iter_bytes():
                 data += chunk
                 if len(data) > MAX_FETCHED_BYTES:
-                    raise InvalidRequestError(
-                        f"{where}: {url} is larger than {MAX_FETCHED_BYTES} bytes", param=where
-                    )
+                    raise InvalidRequestError(f"{where}: {url} is larger than {MAX_FETCHED_BYTES} bytes", param=where)
             return bytes(data)
     except httpx.HTTPError as exc:
         raise InvalidRequestError(f"{where}: fetching {url} failed: {exc}", param=where) from None

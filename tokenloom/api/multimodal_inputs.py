@@ -170,7 +170,9 @@ class MultiModalInputs:
         """The parts' images, fetched and decoded in a worker thread."""
         return await asyncio.to_thread(lambda: [load_image(part.url, part.where, self.policy) for part in parts])
 
-    async def prompt(self, prompt_ids: list[int], images: list[Any], request_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    async def prompt(
+        self, prompt_ids: list[int], images: list[Any], request_kwargs: dict[str, Any] | None
+    ) -> dict[str, Any]:
         """The engine's prompt: the placeholders expanded and the images' items, processed in a
         worker thread."""
         assert self.processor is not None  # check_parts refused images to a text-only model
@@ -179,4 +181,3 @@ class MultiModalInputs:
         kwargs = {**self.processor_kwargs, **(request_kwargs or {})}
         processed = await asyncio.to_thread(self.processor.process, prompt_ids, images, kwargs)
         return {"prompt_token_ids": processed.prompt_token_ids, "mm_items": processed.items}
-

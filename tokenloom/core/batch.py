@@ -128,6 +128,9 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # speculative decoding: the tokens proposed for each request to verify next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # the encoder cache this step: images looked up, and those found (not encoded again)
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 @dataclass

@@ -22,8 +22,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenloom.core.multimodal.inputs import block_extra_keys
 from tokenloom.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from tokenloom.core.multimodal.inputs import block_extra_keys
 from tokenloom.core.sequence import EngineSequence
 from tokenloom.errors import ConfigError, TokenloomError
 

@@ -435,13 +435,19 @@ class ModelRunner:
         intermediate = None
         if not place.is_first_stage:
             intermediate = self._recv_intermediate_tensors(len(batch.positions))
+        encoder_stats = self.encoder_cache.stats
+        queries, hits = encoder_stats.queries, encoder_stats.hits
         inputs_embeds = merged_input_embeddings(
             self.model,
             self.encoder_cache,
-            [(state.mm_items, state.num_computed_tokens, n) for state, n in zip(states, batch.attn_metadata.query_lens_cpu)],
+            [
+                (state.mm_items, state.num_computed_tokens, n)
+                for state, n in zip(states, batch.attn_metadata.query_lens_cpu)
+            ],
             batch.input_ids,
             self.attention_backend,
         )
+        output.mm_cache_queries, output.mm_cache_hits = encoder_stats.queries - queries, encoder_stats.hits - hits
         try:
             hidden_states = self._run_model(
                 batch.input_ids, batch.positions, batch.attn_metadata, intermediate, inputs_embeds

@@ -34,7 +34,9 @@ def llm(checkpoint):
 def processor(checkpoint, llm):
     from transformers import AutoConfig
 
-    return LlavaProcessor(ProcessorContext(AutoConfig.from_pretrained(checkpoint[0]), checkpoint[0], llm.get_tokenizer(), {}))
+    return LlavaProcessor(
+        ProcessorContext(AutoConfig.from_pretrained(checkpoint[0]), checkpoint[0], llm.get_tokenizer(), {})
+    )
 
 
 def prompt_for(llm, processor, text: str, images: list) -> dict:
@@ -56,7 +58,10 @@ def test_greedy_tokens_agree_with_transformers_given_the_same_images(llm, proces
     hf_model = checkpoint[1]
     cases = [
         ("USER: <image>\nWhat is in the picture? ASSISTANT:", [drawn_image("red")]),
-        ("USER: <image>\nand <image>\nwhich differs? ASSISTANT:", [drawn_image("blue"), drawn_image("green", (20, 50))]),
+        (
+            "USER: <image>\nand <image>\nwhich differs? ASSISTANT:",
+            [drawn_image("blue"), drawn_image("green", (20, 50))],
+        ),
     ]
     prompts = [prompt_for(llm, processor, text, images) for text, images in cases]
     assert [len(prompt["mm_items"]) for prompt in prompts] == [1, 2]

@@ -32,7 +32,9 @@ class LlavaProcessor(MultiModalProcessor):
         try:
             self.image_processor = AutoImageProcessor.from_pretrained(ctx.model_path)
         except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{ctx.model_path} has no image processor configuration LLaVA can read: {exc}") from None
+            raise ModelLoadError(
+                f"{ctx.model_path} has no image processor configuration LLaVA can read: {exc}"
+            ) from None
         self.patch_size = config.vision_config.patch_size
         self.extra_tokens = 1 if config.vision_feature_select_strategy == "full" else 0
 
@@ -42,7 +44,9 @@ class LlavaProcessor(MultiModalProcessor):
         size = self.ctx.hf_config.vision_config.image_size
         return [Image.new("RGB", (size, size))]
 
-    def process(self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]) -> ProcessedPrompt:
+    def process(
+        self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]
+    ) -> ProcessedPrompt:
         placeholders = [index for index, token in enumerate(prompt_token_ids) if token == self.image_token_id]
         if len(placeholders) != len(images):
             raise InvalidRequestError(

@@ -106,6 +106,6 @@ def merged_input_embeddings(
     if scheduled is None:
         return None
     indices, embeddings = scheduled
-    inputs_embeds = model.embed_input_ids(input_ids)
+    inputs_embeds: torch.Tensor = model.embed_input_ids(input_ids)
     inputs_embeds[torch.tensor(indices, device=inputs_embeds.device)] = embeddings.to(inputs_embeds.dtype)
     return inputs_embeds

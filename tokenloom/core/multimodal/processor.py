@@ -59,7 +59,9 @@ class MultiModalProcessor:
 
         return [Image.new("RGB", (64, 64))]
 
-    def process(self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]) -> ProcessedPrompt:
+    def process(
+        self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]
+    ) -> ProcessedPrompt:
         """Expand each image's placeholder token in ``prompt_token_ids`` (in order: the n-th
         placeholder is the n-th image) and build its item. ``processor_kwargs`` are the
         server's ``--mm-processor-kwargs`` updated with the request's ``mm_processor_kwargs``.
