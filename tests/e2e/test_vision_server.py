@@ -194,3 +194,41 @@ def test_an_image_sent_twice_is_encoded_once(server, client):
     ask(client, [{"type": "text", "text": "Second look, other words first."}, image_part(image)])
     assert metric(server, "vllm:mm_cache_queries_total") - queries == 2
     assert metric(server, "vllm:mm_cache_hits_total") - hits == 1  # encoded once
+
+
+def test_responses_input_image_and_messages_image_blocks_see_the_same_image(server, client):
+    image = drawn_image("teal", (36, 36))
+    url = data_url(image)
+    chat = ask(client, [image_part(url), {"type": "text", "text": QUESTION}]).choices[0].message.content
+    responses = httpx.post(
+        server.base_url + "/v1/responses",
+        json={
+            "model": "tiny-llava",
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": QUESTION}],
+                }
+            ],
+            "max_output_tokens": NUM_NEW_TOKENS,
+            "temperature": 0.0,
+        },
+        timeout=120,
+    )
+    assert responses.status_code == 200, responses.text
+    assert responses.json()["output"][-1]["content"][0]["text"] == chat
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png_bytes(image)).decode()}
+    messages = httpx.post(
+        server.base_url + "/v1/messages",
+        json={
+            "model": "tiny-llava",
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]}
+            ],
+            "max_tokens": NUM_NEW_TOKENS,
+            "temperature": 0.0,
+        },
+        timeout=120,
+    )
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["content"][0]["text"] == chat

@@ -166,6 +166,18 @@ class MultiModalInputs:
                 param=where,
             )
 
+    async def take_images(self, request: Any) -> tuple[Any, list[Any]]:
+        """A chat request with its image parts replaced by image parts the template renders
+        (checked against the limits), and their images, loaded; the same request and no images
+        when it has none."""
+        messages, parts = extract_image_parts(request.messages)
+        if not parts:
+            return request, []
+        self.check_parts(parts)
+        if request.use_beam_search:
+            raise InvalidRequestError("beam search does not take images yet", param="use_beam_search")
+        return request.model_copy(update={"messages": messages}), await self.load_images(parts)
+
     async def load_images(self, parts: list[ImagePart]) -> list[Any]:
         """The parts' images, fetched and decoded in a worker thread."""
         return await asyncio.to_thread(lambda: [load_image(part.url, part.where, self.policy) for part in parts])

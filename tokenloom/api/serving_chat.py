@@ -27,7 +27,6 @@ from tokenloom.api.chat_tool_calls import (
     wire_delta,
 )
 from tokenloom.api.engine_runs import IndexedOutputs, respond
-from tokenloom.api.multimodal_inputs import extract_image_parts
 from tokenloom.api.prompt_inputs import tokenize_off_loop_if_large
 from tokenloom.api.protocol import (
     ChatChoice,
@@ -205,14 +204,7 @@ class ChatHandler:
             # e.g. keep the special tokens that mark the reasoning section
             request = self.reasoning_parser_class(ctx.tokenizer).adjust_request(request) or request
 
-        messages, image_parts = extract_image_parts(request.messages)
-        images: list[Any] = []
-        if image_parts:
-            ctx.multimodal.check_parts(image_parts)
-            if request.use_beam_search:
-                raise InvalidRequestError("beam search does not take images yet", param="use_beam_search")
-            request = request.model_copy(update={"messages": messages})
-            images = await ctx.multimodal.load_images(image_parts)
+        request, images = await ctx.multimodal.take_images(request)
         prompt_text = await render_chat_request(self.renderer, request)
         prompt_ids = await tokenize_off_loop_if_large(
             ctx.prepare_prompt, prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
