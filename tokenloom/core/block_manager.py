@@ -349,7 +349,10 @@ class BlockManager:
                 BlockStored(
                     block_hashes=[self._block_hash(seq, index) for index in run],
                     parent_block_hash=self._block_hash(seq, run[0] - 1) if run[0] else None,
-                    token_ids=[token for index in run for token in self._block_token_ids(seq, index)],
+                    # the tokens alone: an image's keys follow a full block's tokens
+                    token_ids=[
+                        token for index in run for token in self._block_token_ids(seq, index)[: self.block_size]
+                    ],
                     block_size=self.block_size,
                     lora_id=_lora_id(seq),
                 )
