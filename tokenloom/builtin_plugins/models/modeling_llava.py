@@ -168,6 +168,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, ctx: ModelContext):
         super().__init__(ctx)
+        if not self.is_first_stage or not self.is_last_stage:
+            # the model runner merges image embeddings on the stage that samples only
+            raise ConfigError(
+                "LlavaForConditionalGeneration does not run with pipeline parallelism yet: use "
+                "--pipeline-parallel-size 1",
+                param="pipeline_parallel_size",
+            )
         config = ctx.hf_config
         feature_layer = config.vision_feature_layer
         if not isinstance(feature_layer, int):
