@@ -193,5 +193,5 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(server):
     )
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["param"] == "messages[0].content[1]" and "takes text only" in error["message"]
+    assert error["param"] == "messages[0].content[1]" and f"{MODEL} takes text only" in error["message"]
     assert httpx.get(server.base_url + "/health").status_code == 200

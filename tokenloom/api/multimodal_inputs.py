@@ -98,7 +98,7 @@ class MultiModalInputs:
                         processor_kwargs=dict(config.mm_processor_kwargs or {}),
                     )
                 )
-        inputs = cls(processor, config, engine.model_name)
+        inputs = cls(processor, config, engine.served_model_names[0])
         inputs.check_processor(engine.tokenizer)
         return inputs
 
