@@ -495,8 +495,10 @@ def detect_content_format(source: str) -> str:
     return "string"
 
 
-def _text_of_parts(parts: list, where: str) -> list[str]:
-    texts = []
+def _text_of_parts(parts: list, where: str, placeholders: dict[str, str] | None = None) -> list[str | None]:
+    """Each part's text; None for an image part (``{"type": "image"}``, what the server makes of
+    an ``image_url`` part) when ``placeholders`` has one for images."""
+    texts: list[str | None] = []
     for part_index, part in enumerate(parts):
         part_where = f"{where}[{part_index}]"
         if isinstance(part, str):
@@ -507,6 +509,9 @@ def _text_of_parts(parts: list, where: str) -> list[str]:
                 f'{part_where} must be an object like {{"type": "text", "text": ...}}', param=part_where
             )
         part_type = part.get("type")
+        if part_type == "image" and placeholders and "image" in placeholders:
+            texts.append(None)
+            continue
         if part_type not in TEXT_PART_TYPES:
             raise InvalidRequestError(
                 f"{part_where}: content parts of type {part_type!r} are not supported (this model takes text "
@@ -519,14 +524,18 @@ def _text_of_parts(parts: list, where: str) -> list[str]:
     return texts
 
 
-def normalize_messages(messages: list[Any], content_format: str) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: list[Any], content_format: str, placeholders: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """Messages as the template expects them, as vLLM prepares them, for every role: content
     as one string (``string``: absent or null content is ``""``, text parts are joined by
     newlines) or as a list of text parts (``openai``: absent or null content is ``[]``);
     ``tool_calls`` and ``tool_call_id`` passed through, tool-call arguments parsed from JSON
     text into objects (templates render them with ``tojson`` or iterate their items); fields
     sent as null left out, as if absent (clients send back ``"function_call": null`` and the
-    like, and templates test ``is defined``)."""
+    like, and templates test ``is defined``). An image part stays ``{"type": "image"}`` in the
+    ``openai`` format and becomes the model's placeholder text (``placeholders["image"]``) in
+    the ``string`` format."""
     normalized = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -541,9 +550,12 @@ def normalize_messages(messages: list[Any], content_format: str) -> list[dict[st
         elif isinstance(content, str):
             message["content"] = content if content_format == "string" else [{"type": "text", "text": content}]
         elif isinstance(content, list):
-            texts = _text_of_parts(content, f"{where}.content")
+            texts = _text_of_parts(content, f"{where}.content", placeholders)
+            image_text = (placeholders or {}).get("image", "")
             message["content"] = (
-                "\n".join(texts) if content_format == "string" else [{"type": "text", "text": text} for text in texts]
+                "\n".join(image_text if text is None else text for text in texts)
+                if content_format == "string"
+                else [{"type": "image"} if text is None else {"type": "text", "text": text} for text in texts]
             )
         else:
             raise InvalidRequestError(
@@ -599,7 +611,7 @@ def message_text(message: dict[str, Any]) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(_text_of_parts(content, "content"))
+        return "\n".join(text for text in _text_of_parts(content, "content") if text is not None)
     return ""
 
 
@@ -651,6 +663,8 @@ class ChatRenderer:
     :param trust_request_chat_template: accept a template in the request (``chat_template``);
         the server's ``--trust-request-chat-template``. The offline ``LLM`` trusts its caller.
     :param limits: the time and size bounds of one render.
+    :param placeholders: modality -> the text an item renders as in a ``string``-format template
+        (none: image parts are refused, the model takes text only).
     """
 
     def __init__(
@@ -661,6 +675,7 @@ class ChatRenderer:
         *,
         trust_request_chat_template: bool = True,
         limits: RenderLimits | None = None,
+        placeholders: dict[str, str] | None = None,
     ):
         if content_format not in CONTENT_FORMATS:
             raise ConfigError(
@@ -672,6 +687,8 @@ class ChatRenderer:
         self.content_format = content_format
         self.trust_request_chat_template = trust_request_chat_template
         self.limits = limits or DEFAULT_LIMITS
+        # modality -> the text an item of it renders as (a model that sees: its processor's)
+        self.placeholders = dict(placeholders or {})
         self.model_template = getattr(tokenizer, "chat_template", None)
         special_tokens = getattr(tokenizer, "special_tokens_map", None) or {}
         self.special_tokens = {name: value for name, value in special_tokens.items()}
@@ -780,7 +797,7 @@ class ChatRenderer:
             raise ChatTemplateError(
                 f"the server's chat template is not valid Jinja: {exc.message}", param="chat_template"
             ) from None
-        chat = normalize_messages(messages, self.resolved_content_format(source))
+        chat = normalize_messages(messages, self.resolved_content_format(source), self.placeholders)
         continued_text = self._tag_final_message(chat) if continue_final_message else None
         variables = {**self.special_tokens, **extra}
         budget = _RenderBudget(

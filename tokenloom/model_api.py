@@ -11,6 +11,7 @@ module imports torch: only a worker building the model does.
 
 from __future__ import annotations
 
+from tokenloom.core.batch import encoder_attention_metadata
 from tokenloom.core.model_interface import (
     IntermediateTensors,
     KVCacheSpec,
@@ -18,6 +19,7 @@ from tokenloom.core.model_interface import (
     ModelProtocol,
     mixture_of_experts_error,
 )
+from tokenloom.core.multimodal.inputs import MultiModalItem
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.layers.activation import get_act_and_mul
 from tokenloom.layers.attention import Attention
@@ -54,6 +56,9 @@ __all__ = [
     "KVCacheSpec",
     "IntermediateTensors",
     "mixture_of_experts_error",
+    # a model that sees: the items it embeds, and its encoder's attention over each whole item
+    "MultiModalItem",
+    "encoder_attention_metadata",
     "ModelLoadError",
     "ConfigError",
     # the decoder-only skeleton: a model file adds its decoder layer

@@ -23,6 +23,13 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.logits_processors import LogitsProcessor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext, ModelProtocol
+    from tokenloom.core.multimodal.inputs import MultiModalItem
+    from tokenloom.core.multimodal.processor import (
+        MultiModalProcessor,
+        ProcessedPrompt,
+        ProcessorContext,
+        image_hash,
+    )
     from tokenloom.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from tokenloom.core.parsers import (
         DeltaMessage,
@@ -88,6 +95,11 @@ _LAZY = {
     "ModelContext": "tokenloom.core.model_interface",
     "KVCacheSpec": "tokenloom.core.model_interface",
     "IntermediateTensors": "tokenloom.core.model_interface",
+    "MultiModalProcessor": "tokenloom.core.multimodal.processor",
+    "ProcessorContext": "tokenloom.core.multimodal.processor",
+    "ProcessedPrompt": "tokenloom.core.multimodal.processor",
+    "image_hash": "tokenloom.core.multimodal.processor",
+    "MultiModalItem": "tokenloom.core.multimodal.inputs",
     "QuantizationConfig": "tokenloom.layers.quantization",
     "QuantizationMethod": "tokenloom.layers.quantization",
     "UnquantizedMethod": "tokenloom.layers.quantization",
@@ -166,6 +178,11 @@ __all__ = [
     "ModelContext",
     "KVCacheSpec",
     "IntermediateTensors",
+    "MultiModalProcessor",
+    "ProcessorContext",
+    "ProcessedPrompt",
+    "image_hash",
+    "MultiModalItem",
     "QuantizationConfig",
     "QuantizationMethod",
     "UnquantizedMethod",

@@ -33,6 +33,8 @@ class FakeStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     spec_decoding: Any = None  # a SpecDecodingStats when the engine speculates
+    mm_cache_queries: int = 5
+    mm_cache_hits: int = 3
 
 
 @dataclass

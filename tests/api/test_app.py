@@ -236,6 +236,8 @@ async def test_metrics_names_and_values(client, engine):
         assert name in text, name
     assert metric_value(text, 'vllm:num_requests_running{model_name="smollm2"}') == 3
     assert metric_value(text, 'vllm:kv_cache_usage_perc{model_name="smollm2"}') == 0.25
+    assert metric_value(text, 'vllm:mm_cache_queries_total{model_name="smollm2"}') == 5
+    assert metric_value(text, 'vllm:mm_cache_hits_total{model_name="smollm2"}') == 3
     assert metric_value(text, 'vllm:request_success_total{finished_reason="length",model_name="smollm2"}') == 1
     assert metric_value(text, 'vllm:request_success_total{finished_reason="stop",model_name="smollm2"}') == 1
     assert metric_value(text, 'vllm:time_to_first_token_seconds_count{model_name="smollm2"}') == 2

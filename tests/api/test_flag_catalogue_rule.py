@@ -37,6 +37,20 @@ CONFIG_MODULES = frozenset(
 
 # flag -> the test that shows what it does (path relative to the checkout :: test name)
 BEHAVIOUR_TESTS: dict[str, str] = {
+    # -- cluster interfaces (issue 38)
+    "--otlp-traces-endpoint": "tests/e2e/test_tracing_scripted.py::test_a_request_with_a_traceparent_is_a_child_span_with_its_counts",
+    "--collect-detailed-traces": "tests/api/test_tracing.py::test_detailed_traces_need_an_endpoint_and_known_modules",
+    "--headless": "tests/core/engine/test_multinode_data_parallel.py::test_a_headless_nodes_replica_serves_with_the_heads_and_its_loss_fails_only_its_streams",
+    "--data-parallel-address": "tests/core/engine/test_multinode_data_parallel.py::test_a_headless_nodes_replica_serves_with_the_heads_and_its_loss_fails_only_its_streams",
+    "--data-parallel-rpc-port": "tests/core/engine/test_multinode_data_parallel.py::test_a_headless_nodes_replica_serves_with_the_heads_and_its_loss_fails_only_its_streams",
+    "--data-parallel-start-rank": "tests/core/engine/test_multinode_data_parallel.py::test_a_hybrid_node_balances_over_its_own_replicas_only",
+    "--data-parallel-rank": "tests/core/engine/test_multinode_data_parallel.py::test_a_rank_given_is_one_replica_behind_an_external_load_balancer",
+    "--data-parallel-hybrid-lb": "tests/core/engine/test_multinode_data_parallel.py::test_a_hybrid_node_balances_over_its_own_replicas_only",
+    # -- images in (issue 35)
+    "--limit-mm-per-prompt": "tests/api/test_multimodal_inputs.py::test_limits_come_from_the_flag_within_the_models_maximum",
+    "--mm-processor-kwargs": "tests/api/test_multimodal_inputs.py::test_request_processor_kwargs_update_the_servers",
+    "--allowed-local-media-path": "tests/e2e/test_vision_server.py::test_a_file_url_under_the_allowed_path_is_read",
+    "--allowed-media-domains": "tests/api/test_media.py::test_http_urls_only_from_the_allowed_domains",
     "--logits-processors": "tests/core/test_logits_processors.py::test_engine_logits_processors_apply_to_every_request_and_request_ones_offline",
     "--logits-processor-pattern": "tests/e2e/test_requests_smollm2.py::test_a_qualified_logits_processor_allowed_by_the_pattern_runs_on_the_request",
     "--calculate-kv-scales": "tests/core/test_model_runner_kv_cache.py::test_calculate_kv_scales_sets_each_layers_scales_from_the_first_step",

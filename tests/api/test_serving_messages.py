@@ -89,7 +89,8 @@ def test_blocks_become_chat_messages():
     "messages, param",
     [
         ([{"role": "system", "content": "x"}], "messages[0].role"),
-        ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0].source"),
+        ([{"role": "user", "content": [{"type": "document", "source": {}}]}], "messages[0].content[0].type"),
         (
             [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}],
             "messages[0].content[0].type",

@@ -116,7 +116,8 @@ def test_input_items_become_chat_messages():
     [
         ([{"role": "robot", "content": "x"}], "input[0].role"),
         ([{"role": ["user"], "content": "x"}], "input[0].role"),  # not a string: once a TypeError (a 500)
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}], "input[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}], "input[0].content[0]"),
         ([{"type": "item_reference", "id": "x"}], "input[0].type"),
         ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
         (["just a string"], "input[0]"),

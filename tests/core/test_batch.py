@@ -18,6 +18,7 @@ from tokenloom.core.batch import (
     StructuredOutputMasks,
     TokenLogprobs,
 )
+from tokenloom.core.multimodal.inputs import MultiModalItem
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.lora.request import LoRARequest
 
@@ -38,6 +39,7 @@ def full_scheduler_output() -> SchedulerOutput:
         num_computed_tokens=2,
         pooling_params=PoolingParams(dimensions=2),
         lora_request=LoRARequest("adapter", 1, "/tmp/adapter"),
+        mm_items=[MultiModalItem("image", "ab" * 32, 1, 2, {"pixel_values": torch.ones(3, 2, 2)})],
     )
     every_field_set(new)
     output = SchedulerOutput(
@@ -62,6 +64,7 @@ def test_scheduler_output_round_trips_through_pickle():
     assert np.array_equal(bitmask, original.structured_output.bitmask)
     # compare the rest as plain values (numpy arrays do not compare with ==)
     copy.structured_output.bitmask = original.structured_output.bitmask = None
+    assert torch.equal(copy.scheduled_new_reqs[0].mm_items[0].data["pixel_values"], torch.ones(3, 2, 2))
     assert copy == original
     assert copy.total_num_scheduled_tokens == 5 and isinstance(copy.finished_req_ids, set)
 
@@ -75,6 +78,8 @@ def test_model_runner_output_round_trips_through_pickle():
         pooled={"p": torch.tensor([0.25, -1.0])},
         errors={"e": "sampler failed: probabilities contain NaN"},
         draft_token_ids={"b": [1, 2, 3]},
+        mm_cache_queries=2,
+        mm_cache_hits=1,
     )
     every_field_set(original)
     copy = pickle.loads(pickle.dumps(original, protocol=pickle.HIGHEST_PROTOCOL))

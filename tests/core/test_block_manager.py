@@ -480,3 +480,25 @@ def test_every_hit_holds_exactly_the_requests_prefix(seed, weak_hash):
     assert_all_free(manager)
     if not weak_hash:
         assert num_hits > 0  # the check does not simply refuse every hit
+
+
+@pytest.mark.parametrize("hash_algo", ["sha256", "builtin"])
+def test_blocks_over_an_image_are_keyed_by_its_hash(hash_algo):
+    from tokenloom.core.multimodal.inputs import MultiModalItem
+
+    manager = BlockManager(16, 4, True, hash_algo=hash_algo, enable_kv_cache_events=True)
+    prompt = [5, 6, 7, 8, 9, 9, 9, 9, 10, 11, 12, 13, 14]  # the image's placeholders at 4..7
+
+    def with_image(request_id: str, image_hash: str) -> EngineSequence:
+        request = make_request(request_id, prompt)
+        request.mm_items = [MultiModalItem("image", image_hash, 4, 4)]
+        return request
+
+    first = with_image("a", "11" * 32)
+    assert prefill(manager, first) == 0
+    decode(manager, first, 15)  # the computed blocks are registered as the sequence moves on
+    stored = manager.take_kv_events()
+    # the events carry the blocks' tokens, without the image's keys
+    assert [token for event in stored for token in event.token_ids] == prompt[:12]
+    assert prefill(manager, with_image("b", "22" * 32)) == 4  # the block before the image only
+    assert prefill(manager, with_image("c", "11" * 32)) == 12  # the same image: every full block

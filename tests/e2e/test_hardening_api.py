@@ -175,3 +175,23 @@ def test_non_finite_numbers_and_shadowing_template_kwargs_are_400s(server, path,
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert param in (error["param"] or "") + error["message"]
+
+
+def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(server):
+    # issue 35: the chat image part is read, and refused by the model that cannot see it
+    image_url = "data:image/png;base64,iVBORw0KGgo="
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": image_url}}],
+        }
+    ]
+    response = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 1},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and f"{MODEL} takes text only" in error["message"]
+    assert httpx.get(server.base_url + "/health").status_code == 200

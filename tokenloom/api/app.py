@@ -20,6 +20,7 @@ from tokenloom import __version__
 from tokenloom.api.http_errors import INTERNAL_ERROR_MESSAGE, error_json, install_error_handlers, request_id_of
 from tokenloom.api.metrics import ServerMetrics, log_stats_periodically
 from tokenloom.api.middleware import ServerLoad, install_middleware
+from tokenloom.api.multimodal_inputs import MultiModalInputs
 from tokenloom.api.prompt_inputs import OFF_LOOP_TOKENIZE_CHARS, off_loop_if_large
 from tokenloom.api.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloom.api.response_store import ResponseStore, store_size_from_env
@@ -141,7 +142,7 @@ def build_app(
     reasoning_parser_class = _parser_class(plugins, "reasoning_parser", reasoning_parser)
 
     metrics = ServerMetrics(engine, engine.served_model_names[0])
-    ctx = ServingContext(engine, config, metrics)
+    ctx = ServingContext(engine, config, metrics, MultiModalInputs.for_engine(engine, plugins, config))
     if config.otlp_traces_endpoint:
         ctx.tracer = RequestTracer(config.otlp_traces_endpoint, engine.served_model_names[0])
         if config.collect_detailed_traces:
@@ -155,6 +156,7 @@ def build_app(
         load_chat_template(config.chat_template),
         config.chat_template_content_format,
         trust_request_chat_template=config.trust_request_chat_template,
+        placeholders=ctx.multimodal.placeholders,
     )
     ctx.models.add_static(parse_lora_modules(config.lora_modules))
     completions = CompletionsHandler(ctx)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -127,22 +127,22 @@ class EngineRuns:
 
     async def generate(
         self,
-        prompt_token_ids: list[int],
+        prompt: list[int] | dict[str, Any],
         params: SamplingParams,
         request_id: str,
         priority: int,
         lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's outputs for one prompt (with ``lora_request``'s adapter, if any),
-        observed for the metrics (and a trace span when tracing); leaving early (an error, a cancelled task, a closed
+        """The engine's outputs for one prompt, token ids or a dict with ``prompt_token_ids``
+        and ``mm_items`` (with ``lora_request``'s adapter, if any), observed for the metrics (and
+        a trace span when tracing); leaving early (an error, a cancelled task, a closed
         generator) aborts the request in the engine."""
-        timer = RequestTimer(self.metrics, len(prompt_token_ids))
+        num_prompt_tokens = len(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+        timer = RequestTimer(self.metrics, num_prompt_tokens)
         if lora_request is None:
-            stream = self.engine.generate(prompt_token_ids, params, request_id, priority=priority)
+            stream = self.engine.generate(prompt, params, request_id, priority=priority)
         else:
-            stream = self.engine.generate(
-                prompt_token_ids, params, request_id, priority=priority, lora_request=lora_request
-            )
+            stream = self.engine.generate(prompt, params, request_id, priority=priority, lora_request=lora_request)
         finished = False
         # DELTA outputs only carry the choices that moved, so remember how each one ended
         finish_reasons: dict[int, str] = {}
@@ -161,7 +161,7 @@ class EngineRuns:
                         self.tracer.record(
                             request_id,
                             params,
-                            len(prompt_token_ids),
+                            num_prompt_tokens,
                             num_completion_tokens,
                             output,
                             REQUEST_TRACE_HEADERS.get(),
@@ -185,16 +185,16 @@ class EngineRuns:
 
     async def generate_all(
         self,
-        prompts: list[tuple[list[int], SamplingParams]],
+        prompts: Sequence[tuple[list[int] | dict[str, Any], SamplingParams]],
         request_id: str,
         priority: int,
         lora_request: Any = None,
     ) -> IndexedOutputs:
-        """Several ``(prompt_token_ids, params)`` at once, as ``(prompt_index, output)`` in
-        arrival order."""
+        """Several ``(prompt, params)`` at once (each prompt as :meth:`generate` takes it), as
+        ``(prompt_index, output)`` in arrival order."""
         if len(prompts) == 1:
-            prompt_token_ids, params = prompts[0]
-            async for output in self.generate(prompt_token_ids, params, request_id, priority, lora_request):
+            prompt, params = prompts[0]
+            async for output in self.generate(prompt, params, request_id, priority, lora_request):
                 yield 0, output
             return
         streams = [

@@ -368,10 +368,8 @@ FLAGS: tuple[Flag, ...] = (
         choices=("auto", "hf", "mistral"),
     ),
     implemented("--model-impl", "ModelConfig", choices=("auto", "vllm", "native", "transformers", "terratorch")),
-    unimplemented(
-        "--allowed-local-media-path", "ModelConfig", "Directory that requests may read local media from.", default=""
-    ),
-    unimplemented("--allowed-media-domains", "ModelConfig", "Domains that media URLs may come from.", nargs="+"),
+    implemented("--allowed-local-media-path", "ModelConfig", to=SERVER),
+    implemented("--allowed-media-domains", "ModelConfig", nargs="+", to=SERVER),
     implemented("--logits-processor-pattern", "ModelConfig"),
     implemented("--logits-processors", "ModelConfig", nargs="+"),
     unimplemented("--io-processor-plugin", "ModelConfig", "An IOProcessor plugin to load at start-up."),
@@ -684,10 +682,8 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--device", "DeviceConfig"),
     implemented("--attention-backend", "DeviceConfig"),
     # -- MultiModalConfig -----------------------------------------------------------------------
-    unimplemented(
-        "--limit-mm-per-prompt", "MultiModalConfig", "Maximum media items per prompt, per modality.", kind="json"
-    ),
-    unimplemented("--mm-processor-kwargs", "MultiModalConfig", "Overrides for the multimodal processor.", kind="json"),
+    implemented("--limit-mm-per-prompt", "MultiModalConfig", kind="json", to=SERVER),
+    implemented("--mm-processor-kwargs", "MultiModalConfig", kind="json", to=SERVER),
     unimplemented(
         "--mm-processor-cache-gb",
         "MultiModalConfig",

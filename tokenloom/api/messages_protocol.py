@@ -82,12 +82,17 @@ class MessagesInput(RequestModel):
                     f"{where}.content must be a string or a list of content blocks", param=f"{where}.content"
                 )
             text_parts: list[str] = []
+            # the content as chat parts, kept only when an image block makes it more than text
+            chat_parts: list[dict[str, Any]] = []
             tool_calls: list[dict[str, Any]] = []
             for block_index, block in enumerate(content):
                 block_where = f"{where}.content[{block_index}]"
                 kind = block.get("type") if isinstance(block, dict) else None
                 if kind == "text":
                     text_parts.append(str(block.get("text", "")))
+                    chat_parts.append({"type": "text", "text": text_parts[-1]})
+                elif kind == "image" and role == "user":
+                    chat_parts.append({"type": "image_url", "image_url": {"url": _image_url(block, block_where)}})
                 elif kind == "tool_result" and role == "user":
                     if not block.get("tool_use_id"):
                         raise InvalidRequestError(
@@ -113,11 +118,13 @@ class MessagesInput(RequestModel):
                     continue
                 else:
                     raise InvalidRequestError(
-                        f"{block_where} is a {kind!r} block; this server takes text, tool_use "
-                        "(assistant), tool_result (user) and thinking blocks",
+                        f"{block_where} is a {kind!r} block; this server takes text, image (user), "
+                        "tool_use (assistant), tool_result (user) and thinking blocks",
                         param=f"{block_where}.type",
                     )
-            if text_parts or tool_calls:
+            if any(part["type"] == "image_url" for part in chat_parts):
+                messages.append({"role": role, "content": chat_parts})
+            elif text_parts or tool_calls:
                 chat_message: dict[str, Any] = {"role": role, "content": "".join(text_parts) if text_parts else None}
                 if tool_calls:
                     chat_message["tool_calls"] = tool_calls
@@ -280,3 +287,18 @@ def content_blocks(message: ChatMessage) -> list[dict[str, Any]]:
 def sse(event_type: str, data: dict[str, Any]) -> str:
     """One Anthropic server-sent event: the type on the ``event:`` line and in the data."""
     return f"event: {event_type}\ndata: {json.dumps({'type': event_type, **data}, ensure_ascii=False)}\n\n"
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An Anthropic ``image`` block's image as the URL a chat ``image_url`` part carries: base64
+    data as a ``data:`` URL, a ``url`` source as itself."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise InvalidRequestError(
+        f'{where}: an image block needs "source": {{"type": "base64", "media_type": ..., "data": ...}} '
+        'or {"type": "url", "url": ...}',
+        param=f"{where}.source",
+    )

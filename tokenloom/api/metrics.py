@@ -101,6 +101,9 @@ class EngineStatsCollector:
             yield lora_info
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
+        # the encoder cache of a model that sees (vLLM's multimodal cache names), in items
+        yield counter("vllm:mm_cache_queries", "Multimodal cache queries, in items.", stats.mm_cache_queries)
+        yield counter("vllm:mm_cache_hits", "Multimodal cache hits, in items.", stats.mm_cache_hits)
         spec = getattr(stats, "spec_decoding", None)
         if spec is not None:
             yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)

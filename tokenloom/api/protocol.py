@@ -282,6 +282,8 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # options for the model's multimodal processor, over the server's --mm-processor-kwargs
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 # -- responses -------------------------------------------------------------------------

@@ -165,8 +165,31 @@ def _part_text(part: Any, where: str) -> str:
         return str(part.get("text", ""))
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     raise InvalidRequestError(
-        f"{where} is a {kind!r} part; this server takes text parts only (input_text)", param=where
+        f"{where} is a {kind!r} part; this server takes text parts (input_text) and input_image", param=where
     )
+
+
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content as chat content: its text, or with an ``input_image`` part, chat
+    parts (text parts and ``image_url`` parts)."""
+    if not isinstance(content, list) or not any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    ):
+        return _content_text(content, where)
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequestError(
+                    f"{where}[{index}]: an input_image part needs image_url (a data: or http(s) URL); file_id is "
+                    "not supported",
+                    param=f"{where}[{index}]",
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _part_text(part, f"{where}[{index}]")})
+    return parts
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -197,7 +220,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     f"{where}.role must be user, assistant, system or developer, got {item.get('role')!r}",
                     param=f"{where}.role",
                 )
-            messages.append({"role": role, "content": _content_text(item.get("content", ""), f"{where}.content")})
+            messages.append({"role": role, "content": _message_content(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             for field in ("call_id", "name"):
                 if not item.get(field):

@@ -5,6 +5,7 @@ the engine's. Attribute docstrings are the CLI help texts. Importing this is che
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -103,6 +104,17 @@ class ServerConfig:
     may hold, each counted as its response and conversation in JSON; the least recently used
     are dropped beyond it (and beyond TOKENLOOM_RESPONSES_STORE_SIZE entries, 1000). A response
     larger than all of it is not stored (it says ``"store": false``). 0 stores nothing."""
+    limit_mm_per_prompt: dict[str, Any] | None = None
+    """The most media items one prompt may hold, per modality, as JSON (``'{"image": 2}'``);
+    a model that sees states its own maximum, and 999 applies where neither says."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Options for the model's multimodal processor (its image processor's arguments, e.g.
+    ``'{"do_center_crop": false}'``); a request's ``mm_processor_kwargs`` update them."""
+    allowed_local_media_path: str = ""
+    """A directory requests may read images from as ``file://`` URLs (none by default)."""
+    allowed_media_domains: list[str] | None = None
+    """Host names requests may fetch ``http(s)://`` images from; without it, images come as
+    ``data:`` URLs (or files) only. Fetches are limited to 20 MiB and 10 seconds."""
     lora_modules: list[str] = field(default_factory=list)
     """LoRA adapters to serve (needs --enable-lora), each ``name=path`` or a JSON object
     ``{"name": ..., "path": ..., "base_model_name": ...}``; the path is a folder, a packaged

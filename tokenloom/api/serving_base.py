@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from tokenloom.api.engine_runs import EngineRuns
 from tokenloom.api.http_errors import request_id_of
 from tokenloom.api.metrics import ServerMetrics
+from tokenloom.api.multimodal_inputs import MultiModalInputs
 from tokenloom.api.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from tokenloom.api.request_sampling import RequestSampling
 from tokenloom.api.server_config import ServerConfig
@@ -77,7 +78,13 @@ class ServingContext(RequestSampling, EngineRuns):
     """Per-app state and the helpers every OpenAI endpoint uses (the prompt, sampling and
     engine-run ones through its bases)."""
 
-    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics | None):
+    def __init__(
+        self,
+        engine: EngineClient,
+        config: ServerConfig,
+        metrics: ServerMetrics | None,
+        multimodal: MultiModalInputs | None = None,
+    ):
         self.engine = engine
         self.config = config
         self.metrics = metrics
@@ -85,6 +92,8 @@ class ServingContext(RequestSampling, EngineRuns):
         self.tokenizer = engine.tokenizer  # None under --skip-tokenizer-init
         self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else int(engine.vocab_size)
         self.served_model_names = list(engine.served_model_names)
+        # the model's processor and the media limits (None given: the model takes text only)
+        self.multimodal = multimodal or MultiModalInputs(None, ServerConfig(), self.served_model_names[0])
         self.max_model_len = int(engine.max_model_len)
         # --generation-config: defaults for requests that leave a sampling field unset, and
         # max_tokens (the model's max_new_tokens) caps every request

@@ -204,10 +204,15 @@ class ChatHandler:
             # e.g. keep the special tokens that mark the reasoning section
             request = self.reasoning_parser_class(ctx.tokenizer).adjust_request(request) or request
 
+        request, images = await ctx.multimodal.take_images(request)
         prompt_text = await render_chat_request(self.renderer, request)
         prompt_ids = await tokenize_off_loop_if_large(
             ctx.prepare_prompt, prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
         )
+        prompt: list[int] | dict[str, Any] = prompt_ids
+        if images:
+            prompt = await ctx.multimodal.prompt(prompt_ids, images, request.mm_processor_kwargs)
+            prompt_ids = prompt["prompt_token_ids"]
         requested_max = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
@@ -256,7 +261,7 @@ class ChatHandler:
 
         run = _ChatRun(self, request, request_id, model_name, prompt_ids, tool_mode)
         lora_request = ctx.models.lora_request_for(model_name)
-        return run, ctx.generate_all([(prompt_ids, params)], request_id, request.priority, lora_request)
+        return run, ctx.generate_all([(prompt, params)], request_id, request.priority, lora_request)
 
 
 class _ChatRun:

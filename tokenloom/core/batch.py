@@ -30,6 +30,8 @@ class NewRequestData:
     pooling_params: Any = None
     # the LoRA adapter it runs with (a tokenloom.lora.request.LoRARequest, plain data; None: the base model)
     lora_request: Any = None
+    # the prompt's images (tokenloom.core.multimodal.inputs.MultiModalItem: CPU tensors, which pickle)
+    mm_items: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +128,9 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # speculative decoding: the tokens proposed for each request to verify next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # the encoder cache this step: images looked up, and those found (not encoded again)
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 @dataclass
@@ -183,3 +188,24 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def encoder_attention_metadata(sequence_lengths: list[int], backend: Any) -> AttentionMetadata:
+    """The metadata of a batch of sequences that attend both ways within themselves and keep no
+    KV cache: a vision encoder's images, ``sequence_lengths[i]`` tokens each, run through the
+    platform's attention ``backend``."""
+    max_length = max(sequence_lengths)
+    return AttentionMetadata(
+        slot_mapping=None,
+        query_start_loc=None,
+        seq_lens=None,
+        block_tables=None,
+        query_lens_cpu=list(sequence_lengths),
+        seq_lens_cpu=list(sequence_lengths),
+        max_query_len=max_length,
+        max_seq_len=max_length,
+        block_size=1,
+        kv_caches=[],
+        backend=backend,
+        bidirectional=True,
+    )

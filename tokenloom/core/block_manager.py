@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from tokenloom.core.multimodal.inputs import block_extra_keys
 from tokenloom.core.sequence import EngineSequence
 from tokenloom.errors import ConfigError, TokenloomError
 
@@ -348,7 +349,10 @@ class BlockManager:
                 BlockStored(
                     block_hashes=[self._block_hash(seq, index) for index in run],
                     parent_block_hash=self._block_hash(seq, run[0] - 1) if run[0] else None,
-                    token_ids=[token for index in run for token in self._block_token_ids(seq, index)],
+                    # the tokens alone: an image's keys follow a full block's tokens
+                    token_ids=[
+                        token for index in run for token in self._block_token_ids(seq, index)[: self.block_size]
+                    ],
                     block_size=self.block_size,
                     lora_id=_lora_id(seq),
                 )
@@ -403,11 +407,12 @@ class BlockManager:
         prompt = seq.prompt_token_ids
         num_prompt = len(prompt)
         if end <= num_prompt:
-            return tuple(prompt[start:end])
+            # a block over an image's placeholders is keyed by the image too
+            return tuple(prompt[start:end]) + block_extra_keys(seq.mm_items, start, end)
         output = seq.output_token_ids
         if start >= num_prompt:
             return tuple(output[start - num_prompt : end - num_prompt])
-        return tuple(prompt[start:]) + tuple(output[: end - num_prompt])
+        return tuple(prompt[start:]) + tuple(output[: end - num_prompt]) + block_extra_keys(seq.mm_items, start, end)
 
 
 def _lora_id(seq: EngineSequence) -> int | None:

@@ -63,7 +63,12 @@ class ModelContext:
 
 
 class ModelProtocol(Protocol):
-    """A model plugin: an ``nn.Module`` constructed as ``Model(ctx: ModelContext)``."""
+    """A model plugin: an ``nn.Module`` constructed as ``Model(ctx: ModelContext)``.
+
+    A model that sees (registered with a ``multimodal_processor``) also has
+    ``embed_multimodal(item, attention_backend)`` (one image's ``[item.length, hidden_size]``
+    embeddings) and ``embed_input_ids(input_ids)``, and its ``forward`` takes
+    ``inputs_embeds=``: the token embeddings with the step's image placeholders replaced."""
 
     kv_cache_spec: KVCacheSpec
 

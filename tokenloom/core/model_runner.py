@@ -24,6 +24,7 @@ from tokenloom.core.distributed import ParallelState
 from tokenloom.core.logits_processors import resolve_engine_processors
 from tokenloom.core.model_interface import IntermediateTensors
 from tokenloom.core.model_loader import ModelInfo, build_model
+from tokenloom.core.multimodal.encoder_cache import MIN_ENCODER_CACHE_TOKENS, EncoderCache, merged_input_embeddings
 from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
@@ -73,6 +74,8 @@ class CachedRequestState:
     draft: Draft | None = None
     # how often its drafts were accepted: the next draft's length follows it
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # the prompt's images (MultiModalItem), embedded through the encoder cache
+    mm_items: list[Any] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -126,6 +129,10 @@ class ModelRunner:
         self.dtype: torch.dtype | None = None
         # the LoRA slots and adapter cache (tokenloom.lora.manager.LoRAModelManager) with --enable-lora
         self.lora_manager: Any = None
+        # images' embeddings by hash: a repeated image is encoded once
+        self.encoder_cache = EncoderCache(
+            max(MIN_ENCODER_CACHE_TOKENS, config.scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        )
         # blocks at or above this id have never been in a block table: nothing was written there
         self._kv_high_water = 0
         # blocks below this id have been mapped by prefault_kv_cache (or used)
@@ -355,6 +362,7 @@ class ModelRunner:
             prompt_logprobs=params.prompt_logprobs,
             pooling_params=new.pooling_params,
             lora_request=new.lora_request,
+            mm_items=list(new.mm_items),
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -427,8 +435,23 @@ class ModelRunner:
         intermediate = None
         if not place.is_first_stage:
             intermediate = self._recv_intermediate_tensors(len(batch.positions))
+        encoder_stats = self.encoder_cache.stats
+        queries, hits = encoder_stats.queries, encoder_stats.hits
+        inputs_embeds = merged_input_embeddings(
+            self.model,
+            self.encoder_cache,
+            [
+                (state.mm_items, state.num_computed_tokens, n)
+                for state, n in zip(states, batch.attn_metadata.query_lens_cpu)
+            ],
+            batch.input_ids,
+            self.attention_backend,
+        )
+        output.mm_cache_queries, output.mm_cache_hits = encoder_stats.queries - queries, encoder_stats.hits - hits
         try:
-            hidden_states = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata, intermediate)
+            hidden_states = self._run_model(
+                batch.input_ids, batch.positions, batch.attn_metadata, intermediate, inputs_embeds
+            )
         finally:
             if self.lora_manager is not None:
                 self.lora_manager.finish_step()
@@ -498,7 +521,10 @@ class ModelRunner:
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         intermediate: IntermediateTensors | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> Any:
+        if inputs_embeds is not None:  # a multimodal model's step that computes image placeholders
+            return self.model(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
         if self.parallel.place.pp_size == 1:
             return self.model(input_ids, positions, attn_metadata)  # models that know no stages
         return self.model(input_ids, positions, attn_metadata, intermediate_tensors=intermediate)

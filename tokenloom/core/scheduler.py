@@ -500,6 +500,7 @@ class Scheduler:
                     num_computed_tokens=num_cached_tokens,
                     pooling_params=seq.pooling_params,
                     lora_request=seq.lora_request,
+                    mm_items=seq.mm_items,
                 )
             )
         return new_reqs

@@ -67,6 +67,8 @@ class EngineSequence:
     lora_request: Any = None
     # speculative decoding: tokens the proposer drafted, to verify in the next step
     draft_token_ids: list[int] = field(default_factory=list)
+    # the prompt's images (tokenloom.core.multimodal.inputs.MultiModalItem), in prompt order
+    mm_items: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -91,17 +91,23 @@ class DecoderStack(nn.Module):
         self._stage_layers = tuple(layers[stage.start : stage.stop])
         self.is_last_stage = is_last_stage
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the first layer takes (scaled by the embedding multiplier)."""
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            hidden_states = hidden_states * self.embedding_multiplier
+        return hidden_states
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata,
         intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         if intermediate_tensors is None:
-            hidden_states = self.embed_tokens(input_ids)
-            if self.embedding_multiplier is not None:
-                hidden_states = hidden_states * self.embedding_multiplier
+            hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         else:
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
@@ -236,14 +242,21 @@ class DecoderForCausalLM(nn.Module):
 
     # -- ModelProtocol -----------------------------------------------------------------
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings a multimodal model merges its media into (see ``forward``)."""
+        return self.model.embed_input_ids(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata,
         intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
+        """``inputs_embeds`` (a multimodal model's: token embeddings with its media merged in)
+        replaces the embedding of ``input_ids``."""
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden_states)

@@ -116,6 +116,8 @@ def register_models(register: Register) -> None:
     :param register: ``register(architecture, target)``, e.g.
         ``register("LlamaForCausalLM", "my_pkg.llama:LlamaForCausalLM")``; ``target``
         resolves to an ``nn.Module`` class honouring :class:`tokenloom.plugin_api.ModelProtocol`.
+        Options: ``runner="pooling"`` for an encoder; ``multimodal_processor=`` (a
+        :class:`tokenloom.plugin_api.MultiModalProcessor` target) for a model that sees images.
     :returns: nothing.
 
     Called once in the main process at plugin load. The worker imports the class by its

@@ -17,6 +17,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": (f"{PACKAGE}.modeling_gemma2:Gemma2ForCausalLM", "generate"),
     "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
     "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),
+    "LlavaForConditionalGeneration": (f"{PACKAGE}.modeling_llava:LlavaForConditionalGeneration", "generate"),
     "Olmo2ForCausalLM": (f"{PACKAGE}.modeling_olmo2:Olmo2ForCausalLM", "generate"),
     "GraniteForCausalLM": (f"{PACKAGE}.modeling_granite:GraniteForCausalLM", "generate"),
     "Phi3ForCausalLM": (f"{PACKAGE}.modeling_phi3:Phi3ForCausalLM", "generate"),
@@ -25,11 +26,16 @@ MODELS: dict[str, tuple[str, str]] = {
     "TransformersForCausalLM": (f"{PACKAGE}.transformers_fallback:TransformersForCausalLM", "generate"),
 }
 
+# architecture -> the multimodal processor of a model that sees (core/multimodal/processor.py)
+MULTIMODAL_PROCESSORS: dict[str, str] = {
+    "LlavaForConditionalGeneration": f"{PACKAGE}.llava_processing:LlavaProcessor",
+}
+
 
 @hookimpl
 def register_models(register):
     for architecture, (target, runner) in MODELS.items():
-        if runner == "generate":
-            register(architecture, target)
-        else:
-            register(architecture, target, runner=runner)
+        options = {"runner": runner} if runner != "generate" else {}
+        if architecture in MULTIMODAL_PROCESSORS:
+            options["multimodal_processor"] = MULTIMODAL_PROCESSORS[architecture]
+        register(architecture, target, **options)

@@ -133,6 +133,8 @@ def sum_stats(replica_stats: list[EngineStats]) -> EngineStats:
         waiting_lora_adapters=merged("waiting_lora_adapters"),
         max_lora=max((stats.max_lora for stats in replica_stats), default=0),
         spec_decoding=spec_decoding,
+        mm_cache_queries=sum(stats.mm_cache_queries for stats in replica_stats),
+        mm_cache_hits=sum(stats.mm_cache_hits for stats in replica_stats),
     )
 
 

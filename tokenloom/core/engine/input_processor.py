@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.core.multimodal.inputs import MultiModalItem, check_items
 from tokenloom.core.pooling import check_pooling_params, prepare_pooling_prompt
 from tokenloom.core.sampling_metadata import SamplingState, tokenize_bad_words
 from tokenloom.core.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, unwrap_prompt
@@ -24,6 +25,8 @@ class PreparedPrompt:
 
     prompt_token_ids: list[int]
     prompt: str | None
+    # the prompt's images, their placeholders expanded in prompt_token_ids (a dict prompt's "mm_items")
+    mm_items: tuple[MultiModalItem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class InputProcessor:
     def prepare_prompt(self, prompt: Any, params: SamplingParams) -> PreparedPrompt:
         """Tokenize and validate a prompt: text, token ids, or vLLM's dict forms."""
         text: str | None = None
+        mm_items = tuple(prompt.get("mm_items") or ()) if isinstance(prompt, dict) else ()
         prompt = unwrap_prompt(prompt, "prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -70,9 +74,15 @@ class InputProcessor:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if params.truncate_prompt_tokens is not None:
+            if mm_items and params.truncate_prompt_tokens < len(token_ids):
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens would cut into a prompt with images; drop it or send fewer tokens",
+                    param="truncate_prompt_tokens",
+                )
             token_ids = token_ids[-params.truncate_prompt_tokens :]
+        check_items(mm_items, len(token_ids))
         self.check_fits(len(token_ids), params)
-        return PreparedPrompt(token_ids, text)
+        return PreparedPrompt(token_ids, text, mm_items)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise unless a prompt of this length, sampled with ``params``, can ever run."""
@@ -141,6 +151,7 @@ class InputProcessor:
                     request_id=request_id,
                     index=index,
                     prompt=prepared.prompt,
+                    mm_items=list(prepared.mm_items),
                 )
             )
         return sequences

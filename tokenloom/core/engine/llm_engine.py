@@ -55,6 +55,9 @@ class EngineStats:
     max_lora: int = 0
     # speculative decoding counters since start (None when it is off)
     spec_decoding: SpecDecodingStats | None = None
+    # the encoder cache since start: images looked up, and found (a model that sees)
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -117,6 +120,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompt_tokens_total = 0
+        self.mm_cache_queries = self.mm_cache_hits = 0
         logger.info(
             "engine ready in %.2fs: %s, %d KV blocks of %d tokens, max_model_len %d",
             time.perf_counter() - started,
@@ -406,6 +410,8 @@ class LLMEngine:
         touched."""
         changed: list[EngineSequence] = []
         if scheduler_output is not None and runner_output is not None:
+            self.mm_cache_queries += runner_output.mm_cache_queries
+            self.mm_cache_hits += runner_output.mm_cache_hits
             changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         else:
             runner_output = ModelRunnerOutput()
@@ -460,6 +466,8 @@ class LLMEngine:
             generation_tokens_total=self.output_processor.generation_tokens_total,
             **self._lora_stats(),
             spec_decoding=scheduler_stats.spec_decoding,
+            mm_cache_queries=self.mm_cache_queries,
+            mm_cache_hits=self.mm_cache_hits,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

@@ -1,0 +1,85 @@
+"""LLaVA-1.5's multimodal processor: each image through the checkpoint's CLIP image processor
+(resize, centre crop, normalise), and its one ``<image>`` token in the rendered prompt expanded
+to one token per image feature (a patch of the vision tower, plus the class token under the
+``full`` strategy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenloom.plugin_api import (
+    InvalidRequestError,
+    ModelLoadError,
+    MultiModalItem,
+    MultiModalProcessor,
+    ProcessedPrompt,
+    ProcessorContext,
+    image_hash,
+)
+
+
+class LlavaProcessor(MultiModalProcessor):
+    def __init__(self, ctx: ProcessorContext):
+        super().__init__(ctx)
+        from transformers import AutoImageProcessor
+
+        config = ctx.hf_config
+        token_id = getattr(config, "image_token_index", None)
+        self.image_token_id = token_id if token_id is not None else getattr(config, "image_token_id", None)
+        if self.image_token_id is None:
+            raise ModelLoadError("the LLaVA config names no image token (image_token_index)")
+        self.placeholders = {"image": ctx.tokenizer.convert_ids_to_tokens(self.image_token_id)}
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(ctx.model_path)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"{ctx.model_path} has no image processor configuration LLaVA can read: {exc}"
+            ) from None
+        self.patch_size = config.vision_config.patch_size
+        self.extra_tokens = 1 if config.vision_feature_select_strategy == "full" else 0
+
+    def dummy_images(self) -> list[Any]:
+        from PIL import Image
+
+        size = self.ctx.hf_config.vision_config.image_size
+        return [Image.new("RGB", (size, size))]
+
+    def process(
+        self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]
+    ) -> ProcessedPrompt:
+        placeholders = [index for index, token in enumerate(prompt_token_ids) if token == self.image_token_id]
+        if len(placeholders) != len(images):
+            raise InvalidRequestError(
+                f"the prompt holds {len(placeholders)} image placeholder(s) ({self.placeholders['image']}) but "
+                f"{len(images)} image(s) came with it: the chat template must place one per image",
+                param="messages",
+            )
+        token_ids: list[int] = []
+        items: list[MultiModalItem] = []
+        previous = 0
+        for placeholder, image in zip(placeholders, images, strict=True):
+            try:
+                pixel_values = self.image_processor(images=[image], return_tensors="pt", **processor_kwargs)[
+                    "pixel_values"
+                ][0]
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(
+                    f"mm_processor_kwargs {processor_kwargs!r} do not suit the image processor: {exc}",
+                    param="mm_processor_kwargs",
+                ) from None
+            height, width = pixel_values.shape[-2:]
+            length = (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
+            token_ids += prompt_token_ids[previous:placeholder]
+            items.append(
+                MultiModalItem(
+                    modality="image",
+                    hash=image_hash(image, processor_kwargs),
+                    offset=len(token_ids),
+                    length=length,
+                    data={"pixel_values": pixel_values},
+                )
+            )
+            token_ids += [self.image_token_id] * length
+            previous = placeholder + 1
+        token_ids += prompt_token_ids[previous:]
+        return ProcessedPrompt(token_ids, items)
