@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from tokenloom.core.sampling_params import SamplingParams
 
 
@@ -78,6 +79,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # speculation is on at this batch size: the worker drafts for the requests that sample
     propose_drafts: bool = False
+    # the KV connector's loads and saves for this step (None: no connector)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     def trim_draft_tokens(self, req_id: str, num_kept: int) -> None:
         """Verify only the first ``num_kept`` drafts of ``req_id`` (e.g. the grammar rejects
@@ -99,6 +102,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+    @property
+    def needs_worker(self) -> bool:
+        """The worker has something to do: tokens to run, requests to forget, or KV-connector
+        loads and saves (a step that runs nothing still collects loads that ended)."""
+        metadata = self.kv_connector_metadata
+        return bool(self.num_scheduled_tokens or self.finished_req_ids or (metadata is not None and metadata.has_work))
 
 
 @dataclass
@@ -126,6 +136,8 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # speculative decoding: the tokens proposed for each request to verify next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # what the KV connector loaded and stored since the last step (None: no connector)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

@@ -54,6 +54,7 @@ from tokenloom.core.engine.replica_messages import (
     ToReplica,
 )
 from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped
+from tokenloom.core.kv_connector import KVConnectorStats
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.core.structured_output_compile import REQUEST_CLIENT
@@ -116,6 +117,16 @@ def sum_stats(replica_stats: list[EngineStats]) -> EngineStats:
             num_accepted_tokens_per_pos=per_position,
         )
 
+    connector_stats = [stats.kv_connector for stats in replica_stats if stats.kv_connector is not None]
+    kv_connector = None
+    if connector_stats:
+        kv_connector = KVConnectorStats(
+            **{
+                f.name: sum(getattr(connector, f.name) for connector in connector_stats)
+                for f in dataclasses.fields(KVConnectorStats)
+            }
+        )
+
     def merged(name: str) -> list[str]:
         return sorted({adapter for stats in replica_stats for adapter in getattr(stats, name)})
 
@@ -132,6 +143,7 @@ def sum_stats(replica_stats: list[EngineStats]) -> EngineStats:
         waiting_lora_adapters=merged("waiting_lora_adapters"),
         max_lora=max((stats.max_lora for stats in replica_stats), default=0),
         spec_decoding=spec_decoding,
+        kv_connector=kv_connector,
     )
 
 

@@ -21,6 +21,7 @@ from tokenloom.core.config import EngineArgs, EngineConfig, ParallelConfig
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.core.kv_connector import KVConnectorStats, build_kv_connector, check_kv_transfer
 from tokenloom.core.kv_events import build_event_publisher
 from tokenloom.core.model_loader import ModelInfo, resolve_model, resolve_source
 from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
@@ -56,6 +57,8 @@ class EngineStats:
     max_lora: int = 0
     # speculative decoding counters since start (None when it is off)
     spec_decoding: SpecDecodingStats | None = None
+    # KV-connector lookups and transfers since start (None without --kv-transfer-config)
+    kv_connector: KVConnectorStats | None = None
 
 
 class LLMEngine:
@@ -71,6 +74,10 @@ class LLMEngine:
         self.model_info: ModelInfo
         self.model_info, self.tokenizer = resolve_model(config, plugins)
         num_lookahead_tokens = check_proposer_model(config, plugins, self.model_info, self.tokenizer)
+        check_kv_transfer(config, plugins)
+        # the scheduler side of --kv-transfer-config's connector (its options checked before the
+        # workers start), or None
+        kv_connector = build_kv_connector(config, self.model_info, plugins) if config.kv_transfer else None
         self.max_model_len = self.model_info.max_model_len
         # vLLM's -1: no cap, i.e. as many as the vocabulary has
         self.max_logprobs = (
@@ -94,7 +101,16 @@ class LLMEngine:
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
             num_lookahead_tokens=num_lookahead_tokens,
             enable_kv_cache_events=config.kv_events.publishes,
+            kv_connector=kv_connector,
         )
+        if kv_connector is not None:
+            assert config.kv_transfer is not None  # the connector was built from it
+            logger.info(
+                "KV connector %s (%s): %s",
+                config.kv_transfer.kv_connector,
+                config.kv_transfer.kv_role,
+                kv_connector.describe(),
+            )
         # sends what the prefix cache stored, evicted and cleared (--kv-events-config), or None
         self.kv_event_publisher = build_event_publisher(config.kv_events, config.parallel.data_parallel_rank)
         if self.kv_event_publisher is not None and not config.cache.enable_prefix_caching:
@@ -424,7 +440,7 @@ class LLMEngine:
         if self.executor.max_concurrent_batches > 1:
             return self._step_with_batch_queue(touched)
         scheduler_output = self._schedule()
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+        if not scheduler_output.needs_worker:
             runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
         else:
             try:
@@ -453,7 +469,7 @@ class LLMEngine:
         outputs: list[RequestOutput | PoolingRequestOutput] = []
         if len(queue) < max_batches:
             scheduler_output = self._schedule()
-            if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            if not scheduler_output.needs_worker:
                 # nothing new could run; requests the scheduler finished itself come out here
                 outputs = self._apply(scheduler_output, ModelRunnerOutput(), touched)
                 touched = {}
@@ -537,6 +553,7 @@ class LLMEngine:
             generation_tokens_total=self.output_processor.generation_tokens_total,
             **self._lora_stats(),
             spec_decoding=scheduler_stats.spec_decoding,
+            kv_connector=scheduler_stats.kv_connector,
         )
 
     def _lora_stats(self) -> dict[str, Any]:
