@@ -13,7 +13,8 @@ beside the blocks says which), so a block of another model is never even looked 
 shape, payload length, sha256 of the payload) and the payload (the block's tensor bytes). It is
 written to a temporary name, fsynced and renamed into place, so a reader sees a whole file or
 none; a file that fails any check on load (truncated, corrupted, another namespace or layout)
-is deleted and its block recomputed. Loading or re-storing a block refreshes its mtime, the
+is deleted and its block recomputed, and storing a block over a file of the wrong size
+replaces it. Loading or re-storing a block refreshes its mtime, the
 LRU order eviction follows.
 """
 
@@ -99,9 +100,6 @@ class SharedStorageConnector(KVConnector):
 
     def save_block(self, block_hash: bytes, kv: torch.Tensor) -> int:
         path = self._path(block_hash)
-        if os.path.exists(path):
-            _touch(path)
-            return 0
         payload = kv.contiguous().reshape(-1).view(torch.uint8).numpy()
         header = json.dumps(
             {
@@ -113,6 +111,10 @@ class SharedStorageConnector(KVConnector):
                 "sha256": hashlib.sha256(payload).hexdigest(),
             }
         ).encode("utf-8")
+        size = len(MAGIC) + HEADER_LENGTH_BYTES + len(header) + payload.nbytes
+        if _size(path) == size:
+            _touch(path)  # stored already (a file of another size is a torn one: replaced)
+            return 0
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temporary = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
         try:
@@ -127,9 +129,8 @@ class SharedStorageConnector(KVConnector):
         except BaseException:
             _remove(temporary)
             raise
-        written = len(MAGIC) + HEADER_LENGTH_BYTES + len(header) + payload.nbytes
-        self._account(written)
-        return written
+        self._account(size)
+        return size
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -208,6 +209,13 @@ def _touch(path: str) -> None:
         os.utime(path)
     except FileNotFoundError:
         pass
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return None
 
 
 def _remove(path: str) -> bool:
