@@ -17,7 +17,8 @@ implements three storage calls; the core here runs them at the right moments:
 - worker side, :class:`KVConnectorWorker`: ``start_load_kv`` hands a step's loads to a loader
   thread (``KVConnector.load_block`` per block, copied into the KV cache), ``save_kv`` copies the
   blocks the step computed out of the cache after the forward and hands them to a saver thread
-  (``KVConnector.save_block``), and ``get_finished`` reports the requests whose loads are done.
+  (``KVConnector.save_block``; a ``kv_producer`` waits for it, so the blocks are stored when its
+  response returns), and ``get_finished`` reports the requests whose loads are done.
 
 A request whose blocks load waits outside the scheduler's queues (it holds its blocks, nothing
 runs for it) while the other requests keep stepping; when the worker reports its load, it goes
@@ -385,6 +386,9 @@ class KVConnectorWorker:
         self._lock = threading.Lock()
         self._pending_save_bytes = 0
         self._stored = KVConnectorOutput()
+        # a producer exists to store: its step returns once the blocks are stored, so a consumer
+        # sent the request next finds them all (vLLM's shared-storage producer does the same)
+        self.synchronous_save = connector.context.config.kv_role == "kv_producer"
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None:
@@ -434,7 +438,9 @@ class KVConnectorWorker:
                 self._stored.num_blocks_not_stored += len(block_ids)
                 return
             self._pending_save_bytes += num_bytes
-        self._saver.submit(self._save, [block_hash for _, block_hash in metadata.saves], kv, num_bytes)
+        saved = self._saver.submit(self._save, [block_hash for _, block_hash in metadata.saves], kv, num_bytes)
+        if self.synchronous_save:
+            saved.result()
 
     def _save(self, hashes: list[bytes], kv: torch.Tensor, num_bytes: int) -> None:
         for position, block_hash in enumerate(hashes):
