@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from tokenloom.core.kv_connector import KVBlockCorruptError, KVConnector, KVConnectorContext
 from tokenloom.errors import ConfigError
+from tokenloom.plugin_api import KVBlockCorruptError, KVConnector, KVConnectorContext
 
 logger = logging.getLogger(__name__)
 
