@@ -484,8 +484,12 @@ class KVConnectorWorker:
         output.num_load_failures += num_failures
 
     def wait_for_save(self) -> None:
-        """Block until every queued save is stored (shutdown, tests)."""
+        """Block until every queued save is stored (tests, benchmarks)."""
         self._saver.submit(lambda: None).result()
+
+    def wait_for_load(self) -> None:
+        """Block until every started load has written its blocks (tests)."""
+        self._loader.submit(lambda: None).result()
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)

@@ -16,6 +16,11 @@ Over ~400 lines on purpose: admission, ``schedule()``, ``update_from_output()`` 
 keep one set of invariants together (a sequence is in exactly one of the waiting queue and the
 running list, holds blocks only while running, and every finished id reaches the worker once);
 split apart, each half would have to re-check the other's.
+
+With a KV connector (``--kv-transfer-config``, :mod:`tokenloom.core.kv_connector`) a third place
+holds sequences: ``_loading``, requests whose prefix blocks the worker is loading. They hold
+their blocks there (an aborted one until its loader is done writing them) and return to the head
+of the waiting queue, still holding them, when the worker reports the load.
 """
 
 from __future__ import annotations

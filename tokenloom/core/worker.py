@@ -48,6 +48,8 @@ class Worker:
         if kv_connector is None:
             return self.runner.execute(scheduler_output)
         metadata = scheduler_output.kv_connector_metadata
+        if metadata is not None:
+            self.runner.note_blocks_written([block_id for blocks in metadata.loads.values() for block_id, _ in blocks])
         kv_connector.start_load_kv(metadata)
         output = self.runner.execute(scheduler_output)
         kv_connector.save_kv(metadata)  # the forward has written the step's blocks

@@ -140,6 +140,34 @@ def test_chunked_prefill_preemption_and_the_mp_executor_give_the_same_ids(tiny_l
     gc.collect()
 
 
+def test_blocks_loaded_before_their_request_runs_are_not_zeroed_by_prefaulting(tiny_llama_dir, tmp_path, reference):
+    writer = make_llm(tiny_llama_dir, tmp_path)
+    ids(writer, [PROMPT])
+    flush(writer)
+    close(writer)
+    llm = make_llm(tiny_llama_dir, tmp_path)
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": PROMPT}, GREEDY)
+    engine.step()  # the load starts
+    engine.executor.worker.kv_connector.wait_for_load()
+    # the server's idle loop maps never-used blocks by writing zeros over them: not these
+    assert engine.executor.prefault_kv_cache(1 << 40) > 0
+    worker = engine.executor.worker
+    block_manager = engine.scheduler.block_manager
+    table = block_manager.get_block_table("r")
+    for block_id, block_hash in zip(table, block_manager.block_hashes(engine.scheduler.get_sequence("r"), 0, 9)):
+        stored = worker.kv_connector.connector.load_block(block_hash)
+        assert stored.any() and torch.equal(
+            torch.stack([cache[:, block_id] for cache in worker.runner.kv_caches]), stored
+        )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert list(outputs[-1].outputs[0].token_ids) == reference[tuple(PROMPT)]
+    assert outputs[-1].num_cached_tokens == 144
+    close(llm)
+
+
 def test_a_corrupted_or_truncated_block_is_recomputed_and_stored_again(tiny_llama_dir, tmp_path, reference):
     writer = make_llm(tiny_llama_dir, tmp_path)
     ids(writer, [PROMPT])
