@@ -82,12 +82,22 @@ def serve(model_dir: str, log_path: str, store=None, role: str = "kv_both") -> R
     return start_server(args, log_path)
 
 
-def complete(base_url: str) -> tuple[str, int]:
-    """Greedy text and usage's cached prompt tokens for PROMPT."""
+def complete(base_url: str) -> tuple[str, int, list[float]]:
+    """Greedy text, usage's cached prompt tokens and the chosen tokens' logprobs for PROMPT (a
+    wrong KV block that leaves a random model's greedy text unchanged still moves them)."""
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=300)
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
     details = response.usage.prompt_tokens_details
-    return response.choices[0].text, details.cached_tokens if details else 0
+    return (
+        response.choices[0].text,
+        details.cached_tokens if details else 0,
+        response.choices[0].logprobs.token_logprobs,
+    )
+
+
+def assert_same_answer(got: tuple[str, int, list[float]], text: str, logprobs: list[float], cached: int) -> None:
+    assert got[:2] == (text, cached)
+    assert got[2] == pytest.approx(logprobs, abs=1e-3)
 
 
 def metric(server: RunningServer, name: str) -> float:
@@ -116,12 +126,12 @@ def first_run(long_llama_dir, tmp_path_factory):
     store = directory / "kv"
     server = serve(long_llama_dir, str(directory / "serve.log"), store)
     try:
-        text, cached = complete(server.base_url)
+        text, cached, logprobs = complete(server.base_url)
         assert cached == 0 and metric(server, "vllm:external_prefix_cache_hits_total") == 0
         wait_for_blocks(store, NUM_FROM_CONNECTOR // BLOCK_SIZE)
     finally:
         stop_server(server)
-    return store, text, server.log()
+    return store, (text, logprobs), server.log()
 
 
 def test_a_restarted_server_takes_the_prefix_from_the_directory(long_llama_dir, tmp_path, first_run):
@@ -129,7 +139,7 @@ def test_a_restarted_server_takes_the_prefix_from_the_directory(long_llama_dir, 
     assert re.search(r"KV connector SharedStorageConnector \(kv_both\): blocks in " + re.escape(str(store)), first_log)
     second = serve(long_llama_dir, str(tmp_path / "second.log"), store)
     try:
-        assert complete(second.base_url) == (answer, NUM_FROM_CONNECTOR)
+        assert_same_answer(complete(second.base_url), *answer, cached=NUM_FROM_CONNECTOR)
         assert metric(second, "vllm:external_prefix_cache_queries_total") == NUM_FROM_CONNECTOR
         assert metric(second, "vllm:external_prefix_cache_hits_total") == NUM_FROM_CONNECTOR
         assert metric(second, "vllm:kv_connector_blocks_loaded_total") == NUM_FROM_CONNECTOR // BLOCK_SIZE
@@ -162,7 +172,7 @@ def test_a_producer_and_a_consumer_behind_the_proxy_answer_as_one_instance(long_
     )
     try:
         wait_ready(RunningServer(proxy, f"http://127.0.0.1:{port}", str(tmp_path / "proxy.log")), timeout=60)
-        assert complete(f"http://127.0.0.1:{port}") == (answer, NUM_FROM_CONNECTOR)
+        assert_same_answer(complete(f"http://127.0.0.1:{port}"), *answer, cached=NUM_FROM_CONNECTOR)
         # the producer computed the prompt and stored it; the consumer loaded it and stored nothing
         assert metric(producer, "vllm:kv_connector_blocks_stored_total") == NUM_FROM_CONNECTOR // BLOCK_SIZE
         assert metric(producer, "vllm:external_prefix_cache_hits_total") == 0
@@ -171,7 +181,7 @@ def test_a_producer_and_a_consumer_behind_the_proxy_answer_as_one_instance(long_
         # streamed through the proxy too: the consumer's local cache now holds the prefix
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300)
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == answer
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == answer[0]
     finally:
         proxy.terminate()
         proxy.wait(timeout=30)
