@@ -194,7 +194,7 @@ def test_a_short_load_leaves_the_rest_to_compute_and_the_local_hit_comes_first()
     assert step.scheduled_new_reqs[0].num_computed_tokens == 12
 
 
-def test_steps_offer_their_computed_prompt_blocks_once_and_roles_split_loading_from_saving():
+def test_steps_offer_their_computed_prompt_blocks_and_roles_split_loading_from_saving():
     connector = DictConnector(context("kv_producer"))
     scheduler = make_scheduler(connector, max_num_batched_tokens=8, enable_chunked_prefill=True)
     store_blocks(connector, scheduler, PROMPT, 5)  # a producer never loads, even what it holds

@@ -39,7 +39,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,8 +63,6 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_SAVE_BYTES = 512 * 2**20
 # when a step has nothing to run but loads are in flight, how long the worker waits for one to end
 IDLE_LOAD_WAIT_SECONDS = 0.01
-# block hashes the scheduler offered for saving, remembered so a block is offered once per process
-MAX_REMEMBERED_SAVES = 1 << 16
 # files whose bytes name the model's weights in the store's namespace
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 
@@ -291,8 +288,6 @@ class KVConnectorScheduler:
         self._saves: list[tuple[int, bytes]] = []
         # request id -> tokens its last lookup asked the connector about (counted on admission)
         self._queried: dict[str, int] = {}
-        # hashes offered for saving before, most recent last
-        self._offered: OrderedDict[bytes, None] = OrderedDict()
 
     @staticmethod
     def applies_to(seq: EngineSequence) -> bool:
@@ -340,13 +335,9 @@ class KVConnectorScheduler:
         if last <= first:
             return
         table = self.block_manager.get_block_table(seq.seq_id)
+        # a block stored already is the connector's to skip (a recomputed one: after a preemption,
+        # a failed load, or a save the worker had to drop)
         for index, block_hash in enumerate(self._hashes(seq, first, last), start=first):
-            if block_hash in self._offered:
-                self._offered.move_to_end(block_hash)
-                continue
-            self._offered[block_hash] = None
-            if len(self._offered) > MAX_REMEMBERED_SAVES:
-                self._offered.popitem(last=False)
             self._saves.append((table[index], block_hash))
 
     def _hashes(self, seq: EngineSequence, first: int, last: int) -> list[bytes]:
