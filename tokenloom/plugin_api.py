@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.byte_level import bytes_to_unicode
     from tokenloom.core.executor import Executor, WorkerSpec
     from tokenloom.core.generation_config import read_generation_config_json
+    from tokenloom.core.kv_connector import KVBlockCorruptError, KVConnector, KVConnectorContext
     from tokenloom.core.logits_processors import LogitsProcessor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext, ModelProtocol
@@ -85,6 +86,9 @@ _LAZY = {
     "Executor": "tokenloom.core.executor",
     "WorkerSpec": "tokenloom.core.executor",
     "Proposer": "tokenloom.core.spec_decode.proposer",
+    "KVConnector": "tokenloom.core.kv_connector",
+    "KVConnectorContext": "tokenloom.core.kv_connector",
+    "KVBlockCorruptError": "tokenloom.core.kv_connector",
     "ProposerSpec": "tokenloom.core.spec_decode.proposer",
     "DraftRequest": "tokenloom.core.spec_decode.proposer",
     "Draft": "tokenloom.core.spec_decode.proposer",
@@ -169,6 +173,9 @@ __all__ = [
     "WorkerSpec",
     "Proposer",
     "ProposerSpec",
+    "KVConnector",
+    "KVConnectorContext",
+    "KVBlockCorruptError",
     "DraftRequest",
     "Draft",
     "ModelSource",

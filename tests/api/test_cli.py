@@ -22,8 +22,8 @@ from tokenloom.plugins import manager
 
 
 def test_unimplemented_flag_exits_2_naming_it(capsys):
-    assert main(["serve", "--kv-transfer-config", "{}"]) == 2
-    assert "tokenloom does not implement --kv-transfer-config yet" in capsys.readouterr().err
+    assert main(["serve", "--additional-config", "{}"]) == 2
+    assert "tokenloom does not implement --additional-config yet" in capsys.readouterr().err
 
 
 def test_unknown_flag_exits_2_with_a_suggestion(capsys):

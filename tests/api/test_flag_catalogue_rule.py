@@ -66,6 +66,7 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--speculative-max-model-len": "tests/core/spec_decode/test_spec_decode_draft_model.py::test_draft_max_model_len_bounds_the_positions_drafted",
     "--speculative-draft-tensor-parallel-size": "tests/api/test_serve_args.py::test_bad_speculative_configs_say_what_to_change",
     "--kv-events-config": "tests/e2e/test_kv_events_smollm2.py::test_events_follow_the_prefix_cache_through_evictions_and_a_reset",
+    "--kv-transfer-config": "tests/e2e/test_kv_connector_restart.py::test_a_restarted_server_takes_the_prefix_from_the_directory",
     # -- data parallelism (issue 21)
     "--data-parallel-size": "tests/core/engine/test_data_parallel.py::test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_its_streams",
     "--data-parallel-size-local": "tests/core/engine/test_data_parallel.py::test_ray_replicas_beyond_the_local_count_go_to_other_nodes",

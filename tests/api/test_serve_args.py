@@ -147,6 +147,7 @@ SAMPLES = {
     "--data-parallel-rank": ["--data-parallel-rank", "1", "-dp", "2"],
     "--data-parallel-hybrid-lb": ["--data-parallel-hybrid-lb", "-dp", "2", "-dpl", "1", "-dpr", "1"],
     "--collect-detailed-traces": ["--collect-detailed-traces", "all", "--otlp-traces-endpoint", "http://c:4317"],
+    "--kv-transfer-config": ["--kv-transfer-config", '{"kv_connector": "SharedStorageConnector"}'],
     "--speculative-model": ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],
     "--num-speculative-tokens": ["--num-speculative-tokens", "2", "--speculative-model", "[ngram]"],
     **{
@@ -332,8 +333,8 @@ def test_enable_reasoning_is_accepted_with_a_reasoning_parser_only():
 
 
 def test_unimplemented_flags_are_refused_by_name_unless_given_their_default():
-    with pytest.raises(NotImplementedFlagError, match=r"^tokenloom does not implement --kv-transfer-config yet"):
-        parse("--kv-transfer-config", '{"kv_connector": "x"}')
+    with pytest.raises(NotImplementedFlagError, match=r"^tokenloom does not implement --additional-config yet"):
+        parse("--additional-config", '{"key": "x"}')
     with pytest.raises(NotImplementedFlagError, match=r"only its default, --num-scheduler-steps 1, is accepted"):
         parse("--num-scheduler-steps", "8")
     with pytest.raises(NotImplementedFlagError, match="HF_TOKEN"):

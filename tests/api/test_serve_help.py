@@ -33,7 +33,7 @@ def test_help_for_a_group_a_flag_a_keyword_and_the_group_list(capsys):
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in out and "--prefix-caching-hash-algo" in out
     code, out = help_output(capsys, "--help=listgroup")
     assert out.splitlines()[0].startswith("Frontend:") and len(out.splitlines()) == len(flags.GROUPS)
-    code, out = help_output(capsys, "--help=kv-transfer-config")
+    code, out = help_output(capsys, "--help=additional-config")
     assert "[not implemented]" in out
     code, out = help_output(capsys, "--help=zzzzzz")
     assert code == 2 and "no flag, group or keyword matches 'zzzzzz'" in out

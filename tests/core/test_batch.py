@@ -18,6 +18,7 @@ from tokenloom.core.batch import (
     StructuredOutputMasks,
     TokenLogprobs,
 )
+from tokenloom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from tokenloom.core.multimodal.inputs import MultiModalItem
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 from tokenloom.lora.request import LoRARequest
@@ -51,6 +52,9 @@ def full_scheduler_output() -> SchedulerOutput:
         structured_output=StructuredOutputMasks(req_ids=["b"], bitmask=np.array([[1, -1, 5]], dtype=np.int32)),
         scheduled_spec_decode_tokens={"b": [8, 9]},
         propose_drafts=True,
+        kv_connector_metadata=KVConnectorMetadata(
+            loads={"e": [(3, b"\x01" * 32)]}, saves=[(5, b"\x02" * 32)], num_loads_in_flight=1
+        ),
     )
     every_field_set(output)
     return output
@@ -80,6 +84,7 @@ def test_model_runner_output_round_trips_through_pickle():
         draft_token_ids={"b": [1, 2, 3]},
         mm_cache_queries=2,
         mm_cache_hits=1,
+        kv_connector_output=KVConnectorOutput(finished_loads={"e": 1}, num_blocks_loaded=1, num_bytes_stored=4096),
     )
     every_field_set(original)
     copy = pickle.loads(pickle.dumps(original, protocol=pickle.HIGHEST_PROTOCOL))

@@ -910,7 +910,19 @@ FLAGS: tuple[Flag, ...] = (
             "The older --speculative-model / --num-speculative-tokens / --ngram-prompt-lookup-* flags map onto it."
         ),
     ),
-    unimplemented("--kv-transfer-config", "VllmConfig", "JSON settings of distributed KV-cache transfer.", kind="json"),
+    implemented(
+        "--kv-transfer-config",
+        "VllmConfig",
+        to=CLI,
+        kind="json",
+        help=(
+            "JSON KV-connector settings, vLLM's keys: kv_connector (a register_kv_connectors name, e.g. "
+            "SharedStorageConnector), kv_role (kv_producer: store computed prefix blocks; kv_consumer: load them; "
+            "kv_both, the default) and kv_connector_extra_config (the connector's options; SharedStorageConnector: "
+            "shared_storage_path, max_bytes). A new request's prefix beyond the local prefix cache is loaded from "
+            "the connector, so a prompt prefilled by another instance, or before a restart, is not recomputed."
+        ),
+    ),
     implemented(
         "--kv-events-config",
         "VllmConfig",

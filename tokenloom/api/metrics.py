@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from tokenloom.core.engine.llm_engine import EngineStats
+    from tokenloom.core.engine.engine_stats import EngineStats
     from tokenloom.core.engine.protocol import EngineClient
     from tokenloom.core.scheduler import SpecDecodingStats
 
@@ -104,6 +104,31 @@ class EngineStatsCollector:
         # the encoder cache of a model that sees (vLLM's multimodal cache names), in items
         yield counter("vllm:mm_cache_queries", "Multimodal cache queries, in items.", stats.mm_cache_queries)
         yield counter("vllm:mm_cache_hits", "Multimodal cache hits, in items.", stats.mm_cache_hits)
+        kv_connector = getattr(stats, "kv_connector", None)
+        if kv_connector is not None:
+            # vLLM's names for the lookups; the transfers under kv_connector_*
+            yield counter(
+                "vllm:external_prefix_cache_queries", "KV-connector lookups, in tokens.", kv_connector.queries
+            )
+            yield counter("vllm:external_prefix_cache_hits", "KV-connector hits, in tokens.", kv_connector.hits)
+            for name, documentation, value in (
+                ("blocks_loaded", "KV blocks loaded from the connector.", kv_connector.num_blocks_loaded),
+                ("bytes_loaded", "Bytes of KV loaded from the connector.", kv_connector.num_bytes_loaded),
+                ("load_seconds", "Time spent loading KV blocks (loader thread).", kv_connector.load_seconds),
+                (
+                    "load_failures",
+                    "KV blocks that failed their checks and were recomputed.",
+                    kv_connector.num_load_failures,
+                ),
+                ("blocks_stored", "KV blocks stored by the connector.", kv_connector.num_blocks_stored),
+                ("bytes_stored", "Bytes of KV stored by the connector.", kv_connector.num_bytes_stored),
+                (
+                    "blocks_not_stored",
+                    "KV blocks offered but not stored (saver busy or failed).",
+                    kv_connector.num_blocks_not_stored,
+                ),
+            ):
+                yield counter(f"vllm:kv_connector_{name}", documentation, value)
         spec = getattr(stats, "spec_decoding", None)
         if spec is not None:
             yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)

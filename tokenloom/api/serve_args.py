@@ -215,6 +215,9 @@ def _route(values: dict[str, Any], warnings: list[str]) -> dict[tuple[str, str],
         if flag.key == "kv_events_config":  # checked key by key by KVEventsConfig.from_dict
             put((ENGINE, "kv_events_config"), value, flag)
             continue
+        if flag.key == "kv_transfer_config":  # checked key by key by KVTransferConfig.from_dict
+            put((ENGINE, "kv_transfer_config"), value, flag)
+            continue
         if flag.to == CLI:
             continue
         if flag.const is not None:

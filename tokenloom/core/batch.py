@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.core.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from tokenloom.core.sampling_params import SamplingParams
 
 
@@ -80,6 +81,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # speculation is on at this batch size: the worker drafts for the requests that sample
     propose_drafts: bool = False
+    # the KV connector's loads and saves for this step (None: no connector)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     def trim_draft_tokens(self, req_id: str, num_kept: int) -> None:
         """Verify only the first ``num_kept`` drafts of ``req_id`` (e.g. the grammar rejects
@@ -101,6 +104,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+    @property
+    def needs_worker(self) -> bool:
+        """The worker has something to do: tokens to run, requests to forget, or KV-connector
+        loads and saves (a step that runs nothing still collects loads that ended)."""
+        metadata = self.kv_connector_metadata
+        return bool(self.num_scheduled_tokens or self.finished_req_ids or (metadata is not None and metadata.has_work))
 
 
 @dataclass
@@ -131,6 +141,8 @@ class ModelRunnerOutput:
     # the encoder cache this step: images looked up, and those found (not encoded again)
     mm_cache_queries: int = 0
     mm_cache_hits: int = 0
+    # what the KV connector loaded and stored since the last step (None: no connector)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

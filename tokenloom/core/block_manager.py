@@ -191,6 +191,11 @@ class BlockManager:
             parent = ("block", cached.serial)
         return hit_blocks, len(hit_blocks) * self.block_size
 
+    def block_hashes(self, seq: EngineSequence, start: int, end: int) -> list[Hashable]:
+        """The chain hashes of the request's full blocks ``start`` to ``end`` (exclusive), the
+        keys a KV connector stores them under."""
+        return [self._block_hash(seq, block_index) for block_index in range(start, end)]
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The KV-cache events recorded since the last call, oldest first."""
         if not self._kv_events:

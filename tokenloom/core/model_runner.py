@@ -390,6 +390,12 @@ class ModelRunner:
             if cached.new_block_ids:
                 self._kv_high_water = max(self._kv_high_water, max(cached.new_block_ids) + 1)
 
+    def note_blocks_written(self, block_ids: list[int]) -> None:
+        """Blocks written outside a step (a KV connector's loads) before any block table holds
+        them: prefault_kv_cache must not zero them."""
+        if block_ids:
+            self._kv_high_water = max(self._kv_high_water, max(block_ids) + 1)
+
     def prefault_kv_cache(self, max_bytes: int) -> int:
         """Write zeros over the next never-used blocks (ids from the high-water mark up), up to
         ``max_bytes`` over all layers: the platform's lazily zeroed cache then pays its page

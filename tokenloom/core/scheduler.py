@@ -16,10 +16,16 @@ Over ~400 lines on purpose: admission, ``schedule()``, ``update_from_output()`` 
 keep one set of invariants together (a sequence is in exactly one of the waiting queue and the
 running list, holds blocks only while running, and every finished id reaches the worker once);
 split apart, each half would have to re-check the other's.
+
+With a KV connector (``--kv-transfer-config``, :mod:`tokenloom.core.kv_connector`) a third place
+holds sequences: ``_loading``, requests whose prefix blocks the worker is loading. They hold
+their blocks there (an aborted one until its loader is done writing them) and return to the head
+of the waiting queue, still holding them, when the worker reports the load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from tokenloom.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenloom.core.block_manager import BlockManager
 from tokenloom.core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenloom.core.kv_connector import KVConnector, KVConnectorOutput, KVConnectorScheduler, KVConnectorStats
 from tokenloom.core.sequence import EngineSequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
@@ -53,6 +60,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decoding: SpecDecodingStats | None = None
+    kv_connector: KVConnectorStats | None = None
 
 
 @dataclass
@@ -159,9 +167,11 @@ class Scheduler:
         send_token_ids: bool = False,
         num_lookahead_tokens: int = 0,
         enable_kv_cache_events: bool = False,
+        kv_connector: KVConnector | None = None,
     ):
         """:param send_token_ids: put each step's tokens in ``CachedRequestData.new_token_ids``
-        (pipeline parallelism: the stages before the last never sample)."""
+        (pipeline parallelism: the stages before the last never sample).
+        :param kv_connector: the scheduler side of ``--kv-transfer-config``'s connector."""
         if max_model_len < 2:
             raise ConfigError(
                 f"max_model_len must be at least 2 (one prompt and one output token), got {max_model_len}",
@@ -216,6 +226,12 @@ class Scheduler:
         # slots past a request's scheduled tokens, allocated while speculating, where the
         # proposer writes its drafts' KV right after the step (a draft model: k)
         self.num_lookahead_tokens = num_lookahead_tokens if speculative else 0
+        self.kv_connector = KVConnectorScheduler(kv_connector, self.block_manager) if kv_connector else None
+        # requests whose prefix blocks the KV connector is loading: out of both queues, holding
+        # their blocks (an aborted one too, until the loader is done writing them)
+        self._loading: dict[str, EngineSequence] = {}
+        # requests back in the waiting queue after their load, holding blocks and computed tokens
+        self._loaded_ids: set[str] = set()
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -352,6 +368,11 @@ class Scheduler:
         # after a preemption memory is short: admitting more would only preempt again
         new_reqs = [] if preempted_this_step else self._schedule_waiting(token_budget, num_scheduled_tokens, speculate)
 
+        kv_connector_metadata = None
+        if self.kv_connector is not None:
+            for seq_id, num_tokens in num_scheduled_tokens.items():
+                self.kv_connector.request_scheduled(self.sequences[seq_id], num_tokens)
+            kv_connector_metadata = self.kv_connector.build_connector_meta(len(self._loading))
         finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, set()
         preempted_seq_ids, self._preempted_seq_ids = self._preempted_seq_ids, set()
         for seq_id in num_scheduled_tokens:
@@ -364,6 +385,7 @@ class Scheduler:
             preempted_req_ids=preempted_seq_ids & finished_seq_ids,
             scheduled_spec_decode_tokens=spec_decode_tokens,
             propose_drafts=speculate,
+            kv_connector_metadata=kv_connector_metadata,
         )
 
     def _step_token_ids(
@@ -439,8 +461,8 @@ class Scheduler:
         running_loras = self.running_lora_ids()
         while len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            if seq.seq_id in self._in_flight:
-                break  # its id's aborted predecessor has a batch in flight: after that result
+            if seq.seq_id in self._in_flight or seq.seq_id in self._loading:
+                break  # its id's aborted predecessor has a batch or a load in flight: after that
             lora_id = None if seq.lora_request is None else seq.lora_request.lora_int_id
             if (
                 lora_id is not None
@@ -452,14 +474,29 @@ class Scheduler:
                 # starves, so do the requests behind it) until one of those adapters is done
                 break
             computed_blocks, num_cached_tokens = None, 0
+            if seq.seq_id in self._loaded_ids:
+                num_cached_tokens = seq.num_computed_tokens  # its local hit and loaded blocks
             # a prefix hit would skip the prompt positions whose logprobs were asked for (or
             # the hidden states a pooling request pools)
-            if (
+            elif (
                 self.block_manager.enable_prefix_caching
                 and seq.sampling_params.prompt_logprobs is None
                 and seq.pooling_params is None
             ):
                 computed_blocks, num_cached_tokens = self.block_manager.get_computed_blocks(seq)
+            kv_connector = None if seq.seq_id in self._loaded_ids else self.kv_connector
+            num_external_tokens = 0
+            if kv_connector is not None:
+                num_external_tokens = kv_connector.get_num_new_matched_tokens(seq, num_cached_tokens)
+            if kv_connector is not None and num_external_tokens:
+                # blocks for the tokens the connector holds; the request waits for their load
+                if self.block_manager.allocate_slots(seq, num_external_tokens, computed_blocks) is None:
+                    break
+                self.waiting.pop()
+                seq.num_computed_tokens = num_cached_tokens
+                kv_connector.update_state_after_alloc(seq, num_cached_tokens, num_external_tokens)
+                self._loading[seq.seq_id] = seq
+                continue
             num_uncomputed = seq.num_tokens - num_cached_tokens
             # a pooling request pools its whole prompt in one step: never chunked
             if self.enable_chunked_prefill and seq.pooling_params is None:
@@ -478,6 +515,9 @@ class Scheduler:
             if new_block_ids is None:
                 break
             self.waiting.pop()
+            if kv_connector is not None:
+                kv_connector.update_state_after_alloc(seq, num_cached_tokens, 0)
+            self._loaded_ids.discard(seq.seq_id)
             if num_new_tokens < num_uncomputed:
                 num_partial_prefills += 1
             seq.status = SequenceStatus.RUNNING
@@ -526,6 +566,8 @@ class Scheduler:
         :returns: the requests that got tokens or finished, for the engine to detokenize.
         """
         changed, self._finished_in_schedule = self._finished_in_schedule, []
+        if model_runner_output.kv_connector_output is not None:
+            self._finish_loads(model_runner_output.kv_connector_output)
         errors = model_runner_output.errors
         now = time.monotonic()
         any_finished = False
@@ -593,6 +635,22 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
         return changed
 
+    def _finish_loads(self, output: KVConnectorOutput) -> None:
+        """Requests whose connector loads ended go back to the head of the waiting queue, their
+        loaded blocks counted as computed (a short load leaves the rest to compute)."""
+        assert self.kv_connector is not None  # only a connector's worker reports loads
+        self.kv_connector.stats.add(output)
+        for seq_id, num_blocks in output.finished_loads.items():
+            seq = self._loading.pop(seq_id, None)
+            if seq is None:
+                continue
+            if seq.finished:  # aborted while loading: its blocks were kept for the loader until now
+                self.block_manager.free(seq)
+                continue
+            seq.num_computed_tokens += num_blocks * self.block_manager.block_size
+            self._loaded_ids.add(seq_id)
+            self.waiting.push_front(seq, self._order_key(seq))
+
     def _check_stop(self, seq: EngineSequence, token_id: int) -> bool:
         """Token-level stops, in order: stop_token_ids, EOS, max_tokens, max_model_len."""
         params = seq.sampling_params
@@ -637,7 +695,11 @@ class Scheduler:
     def _finish(self, seq: EngineSequence, status: SequenceStatus) -> None:
         """Release a request that has already left (or is about to leave) the queues."""
         seq.status = status
-        self.block_manager.free(seq)
+        if self._loading.get(seq.seq_id) is not seq:  # a loading request's blocks wait for its loader
+            self.block_manager.free(seq)
+        self._loaded_ids.discard(seq.seq_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(seq.seq_id)
         del self.sequences[seq.seq_id]
         del self._admission_seq[seq.seq_id]
         self._finished_seq_ids.add(seq.seq_id)
@@ -699,7 +761,7 @@ class Scheduler:
     # ---- introspection -----------------------------------------------------------------------
 
     def has_unfinished_sequences(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self._loading)
 
     @property
     def num_running(self) -> int:
@@ -707,7 +769,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._loading)
 
     def get_sequence(self, seq_id: str) -> EngineSequence | None:
         return self.sequences.get(seq_id)
@@ -719,10 +781,11 @@ class Scheduler:
         prefix_stats = self.block_manager.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             kv_cache_usage=self.block_manager.usage,
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
+            kv_connector=dataclasses.replace(self.kv_connector.stats) if self.kv_connector is not None else None,
         )

@@ -106,6 +106,25 @@ def register_proposers(register: Register) -> None:
     """
 
 
+@hookspec
+def register_kv_connectors(register: Register) -> None:
+    """Register KV connectors: stores of KV-cache blocks outside the engine's own cache.
+
+    :param register: ``register(name, target)``; ``name`` is what ``--kv-transfer-config``'s
+        ``"kv_connector"`` names (``SharedStorageConnector`` is built in), ``target`` resolves to
+        a :class:`tokenloom.plugin_api.KVConnector` subclass.
+    :returns: nothing.
+
+    Called once in the main process at plugin load; the engine checks the name before the model
+    loads. The connector is constructed twice, as ``Connector(context)`` with a
+    :class:`tokenloom.plugin_api.KVConnectorContext`: in the engine's process, where the
+    scheduler asks ``num_stored_blocks`` for a new request's blocks past the local prefix-cache
+    hit, and in the worker, where ``load_block`` and ``save_block`` run on the connector's own
+    threads (loads before the request's first step, saves after the step that computed the
+    block), never in the step's way.
+    """
+
+
 # -- what the model is -----------------------------------------------------------------
 
 

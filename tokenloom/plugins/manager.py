@@ -52,6 +52,7 @@ PLUGIN_KINDS: tuple[PluginKind, ...] = (
     PluginKind("attention_backend", "register_attention_backends", "--attention-backend"),
     PluginKind("executor", "register_executors", "--distributed-executor-backend"),
     PluginKind("proposer", "register_proposers", "--speculative-config"),
+    PluginKind("kv_connector", "register_kv_connectors", "--kv-transfer-config"),
     PluginKind("model", "register_models"),
     PluginKind("load_format", "register_load_formats", "--load-format"),
     PluginKind("quantization", "register_quantization_methods", "--quantization"),

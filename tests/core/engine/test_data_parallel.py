@@ -19,8 +19,8 @@ import pytest
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import build_engine_client
 from tokenloom.core.engine.commands import AbortRequest
-from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM, ReplicaLoad, choose_replica, sum_stats
-from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM, ReplicaLoad, choose_replica
+from tokenloom.core.engine.engine_stats import EngineStats, sum_stats
 from tokenloom.core.engine.replica_handles import RayReplica, ReplicaHandle, local_cpu_sets
 from tokenloom.core.engine.replica_messages import (
     AddLora,

@@ -1,6 +1,6 @@
 """Typed engine configuration, one module per section as vLLM's config package has it
 (``model``, ``cache``, ``scheduler``, ``parallel``, ``device``, ``load``, ``structured_output``,
-``lora``, ``speculative``, ``kv_events``), and ``engine``: :class:`EngineConfig`, the sections
+``lora``, ``speculative``, ``kv_events``, ``kv_transfer``), and ``engine``: :class:`EngineConfig`, the sections
 together, and :class:`EngineArgs`, the flat engine arguments by their vLLM names.
 
 Import the classes from here (``from tokenloom.core.config import EngineArgs``), the one path
@@ -20,6 +20,7 @@ from tokenloom.core.config.engine import (
     validate_engine_config,
 )
 from tokenloom.core.config.kv_events import KVEventsConfig
+from tokenloom.core.config.kv_transfer import KVTransferConfig
 from tokenloom.core.config.load import LoadConfig
 from tokenloom.core.config.lora import LoRAConfig
 from tokenloom.core.config.model import ModelConfig
@@ -38,6 +39,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "KVEventsConfig",
+    "KVTransferConfig",
     "LoRAConfig",
     "LoadConfig",
     "ModelConfig",

@@ -11,6 +11,7 @@ from typing import Any
 from tokenloom.core.config.cache import CacheConfig
 from tokenloom.core.config.device import DeviceConfig
 from tokenloom.core.config.kv_events import KVEventsConfig
+from tokenloom.core.config.kv_transfer import KVTransferConfig
 from tokenloom.core.config.load import LoadConfig
 from tokenloom.core.config.lora import LORA_DTYPE_CHOICES, LoRAConfig
 from tokenloom.core.config.model import DTYPE_CHOICES, MODEL_IMPL_CHOICES, ModelConfig
@@ -38,6 +39,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     """Set when speculative decoding is on."""
     kv_events: KVEventsConfig = dataclasses.field(default_factory=KVEventsConfig)
+    kv_transfer: KVTransferConfig | None = None
+    """Set when a KV connector runs (``--kv-transfer-config``)."""
 
 
 # the sections EngineArgs' fields are grouped into by name (structured output, speculative
@@ -64,7 +67,7 @@ def _engine_arg_fields() -> dict[str, str]:
 
 ENGINE_ARG_GROUPS = _engine_arg_fields()
 # engine args that hold a whole config as vLLM's JSON, turned into their group by EngineArgs
-JSON_CONFIG_ARGS = ("speculative_config", "kv_events_config")
+JSON_CONFIG_ARGS = ("speculative_config", "kv_events_config", "kv_transfer_config")
 # structured-output fields take vLLM's engine-arg names
 STRUCTURED_OUTPUT_ARGS = {
     "guided_decoding_backend": "backend",
@@ -171,6 +174,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     # -> KVEventsConfig (vLLM's JSON object; None: no KV-cache events)
     kv_events_config: dict[str, Any] | None = None
+    # -> KVTransferConfig (vLLM's JSON object; None: no KV connector)
+    kv_transfer_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -211,6 +216,9 @@ class EngineArgs:
             lora=LoRAConfig(**groups["lora"]),
             speculative=self._speculative(),
             kv_events=self._kv_events(),
+            kv_transfer=None
+            if self.kv_transfer_config is None
+            else KVTransferConfig.from_dict(self.kv_transfer_config),
         )
         validate_engine_config(config)
         return config

@@ -15,8 +15,9 @@
 
 from tokenloom.core.engine.async_llm import AsyncLLM
 from tokenloom.core.engine.engine_setup import choose_platform
+from tokenloom.core.engine.engine_stats import EngineStats
 from tokenloom.core.engine.input_processor import InputProcessor, PreparedPrompt
-from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
+from tokenloom.core.engine.llm_engine import LLMEngine
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.engine.protocol import EngineClient, build_engine_client
 

@@ -23,7 +23,8 @@ from tokenloom.core.engine.commands import (
     EngineCommand,
     ResetPrefixCache,
 )
-from tokenloom.core.engine.llm_engine import EngineStats, LLMEngine
+from tokenloom.core.engine.engine_stats import EngineStats
+from tokenloom.core.engine.llm_engine import LLMEngine
 from tokenloom.core.engine.request_streams import RequestStreams, StreamItem
 from tokenloom.core.logits_processors import LogitsProcessorResolver
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams

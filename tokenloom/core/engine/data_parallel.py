@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -30,7 +29,7 @@ from typing import Any, cast
 from tokenloom.core.config import EngineArgs, EngineConfig, LoRAConfig
 from tokenloom.core.distributed import import_ray
 from tokenloom.core.engine.commands import AbortRequest
-from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.engine.engine_stats import EngineStats, sum_stats
 from tokenloom.core.engine.replica_handles import (
     ProcessReplica,
     RayReplica,
@@ -94,48 +93,6 @@ def choose_replica(loads: list[ReplicaLoad]) -> int:
     if not candidates:
         raise EngineDeadError("every data-parallel replica is dead; see the server log and restart the server")
     return min(candidates)[2]
-
-
-def sum_stats(replica_stats: list[EngineStats]) -> EngineStats:
-    """The replicas' stats as one engine's: counts and counters summed, KV-cache usage the mean
-    (every replica has a cache of the same size), LoRA adapters merged."""
-    count = max(len(replica_stats), 1)
-    spec_stats = [stats.spec_decoding for stats in replica_stats if stats.spec_decoding is not None]
-    spec_decoding = None
-    if spec_stats:
-        per_position = [
-            sum(values)
-            for values in itertools.zip_longest(
-                *(spec.num_accepted_tokens_per_pos or [] for spec in spec_stats), fillvalue=0
-            )
-        ]
-        spec_decoding = dataclasses.replace(
-            spec_stats[0],
-            num_drafts=sum(spec.num_drafts for spec in spec_stats),
-            num_draft_tokens=sum(spec.num_draft_tokens for spec in spec_stats),
-            num_accepted_tokens=sum(spec.num_accepted_tokens for spec in spec_stats),
-            num_accepted_tokens_per_pos=per_position,
-        )
-
-    def merged(name: str) -> list[str]:
-        return sorted({adapter for stats in replica_stats for adapter in getattr(stats, name)})
-
-    return EngineStats(
-        num_running=sum(stats.num_running for stats in replica_stats),
-        num_waiting=sum(stats.num_waiting for stats in replica_stats),
-        kv_cache_usage=sum(stats.kv_cache_usage for stats in replica_stats) / count,
-        prefix_cache_queries=sum(stats.prefix_cache_queries for stats in replica_stats),
-        prefix_cache_hits=sum(stats.prefix_cache_hits for stats in replica_stats),
-        num_preemptions=sum(stats.num_preemptions for stats in replica_stats),
-        prompt_tokens_total=sum(stats.prompt_tokens_total for stats in replica_stats),
-        generation_tokens_total=sum(stats.generation_tokens_total for stats in replica_stats),
-        running_lora_adapters=merged("running_lora_adapters"),
-        waiting_lora_adapters=merged("waiting_lora_adapters"),
-        max_lora=max((stats.max_lora for stats in replica_stats), default=0),
-        spec_decoding=spec_decoding,
-        mm_cache_queries=sum(stats.mm_cache_queries for stats in replica_stats),
-        mm_cache_hits=sum(stats.mm_cache_hits for stats in replica_stats),
-    )
 
 
 # -- the server's engine ----------------------------------------------------------------------

@@ -8,28 +8,28 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.config import EngineArgs, EngineConfig
 from tokenloom.core.engine.engine_setup import check_proposer, check_proposer_model, choose_executor, choose_platform
+from tokenloom.core.engine.engine_stats import EngineStats
 from tokenloom.core.engine.grammar_gate import GrammarGate
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
 from tokenloom.core.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.core.executor import Executor, WorkerSpec
+from tokenloom.core.kv_connector import build_kv_connector, check_kv_transfer
 from tokenloom.core.kv_events import build_event_publisher
 from tokenloom.core.model_loader import ModelInfo, resolve_model, resolve_source
 from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.core.platform import check_attention_backend
 from tokenloom.core.pooling import POOLING
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
-from tokenloom.core.scheduler import Scheduler, SpecDecodingStats
+from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.sequence import EngineSequence, SequenceStatus
 from tokenloom.core.structured_output import CompiledConstraint, StructuredOutputManager
 from tokenloom.core.structured_output_constraints import Constraint
@@ -37,27 +37,6 @@ from tokenloom.errors import InvalidRequestError
 from tokenloom.plugins.manager import PluginSet, load_plugins
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    # LoRA (vLLM's lora_requests_info): the adapters of running and waiting requests, by name
-    running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
-    waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
-    max_lora: int = 0
-    # speculative decoding counters since start (None when it is off)
-    spec_decoding: SpecDecodingStats | None = None
-    # the encoder cache since start: images looked up, and found (a model that sees)
-    mm_cache_queries: int = 0
-    mm_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -73,6 +52,10 @@ class LLMEngine:
         self.model_info: ModelInfo
         self.model_info, self.tokenizer = resolve_model(config, plugins)
         num_lookahead_tokens = check_proposer_model(config, plugins, self.model_info, self.tokenizer)
+        check_kv_transfer(config, plugins)
+        # the scheduler side of --kv-transfer-config's connector (its options checked before the
+        # workers start), or None
+        kv_connector = build_kv_connector(config, self.model_info, plugins) if config.kv_transfer else None
         self.max_model_len = self.model_info.max_model_len
         # vLLM's -1: no cap, i.e. as many as the vocabulary has
         self.max_logprobs = (
@@ -96,7 +79,16 @@ class LLMEngine:
             send_token_ids=config.parallel.pipeline_parallel_size > 1,
             num_lookahead_tokens=num_lookahead_tokens,
             enable_kv_cache_events=config.kv_events.publishes,
+            kv_connector=kv_connector,
         )
+        if kv_connector is not None:
+            assert config.kv_transfer is not None  # the connector was built from it
+            logger.info(
+                "KV connector %s (%s): %s",
+                config.kv_transfer.kv_connector,
+                config.kv_transfer.kv_role,
+                kv_connector.describe(),
+            )
         # sends what the prefix cache stored, evicted and cleared (--kv-events-config), or None
         self.kv_event_publisher = build_event_publisher(config.kv_events, config.parallel.data_parallel_rank)
         if self.kv_event_publisher is not None and not config.cache.enable_prefix_caching:
@@ -355,7 +347,7 @@ class LLMEngine:
         if self.executor.max_concurrent_batches > 1:
             return self._step_with_batch_queue(touched)
         scheduler_output = self._schedule()
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+        if not scheduler_output.needs_worker:
             runner_output = ModelRunnerOutput()  # the scheduler may still have finished requests
         else:
             try:
@@ -381,7 +373,7 @@ class LLMEngine:
         outputs: list[RequestOutput | PoolingRequestOutput] = []
         if len(queue) < max_batches:
             scheduler_output = self._schedule()
-            if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            if not scheduler_output.needs_worker:
                 # nothing new could run; requests the scheduler finished itself come out here
                 outputs = self._apply(scheduler_output, ModelRunnerOutput(), touched)
                 touched = {}
@@ -468,6 +460,7 @@ class LLMEngine:
             spec_decoding=scheduler_stats.spec_decoding,
             mm_cache_queries=self.mm_cache_queries,
             mm_cache_hits=self.mm_cache_hits,
+            kv_connector=scheduler_stats.kv_connector,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

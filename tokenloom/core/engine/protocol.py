@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tokenloom.core.config import EngineArgs, LoRAConfig
-    from tokenloom.core.engine.llm_engine import EngineStats
+    from tokenloom.core.engine.engine_stats import EngineStats
     from tokenloom.core.logits_processors import LogitsProcessorResolver
     from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
     from tokenloom.core.sampling_params import PoolingParams, SamplingParams

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.engine.commands import AbortRequest
-from tokenloom.core.engine.llm_engine import EngineStats
+from tokenloom.core.engine.engine_stats import EngineStats
 from tokenloom.core.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.core.sampling_params import PoolingParams, SamplingParams
 
