@@ -7,9 +7,11 @@ weights come from memory as in a real step.
 
   int6   Q6_K through int6_linear          int5  Q5_K through int5_linear
   int4   Q4_K-like codes through int4_linear   int8  Q8_0 through int8_linear
+  fp8    compressed-tensors FP8 (e4m3 codes, channel scales) through w8a16_linear
+  w8a16  compressed-tensors W8A16 int8 (channel scales) through w8a16_linear
   dense  the dequantized weight in --dtype, oneDNN-packed (what Q6_K/Q5_K layers ran before)
 
-  python benchmarks/kquant_layers.py 1,8 [--paths int6,int5,int4,int8,dense] [--rounds 15]
+  python benchmarks/kquant_layers.py 1,8 [--paths int6,int5,int4,int8,fp8,w8a16,dense] [--rounds 15]
 
 TOKENLOOM_CPU_ISA=avx2 (or benchmarks/avx2_host.sh) measures a lower kernel level. The paths are
 measured alternately (one pass of each per round): the machine's drift hits them all alike.
@@ -25,6 +27,7 @@ from tokenloom.kernels.int4_matmul import int4_linear, pack_int4
 from tokenloom.kernels.int8_matmul import int8_linear, pack_int8
 from tokenloom.kernels.kquant_matmul import dequantize_int6, kquant_linear, pack_int5, pack_int6
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
+from tokenloom.kernels.w8a16_matmul import pack_w8, w8a16_linear
 
 SHAPES = [(8192, 2048), (2048, 8192), (2048, 2048)]  # (out, in)
 
@@ -58,6 +61,13 @@ def build(path: str, out_features: int, in_features: int):
         d, dmin = ((torch.rand(out_features, groups // 8) * 0.001).half() for _ in "ab")
         weight = pack_int5(codes, scales, mins, d, dmin, 8)
         return lambda x: kquant_linear(x, weight)
+    if path in ("fp8", "w8a16"):
+        if path == "fp8":
+            codes = (torch.randn(out_features, in_features) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        else:
+            codes = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+        weight8 = pack_w8(codes, torch.rand(out_features, 1) * 0.01)
+        return lambda x: w8a16_linear(x, weight8).to(x.dtype)
     if path == "int4":
         codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
         scales = (torch.rand(out_features, groups) * 0.02).half().float()

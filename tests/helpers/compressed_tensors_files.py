@@ -24,12 +24,40 @@ LINEAR_SUFFIXES = (
 )
 
 
-def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+def write_random_llama(directory: Path, smollm2_gguf: str) -> str:
+    """A tiny random Llama wide enough for groups of 128 (hidden 128, 2 layers), weights large
+    enough that greedy decoding is not degenerate, with SmolLM2's tokenizer (and chat template)."""
+    from helpers.model_parity import randomize_parameters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+
+    tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
+    tokenizer.save_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    randomize_parameters(LlamaForCausalLM(config).eval()).save_pretrained(directory)
+    return str(directory)
+
+
+def pack_int4(values: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
     """Signed 4-bit values (-8..7) packed eight per int32 along ``dim``, the first in the low
-    bits, each stored plus 8 (compressed-tensors' pack_to_int32)."""
-    unsigned = (values.to(torch.int32) + 8).movedim(dim, -1)
-    grouped = unsigned.reshape(*unsigned.shape[:-1], -1, 8)
-    packed = (grouped << torch.arange(0, 32, 4, dtype=torch.int32)).sum(-1, dtype=torch.int64)
+    bits, each stored plus 8 (compressed-tensors' pack_to_int32); ``bits=8``: signed 8-bit values
+    four per int32, each plus 128."""
+    unsigned = (values.to(torch.int32) + (1 << (bits - 1))).movedim(dim, -1)
+    grouped = unsigned.reshape(*unsigned.shape[:-1], -1, 32 // bits)
+    packed = (grouped << torch.arange(0, 32, bits, dtype=torch.int32)).sum(-1, dtype=torch.int64)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the bit pattern as int32
     return packed.movedim(-1, dim).contiguous()
 
@@ -65,11 +93,57 @@ def quantize_w8a8(weight: torch.Tensor):
     return {"weight": q.to(torch.int8), "weight_scale": scale.to(torch.bfloat16)}, q * scale
 
 
+def quantize_w8a16(weight: torch.Tensor, group_size: int | None):
+    """pack-quantized 8-bit weights (what llm-compressor writes for W8A16): four codes per int32."""
+    rows, cols = weight.shape
+    grouped = weight.float().reshape(rows, cols // (group_size or cols), -1)
+    scale = (grouped.abs().amax(-1) / 127).clamp(min=1e-8).to(torch.bfloat16).float()
+    q = torch.round(grouped / scale.unsqueeze(-1)).clamp(-128, 127)
+    tensors = {
+        "weight_packed": pack_int4(q.reshape(rows, cols), dim=1, bits=8),
+        "weight_scale": scale.to(torch.bfloat16),
+        "weight_shape": torch.tensor([rows, cols], dtype=torch.int64),
+    }
+    return tensors, (q * scale.unsqueeze(-1)).reshape(rows, cols)
+
+
+def quantize_fp8(weight: torch.Tensor, per_tensor: bool):
+    """float8_e4m3fn weights, one scale per output channel (``[out, 1]``) or per tensor (``[1]``)."""
+    amax = weight.float().abs().amax() if per_tensor else weight.float().abs().amax(-1, keepdim=True)
+    scale = (amax / 448).clamp(min=1e-8).to(torch.bfloat16).float().reshape(1 if per_tensor else -1, 1)
+    q = (weight.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    stored = scale.reshape(1) if per_tensor else scale
+    return {"weight": q, "weight_scale": stored.to(torch.bfloat16)}, q.float() * scale
+
+
+# the FP8 schemes: llm-compressor's presets FP8 (tensor weights, static tensor activations) and
+# FP8_DYNAMIC (channel weights, dynamic token activations), and FP8 weights alone
+FP8_SCHEMES = {
+    "FP8": ("tensor", "tensor", False),
+    "FP8_DYNAMIC": ("channel", "token", True),
+    "FP8_W8A16": ("channel", None, None),
+}
+
+
 def scheme_config(scheme: str, group_size: int | None = 32, symmetric: bool = True, static: bool = False) -> dict:
-    """config.json's ``quantization_config`` for ``scheme`` ("W4A16" or "W8A8")."""
-    if scheme == "W4A16":
+    """config.json's ``quantization_config`` for ``scheme`` ("W4A16", "W8A8", "W8A16" or one of
+    :data:`FP8_SCHEMES`)."""
+    if scheme in FP8_SCHEMES:
+        weight_strategy, activation_strategy, dynamic = FP8_SCHEMES[scheme]
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": weight_strategy, "dynamic": False}
+        activations = None
+        if activation_strategy is not None:
+            activations = {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "strategy": activation_strategy,
+                "dynamic": dynamic,
+            }
+        fmt = "float-quantized"
+    elif scheme in ("W4A16", "W8A16"):
         weights = {
-            "num_bits": 4,
+            "num_bits": 4 if scheme == "W4A16" else 8,
             "type": "int",
             "symmetric": symmetric,
             "strategy": "group" if group_size else "channel",
@@ -127,6 +201,12 @@ def write_compressed(
         module = name.removesuffix(".weight")
         if scheme == "W4A16":
             tensors, value = quantize_w4a16(tensor, group_size, symmetric)
+        elif scheme == "W8A16":
+            tensors, value = quantize_w8a16(tensor, group_size)
+        elif scheme in FP8_SCHEMES:
+            tensors, value = quantize_fp8(tensor, per_tensor=FP8_SCHEMES[scheme][0] == "tensor")
+            if FP8_SCHEMES[scheme][2] is False:  # static activation scales
+                tensors["input_scale"] = torch.tensor([0.02], dtype=torch.bfloat16)
         else:
             tensors, value = quantize_w8a8(tensor)
             if static:

@@ -51,6 +51,7 @@ SOURCES = tuple(
         "cpu_decoder.cpp",
         "cpu_lora.cpp",
         "cpu_moe.cpp",
+        "cpu_w8a16.cpp",
     )
 )
 # -ffast-math vectorises exp and the reductions (the kernels keep every value finite); -fopenmp
@@ -66,6 +67,7 @@ OPERATORS = {
     "int8_linear": "a dense LM head (oneDNN matmul) and dense Q8_0 linear layers",
     "int5_linear": "dense Q5_0, Q5_1 and Q5_K linear layers (dequantized at load)",
     "int6_linear": "dense Q6_K linear layers (dequantized at load)",
+    "w8a16_linear": "compressed-tensors FP8 and W8A16 layers dequantized from their 8-bit codes at every call",
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
     "moe_experts": "a torch loop over the experts a batch routes to",

@@ -12,14 +12,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.compressed_tensors_files import quantize_w4a16, quantize_w8a8, scheme_config, write_compressed
-from helpers.model_parity import randomize_parameters
+from helpers.compressed_tensors_files import (
+    quantize_fp8,
+    quantize_w4a16,
+    quantize_w8a8,
+    quantize_w8a16,
+    scheme_config,
+    write_compressed,
+    write_random_llama,
+)
 
 from tokenloom.builtin_plugins.quantization.compressed_tensors import (
     CompressedTensorsConfig,
     Int4PackedMethod,
     Int8ChannelMethod,
     Scheme,
+    Weight8Method,
 )
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
@@ -31,29 +39,7 @@ TOP_LOGPROBS = 5
 
 @pytest.fixture(scope="module")
 def dense_llama_dir(tmp_path_factory, smollm2_gguf):
-    """A tiny random Llama wide enough for groups of 128 (hidden 128, 2 layers)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
-
-    directory = tmp_path_factory.mktemp("dense-llama")
-    tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
-    tokenizer.save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    randomize_parameters(LlamaForCausalLM(config).eval()).save_pretrained(directory)
-    return str(directory)
+    return write_random_llama(tmp_path_factory.mktemp("dense-llama"), smollm2_gguf)
 
 
 def transformers_greedy(reference_dir: str):
@@ -106,7 +92,12 @@ SCHEMES = {
     "w4a16-group128-asymmetric": dict(scheme="W4A16", group_size=128, symmetric=False),
     "w4a16-channel-symmetric": dict(scheme="W4A16", group_size=None, symmetric=True),
     "w8a8-dynamic-per-token": dict(scheme="W8A8"),
+    "w8a16-int8-group128-packed": dict(scheme="W8A16", group_size=128),
+    "fp8-tensor-weights-static-activations": dict(scheme="FP8"),
+    "fp8-channel-weights-dynamic-per-token": dict(scheme="FP8_DYNAMIC"),
+    "fp8-channel-weights-only": dict(scheme="FP8_W8A16"),
 }
+METHODS = {"W4A16": Int4PackedMethod, "W8A8": Int8ChannelMethod}
 
 
 @pytest.mark.parametrize("case", list(SCHEMES))
@@ -122,13 +113,19 @@ def test_a_checkpoint_is_detected_and_agrees_with_transformers(case, dense_llama
         model = llm.engine.executor.worker.runner.model
         quantized = [module for module in model.modules() if isinstance(module, LinearBase)]
         assert len(quantized) == 2 * 4  # qkv, o, gate_up, down of each layer; the LM head is ignored
-        method_class = Int8ChannelMethod if SCHEMES[case]["scheme"] == "W8A8" else Int4PackedMethod
+        method_class = METHODS.get(SCHEMES[case]["scheme"], Weight8Method)
         for layer in quantized:
             assert isinstance(layer.quant_method, method_class)
             # no dense weight: the kernel's packed bytes only
             assert not [name for name, p in layer.named_parameters(recurse=False) if p.is_floating_point()]
-            packed = layer.int8_weight if method_class is Int8ChannelMethod else layer.int4_weight
-            assert packed.kernel is not None and packed.packed.dtype == torch.uint8
+            if method_class is Weight8Method:  # one byte per weight
+                w8 = layer.w8_weight
+                assert w8.kernel is not None and w8.codes.dtype == torch.uint8
+                assert w8.codes.numel() == layer.output_size * layer.input_size
+                assert w8.fp8 == SCHEMES[case]["scheme"].startswith("FP8")
+            else:
+                packed = layer.int8_weight if method_class is Int8ChannelMethod else layer.int4_weight
+                assert packed.kernel is not None and packed.packed.dtype == torch.uint8
     finally:
         llm.engine.shutdown()
 
@@ -195,9 +192,45 @@ def refused(mutate) -> str:
     return str(error.value)
 
 
+def test_w8a16_and_fp8_schemes_are_read():
+    assert config_of(scheme_config("W8A16", group_size=None)).groups[0][1] == Scheme("w8a16", None, True, packed=True)
+    int_quantized = scheme_config("W8A16", group_size=64)
+    int_quantized["config_groups"]["group_0"]["format"] = "int-quantized"
+    assert config_of(int_quantized).groups[0][1] == Scheme("w8a16", 64, True)
+    assert config_of(scheme_config("FP8")).groups[0][1] == Scheme(
+        "fp8", None, True, static_input_scale=True, tensor_scale=True
+    )
+    assert config_of(scheme_config("FP8_DYNAMIC")).groups[0][1] == Scheme("fp8", None, True)
+    assert config_of(scheme_config("FP8_W8A16")).groups[0][1] == Scheme("fp8", None, True)
+
+
+def refused_fp8(mutate, scheme="FP8_DYNAMIC") -> str:
+    quantization_config = copy.deepcopy(scheme_config(scheme))
+    mutate(quantization_config, quantization_config["config_groups"]["group_0"])
+    with pytest.raises(ConfigError) as error:
+        config_of(quantization_config)
+    return str(error.value)
+
+
 def test_unsupported_schemes_are_refused_by_name():
-    assert "float weights" in refused(lambda c, g: g["weights"].update(type="float", num_bits=8))
-    assert "W8A16" in refused(lambda c, g: g["weights"].update(num_bits=8))
+    assert "8-bit float weights in format 'pack-quantized'" in refused(
+        lambda c, g: g["weights"].update(type="float", num_bits=8)
+    )
+    assert "'group' fp8 weight scales (block-wise" in refused_fp8(lambda c, g: g["weights"].update(strategy="group"))
+    assert "'block' fp8 weight scales" in refused_fp8(lambda c, g: g["weights"].update(strategy="block"))
+    assert "4-bit float weights" in refused_fp8(lambda c, g: g["weights"].update(num_bits=4))
+    assert "asymmetric fp8 weights" in refused_fp8(lambda c, g: g["weights"].update(symmetric=False))
+    assert "in format 'int-quantized'" in refused_fp8(lambda c, g: g.update(format="int-quantized"))
+    assert "8-bit int activations" in refused_fp8(lambda c, g: g["input_activations"].update(type="int"))
+    assert "'group' fp8 activation scales" in refused_fp8(lambda c, g: g["input_activations"].update(strategy="group"))
+    assert "'token' fp8 activation scales (dynamic=False)" in refused_fp8(
+        lambda c, g: g["input_activations"].update(dynamic=False)
+    )
+    assert "kv_cache_scheme" in refused_fp8(lambda c, g: c.update(kv_cache_scheme={"num_bits": 8, "type": "float"}))
+    assert "asymmetric 8-bit weights" in refused(lambda c, g: g["weights"].update(num_bits=8, symmetric=False))
+    assert "8-bit weights in format 'float-quantized'" in refused(
+        lambda c, g: (g["weights"].update(num_bits=8), g.update(format="float-quantized"))
+    )
     assert "'group' (weights with g_idx)" in refused(lambda c, g: g["weights"].update(actorder="group"))
     assert "group size of 16" in refused(lambda c, g: g["weights"].update(group_size=16))
     assert "'tensor' weight scales" in refused(lambda c, g: g["weights"].update(strategy="tensor"))
@@ -270,6 +303,44 @@ def test_fused_shards_land_at_their_rows_and_static_scales_per_shard(monkeypatch
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(2, 64, generator=generator)
     torch.testing.assert_close(layer(x), kernel_reference(x, torch.cat(dense)), atol=2e-3, rtol=1e-3)
+
+
+def test_fp8_tensor_scales_of_fused_shards_cover_their_rows(monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", "require")
+    generator = torch.Generator().manual_seed(8)
+    scheme = Scheme("fp8", None, True, static_input_scale=True, tensor_scale=True)
+    layer = QKVParallelLinear(64, 16, 2, 1, quant_method=Weight8Method(scheme))
+    dense = []
+    for shard, rows in (("q", 32), ("k", 16), ("v", 16)):
+        # each shard its own magnitude, so its own per-tensor scale
+        weight = torch.randn(rows, 64, generator=generator) * (4.0 if shard == "k" else 1.0)
+        tensors, value = quantize_fp8(weight, per_tensor=True)
+        tensors["input_scale"] = torch.tensor([0.1])
+        for name, tensor in tensors.items():
+            layer.load_checkpoint_weight(name, tensor, shard)
+        dense.append(value)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (3,)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight") and layer.w8_weight.fp8
+    x = torch.randn(3, 64, generator=generator)
+    torch.testing.assert_close(layer(x), x @ torch.cat(dense).T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group_size", [None, 64])
+def test_tensor_parallel_ranks_cut_packed_8bit_codes_and_scales(group_size, monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", "require")
+    weight = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
+    tensors, dense = quantize_w8a16(weight, group_size)
+    method = Weight8Method(Scheme("w8a16", group_size, True, packed=True))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    total = torch.zeros(3, 32)
+    for rank in range(2):
+        layer = load(RowParallelLinear(256, 32, quant_method=method, tp_group=IdentityGroup(rank, 2)), tensors)
+        assert not layer.w8_weight.fp8 and layer.w8_weight.codes.numel() == 32 * 128
+        total += layer(x[:, rank * 128 : (rank + 1) * 128])
+    torch.testing.assert_close(total, x @ dense.T, atol=1e-4, rtol=1e-4)
+    layer = load(ColumnParallelLinear(256, 32, quant_method=method, tp_group=IdentityGroup(1, 2)), tensors)
+    torch.testing.assert_close(layer(x), x @ dense[16:].T, atol=1e-4, rtol=1e-4)
 
 
 def test_a_tensor_the_method_did_not_create_is_refused_by_name():

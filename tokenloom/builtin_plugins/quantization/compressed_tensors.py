@@ -17,9 +17,24 @@ Schemes served (each a ``config_groups`` entry, chosen per layer by its ``target
   each token: finer than a per-token scale, and finer than a static ``input_scale``, which is read
   and checked but not used.
 
-Every other scheme (FP8, W8A16, activation ordering with ``g_idx``, sparsity, a quantized KV
-cache, a checkpoint not yet compressed) is refused by name when the config is read, before any
-worker starts. The config is parsed from its JSON; the compressed-tensors library is not needed.
+- **W8A16 int8**, format ``pack-quantized`` (four codes to an int32, what llm-compressor writes)
+  or ``int-quantized``: 8-bit symmetric weights with channel or group scales, float activations.
+  The codes are kept one byte each and multiplied by :mod:`tokenloom.kernels.w8a16_matmul`'s
+  kernel, which widens them to float in registers: weight-only arithmetic, the activations are
+  not quantized.
+- **FP8**, format ``float-quantized``: float8_e4m3fn weights with one scale per output channel or
+  per tensor (a fused layer's shards each keep theirs, spread over their rows), weight-only
+  (W8A16) or with 8-bit float activations (W8A8, dynamic per token or per tensor, or a static
+  ``input_scale``). The fp8 bytes go to the same kernel (one byte per weight read, widened in
+  registers; no CPU here has fp8 arithmetic). The activations are NOT quantized to fp8: they are
+  multiplied in float32, more precise than the checkpoint assumes, and a static ``input_scale``
+  is read and checked but not used. (vLLM's CPU backend instead quantizes the activations to fp8
+  and calls ``torch._scaled_mm``, its torch FP8 kernels being the CPU's only FP8 choice.)
+
+Every other scheme (block-wise FP8, activation ordering with ``g_idx``, asymmetric 8-bit weights,
+sparsity, a quantized KV cache, a checkpoint not yet compressed) is refused by name when the config
+is read, before any worker starts. The config is parsed from its JSON; the compressed-tensors
+library is not needed.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.int4_matmul import INT4_DTYPES, NATIVE_GROUP_SIZE, can_pack, int4_linear, pack_int4
 from tokenloom.kernels.int8_matmul import GROUP_SIZE as INT8_GROUP_SIZE
 from tokenloom.kernels.int8_matmul import int8_linear, pack_int8
+from tokenloom.kernels.w8a16_matmul import pack_w8, w8a16_linear
 from tokenloom.layers.quantization import (
     ParameterLayout,
     QuantizationConfig,
@@ -48,18 +64,27 @@ from tokenloom.layers.quantization import (
 # bits (grouped_int.unpack_int32's order), each stored as value + 8
 _INT4_PER_INT32 = 8
 _INT4_OFFSET = 8
+# 8-bit values (W8A16 pack-quantized): four per int32, the first in the low bits, each value + 128
+_INT8_PER_INT32 = 4
+_INT8_OFFSET = 128
+_INT8_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
 
-_SERVED = "W4A16 (pack-quantized, int4 weights by group or channel) and W8A8 (int-quantized, int8 channel weights)"
+_SERVED = (
+    "W4A16 (pack-quantized, int4 weights by group or channel), W8A8 (int-quantized, int8 channel weights), "
+    "W8A16 (int8 weights by group or channel) and FP8 (float-quantized, e4m3 weights by channel or tensor)"
+)
 
 
 @dataclass(frozen=True)
 class Scheme:
     """One config group's quantization of a layer, as tokenloom serves it."""
 
-    kind: str  # "w4a16" or "w8a8"
+    kind: str  # "w4a16", "w8a8" (int8 weights and activations), "w8a16" (int8 weights) or "fp8"
     group_size: int | None  # input features per weight scale (None: one per output channel)
     symmetric: bool
     static_input_scale: bool = False
+    tensor_scale: bool = False  # fp8: one weight scale per tensor (each shard's, in a fused layer)
+    packed: bool = False  # w8a16: the codes packed four to an int32 (pack-quantized)
 
 
 def _refuse(group: str, what: str) -> ConfigError:
@@ -78,6 +103,8 @@ def parse_scheme(group_name: str, group: dict[str, Any], checkpoint_format: str 
     fmt = group.get("format") or checkpoint_format
     bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
     symmetric = bool(weights.get("symmetric", True))
+    if kind == "float":
+        return parse_fp8_scheme(group_name, weights, activations, fmt)
     if kind != "int":
         raise _refuse(group_name, f"{kind} weights")
     if weights.get("actorder") not in (None, "static", "weight"):
@@ -112,8 +139,42 @@ def parse_scheme(group_name: str, group: dict[str, Any], checkpoint_format: str 
             raise _refuse(group_name, f"{activations.get('strategy')!r} activation scales (dynamic={dynamic})")
         return Scheme("w8a8", None, True, static_input_scale=not dynamic)
     if bits == 8:
-        raise _refuse(group_name, "8-bit weight-only quantization (W8A16)")
+        if fmt not in ("pack-quantized", "int-quantized", "naive-quantized"):
+            raise _refuse(group_name, f"8-bit weights in format {fmt!r}")
+        if not symmetric:
+            raise _refuse(group_name, "asymmetric 8-bit weights")
+        return Scheme("w8a16", group_size, True, packed=fmt == "pack-quantized")
     raise _refuse(group_name, f"{bits}-bit weights with {'quantized' if activations else 'float'} activations")
+
+
+def parse_fp8_scheme(
+    group_name: str, weights: dict[str, Any], activations: dict[str, Any] | None, fmt: str | None
+) -> Scheme:
+    """An FP8 config group's scheme (float8_e4m3fn weights), or a ConfigError naming what is not served."""
+    strategy = weights.get("strategy")
+    if weights.get("num_bits") != 8:
+        raise _refuse(group_name, f"{weights.get('num_bits')}-bit float weights")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _refuse(group_name, f"8-bit float weights in format {fmt!r}")
+    if not weights.get("symmetric", True):
+        raise _refuse(group_name, "asymmetric fp8 weights")
+    if strategy not in ("channel", "tensor"):
+        raise _refuse(group_name, f"{strategy!r} fp8 weight scales (block-wise or grouped FP8)")
+    if weights.get("dynamic"):
+        raise _refuse(group_name, "fp8 weights with dynamic scales")
+    tensor_scale = strategy == "tensor"
+    if activations is None:
+        return Scheme("fp8", None, True, tensor_scale=tensor_scale)
+    if activations.get("num_bits") != 8 or activations.get("type") != "float":
+        raise _refuse(
+            group_name, f"fp8 weights with {activations.get('num_bits')}-bit {activations.get('type')} activations"
+        )
+    if not activations.get("symmetric", True):
+        raise _refuse(group_name, "asymmetric activations")
+    dynamic = bool(activations.get("dynamic"))
+    if activations.get("strategy") not in (("token", "tensor") if dynamic else ("tensor",)):
+        raise _refuse(group_name, f"{activations.get('strategy')!r} fp8 activation scales (dynamic={dynamic})")
+    return Scheme("fp8", None, True, static_input_scale=not dynamic, tensor_scale=tensor_scale)
 
 
 def _matches(target: str, name: str, layer: nn.Module) -> bool:
@@ -183,7 +244,13 @@ class CompressedTensorsConfig(QuantizationConfig):
         scheme = schemes.pop()
         if scheme is None:
             return None
-        method: QuantizationMethod = Int4PackedMethod(scheme) if scheme.kind == "w4a16" else Int8ChannelMethod(scheme)
+        method: QuantizationMethod
+        if scheme.kind == "w4a16":
+            method = Int4PackedMethod(scheme)
+        elif scheme.kind == "w8a8":
+            method = Int8ChannelMethod(scheme)
+        else:
+            method = Weight8Method(scheme)
         method.exact_dtype = self.exact_dtype
         check_shape(prefix, layer.input_size, layer.output_size, scheme)
         return method
@@ -204,6 +271,30 @@ def check_shape(prefix: str, input_size: int, output_size: int, scheme: Scheme) 
 def _per_32(scales: torch.Tensor, input_size: int) -> torch.Tensor:
     """``[out, groups]`` scales as ``[out, input_size / 32]``: each repeated over its groups of 32."""
     return scales.repeat_interleave(input_size // NATIVE_GROUP_SIZE // scales.shape[1], dim=1)
+
+
+def _add_input_scale(layer: nn.Module) -> None:
+    """A static activation scale per shard of the layer (read and checked, see the module doc)."""
+    add_parameter(
+        layer,
+        "input_scale",
+        torch.empty(shard_count(layer), dtype=torch.float32),
+        ParameterLayout(output_dim=None, input_dim=None, per_shard=True),
+    )
+
+
+def _check_input_scale(layer: nn.Module) -> None:
+    if not bool((layer.input_scale.data > 0).all()):
+        raise ModelLoadError(f"an input_scale of this layer is not positive: {layer.input_scale.data.tolist()}")
+
+
+def _float32_out(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 product of ``x``'s rows in ``x``'s dtype and shape, plus the bias."""
+    if not (getattr(layer, "sums_partials", False) and x.dtype != torch.float32):
+        out = out.to(x.dtype)  # a row-parallel shard keeps float32 until summed over ranks
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Int4PackedMethod(QuantizationMethod):
@@ -278,12 +369,7 @@ class Int8ChannelMethod(QuantizationMethod):
             layer, "weight_scale", torch.empty(output_size, 1, dtype=torch.float32), ParameterLayout(input_dim=None)
         )
         if self.scheme.static_input_scale:
-            add_parameter(
-                layer,
-                "input_scale",
-                torch.empty(shard_count(layer), dtype=torch.float32),
-                ParameterLayout(output_dim=None, input_dim=None, per_shard=True),
-            )
+            _add_input_scale(layer)
 
     def checkpoint_names(self, layer):
         return (
@@ -291,8 +377,8 @@ class Int8ChannelMethod(QuantizationMethod):
         )
 
     def process_weights_after_loading(self, layer):
-        if self.scheme.static_input_scale and not bool((layer.input_scale.data > 0).all()):
-            raise ModelLoadError(f"an input_scale of this layer is not positive: {layer.input_scale.data.tolist()}")
+        if self.scheme.static_input_scale:
+            _check_input_scale(layer)
         codes, scales = layer.weight.data, layer.weight_scale.data
         layer.int8_weight = pack_int8(codes, scales.expand(-1, codes.shape[1] // INT8_GROUP_SIZE))
         if layer.int8_weight is None:  # no kernel here: the int8 codes themselves, scaled per call
@@ -307,8 +393,73 @@ class Int8ChannelMethod(QuantizationMethod):
             out = torch.nn.functional.linear(rows, layer.int8_codes.to(rows.dtype)) * layer.int8_scales.t().to(
                 rows.dtype
             )
-        if not (getattr(layer, "sums_partials", False) and x.dtype != torch.float32):
-            out = out.to(x.dtype)  # a row-parallel shard keeps float32 until summed over ranks
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+        return _float32_out(layer, x, out, bias)
+
+
+class Weight8Method(QuantizationMethod):
+    """8-bit weights times float activations (``layer.w8_weight``, one byte per weight): W8A16 int8
+    codes (channel or group scales) and FP8 e4m3 codes (channel or tensor scales, with or without
+    8-bit activations, which are computed in float32: see the module doc)."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, scheme: Scheme):
+        self.scheme = scheme
+
+    def create_weights(self, layer, input_size, output_size, dtype):
+        scheme = self.scheme
+        if scheme.packed:
+            add_parameter(
+                layer,
+                "weight_packed",
+                torch.empty(output_size, input_size // _INT8_PER_INT32, dtype=torch.int32),
+                ParameterLayout(),
+            )
+            add_parameter(
+                layer,
+                "weight_shape",
+                torch.empty(shard_count(layer), 2, dtype=torch.int64),
+                ParameterLayout(output_dim=None, input_dim=None, per_shard=True),
+            )
+        else:
+            code_dtype = torch.float8_e4m3fn if scheme.kind == "fp8" else torch.int8
+            add_parameter(layer, "weight", torch.empty(output_size, input_size, dtype=code_dtype), ParameterLayout())
+        if scheme.tensor_scale:  # one per shard, spread over the shard's rows after loading
+            scale = torch.empty(shard_count(layer), dtype=torch.float32)
+            layout = ParameterLayout(output_dim=None, input_dim=None, per_shard=True)
+        elif scheme.group_size is not None:
+            scale = torch.empty(output_size, input_size // scheme.group_size, dtype=torch.float32)
+            layout = ParameterLayout(input_dim=1)
+        else:
+            scale = torch.empty(output_size, 1, dtype=torch.float32)
+            layout = ParameterLayout(input_dim=None)
+        add_parameter(layer, "weight_scale", scale, layout)
+        if scheme.static_input_scale:
+            _add_input_scale(layer)
+
+    def checkpoint_names(self, layer):
+        names = ("weight_packed", "weight_shape") if self.scheme.packed else ("weight",)
+        return (*names, "weight_scale", "input_scale") if self.scheme.static_input_scale else (*names, "weight_scale")
+
+    def process_weights_after_loading(self, layer):
+        if self.scheme.static_input_scale:
+            _check_input_scale(layer)
+        if self.scheme.packed:
+            packed = layer.weight_packed.data
+            unsigned = (packed.unsqueeze(-1) >> _INT8_SHIFTS) & 0xFF
+            codes = (unsigned.reshape(packed.shape[0], -1) - _INT8_OFFSET).to(torch.int8)
+        else:
+            codes = layer.weight.data
+        scales = layer.weight_scale.data
+        if self.scheme.tensor_scale:
+            channel = torch.empty(codes.shape[0], 1, dtype=torch.float32)
+            for index, shard_id in enumerate(getattr(layer, "shard_ids", (None,))):
+                offset, size, _ = layer.shard_rows(shard_id)
+                channel[offset : offset + size] = scales[index]
+            scales = channel
+        layer.w8_weight = pack_w8(codes, scales)
+        drop_parameters(layer, "weight", "weight_packed", "weight_shape", "weight_scale", "input_scale")
+
+    def apply(self, layer, x, bias):
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return _float32_out(layer, x, w8a16_linear(rows, layer.w8_weight), bias)

@@ -29,6 +29,9 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight);
 
+// cpu_w8a16.cpp
+at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, bool fp8);
+
 // cpu_lora.cpp
 void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
                 const at::Tensor& token_slots, const at::Tensor& shard_table, int64_t max_rank);
