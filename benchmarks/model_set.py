@@ -151,13 +151,21 @@ def stored_dtype(name: str, dims: tuple[int, ...]) -> type:
     return np.float32 if len(dims) == 1 or name.endswith("ffn_gate_inp.weight") else np.float16
 
 
-def random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+# every matrix is a window of one pool of standard normal values (a length no row width divides, so
+# rows do not repeat), at a random offset: the quantized blocks vary as random weights' do, and an
+# 8B file costs memory copies rather than 8 billion normal draws
+POOL_SIZE = (1 << 24) + 7
+
+
+def random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator, pool: np.ndarray) -> np.ndarray:
     """Norm weights near one; matrices (a stack of experts' too) normal with the usual
-    1/sqrt(fan-in) scale."""
+    1/sqrt(fan-in) scale, taken from ``pool`` (see :data:`POOL_SIZE`)."""
     if len(dims) == 1:
         return (1.0 + 0.05 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
-    scale = 1.0 / np.sqrt(dims[-1])
-    return (scale * rng.standard_normal(dims, dtype=np.float32)).astype(stored_dtype(name, dims))
+    count = int(np.prod(dims))
+    start = int(rng.integers(len(pool)))
+    values = np.resize(np.roll(pool, -start), count).reshape(dims)
+    return (values * np.float16(1.0 / np.sqrt(dims[-1]))).astype(stored_dtype(name, dims))
 
 
 def write_f16(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
@@ -200,8 +208,9 @@ def write_f16(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
+    pool = rng.standard_normal(POOL_SIZE, dtype=np.float32).astype(np.float16)
     for tensor_name, dims in plan:
-        writer.write_tensor_data(random_tensor(tensor_name, dims, rng))
+        writer.write_tensor_data(random_tensor(tensor_name, dims, rng, pool))
     writer.close()
 
 

@@ -224,9 +224,7 @@ def write_model_gguf(
         if architecture in ("qwen3moe", "qwen2moe"):
             writer.add_uint32(f"{prefix}.expert_feed_forward_length", hf_config.moe_intermediate_size)
         if architecture == "qwen2moe":
-            writer.add_uint32(
-                f"{prefix}.expert_shared_feed_forward_length", hf_config.shared_expert_intermediate_size
-            )
+            writer.add_uint32(f"{prefix}.expert_shared_feed_forward_length", hf_config.shared_expert_intermediate_size)
     if architecture in ("qwen3", "qwen3moe"):
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)

@@ -380,7 +380,9 @@ class FusedMoE(nn.Module):
             if shared_expert_intermediate_size
             else None
         )
-        self.shared_expert_gate = SharedExpertGate(hidden_size, params_dtype=params_dtype) if shared_expert_gate else None
+        self.shared_expert_gate = (
+            SharedExpertGate(hidden_size, params_dtype=params_dtype) if shared_expert_gate else None
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(hidden_states), self.top_k, renormalize=self.renormalize, scoring=self.scoring)

@@ -76,7 +76,12 @@ def test_qwen2_moe_from_safetensors_matches_transformers(overrides, kinds, tmp_p
 
 def write_qwen2moe_gguf(hf_model, path, quant_type=None) -> str:
     return write_model_gguf(
-        str(path), "qwen2moe", hf_model.config, hf_model.state_dict(), quant_type=quant_type, expert_quant_type=quant_type
+        str(path),
+        "qwen2moe",
+        hf_model.config,
+        hf_model.state_dict(),
+        quant_type=quant_type,
+        expert_quant_type=quant_type,
     )
 
 
@@ -101,7 +106,9 @@ def test_qwen2_moe_served_from_a_llama_quantize_q4_k_m_file_agrees_with_transfor
     """Shapes whose rows fit Q4_K's 256-wide blocks, quantized by llama.cpp itself; transformers
     holds the file's dequantized values. Served in the platform's dtype, 4-bit experts on the
     int4 operator where it runs."""
-    shapes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    shapes = dict(
+        hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256
+    )
     hf_model = hf_qwen2_moe(seed=5, vocab_size=256, num_experts=4, num_hidden_layers=2, head_dim=64, **shapes)
     source = write_qwen2moe_gguf(hf_model, tmp_path / "model-f32.gguf")
     path = quantize_with_llama_cpp(source, str(tmp_path / "model-q4_k_m.gguf"), "Q4_K_M")
@@ -117,4 +124,6 @@ def test_qwen2_moe_served_from_a_llama_quantize_q4_k_m_file_agrees_with_transfor
 def test_registration():
     registered = {}
     register_models(lambda name, target, **options: registered.setdefault(name, target))
-    assert registered["Qwen2MoeForCausalLM"] == "tokenloom.builtin_plugins.models.modeling_qwen2_moe:Qwen2MoeForCausalLM"
+    assert (
+        registered["Qwen2MoeForCausalLM"] == "tokenloom.builtin_plugins.models.modeling_qwen2_moe:Qwen2MoeForCausalLM"
+    )

@@ -324,7 +324,9 @@ def _qwen2_moe_config(gguf: GGUFFile) -> GGUFModelConfig:
     fields = _qwen2_config(gguf).to_dict()
     num_experts = _expert_count(gguf)
     if not num_experts:
-        raise ModelLoadError(f"GGUF file {gguf.path} lacks the metadata key qwen2moe.expert_count; the file is incomplete")
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} lacks the metadata key qwen2moe.expert_count; the file is incomplete"
+        )
     expert_fields = _expert_fields(gguf)
     expert_size = gguf.arch_get("expert_feed_forward_length")
     shared_size = gguf.arch_get("expert_shared_feed_forward_length")
