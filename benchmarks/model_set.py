@@ -151,21 +151,32 @@ def stored_dtype(name: str, dims: tuple[int, ...]) -> type:
     return np.float32 if len(dims) == 1 or name.endswith("ffn_gate_inp.weight") else np.float16
 
 
-# every matrix is a window of one pool of standard normal values (a length no row width divides, so
-# rows do not repeat), at a random offset: the quantized blocks vary as random weights' do, and an
-# 8B file costs memory copies rather than 8 billion normal draws
+# every matrix is a window of one pool of normal values (a length no row width divides, so rows do
+# not repeat), scaled by its fan-in, at a random offset: the quantized blocks vary as random
+# weights' do, and an 8B file costs memory copies rather than 8 billion normal draws
 POOL_SIZE = (1 << 24) + 7
 
 
-def random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator, pool: np.ndarray) -> np.ndarray:
+class RandomWeights:
     """Norm weights near one; matrices (a stack of experts' too) normal with the usual
-    1/sqrt(fan-in) scale, taken from ``pool`` (see :data:`POOL_SIZE`)."""
-    if len(dims) == 1:
-        return (1.0 + 0.05 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
-    count = int(np.prod(dims))
-    start = int(rng.integers(len(pool)))
-    values = np.resize(np.roll(pool, -start), count).reshape(dims)
-    return (values * np.float16(1.0 / np.sqrt(dims[-1]))).astype(stored_dtype(name, dims))
+    1/sqrt(fan-in) scale, each a window of the pool scaled for its fan-in (see :data:`POOL_SIZE`)."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.pool = self.rng.standard_normal(POOL_SIZE, dtype=np.float32)
+        self.scaled: dict[tuple[int, type], np.ndarray] = {}  # (fan-in, dtype) -> the pool, twice over
+
+    def tensor(self, name: str, dims: tuple[int, ...]) -> np.ndarray:
+        if len(dims) == 1:
+            return (1.0 + 0.05 * self.rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
+        dtype = stored_dtype(name, dims)
+        key = (dims[-1], dtype)
+        if key not in self.scaled:
+            scaled = (self.pool / np.sqrt(dims[-1])).astype(dtype)
+            self.scaled[key] = np.concatenate([scaled, scaled])
+        start, count = int(self.rng.integers(POOL_SIZE)), int(np.prod(dims))
+        window = self.scaled[key][start : start + POOL_SIZE]
+        return (window[:count] if count <= POOL_SIZE else np.resize(window, count)).reshape(dims)
 
 
 def write_f16(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
@@ -207,10 +218,9 @@ def write_f16(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    pool = rng.standard_normal(POOL_SIZE, dtype=np.float32).astype(np.float16)
+    weights = RandomWeights(seed)
     for tensor_name, dims in plan:
-        writer.write_tensor_data(random_tensor(tensor_name, dims, rng, pool))
+        writer.write_tensor_data(weights.tensor(tensor_name, dims))
     writer.close()
 
 
