@@ -334,6 +334,7 @@ def _qwen2_moe_config(gguf: GGUFFile) -> GGUFModelConfig:
         architectures=["Qwen2MoeForCausalLM"],
         model_type="qwen2_moe",
         qkv_bias=True,
+        sliding_window=0,  # Qwen2MoeConfig's default (Qwen2Config's is None); no layer slides either way
         num_experts=num_experts,
         moe_intermediate_size=int(expert_size or fields["intermediate_size"] // expert_fields["num_experts_per_tok"]),
         shared_expert_intermediate_size=int(shared_size or fields["intermediate_size"]),
