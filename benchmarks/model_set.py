@@ -31,18 +31,20 @@ import numpy as np
 class Shape:
     """A model's shape as its GGUF states it (llama.cpp's architecture name and keys)."""
 
-    architecture: str  # "llama" or "qwen3"
+    architecture: str  # "llama", "qwen3" or "olmoe"
     hidden: int
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
-    ffn: int
+    ffn: int  # a mixture of experts': each expert's
     vocab: int
     tied: bool
     rope_theta: float
     context: int
     source: str  # the public config the numbers come from
+    experts: int = 0  # experts per layer (0: a dense MLP)
+    experts_used: int = 0  # experts per token
 
 
 SHAPES = {
@@ -58,6 +60,10 @@ SHAPES = {
     "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1000000.0, 40960, "Qwen/Qwen3-4B"),
     "llama-3.1-8b": Shape(
         "llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0, 131072, "meta-llama/Llama-3.1-8B-Instruct"
+    ),
+    # 6.9B parameters, 1.3B active: 8 of 64 experts of 1024 features per token
+    "olmoe-1b-7b": Shape(
+        "olmoe", 2048, 16, 16, 16, 128, 1024, 50304, False, 10000.0, 4096, "allenai/OLMoE-1B-7B-0924", 64, 8
     ),
 }
 
@@ -116,24 +122,61 @@ def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
             (f"{b}.attn_v.weight", (kv, shape.hidden)),
             (f"{b}.attn_output.weight", (shape.hidden, q)),
             (f"{b}.ffn_norm.weight", (shape.hidden,)),
-            (f"{b}.ffn_gate.weight", (shape.ffn, shape.hidden)),
-            (f"{b}.ffn_up.weight", (shape.ffn, shape.hidden)),
-            (f"{b}.ffn_down.weight", (shape.hidden, shape.ffn)),
         ]
+        if shape.experts:  # llama.cpp's router and stacked experts
+            plan += [
+                (f"{b}.ffn_gate_inp.weight", (shape.experts, shape.hidden)),
+                (f"{b}.ffn_gate_exps.weight", (shape.experts, shape.ffn, shape.hidden)),
+                (f"{b}.ffn_up_exps.weight", (shape.experts, shape.ffn, shape.hidden)),
+                (f"{b}.ffn_down_exps.weight", (shape.experts, shape.hidden, shape.ffn)),
+            ]
+        else:
+            plan += [
+                (f"{b}.ffn_gate.weight", (shape.ffn, shape.hidden)),
+                (f"{b}.ffn_up.weight", (shape.ffn, shape.hidden)),
+                (f"{b}.ffn_down.weight", (shape.hidden, shape.ffn)),
+            ]
         if shape.architecture == "qwen3":
             plan += [(f"{b}.attn_q_norm.weight", (shape.head_dim,)), (f"{b}.attn_k_norm.weight", (shape.head_dim,))]
+        if shape.architecture == "olmoe":  # its q/k norms span the whole projection
+            plan += [(f"{b}.attn_q_norm.weight", (q,)), (f"{b}.attn_k_norm.weight", (kv,))]
     plan.append(("output_norm.weight", (shape.hidden,)))
     if not shape.tied:
         plan.append(("output.weight", (shape.vocab, shape.hidden)))
     return plan
 
 
-def random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Norm weights near one; matrices normal with the usual 1/sqrt(fan-in) scale, as float16."""
-    if len(dims) == 1:
-        return (1.0 + 0.05 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
-    scale = 1.0 / np.sqrt(dims[1])
-    return (scale * rng.standard_normal(dims, dtype=np.float32)).astype(np.float16)
+def stored_dtype(name: str, dims: tuple[int, ...]) -> type:
+    """float32 for norms and a router (llama.cpp's converter and quantizer keep those), else float16."""
+    return np.float32 if len(dims) == 1 or name.endswith("ffn_gate_inp.weight") else np.float16
+
+
+# every matrix is a window of one pool of normal values (a length no row width divides, so rows do
+# not repeat), scaled by its fan-in, at a random offset: the quantized blocks vary as random
+# weights' do, and an 8B file costs memory copies rather than 8 billion normal draws
+POOL_SIZE = (1 << 24) + 7
+
+
+class RandomWeights:
+    """Norm weights near one; matrices (a stack of experts' too) normal with the usual
+    1/sqrt(fan-in) scale, each a window of the pool scaled for its fan-in (see :data:`POOL_SIZE`)."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.pool = self.rng.standard_normal(POOL_SIZE, dtype=np.float32)
+        self.scaled: dict[tuple[int, type], np.ndarray] = {}  # (fan-in, dtype) -> the pool, twice over
+
+    def tensor(self, name: str, dims: tuple[int, ...]) -> np.ndarray:
+        if len(dims) == 1:
+            return (1.0 + 0.05 * self.rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
+        dtype = stored_dtype(name, dims)
+        key = (dims[-1], dtype)
+        if key not in self.scaled:
+            scaled = (self.pool / np.sqrt(dims[-1])).astype(dtype)
+            self.scaled[key] = np.concatenate([scaled, scaled])
+        start, count = int(self.rng.integers(POOL_SIZE)), int(np.prod(dims))
+        window = self.scaled[key][start : start + POOL_SIZE]
+        return (window[:count] if count <= POOL_SIZE else np.resize(window, count)).reshape(dims)
 
 
 def write_f16(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
@@ -153,8 +196,11 @@ def write_f16(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
     writer.add_value_length(shape.head_dim)
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
+    writer.add_layer_norm_rms_eps(1e-6 if arch == "qwen3" else 1e-5)
     writer.add_vocab_size(shape.vocab)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
     writer.add_file_type(1)  # MOSTLY_F16
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -167,14 +213,14 @@ def write_f16(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
     writer.add_chat_template(tokenizer["template"])
     plan = tensor_plan(shape)
     for tensor_name, dims in plan:
-        dtype = np.float32 if len(dims) == 1 else np.float16
+        dtype = stored_dtype(tensor_name, dims)
         writer.add_tensor_info(tensor_name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
+    weights = RandomWeights(seed)
     for tensor_name, dims in plan:
-        writer.write_tensor_data(random_tensor(tensor_name, dims, rng))
+        writer.write_tensor_data(weights.tensor(tensor_name, dims))
     writer.close()
 
 

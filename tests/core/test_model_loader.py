@@ -41,16 +41,17 @@ def test_a_mixtral_gguf_loads_as_mixtral(tmp_path):
 
 
 def test_an_unserved_mixture_of_experts_checkpoint_is_refused_as_one(tmp_path):
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
-    Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    config = GraniteMoeConfig(**TINY, num_local_experts=8, num_experts_per_tok=2)
+    GraniteMoeForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as raised:
         make_llm(str(tmp_path))
     message = str(raised.value)
-    assert "Qwen2MoeForCausalLM is a mixture-of-experts model (8 experts, 2 per token)" in message
-    assert "Qwen3MoeForCausalLM and MixtralForCausalLM" in message and "lacks" not in message
+    assert "GraniteMoeForCausalLM is a mixture-of-experts model (8 experts, 2 per token)" in message
+    assert "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM and MixtralForCausalLM" in message
+    assert "lacks" not in message
 
 
 def test_a_dense_architecture_with_experts_in_its_config_is_refused_when_built(tmp_path):

@@ -122,6 +122,10 @@ def _tp_worker(rank, tp_size, init_method, runs, results):
                 "rank_blocks": rank_blocks,
                 "heads": (qkv.num_heads, qkv.num_kv_heads),
                 "int4_layers": sum(getattr(m, "int4_weight", None) is not None for m in model.modules()),
+                # each rank's share of every routed expert's intermediate features (a mixture of experts)
+                "expert_intermediate": {
+                    m.intermediate_size for m in model.modules() if type(m).__name__ == "FusedExperts"
+                },
             }
         )
         del worker, model
@@ -264,6 +268,63 @@ def gemma3_with_one_kv_head(directory, tokenizer, smollm2_gguf) -> list[Referenc
     return [Reference(save_tiny_model(directory, tokenizer, Gemma3ForCausalLM, gemma3, 5), GREEDY, dtype="float32")]
 
 
+# architecture -> (its transformers config class and model class names, the overrides of the tiny
+# Llama config, each expert's intermediate size or 0): one tiny checkpoint each, every -tp 2 split it has (q/k norms per head or over the
+# whole projection, sliding windows and soft caps, multipliers, experts with their intermediate
+# features halved, a shared expert)
+ARCHITECTURES_TP2 = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), 0),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+        32,
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+        32,
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32), 32),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2), 128),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"],
+            pad_token_id=0,
+        ),
+        0,
+    ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5),
+        0,
+    ),
+}
+
+
+def architecture_tp2(architecture: str):
+    def references(directory, tokenizer, smollm2_gguf) -> list[Reference]:
+        import transformers
+
+        config_class, model_class, overrides, _ = ARCHITECTURES_TP2[architecture]
+        options = {**tiny_llama_config(tokenizer).to_dict(), **overrides}
+        options.pop("model_type", None)
+        config = getattr(transformers, config_class)(**options)
+        model = save_tiny_model(directory, tokenizer, getattr(transformers, model_class), config, 6)
+        return [Reference(model, GREEDY, dtype="float32")]
+
+    return references
+
+
 def smollm2_float32_and_bfloat16(directory, tokenizer, smollm2_gguf) -> list[Reference]:
     short = SamplingParams(temperature=0.0, max_tokens=5)
     return [Reference(smollm2_gguf, short, dtype="float32"), Reference(smollm2_gguf, short, dtype="bfloat16")]
@@ -285,6 +346,7 @@ CASES = {
     "gemma3_with_one_kv_head": (2, gemma3_with_one_kv_head),
     "smollm2_float32_and_bfloat16": (3, smollm2_float32_and_bfloat16),
     "gemma3_270m": (2, gemma3_270m),
+    **{architecture: (2, architecture_tp2(architecture)) for architecture in ARCHITECTURES_TP2},
 }
 # test -> the cases it checks
 CASES_OF_TEST = {
@@ -293,6 +355,7 @@ CASES_OF_TEST = {
     "test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2": ["qwen2_with_biases", "gemma3_with_one_kv_head"],
     "test_smollm2_gguf_tp3_float32_and_native_int4": ["smollm2_float32_and_bfloat16"],
     "test_gemma3_270m_gguf_tp2_replicates_its_kv_head": ["gemma3_270m"],
+    "test_every_architecture_tp2_samples_as_one_worker": list(ARCHITECTURES_TP2),
 }
 
 
@@ -360,6 +423,18 @@ def test_qwen2_with_biases_and_gemma3_with_one_kv_head_tp2(replayed):
     assert all(r["heads"] == (2, 1) and r["kv_cache_shape"][3] == 1 for r in gemma3_ranks)
     assert_same_as_one_worker(qwen2_ref, qwen2_ranks)
     assert_same_as_one_worker(gemma3_ref, gemma3_ranks)
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES_TP2))
+def test_every_architecture_tp2_samples_as_one_worker(replayed, architecture):
+    """Each built-in architecture without a -tp test of its own, replayed by two ranks in the
+    spawn the other two-rank cases use: 4 query / 2 KV heads (one per rank); a mixture of
+    experts holds half of every expert's intermediate features on each rank, as vLLM splits them."""
+    ((reference, per_rank),) = replayed(architecture)
+    assert all(r["heads"] == (2, 1) for r in per_rank)
+    expert_size = ARCHITECTURES_TP2[architecture][3]
+    assert all(r["expert_intermediate"] == ({expert_size // 2} if expert_size else set()) for r in per_rank)
+    assert_same_as_one_worker(reference, per_rank)
 
 
 # -- the real SmolLM2 GGUF (9 query / 3 KV heads, 4-bit) --------------------------------------

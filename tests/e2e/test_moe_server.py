@@ -1,7 +1,7 @@
 """Mixture-of-experts models over HTTP with the openai client: `tokenloom serve` on a tiny random
 Mixtral checkpoint (safetensors, ``-tp 2``: each rank holds half of every expert's intermediate
-features) and a tiny random Qwen3-MoE GGUF with Q4_0 experts (the platform's dtype: the experts
-run 4-bit on the moe_experts operator). A concurrent batch of mixed-length token-id prompts, each
+features), tiny random Qwen3-MoE and Qwen2-MoE (a sigmoid-gated shared expert) GGUFs with Q4_0
+experts (the platform's dtype: the experts run 4-bit on the moe_experts operator). A concurrent batch of mixed-length token-id prompts, each
 greedy completion compared with transformers' ``generate`` the vLLM way (agreeing until the first
 position where each side's token is in the other's top-5). One server per model, in turn."""
 
@@ -71,7 +71,30 @@ def qwen3_moe_q4_0(directory) -> tuple:
     return hf_model, [path]
 
 
-MODELS = {"mixtral-tp2": mixtral, "qwen3moe-q4_0": qwen3_moe_q4_0}
+def qwen2_moe_q4_0(directory) -> tuple:
+    config = transformers.Qwen2MoeConfig(
+        **SHAPE,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,  # as llama.cpp runs every qwen2moe file
+    )
+    hf_model = randomize_parameters(transformers.Qwen2MoeForCausalLM(config).eval(), seed=4)
+    q4_0 = GGMLQuantizationType.Q4_0
+    with torch.no_grad():  # transformers holds what the file holds
+        for name, param in hf_model.named_parameters():
+            if ".mlp.experts." in name:
+                data = param.detach().numpy()
+                param.copy_(torch.from_numpy(dequantize(quantize(data, q4_0), q4_0).reshape(data.shape)))
+    path = write_model_gguf(
+        str(directory / "model.gguf"), "qwen2moe", hf_model.config, hf_model.state_dict(), expert_quant_type=q4_0
+    )
+    return hf_model, [path]
+
+
+MODELS = {"mixtral-tp2": mixtral, "qwen3moe-q4_0": qwen3_moe_q4_0, "qwen2moe-q4_0": qwen2_moe_q4_0}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

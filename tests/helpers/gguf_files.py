@@ -67,6 +67,15 @@ HF_TO_GGUF_BLOCK_BY_ARCH = {
 }
 HF_TO_GGUF_BLOCK_BY_ARCH["qwen3moe"] = {**HF_TO_GGUF_BLOCK_BY_ARCH["qwen3"], "mlp.gate": "ffn_gate_inp"}
 HF_TO_GGUF_BLOCK_BY_ARCH["llama"]["mlp.gate"] = "ffn_gate_inp"  # Mixtral's router
+HF_TO_GGUF_BLOCK_BY_ARCH["olmoe"] = {**HF_TO_GGUF_BLOCK_BY_ARCH["qwen3moe"]}
+HF_TO_GGUF_BLOCK_BY_ARCH["qwen2moe"] = {
+    **HF_TO_GGUF_BLOCK_BY_ARCH["qwen2"],
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
 HF_TO_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -209,11 +218,13 @@ def write_model_gguf(
         writer.add_float32(f"{prefix}.residual_scale", hf_config.residual_multiplier)
         writer.add_float32(f"{prefix}.logit_scale", hf_config.logits_scaling)
     num_experts = num_experts_of(hf_config)
-    if num_experts:  # what the converter writes for Mixtral (llama) and Qwen3-MoE
+    if num_experts:  # what the converter writes for Mixtral (llama), Qwen3-MoE, Qwen2-MoE and OLMoE
         writer.add_uint32(f"{prefix}.expert_count", num_experts)
         writer.add_uint32(f"{prefix}.expert_used_count", hf_config.num_experts_per_tok)
-        if architecture == "qwen3moe":
+        if architecture in ("qwen3moe", "qwen2moe"):
             writer.add_uint32(f"{prefix}.expert_feed_forward_length", hf_config.moe_intermediate_size)
+        if architecture == "qwen2moe":
+            writer.add_uint32(f"{prefix}.expert_shared_feed_forward_length", hf_config.shared_expert_intermediate_size)
     if architecture in ("qwen3", "qwen3moe"):
         writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
         writer.add_uint32(f"{prefix}.attention.value_length", head_dim)

@@ -2,7 +2,8 @@
 routers route; the ``moe_experts`` operator (csrc/cpu_moe.cpp) against the torch loop over
 experts at every kernel level, for float32, bfloat16 and 4-bit experts (the 4-bit ones bit for
 bit against ``int4_linear`` run expert by expert); the layer loading per-expert and stacked
-tensors alike, tensor-parallel shards summing to the whole layer, and a missing expert named."""
+tensors alike, tensor-parallel shards summing to the whole layer, a missing expert named, and a
+sigmoid-gated shared expert as transformers' Qwen2-MoE block computes it."""
 
 from __future__ import annotations
 
@@ -190,3 +191,62 @@ def test_a_missing_expert_weight_is_named():
         ModelLoadError, match=r"expert 1's up weight has shape \(48, 32\), the model expects \(48, 64\)"
     ):
         experts.load_checkpoint_weight("weight", w13[1, INTERMEDIATE:, :32], ("up", 1))
+
+
+def load_qwen2_moe_block(moe: FusedMoE, block, shared_gate: torch.Tensor) -> FusedMoE:
+    """``moe`` holding the weights of transformers' Qwen2MoeSparseMoeBlock ``block``, the shared
+    expert gate given as ``shared_gate`` (a llama.cpp file may hold it as a vector)."""
+    from tokenloom.layers.linear import process_weights_after_loading
+
+    size = block.experts.gate_up_proj.shape[1] // 2
+    moe.gate.load_checkpoint_weight("weight", block.gate.weight.detach())
+    gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    for projection, tensor in (("gate", gate_up[:, :size]), ("up", gate_up[:, size:]), ("down", down)):
+        moe.experts.load_checkpoint_weight("weight", tensor, (projection, None))
+    shared = block.shared_expert
+    moe.shared_expert.gate_up_proj.load_checkpoint_weight("weight", shared.gate_proj.weight.detach(), 0)
+    moe.shared_expert.gate_up_proj.load_checkpoint_weight("weight", shared.up_proj.weight.detach(), 1)
+    moe.shared_expert.down_proj.load_checkpoint_weight("weight", shared.down_proj.weight.detach())
+    moe.shared_expert_gate.load_checkpoint_weight("weight", shared_gate)
+    process_weights_after_loading(moe)
+    return moe
+
+
+@at_the_host_level()
+def test_a_gated_shared_expert_matches_transformers_qwen2_moe_block_and_its_tensor_parallel_shards_sum():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    shared_size = 32
+    config = Qwen2MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTERMEDIATE,
+        shared_expert_intermediate_size=shared_size,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=False,
+    )
+    torch.manual_seed(0)
+    block = Qwen2MoeSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, param.shape[-1] ** -0.5)
+    x = torch.randn(5, HIDDEN)
+    with torch.no_grad():
+        expected = block(x.unsqueeze(0))[0]
+    options = dict(renormalize=False, shared_expert_intermediate_size=shared_size, shared_expert_gate=True)
+    vector = block.shared_expert_gate.weight.detach().reshape(-1)
+    whole = load_qwen2_moe_block(FusedMoE(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, "silu", **options), block, vector)
+    torch.testing.assert_close(whole(x), expected, rtol=1e-5, atol=1e-5)
+    shards = [
+        load_qwen2_moe_block(
+            FusedMoE(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, "silu", tp_group=FakeGroup(rank, 2), **options),
+            block,
+            block.shared_expert_gate.weight.detach(),
+        )
+        for rank in range(2)
+    ]
+    assert shards[0].shared_expert.down_proj.input_size == shared_size // 2
+    torch.testing.assert_close(shards[0](x) + shards[1](x), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ModelLoadError, match=r"SharedExpertGate expects 'weight' of shape \(1, 64\) or \(64,\)"):
+        whole.shared_expert_gate.load_checkpoint_weight("weight", torch.zeros(2, HIDDEN))

@@ -112,5 +112,6 @@ def mixture_of_experts_error(hf_config: Any, architecture: str) -> ModelLoadErro
     per_token = f", {used} per token" if isinstance(used, int) else ""
     return ModelLoadError(
         f"{architecture} is a mixture-of-experts model ({style}{num_experts} experts{per_token}), which tokenloom "
-        "does not serve: its built-in mixture-of-experts models are Qwen3MoeForCausalLM and MixtralForCausalLM"
+        "does not serve: its built-in mixture-of-experts models are Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+        "OlmoeForCausalLM and MixtralForCausalLM"
     )

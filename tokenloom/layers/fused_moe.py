@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP: :class:`FusedMoE` (a router linear, top-k routing, and every routed
-expert's gated MLP as one stacked weight, :class:`FusedExperts`).
+"""A mixture-of-experts MLP: :class:`FusedMoE` (a router linear, top-k routing, every routed
+expert's gated MLP as one stacked weight, :class:`FusedExperts`, and optionally a shared expert
+every token passes through).
 
 Routing (:func:`route`): per token the router's scores (softmax or sigmoid over the experts, in
 float32), the ``top_k`` best, renormalised to sum to one or not, as the config says (Mixtral
@@ -19,9 +20,14 @@ Checkpoint tensors reach :meth:`FusedExperts.load_checkpoint_weight` with a shar
 an index, or None for a tensor stacking every expert (GGUF's ``ffn_*_exps``). A model maps its
 checkpoint names onto them with :func:`expert_stacked_params`.
 
+A shared expert (Qwen2-MoE, ``shared_expert_intermediate_size``) is a dense gated MLP
+(``shared_expert``) added to the routed experts' sum, scaled per token by
+``sigmoid(shared_expert_gate(x))`` when the model has that one-output gate.
+
 Under tensor parallelism each rank holds every expert's slice of the intermediate features
-(``I / tp`` gate and up rows, the same ``down`` columns), and the layer's output is summed over
-the ranks with one all-reduce, as a row-parallel linear layer's is.
+(``I / tp`` gate and up rows, the same ``down`` columns), and the routed experts' output is
+summed over the ranks with one all-reduce, as a row-parallel linear layer's is; the shared
+expert splits its intermediate features the same way (a tensor-parallel gated MLP).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.cpu_native import ops_for
 from tokenloom.kernels.int4_matmul import NATIVE_GROUP_SIZE, can_pack, dequantize_int4, pack_int4
 from tokenloom.layers.activation import get_act_and_mul
+from tokenloom.layers.decoder import GatedMLP
 from tokenloom.layers.linear import ReplicatedLinear, divide, tensor_parallel_all_reduce, tp_place
 from tokenloom.layers.quantization import QuantizationConfig, QuantizationMethod, materialize
 
@@ -294,8 +301,34 @@ class FusedExperts(nn.Module):
         )
 
 
+class SharedExpertGate(nn.Module):
+    """``sigmoid(x @ weight.T)``: one scale per token for the shared expert's output, ``weight
+    [1, H]`` (a Hugging Face checkpoint's shape; llama.cpp's ``ffn_gate_inp_shexp`` may hold it as
+    a vector of ``H``). Replicated on every tensor-parallel rank, never quantized."""
+
+    def __init__(self, hidden_size: int, *, params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(1, hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
+        )
+
+    def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
+        tensor = materialize(loaded_weight, self.weight.dtype)
+        if param_name != "weight" or tensor.numel() != self.weight.numel() or tensor.dim() > 2:
+            raise ModelLoadError(
+                f"{type(self).__name__} expects 'weight' of shape {tuple(self.weight.shape)} or "
+                f"({self.weight.shape[1]},), got {param_name!r} of shape {tuple(tensor.shape)}"
+            )
+        self.weight.data.copy_(tensor.reshape(self.weight.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
 class FusedMoE(nn.Module):
-    """A router (``gate``, never quantized) over ``experts``; see the module docstring."""
+    """A router (``gate``, never quantized) over ``experts``, and with
+    ``shared_expert_intermediate_size`` a ``shared_expert`` (gated by ``shared_expert_gate``
+    when ``shared_expert_gate``); see the module docstring."""
 
     def __init__(
         self,
@@ -307,6 +340,8 @@ class FusedMoE(nn.Module):
         *,
         renormalize: bool,
         scoring: str = "softmax",
+        shared_expert_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
         quant_method: QuantizationConfig | QuantizationMethod | None = None,
         params_dtype: torch.dtype | None = None,
         tp_group: Any = None,
@@ -331,11 +366,33 @@ class FusedMoE(nn.Module):
             params_dtype=params_dtype,
             tp_group=tp_group,
         )
+        if shared_expert_gate and not shared_expert_intermediate_size:
+            raise ConfigError("a shared expert gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        self.shared_expert = (
+            GatedMLP(
+                hidden_size,
+                shared_expert_intermediate_size,
+                hidden_act,
+                quant_method=quant_method,
+                params_dtype=params_dtype,
+                tp_group=tp_group,
+            )
+            if shared_expert_intermediate_size
+            else None
+        )
+        self.shared_expert_gate = (
+            SharedExpertGate(hidden_size, params_dtype=params_dtype) if shared_expert_gate else None
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(hidden_states), self.top_k, renormalize=self.renormalize, scoring=self.scoring)
-        out = self.experts(hidden_states, weights, ids)
-        return tensor_parallel_all_reduce(out, self.tp_group, self.tp_size)
+        out = tensor_parallel_all_reduce(self.experts(hidden_states, weights, ids), self.tp_group, self.tp_size)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(hidden_states)  # summed over the ranks by its down projection
+        if self.shared_expert_gate is not None:
+            shared = self.shared_expert_gate(hidden_states) * shared
+        return out + shared
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring={self.scoring!r}"

@@ -36,8 +36,9 @@ SHAPE = dict(
 )
 
 
-def write_minimal_gguf(path: str, architecture: str) -> str:
-    """Only the keys tokenloom requires: no vocabulary size, RoPE base, head size or special tokens."""
+def write_minimal_gguf(path: str, architecture: str, **extra: int) -> str:
+    """Only the keys tokenloom requires (and ``extra`` uint32 keys of the architecture): no
+    vocabulary size, RoPE base, head size or special tokens."""
     writer = GGUFWriter(path, architecture)
     for key, value in {
         "embedding_length": 64,
@@ -46,6 +47,7 @@ def write_minimal_gguf(path: str, architecture: str) -> str:
         "attention.head_count": 4,
         "attention.head_count_kv": 2,
         "context_length": 256,
+        **extra,
     }.items():
         writer.add_uint32(f"{architecture}.{key}", value)
     writer.add_float32(f"{architecture}.attention.layer_norm_rms_epsilon", 1e-6)
@@ -290,3 +292,30 @@ def test_every_gguf_architecture_has_a_config_a_tensor_map_and_a_model():
     assert set(GGUF_ARCHITECTURES) == set(GGUF_CONFIG_BUILDERS) == set(BLOCK_NAMES)
     assert set(GGUF_ARCHITECTURES.values()) <= set(MODELS)
     assert GGUFLoadFormat.architecture_names is GGUF_ARCHITECTURES
+
+
+@pytest.mark.parametrize("architecture", ["olmoe", "qwen2moe"])
+def test_olmoe_and_qwen2moe_files_take_transformers_defaults_and_llama_cpp_routing(architecture, tmp_path):
+    """Every field as transformers' OlmoeConfig / Qwen2MoeConfig holds it for the file's keys:
+    routing never renormalised (llama.cpp never renormalises either), a qwen2moe file without
+    its expert sizes sized as llama.cpp sizes them (feed_forward_length / experts per token; the
+    shared expert feed_forward_length)."""
+    import transformers
+
+    path = write_minimal_gguf(str(tmp_path / "m.gguf"), architecture, expert_count=16, expert_used_count=4)
+    ours = gguf_to_hf_config(GGUFFile(path)).to_dict()
+    fields = dict(SHAPE, rms_norm_eps=float(np.float32(1e-6)), tie_word_embeddings=True, num_experts=16)
+    if architecture == "olmoe":
+        reference = transformers.OlmoeConfig(**fields, num_experts_per_tok=4, norm_topk_prob=False)
+    else:
+        reference = transformers.Qwen2MoeConfig(
+            **fields,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=128,
+            norm_topk_prob=False,
+        )
+    expected = reference.to_dict()
+    assert ours.pop("architectures") == [{"olmoe": "OlmoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}[architecture]]
+    expected.pop("architectures"), expected.pop("transformers_version")
+    assert ours == expected

@@ -1,7 +1,8 @@
 """GGUF metadata -> the model config the model plugins read: a :class:`GGUFModelConfig` with the
 attributes, defaults and ``to_dict()`` of transformers' LlamaConfig, Qwen2Config, Qwen3Config,
 Gemma2Config, Gemma3TextConfig, Olmo2Config,
-GraniteConfig, Phi3Config, Qwen3MoeConfig or MixtralConfig (llama.cpp's ``llama`` with experts). RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
+GraniteConfig, Phi3Config, Qwen3MoeConfig, Qwen2MoeConfig, OlmoeConfig or MixtralConfig (llama.cpp's ``llama``
+with experts). RoPE scaling comes from llama.cpp's ``rope.scaling.*`` keys and, for Llama 3,
 from the ``rope_freqs.weight`` tensor (carried as ``freq_factors``, see
 :mod:`tokenloom.layers.rotary`); expert tensors in an architecture tokenloom serves dense only
 are refused by what they are.
@@ -316,6 +317,69 @@ def _qwen3_moe_config(gguf: GGUFFile) -> GGUFModelConfig:
     return GGUFModelConfig(**fields)
 
 
+def _qwen2_moe_config(gguf: GGUFFile) -> GGUFModelConfig:
+    """llama.cpp's ``qwen2moe``: every layer a mixture of experts with a gated shared expert, routing
+    not renormalised (llama.cpp never renormalises a qwen2moe file's weights). Absent expert
+    sizes default as llama.cpp's loader defaults them."""
+    fields = _qwen2_config(gguf).to_dict()
+    num_experts = _expert_count(gguf)
+    if not num_experts:
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} lacks the metadata key qwen2moe.expert_count; the file is incomplete"
+        )
+    expert_fields = _expert_fields(gguf)
+    expert_size = gguf.arch_get("expert_feed_forward_length")
+    shared_size = gguf.arch_get("expert_shared_feed_forward_length")
+    fields.update(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        qkv_bias=True,
+        sliding_window=0,  # Qwen2MoeConfig's default (Qwen2Config's is None); no layer slides either way
+        num_experts=num_experts,
+        moe_intermediate_size=int(expert_size or fields["intermediate_size"] // expert_fields["num_experts_per_tok"]),
+        shared_expert_intermediate_size=int(shared_size or fields["intermediate_size"]),
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        **expert_fields,
+    )
+    return GGUFModelConfig(**fields)
+
+
+def _olmoe_config(gguf: GGUFFile) -> GGUFModelConfig:
+    """llama.cpp's ``olmoe``: every layer a mixture of experts of ``feed_forward_length`` features,
+    routing not renormalised (llama.cpp never renormalises an olmoe file's weights), no clipping."""
+    num_experts = _expert_count(gguf)
+    if not num_experts:
+        raise ModelLoadError(f"GGUF file {gguf.path} lacks the metadata key olmoe.expert_count; the file is incomplete")
+    fields = {
+        **_pretrained_config_defaults(),
+        "model_type": "olmoe",
+        "architectures": ["OlmoeForCausalLM"],
+        "vocab_size": 50304,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": 1,
+        "bos_token_id": None,
+        "eos_token_id": 50279,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "clip_qkv": None,
+        "num_experts": num_experts,
+        "norm_topk_prob": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.01,
+        **_expert_fields(gguf),
+        **_common(gguf),
+    }
+    rotary_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    fields["rope_parameters"] = _rope_parameters(gguf, DEFAULT_ROPE_THETA, rotary_dim)
+    return GGUFModelConfig(**fields)
+
+
 def _qwen_fields(gguf: GGUFFile) -> dict[str, Any]:
     """What Qwen2Config and Qwen3Config share."""
     fields = {
@@ -541,6 +605,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -553,6 +619,8 @@ GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
     "qwen2": _qwen2_config,
     "qwen3": _qwen3_config,
     "qwen3moe": _qwen3_moe_config,
+    "qwen2moe": _qwen2_moe_config,
+    "olmoe": _olmoe_config,
     "gemma2": _gemma2_config,
     "gemma3": _gemma3_config,
     "olmo2": _olmo2_config,
@@ -561,7 +629,7 @@ GGUF_CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], GGUFModelConfig]] = {
 }
 
 # the built-in models a GGUF file with experts maps onto
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM")
 # llama.cpp's expert tensors: per-layer router, stacked expert projections
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate_inp|gate_exps|up_exps|down_exps|gate_up_exps)\.weight$")
 
@@ -573,7 +641,7 @@ def _refuse_unserved_experts(gguf: GGUFFile, config: GGUFModelConfig) -> None:
         raise ModelLoadError(
             f"GGUF file {gguf.path} holds mixture-of-experts tensors in architecture {gguf.architecture!r}, whose "
             f"experts tokenloom does not serve; it serves the experts of {', '.join(MOE_ARCHITECTURES)} "
-            "(llama.cpp's qwen3moe, and llama with expert_count for Mixtral)"
+            "(llama.cpp's qwen3moe, qwen2moe and olmoe, and llama with expert_count for Mixtral)"
         )
 
 

@@ -56,6 +56,23 @@ BLOCK_NAMES: dict[str, dict[str, str]] = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     },
+    "qwen2moe": {
+        **_DECODER_BLOCK_NAMES,
+        **_EXPERT_BLOCK_NAMES,
+        "ffn_norm": "post_attention_layernorm",
+        # the shared expert and its one-output sigmoid gate
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    },
+    "olmoe": {
+        **_DECODER_BLOCK_NAMES,
+        **_EXPERT_BLOCK_NAMES,
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
     "gemma2": {
         **_DECODER_BLOCK_NAMES,
         "post_attention_norm": "post_attention_layernorm",

@@ -14,6 +14,8 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": (f"{PACKAGE}.modeling_qwen3:Qwen3ForCausalLM", "generate"),
     "Qwen3MoeForCausalLM": (f"{PACKAGE}.modeling_qwen3_moe:Qwen3MoeForCausalLM", "generate"),
     "MixtralForCausalLM": (f"{PACKAGE}.modeling_mixtral:MixtralForCausalLM", "generate"),
+    "Qwen2MoeForCausalLM": (f"{PACKAGE}.modeling_qwen2_moe:Qwen2MoeForCausalLM", "generate"),
+    "OlmoeForCausalLM": (f"{PACKAGE}.modeling_olmoe:OlmoeForCausalLM", "generate"),
     "Gemma2ForCausalLM": (f"{PACKAGE}.modeling_gemma2:Gemma2ForCausalLM", "generate"),
     "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
     "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),
