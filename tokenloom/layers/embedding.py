@@ -139,7 +139,9 @@ class VocabParallelEmbedding(nn.Module):
             self._drop_dense_weight()
 
     def _drop_dense_weight(self) -> None:
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"), requires_grad=False
+        )
 
     def _make_dense_weight(self) -> None:
         """The dense weight from the kept blocks, which are then dropped."""

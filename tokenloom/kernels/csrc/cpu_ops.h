@@ -29,6 +29,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight);
 
+// cpu_kquant.cpp
+at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups);
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& weight);
+
 // cpu_lora.cpp
 void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
                 const at::Tensor& token_slots, const at::Tensor& shard_table, int64_t max_rank);
