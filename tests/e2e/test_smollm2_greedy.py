@@ -70,7 +70,7 @@ def narrowed_layers(llm) -> tuple[int, str]:
     model = llm.engine.executor.worker.runner.model
     int4 = sum(getattr(module, "int4_weight", None) is not None for module in model.modules())
     head = model.lm_head
-    if head.int8_weight is not None:
+    if head.kernel_weight is not None:
         return int4, "int8"
     return int4, "dense" if head.small_batch_weight is None else str(head.small_batch_weight.dtype)
 

@@ -181,12 +181,15 @@ def write_model_gguf(
     *,
     quant_type: GGMLQuantizationType | None = None,
     expert_quant_type: GGMLQuantizationType | None = None,
+    quant_type_of: dict[str, GGMLQuantizationType] | None = None,
     tokenizer: dict | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> str:
     """Write ``state_dict`` (a transformers model's) as a llama.cpp-style GGUF of ``architecture``.
 
     2-D weights whose rows fit ``quant_type`` blocks are quantized; norms and biases stay F32.
+    ``quant_type_of`` maps GGUF tensor-name endings (``"attn_v.weight"``) to the type those
+    take instead (as llama.cpp's mixes, Q4_K_M, give some tensors more bits).
     A mixture of experts' stacked expert weights are quantized to ``expert_quant_type`` (its
     router stays F32, as llama.cpp's converter keeps it), and its expert keys are written.
     ``extra_tensors`` (GGUF name -> array) are written as they are.
@@ -277,7 +280,10 @@ def write_model_gguf(
             data = data + 1.0
         name = gguf_name(architecture, hf_name)
         if quant_type is not None and data.ndim == 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:
-            writer.add_tensor(name, quantize(data, quant_type), raw_dtype=quant_type)
+            tensor_type = next(
+                (special for ending, special in (quant_type_of or {}).items() if name.endswith(ending)), quant_type
+            )
+            writer.add_tensor(name, quantize(data, tensor_type), raw_dtype=tensor_type)
         else:
             writer.add_tensor(name, data.astype(np.float32))
     for name, array in (extra_tensors or {}).items():

@@ -138,25 +138,32 @@ def test_a_tied_bfloat16_head_multiplies_the_q8_0_values_at_every_batch():
     head.tie_to(embedding)
     embedding.load_checkpoint_weight("weight", weight)
     head.process_weights_after_loading()
-    assert head.int8_weight is not None and embedding.int8_groups is None  # packed once, not kept twice
-    assert head.packed_weight is None  # no bfloat16 copy beside it
+    assert head.kernel_weight is not None and embedding.row_blocks is not None
+    # no dense weight: the embedding looks up in the blocks, the head multiplies the codes
+    assert embedding.weight.is_meta and head.weight is embedding.weight and head.packed_weight is None
     exact = weight.dequantize(torch.float32)
+    ids = torch.tensor([[0, 47], [5, 5]])
+    assert torch.equal(embedding(ids), exact[ids].to(torch.bfloat16))
     for rows in (3, 40):
         hidden = torch.randn(rows, 64, dtype=torch.bfloat16)
         logits = head.compute_logits(hidden)
         assert logits.dtype == torch.float32 and logits.shape == (rows, 48)
         torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=0, atol=0.02 * logits.abs().max().item())
-        assert torch.equal(logits, int8_linear(hidden, head.int8_weight))
+        assert torch.equal(logits, int8_linear(hidden, head.kernel_weight))
 
 
-def test_float32_heads_and_untied_embeddings_keep_no_int8_copy():
+def test_float32_heads_are_dense_and_untied_embeddings_look_up_in_the_blocks():
     head = ParallelLMHead(48, 64, params_dtype=torch.float32)
     head.load_checkpoint_weight("weight", q8_0(48, 64))
     head.process_weights_after_loading()
-    assert head.int8_weight is None and head.int8_groups is None
+    assert head.kernel_weight is None and head.row_blocks is None
+    assert torch.equal(head.weight, q8_0(48, 64).dequantize(torch.float32))
     embedding = VocabParallelEmbedding(48, 64, params_dtype=torch.bfloat16)
     embedding.load_checkpoint_weight("weight", q8_0(48, 64))
-    assert embedding.int8_groups is None
+    embedding.process_weights_after_loading()
+    assert embedding.row_blocks is not None and embedding.weight.is_meta
+    ids = torch.tensor([3, 0, 47])
+    assert torch.equal(embedding(ids), q8_0(48, 64).dequantize(torch.bfloat16)[ids])
 
 
 def test_a_float32_head_the_platform_chose_multiplies_the_q8_0_values_and_keeps_no_float16_copy():
@@ -168,10 +175,10 @@ def test_a_float32_head_the_platform_chose_multiplies_the_q8_0_values_and_keeps_
     head.tie_to(embedding)
     embedding.load_checkpoint_weight("weight", weight)
     head.process_weights_after_loading()
-    assert head.int8_weight is not None and head.small_batch_weight is None and embedding.int8_groups is None
+    assert head.kernel_weight is not None and head.small_batch_weight is None and embedding.row_blocks is not None
     hidden = torch.randn(3, 64)
     logits = head.compute_logits(hidden)
-    assert torch.equal(logits, int8_linear(hidden, head.int8_weight))
+    assert torch.equal(logits, int8_linear(hidden, head.kernel_weight))
     torch.testing.assert_close(
         logits, hidden @ weight.dequantize(torch.float32).T, rtol=0, atol=0.02 * logits.abs().max().item()
     )

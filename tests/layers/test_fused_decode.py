@@ -26,11 +26,16 @@ pytestmark = [
 PROMPTS = [[5 + (7 * index + 3 * position) % 80 for position in range(9 + 5 * index)] for index in range(5)]
 
 
-def tiny_gguf(tmp_path_factory, architecture: str) -> str:
+def tiny_gguf(tmp_path_factory, architecture: str, quant_type_of: dict | None = None) -> str:
     config, state_dict = tiny_model_state_dict(architecture, seed=3)
     directory = tmp_path_factory.mktemp(architecture)
     return write_model_gguf(
-        str(directory / "model.gguf"), architecture, config, state_dict, quant_type=GGMLQuantizationType.Q4_1
+        str(directory / "model.gguf"),
+        architecture,
+        config,
+        state_dict,
+        quant_type=GGMLQuantizationType.Q4_1,
+        quant_type_of=quant_type_of,
     )
 
 
@@ -92,6 +97,32 @@ def test_decode_steps_of_many_rows_are_fused_too(llama_llm):
         )
     # the 20 sequences decode together in 20-row steps
     assert 20 in taken["fused_rows"]
+
+
+def test_layers_mixing_kernels_per_projection_are_fused_and_give_the_same_bits(tmp_path_factory, isa_level):
+    """As a Q4_K_M file gives v and down more bits: here a Q5_0 v beside Q4_1 q and k (one
+    projection on two kernels), Q5_1 gate/up and a Q8_0 down; every decode step is fused."""
+    Q = GGMLQuantizationType
+    path = tiny_gguf(
+        tmp_path_factory,
+        "llama",
+        {"attn_v.weight": Q.Q5_0, "ffn_gate.weight": Q.Q5_1, "ffn_up.weight": Q.Q5_1, "ffn_down.weight": Q.Q8_0},
+    )
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=128, enable_prefix_caching=False, skip_tokenizer_init=True)
+    layer = llm.engine.executor.worker.runner.model.model.layers[0]
+    assert [type(weight).__name__ for weight in layer.self_attn.qkv_proj.native_segments] == [
+        "Int4Weight",
+        "KQuantWeight",
+    ]
+    patch, taken = count_fused_calls()
+    with patch:
+        fused = generate(llm, max_tokens=6)
+    assert taken["fused"] > 0
+    _, _, _, _, (_, kinds, segments), *_ = layer.fused_decode._arguments
+    assert (kinds, segments) == ([400, 501, 400, 501, 800], [2, 1, 1, 1])
+    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
+        unfused = generate(llm, max_tokens=6)
+    assert fused == unfused
 
 
 def test_a_layer_with_biases_is_not_fused(tmp_path_factory):

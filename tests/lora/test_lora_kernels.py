@@ -224,6 +224,8 @@ def decode_layer_arguments(tokens=4):
             int4(2 * intermediate, hidden, 32),
             int4(hidden, intermediate, 33),
         ],
+        [400] * 4,  # kinds: every packed weight int4
+        [1, 1, 1, 1],  # segments: one packed weight per projection
         frequencies.cos().to(torch.bfloat16),
         frequencies.sin().to(torch.bfloat16),
         randn(2, tokens + 1, 16, kv_heads, head_size, seed=24, dtype=torch.bfloat16),  # kv_cache
@@ -243,11 +245,11 @@ def test_decode_layer_lora_is_decode_layer_plus_the_adapters_deltas():
     bits (output, residual and KV cache), and with adapters a base-model row keeps them."""
     ops = native_ops()
     arguments = decode_layer_arguments()
-    kv_cache = arguments[9]
+    kv_cache = arguments[11]
 
     def run(operator, *extra):
         cache = kv_cache.clone()
-        output, residual = operator(*arguments[:9], cache, *arguments[10:], *extra)
+        output, residual = operator(*arguments[:11], cache, *arguments[12:], *extra)
         return output, residual, cache
 
     plain = run(ops.decode_layer)
@@ -267,5 +269,7 @@ def test_decode_layer_lora_is_decode_layer_plus_the_adapters_deltas():
         assert torch.equal(adapted[1][row], plain[1][row]) == (slot < 0), row
     with pytest.raises(RuntimeError, match="decode_layer_lora: loras must be 4"):
         run(ops.decode_layer_lora, token_slots, [None] * 11, 8)
-    with pytest.raises(RuntimeError, match="decode_layer: weights must be the 4 packed int4 weights"):
-        ops.decode_layer(*arguments[:6], arguments[6][:3], *arguments[7:])
+    with pytest.raises(RuntimeError, match=r"decode_layer: segments \[1, 1, 1, 1\] do not divide the 3 packed"):
+        ops.decode_layer(*arguments[:6], arguments[6][:3], [400] * 3, *arguments[8:])
+    with pytest.raises(RuntimeError, match="decode_layer: one kind per packed weight: 3 kinds for 4 weights"):
+        ops.decode_layer(*arguments[:7], [400] * 3, *arguments[8:])

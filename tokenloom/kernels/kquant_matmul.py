@@ -137,8 +137,10 @@ def pack_int5(
     return KQuantWeight(packed, out_features, 5, superblock_groups, kernel)
 
 
-def kquant_linear(x: torch.Tensor, weight: KQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ W.T + bias`` in ``x``'s dtype (float32 accumulation, rounded once)."""
+def kquant_linear(
+    x: torch.Tensor, weight: KQuantWeight, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x [..., K] @ W.T + bias`` in ``dtype`` (default ``x``'s; float32 accumulation, rounded once)."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.dtype not in NATIVE_DTYPES:
         rows = rows.float()
@@ -149,8 +151,9 @@ def kquant_linear(x: torch.Tensor, weight: KQuantWeight, bias: torch.Tensor | No
         out = weight.kernel(rows, weight.packed, weight.superblock_groups)
     if bias is not None:
         out = out + bias
-    if out.dtype != x.dtype:
-        out = out.to(x.dtype)
+    dtype = x.dtype if dtype is None else dtype
+    if out.dtype != dtype:
+        out = out.to(dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 

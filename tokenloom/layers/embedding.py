@@ -8,11 +8,17 @@ natively (:mod:`tokenloom.kernels.onednn_linear`). A float32 head the platform c
 bfloat16) also keeps a float16 copy for decode steps of a few rows, which read the whole weight
 for a few rows of output (half the bytes; figures in docs/design.md); hidden states beyond
 float16's range take the wide path.
-A bfloat16 head (or a float32 one the platform chose) whose checkpoint tensor is int8 groups
-(GGUF Q8_0, SmolLM2's tied embedding) keeps them instead of the packed or float16 copy where
-tokenloom's int8 kernel is built (:mod:`tokenloom.kernels.int8_matmul`, GGML's Q8 x Q8
-arithmetic, every CPU kernel level), for every batch: half the bytes of a 16-bit copy and the
-file's exact weight values.
+A checkpoint tensor of quantized blocks (a GGUF ``GGUFWeight``: it offers ``dequantize_rows``)
+is kept as such, and no dense table is made of it where nothing needs one: the embedding
+dequantizes the rows it looks up (the same values as the dense table's), and a bfloat16 head
+(or a float32 one the platform chose) multiplies the file's codes where one of tokenloom's
+kernels takes the type (``kernel_weight()`` of the blocks: Q8_0 with
+:mod:`tokenloom.kernels.int8_matmul`, Q5_0/Q5_1/Q5_K/Q6_K with
+:mod:`tokenloom.kernels.kquant_matmul`; GGML's Q x Q8 arithmetic, every CPU kernel level), for
+every batch, float32 logits straight out: about the file's bytes per token instead of a 16-bit
+copy's, and its exact weight values. A tied pair then holds the blocks (for the lookup) and the
+head's packed codes, and no dense weight; a head no kernel takes makes the dense weight from the
+blocks after all (shared with a tied embedding, which then looks up in it).
 
 Under tensor parallelism (``tp_group``, the model's ``ctx.parallel.tp``) each rank holds
 ``ceil(vocab / tp)`` rows (the last rank's tail zero): the embedding looks up the ids in its
@@ -31,7 +37,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenloom.errors import ConfigError, ModelLoadError
-from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
+from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear
+from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
 from tokenloom.layers.linear import tensor_parallel_all_reduce, tp_place
 from tokenloom.layers.quantization import materialize
@@ -74,16 +81,23 @@ class VocabParallelEmbedding(nn.Module):
         weight = torch.empty(rows, embedding_dim, dtype=params_dtype or torch.get_default_dtype())
         weight[self.vocab_end - self.vocab_start :].zero_()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.int8_groups: tuple[torch.Tensor, torch.Tensor] | None = None  # see load_checkpoint_weight
-        self.keeps_int8_groups = False
+        # this rank's rows of a checkpoint tensor of quantized blocks, kept in place of the dense
+        # weight (see the module docstring); None once the dense weight is made
+        self.row_blocks: Any = None
+        self.tied_to_head = False  # set by ParallelLMHead.tie_to: the head decides on the dense weight
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.row_blocks is not None:
+            return self.row_blocks.dequantize_rows(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            embeddings = F.embedding(input_ids, self.weight)
+            embeddings = self._lookup(input_ids)
             return embeddings if self.lora is None else self.lora.add_delta(input_ids, embeddings)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
+        embeddings = self._lookup(local_ids) * in_range.unsqueeze(-1)
         return tensor_parallel_all_reduce(embeddings, self.tp_group, self.tp_size)
 
     def _rows_for_rank(self, loaded_weight: Any) -> Any:
@@ -110,13 +124,30 @@ class VocabParallelEmbedding(nn.Module):
         if param_name != "weight" or shard_id is not None:
             raise ModelLoadError(f"{type(self).__name__} loads one 'weight' tensor, not {param_name!r}/{shard_id!r}")
         rows = self._rows_for_rank(loaded_weight)
+        if callable(getattr(rows, "dequantize_rows", None)):
+            # kept as blocks: the dense weight is made, if at all, in process_weights_after_loading
+            self.row_blocks = rows
+            return
+        self.row_blocks = None
         tensor = materialize(rows, self.weight.dtype)
         self.weight.data[: tensor.shape[0]].copy_(tensor)
-        # an LM head (or the embedding tied to one) keeps a checkpoint tensor of int8 groups
-        # (GGUF Q8_0) as such, for ParallelLMHead.process_weights_after_loading to pack
-        int8_groups = getattr(rows, "int8_groups", None)
-        if self.keeps_int8_groups and callable(int8_groups):
-            self.int8_groups = int8_groups()
+
+    def process_weights_after_loading(self) -> None:
+        """An embedding that holds blocks looks its rows up in them and drops the dense weight
+        (one tied to a head leaves that to ParallelLMHead.process_weights_after_loading)."""
+        if self.row_blocks is not None and not self.tied_to_head:
+            self._drop_dense_weight()
+
+    def _drop_dense_weight(self) -> None:
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"), requires_grad=False
+        )
+
+    def _make_dense_weight(self) -> None:
+        """The dense weight from the kept blocks, which are then dropped."""
+        tensor = self.row_blocks.dequantize(self.weight.dtype)
+        self.weight.data[: tensor.shape[0]].copy_(tensor)
+        self.row_blocks = None
 
     def extra_repr(self) -> str:
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows={self.vocab_start}:{self.vocab_end}"
@@ -148,9 +179,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.small_batch_dtype = small_batch_dtype
         self.small_batch_weight: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
-        self.int8_weight: Int8Weight | None = None
+        # the checkpoint's codes packed for a kernel that gives float32 logits (module docstring)
+        self.kernel_weight: Int8Weight | KQuantWeight | None = None
         self._tied_to: VocabParallelEmbedding | None = None
-        self.keeps_int8_groups = True
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.weight.shape[0], dtype=self.weight.dtype), requires_grad=False)
         else:
@@ -164,7 +195,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             )
         self.weight = embedding.weight
         self._tied_to = embedding
-        embedding.keeps_int8_groups = True
+        embedding.tied_to_head = True
 
     def forward(self, input_ids):
         raise TypeError("ParallelLMHead computes logits: call compute_logits(hidden_states)")
@@ -176,22 +207,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         inexact = self.weight.dtype == torch.bfloat16 or (
             self.weight.dtype == torch.float32 and self.small_batch_dtype is not None
         )
-        if source.int8_groups is not None and inexact and self.bias is None:
-            codes, scales = source.int8_groups
-            padding = self.weight.shape[0] - codes.shape[0]
-            if 0 < padding < self.weight.shape[0]:
-                # the last rank of a split vocabulary: zero rows up to the shard's padded size
-                codes = F.pad(codes, (0, 0, 0, padding))
-                scales = F.pad(scales, (0, 0, 0, padding))
-            self.int8_weight = pack_int8(codes, scales) if codes.shape[0] == self.weight.shape[0] else None
-        source.int8_groups = None  # packed (or not needed): not kept twice
-        if (
-            self.int8_weight is None
-            and self.small_batch_dtype is not None
-            and self.small_batch_dtype != self.weight.dtype
-        ):
+        if source.row_blocks is not None and inexact and self.bias is None:
+            self.kernel_weight = source.row_blocks.padded_rows(self.weight.shape[0]).kernel_weight()
+        if self.kernel_weight is not None:  # no dense weight: a tied embedding looks up in the blocks
+            source._drop_dense_weight()
+            self.weight = source.weight
+            if source is self:
+                self.row_blocks = None
+            return
+        if source.row_blocks is not None:
+            source._make_dense_weight()
+        if self.small_batch_dtype is not None and self.small_batch_dtype != self.weight.dtype:
             self.small_batch_weight = self.weight.detach().to(self.small_batch_dtype)
-        if self.int8_weight is None and packable(self.weight):
+        if packable(self.weight):
             self.packed_weight = pack_weight(self.weight)
 
     def _use_small_batch_copy(self, hidden_states: torch.Tensor) -> bool:
@@ -203,8 +231,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
-        if self.int8_weight is not None:
-            logits = int8_linear(hidden_states, self.int8_weight)
+        if isinstance(self.kernel_weight, Int8Weight):
+            logits = int8_linear(hidden_states, self.kernel_weight)
+        elif self.kernel_weight is not None:
+            logits = kquant_linear(hidden_states, self.kernel_weight, dtype=torch.float32)
         elif self._use_small_batch_copy(hidden_states):
             logits = F.linear(hidden_states.to(self.small_batch_weight.dtype), self.small_batch_weight).float()
             if self.bias is not None:

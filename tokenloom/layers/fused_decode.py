@@ -2,8 +2,10 @@
 
 A pre-norm layer of the Llama family (:class:`~tokenloom.layers.layernorm.RMSNorm`,
 :class:`~tokenloom.layers.decoder.SelfAttention` with rotary embedding, :class:`GatedMLP` with
-SwiGLU) whose four projections hold int4 weights packed for tokenloom's kernel
-(``layer.int4_weight``, which the ``gguf`` quantization method keeps) runs a decode step as
+SwiGLU) whose four projections hold the file's codes packed for tokenloom's kernels (what the
+``gguf`` quantization method keeps: ``layer.int4_weight``, or ``layer.native_segments``, runs of
+rows each on its own kernel, int4, int5, int6 or int8, as a Q4_K_M file mixes Q4_K and Q6_K
+projections) runs a decode step as
 ``decode_layer`` (tokenloom's CPU operators, every kernel level): the operators the Python path
 calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
 calls per layer; in bfloat16, or float32 (what a CPU without native bfloat16 runs). A step of
@@ -24,6 +26,9 @@ from typing import Any
 import torch
 
 from tokenloom.kernels import cpu_native
+from tokenloom.kernels.int4_matmul import Int4Weight
+from tokenloom.kernels.int8_matmul import Int8Weight
+from tokenloom.kernels.kquant_matmul import KQuantWeight
 from tokenloom.kernels.paged_attention import NativeCpuPagedAttention, is_fp8_kv_cache
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.layernorm import RMSNorm
@@ -63,9 +68,19 @@ class FusedDecodeLayer:
         decode = backend.whole_decode_plan(attn_metadata) if isinstance(backend, NativeCpuPagedAttention) else None
         if decode is None or positions.dtype != torch.long or not attn_metadata.kv_caches:
             return None
-        operator, input_norm, post_norm, eps, weights, cos_cache, sin_cache, layer_index, heads, kv_heads, scale = (
-            self._arguments
-        )
+        (
+            operator,
+            input_norm,
+            post_norm,
+            eps,
+            (weights, kinds, segments),
+            cos_cache,
+            sin_cache,
+            layer_index,
+            heads,
+            kv_heads,
+            scale,
+        ) = self._arguments
         kv_cache = attn_metadata.kv_caches[layer_index]
         if kv_cache is None:
             return None
@@ -88,6 +103,8 @@ class FusedDecodeLayer:
             post_norm,
             eps,
             weights,
+            kinds,
+            segments,
             cos_cache,
             sin_cache,
             kv_cache,
@@ -129,7 +146,7 @@ class FusedDecodeLayer:
         operator = getattr(ops, "decode_layer", None) if ops is not None else None
         norms = (input_layernorm, post_attention_layernorm)
         projections = (self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        int4 = [getattr(projection, "int4_weight", None) for projection in projections]
+        packed = [packed_weights(projection) for projection in projections]
         attention, rotary = self_attn.attn, self_attn.rotary_emb
         if (
             operator is None
@@ -140,7 +157,7 @@ class FusedDecodeLayer:
                 or norm.eps != input_layernorm.eps
                 for norm in norms
             )
-            or any(weight is None or weight.kernel is None for weight in int4)
+            or any(weights is None for weights in packed)
             or any(projection.bias is not None or projection.tp_size != 1 for projection in projections)
             or getattr(self_attn, "q_norm", None) is not None
             or type(rotary) is not RotaryEmbedding
@@ -150,13 +167,13 @@ class FusedDecodeLayer:
             or type(mlp.act_fn) is not SiluAndMul
         ):
             return None
-        weights = [weight.packed for weight in int4]
+        runs = [run for weights in packed for run in weights]
         return (
             operator,
             input_layernorm.weight,
             post_attention_layernorm.weight,
             input_layernorm.eps,
-            weights,
+            ([tensor for tensor, _ in runs], [kind for _, kind in runs], [len(weights) for weights in packed]),
             rotary.cos_cache,
             rotary.sin_cache,
             attention.layer_index,
@@ -164,3 +181,24 @@ class FusedDecodeLayer:
             self_attn.num_kv_heads,
             attention.scale,
         )
+
+
+def packed_weights(projection) -> list[tuple[torch.Tensor, int]] | None:
+    """A projection's packed weights in row order, each with its kernel's kind as the operator
+    reads it (``100 * bits`` plus a 5-bit layout's superblock groups); None when a run of its rows
+    is on no kernel the operator chains (a dense weight, torch's int4 kernel)."""
+    int4_weight = getattr(projection, "int4_weight", None)
+    segments = [int4_weight] if int4_weight is not None else getattr(projection, "native_segments", None)
+    if not segments:
+        return None
+    packed = []
+    for weight in segments:
+        if isinstance(weight, Int4Weight) and weight.kernel is not None:
+            packed.append((weight.packed, 400))
+        elif isinstance(weight, Int8Weight):
+            packed.append((weight.packed, 800))
+        elif isinstance(weight, KQuantWeight):
+            packed.append((weight.packed, 100 * weight.bits + (weight.superblock_groups if weight.bits == 5 else 0)))
+        else:
+            return None
+    return packed

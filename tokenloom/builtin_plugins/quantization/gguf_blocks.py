@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ from tokenloom.builtin_plugins.quantization.ggml_types import (  # noqa: F401  (
     type_name,
 )
 from tokenloom.errors import ModelLoadError
+from tokenloom.kernels.int8_matmul import pack_int8
 
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 
@@ -261,6 +263,36 @@ class GGUFWeight:
         rows, cols = self.shape
         blocks = self.data.reshape(-1, 34)
         return _int8(blocks, 2, 34).reshape(rows, cols), _f16(blocks, 0).reshape(rows, cols // 32)
+
+    def dequantize_rows(self, row_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``row_ids`` (any shape of ids) dequantized: ``[*row_ids.shape, cols]``, equal to
+        those rows of :meth:`dequantize` (an embedding's lookup, without a dense table)."""
+        picked = self.data.index_select(0, row_ids.reshape(-1))
+        values = dequantize_blocks(
+            picked, self.ggml_type, (picked.shape[0], self.shape[-1]), dtype, tensor_name=self.name, path=self.path
+        )
+        return values.view(*row_ids.shape, self.shape[-1])
+
+    def kernel_weight(self) -> Any:
+        """The rows packed for one of tokenloom's CPU kernels that multiplies this type in its own
+        codes and returns float32 (an LM head's logits): an ``Int8Weight`` for Q8_0, a
+        ``KQuantWeight`` for Q5_0, Q5_1, Q5_K and Q6_K; None for other types, or where the
+        kernel is not built or the shape does not suit it."""
+        # (imported here: the packers read the blocks through this module)
+        from tokenloom.builtin_plugins.quantization.gguf_kquant import KQUANT_TYPES, pack_kquant
+
+        if self.ggml_type == Q8_0:
+            return pack_int8(*self.int8_groups())
+        return pack_kquant([self]) if self.ggml_type in KQUANT_TYPES else None
+
+    def padded_rows(self, rows: int) -> GGUFWeight:
+        """Zero rows appended up to ``rows`` (the last tensor-parallel shard of a vocabulary):
+        zero bytes are zero values in every block type."""
+        padding = rows - self.shape[0]
+        if padding <= 0:
+            return self
+        data = torch.cat([self.data, self.data.new_zeros(padding, self.data.shape[1])])
+        return GGUFWeight(data, self.ggml_type, torch.Size((rows, *self.shape[1:])), self.name, self.path)
 
     def permute_rows(self, row_order: torch.Tensor) -> GGUFWeight:
         """Rows reordered (``new[i] = old[row_order[i]]``); copies the packed bytes once."""

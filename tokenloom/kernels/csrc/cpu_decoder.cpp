@@ -4,7 +4,10 @@
 // calls, each a few microseconds, which at decode sizes cost as much as the arithmetic.
 // Registered as `decode_layer` in every build (each ISA level's operators it chains are that
 // level's), and as `decode_layer_lora`: the same chain with each projection's LoRA (lora_bgmv_,
-// cpu_lora.cpp) added after its int4 matmul, as the Python path adds it after the base matmul.
+// cpu_lora.cpp) added after its matmul, as the Python path adds it after the base matmul.
+// Each projection is one or more packed weights of the file's codes, each with its own kernel
+// (int4, int5, int6 or int8: a Q4_K_M file's Q4_K q and k beside a Q6_K v), their outputs
+// concatenated in row order as the gguf quantization method's Python path concatenates them.
 // tokenloom/layers/fused_decode.py decides when a layer may take either. Every step is the
 // operator the Python path calls, in the same order on the same inputs, so both give the same bits.
 
@@ -12,6 +15,9 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+
+#include <array>
+#include <vector>
 
 namespace TOKENLOOM_CPU_NAMESPACE {
 
@@ -33,22 +39,72 @@ void add_lora(at::Tensor& out, const at::Tensor& x, int64_t projection, const at
   lora_bgmv_(out, x, *lora_a, *loras.get(3 * projection + 1), token_slots, *loras.get(3 * projection + 2), max_rank);
 }
 
+// One packed weight's matmul, in x's dtype. kind = 100 * bits + the 5-bit layout's superblock
+// groups (0 for the other kernels), as tokenloom/layers/fused_decode.py encodes it.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind) {
+  switch (kind / 100) {
+    case 4: return int4_linear(x, weight);
+    case 5: return int5_linear(x, weight, kind % 100).to(x.scalar_type());
+    case 6: return int6_linear(x, weight).to(x.scalar_type());
+    case 8: return int8_linear(x, weight).to(x.scalar_type());
+    default: TORCH_CHECK(false, "decode_layer: unknown packed weight kind ", kind);
+  }
+}
+
+// The packed weights of one projection and their kinds, in row order.
+struct Projection {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> kinds;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (weights.size() == 1) return packed_linear(x, weights[0], kinds[0]);
+    std::vector<at::Tensor> outputs;
+    for (size_t index = 0; index < weights.size(); ++index)
+      outputs.push_back(packed_linear(x, weights[index], kinds[index]));
+    return at::cat(outputs, 1);
+  }
+};
+
+// weights, kinds: every projection's packed weights and their kinds, projection after projection;
+// segments: how many of them each of the 4 projections (qkv, o, gate_up, down) has.
+std::array<Projection, 4> projections(const char* op, at::TensorList weights, at::IntArrayRef kinds,
+                                      at::IntArrayRef segments) {
+  TORCH_CHECK(segments.size() == 4, op, ": segments must give the packed weights of the 4 projections, got ",
+              segments.size());
+  TORCH_CHECK(kinds.size() == weights.size(), op, ": one kind per packed weight: ", kinds.size(), " kinds for ",
+              weights.size(), " weights");
+  std::array<Projection, 4> result;
+  size_t next = 0;
+  for (size_t projection = 0; projection < 4; ++projection) {
+    TORCH_CHECK(segments[projection] > 0 && next + segments[projection] <= weights.size(), op,
+                ": segments ", segments, " do not divide the ", weights.size(), " packed weights");
+    for (int64_t index = 0; index < segments[projection]; ++index, ++next) {
+      result[projection].weights.push_back(weights[next]);
+      result[projection].kinds.push_back(kinds[next]);
+    }
+  }
+  TORCH_CHECK(next == weights.size(), op, ": segments ", segments, " do not divide the ", weights.size(),
+              " packed weights");
+  return result;
+}
+
 // The one body of both operators, so that they cannot drift apart. LoraArgs is empty for
 // decode_layer, and (token_slots, loras, max_rank) for decode_layer_lora; for decode_layer the
 // LoRA steps are discarded at compile time, leaving the plain chain.
-// weights: the packed int4 weights of qkv, o, gate_up and down, in that order. k_scale, v_scale:
+// weights, kinds, segments: the projections' packed weights (see `projections`). k_scale, v_scale:
 // the layer's fp8 KV-cache scales (1.0 for a cache of the activations' dtype).
 // Returns (the MLP's output, the residual stream), as the Python layer does.
 template <typename... LoraArgs>
 std::tuple<at::Tensor, at::Tensor> decode_layer_chain(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& positions,
     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps, at::TensorList weights,
-    const at::Tensor& cos_cache, const at::Tensor& sin_cache, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+    at::IntArrayRef kinds, at::IntArrayRef segments, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+    at::Tensor kv_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, double k_scale, double v_scale, LoraArgs... lora_args) {
   constexpr bool with_lora = sizeof...(LoraArgs) > 0;
   const char* const op = with_lora ? "decode_layer_lora" : "decode_layer";
-  TORCH_CHECK(weights.size() == 4, op, ": weights must be the 4 packed int4 weights, got ", weights.size());
+  const std::array<Projection, 4> linear = projections(op, weights, kinds, segments);
   if constexpr (with_lora) check_loras(lora_args...);
   TORCH_CHECK(kv_cache.dim() == 5, op, ": kv_cache must be [2, num_blocks, block_size, kv_heads, head_size]");
   const auto add_projection_lora = [&](at::Tensor& out, const at::Tensor& x, int64_t projection) {
@@ -56,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_chain(
   };
   const int64_t tokens = hidden.size(0), head_size = kv_cache.size(4);
   auto [normed, residual_out] = rms_norm(hidden, residual, input_norm, eps, false);
-  at::Tensor qkv = int4_linear(normed, weights[0]);
+  at::Tensor qkv = linear[0](normed);
   add_projection_lora(qkv, normed, 0);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_size, op,
               ": the qkv projection's width does not match the heads");
@@ -68,13 +124,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_chain(
   paged_decode_attention(attention, heads.narrow(1, 0, num_heads), kv_cache, block_tables, seq_lens, scale, 0, 0.0,
                          k_scale, v_scale);
   const at::Tensor attention_rows = attention.view({tokens, num_heads * head_size});
-  at::Tensor projected = int4_linear(attention_rows, weights[1]);
+  at::Tensor projected = linear[1](attention_rows);
   add_projection_lora(projected, attention_rows, 1);
   auto [mlp_input, residual_next] = rms_norm(projected, residual_out, post_norm, eps, false);
-  at::Tensor gate_up = int4_linear(mlp_input, weights[2]);
+  at::Tensor gate_up = linear[2](mlp_input);
   add_projection_lora(gate_up, mlp_input, 2);
   const at::Tensor activated = act_and_mul(gate_up, "silu");
-  at::Tensor down = int4_linear(activated, weights[3]);
+  at::Tensor down = linear[3](activated);
   add_projection_lora(down, activated, 3);
   return {std::move(down), std::move(residual_next)};
 }
@@ -86,13 +142,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_chain(
 TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor? residual, Tensor positions, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor[] weights, Tensor cos_cache, Tensor sin_cache, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float k_scale=1.0, "
+      "float eps, Tensor[] weights, int[] kinds, int[] segments, Tensor cos_cache, Tensor sin_cache, "
+      "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
+      "int num_kv_heads, float scale, float k_scale=1.0, "
       "float v_scale=1.0) -> (Tensor, Tensor)");
   m.def(
       "decode_layer_lora(Tensor hidden, Tensor? residual, Tensor positions, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor[] weights, Tensor cos_cache, Tensor sin_cache, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float k_scale, "
+      "float eps, Tensor[] weights, int[] kinds, int[] segments, Tensor cos_cache, Tensor sin_cache, "
+      "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
+      "int num_kv_heads, float scale, float k_scale, "
       "float v_scale, Tensor token_slots, Tensor?[] loras, int max_rank) -> (Tensor, Tensor)");
 }
 

@@ -31,6 +31,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // cpu_w8a16.cpp
 at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, bool fp8);
+// cpu_kquant.cpp
+at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups);
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // cpu_lora.cpp
 void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
