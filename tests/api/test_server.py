@@ -61,7 +61,7 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
     monkeypatch.setattr(uvicorn.Server, "startup", recording_startup)
     port = free_port()
     serve_args = SimpleNamespace(
-        engine_args=SimpleNamespace(),
+        engine_args=SimpleNamespace(reasoning_parser=None),
         server=ServerConfig(port=port, disable_log_stats=True, plugins=["some.module"], uvicorn_log_level="warning"),
         warnings=["--foo is deprecated"],
     )
@@ -131,7 +131,7 @@ def test_plugins_the_cli_loaded_are_reported_with_the_time_it_took(monkeypatch, 
     monkeypatch.setattr(engine_module, "build_engine_client", refuse)
     caplog.set_level(logging.INFO, logger="tokenloom")
     serve_args = SimpleNamespace(
-        engine_args=SimpleNamespace(),
+        engine_args=SimpleNamespace(reasoning_parser=None),
         server=ServerConfig(uvicorn_log_level="warning"),
         plugins=PluginSet(new_registries(), [], []),
         plugins_load_seconds=0.25,

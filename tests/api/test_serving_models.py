@@ -15,6 +15,7 @@ from tests.api.fake_engine import FakeEngine
 from tokenloom.api.metrics import EngineStatsCollector
 from tokenloom.api.serving_models import LoRAModulePath, parse_lora_modules
 from tokenloom.core.config import LoRAConfig
+from tokenloom.core.engine.engine_stats import EngineStats
 from tokenloom.errors import ConfigError
 from tokenloom.lora.peft import LoRAAdapterError
 
@@ -158,7 +159,7 @@ def test_lora_modules_need_enable_lora_and_good_adapters(make_app, tokenizer):
 
 
 def test_lora_requests_info_gauge():
-    stats = SimpleNamespace(
+    stats = EngineStats(
         num_running=1,
         num_waiting=2,
         kv_cache_usage=0.5,

@@ -205,7 +205,7 @@ def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(no_tokenizer_serv
         ),
         (
             ["-dp", "2", "-dpl", "1"],
-            "--data-parallel-size-local: 1 of 2 replicas on this node needs --data-parallel-backend ray",
+            "--data-parallel-address: 1 of 2 replicas on this node: the others run on other nodes",
         ),
         (["-dp", "2", "-dpb", "slurm"], "argument --data-parallel-backend/-dpb: invalid choice: 'slurm'"),
         (["--tokenizer-mode", "mistral"], "--tokenizer-mode: 'mistral' is not implemented"),

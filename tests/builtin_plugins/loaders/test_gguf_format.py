@@ -249,7 +249,7 @@ def test_unknown_architecture_names_the_file_the_architecture_and_the_supported_
             action()
         message = str(error.value)
         assert path in message and "'mamba'" in message
-        assert "gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3" in message
+        assert "gemma2, gemma3, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe" in message
 
 
 def test_unsupported_quant_type_is_reported_with_file_tensor_and_type(tmp_path):
