@@ -4,39 +4,11 @@ vLLM's ``check_logprobs_close`` comparison of the two."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from helpers.model_parity import randomize_parameters
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
-
-
-def write_dense_llama(directory: Path, tokenizer_gguf: str) -> str:
-    """A tiny random Llama wide enough for groups of 128 (hidden 128, 2 layers), float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
-
-    tokenizer = GGUFLoadFormat().load_tokenizer(tokenizer_gguf, None)
-    tokenizer.save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    randomize_parameters(LlamaForCausalLM(config).eval()).save_pretrained(directory)
-    return str(directory)
 
 
 def transformers_greedy(reference_dir: str):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 import torch
+from helpers.compressed_tensors_files import write_random_llama
 from helpers.gptq_awq_files import (
     awq_config,
     awq_dequantize,
@@ -29,7 +30,6 @@ from helpers.quantized_parity import (
     check_logprobs_close,
     tokenloom_greedy,
     transformers_greedy,
-    write_dense_llama,
 )
 
 from tokenloom.builtin_plugins.quantization import grouped_int
@@ -42,7 +42,7 @@ from tokenloom.layers.linear import ColumnParallelLinear, LinearBase, QKVParalle
 
 @pytest.fixture(scope="module")
 def dense_llama_dir(tmp_path_factory, smollm2_gguf):
-    return write_dense_llama(tmp_path_factory.mktemp("dense-llama"), smollm2_gguf)
+    return write_random_llama(tmp_path_factory.mktemp("dense-llama"), smollm2_gguf)
 
 
 # (the other layouts differ from these only in what the layer tests below cover)
