@@ -74,7 +74,7 @@ def test_every_manifest_is_yaml_of_known_kinds():
     found = documents()
     assert {name for name, _ in found} == {path.name for path in EXAMPLES.glob("*.yaml")}
     assert {document["kind"] for _, document in found} <= KINDS
-    assert sum(1 for _, container in containers() if serve_argv(container) is not None) == 4
+    assert sum(1 for _, container in containers() if serve_argv(container) is not None) == 6
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_every_tokenloom_variable_set_is_one_tokenloom_reads():
     for _, container in containers():
         named |= {entry["name"] for entry in container.get("env", [])}
         named |= set(re.findall(r"\b(TOKENLOOM_\w+)=", " ".join(container.get("args", []))))
-    assert named >= {"TOKENLOOM_API_KEY", "TOKENLOOM_DP_AUTHKEY", "TOKENLOOM_RAY_PLACEMENT_STRATEGY"}
+    assert named >= {"TOKENLOOM_API_KEY", "TOKENLOOM_NODE_AUTHKEY", "TOKENLOOM_RAY_PLACEMENT_STRATEGY"}
     unknown = sorted(name for name in named if name.startswith("TOKENLOOM_") and f'"{name}' not in SOURCE)
     assert not unknown, f"set in the manifests, read nowhere: {unknown}"
 
@@ -126,3 +126,16 @@ def test_the_ray_worker_joins_the_leaders_ray_head():
     head_port = re.search(r"ray start --head --port=(\d+)", leader).group(1)
     assert f"ray start --address=$(LWS_LEADER_ADDRESS):{head_port}" in worker
     assert f"RAY_ADDRESS=127.0.0.1:{head_port}" in leader
+
+
+def test_the_worker_pod_runs_node_1_of_the_leaders_engine_and_the_leader_opens_its_ports():
+    leader, worker = (
+        container for name, container in containers() if name == "leaderworkerset-multinode-tensor-parallel.yaml"
+    )
+    head, node = (parse_serve_args(serve_argv(container), {}) for container in (leader, worker))
+    assert (node.engine_args.nnodes, node.engine_args.node_rank, node.server.headless) == (2, 1, True)
+    assert (head.engine_args.nnodes, head.engine_args.node_rank, head.server.headless) == (2, 0, False)
+    for field in ("model", "tensor_parallel_size", "pipeline_parallel_size", "master_addr", "master_port"):
+        assert getattr(head.engine_args, field) == getattr(node.engine_args, field)
+    port = head.engine_args.master_port
+    assert {port, port + 1} <= {entry["containerPort"] for entry in leader["ports"]}

@@ -21,10 +21,12 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.distributed import ParallelRank, ParallelState, import_ray, init_parallel_state
     from tokenloom.core.executor import (
         EXECUTE_MODEL_TIMEOUT_ENV,
+        NODE_AUTHKEY_ENV,
         Executor,
         WorkerSpec,
         execute_model_timeout,
         is_stopped,
+        node_authkey,
     )
     from tokenloom.core.model_loader import ModelInfo, build_model, resolve_model
     from tokenloom.core.platform import Platform, attention_backend_target
@@ -49,6 +51,9 @@ _LAZY = {
     "EXECUTE_MODEL_TIMEOUT_ENV": "tokenloom.core.executor",
     "execute_model_timeout": "tokenloom.core.executor",
     "is_stopped": "tokenloom.core.executor",
+    # the secret of the control connections between nodes
+    "NODE_AUTHKEY_ENV": "tokenloom.core.executor",
+    "node_authkey": "tokenloom.core.executor",
     # a proposer: its interface and what it is constructed with
     "Proposer": "tokenloom.core.spec_decode.proposer",
     "ProposerSpec": "tokenloom.core.spec_decode.proposer",
@@ -78,6 +83,8 @@ __all__ = [
     "init_parallel_state",
     "import_ray",
     "EXECUTE_MODEL_TIMEOUT_ENV",
+    "NODE_AUTHKEY_ENV",
+    "node_authkey",
     "execute_model_timeout",
     "is_stopped",
     "Proposer",

@@ -46,6 +46,10 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     "--data-parallel-start-rank": "tests/core/engine/test_multinode_data_parallel.py::test_a_hybrid_node_balances_over_its_own_replicas_only",
     "--data-parallel-rank": "tests/core/engine/test_multinode_data_parallel.py::test_a_rank_given_is_one_replica_behind_an_external_load_balancer",
     "--data-parallel-hybrid-lb": "tests/core/engine/test_multinode_data_parallel.py::test_a_hybrid_node_balances_over_its_own_replicas_only",
+    "--nnodes": "tests/builtin_plugins/executors/test_worker_nodes.py::test_workers_on_two_nodes_give_the_single_process_greedy_ids",
+    "--node-rank": "tests/builtin_plugins/executors/test_worker_nodes.py::test_workers_on_two_nodes_give_the_single_process_greedy_ids",
+    "--master-addr": "tests/builtin_plugins/executors/test_worker_nodes.py::test_workers_on_two_nodes_give_the_single_process_greedy_ids",
+    "--master-port": "tests/builtin_plugins/executors/test_worker_nodes.py::test_workers_on_two_nodes_give_the_single_process_greedy_ids",
     # -- images in (issue 35)
     "--limit-mm-per-prompt": "tests/api/test_multimodal_inputs.py::test_limits_come_from_the_flag_within_the_models_maximum",
     "--mm-processor-kwargs": "tests/api/test_multimodal_inputs.py::test_request_processor_kwargs_update_the_servers",

@@ -146,6 +146,9 @@ SAMPLES = {
     "--data-parallel-start-rank": ["--data-parallel-start-rank", "1", "-dp", "2", "-dpl", "1", "-dpa", "head"],
     "--data-parallel-rank": ["--data-parallel-rank", "1", "-dp", "2"],
     "--data-parallel-hybrid-lb": ["--data-parallel-hybrid-lb", "-dp", "2", "-dpl", "1", "-dpr", "1"],
+    # one engine's workers across nodes: an equal share each, node 1 headless
+    "--nnodes": ["--nnodes", "2", "-tp", "2"],
+    "--node-rank": ["--node-rank", "1", "--nnodes", "2", "-tp", "2", "--headless"],
     "--collect-detailed-traces": ["--collect-detailed-traces", "all", "--otlp-traces-endpoint", "http://c:4317"],
     "--kv-transfer-config": ["--kv-transfer-config", '{"kv_connector": "SharedStorageConnector"}'],
     "--speculative-model": ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],

@@ -473,6 +473,10 @@ FLAGS: tuple[Flag, ...] = (
     implemented("--data-parallel-rank", "ParallelConfig", kind="int", aliases=("-dpn",)),
     implemented("--data-parallel-backend", "ParallelConfig", aliases=("-dpb",), default="mp", choices=("mp", "ray")),
     implemented("--data-parallel-hybrid-lb", "ParallelConfig", kind="bool", negatable=True),
+    implemented("--nnodes", "ParallelConfig", kind="int", default=1),
+    implemented("--node-rank", "ParallelConfig", kind="int", default=0),
+    implemented("--master-addr", "ParallelConfig", default="127.0.0.1"),
+    implemented("--master-port", "ParallelConfig", kind="int", default=29501),
     unimplemented(
         "--decode-context-parallel-size",
         "ParallelConfig",

@@ -128,13 +128,28 @@ def check_plugin_choices(serve_args: ServeArgs) -> None:
 
 
 def _check_combinations(given: dict[str, Any], engine: dict[str, Any], server: dict[str, Any]) -> None:
-    if server.get("headless"):
+    nnodes, node_rank = engine.get("nnodes", 1), engine.get("node_rank", 0)
+    if nnodes > 1 and node_rank > 0 and not server.get("headless"):
+        raise ConfigError(
+            f"--node-rank {node_rank} runs this node's share of the workers of node 0's engine: add --headless "
+            "(only node 0 serves the API)",
+            param="node-rank",
+        )
+    if server.get("headless") and nnodes > 1:
+        if node_rank == 0:
+            raise ConfigError(
+                "--headless with --nnodes runs a node's workers for node 0's engine: give this node's "
+                "--node-rank (1 or more), or leave out --headless on node 0",
+                param="headless",
+            )
+    elif server.get("headless"):
         size, local = engine.get("data_parallel_size", 1), engine.get("data_parallel_size_local")
         if size < 2 or local is None or not engine.get("data_parallel_address") or "data_parallel_rank" in engine:
             raise ConfigError(
-                "--headless runs this node's share of a data-parallel group for a head node's server: give "
-                "-dp N (the whole group), --data-parallel-size-local L (the replicas here), "
-                "--data-parallel-start-rank R (the first one's rank) and --data-parallel-address HEAD",
+                "--headless runs this node's share of a head node's engines: of a data-parallel group (give "
+                "-dp N for the whole group, --data-parallel-size-local L for the replicas here, "
+                "--data-parallel-start-rank R for the first one's rank and --data-parallel-address HEAD), or "
+                "of one engine's workers (give --nnodes N, --node-rank R and --master-addr HEAD)",
                 param="headless",
             )
         if engine.get("data_parallel_hybrid_lb") or engine.get("data_parallel_backend", "mp") != "mp":

@@ -114,7 +114,9 @@ def run_server(serve_args: ServeArgs) -> None:
 
 
 def _run_headless(serve_args: ServeArgs) -> None:
-    """``--headless``: this node's data-parallel replicas, for the head node's server."""
+    """``--headless``: this node's share of a head node's engines: its data-parallel replicas
+    (``-dp``), or its workers of node 0's engine (``--nnodes``, run by the executor plugin)."""
+    from tokenloom.core.engine.engine_setup import choose_executor
     from tokenloom.core.engine.remote_replicas import run_headless
     from tokenloom.plugins.manager import load_plugins
 
@@ -122,7 +124,12 @@ def _run_headless(serve_args: ServeArgs) -> None:
     plugins = getattr(serve_args, "plugins", None) or load_plugins(
         modules=server.plugins, files=server.tool_parser_plugin, strict=server.strict_plugins
     )
-    code = run_headless(serve_args.engine_args, plugins, timeout=HEADLESS_CONNECT_TIMEOUT_SECONDS)
+    config = serve_args.engine_args.create_engine_config()
+    if config.parallel.nnodes > 1:
+        executor_class = plugins.registry("executor").get(choose_executor(config.parallel))
+        code = executor_class.run_node(config, timeout=HEADLESS_CONNECT_TIMEOUT_SECONDS)
+    else:
+        code = run_headless(serve_args.engine_args, plugins, timeout=HEADLESS_CONNECT_TIMEOUT_SECONDS)
     if code:
         raise SystemExit(code)
 

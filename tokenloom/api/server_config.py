@@ -60,10 +60,11 @@ class ServerConfig:
     disable_log_stats: bool = False
     """Do not log the periodic engine stats line."""
     headless: bool = False
-    """Run this node's data-parallel replicas (--data-parallel-size-local of them, ranks from
-    --data-parallel-start-rank) without an API server: they connect to the head node's
-    --data-parallel-address and --data-parallel-rpc-port, whose server sends them requests.
-    Every node needs the same TOKENLOOM_DP_AUTHKEY secret."""
+    """Run this node's share of a head node's engines without an API server: its data-parallel
+    replicas (--data-parallel-size-local of them, ranks from --data-parallel-start-rank), which
+    connect to the head's --data-parallel-address and --data-parallel-rpc-port; or, with
+    --nnodes and --node-rank, its workers of node 0's engine, which connect to --master-addr.
+    Every node needs the same TOKENLOOM_NODE_AUTHKEY secret."""
     otlp_traces_endpoint: str | None = None
     """The OpenTelemetry collector to send a trace span per request to (OTLP over gRPC, or
     HTTP/protobuf with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); needs the ``otel``

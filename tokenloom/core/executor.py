@@ -50,6 +50,25 @@ def execute_model_timeout() -> float | None:
     return DEFAULT_EXECUTE_MODEL_TIMEOUT_SECONDS
 
 
+# the shared secret of the control connections between nodes (an engine's workers on other
+# nodes, data-parallel replicas on other nodes): both ends prove they hold it before any
+# (pickled) message is read
+NODE_AUTHKEY_ENV = "TOKENLOOM_NODE_AUTHKEY"
+
+
+def node_authkey(param: str, environ: dict[str, str] | None = None) -> bytes:
+    """The secret :data:`NODE_AUTHKEY_ENV` holds; ConfigError (about ``param``, the flag that
+    spans nodes) when it is not set."""
+    value = (os.environ if environ is None else environ).get(NODE_AUTHKEY_ENV, "")
+    if not value.strip():
+        raise ConfigError(
+            f"--{param} connects processes on several nodes over TCP: set {NODE_AUTHKEY_ENV} to the same secret on "
+            "every node (it authenticates both ends before any message is read)",
+            param=param,
+        )
+    return value.encode()
+
+
 def is_stopped(pid: int | None) -> bool:
     """Whether the process ``pid`` on this machine is stopped (``SIGSTOP``, a debugger): what
     tells a worker that hangs from the peers waiting for it in a collective."""
@@ -130,6 +149,18 @@ class Executor:
         :returns: the bytes mapped; 0 when there is nothing left to do (the default).
         """
         return 0
+
+    @classmethod
+    def run_node(cls, config: EngineConfig, timeout: float) -> int:
+        """``tokenloom serve ... --nnodes N --node-rank R --headless``: run this node's share of
+        the workers of node 0's engine (``config.parallel.workers_per_node`` of them, ranks
+        ``R * per_node`` on) until that engine stops them or goes away; ``timeout``: how long
+        they wait for node 0 to answer. Returns the process's exit code. An executor that
+        spreads its workers over nodes this way overrides it (the built-in ``mp`` does)."""
+        raise ConfigError(
+            f"this executor ({cls.__name__}) does not run workers on other nodes: use --distributed-executor-backend mp",
+            param="nnodes",
+        )
 
     def check_health(self) -> None:
         """Raise :class:`~tokenloom.errors.EngineDeadError` naming the worker when one has died

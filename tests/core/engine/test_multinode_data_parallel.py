@@ -22,8 +22,9 @@ from tests.e2e.conftest import REPO_ROOT, free_port
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import build_engine_client
 from tokenloom.core.engine.data_parallel import DataParallelAsyncLLM
-from tokenloom.core.engine.remote_replicas import AUTHKEY_ENV, Hello, ReplicaListener
+from tokenloom.core.engine.remote_replicas import Hello, ReplicaListener
 from tokenloom.core.engine.replica_handles import mp_replica_ranks, single_replica_rank
+from tokenloom.core.executor import NODE_AUTHKEY_ENV
 from tokenloom.errors import ConfigError, EngineDeadError
 
 SECRET = "multinode-test-secret"
@@ -98,7 +99,7 @@ def test_the_multinode_flags_are_checked_together():
 
 
 def test_the_listener_takes_only_authenticated_replicas_of_its_ranks_and_model(monkeypatch):
-    monkeypatch.setenv(AUTHKEY_ENV, SECRET)
+    monkeypatch.setenv(NODE_AUTHKEY_ENV, SECRET)
     port = free_port()
     attached = []
     done = threading.Event()
@@ -125,8 +126,8 @@ def test_the_listener_takes_only_authenticated_replicas_of_its_ranks_and_model(m
 
 
 def test_the_secret_is_required(monkeypatch):
-    monkeypatch.delenv(AUTHKEY_ENV, raising=False)
-    with pytest.raises(ConfigError, match=f"set {AUTHKEY_ENV} to the same secret on every node"):
+    monkeypatch.delenv(NODE_AUTHKEY_ENV, raising=False)
+    with pytest.raises(ConfigError, match=f"set {NODE_AUTHKEY_ENV} to the same secret on every node"):
         ReplicaListener("127.0.0.1", free_port(), {1}, "m", lambda rank, connection: None)
 
 
@@ -137,7 +138,7 @@ def test_the_secret_is_required(monkeypatch):
 def test_a_headless_nodes_replica_serves_with_the_heads_and_its_loss_fails_only_its_streams(
     tiny_llama_dir, monkeypatch, tmp_path
 ):
-    monkeypatch.setenv(AUTHKEY_ENV, SECRET)
+    monkeypatch.setenv(NODE_AUTHKEY_ENV, SECRET)
     args = dict(model=tiny_llama_dir, dtype="float32", block_size=4)
     prompts = ["A short story about a robot:", "Numbers: 1, 2,", "The sky is", "Once upon a time"]
 

@@ -1,7 +1,9 @@
 """The ``mp`` executor: ``tp * pp`` worker processes on this machine (spawned, never forked:
 the engine's process holds threads and maybe a device context), each one
 :class:`~tokenloom.builtin_plugins.executors.worker_host.WorkerHost`. The default when
-``tp * pp > 1``.
+``tp * pp > 1``. With ``--nnodes`` the workers are spread over several nodes
+(:mod:`~tokenloom.builtin_plugins.executors.worker_nodes`): this node starts its share, and the
+others' workers reach the engine over a TCP connection each instead of a pipe.
 
 Each step's :class:`SchedulerOutput` is pickled once and written to every worker's pipe; the
 output rank's reply is the step's result. Writes never wait for earlier replies, so up to
@@ -37,8 +39,16 @@ from tokenloom.builtin_plugins.executors.worker_host import (
     describe_exit,
     free_port,
 )
+from tokenloom.builtin_plugins.executors.worker_nodes import RemoteWorkerProcess, accept_node_workers, run_worker_node
 from tokenloom.errors import EngineDeadError
-from tokenloom.worker_api import EXECUTE_MODEL_TIMEOUT_ENV, ModelRunnerOutput, SchedulerOutput, WorkerSpec, is_stopped
+from tokenloom.worker_api import (
+    EXECUTE_MODEL_TIMEOUT_ENV,
+    EngineConfig,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerSpec,
+    is_stopped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +143,20 @@ class _Call:
 
 class WorkerProcessGroup:
     """The worker processes, their pipes and the reader thread. Separate from the executor so a
-    finalizer can stop the processes when the executor is dropped without ``shutdown``."""
+    finalizer can stop the processes when the executor is dropped without ``shutdown``.
 
-    def __init__(self, launches: list[WorkerLaunch]):
+    ``launches`` are this node's workers, spawned here; ``remote_workers`` (called once they
+    are spawned) returns the handles and connections of the workers of other nodes, ranks after
+    this node's, in rank order."""
+
+    def __init__(
+        self,
+        launches: list[WorkerLaunch],
+        remote_workers: Callable[[], list[tuple[RemoteWorkerProcess, multiprocessing.connection.Connection]]] = list,
+    ):
         context = multiprocessing.get_context("spawn")
-        self.num_workers = len(launches)
-        self.processes: list[Any] = []
+        self.processes: list[Any] = []  # by rank: multiprocessing.Process, or RemoteWorkerProcess
         self.conns: list[multiprocessing.connection.Connection] = []
-        self._pending: list[collections.deque[_Call]] = [collections.deque() for _ in launches]
-        # by rank: when the worker last answered a call (read and written by the reader thread)
-        self._answered_at = [time.monotonic()] * len(launches)
         # held while a call is registered and written: writes reach every pipe in call order.
         # The reader never takes it: a writer blocked on a full pipe waits for a worker that
         # may itself wait for the reader to drain its reply.
@@ -150,7 +164,6 @@ class WorkerProcessGroup:
         self._closing = False
         self.dead_reason: str | None = None
         self._wake_reader, self._wake_writer = context.Pipe(duplex=False)
-        started = self._register("start", lambda pids: pids)
         try:
             for launch in launches:
                 parent_end, child_end = context.Pipe()
@@ -164,14 +177,22 @@ class WorkerProcessGroup:
                 child_end.close()  # so the worker's death reads as EOF here
                 self.processes.append(process)
                 self.conns.append(parent_end)
-        except BaseException:  # e.g. the spawn failed: the ones already started go too
+            for remote, conn in remote_workers():
+                self.processes.append(remote)
+                self.conns.append(conn)
+        except BaseException:  # e.g. the spawn failed, or another node's workers never came
             for process in self.processes:
                 process.kill()
                 process.join(timeout=2.0)
             raise
+        self.num_workers = len(self.processes)
+        self._pending: list[collections.deque[_Call]] = [collections.deque() for _ in self.processes]
+        # by rank: when the worker last answered a call (read and written by the reader thread)
+        self._answered_at = [time.monotonic()] * self.num_workers
+        # each worker's first reply says it started (its replies wait in its pipe until the reader reads them)
+        self.started = self._register("start", lambda pids: pids)
         self._reader = threading.Thread(target=self._read_replies, name="tokenloom-mp-replies", daemon=True)
         self._reader.start()
-        self.started = started
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -205,7 +226,7 @@ class WorkerProcessGroup:
         return call
 
     def _read_replies(self) -> None:
-        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes) if process.sentinel}
         by_conn = {conn: rank for rank, conn in enumerate(self.conns)}
         while True:
             ready = multiprocessing.connection.wait(
@@ -269,9 +290,9 @@ class WorkerProcessGroup:
         their collectives for ever, and a stopped process would outlive the server."""
         ranks = self._overdue_ranks()
         call = self._pending[ranks[0]][0]
-        stopped = {rank for rank in ranks if is_stopped(self.processes[rank].pid)}
+        stopped = {rank for rank in ranks if self._is_local(rank) and is_stopped(self.processes[rank].pid)}
         workers = " and ".join(  # the stopped ones first: the others most likely wait for them
-            f"worker {rank} (pid {self.processes[rank].pid}{', stopped by a signal' if rank in stopped else ''})"
+            self._describe(rank, ", stopped by a signal" if rank in stopped else "")
             for rank in sorted(ranks, key=lambda rank: rank not in stopped)
         )
         self._mark_dead(
@@ -281,12 +302,23 @@ class WorkerProcessGroup:
         for process in self.processes:
             process.kill()
 
+    def _is_local(self, rank: int) -> bool:
+        return not isinstance(self.processes[rank], RemoteWorkerProcess)
+
+    def _describe(self, rank: int, state: str = "") -> str:
+        process = self.processes[rank]
+        where = "" if self._is_local(rank) else f" on node {process.node_rank}"
+        return f"worker {rank} (pid {process.pid}{where}{state})"
+
     def _worker_ended(self, rank: int) -> None:
         if self._closing:
             return
         process = self.processes[rank]
+        if not self._is_local(rank):
+            self._mark_dead(f"{self._describe(rank)} disconnected (its node stopped, or the network between them)")
+            return
         process.join(timeout=1.0)
-        self._mark_dead(f"worker {rank} (pid {process.pid}) {describe_exit(process.exitcode)}")
+        self._mark_dead(f"{self._describe(rank)} {describe_exit(process.exitcode)}")
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -301,7 +333,7 @@ class WorkerProcessGroup:
         if self.dead_reason is None and not self._closing:
             for rank, process in enumerate(self.processes):
                 if process.exitcode is not None:
-                    self._mark_dead(f"worker {rank} (pid {process.pid}) {describe_exit(process.exitcode)}")
+                    self._mark_dead(f"{self._describe(rank)} {describe_exit(process.exitcode)}")
                     break
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine's {self.dead_reason}")
@@ -352,8 +384,19 @@ class MultiprocExecutor(WorkerGridExecutor):
 
     def initialize(self) -> int:
         started = time.perf_counter()
-        launches = self.worker_launches(f"tcp://127.0.0.1:{free_port()}", lambda rank: self.world_size)
-        self.group = WorkerProcessGroup(launches)
+        parallel = self.config.parallel
+        per_node = parallel.workers_per_node
+        if parallel.nnodes == 1:
+            launches = self.worker_launches(f"tcp://127.0.0.1:{free_port()}", lambda rank: per_node)
+            self.group = WorkerProcessGroup(launches)
+        else:
+            launches = self.worker_launches(
+                f"tcp://{parallel.master_addr}:{parallel.master_port}", lambda rank: per_node
+            )
+            others = launches[per_node:]
+            self.group = WorkerProcessGroup(
+                launches[:per_node], lambda: accept_node_workers(self.config, others, START_TIMEOUT_SECONDS)
+            )
         # the processes go when this executor does, even without shutdown() (and at exit)
         self._finalizer = weakref.finalize(self, self.group.shutdown)
         try:
@@ -363,6 +406,10 @@ class MultiprocExecutor(WorkerGridExecutor):
         except BaseException:
             self.shutdown()
             raise
+
+    @classmethod
+    def run_node(cls, config: EngineConfig, timeout: float) -> int:
+        return run_worker_node(config, timeout)
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
         replies: list[Any] = self._wait(self._live_group().call(method, *args), method)

@@ -15,7 +15,7 @@ from tokenloom.core.config.kv_transfer import KVTransferConfig
 from tokenloom.core.config.load import LoadConfig
 from tokenloom.core.config.lora import LORA_DTYPE_CHOICES, LoRAConfig
 from tokenloom.core.config.model import DTYPE_CHOICES, MODEL_IMPL_CHOICES, ModelConfig
-from tokenloom.core.config.parallel import ParallelConfig, check_worker_grid, validate_data_parallel
+from tokenloom.core.config.parallel import ParallelConfig, check_worker_grid, validate_data_parallel, validate_nodes
 from tokenloom.core.config.scheduler import SchedulerConfig
 from tokenloom.core.config.speculative import SpeculativeConfig
 from tokenloom.core.config.structured_output import StructuredOutputConfig
@@ -146,6 +146,10 @@ class EngineArgs:
     data_parallel_start_rank: int = ParallelConfig.data_parallel_start_rank
     data_parallel_address: str | None = ParallelConfig.data_parallel_address
     data_parallel_rpc_port: int = ParallelConfig.data_parallel_rpc_port
+    nnodes: int = ParallelConfig.nnodes
+    node_rank: int = ParallelConfig.node_rank
+    master_addr: str = ParallelConfig.master_addr
+    master_port: int = ParallelConfig.master_port
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     # -> DeviceConfig
     device: str = DeviceConfig.device
@@ -300,6 +304,7 @@ def validate_engine_config(config: EngineConfig) -> None:
         bad("lora-dtype", f"must be one of {', '.join(LORA_DTYPE_CHOICES)}, got {lora.lora_dtype!r}")
     check_worker_grid(config.parallel)
     validate_data_parallel(config.parallel)
+    validate_nodes(config.parallel)
     if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:
         # refused here, before any worker starts: a stage before the last never sees the
         # drafts its successor verifies, and the draft model would run on one stage only

@@ -46,6 +46,18 @@ class ParallelConfig:
     where they connect."""
     data_parallel_rpc_port: int = 29550
     """The head node's port for the replicas of --headless nodes (vLLM's default)."""
+    nnodes: int = 1
+    """Nodes one engine's ``tp * pp`` workers span under ``mp``: each node runs
+    ``tp * pp / nnodes`` of them; node 0 runs the engine and the API server, the others run
+    ``tokenloom serve MODEL ... --node-rank R --headless``."""
+    node_rank: int = 0
+    """This node's place among --nnodes: it runs workers ``node_rank * per_node`` on."""
+    master_addr: str = "127.0.0.1"
+    """Node 0's address, where every worker meets: ``torch.distributed``'s rendezvous on
+    --master-port, and node 0's engine listening for the other nodes' workers on the port after it."""
+    master_port: int = 29501
+    """Node 0's rendezvous port (vLLM's default); the port after it carries the engine's calls to
+    the workers on other nodes."""
     distributed_executor_backend: str | None = None
     """Executor plugin that owns the workers: ``uni`` (one worker in the engine's process),
     ``mp`` (worker processes on this machine) or ``ray`` (Ray actors, across machines); by
@@ -55,6 +67,16 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Workers of one engine: ``tp * pp``."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def workers_per_node(self) -> int:
+        """Workers of one engine on each of its --nnodes nodes."""
+        return self.world_size // max(1, self.nnodes)
+
+    @property
+    def worker_control_port(self) -> int:
+        """Node 0's port for the engine's calls to the workers of the other nodes."""
+        return self.master_port + 1
 
 
 def check_worker_grid(parallel: ParallelConfig) -> None:
@@ -72,6 +94,39 @@ def check_worker_grid(parallel: ParallelConfig) -> None:
             f"{parallel.world_size} workers: use mp (worker processes on this machine, the default) or ray",
             param="distributed-executor-backend",
         )
+
+
+def validate_nodes(parallel: ParallelConfig) -> None:
+    """``--nnodes``/``--node-rank``/``--master-addr``/``--master-port`` (one engine's workers
+    across nodes without Ray) fit the worker grid and the other parallel flags."""
+
+    def bad(flag: str, message: str) -> None:
+        raise ConfigError(f"--{flag}: {message}", param=flag)
+
+    nnodes, node_rank, port = parallel.nnodes, parallel.node_rank, parallel.master_port
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
+        bad("nnodes", f"must be a whole number of at least 1, got {nnodes!r}")
+    if not isinstance(node_rank, int) or isinstance(node_rank, bool) or not 0 <= node_rank < nnodes:
+        bad("node-rank", f"must be between 0 and --nnodes - 1 ({nnodes - 1}), got {node_rank!r}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65535:
+        bad("master-port", f"must be a TCP port (1-65534; the port after it is used too), got {port!r}")
+    if nnodes == 1:
+        return
+    if parallel.world_size % nnodes:
+        bad(
+            "nnodes",
+            f"-tp {parallel.tensor_parallel_size} -pp {parallel.pipeline_parallel_size} makes "
+            f"{parallel.world_size} workers, which {nnodes} nodes cannot share equally: choose sizes whose "
+            "product is a multiple of --nnodes",
+        )
+    if parallel.distributed_executor_backend not in (None, "mp"):
+        bad(
+            "nnodes",
+            f"spreads the mp executor's workers over nodes, not {parallel.distributed_executor_backend}'s "
+            "(with ray, the Ray cluster places the workers: leave out --nnodes)",
+        )
+    if parallel.data_parallel_size > 1:
+        bad("nnodes", "spreads one engine's workers over nodes: it does not combine with -dp here")
 
 
 DATA_PARALLEL_BACKENDS = ("mp", "ray")

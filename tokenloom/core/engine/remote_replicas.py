@@ -10,7 +10,7 @@ connection the messages a local replica speaks over its pipes
 :class:`~tokenloom.core.engine.data_parallel.RemoteReplica`.
 
 The connection is :mod:`multiprocessing.connection`'s, which pickles: both ends prove they hold
-the shared secret ``TOKENLOOM_DP_AUTHKEY`` (an HMAC challenge each way) before any message is
+the shared secret ``TOKENLOOM_NODE_AUTHKEY`` (an HMAC challenge each way) before any message is
 read, because a pickle from an unauthenticated peer could run code. The secret is required.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -30,12 +29,12 @@ from typing import Any
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine.replica_host import enter_replica, serve_replica
+from tokenloom.core.executor import node_authkey
 from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PlainPlugins, PluginSet
 
 logger = logging.getLogger(__name__)
 
-AUTHKEY_ENV = "TOKENLOOM_DP_AUTHKEY"
 CONNECT_RETRY_SECONDS = 0.5
 
 
@@ -47,16 +46,9 @@ class Hello:
     model: str
 
 
-def dp_authkey(environ: dict[str, str] | None = None) -> bytes:
+def dp_authkey() -> bytes:
     """The shared secret of a multi-node data-parallel group; ConfigError when it is not set."""
-    value = (os.environ if environ is None else environ).get(AUTHKEY_ENV, "")
-    if not value.strip():
-        raise ConfigError(
-            f"data-parallel replicas on other nodes talk over TCP: set {AUTHKEY_ENV} to the same secret on "
-            "every node (it authenticates both ends before any message is read)",
-            param="data-parallel-address",
-        )
-    return value.encode()
+    return node_authkey("data-parallel-address")
 
 
 class ReplicaListener:
