@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
 import httpx
@@ -19,10 +21,12 @@ import pytest
 
 from tests.e2e.conftest import REPO_ROOT, free_port, start_server, stop_server
 from tokenloom.api.serve_args import parse_serve_args
+from tokenloom.builtin_plugins.executors.worker_host import WorkerLaunch
+from tokenloom.builtin_plugins.executors.worker_nodes import WorkerHello, accept_node_workers
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.executor import NODE_AUTHKEY_ENV
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.errors import ConfigError
+from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.llm import LLM
 
 SECRET = "worker-nodes-test-secret"
@@ -83,6 +87,48 @@ def test_a_node_without_the_shared_secret_is_refused_before_it_starts_anything(t
     )
     assert run.returncode != 0
     assert f"set {NODE_AUTHKEY_ENV} to the same secret on every node" in run.stderr
+
+
+def test_node_0_takes_only_authenticated_workers_it_waits_for_and_sends_each_its_launch(monkeypatch):
+    monkeypatch.setenv(NODE_AUTHKEY_ENV, SECRET)
+    config = EngineArgs(model="m", tensor_parallel_size=2, nnodes=2, master_port=free_port()).create_engine_config()
+    launch = WorkerLaunch(spec=None, rank=1, init_method="tcp://127.0.0.1:1", distributed_backend="gloo")
+    accepted = []
+    listening = threading.Thread(target=lambda: accepted.append(accept_node_workers(config, [launch], timeout=60)))
+    listening.start()
+    address = ("127.0.0.1", config.parallel.worker_control_port)
+    deadline = time.monotonic() + 30
+    while True:  # the listener starts on its thread
+        try:
+            with pytest.raises(AuthenticationError):
+                Client(address, authkey=b"not the secret")
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    for wrong in (WorkerHello(1, 1, 4242, "another-model"), WorkerHello(0, 1, 4242, "m")):
+        refused = Client(address, authkey=SECRET.encode())
+        refused.send(wrong)
+        with pytest.raises(EOFError):
+            refused.recv()
+    joined = Client(address, authkey=SECRET.encode())
+    joined.send(WorkerHello(1, 1, 4242, "m"))
+    assert joined.recv() == launch
+    listening.join(timeout=30)
+    ((remote, connection),) = accepted[0]
+    assert (remote.pid, remote.node_rank, remote.is_alive()) == (4242, 1, True)
+    remote.kill()
+    assert not remote.is_alive() and connection.closed
+    with pytest.raises(EOFError):
+        joined.recv()  # the worker sees its end
+
+
+def test_node_0_gives_up_on_workers_that_never_connect_naming_them(monkeypatch):
+    monkeypatch.setenv(NODE_AUTHKEY_ENV, SECRET)
+    config = EngineArgs(model="m", tensor_parallel_size=2, nnodes=2, master_port=free_port()).create_engine_config()
+    launch = WorkerLaunch(spec=None, rank=1, init_method="tcp://127.0.0.1:1", distributed_backend="gloo")
+    with pytest.raises(EngineDeadError, match=r"workers 1 of the other nodes did not connect .* within 1s"):
+        accept_node_workers(config, [launch], timeout=1)
 
 
 # -- node 0's server and a headless node -----------------------------------------------------------
@@ -152,11 +198,10 @@ def test_workers_on_two_nodes_give_the_single_process_greedy_ids(two_nodes):
     assert "mp executor: worker 1 (pid " in server.log() and "on node 1) connected" in server.log()
 
 
-def test_a_connection_without_the_secret_is_refused_and_the_engine_keeps_serving(two_nodes):
-    server, _, _, master_port, expected = two_nodes
-    # node 0 listens only while its workers join; afterwards nothing answers on the control port
+def test_node_0_stops_listening_once_its_workers_joined_and_keeps_serving(two_nodes):
+    server, _, _, master_port, _ = two_nodes
     with pytest.raises((ConnectionError, OSError)):
-        Client(("127.0.0.1", master_port + 1), authkey=b"wrong")
+        Client(("127.0.0.1", master_port + 1), authkey=SECRET.encode())
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     completion = client.completions.create(
         model="tiny", prompt=PROMPTS[0], max_tokens=NUM_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}

@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -102,22 +103,28 @@ def accept_node_workers(
         ", ".join(map(str, sorted(by_rank))),
         parallel.nnodes - 1,
     )
-    timer = threading.Timer(timeout, listener.close)  # unblocks accept() when the time is up
+    deadline = time.monotonic() + timeout
+    # closing a listening socket does not wake a thread blocked in accept(): a connection does
+    timer = threading.Timer(timeout, _knock, (address, port))
     timer.start()
     try:
         while len(attached) < len(by_rank):
             try:
                 connection = listener.accept()
             except (multiprocessing.AuthenticationError, EOFError, ConnectionError) as exc:
-                logger.warning("mp executor: refused a worker connection: %s", exc or type(exc).__name__)
-                continue
-            except OSError:  # the timer closed the listener
+                if time.monotonic() < deadline:
+                    logger.warning("mp executor: refused a worker connection: %s", exc or type(exc).__name__)
+                    continue
+                connection = None
+            if time.monotonic() >= deadline:
+                if connection is not None:
+                    connection.close()
                 missing = sorted(set(by_rank) - set(attached))
                 raise EngineDeadError(
                     f"mp executor: workers {', '.join(map(str, missing))} of the other nodes did not connect to "
                     f"{address}:{port} within {timeout:.0f}s (start them with `tokenloom serve ... --nnodes "
                     f"{parallel.nnodes} --node-rank R --master-addr {address} --headless`)"
-                ) from None
+                )
             hello = _read_hello(connection)
             if (
                 not isinstance(hello, WorkerHello)
@@ -144,6 +151,14 @@ def accept_node_workers(
         timer.cancel()
         listener.close()
     return [attached[launch.rank] for launch in launches]
+
+
+def _knock(address: str, port: int) -> None:
+    """Connects to the listener (and leaves at once), so that its accept() returns."""
+    try:
+        socket.create_connection((address, port), timeout=5).close()
+    except OSError:
+        pass
 
 
 def _read_hello(connection: Connection) -> Any:
