@@ -169,6 +169,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "llm": {"errors", "plugins", "core", "chat_template", "lora"},
     "api": {"errors", "plugins", "core", "chat_template", "lora", "llm", "__init__"},
     "__main__": {"api"},
+    "ray_serve": {"errors", "plugins", "core", "api"},
     "__init__": set(),
 }
 

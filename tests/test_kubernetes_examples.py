@@ -20,7 +20,7 @@ EXAMPLES = REPO / "examples" / "kubernetes"
 SOURCE = "\n".join(path.read_text(encoding="utf-8") for path in (REPO / "tokenloom").rglob("*.py"))
 # what Kubernetes (and the LeaderWorkerSet controller) substitutes for $(NAME) in args
 SUBSTITUTIONS = {"LWS_LEADER_ADDRESS": "tokenloom-dp-0.tokenloom-dp"}
-KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "LeaderWorkerSet"}
+KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "LeaderWorkerSet", "RayService"}
 
 
 def documents() -> list[tuple[str, dict]]:
@@ -39,6 +39,10 @@ def pod_specs(document: dict) -> list[dict]:
     if document["kind"] == "LeaderWorkerSet":
         templates = spec["leaderWorkerTemplate"]
         return [templates[name]["spec"] for name in ("leaderTemplate", "workerTemplate")]
+    if document["kind"] == "RayService":
+        cluster = spec["rayClusterConfig"]
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        return [group["template"]["spec"] for group in groups]
     return []
 
 
@@ -139,3 +143,24 @@ def test_the_worker_pod_runs_node_1_of_the_leaders_engine_and_the_leader_opens_i
         assert getattr(head.engine_args, field) == getattr(node.engine_args, field)
     port = head.engine_args.master_port
     assert {port, port + 1} <= {entry["containerPort"] for entry in leader["ports"]}
+
+
+def test_the_ray_service_runs_tokenloom_s_app_builder_with_models_tokenloom_serve_accepts():
+    import importlib
+
+    pytest.importorskip("ray.serve")
+    from tokenloom.ray_serve import ModelConfig
+
+    (service,) = (document for _, document in documents() if document["kind"] == "RayService")
+    (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    module, name = application["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), name)
+    models = application["args"]["models"]
+    for model in models:
+        parse_serve_args(ModelConfig(**model).serve_argv())
+    app = builder(application["args"])
+    assert type(app).__name__ == "Application"
+    serve_port = {
+        port["containerPort"] for container in pod_specs(service)[0]["containers"] for port in container["ports"]
+    }
+    assert 8000 in serve_port  # Ray Serve's HTTP proxy
