@@ -57,18 +57,16 @@ def test_greedy_tokens_agree_with_transformers_prefilled_in_chunks_inside_images
     cases = [
         (
             chat(f"{IMAGE}Compare it with {IMAGE}Which colours are the squares?"),
-            [
-                drawn_image("red", (200, 80)),
-                drawn_image("blue", (60, 150)),
-            ],
+            [drawn_image("red", (200, 80)), drawn_image("blue", (60, 150))],
         ),
         (chat(f"Look: {IMAGE}{long_text}"), [drawn_image("green", (100, 100))]),
     ]
-    ours, theirs = [], []
+    ours, theirs, lengths = [], [], []
     for text, images in cases:
         processed = processor.process(tokenizer.encode(text, add_special_tokens=False), images, {})
         inputs = hf_inputs(directory, tokenizer, text, images)
         assert processed.prompt_token_ids == inputs["input_ids"][0].tolist()  # the same placeholder counts
+        lengths.append([item.length for item in processed.items])
         first = processed.items[0]
         assert first.offset < CHUNK * (first.offset // CHUNK + 1) < first.end  # a chunk ends inside it
         output = llm.generate(
@@ -77,10 +75,6 @@ def test_greedy_tokens_agree_with_transformers_prefilled_in_chunks_inside_images
         )[0].outputs[0]
         ours.append((list(output.token_ids), [set(step) for step in output.logprobs]))
         theirs.append(hf_greedy(hf_model, inputs, NUM_NEW_TOKENS))
-    lengths = [
-        [item.length for item in processor.process(tokenizer.encode(text, add_special_tokens=False), images, {}).items]
-        for text, images in cases
-    ]
     # 80 x 200 -> 84 x 196: 6 x 14 patches; 150 x 60 -> 140 x 56: 10 x 4; 100 x 100 -> 112 x 112: 8 x 8
     assert lengths == [[21, 10], [16]]
     assert_greedy_agrees(ours, theirs)
