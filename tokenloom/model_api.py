@@ -36,6 +36,7 @@ from tokenloom.layers.linear import (
     RowParallelLinear,
     kv_heads_per_rank,
 )
+from tokenloom.layers.mrope import MRotaryEmbedding, get_mrope
 from tokenloom.layers.pipeline import MissingLayer, number_attention_layers, stage_layers
 from tokenloom.layers.pooler import Pooler
 from tokenloom.layers.quantization import QuantizationMethod, materialize
@@ -75,6 +76,8 @@ __all__ = [
     "GemmaRMSNorm",
     "get_act_and_mul",
     "RotaryEmbedding",
+    "MRotaryEmbedding",
+    "get_mrope",
     "get_rope",
     "rope_parameters_from_config",
     "ReplicatedLinear",

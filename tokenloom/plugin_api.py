@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.model_files import LoadFormat, ModelSource, ResolvedModel
     from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext, ModelProtocol
     from tokenloom.core.multimodal.inputs import MultiModalItem
+    from tokenloom.core.multimodal.mrope import MROPE_GRID
     from tokenloom.core.multimodal.processor import (
         MultiModalProcessor,
         ProcessedPrompt,
@@ -104,6 +105,7 @@ _LAZY = {
     "ProcessedPrompt": "tokenloom.core.multimodal.processor",
     "image_hash": "tokenloom.core.multimodal.processor",
     "MultiModalItem": "tokenloom.core.multimodal.inputs",
+    "MROPE_GRID": "tokenloom.core.multimodal.mrope",
     "QuantizationConfig": "tokenloom.layers.quantization",
     "QuantizationMethod": "tokenloom.layers.quantization",
     "UnquantizedMethod": "tokenloom.layers.quantization",
@@ -190,6 +192,7 @@ __all__ = [
     "ProcessedPrompt",
     "image_hash",
     "MultiModalItem",
+    "MROPE_GRID",
     "QuantizationConfig",
     "QuantizationMethod",
     "UnquantizedMethod",

@@ -25,6 +25,7 @@ from tokenloom.core.logits_processors import resolve_engine_processors
 from tokenloom.core.model_interface import IntermediateTensors
 from tokenloom.core.model_loader import ModelInfo, build_model
 from tokenloom.core.multimodal.encoder_cache import MIN_ENCODER_CACHE_TOKENS, EncoderCache, merged_input_embeddings
+from tokenloom.core.multimodal.mrope import step_positions
 from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
@@ -443,20 +444,19 @@ class ModelRunner:
             intermediate = self._recv_intermediate_tensors(len(batch.positions))
         encoder_stats = self.encoder_cache.stats
         queries, hits = encoder_stats.queries, encoder_stats.hits
+        mm_rows = [
+            (state.mm_items, state.num_computed_tokens, n)
+            for state, n in zip(states, batch.attn_metadata.query_lens_cpu)
+        ]
         inputs_embeds = merged_input_embeddings(
-            self.model,
-            self.encoder_cache,
-            [
-                (state.mm_items, state.num_computed_tokens, n)
-                for state, n in zip(states, batch.attn_metadata.query_lens_cpu)
-            ],
-            batch.input_ids,
-            self.attention_backend,
+            self.model, self.encoder_cache, mm_rows, batch.input_ids, self.attention_backend
         )
         output.mm_cache_queries, output.mm_cache_hits = encoder_stats.queries - queries, encoder_stats.hits - hits
+        # the KV slots follow batch.positions; the rotary positions of M-RoPE items differ
+        model_positions = step_positions(mm_rows, batch.positions)
         try:
             hidden_states = self._run_model(
-                batch.input_ids, batch.positions, batch.attn_metadata, intermediate, inputs_embeds
+                batch.input_ids, model_positions, batch.attn_metadata, intermediate, inputs_embeds
             )
         finally:
             if self.lora_manager is not None:

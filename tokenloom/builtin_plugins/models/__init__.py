@@ -20,6 +20,11 @@ MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
     "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),
     "LlavaForConditionalGeneration": (f"{PACKAGE}.modeling_llava:LlavaForConditionalGeneration", "generate"),
+    "Qwen2VLForConditionalGeneration": (f"{PACKAGE}.modeling_qwen2_vl:Qwen2VLForConditionalGeneration", "generate"),
+    "Qwen2_5_VLForConditionalGeneration": (
+        f"{PACKAGE}.modeling_qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+        "generate",
+    ),
     "Olmo2ForCausalLM": (f"{PACKAGE}.modeling_olmo2:Olmo2ForCausalLM", "generate"),
     "GraniteForCausalLM": (f"{PACKAGE}.modeling_granite:GraniteForCausalLM", "generate"),
     "Phi3ForCausalLM": (f"{PACKAGE}.modeling_phi3:Phi3ForCausalLM", "generate"),
@@ -31,6 +36,8 @@ MODELS: dict[str, tuple[str, str]] = {
 # architecture -> the multimodal processor of a model that sees (core/multimodal/processor.py)
 MULTIMODAL_PROCESSORS: dict[str, str] = {
     "LlavaForConditionalGeneration": f"{PACKAGE}.llava_processing:LlavaProcessor",
+    "Qwen2VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
+    "Qwen2_5_VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
 }
 
 
