@@ -14,7 +14,7 @@ dequantizes the rows it looks up (the same values as the dense table's), and a b
 (or a float32 one the platform chose) multiplies the file's codes where one of tokenloom's
 kernels takes the type (``kernel_weight()`` of the blocks: Q8_0 with
 :mod:`tokenloom.kernels.int8_matmul`, Q5_0/Q5_1/Q5_K/Q6_K with
-:mod:`tokenloom.kernels.kquant_matmul`; GGML's Q x Q8 arithmetic, every CPU kernel level), for
+:mod:`tokenloom.kernels.kquant_matmul`, Q2_K/Q3_K with :mod:`tokenloom.kernels.lowbit_matmul`; GGML's Q x Q8 arithmetic, every CPU kernel level), for
 every batch, float32 logits straight out: about the file's bytes per token instead of a 16-bit
 copy's, and its exact weight values. A tied pair then holds the blocks (for the lookup) and the
 head's packed codes, and no dense weight; a head no kernel takes makes the dense weight from the
@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear
 from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
+from tokenloom.kernels.lowbit_matmul import LowbitWeight, lowbit_linear
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
 from tokenloom.layers.linear import tensor_parallel_all_reduce, tp_place
 from tokenloom.layers.quantization import materialize
@@ -180,7 +181,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.small_batch_weight: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
         # the checkpoint's codes packed for a kernel that gives float32 logits (module docstring)
-        self.kernel_weight: Int8Weight | KQuantWeight | None = None
+        self.kernel_weight: Int8Weight | KQuantWeight | LowbitWeight | None = None
         self._tied_to: VocabParallelEmbedding | None = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.weight.shape[0], dtype=self.weight.dtype), requires_grad=False)
@@ -233,6 +234,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
         if isinstance(self.kernel_weight, Int8Weight):
             logits = int8_linear(hidden_states, self.kernel_weight)
+        elif isinstance(self.kernel_weight, LowbitWeight):
+            logits = lowbit_linear(hidden_states, self.kernel_weight, dtype=torch.float32)
         elif self.kernel_weight is not None:
             logits = kquant_linear(hidden_states, self.kernel_weight, dtype=torch.float32)
         elif self._use_small_batch_copy(hidden_states):

@@ -4,7 +4,7 @@ A pre-norm layer of the Llama family (:class:`~tokenloom.layers.layernorm.RMSNor
 :class:`~tokenloom.layers.decoder.SelfAttention` with rotary embedding, :class:`GatedMLP` with
 SwiGLU) whose four projections hold the file's codes packed for tokenloom's kernels (what the
 ``gguf`` quantization method keeps: ``layer.int4_weight``, or ``layer.native_segments``, runs of
-rows each on its own kernel, int4, int5, int6 or int8, as a Q4_K_M file mixes Q4_K and Q6_K
+rows each on its own kernel, int2, int3, int4, int5, int6 or int8, as a Q4_K_M file mixes Q4_K and Q6_K
 projections) runs a decode step as
 ``decode_layer`` (tokenloom's CPU operators, every kernel level): the operators the Python path
 calls, chained in C++, giving the same bits without a dozen module calls and two dozen torch
@@ -29,6 +29,7 @@ from tokenloom.kernels import cpu_native
 from tokenloom.kernels.int4_matmul import Int4Weight
 from tokenloom.kernels.int8_matmul import Int8Weight
 from tokenloom.kernels.kquant_matmul import KQuantWeight
+from tokenloom.kernels.lowbit_matmul import LowbitWeight
 from tokenloom.kernels.paged_attention import NativeCpuPagedAttention, is_fp8_kv_cache
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.layernorm import RMSNorm
@@ -199,6 +200,8 @@ def packed_weights(projection) -> list[tuple[torch.Tensor, int]] | None:
             packed.append((weight.packed, 800))
         elif isinstance(weight, KQuantWeight):
             packed.append((weight.packed, 100 * weight.bits + (weight.superblock_groups if weight.bits == 5 else 0)))
+        elif isinstance(weight, LowbitWeight):
+            packed.append((weight.packed, 100 * weight.bits))
         else:
             return None
     return packed

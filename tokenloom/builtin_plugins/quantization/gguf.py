@@ -2,11 +2,12 @@
 (:class:`GGUFWeight`, yielded by the ``gguf`` load format).
 
 In mode ``"auto"`` (the default) a CPU layer keeps the file's codes of every shard stored as
-Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 blocks, and multiplies them with tokenloom's
+Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 blocks, and multiplies them with tokenloom's
 own kernels (every CPU kernel level: AVX512-VNNI, AVX2, plain C++; see
 :mod:`tokenloom.kernels.cpu_native`) in llama.cpp's Q x Q8 arithmetic: 4-bit codes with
 :mod:`tokenloom.kernels.int4_matmul`, 5- and 6-bit ones with :mod:`tokenloom.kernels.kquant_matmul`,
-8-bit ones with :mod:`tokenloom.kernels.int8_matmul`. Such a layer holds no dense weight at all.
+2- and 3-bit ones with :mod:`tokenloom.kernels.lowbit_matmul`, 8-bit ones with
+:mod:`tokenloom.kernels.int8_matmul`. Such a layer holds no dense weight at all.
 A fused layer whose shards differ in type (a Q4_K_M file's Q4_K q and k beside a Q6_K v) keeps
 one packed weight per run of shards of one kernel, and concatenates their outputs.
 
@@ -33,6 +34,7 @@ from torch import nn
 from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  (GGUFWeight re-exported)
     DEQUANTIZERS,
     FLOAT_TYPES,
+    Q3_K,
     Q6_K,
     Q8_0,
     GGUFWeight,
@@ -40,10 +42,12 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  
 )
 from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int4_type
 from tokenloom.builtin_plugins.quantization.gguf_kquant import KQUANT_TYPES, pack_kquant, superblock_groups
+from tokenloom.builtin_plugins.quantization.gguf_lowbit import LOWBIT_TYPES, pack_lowbit
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.int4_matmul import INT4_DTYPES, Int4Weight, can_pack, int4_linear, pack_int4, prefers_int4
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
 from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
+from tokenloom.kernels.lowbit_matmul import LowbitWeight, lowbit_linear
 from tokenloom.kernels.triton import gguf as triton_gguf
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
 
@@ -119,7 +123,7 @@ class GGUFQuantizationMethod(UnquantizedMethod):
 
     def _native_segments(self, shards: dict[int, GGUFWeight], dtype: torch.dtype) -> list | None:
         """The layer's rows as runs of shards one of tokenloom's kernels takes, each packed for
-        it (a list of Int4Weight, Int8Weight, KQuantWeight in row order); None when a run cannot
+        it (a list of Int4Weight, Int8Weight, KQuantWeight, LowbitWeight in row order); None when a run cannot
         be packed (kernels not available, rows not in blocks of 16), and the layer stays dense."""
         runs: list[list[GGUFWeight]] = []
         for offset in sorted(shards):
@@ -128,7 +132,7 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                 runs[-1].append(shards[offset])
             else:
                 runs.append([shards[offset]])
-        segments: list[Int4Weight | Int8Weight | KQuantWeight | None] = []
+        segments: list[Int4Weight | Int8Weight | KQuantWeight | LowbitWeight | None] = []
         for run in runs:
             if is_int4_type(run[0].ggml_type):
                 weight = self._pack_int4(run, dtype)
@@ -136,6 +140,8 @@ class GGUFQuantizationMethod(UnquantizedMethod):
             elif run[0].ggml_type == Q8_0:
                 codes, scales = (torch.cat(parts) for parts in zip(*(shard.int8_groups() for shard in run)))
                 segments.append(pack_int8(codes, scales))
+            elif run[0].ggml_type in LOWBIT_TYPES:
+                segments.append(pack_lowbit(run))
             else:
                 segments.append(pack_kquant(run))
         return None if any(segment is None for segment in segments) else segments
@@ -207,15 +213,19 @@ def native_kernel_family(ggml_type: int) -> tuple[str, int] | None:
         return ("int8", 1)
     if ggml_type in KQUANT_TYPES:
         return ("int6" if ggml_type == Q6_K else "int5", superblock_groups(ggml_type))
+    if ggml_type in LOWBIT_TYPES:
+        return ("int3" if ggml_type == Q3_K else "int2", 8)
     return None
 
 
-def segment_linear(x: torch.Tensor, weight: Int4Weight | Int8Weight | KQuantWeight) -> torch.Tensor:
+def segment_linear(x: torch.Tensor, weight: Int4Weight | Int8Weight | KQuantWeight | LowbitWeight) -> torch.Tensor:
     """``x @ W.T`` for one packed run of a layer's rows, in ``x``'s dtype."""
     if isinstance(weight, Int4Weight):
         return int4_linear(x, weight)
     if isinstance(weight, KQuantWeight):
         return kquant_linear(x, weight)
+    if isinstance(weight, LowbitWeight):
+        return lowbit_linear(x, weight)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = int8_linear(rows, weight).to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)

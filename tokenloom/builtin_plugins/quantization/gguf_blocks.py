@@ -276,13 +276,16 @@ class GGUFWeight:
     def kernel_weight(self) -> Any:
         """The rows packed for one of tokenloom's CPU kernels that multiplies this type in its own
         codes and returns float32 (an LM head's logits): an ``Int8Weight`` for Q8_0, a
-        ``KQuantWeight`` for Q5_0, Q5_1, Q5_K and Q6_K; None for other types, or where the
-        kernel is not built or the shape does not suit it."""
+        ``KQuantWeight`` for Q5_0, Q5_1, Q5_K and Q6_K, a ``LowbitWeight`` for Q2_K and Q3_K; None
+        for other types, or where the kernel is not built or the shape does not suit it."""
         # (imported here: the packers read the blocks through this module)
         from tokenloom.builtin_plugins.quantization.gguf_kquant import KQUANT_TYPES, pack_kquant
+        from tokenloom.builtin_plugins.quantization.gguf_lowbit import LOWBIT_TYPES, pack_lowbit
 
         if self.ggml_type == Q8_0:
             return pack_int8(*self.int8_groups())
+        if self.ggml_type in LOWBIT_TYPES:
+            return pack_lowbit([self])
         return pack_kquant([self]) if self.ggml_type in KQUANT_TYPES else None
 
     def padded_rows(self, rows: int) -> GGUFWeight:

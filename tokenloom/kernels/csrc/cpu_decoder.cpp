@@ -43,6 +43,8 @@ void add_lora(at::Tensor& out, const at::Tensor& x, int64_t projection, const at
 // groups (0 for the other kernels), as tokenloom/layers/fused_decode.py encodes it.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind) {
   switch (kind / 100) {
+    case 2: return int2_linear(x, weight).to(x.scalar_type());
+    case 3: return int3_linear(x, weight).to(x.scalar_type());
     case 4: return int4_linear(x, weight);
     case 5: return int5_linear(x, weight, kind % 100).to(x.scalar_type());
     case 6: return int6_linear(x, weight).to(x.scalar_type());

@@ -34,6 +34,9 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 // cpu_kquant.cpp
 at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups);
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& weight);
+// cpu_lowbit.cpp
+at::Tensor int2_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor int3_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // cpu_lora.cpp
 void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b_t,
