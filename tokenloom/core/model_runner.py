@@ -28,10 +28,10 @@ from tokenloom.core.multimodal.encoder_cache import MIN_ENCODER_CACHE_TOKENS, En
 from tokenloom.core.platform import attention_backend_target
 from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
 from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
-from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenloom.core.spec_decode.draft_length import AcceptanceEstimate, DraftLengthPolicy
 from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
 from tokenloom.core.spec_decode.rejection_sampler import DraftPrefixState, RejectionSampler
+from tokenloom.core.step_budget import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenloom.core.step_inputs import PreparedBatch, prepare_batch
 from tokenloom.errors import ConfigError
 from tokenloom.plugins.manager import PluginSet
