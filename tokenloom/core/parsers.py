@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, TypeVar
+
+# what ``model_copy`` returns: a request of the type it was called on
+CopiedRequestT = TypeVar("CopiedRequestT", bound="ParserRequest")
 
 
 class ParserRequest(Protocol):
@@ -35,7 +38,9 @@ class ParserRequest(Protocol):
         """``"auto"``, ``"none"``, ``"required"``, a named function (a dict), or None (unset)."""
         ...
 
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+    def model_copy(
+        self: CopiedRequestT, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> CopiedRequestT:
         """A copy with the fields in ``update`` replaced (e.g. ``skip_special_tokens``)."""
         ...
 
