@@ -128,6 +128,8 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
         # blocks below this id have been mapped by prefault_kv_cache (or used)
         self._kv_prefaulted = 0
 
+    # -- set-up -----------------------------------------------------------------------
+
     def _sampling_seed(self, seed: int | None) -> int | None:
         """The unseeded rows' seed. Tensor-parallel ranks sample from the same gathered
         logits and each appends its sampled token to its own request state, so they must draw

@@ -48,11 +48,8 @@ class KVCacheSetup(PipelineStageIO):
     attention_backend: Any
     block_size: int
     kv_caches: list[torch.Tensor]
-    # per layer, when the cache is fp8: the scales its elements are multiplied by
     kv_scales: list[KVCacheScales] | None
-    # blocks at or above this id have never been in a block table: nothing was written there
     _kv_high_water: int
-    # blocks below this id have been mapped by prefault_kv_cache (or used)
     _kv_prefaulted: int
 
     def kv_cache_dtype(self) -> torch.dtype:

@@ -23,7 +23,6 @@ class OutputAssembly:
     model: Any
     device: Any
     sampler: Sampler
-    # the LoRA slots (tokenloom.lora.manager.LoRAModelManager) with --enable-lora
     lora_manager: Any
 
     def _sample(

@@ -17,7 +17,6 @@ class PipelineStageIO:
     Mixed into :class:`~tokenloom.core.model_runner.ModelRunner`, which sets the attributes."""
 
     model: Any
-    # this worker's place and communicators (tokenloom.core.distributed.ParallelState)
     parallel: Any
     dtype: torch.dtype | None
     device: Any
