@@ -176,8 +176,6 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
 # (importing file or directory, imported module prefix): ARCHITECTURE.md's known exceptions
 KNOWN_EXCEPTIONS: tuple[tuple[str, str], ...] = (
     ("plugin_api.py", "tokenloom.api.protocol"),
-    ("core/parsers.py", "tokenloom.api.protocol"),
-    ("parsing/", "tokenloom.api.protocol"),
     ("core/engine/llm_engine.py", "tokenloom.lora.catalog"),
     ("core/model_runner.py", "tokenloom.lora.manager"),
     ("api/cli.py", "tokenloom.kernels.cpu_native"),
@@ -246,6 +244,32 @@ def test_built_in_models_import_only_the_public_modules():
         "a model plugin imports from tokenloom.model_api (layers) or tokenloom.plugin_api (hooks):\n"
         + "\n".join(private)
     )
+
+
+def plugin_api_names_from(imported_prefix: str) -> set[str]:
+    """The names ``plugin_api`` re-exports from modules under ``imported_prefix``."""
+    from tokenloom import plugin_api
+
+    return {name for name, module in plugin_api._LAZY.items() if module.startswith(imported_prefix)}
+
+
+def test_built_in_plugins_reach_the_server_layer_through_no_public_name():
+    """``plugin_api`` re-exports the server's ``ChatCompletionRequest`` for third-party parsers
+    written against it, but the built-ins (and ``parsing``, what they are built from) type a
+    request as ``ParserRequest``: none of them depends on ``tokenloom.api``, even for types."""
+    server_names = plugin_api_names_from("tokenloom.api")
+    assert server_names == {"ChatCompletionRequest"}
+    found = []
+    for directory in ("builtin_plugins", "parsing"):
+        for path in sorted((PACKAGE / directory).rglob("*.py")):
+            for node in ast.walk(module_tree(path)):
+                if isinstance(node, ast.ImportFrom) and node.module == "tokenloom.plugin_api":
+                    found += [
+                        f"{path.relative_to(REPO)} imports {alias.name} from tokenloom.plugin_api"
+                        for alias in node.names
+                        if alias.name in server_names
+                    ]
+    assert not found, "type the request as tokenloom.plugin_api.ParserRequest:\n" + "\n".join(found)
 
 
 def test_every_known_exception_is_still_taken():

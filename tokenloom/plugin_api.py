@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.parsers import (
         DeltaMessage,
         ExtractedToolCalls,
+        ParserRequest,
         ParserTokenizer,
         ReasoningParser,
         RequestT,
@@ -126,6 +127,7 @@ _LAZY = {
     "ToolParser": "tokenloom.core.parsers",
     "ReasoningParser": "tokenloom.core.parsers",
     "ParserTokenizer": "tokenloom.core.parsers",
+    "ParserRequest": "tokenloom.core.parsers",
     "ToolCall": "tokenloom.core.parsers",
     "ToolCallDelta": "tokenloom.core.parsers",
     "ExtractedToolCalls": "tokenloom.core.parsers",
@@ -211,6 +213,7 @@ __all__ = [
     "ToolParser",
     "ReasoningParser",
     "ParserTokenizer",
+    "ParserRequest",
     "ToolCall",
     "ToolCallDelta",
     "ExtractedToolCalls",

@@ -292,7 +292,7 @@ def test_stats_line():
 
 
 def test_stats_line_with_speculative_decoding():
-    from tokenloom.core.scheduler import SpecDecodingStats
+    from tokenloom.core.scheduler_stats import SpecDecodingStats
 
     previous_spec = SpecDecodingStats(3, num_drafts=10, num_draft_tokens=30, num_accepted_tokens=12)
     # since then: 10 drafts of 30 tokens, 18 accepted
@@ -306,7 +306,7 @@ def test_stats_line_with_speculative_decoding():
 
 
 async def test_spec_decoding_metrics_under_vllm_names(client, engine):
-    from tokenloom.core.scheduler import SpecDecodingStats
+    from tokenloom.core.scheduler_stats import SpecDecodingStats
 
     spec = SpecDecodingStats(2, num_drafts=5, num_draft_tokens=9, num_accepted_tokens=6)
     spec.num_accepted_tokens_per_pos = [4, 2]

@@ -137,7 +137,7 @@ def test_kv_cache_dtype_names_the_cache_dtype(tiny_llm):
 
 
 def test_gpu_memory_utilization_scales_the_kv_cache(tiny_llm, monkeypatch):
-    from tokenloom.core.model_runner import KV_SAFETY_MARGIN_BYTES
+    from tokenloom.core.model_runner_kv_cache import KV_SAFETY_MARGIN_BYTES
 
     runner = runner_of(tiny_llm)
     monkeypatch.setattr(runner.platform, "available_memory_bytes", lambda: 4 * KV_SAFETY_MARGIN_BYTES)

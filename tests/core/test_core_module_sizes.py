@@ -11,12 +11,7 @@ from pathlib import Path
 CORE = Path(__file__).resolve().parents[2] / "tokenloom" / "core"
 MAX_MODULE_LINES = 500
 # module (relative to core/) -> why it may be longer for now
-NOT_SPLIT_YET = {
-    "model_runner.py": "over the limit; left while the KV-connector and vision work edit it (issue 40)",
-    "scheduler.py": "over the limit; left while the KV-connector work edits it (issue 40)",
-    "block_manager.py": "under the limit; listed so the KV-connector work may grow it before its split (issue 40)",
-    "worker.py": "under the limit; listed so the KV-connector and vision work may grow it before its split (issue 40)",
-}
+NOT_SPLIT_YET: dict[str, str] = {}
 LENGTH_DEFENCE = re.compile(r"Over ~?\d+ lines")
 
 

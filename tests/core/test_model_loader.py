@@ -12,8 +12,10 @@ import torch
 from helpers.gguf_files import write_mixtral_gguf
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.core.config import ModelConfig
 from tokenloom.core.model_interface import mixture_of_experts_error
-from tokenloom.errors import ModelLoadError
+from tokenloom.core.model_loader import derive_max_model_len
+from tokenloom.errors import ConfigError, ModelLoadError
 
 TINY = dict(
     vocab_size=96,
@@ -80,3 +82,16 @@ def test_a_dense_architecture_with_experts_in_its_config_is_refused_when_built(t
 )
 def test_dense_configs_are_not_taken_for_mixtures(fields):
     assert mixture_of_experts_error(types.SimpleNamespace(**fields), "LlamaForCausalLM") is None
+
+
+def test_a_max_model_len_past_the_models_context_is_a_flag_error_saying_what_to_pass():
+    """A start-up flag error (the CLI: exit 2, one line, no traceback hint), not a request's
+    ContextLengthError; the message gives the largest value that works."""
+    hf_config = types.SimpleNamespace(max_position_embeddings=128)
+    with pytest.raises(
+        ConfigError,
+        match=r"^--max-model-len 4096 is larger than the model's context length 128; "
+        r"pass --max-model-len 128 or less \(or leave it out\)$",
+    ):
+        derive_max_model_len(hf_config, ModelConfig(max_model_len=4096))
+    assert derive_max_model_len(hf_config, ModelConfig(max_model_len=128)) == 128

@@ -100,7 +100,7 @@ def test_calculate_kv_scales_sets_each_layers_scales_from_the_first_step(tiny_ll
 
 
 def test_calculate_kv_scales_with_a_16_bit_cache_is_said_to_do_nothing(tiny_llama, caplog):
-    with caplog.at_level(logging.WARNING, logger="tokenloom.core.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="tokenloom.core.model_runner_kv_cache"):
         llm = make_llm(tiny_llama, calculate_kv_scales=True)
     assert runner_of(llm).kv_scales is None
     assert "--calculate-kv-scales has no effect" in caplog.text

@@ -15,8 +15,9 @@ import pytest
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenloom.core.config import CacheConfig, SchedulerConfig
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
+from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.sequence import EngineSequence, SequenceStatus
+from tokenloom.core.step_budget import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenloom.errors import ConfigError, ContextLengthError, InvalidRequestError, OverloadedError
 
 EOS = 2

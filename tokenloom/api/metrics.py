@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from tokenloom.core.engine.engine_stats import EngineStats
     from tokenloom.core.engine.protocol import EngineClient
-    from tokenloom.core.scheduler import SpecDecodingStats
+    from tokenloom.core.scheduler_stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 

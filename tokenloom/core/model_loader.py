@@ -24,7 +24,7 @@ from tokenloom.core.pooling import (
     resolve_runner,
     sentence_transformers_max_seq_length,
 )
-from tokenloom.errors import ConfigError, ContextLengthError, ModelLoadError, UnknownNameError
+from tokenloom.errors import ConfigError, ModelLoadError, UnknownNameError
 from tokenloom.plugins.manager import PluginSet
 
 if TYPE_CHECKING:
@@ -287,8 +287,9 @@ def derive_max_model_len(hf_config: Any, model_config: ModelConfig) -> int:
             raise ConfigError("the model config states no context length: pass --max-model-len", param="max_model_len")
         return model_max
     if model_max is not None and model_config.max_model_len > model_max:
-        raise ContextLengthError(
-            f"--max-model-len {model_config.max_model_len} is larger than the model's context length {model_max}",
+        raise ConfigError(
+            f"--max-model-len {model_config.max_model_len} is larger than the model's context length {model_max}; "
+            f"pass --max-model-len {model_max} or less (or leave it out)",
             param="max_model_len",
         )
     return model_config.max_model_len

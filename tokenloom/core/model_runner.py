@@ -1,6 +1,12 @@
 """The model runner (worker side): keeps each running request's tokens and block table, turns
 a :class:`SchedulerOutput` into one flat batch (token ids, positions, slot mapping, block
 tables, query/sequence lengths), runs the model and samples.
+
+This module owns the request state, the input preparation and the step itself; what the step
+hands off lives beside it: the KV cache (:mod:`~tokenloom.core.model_runner_kv_cache`), the
+forward pass across pipeline stages (:mod:`~tokenloom.core.model_runner_stages`), sampling and
+the step's output (:mod:`~tokenloom.core.model_runner_outputs`), and speculative decoding
+(:mod:`~tokenloom.core.model_runner_spec_decode`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from typing import Any
 import torch
 
 from tokenloom.core.batch import (
-    AttentionMetadata,
     KVCacheScales,
     ModelRunnerOutput,
     NewRequestData,
@@ -22,39 +27,24 @@ from tokenloom.core.batch import (
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.distributed import ParallelState
 from tokenloom.core.logits_processors import resolve_engine_processors
-from tokenloom.core.model_interface import IntermediateTensors
 from tokenloom.core.model_loader import ModelInfo, build_model
+from tokenloom.core.model_runner_kv_cache import KVCacheSetup
+from tokenloom.core.model_runner_spec_decode import SpeculativeSteps
 from tokenloom.core.multimodal.encoder_cache import MIN_ENCODER_CACHE_TOKENS, EncoderCache, merged_input_embeddings
 from tokenloom.core.multimodal.mrope import step_positions
 from tokenloom.core.platform import attention_backend_target
-from tokenloom.core.sampler import Sampler, compute_prompt_logprobs
-from tokenloom.core.sampling_metadata import SamplingMetadata, SamplingState
-from tokenloom.core.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tokenloom.core.sampler import Sampler
+from tokenloom.core.sampling_metadata import SamplingState
 from tokenloom.core.spec_decode.draft_length import AcceptanceEstimate, DraftLengthPolicy
-from tokenloom.core.spec_decode.proposer import Draft, DraftRequest, Proposer, ProposerSpec
-from tokenloom.core.spec_decode.rejection_sampler import DraftPrefixState, RejectionSampler
+from tokenloom.core.spec_decode.proposer import Draft, Proposer, ProposerSpec
+from tokenloom.core.spec_decode.rejection_sampler import RejectionSampler
+from tokenloom.core.step_budget import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenloom.core.step_inputs import PreparedBatch, prepare_batch
 from tokenloom.errors import ConfigError
 from tokenloom.plugins.manager import PluginSet
 from tokenloom.plugins.registry import resolve_target
 
 logger = logging.getLogger(__name__)
-
-# memory left free when the KV cache is sized from --gpu-memory-utilization
-KV_SAFETY_MARGIN_BYTES = 512 * 1024 * 1024
-
-# --kv-cache-dtype values and the cache's element type (None: the model's dtype); fp8 is e4m3,
-# as in vLLM on the CPU and CUDA
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-FP8_KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -79,7 +69,7 @@ class CachedRequestState:
     mm_items: list[Any] = field(default_factory=list)
 
 
-class ModelRunner:
+class ModelRunner(KVCacheSetup, SpeculativeSteps):
     """Owns the model, its KV cache and the per-request state; one per worker."""
 
     def __init__(self, config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, parallel: Any = None):
@@ -141,21 +131,6 @@ class ModelRunner:
 
     # -- set-up -----------------------------------------------------------------------
 
-    @staticmethod
-    def _draft_length_policy(speculative: Any, platform: Any) -> DraftLengthPolicy:
-        adaptive = speculative.adaptive_num_speculative_tokens
-        row_cost = speculative.verify_row_cost
-        if adaptive and row_cost is None:
-            row_cost = platform.verify_row_cost()
-        if adaptive:
-            logger.info(
-                "speculative decoding: each request drafts 1 to %d tokens, as its acceptance pays for "
-                "(a verified row costs %.3g of a decode step)",
-                speculative.num_speculative_tokens,
-                row_cost,
-            )
-        return DraftLengthPolicy(speculative.num_speculative_tokens, adaptive, float(row_cost or 0.0))
-
     def _sampling_seed(self, seed: int | None) -> int | None:
         """The unseeded rows' seed. Tensor-parallel ranks sample from the same gathered
         logits and each appends its sampled token to its own request state, so they must draw
@@ -194,147 +169,6 @@ class ModelRunner:
                 max_cpu_loras=lora.max_cpu_loras or lora.max_loras,
                 dtype=dtypes.get(lora.lora_dtype, self.dtype),
             )
-
-    def kv_cache_dtype(self) -> torch.dtype:
-        """The cache's element type for ``--kv-cache-dtype``; an fp8 cache needs an attention
-        backend that reads one (ConfigError naming the flag otherwise)."""
-        name = self.config.cache.cache_dtype
-        if name not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"--kv-cache-dtype {name}: not a KV-cache type tokenloom builds; use one of "
-                + ", ".join(KV_CACHE_DTYPES),
-                param="kv_cache_dtype",
-            )
-        dtype = KV_CACHE_DTYPES[name]
-        if dtype in FP8_KV_CACHE_DTYPES and not getattr(self.attention_backend, "supports_fp8_kv_cache", False):
-            raise ConfigError(
-                f"--kv-cache-dtype {name}: the attention backend {type(self.attention_backend).__name__} "
-                "cannot read an fp8 KV cache; use --kv-cache-dtype auto with it",
-                param="kv_cache_dtype",
-            )
-        if dtype is not None:
-            return dtype
-        if self.dtype is None:
-            raise RuntimeError("the KV cache's dtype follows the model's: load the model first")
-        return self.dtype
-
-    def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        spec = self.model.kv_cache_spec
-        if spec.num_layers == 0:
-            # an encoder keeps no KV cache: its blocks are only the scheduler's bookkeeping
-            return self._pooling_step_blocks()
-        element_size = torch.empty((), dtype=self.kv_cache_dtype()).element_size()
-        bytes_per_block = spec.bytes_per_block(self.block_size, element_size)
-        if self.proposer is not None:
-            # a draft model's KV lives in blocks of the same ids: one pool block holds both
-            bytes_per_block += self.proposer.kv_cache_bytes_per_block(self.block_size)
-        if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
-        else:
-            if getattr(self.platform, "profiles_activations", False) and self.info.runner != "pooling":
-                self.profile_run()
-            budget = self.platform.kv_cache_budget_bytes(cache.gpu_memory_utilization) - KV_SAFETY_MARGIN_BYTES
-            default_cap = self.platform.default_kv_cache_bytes()
-            if default_cap is not None:
-                budget = min(budget, default_cap)
-        max_useful_tokens = self.config.scheduler.max_num_seqs * self.info.max_model_len
-        max_useful_blocks = -(-max_useful_tokens // self.block_size) + 1
-        if self.info.runner == "pooling":
-            max_useful_blocks = min(max_useful_blocks, self._pooling_step_blocks())
-        num_blocks = min(budget // bytes_per_block, max_useful_blocks)
-        if num_blocks < 1:
-            raise MemoryError(
-                f"no memory left for the KV cache ({budget} bytes for blocks of {bytes_per_block} bytes): "
-                "lower --max-model-len or raise --kv-cache-memory-bytes / --gpu-memory-utilization"
-            )
-        return int(num_blocks)
-
-    @torch.inference_mode()
-    def profile_run(self) -> int:
-        """One forward pass of the largest step the scheduler may make: the token budget as
-        prompts of at most ``max_model_len`` tokens (at most ``max_num_seqs`` of them), logits
-        for every prompt, over a throwaway KV cache just large enough. The platform's memory
-        profile, taken after it, then holds the peak activations too, as vLLM's does. Returns
-        the number of tokens run."""
-        spec = self.model.kv_cache_spec
-        scheduler = self.config.scheduler
-        remaining = scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        query_lens: list[int] = []
-        while remaining > 0 and len(query_lens) < scheduler.max_num_seqs:
-            query_lens.append(min(remaining, self.info.max_model_len))
-            remaining -= query_lens[-1]
-        block_size = self.block_size
-        blocks_per_seq = [-(-query_len // block_size) for query_len in query_lens]
-        shape = (2, sum(blocks_per_seq), block_size, spec.num_kv_heads, spec.head_size)
-        kv_caches = [self.platform.zeros(shape, self.kv_cache_dtype()) for _ in range(spec.num_layers)]
-        block_tables = torch.zeros((len(query_lens), max(blocks_per_seq)), dtype=torch.int64)
-        first_block = 0
-        for row, num_blocks in enumerate(blocks_per_seq):
-            block_tables[row, :num_blocks] = torch.arange(first_block, first_block + num_blocks)
-            first_block += num_blocks
-        positions = torch.cat([torch.arange(query_len) for query_len in query_lens])
-        slot_mapping = torch.cat(
-            [
-                block_tables[row, torch.arange(query_len) // block_size] * block_size
-                + torch.arange(query_len) % block_size
-                for row, query_len in enumerate(query_lens)
-            ]
-        )
-        query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0)
-        to_device = self.platform.host_to_device
-        attn_metadata = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc=to_device(query_start_loc),
-            seq_lens=to_device(torch.tensor(query_lens, dtype=torch.int64)),
-            block_tables=to_device(block_tables),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=list(query_lens),
-            max_query_len=max(query_lens),
-            max_seq_len=max(query_lens),
-            block_size=block_size,
-            kv_caches=kv_caches,
-            backend=self.attention_backend,
-        )
-        input_ids = to_device(torch.zeros(len(positions), dtype=torch.int64))
-        intermediate = None
-        if not self.parallel.place.is_first_stage:
-            intermediate = self._zero_intermediate_tensors(len(positions))
-        hidden_states = self._run_model(input_ids, to_device(positions), attn_metadata, intermediate)
-        if self.parallel.place.is_last_stage:
-            self.model.compute_logits(hidden_states.index_select(0, attn_metadata.query_start_loc[1:] - 1))
-        return len(positions)
-
-    def _pooling_step_blocks(self) -> int:
-        """Blocks one step of pooling requests can hold: they are freed in the step that
-        computed them, and a step holds the token budget (or one longer prompt)."""
-        scheduler = self.config.scheduler
-        step_tokens = max(scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, self.info.max_model_len)
-        return -(-step_tokens // self.block_size) + scheduler.max_num_seqs + 1
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        spec = self.model.kv_cache_spec
-        shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
-        dtype = self.kv_cache_dtype()
-        self.kv_caches = [self.platform.zeros(shape, dtype) for _ in range(spec.num_layers)]
-        if self.proposer is not None:
-            self.proposer.allocate_kv_cache(num_blocks)
-        self.kv_scales = None
-        if dtype in FP8_KV_CACHE_DTYPES:
-            pending = self.config.cache.calculate_kv_scales
-            self.kv_scales = [KVCacheScales(pending=pending) for _ in range(spec.num_layers)]
-        elif self.config.cache.calculate_kv_scales:
-            logger.warning("--calculate-kv-scales has no effect: the KV cache is %s, not fp8", dtype)
-        logger.info(
-            "KV cache: %d blocks of %d tokens, %s, %d bytes per block (%.1f MiB)",
-            num_blocks,
-            self.block_size,
-            str(dtype).removeprefix("torch."),
-            sum(t[:, 0].numel() * t.element_size() for t in self.kv_caches),
-            sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20,
-        )
 
     # -- one step ---------------------------------------------------------------------
 
@@ -390,31 +224,6 @@ class ModelRunner:
                 state.token_ids[start : start + len(cached.new_token_ids)] = cached.new_token_ids
             if cached.new_block_ids:
                 self._kv_high_water = max(self._kv_high_water, max(cached.new_block_ids) + 1)
-
-    def note_blocks_written(self, block_ids: list[int]) -> None:
-        """Blocks written outside a step (a KV connector's loads) before any block table holds
-        them: prefault_kv_cache must not zero them."""
-        if block_ids:
-            self._kv_high_water = max(self._kv_high_water, max(block_ids) + 1)
-
-    def prefault_kv_cache(self, max_bytes: int) -> int:
-        """Write zeros over the next never-used blocks (ids from the high-water mark up), up to
-        ``max_bytes`` over all layers: the platform's lazily zeroed cache then pays its page
-        faults now rather than in a request's step. Blocks at or above the high-water mark were
-        never in a block table, so they hold zeros already and nothing is lost; called between
-        steps on the thread that runs them. Returns the bytes written (0: nothing left)."""
-        if not self.kv_caches:
-            return 0
-        num_blocks = self.kv_caches[0].shape[1]
-        first = max(self._kv_high_water, self._kv_prefaulted)
-        bytes_per_block = sum(cache[:, 0].numel() * cache.element_size() for cache in self.kv_caches)
-        count = min(num_blocks - first, max_bytes // max(bytes_per_block, 1))
-        if count <= 0:
-            return 0
-        for cache in self.kv_caches:
-            cache[:, first : first + count].zero_()
-        self._kv_prefaulted = first + count
-        return count * bytes_per_block
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -475,35 +284,7 @@ class ModelRunner:
         if sampling_rows and any(states[i].req_id in spec_tokens for i in sampling_rows):
             self._verify(scheduler_output, states, sampling_rows, batch, hidden_states, output)
         elif sampling_rows:
-            last_token_index = torch.tensor(
-                [batch.query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device
-            )
-            self._select_lora_logit_rows(last_token_index)
-            logits = self.model.compute_logits(hidden_states.index_select(0, last_token_index)).float()
-            sampling_states = [states[i].sampling for i in sampling_rows]
-            grammar_rows, grammar_bitmask = self._grammar_bitmask(
-                scheduler_output.structured_output, [states[i].req_id for i in sampling_rows], None
-            )
-            metadata = SamplingMetadata.build(
-                sampling_states,
-                logits.shape[-1],
-                self.device,
-                grammar_rows=grammar_rows,
-                grammar_bitmask=grammar_bitmask,
-            )
-            sampled = self.sampler(logits, metadata)
-            for row, i in enumerate(sampling_rows):
-                state = states[i]
-                if row in sampled.errors:
-                    output.errors[state.req_id] = sampled.errors[row]
-                    continue
-                token_id = sampled.token_ids[row]
-                state.token_ids.append(token_id)
-                state.sampling.output_token_ids.append(token_id)
-                output.sampled_token_ids[state.req_id] = [token_id]
-                token_logprobs = sampled.logprobs[row]
-                if token_logprobs is not None:
-                    output.logprobs[state.req_id] = [token_logprobs]
+            self._sample(scheduler_output, states, sampling_rows, batch, hidden_states, output)
         for i, state in enumerate(states):
             output.sampled_token_ids.setdefault(state.req_id, [])
             if state.prompt_logprobs is not None:
@@ -512,28 +293,6 @@ class ModelRunner:
         if self.proposer is not None and scheduler_output.propose_drafts and sampling_rows:
             self._propose([states[i] for i in sampling_rows], output)
         return output
-
-    def _select_lora_logit_rows(self, token_index: torch.Tensor) -> None:
-        """Before ``compute_logits`` of these tokens' hidden states: an adapter's LM head
-        applies to the rows of its own requests only."""
-        if self.lora_manager is not None:
-            self.lora_manager.select_logit_rows(token_index)
-
-    # -- pipeline stages ---------------------------------------------------------------
-
-    def _run_model(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        intermediate: IntermediateTensors | None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> Any:
-        if inputs_embeds is not None:  # a multimodal model's step that computes image placeholders
-            return self.model(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
-        if self.parallel.place.pp_size == 1:
-            return self.model(input_ids, positions, attn_metadata)  # models that know no stages
-        return self.model(input_ids, positions, attn_metadata, intermediate_tensors=intermediate)
 
     def _execute_stage(self, scheduler_output: SchedulerOutput) -> None:
         """A stage before the last: run its layers over the step's tokens (received from the
@@ -558,188 +317,6 @@ class ModelRunner:
         self._send_intermediate_tensors(result)
         for i, state in enumerate(states):
             state.num_computed_tokens = batch.seq_lens[i]
-
-    def _intermediate_shape(self, num_tokens: int) -> tuple[int, int, int]:
-        # hidden states and residual travel as one [2, num_tokens, hidden_size] tensor: one
-        # message per stage boundary instead of two
-        return (2, num_tokens, self.model.config.hidden_size)
-
-    def _activation_dtype(self) -> torch.dtype:
-        if self.dtype is None:
-            raise RuntimeError("a pipeline stage's activations follow the model's dtype: load the model first")
-        return self.dtype
-
-    def _zero_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
-        shape = self._intermediate_shape(num_tokens)
-        both = torch.zeros(shape, dtype=self._activation_dtype(), device=self.device)
-        return IntermediateTensors(both[0], both[1])
-
-    def _send_intermediate_tensors(self, intermediate: IntermediateTensors) -> None:
-        both = torch.stack([intermediate.hidden_states, intermediate.residual]).cpu()
-        self.parallel.pp.send(both, dst=self.parallel.place.pp_rank + 1)
-
-    def _recv_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
-        place = self.parallel.place
-        shape = self._intermediate_shape(num_tokens)
-        both = self.parallel.pp.recv(shape, self._activation_dtype(), src=place.pp_rank - 1)
-        both = both.to(self.device)
-        return IntermediateTensors(both[0], both[1])
-
-    # -- speculative decoding ----------------------------------------------------------
-
-    def _verify(
-        self,
-        scheduler_output: SchedulerOutput,
-        states: list[CachedRequestState],
-        sampling_rows: list[int],
-        batch: PreparedBatch,
-        hidden_states: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Logits at each verified position (a request's last ``k + 1``), then the rejection
-        sampler: each request gets its accepted drafts and one more token."""
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        row_indices: list[int] = []
-        row_states: list[Any] = []
-        row_req_ids: list[str] = []
-        row_offsets: list[int] = []
-        drafts_per_request: list[list[int]] = []
-        draft_probs: list[torch.Tensor | None] = []
-        for i in sampling_rows:
-            state = states[i]
-            drafts = spec_tokens.get(state.req_id, [])
-            end = batch.query_start_loc[i + 1]
-            row_indices.extend(range(end - len(drafts) - 1, end))
-            for position in range(len(drafts) + 1):
-                row_states.append(DraftPrefixState(state.sampling, drafts[:position]) if position else state.sampling)
-                row_req_ids.append(state.req_id)
-                row_offsets.append(position)
-            drafts_per_request.append(drafts)
-            probs = state.draft.probs if state.draft is not None and drafts else None
-            draft_probs.append(probs[: len(drafts)] if probs is not None else None)
-            state.draft = None
-        index = torch.tensor(row_indices, device=self.device)
-        self._select_lora_logit_rows(index)
-        logits = self.model.compute_logits(hidden_states.index_select(0, index)).float()
-        grammar_rows, grammar_bitmask = self._grammar_bitmask(
-            scheduler_output.structured_output, row_req_ids, row_offsets
-        )
-        metadata = SamplingMetadata.build(
-            row_states, logits.shape[-1], self.device, grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask
-        )
-        verified = self.rejection_sampler(logits, metadata, drafts_per_request, draft_probs)
-        for position, i in enumerate(sampling_rows):
-            state = states[i]
-            if position in verified.errors:
-                output.errors[state.req_id] = verified.errors[position]
-                continue
-            token_ids = verified.token_ids[position]
-            state.token_ids.extend(token_ids)
-            state.sampling.output_token_ids.extend(token_ids)
-            output.sampled_token_ids[state.req_id] = token_ids
-            token_logprobs = verified.logprobs[position]
-            if token_logprobs is not None:
-                output.logprobs[state.req_id] = token_logprobs
-            state.acceptance.observe(len(drafts_per_request[position]), len(token_ids) - 1)
-            # the KV computed this step covers the accepted drafts, not the rejected ones
-            num_rejected = len(drafts_per_request[position]) + 1 - len(token_ids)
-            batch.seq_lens[i] -= num_rejected
-
-    def _propose(self, states: list[CachedRequestState], output: ModelRunnerOutput) -> None:
-        """Ask the proposer for the next step's drafts of the requests that just sampled, each
-        for as many as its acceptance so far makes worth verifying (the draft-length policy)."""
-        assert self.proposer is not None and self.draft_length_policy is not None  # speculation is on
-        requests = [
-            DraftRequest(
-                state.req_id,
-                state.token_ids,
-                state.num_prompt_tokens,
-                self.draft_length_policy.next_length(state.acceptance),
-                block_ids=state.block_ids,
-                temperature=0.0 if state.sampling.is_greedy else state.sampling.sampling_params.temperature,
-            )
-            for state in states
-            if state.req_id not in output.errors
-        ]
-        if not requests:
-            return
-        drafts = self.proposer.propose(requests)
-        for request, draft in zip(requests, drafts, strict=True):
-            if draft.token_ids:
-                draft.token_ids = list(draft.token_ids[: request.max_draft_tokens])
-                self.requests[request.req_id].draft = draft
-                output.draft_token_ids[request.req_id] = draft.token_ids
-
-    def _pool(
-        self,
-        states: list[CachedRequestState],
-        batch: PreparedBatch,
-        hidden_states: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Pool each request's prompt, which the scheduler schedules whole (never chunked)."""
-        query_lens = batch.attn_metadata.query_lens_cpu
-        for i, state in enumerate(states):
-            state.num_computed_tokens = batch.seq_lens[i]
-            if query_lens[i] != state.num_prompt_tokens:
-                output.errors[state.req_id] = (
-                    f"a pooling prompt must run whole in one step, but {query_lens[i]} "
-                    f"of its {state.num_prompt_tokens} tokens were scheduled"
-                )
-        rows = [i for i, state in enumerate(states) if state.req_id not in output.errors]
-        if not rows:
-            return
-        if len(rows) < len(states):
-            hidden_states = torch.cat(
-                [hidden_states[batch.query_start_loc[i] : batch.query_start_loc[i + 1]] for i in rows]
-            )
-        pooled = self.model.pooler(
-            hidden_states, [query_lens[i] for i in rows], [states[i].pooling_params for i in rows]
-        )
-        for i, vector in zip(rows, pooled):
-            output.pooled[states[i].req_id] = vector
-
-    def _grammar_bitmask(
-        self, masks: Any, req_ids: list[str], offsets: list[int] | None
-    ) -> tuple[list[int] | None, torch.Tensor | None]:
-        """The sampling rows a structured-output mask applies to, and their mask rows in order.
-        A request verifying drafts has consecutive mask rows; ``offsets[row]`` is the sampling
-        row's position among its request's (None: all 0)."""
-        if masks is None:
-            return None, None
-        mask_row: dict[str, int] = {}
-        for row, req_id in enumerate(masks.req_ids):
-            mask_row.setdefault(req_id, row)
-        rows = [row for row, req_id in enumerate(req_ids) if req_id in mask_row]
-        if not rows:
-            return None, None
-        order = torch.tensor(
-            [mask_row[req_ids[row]] + (offsets[row] if offsets else 0) for row in rows], dtype=torch.long
-        )
-        return rows, torch.from_numpy(masks.bitmask).index_select(0, order).to(self.device)
-
-    def _prompt_logprobs(
-        self,
-        state: CachedRequestState,
-        row: int,
-        batch: PreparedBatch,
-        hidden_states: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Logprobs of the prompt tokens computed this step (each predicted by the one before)."""
-        num_logprobs = state.prompt_logprobs
-        if num_logprobs is None:
-            return
-        start = state.num_computed_tokens
-        end = min(batch.seq_lens[row], state.num_prompt_tokens - 1)  # positions that predict a prompt token
-        if end <= start:
-            return
-        first = batch.query_start_loc[row]
-        rows = torch.arange(first, first + (end - start), device=self.device)
-        self._select_lora_logit_rows(rows)
-        logits = self.model.compute_logits(hidden_states.index_select(0, rows)).float()
-        targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
-        output.prompt_logprobs[state.req_id] = compute_prompt_logprobs(logits, targets, num_logprobs)
 
     def _prepare_inputs(
         self,

@@ -14,16 +14,39 @@ tool parser reads only its ``content``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    # the request model is the server's; parsers only read it (a type, never a runtime import)
-    from tokenloom.api.protocol import ChatCompletionRequest
+# what ``model_copy`` returns: a request of the type it was called on
+CopiedRequestT = TypeVar("CopiedRequestT", bound="ParserRequest")
+
+
+class ParserRequest(Protocol):
+    """What a parser may read of the chat request it parses for (import it from
+    :mod:`tokenloom.plugin_api`): the server's ``ChatCompletionRequest`` (a pydantic model)
+    has these and more. A parser never changes the request in place; ``adjust_request``
+    returns a changed copy made with ``model_copy``."""
+
+    @property
+    def tools(self) -> Sequence[Mapping[str, Any]] | None:
+        """The request's ``tools`` in OpenAI's shape (``{"type": "function", "function": {...}}``)."""
+        ...
+
+    @property
+    def tool_choice(self) -> str | Mapping[str, Any] | None:
+        """``"auto"``, ``"none"``, ``"required"``, a named function (a dict), or None (unset)."""
+        ...
+
+    def model_copy(
+        self: CopiedRequestT, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> CopiedRequestT:
+        """A copy with the fields in ``update`` replaced (e.g. ``skip_special_tokens``)."""
+        ...
+
 
 # ``adjust_request`` returns the type it was given (the chat request, or None outside the server)
-RequestT = TypeVar("RequestT", bound="ChatCompletionRequest | None")
+RequestT = TypeVar("RequestT", bound="ParserRequest | None")
 
 
 class ParserTokenizer(Protocol):
@@ -94,15 +117,15 @@ class ToolParser:
         the text); default: the request unchanged."""
         return request
 
-    def extract(self, model_output: str, request: ChatCompletionRequest | None = None) -> ExtractedToolCalls:
+    def extract(self, model_output: str, request: ParserRequest | None = None) -> ExtractedToolCalls:
         """Tool calls in a complete model output; malformed calls come back as content."""
         raise NotImplementedError
 
-    def extract_delta(self, delta_text: str, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def extract_delta(self, delta_text: str, request: ParserRequest | None = None) -> DeltaMessage | None:
         """What ``delta_text`` (the next piece of output) completes, or None for nothing yet."""
         raise NotImplementedError
 
-    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def finish(self, request: ParserRequest | None = None) -> DeltaMessage | None:
         """Whatever is still held back when the output ends."""
         return None
 
@@ -121,18 +144,16 @@ class ReasoningParser:
         return request
 
     def extract_reasoning(
-        self, model_output: str, request: ChatCompletionRequest | None = None
+        self, model_output: str, request: ParserRequest | None = None
     ) -> tuple[str | None, str | None]:
         """``(reasoning_content, content)`` of a complete model output."""
         raise NotImplementedError
 
-    def extract_reasoning_delta(
-        self, delta_text: str, request: ChatCompletionRequest | None = None
-    ) -> DeltaMessage | None:
+    def extract_reasoning_delta(self, delta_text: str, request: ParserRequest | None = None) -> DeltaMessage | None:
         """What ``delta_text`` completes, split into reasoning and content."""
         raise NotImplementedError
 
-    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def finish(self, request: ParserRequest | None = None) -> DeltaMessage | None:
         """Whatever is still held back when the output ends (e.g. a partial end marker)."""
         return None
 
@@ -182,6 +203,6 @@ def find_first_marker(text: str, markers: Sequence[str]) -> tuple[int, str | Non
 def keep_special_tokens(request: RequestT) -> RequestT:
     """``request`` with special tokens decoded into the text, verbatim (no spaces around
     them), so that markers made of special tokens reach the parser."""
-    if request is None or not hasattr(request, "model_copy"):
+    if request is None:
         return request
     return request.model_copy(update={"skip_special_tokens": False, "spaces_between_special_tokens": False})

@@ -29,8 +29,7 @@ from tokenloom.core.parsers import (
 )
 
 if TYPE_CHECKING:
-    from tokenloom.api.protocol import ChatCompletionRequest
-    from tokenloom.core.parsers import RequestT
+    from tokenloom.core.parsers import ParserRequest, RequestT
 
 # where the split is: deciding whether the output opens with reasoning, inside it, after it
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
@@ -117,7 +116,7 @@ class MarkedReasoningParser(ReasoningParser):
         return keep_special_tokens(request) if self.markers_are_special_tokens else request
 
     def extract_reasoning(
-        self, model_output: str, request: ChatCompletionRequest | None = None
+        self, model_output: str, request: ParserRequest | None = None
     ) -> tuple[str | None, str | None]:
         split = _Split(self)
         reasoning, content = split.feed(model_output, final=True)
@@ -127,12 +126,10 @@ class MarkedReasoningParser(ReasoningParser):
             return None, content or None
         return reasoning, content or None
 
-    def extract_reasoning_delta(
-        self, delta_text: str, request: ChatCompletionRequest | None = None
-    ) -> DeltaMessage | None:
+    def extract_reasoning_delta(self, delta_text: str, request: ParserRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed(delta_text, final=False))
 
-    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def finish(self, request: ParserRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed("", final=True))
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:

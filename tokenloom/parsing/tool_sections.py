@@ -35,8 +35,7 @@ from tokenloom.core.parsers import (
 )
 
 if TYPE_CHECKING:
-    from tokenloom.api.protocol import ChatCompletionRequest
-    from tokenloom.core.parsers import RequestT
+    from tokenloom.core.parsers import ParserRequest, RequestT
 
 # the formats' modules import these from here too
 __all__ = [
@@ -368,17 +367,17 @@ class SectionToolParser(ToolParser):
         # markers such as <tool_call> or [TOOL_CALLS] are special tokens in their models
         return keep_special_tokens(request)
 
-    def extract(self, model_output: str, request: ChatCompletionRequest | None = None) -> ExtractedToolCalls:
+    def extract(self, model_output: str, request: ParserRequest | None = None) -> ExtractedToolCalls:
         content, calls = _Scan(self).feed(model_output, final=True)
         tool_calls = [
             ToolCall(name=call.name, arguments=call.arguments, id=self.new_call_id() or "") for _, call in calls
         ]
         return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
-    def extract_delta(self, delta_text: str, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def extract_delta(self, delta_text: str, request: ParserRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed(delta_text, final=False))
 
-    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def finish(self, request: ParserRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed("", final=True))
 
     def _message(self, content: str, calls: list[tuple[int, ParsedCall]]) -> DeltaMessage | None:

@@ -27,7 +27,7 @@ from tokenloom.plugin_api import (
 )
 
 if TYPE_CHECKING:
-    from tokenloom.plugin_api import ChatCompletionRequest, RequestT
+    from tokenloom.plugin_api import ParserRequest, RequestT
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -140,18 +140,16 @@ class GptOssReasoningParser(ReasoningParser):
         return keep_special_tokens(request)
 
     def extract_reasoning(
-        self, model_output: str, request: ChatCompletionRequest | None = None
+        self, model_output: str, request: ParserRequest | None = None
     ) -> tuple[str | None, str | None]:
         scan = _HarmonyScan()
         reasoning, content = scan.feed(model_output, final=True)
         return (reasoning if scan.reasoning_messages else None), (content or None)
 
-    def extract_reasoning_delta(
-        self, delta_text: str, request: ChatCompletionRequest | None = None
-    ) -> DeltaMessage | None:
+    def extract_reasoning_delta(self, delta_text: str, request: ParserRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed(delta_text, final=False))
 
-    def finish(self, request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+    def finish(self, request: ParserRequest | None = None) -> DeltaMessage | None:
         return self._message(*self._stream.feed("", final=True))
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:

@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from tokenloom.core.kv_connector import KVConnectorStats
-from tokenloom.core.scheduler import SpecDecodingStats
+from tokenloom.core.scheduler_stats import SpecDecodingStats
 
 
 @dataclass
