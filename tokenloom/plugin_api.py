@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext, ModelProtocol
     from tokenloom.core.multimodal.inputs import MultiModalItem
     from tokenloom.core.multimodal.processor import (
+        ImageEmbeddings,
         MultiModalProcessor,
         ProcessedPrompt,
         ProcessorContext,
@@ -103,6 +104,7 @@ _LAZY = {
     "ProcessorContext": "tokenloom.core.multimodal.processor",
     "ProcessedPrompt": "tokenloom.core.multimodal.processor",
     "image_hash": "tokenloom.core.multimodal.processor",
+    "ImageEmbeddings": "tokenloom.core.multimodal.processor",
     "MultiModalItem": "tokenloom.core.multimodal.inputs",
     "QuantizationConfig": "tokenloom.layers.quantization",
     "QuantizationMethod": "tokenloom.layers.quantization",
@@ -189,6 +191,7 @@ __all__ = [
     "ProcessorContext",
     "ProcessedPrompt",
     "image_hash",
+    "ImageEmbeddings",
     "MultiModalItem",
     "QuantizationConfig",
     "QuantizationMethod",

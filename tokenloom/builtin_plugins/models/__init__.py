@@ -20,6 +20,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
     "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),
     "LlavaForConditionalGeneration": (f"{PACKAGE}.modeling_llava:LlavaForConditionalGeneration", "generate"),
+    "Idefics3ForConditionalGeneration": (f"{PACKAGE}.modeling_idefics3:Idefics3ForConditionalGeneration", "generate"),
     "Olmo2ForCausalLM": (f"{PACKAGE}.modeling_olmo2:Olmo2ForCausalLM", "generate"),
     "GraniteForCausalLM": (f"{PACKAGE}.modeling_granite:GraniteForCausalLM", "generate"),
     "Phi3ForCausalLM": (f"{PACKAGE}.modeling_phi3:Phi3ForCausalLM", "generate"),
@@ -31,6 +32,7 @@ MODELS: dict[str, tuple[str, str]] = {
 # architecture -> the multimodal processor of a model that sees (core/multimodal/processor.py)
 MULTIMODAL_PROCESSORS: dict[str, str] = {
     "LlavaForConditionalGeneration": f"{PACKAGE}.llava_processing:LlavaProcessor",
+    "Idefics3ForConditionalGeneration": f"{PACKAGE}.idefics3_processing:Idefics3Processor",
 }
 
 

@@ -1,0 +1,83 @@
+"""A tiny random SmolVLM (``Idefics3ForConditionalGeneration``) checkpoint as transformers saves
+one: a 2-layer SigLIP vision tower over 32x32 frames in 8-pixel patches (16 patches, pixel
+shuffle by 2: 4 image tokens a frame), a 2-layer Llama with SmolLM2's tokenizer plus SmolVLM's
+image tokens (``<fake_token_around_image>``, ``<image>``, ``<global-img>``, ``<row_r_col_c>``),
+and a real Idefics3Processor configuration: images resized to a 64-pixel longest edge, split
+into 32-pixel tiles plus the global image, with SmolVLM's chat template."""
+
+from __future__ import annotations
+
+import torch
+
+CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}: {{ message['content'] }}{% else %}"
+    "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<image>{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+IMAGE_SEQ_LEN = 4  # (32 / 8) ** 2 patches / 2 ** 2
+FRAME_SIZE = 32
+RESIZED_LONGEST_EDGE = 64  # a split image: 2 x 2 tiles and the global image
+TEXT_HIDDEN_SIZE = 64
+
+
+def write_tiny_idefics3(directory, smollm2_gguf: str, *, seed: int = 0):
+    """Save the checkpoint into ``directory``; returns the transformers model (float32, eval)."""
+    from helpers.model_parity import randomize_parameters
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+
+    tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
+    markers = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    markers += [f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    vision = Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=FRAME_SIZE,
+        patch_size=8,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_HIDDEN_SIZE,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = randomize_parameters(Idefics3ForConditionalGeneration(config), seed=seed).eval()
+    model.save_pretrained(directory)
+    image_processor = Idefics3ImageProcessor(
+        size={"longest_edge": RESIZED_LONGEST_EDGE}, max_image_size={"longest_edge": FRAME_SIZE}
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE
+    )
+    processor.save_pretrained(directory)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return model
