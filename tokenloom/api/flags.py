@@ -684,6 +684,7 @@ FLAGS: tuple[Flag, ...] = (
     # -- MultiModalConfig -----------------------------------------------------------------------
     implemented("--limit-mm-per-prompt", "MultiModalConfig", kind="json", to=SERVER),
     implemented("--mm-processor-kwargs", "MultiModalConfig", kind="json", to=SERVER),
+    implemented("--enable-mm-embeds", "MultiModalConfig", kind="bool", negatable=True, to=SERVER),
     unimplemented(
         "--mm-processor-cache-gb",
         "MultiModalConfig",

@@ -95,7 +95,7 @@ class ImageEmbeddings:
             )
         if tuple(tensor.shape) != (num_rows, hidden_size):
             raise InvalidRequestError(
-                f"{self.where}: image_embeds of shape {tuple(tensor.shape)}; this model takes one image's "
+                f"{self.where}: image_embeds of shape {tuple(self.tensor.shape)}; this model takes one image's "
                 f"embeddings as ({num_rows}, {hidden_size}) (feature tokens, hidden size)",
                 param=self.where,
             )
