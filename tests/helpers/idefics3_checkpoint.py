@@ -60,6 +60,7 @@ def write_tiny_idefics3(directory, smollm2_gguf: str, *, seed: int = 0):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=0,
+        architectures=["VLlama3ForCausalLM"],  # as SmolVLM's text_config names it (llama.cpp's converter reads it)
     )
     config = Idefics3Config(
         vision_config=vision.to_dict(),
@@ -81,3 +82,40 @@ def write_tiny_idefics3(directory, smollm2_gguf: str, *, seed: int = 0):
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
     return model
+
+
+# llama.cpp's checkout (its convert_hf_to_gguf.py); TOKENLOOM_LLAMA_CPP_SRC overrides
+LLAMA_CPP_SRC = "/work/peer/llama.cpp-src"
+
+
+def llama_cpp_converter() -> str | None:
+    """The path of llama.cpp's ``convert_hf_to_gguf.py``, or None."""
+    import os
+
+    path = os.path.join(os.environ.get("TOKENLOOM_LLAMA_CPP_SRC", LLAMA_CPP_SRC), "convert_hf_to_gguf.py")
+    return path if os.path.isfile(path) else None
+
+
+def convert_with_llama_cpp(checkpoint: str, out_dir) -> tuple[str, str]:
+    """The checkpoint as llama.cpp ships SmolVLM: the language model's GGUF and the ``mmproj``
+    GGUF of the vision tower and projector (``convert_hf_to_gguf.py`` and ``--mmproj``, float32,
+    both conversions at once); the caller checks :func:`llama_cpp_converter` first."""
+    import os
+    import subprocess
+    import sys
+
+    converter = llama_cpp_converter()
+    assert converter is not None
+    text, mmproj = os.path.join(out_dir, "smolvlm-f32.gguf"), os.path.join(out_dir, "mmproj-smolvlm-f32.gguf")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, converter, checkpoint, "--outtype", "f32", "--outfile", path, *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for path, extra in ((text, []), (mmproj, ["--mmproj"]))
+    ]
+    for run in runs:
+        output, _ = run.communicate()
+        assert run.returncode == 0, output.decode()[-2000:]
+    return text, mmproj

@@ -52,12 +52,18 @@ class Idefics3Processor(MultiModalProcessor):
         ]
         if unknown:
             raise ModelLoadError(f"the Idefics3 tokenizer lacks the image marker token(s) {', '.join(unknown)}")
-        try:
-            self.image_processor = AutoImageProcessor.from_pretrained(ctx.model_path)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(
-                f"{ctx.model_path} has no image processor configuration Idefics3 can read: {exc}"
-            ) from None
+        options = getattr(config, "image_processor_config", None)
+        if options is not None:  # a GGUF model's --mmproj file carries the settings
+            from transformers import Idefics3ImageProcessor
+
+            self.image_processor = Idefics3ImageProcessor(**options)
+        else:
+            try:
+                self.image_processor = AutoImageProcessor.from_pretrained(ctx.model_path)
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(
+                    f"{ctx.model_path} has no image processor configuration Idefics3 can read: {exc}"
+                ) from None
         self.image_seq_len = image_seq_len(config)
         self.frame_size = config.vision_config.image_size
         self.hidden_size = config.text_config.hidden_size
