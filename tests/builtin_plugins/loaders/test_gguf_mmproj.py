@@ -2,9 +2,12 @@
 ``convert_hf_to_gguf.py`` into the language model's GGUF and the ``--mmproj`` projector GGUF,
 served with ``mmproj=`` (``--mmproj``): the same config, the same expanded prompt for a split
 image and the same tokens and logprobs as the safetensors checkpoint; and the refusals of a
-projector file tokenloom cannot use."""
+projector file tokenloom cannot use, offline and as `tokenloom serve --mmproj` meets them."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 from helpers.idefics3_checkpoint import convert_with_llama_cpp, llama_cpp_converter, write_tiny_idefics3
@@ -15,7 +18,9 @@ from tokenloom.builtin_plugins.models.idefics3_processing import Idefics3Process
 from tokenloom.core.multimodal.processor import ProcessorContext
 from tokenloom.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(llama_cpp_converter() is None, reason="llama.cpp's convert_hf_to_gguf.py is not here")
+needs_converter = pytest.mark.skipif(
+    llama_cpp_converter() is None, reason="llama.cpp's convert_hf_to_gguf.py is not here"
+)
 
 ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=96, block_size=4)
 QUESTION = "User:<image>What is in the picture?<end_of_utterance>\nAssistant:"
@@ -41,6 +46,7 @@ def greedy_with_image(llm, image) -> tuple[list[int], list[int], list[float]]:
     return processed.prompt_token_ids, list(completion.token_ids), logprobs
 
 
+@needs_converter
 def test_gguf_with_its_mmproj_gives_the_safetensors_tokens(files):
     checkpoint, text, mmproj = files
     image = drawn_image("red", (60, 40))  # split: 2 x 2 tiles and the global image
@@ -59,6 +65,7 @@ def test_gguf_with_its_mmproj_gives_the_safetensors_tokens(files):
     assert other_prompt == prompt and other_tokens != tokens  # the image reaches the model
 
 
+@needs_converter
 def test_a_projector_file_tokenloom_cannot_use_is_refused(files, tmp_path):
     checkpoint, text, mmproj = files
     with pytest.raises(ConfigError, match="--mmproj goes with a GGUF model") as raised:
@@ -68,3 +75,17 @@ def test_a_projector_file_tokenloom_cannot_use_is_refused(files, tmp_path):
         LLM(model=text, mmproj=text, **ENGINE)
     with pytest.raises(ConfigError, match="no such file"):
         LLM(model=text, mmproj=str(tmp_path / "missing.gguf"), **ENGINE)
+
+
+def test_serve_with_a_language_model_as_its_mmproj_is_one_line_naming_the_flag(smollm2_gguf, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenloom", "serve", smollm2_gguf, "--mmproj", smollm2_gguf, "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0, result.stderr
+    last_line = result.stderr.splitlines()[-1]
+    assert last_line.startswith("tokenloom serve: error: --mmproj "), result.stderr
+    assert "holds architecture 'llama', not llama.cpp's clip vision projector" in last_line, result.stderr
