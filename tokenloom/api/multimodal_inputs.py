@@ -1,10 +1,11 @@
 """The server's multimodal side: a chat request's image parts (OpenAI ``image_url``, Responses
 ``input_image``, and vLLM's ``image_embeds``: an image's embeddings, base64 of a
-``torch.save``'d tensor, accepted with ``--enable-mm-embeds``) found and replaced by the internal ``{"type": "image"}`` part the chat
-template renders as the model's placeholder; the per-prompt limits (``--limit-mm-per-prompt``);
-the images fetched and decoded off the event loop (:mod:`~tokenloom.api.media`); and the
-model's multimodal processor run on the rendered prompt (``--mm-processor-kwargs`` updated by
-the request's ``mm_processor_kwargs``), giving the prompt the engine takes.
+``torch.save``'d tensor, accepted with ``--enable-mm-embeds``) found and replaced by the
+internal ``{"type": "image"}`` part the chat template renders as the model's placeholder; the
+per-prompt limits (``--limit-mm-per-prompt``); the images fetched and decoded off the event
+loop (:mod:`~tokenloom.api.media`); and the model's multimodal processor run on the rendered
+prompt (``--mm-processor-kwargs`` updated by the request's ``mm_processor_kwargs``), giving the
+prompt the engine takes.
 """
 
 from __future__ import annotations
