@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.multimodal.inputs import MultiModalItem
     from tokenloom.core.multimodal.mrope import MROPE_GRID
     from tokenloom.core.multimodal.processor import (
+        ImageEmbeddings,
         MultiModalProcessor,
         ProcessedPrompt,
         ProcessorContext,
@@ -105,6 +106,7 @@ _LAZY = {
     "ProcessorContext": "tokenloom.core.multimodal.processor",
     "ProcessedPrompt": "tokenloom.core.multimodal.processor",
     "image_hash": "tokenloom.core.multimodal.processor",
+    "ImageEmbeddings": "tokenloom.core.multimodal.processor",
     "MultiModalItem": "tokenloom.core.multimodal.inputs",
     "MROPE_GRID": "tokenloom.core.multimodal.mrope",
     "QuantizationConfig": "tokenloom.layers.quantization",
@@ -193,6 +195,7 @@ __all__ = [
     "ProcessorContext",
     "ProcessedPrompt",
     "image_hash",
+    "ImageEmbeddings",
     "MultiModalItem",
     "MROPE_GRID",
     "QuantizationConfig",

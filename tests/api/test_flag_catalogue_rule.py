@@ -53,6 +53,8 @@ BEHAVIOUR_TESTS: dict[str, str] = {
     # -- images in (issue 35)
     "--limit-mm-per-prompt": "tests/api/test_multimodal_inputs.py::test_limits_come_from_the_flag_within_the_models_maximum",
     "--mm-processor-kwargs": "tests/api/test_multimodal_inputs.py::test_request_processor_kwargs_update_the_servers",
+    "--mmproj": "tests/builtin_plugins/loaders/test_gguf_mmproj.py::test_gguf_with_its_mmproj_gives_the_safetensors_tokens",
+    "--enable-mm-embeds": "tests/api/test_multimodal_inputs.py::test_image_embeds_parts_need_the_flag_and_a_model_that_takes_them",
     "--allowed-local-media-path": "tests/e2e/test_vision_server.py::test_a_file_url_under_the_allowed_path_is_read",
     "--allowed-media-domains": "tests/api/test_media.py::test_http_urls_only_from_the_allowed_domains",
     "--logits-processors": "tests/core/test_logits_processors.py::test_engine_logits_processors_apply_to_every_request_and_request_ones_offline",

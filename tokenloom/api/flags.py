@@ -367,6 +367,7 @@ FLAGS: tuple[Flag, ...] = (
         default="auto",
         choices=("auto", "hf", "mistral"),
     ),
+    implemented("--mmproj", "ModelConfig", tokenloom_only=True),
     implemented("--model-impl", "ModelConfig", choices=("auto", "vllm", "native", "transformers", "terratorch")),
     implemented("--allowed-local-media-path", "ModelConfig", to=SERVER),
     implemented("--allowed-media-domains", "ModelConfig", nargs="+", to=SERVER),
@@ -688,6 +689,7 @@ FLAGS: tuple[Flag, ...] = (
     # -- MultiModalConfig -----------------------------------------------------------------------
     implemented("--limit-mm-per-prompt", "MultiModalConfig", kind="json", to=SERVER),
     implemented("--mm-processor-kwargs", "MultiModalConfig", kind="json", to=SERVER),
+    implemented("--enable-mm-embeds", "MultiModalConfig", kind="bool", negatable=True, to=SERVER),
     unimplemented(
         "--mm-processor-cache-gb",
         "MultiModalConfig",

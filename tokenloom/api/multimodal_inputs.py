@@ -1,38 +1,45 @@
 """The server's multimodal side: a chat request's image parts (OpenAI ``image_url``, Responses
-``input_image``) found and replaced by the internal ``{"type": "image"}`` part the chat
-template renders as the model's placeholder; the per-prompt limits (``--limit-mm-per-prompt``);
-the images fetched and decoded off the event loop (:mod:`~tokenloom.api.media`); and the
-model's multimodal processor run on the rendered prompt (``--mm-processor-kwargs`` updated by
-the request's ``mm_processor_kwargs``), giving the prompt the engine takes.
+``input_image``, and vLLM's ``image_embeds``: an image's embeddings, base64 of a
+``torch.save``'d tensor, accepted with ``--enable-mm-embeds``) found and replaced by the
+internal ``{"type": "image"}`` part the chat template renders as the model's placeholder; the
+per-prompt limits (``--limit-mm-per-prompt``); the images fetched and decoded off the event
+loop (:mod:`~tokenloom.api.media`); and the model's multimodal processor run on the rendered
+prompt (``--mm-processor-kwargs`` updated by the request's ``mm_processor_kwargs``), giving the
+prompt the engine takes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import io
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.api.media import MediaPolicy, load_image
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.core.multimodal.processor import MultiModalProcessor, ProcessorContext
+from tokenloom.core.multimodal.processor import ImageEmbeddings, MultiModalProcessor, ProcessorContext
 from tokenloom.errors import ConfigError, InvalidRequestError
 from tokenloom.plugins.registry import resolve_target
 
 logger = logging.getLogger(__name__)
 
-# content part types that carry an image, and the key of their URL
-IMAGE_PART_TYPES = ("image_url", "input_image")
+# content part types that carry an image: by URL, or as its embeddings
+IMAGE_PART_TYPES = ("image_url", "input_image", "image_embeds")
 # items of a modality one prompt may hold when neither the flag nor the model says (vLLM's default)
 DEFAULT_LIMIT_PER_PROMPT = 999
 
 
 @dataclass(frozen=True)
 class ImagePart:
-    """One image part of a request: where it is (for errors) and its URL."""
+    """One image part of a request: where it is (for errors) and its URL, or for an
+    ``image_embeds`` part its base64 embeddings (and no URL)."""
 
     where: str
     url: str
+    embeds: str | None = None
 
 
 def extract_image_parts(messages: list[Any]) -> tuple[list[Any], list[ImagePart]]:
@@ -51,6 +58,16 @@ def extract_image_parts(messages: list[Any]) -> tuple[list[Any], list[ImagePart]
                 new_content.append(part)
                 continue
             where = f"messages[{index}].content[{part_index}]"
+            new_content.append({"type": "image"})
+            if part["type"] == "image_embeds":
+                embeds = part.get("image_embeds")
+                if not isinstance(embeds, str):
+                    raise InvalidRequestError(
+                        f'{where}: an image_embeds part needs "image_embeds": "<base64 of a torch.save\'d tensor>"',
+                        param=where,
+                    )
+                parts.append(ImagePart(where, "", embeds))
+                continue
             image_url = part.get("image_url")
             url = image_url.get("url") if isinstance(image_url, dict) else image_url
             if not isinstance(url, str):
@@ -59,7 +76,6 @@ def extract_image_parts(messages: list[Any]) -> tuple[list[Any], list[ImagePart]
                     param=where,
                 )
             parts.append(ImagePart(where, url))
-            new_content.append({"type": "image"})
         result.append({**message, "content": new_content})
     return result, parts
 
@@ -77,6 +93,7 @@ class MultiModalInputs:
         self.model_name = model_name
         self.policy = MediaPolicy(config.allowed_local_media_path, tuple(config.allowed_media_domains or ()))
         self.processor_kwargs = dict(config.mm_processor_kwargs or {})
+        self.enable_mm_embeds = config.enable_mm_embeds
         self.limits = self._limits(dict(config.limit_mm_per_prompt or {}))
 
     @classmethod
@@ -158,6 +175,19 @@ class MultiModalInputs:
             raise InvalidRequestError(
                 f"{parts[0].where}: {self.model_name} takes text only; remove the image parts", param=parts[0].where
             )
+        for part in parts:
+            if part.embeds is None:
+                continue
+            if not self.enable_mm_embeds:
+                raise InvalidRequestError(
+                    f"{part.where}: this server takes no image_embeds; start it with --enable-mm-embeds (only for "
+                    "trusted clients: the embeddings go straight into the model)",
+                    param=part.where,
+                )
+            if not self.processor.takes_image_embeds:
+                raise InvalidRequestError(
+                    f"{part.where}: {self.model_name} takes images, not image_embeds", param=part.where
+                )
         limit = self.limits["image"]
         if len(parts) > limit:
             where = parts[limit].where
@@ -179,8 +209,13 @@ class MultiModalInputs:
         return request.model_copy(update={"messages": messages}), await self.load_images(parts)
 
     async def load_images(self, parts: list[ImagePart]) -> list[Any]:
-        """The parts' images, fetched and decoded in a worker thread."""
-        return await asyncio.to_thread(lambda: [load_image(part.url, part.where, self.policy) for part in parts])
+        """The parts' images (or :class:`ImageEmbeddings`), fetched and decoded in a worker thread."""
+        return await asyncio.to_thread(lambda: [self.load_image(part) for part in parts])
+
+    def load_image(self, part: ImagePart) -> Any:
+        if part.embeds is not None:
+            return load_image_embeds(part.embeds, part.where)
+        return load_image(part.url, part.where, self.policy)
 
     async def prompt(
         self, prompt_ids: list[int], images: list[Any], request_kwargs: dict[str, Any] | None
@@ -193,3 +228,23 @@ class MultiModalInputs:
         kwargs = {**self.processor_kwargs, **(request_kwargs or {})}
         processed = await asyncio.to_thread(self.processor.process, prompt_ids, images, kwargs)
         return {"prompt_token_ids": processed.prompt_token_ids, "mm_items": processed.items}
+
+
+def load_image_embeds(encoded: str, where: str) -> ImageEmbeddings:
+    """An ``image_embeds`` part's tensor: base64 of ``torch.save(tensor)`` (vLLM's format), read
+    without unpickling anything but tensors; a 400 naming the part when it is not one."""
+    import torch
+
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"{where}: image_embeds is not valid base64", param=where) from None
+    try:
+        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises whatever its unpickler meets
+        raise InvalidRequestError(
+            f"{where}: image_embeds is not a torch.save'd tensor ({type(exc).__name__})", param=where
+        ) from None
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidRequestError(f"{where}: image_embeds holds a {type(tensor).__name__}, not a tensor", param=where)
+    return ImageEmbeddings(tensor, where)

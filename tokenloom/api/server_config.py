@@ -111,6 +111,10 @@ class ServerConfig:
     mm_processor_kwargs: dict[str, Any] | None = None
     """Options for the model's multimodal processor (its image processor's arguments, e.g.
     ``'{"do_center_crop": false}'``); a request's ``mm_processor_kwargs`` update them."""
+    enable_mm_embeds: bool = False
+    """Accept ``image_embeds`` content parts: an image's embeddings (base64 of a
+    ``torch.save``'d tensor, ``[feature tokens, hidden size]``) in place of the image, skipping
+    the vision encoder. For trusted clients only."""
     allowed_local_media_path: str = ""
     """A directory requests may read images from as ``file://`` URLs (none by default)."""
     allowed_media_domains: list[str] | None = None

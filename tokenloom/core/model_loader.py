@@ -116,6 +116,12 @@ def resolve_model(config: EngineConfig, plugins: PluginSet) -> tuple[ModelInfo, 
     started = time.perf_counter()
     resolved = resolve_source(model_config.model, plugins, model_config, config.load.download_dir)
     format_name, load_format = choose_load_format(config.load.load_format, resolved.path, resolved.load_format, plugins)
+    if model_config.mmproj and format_name != "gguf":
+        raise ConfigError(
+            f"--mmproj goes with a GGUF model (llama.cpp's projector file beside its language model), not a "
+            f"{format_name} one: drop --mmproj for {model_config.model}",
+            param="mmproj",
+        )
     config_started = time.perf_counter()
     hf_config = load_format.load_config(resolved.path, model_config)
     apply_rope_overrides(hf_config, model_config)

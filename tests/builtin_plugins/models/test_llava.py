@@ -12,7 +12,8 @@ from helpers.model_parity import assert_greedy_agrees
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.builtin_plugins.models.llava_processing import LlavaProcessor
-from tokenloom.core.multimodal.processor import ProcessorContext
+from tokenloom.core.multimodal.processor import ImageEmbeddings, ProcessorContext
+from tokenloom.errors import InvalidRequestError
 
 NUM_NEW_TOKENS = 6
 ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=4)
@@ -137,3 +138,18 @@ def test_the_same_text_with_another_image_shares_no_block_past_the_text(llm, pro
     # dominates this random model's greedy choice)
     assert first_logprob(red_again) == pytest.approx(first_logprob(red), abs=1e-5)
     assert abs(first_logprob(blue) - first_logprob(red)) > 1e-3
+
+
+def test_image_embeddings_give_the_same_tokens_as_the_image(llm, processor, checkpoint):
+    text = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+    from_image = prompt_for(llm, processor, text, [drawn_image("red")])
+    pixel_values = from_image["mm_items"][0].data["pixel_values"].unsqueeze(0)
+    with torch.no_grad():
+        features = checkpoint[1].model.get_image_features(pixel_values=pixel_values).pooler_output[0]
+    assert features.shape[0] == IMAGE_TOKENS
+    from_embeds = prompt_for(llm, processor, text, [ImageEmbeddings(features, "image_embeds")])
+    assert from_embeds["prompt_token_ids"] == from_image["prompt_token_ids"]
+    ours = greedy(llm, [from_image, from_embeds])
+    assert ours[0].outputs[0].token_ids == ours[1].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match=r"image_embeds of shape \(4, 32\)"):
+        prompt_for(llm, processor, text, [ImageEmbeddings(torch.zeros(4, 32), "messages[0].content[0]")])

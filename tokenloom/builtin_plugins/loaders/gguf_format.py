@@ -170,6 +170,11 @@ class GGUFLoadFormat(LoadFormat):
         file_path = gguf_path(path)
         config = gguf_to_hf_config(GGUFFile(file_path))
         config._name_or_path = file_path
+        mmproj = getattr(model_config, "mmproj", None)
+        if mmproj:  # a vision projector beside the language model (gguf_mmproj.py)
+            from tokenloom.builtin_plugins.loaders.gguf_mmproj import multimodal_config
+
+            config = multimodal_config(config, file_path, mmproj)
         return hf_files.apply_hf_overrides(config, getattr(model_config, "hf_overrides", None))
 
     def load_tokenizer(self, path: str, model_config: Any) -> Any:
@@ -228,6 +233,11 @@ class GGUFLoadFormat(LoadFormat):
             elif architecture in OFFSET_NORM_ARCHITECTURES and info.name.endswith("norm.weight"):
                 weight = _materialize_float32(weight) - 1.0
             yield hf_name, weight
+        mmproj = getattr(model_config, "mmproj", None)
+        if mmproj:
+            from tokenloom.builtin_plugins.loaders.gguf_mmproj import mmproj_weights
+
+            yield from mmproj_weights(mmproj)
 
 
 def _tensor(gguf: GGUFFile, info: GGUFTensorInfo):

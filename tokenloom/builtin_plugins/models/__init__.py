@@ -25,6 +25,7 @@ MODELS: dict[str, tuple[str, str]] = {
         f"{PACKAGE}.modeling_qwen2_vl:Qwen2_5_VLForConditionalGeneration",
         "generate",
     ),
+    "Idefics3ForConditionalGeneration": (f"{PACKAGE}.modeling_idefics3:Idefics3ForConditionalGeneration", "generate"),
     "Olmo2ForCausalLM": (f"{PACKAGE}.modeling_olmo2:Olmo2ForCausalLM", "generate"),
     "GraniteForCausalLM": (f"{PACKAGE}.modeling_granite:GraniteForCausalLM", "generate"),
     "Phi3ForCausalLM": (f"{PACKAGE}.modeling_phi3:Phi3ForCausalLM", "generate"),
@@ -38,6 +39,7 @@ MULTIMODAL_PROCESSORS: dict[str, str] = {
     "LlavaForConditionalGeneration": f"{PACKAGE}.llava_processing:LlavaProcessor",
     "Qwen2VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
     "Qwen2_5_VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
+    "Idefics3ForConditionalGeneration": f"{PACKAGE}.idefics3_processing:Idefics3Processor",
 }
 
 

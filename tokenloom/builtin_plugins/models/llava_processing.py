@@ -1,13 +1,14 @@
 """LLaVA-1.5's multimodal processor: each image through the checkpoint's CLIP image processor
 (resize, centre crop, normalise), and its one ``<image>`` token in the rendered prompt expanded
 to one token per image feature (a patch of the vision tower, plus the class token under the
-``full`` strategy)."""
+``full`` strategy). ``image_embeds`` stand for the projector's output: one row per feature."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tokenloom.plugin_api import (
+    ImageEmbeddings,
     InvalidRequestError,
     ModelLoadError,
     MultiModalItem,
@@ -19,6 +20,8 @@ from tokenloom.plugin_api import (
 
 
 class LlavaProcessor(MultiModalProcessor):
+    takes_image_embeds = True
+
     def __init__(self, ctx: ProcessorContext):
         super().__init__(ctx)
         from transformers import AutoImageProcessor
@@ -58,28 +61,29 @@ class LlavaProcessor(MultiModalProcessor):
         items: list[MultiModalItem] = []
         previous = 0
         for placeholder, image in zip(placeholders, images, strict=True):
-            try:
-                pixel_values = self.image_processor(images=[image], return_tensors="pt", **processor_kwargs)[
-                    "pixel_values"
-                ][0]
-            except (TypeError, ValueError) as exc:
-                raise InvalidRequestError(
-                    f"mm_processor_kwargs {processor_kwargs!r} do not suit the image processor: {exc}",
-                    param="mm_processor_kwargs",
-                ) from None
-            height, width = pixel_values.shape[-2:]
-            length = (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
+            content_hash, length, data = self.image_inputs(image, processor_kwargs)
             token_ids += prompt_token_ids[previous:placeholder]
-            items.append(
-                MultiModalItem(
-                    modality="image",
-                    hash=image_hash(image, processor_kwargs),
-                    offset=len(token_ids),
-                    length=length,
-                    data={"pixel_values": pixel_values},
-                )
-            )
+            items.append(MultiModalItem("image", content_hash, offset=len(token_ids), length=length, data=data))
             token_ids += [self.image_token_id] * length
             previous = placeholder + 1
         token_ids += prompt_token_ids[previous:]
         return ProcessedPrompt(token_ids, items)
+
+    def image_inputs(self, image: Any, processor_kwargs: dict[str, Any]) -> tuple[str, int, dict[str, Any]]:
+        """An image's (or its embeddings') hash, feature tokens and item data."""
+        if isinstance(image, ImageEmbeddings):
+            config = self.ctx.hf_config
+            length = (config.vision_config.image_size // self.patch_size) ** 2 + self.extra_tokens
+            return image.hash(), length, {"image_embeds": image.checked(length, config.text_config.hidden_size)}
+        try:
+            pixel_values = self.image_processor(images=[image], return_tensors="pt", **processor_kwargs)[
+                "pixel_values"
+            ][0]
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs {processor_kwargs!r} do not suit the image processor: {exc}",
+                param="mm_processor_kwargs",
+            ) from None
+        height, width = pixel_values.shape[-2:]
+        length = (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
+        return image_hash(image, processor_kwargs), length, {"pixel_values": pixel_values}

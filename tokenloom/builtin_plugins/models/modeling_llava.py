@@ -207,7 +207,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
     def embed_multimodal(self, item: MultiModalItem, attention_backend: Any) -> torch.Tensor:
-        """One image's embeddings, ``[item.length, hidden_size]``."""
+        """One image's embeddings, ``[item.length, hidden_size]`` (the request's ``image_embeds`` as they are)."""
+        if "image_embeds" in item.data:
+            return item.data["image_embeds"].to(self.dtype)
         pixel_values = item.data["pixel_values"].to(self.dtype)
         if pixel_values.dim() == 3:
             pixel_values = pixel_values.unsqueeze(0)

@@ -114,6 +114,7 @@ class EngineArgs:
     override_pooler_config: dict[str, Any] | None = ModelConfig.override_pooler_config
     disable_sliding_window: bool = ModelConfig.disable_sliding_window
     model_impl: str = ModelConfig.model_impl
+    mmproj: str | None = ModelConfig.mmproj
     quantization: str | None = ModelConfig.quantization
     logits_processors: list[str] | None = ModelConfig.logits_processors
     logits_processor_pattern: str | None = ModelConfig.logits_processor_pattern

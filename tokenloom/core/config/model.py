@@ -81,6 +81,10 @@ class ModelConfig:
     attention goes through transformers' attention interface; one worker, no LoRA); ``vllm``
     (or ``native``) only a native plugin; ``transformers`` the fallback even where a native
     plugin exists. ``terratorch`` is refused."""
+    mmproj: str | None = None
+    """A GGUF model's vision projector file (llama.cpp's ``mmproj``, as ``llama-server
+    --mmproj``; ``convert_hf_to_gguf.py --mmproj`` writes it): the model then takes images.
+    Served: SmolVLM's (``idefics3``) beside its llama language model."""
     quantization: str | None = None
     """Quantization method of the weights; default is what the model's files need."""
     logits_processors: list[str] | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.core.multimodal.inputs import MultiModalItem
+from tokenloom.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class MultiModalProcessor:
 
     #: modality -> the text the chat template sees for one item (``"<image>"``)
     placeholders: dict[str, str] = {}
+    #: whether :meth:`process` takes :class:`ImageEmbeddings` in place of images
+    takes_image_embeds: bool = False
 
     def __init__(self, ctx: ProcessorContext):
         self.ctx = ctx
@@ -63,10 +66,49 @@ class MultiModalProcessor:
         self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
         """Expand each image's placeholder token in ``prompt_token_ids`` (in order: the n-th
-        placeholder is the n-th image) and build its item. ``processor_kwargs`` are the
-        server's ``--mm-processor-kwargs`` updated with the request's ``mm_processor_kwargs``.
+        placeholder is the n-th image) and build its item. An image is a decoded PIL image, or
+        :class:`ImageEmbeddings` when :attr:`takes_image_embeds`. ``processor_kwargs`` are the server's ``--mm-processor-kwargs`` updated with the request's ``mm_processor_kwargs``.
         A mismatch between placeholders and images is an InvalidRequestError."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ImageEmbeddings:
+    """An image given as its embeddings (an ``image_embeds`` content part, ``--enable-mm-embeds``):
+    the rows that replace its feature tokens, so the vision encoder never runs. ``where``
+    names the part for errors."""
+
+    tensor: Any  # a torch tensor, [feature tokens, hidden size] as the request sent it
+    where: str
+
+    def checked(self, num_rows: int, hidden_size: int) -> Any:
+        """The embeddings as a float tensor ``[num_rows, hidden_size]`` (a leading batch of one
+        dropped); an InvalidRequestError naming the part when they are not."""
+        import torch
+
+        tensor = self.tensor
+        if tensor.dim() == 3 and tensor.shape[0] == 1:
+            tensor = tensor[0]
+        if not tensor.is_floating_point():
+            raise InvalidRequestError(
+                f"{self.where}: image_embeds must be a floating-point tensor, not {tensor.dtype}", param=self.where
+            )
+        if tuple(tensor.shape) != (num_rows, hidden_size):
+            raise InvalidRequestError(
+                f"{self.where}: image_embeds of shape {tuple(self.tensor.shape)}; this model takes one image's "
+                f"embeddings as ({num_rows}, {hidden_size}) (feature tokens, hidden size)",
+                param=self.where,
+            )
+        return tensor.to(torch.float32).contiguous()
+
+    def hash(self) -> str:
+        """The content hash of the embeddings (hex sha256), as :func:`image_hash` of an image."""
+        import torch
+
+        tensor = self.tensor.contiguous()
+        digest = hashlib.sha256(f"embeds:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
 
 def image_hash(image: Any, processor_kwargs: dict[str, Any]) -> str:
