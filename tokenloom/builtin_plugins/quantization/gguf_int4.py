@@ -21,7 +21,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (
     _nibbles,
     _split_32s,
 )
-from tokenloom.kernels import cpu_native
+from tokenloom.kernels import cpu_native, int4_matmul
 from tokenloom.kernels.int4_matmul import CODE_OFFSET, NATIVE_GROUP_SIZE, Int4Weight, can_pack
 
 GROUP_SIZE = 32
@@ -66,11 +66,10 @@ def pack_native(shards: list[GGUFWeight], dtype: torch.dtype) -> Int4Weight | No
     """4-bit row shards (stacked in list order) packed for tokenloom's int4 kernel directly from
     their blocks; None when the kernels are not loaded here or the rows do not suit the kernel
     (the caller then takes :func:`int4_groups` and ``pack_int4``)."""
-    ops = cpu_native.load()
+    kernel = int4_matmul._native_kernel()  # (pack_int4's switch between the two kernels)
     rows, cols = sum(shard.shape[0] for shard in shards), shards[0].shape[-1]
-    if ops is None or not can_pack(rows, cols, NATIVE_GROUP_SIZE):
+    if kernel is None or not can_pack(rows, cols, NATIVE_GROUP_SIZE):
         return None
-    packed = ops.gguf_pack_int4([shard.data for shard in shards], [shard.ggml_type for shard in shards])
-    return Int4Weight(
-        packed=packed, out_features=rows, group_size=NATIVE_GROUP_SIZE, dtype=dtype, kernel=ops.int4_linear
-    )
+    shard_bytes, types = [shard.data for shard in shards], [shard.ggml_type for shard in shards]
+    packed = cpu_native.load().gguf_pack_int4(shard_bytes, types)
+    return Int4Weight(packed=packed, out_features=rows, group_size=NATIVE_GROUP_SIZE, dtype=dtype, kernel=kernel)
