@@ -53,6 +53,7 @@ SOURCES = tuple(
         "cpu_lora.cpp",
         "cpu_moe.cpp",
         "cpu_w8a16.cpp",
+        "cpu_gguf_pack.cpp",
     )
 )
 # -ffast-math vectorises exp and the reductions (the kernels keep every value finite); -fopenmp
@@ -81,6 +82,8 @@ OPERATORS = {
     "rotary_embedding_": "the torch rotary chain",
     "act_and_mul": "the torch activation chain",
     "causal_softmax_": "torch softmax",
+    "gguf_pack_int4": "the torch repacking of Q4_0/Q4_1/Q4_K blocks at load (slower start-up)",
+    "gguf_q6_k_parts": "the torch split of Q6_K blocks at load (slower start-up)",
 }
 
 _X86 = ("x86_64", "amd64", "i686", "i386")

@@ -116,3 +116,27 @@ def test_find_gguf_file(sample_gguf, tmp_path):
     renamed = tmp_path / "model.bin"
     os.link(sample_gguf, renamed)
     assert find_gguf_file(str(renamed)) == str(renamed)  # recognised by its magic bytes
+
+
+def mapped_rss_kib(path: str) -> int:
+    """This process's resident KiB of its mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = fields[-1] == os.path.realpath(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps to read resident pages from")
+def test_released_tensor_pages_leave_resident_memory_and_read_back_unchanged(smollm2_gguf):
+    gguf = GGUFFile(smollm2_gguf)
+    info = max(gguf.tensors.values(), key=lambda tensor: tensor.nbytes)
+    checksum = int(gguf.tensor_data(info).sum(dtype=np.uint64))  # every page of the tensor read in
+    before = mapped_rss_kib(smollm2_gguf)
+    gguf.release_pages(info)
+    assert before - mapped_rss_kib(smollm2_gguf) >= info.nbytes // 1024 - 8  # all but the two partial pages
+    assert int(gguf.tensor_data(info).sum(dtype=np.uint64)) == checksum

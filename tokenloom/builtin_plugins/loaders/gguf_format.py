@@ -241,7 +241,10 @@ class GGUFLoadFormat(LoadFormat):
 
 
 def _tensor(gguf: GGUFFile, info: GGUFTensorInfo):
-    """A float tensor as a torch view of the file, a quantized one as a packed GGUFWeight."""
+    """A float tensor as a torch view of the file, a quantized one as a packed GGUFWeight (whose
+    ``release`` drops its pages once a layer has packed it)."""
+    import functools
+
     import torch
 
     from tokenloom.builtin_plugins.quantization.gguf_blocks import FLOAT_TYPES, GGUFWeight
@@ -250,7 +253,14 @@ def _tensor(gguf: GGUFFile, info: GGUFTensorInfo):
     if info.ggml_type in FLOAT_TYPES:
         return raw.view(FLOAT_TYPES[info.ggml_type]).view(info.shape)
     rows = info.num_elements // info.shape[-1] if info.shape else 1
-    return GGUFWeight(raw.view(rows, -1), info.ggml_type, info.shape, name=info.name, path=gguf.path)
+    return GGUFWeight(
+        raw.view(rows, -1),
+        info.ggml_type,
+        info.shape,
+        name=info.name,
+        path=gguf.path,
+        release=functools.partial(gguf.release_pages, info),
+    )
 
 
 def _permute_rows(weight, order):

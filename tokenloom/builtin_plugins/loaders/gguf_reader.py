@@ -121,6 +121,18 @@ class GGUFFile:
         """The tensor's raw bytes as a uint8 view of the mapping (no copy)."""
         return self._mapped[info.offset : info.offset + info.nbytes]
 
+    def release_pages(self, info: GGUFTensorInfo) -> None:
+        """Drop the pages wholly inside the tensor's bytes from this process's memory, once they
+        are packed into memory of their own: the mapping stays, and a later read faults them in
+        again from the page cache. (Nothing writes into the copy-on-write mapping, so no page
+        holds bytes the file lacks.) Without this, every page packing read stays resident for as
+        long as any view of the file lives (a GGUF embedding keeps one), a second copy of the model."""
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.nbytes) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._mapped._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     # -- parsing -----------------------------------------------------------------------------
 
     def _parse(self) -> None:

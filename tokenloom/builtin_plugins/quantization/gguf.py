@@ -40,7 +40,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (  # noqa: F401  
     GGUFWeight,
     supported_type_names,
 )
-from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int4_type
+from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int4_type, pack_native
 from tokenloom.builtin_plugins.quantization.gguf_kquant import KQUANT_TYPES, pack_kquant, superblock_groups
 from tokenloom.builtin_plugins.quantization.gguf_lowbit import LOWBIT_TYPES, pack_lowbit
 from tokenloom.errors import ConfigError, ModelLoadError
@@ -89,12 +89,18 @@ class GGUFQuantizationMethod(UnquantizedMethod):
                 layer._native_shards = {**getattr(layer, "_native_shards", {}), output_offset: loaded_weight}
                 return
         super().load_weight(layer, dequantize_to(loaded_weight, layer.weight.dtype), output_offset, output_size)
+        release_file_pages([loaded_weight])
 
     def process_weights_after_loading(self, layer) -> None:
         if self._keep_gguf_blocks(layer):
             return
         shards = getattr(layer, "_native_shards", {})
         layer._native_shards = {}
+        self._pack_native_shards(layer, shards)
+        release_file_pages(shards.values())
+
+    def _pack_native_shards(self, layer, shards: dict[int, GGUFWeight]) -> None:
+        """The layer's kernel weights from the block shards it kept (or its dense weight)."""
         layer.int4_weight = None
         layer.native_segments = None
         # all rows from shards a kernel takes: no shard of another type was loaded
@@ -116,6 +122,9 @@ class GGUFQuantizationMethod(UnquantizedMethod):
 
     def _pack_int4(self, shards: list[GGUFWeight], dtype: torch.dtype) -> Int4Weight | None:
         """4-bit row shards stacked and packed for an int4 kernel; None when the shape does not suit it."""
+        native = pack_native(shards, self._int4_dtype(dtype))
+        if native is not None:
+            return native
         codes, scales, zeros = (torch.cat([int4_groups(shard)[part] for shard in shards]) for part in range(3))
         if not can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
             return None
@@ -156,6 +165,7 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         if len(types) == 1 and sum(shard.shape[0] for shard in shards.values()) == layer.weight.shape[0]:
             device = layer.weight.device
             layer.gguf_blocks = torch.cat([shards[offset].data for offset in sorted(shards)]).to(device)
+            release_file_pages(shards.values())
             layer.gguf_type = types.pop()
             layer.weight = nn.Parameter(
                 torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"), requires_grad=False
@@ -163,6 +173,7 @@ class GGUFQuantizationMethod(UnquantizedMethod):
             return True
         for offset, shard in shards.items():
             super().load_weight(layer, shard.dequantize(layer.weight.dtype), offset, shard.shape[0])
+        release_file_pages(shards.values())
         return False
 
     def _int4_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
@@ -229,6 +240,16 @@ def segment_linear(x: torch.Tensor, weight: Int4Weight | Int8Weight | KQuantWeig
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = int8_linear(rows, weight).to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+
+
+def release_file_pages(weights: Any) -> None:
+    """Drop the file pages behind checkpoint tensors a layer has packed or dequantized into memory
+    of its own (:attr:`GGUFWeight.release`; dense tensors have none), so that no second copy of a
+    weight stays resident once the model is loaded."""
+    for weight in weights:
+        release = getattr(weight, "release", None)
+        if release is not None:
+            release()
 
 
 def check_supported(weight: GGUFWeight) -> None:

@@ -237,6 +237,10 @@ class GGUFWeight:
     shape: torch.Size
     name: str = ""  # the GGUF tensor name, for error messages
     path: str = ""  # the file it came from, for error messages
+    # drops the file's pages behind the tensor from memory (a view of a memory-mapped file: the
+    # load format's GGUFFile.release_pages); called by a layer that has packed or dequantized
+    # the tensor into memory of its own. Weights cut from this one keep it: it frees their source
+    release: Callable[[], None] | None = None
 
     def __post_init__(self):
         self.shape = torch.Size(self.shape)
@@ -295,11 +299,13 @@ class GGUFWeight:
         if padding <= 0:
             return self
         data = torch.cat([self.data, self.data.new_zeros(padding, self.data.shape[1])])
-        return GGUFWeight(data, self.ggml_type, torch.Size((rows, *self.shape[1:])), self.name, self.path)
+        return GGUFWeight(data, self.ggml_type, torch.Size((rows, *self.shape[1:])), self.name, self.path, self.release)
 
     def permute_rows(self, row_order: torch.Tensor) -> GGUFWeight:
         """Rows reordered (``new[i] = old[row_order[i]]``); copies the packed bytes once."""
-        return GGUFWeight(self.data.index_select(0, row_order), self.ggml_type, self.shape, self.name, self.path)
+        return GGUFWeight(
+            self.data.index_select(0, row_order), self.ggml_type, self.shape, self.name, self.path, self.release
+        )
 
     def narrow_rows(self, start: int, length: int) -> GGUFWeight:
         """Rows ``start:start+length`` (a tensor-parallel shard, or one part of a fused weight)."""
@@ -309,6 +315,7 @@ class GGUFWeight:
             torch.Size((length, *self.shape[1:])),
             self.name,
             self.path,
+            self.release,
         )
 
     def narrow_columns(self, start: int, length: int) -> GGUFWeight:
@@ -332,6 +339,7 @@ class GGUFWeight:
             torch.Size((*self.shape[:-1], length)),
             self.name,
             self.path,
+            self.release,
         )
 
     def __repr__(self) -> str:

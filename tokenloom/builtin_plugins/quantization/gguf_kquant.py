@@ -18,6 +18,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (
     _nibbles,
     _split_32s,
 )
+from tokenloom.kernels import cpu_native
 from tokenloom.kernels.kquant_matmul import KQuantWeight, pack_int5, pack_int6
 
 # superblock groups of 32 per 5-bit type: Q5_K's d and dmin cover 256 values, Q5_0's and Q5_1's 32
@@ -63,7 +64,10 @@ KQUANT_TYPES = frozenset({Q6_K, *_INT5_CONVERTERS})
 def int6_parts(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q6_K weight's ``(codes [N, K] uint8 0..63, scales [N, K / 16] int8, d [N, K / 256] float16)``."""
     rows, cols = weight.shape[0], weight.shape[-1]
-    codes, scales, d = _q6_k(weight.data.reshape(-1, GGML_TYPES[Q6_K][2]))
+    blocks = weight.data.reshape(-1, GGML_TYPES[Q6_K][2])
+    ops = cpu_native.load()
+    # the kernels' split (csrc/cpu_gguf_pack.cpp) gives _q6_k's tensors without its temporaries
+    codes, scales, d = ops.gguf_q6_k_parts(blocks) if ops is not None else _q6_k(blocks)
     return codes.reshape(rows, cols), scales.reshape(rows, cols // 16), d.reshape(rows, cols // 256)
 
 
