@@ -12,7 +12,7 @@ import os
 import httpx
 import openai
 import pytest
-import torch
+from helpers.gguf_reference import transformers_model
 from helpers.lora_adapters import ALL_PROJECTIONS, save_random_adapter
 
 from tests.e2e.conftest import API_KEY, start_server, stop_server
@@ -24,12 +24,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def adapter_dirs(smollm2_gguf, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    directory, name = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
-    base = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    ).eval()
+    base = transformers_model(smollm2_gguf)
     root = tmp_path_factory.mktemp("server-adapters")
     return {
         "good": save_random_adapter(base, root / "good", r=8, alpha=16, targets=ALL_PROJECTIONS, seed=3, scale=0.05),

@@ -1,7 +1,9 @@
 """The real `tokenloom serve smollm2` process driven with the official `openai` client and httpx:
 endpoints, streaming equal to non-streaming, usage, stops, logprobs, n > 1, the API key, a
---middleware module, concurrency, disconnects freeing KV blocks, and error statuses; all of it
-once more against a data-parallel server (``-dp 2``: two engine replicas behind the one API)."""
+--middleware module, the CLI clients, concurrency, disconnects freeing KV blocks, and error
+statuses; every test that reaches the engine once more against a data-parallel server (``-dp 2``:
+two engine replicas behind the one API). The API key, the middleware and the CLI clients live in
+the API process and talk HTTP: what is behind it changes nothing there, so they run once."""
 
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ def smollm2_server(request, smollm2_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(smollm2_server):
     return openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+# for the tests whose proof lives wholly in the API process (the -dp 2 server runs the same code there)
+one_engine_only = pytest.mark.parametrize("smollm2_server", [[]], ids=["one-engine"], indirect=True)
 
 
 def auth() -> dict[str, str]:
@@ -124,6 +130,7 @@ def test_n_greater_than_one_with_seed(client):
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
 
 
+@one_engine_only
 def test_api_key_is_enforced(smollm2_server):
     url = smollm2_server.base_url
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -137,6 +144,7 @@ def test_api_key_is_enforced(smollm2_server):
         assert httpx.get(url + public, timeout=30).status_code == 200
 
 
+@one_engine_only
 def test_middleware_module_adds_header(smollm2_server):
     response = httpx.get(smollm2_server.base_url + "/health", timeout=30)
     assert response.headers["X-Served-By"] == "tokenloom-e2e"
@@ -245,6 +253,7 @@ def run_client(server, *args: str, stdin: str = "") -> subprocess.CompletedProce
     )
 
 
+@one_engine_only
 def test_chat_and_complete_clients(smollm2_server):
     quick = run_client(smollm2_server, "chat", "--quick", "What is the capital of France?")
     assert quick.returncode == 0, quick.stderr

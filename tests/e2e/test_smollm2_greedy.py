@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers.gguf_reference import transformers_model
 
 from tokenloom import LLM, SamplingParams
 
@@ -28,13 +29,11 @@ def llm(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def transformers_greedy(smollm2_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer
 
     directory, name = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    ).eval()
+    model = transformers_model(smollm2_gguf)
     results = []
     for prompt in PROMPTS:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -83,10 +83,12 @@ DESCRIBE = f"{CODE}\nThe function above, described as JSON:\n"
 
 def single_stream(server: RunningServer) -> list[tuple[list[str], str]]:
     """One request at a time (completions: the packaged Gemma 3 GGUF carries no chat template):
-    the rewrite, long enough for prompt lookup to hit while it copies the code, and a JSON-schema
-    constrained description. Each as its token ids ("token_id:N") and finish reason."""
+    the rewrite, long enough for prompt lookup to hit while it copies the code (40 tokens: the
+    function's first lines, as in the mixed batch; a self-drafting Gemma step costs up to four
+    forward passes), and a JSON-schema constrained description. Each as its token ids ("token_id:N") and
+    finish reason."""
     outputs = []
-    for prompt, max_tokens, options in ((REWRITE, 64, {}), (DESCRIBE, 80, json_schema_format(SCHEMA))):
+    for prompt, max_tokens, options in ((REWRITE, 40, {}), (DESCRIBE, 80, json_schema_format(SCHEMA))):
         choice = (
             client(server)
             .completions.create(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+from helpers.gguf_reference import transformers_model
 from helpers.lora_adapters import ALL_PROJECTIONS, peft_greedy, save_random_adapter
 
 from tokenloom import LLM, LoRARequest, SamplingParams
@@ -20,19 +20,10 @@ PROMPTS = ["The capital of France is", "Here is a Python function that reverses 
 NUM_TOKENS = 12
 
 
-def load_dequantized(smollm2_gguf):
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    directory, name = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
-    return AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    ).eval()
-
-
 @pytest.fixture(scope="module")
 def dequantized(smollm2_gguf):
-    """transformers' SmolLM2 on the GGUF's dequantized weights, loaded once (it is slow)."""
-    return load_dequantized(smollm2_gguf)
+    """transformers' SmolLM2 on the GGUF's dequantized weights, loaded once."""
+    return transformers_model(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ it must name the interface its hook's docstring points at and show a ``@hookimpl
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -38,8 +39,10 @@ def documented_sections() -> dict[str, str]:
     return sections
 
 
+@functools.cache
 def marked_hooks() -> dict[str, list[str]]:
-    """hook name -> the tests marked with it (``where::name``), found by reading the test files."""
+    """hook name -> the tests marked with it (``where::name``), found by reading the test files
+    (once: parsing every test file is most of this module's time, and a test per hook asks)."""
     found: dict[str, list[str]] = {}
 
     def hook_marks(decorators) -> list[str]:

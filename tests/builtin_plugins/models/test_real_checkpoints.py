@@ -1,16 +1,18 @@
 """The model plugins on real checkpoints shipped in pip packages (SmolLM2-135M as Llama,
-Gemma 3 270M): transformers dequantizes the GGUF file, our model takes the same weights,
-and a batch with one prompt longer than Gemma's 512-token window must give transformers'
-greedy tokens and next-token logits through the paged cache."""
+Gemma 3 270M): transformers' model and ours take the same dequantized GGUF weights, and a
+batch with one prompt longer than Gemma's 512-token window must give transformers' greedy
+tokens and next-token logits through the paged cache. transformers' model comes from
+tests/helpers/gguf_reference.py (the ``gguf`` load format's weights, proven equal to
+transformers' own conversion, which was two thirds of this module's time)."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 from helpers.attention import PagedBatcher, allocate_kv_caches
+from helpers.gguf_reference import transformers_model
 
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3ForCausalLM
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM
@@ -21,15 +23,9 @@ pytestmark = pytest.mark.slow
 NUM_NEW_TOKENS = 6
 
 
-def transformers_model(directory: str, filename: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    return transformers_model(os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf))
+    return transformers_model(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +37,7 @@ def gemma3():
     from tokenloom.builtin_plugins.model_sources.pip_packages import PipPackageModelSource
 
     # the file the model source assembled once from its part packages (not a fresh copy per run)
-    path = PipPackageModelSource().resolve("gemma3-270m").path
-    return transformers_model(os.path.dirname(path), os.path.basename(path))
+    return transformers_model(PipPackageModelSource().resolve("gemma3-270m").path)
 
 
 def greedy_through_paged_cache(model, prompts, num_new_tokens):

@@ -11,6 +11,7 @@ import resource
 
 import pytest
 import torch
+from helpers.gguf_reference import transformers_model
 
 from tests.conftest import package_dir
 from tokenloom import LLM
@@ -126,12 +127,8 @@ def test_a_thousand_inputs_are_batched_and_complete(minilm, reference_embeddings
 
 
 def test_smollm2_convert_embed_equals_the_last_hidden_state(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
     llm = LLM("smollm2", convert="embed", max_model_len=512, dtype="float32")
-    reference = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32
-    ).eval()
+    reference = transformers_model(smollm2_gguf)
     texts = VARIED_TEXTS[:4] + VARIED_TEXTS[-2:]
     ours = embeddings_of(llm.embed(texts))
     for row, text in enumerate(texts):
