@@ -1,7 +1,8 @@
 """The 5- and 6-bit kernels (csrc/cpu_kquant.cpp) against the dense path the same GGUF layers took
 before (Q6_K / Q5_K dequantized at load into the model dtype, oneDNN-packed), on the decode shapes
-of a 1.7B model ([2048 -> 8192] gate/up, [8192 -> 2048] down, [2048 -> 2048] q/o), per batch size,
-with the 4- and 8-bit kernels beside them for scale. Random codes; median milliseconds per
+of a 1.7B model ([2048 -> 8192] gate/up, [8192 -> 2048] down, [2048 -> 2048] q/o, and with
+``--shapes head`` its tied [2048 -> 49152] LM head, Q6_K in a Q4_K_M file), per batch size, with the
+4- and 8-bit kernels beside them for scale. Random codes; median milliseconds per
 matmul, each layer in several copies (more bytes than the caches hold) taken in turn, so the
 weights come from memory as in a real step.
 
@@ -11,7 +12,8 @@ weights come from memory as in a real step.
   w8a16  compressed-tensors W8A16 int8 (channel scales) through w8a16_linear
   dense  the dequantized weight in --dtype, oneDNN-packed (what Q6_K/Q5_K layers ran before)
 
-  python benchmarks/kquant_layers.py 1,8 [--paths int6,int5,int4,int8,fp8,w8a16,dense] [--rounds 15]
+  python benchmarks/kquant_layers.py 1,2,4,8,16,32 [--paths int6,int5,int4,int8,fp8,w8a16,dense]
+      [--shapes layers,head] [--rounds 15] [--copies 4]
 
 TOKENLOOM_CPU_ISA=avx2 (or benchmarks/avx2_host.sh) measures a lower kernel level. The paths are
 measured alternately (one pass of each per round): the machine's drift hits them all alike.
@@ -29,18 +31,28 @@ from tokenloom.kernels.kquant_matmul import dequantize_int6, kquant_linear, pack
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
 from tokenloom.kernels.w8a16_matmul import pack_w8, w8a16_linear
 
-SHAPES = [(8192, 2048), (2048, 8192), (2048, 2048)]  # (out, in)
+SHAPES = {"layers": [(8192, 2048), (2048, 8192), (2048, 2048)], "head": [(49152, 2048)]}  # (out, in)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("rows", help="comma-separated batch sizes")
 parser.add_argument("--paths", default="int6,int5,int4,int8,dense")
 parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+parser.add_argument("--shapes", default="layers", help="comma-separated: layers (the decoder's), head (the LM head)")
 parser.add_argument("--rounds", type=int, default=15)
+parser.add_argument(
+    "--threads",
+    type=int,
+    default=0,
+    help="torch threads (0: torch's default); 1 times the calling thread's CPU time, which a loaded machine disturbs less",
+)
 parser.add_argument("--copies", type=int, default=4, help="copies of each layer, taken in turn")
 options = parser.parse_args()
 dtype = getattr(torch, options.dtype)
 paths = options.paths.split(",")
 torch.manual_seed(0)
+if options.threads:
+    torch.set_num_threads(options.threads)
+clock = time.thread_time if options.threads == 1 else time.perf_counter
 
 
 def build(path: str, out_features: int, in_features: int):
@@ -80,23 +92,25 @@ def build(path: str, out_features: int, in_features: int):
 
 print(
     f"kernel level {cpu_native.selected_level().name}, activations {options.dtype}, {torch.get_num_threads()} threads, "
-    f"median of {options.rounds} alternating rounds, ms per matmul (noisy: a shared machine)"
+    f"median / best of {options.rounds} alternating rounds, ms per matmul "
+    f"({'thread CPU time' if clock is time.thread_time else 'wall time'}; noisy: a shared machine)"
 )
-for out_features, in_features in SHAPES:
+shapes = [shape for name in options.shapes.split(",") for shape in SHAPES[name]]
+for out_features, in_features in shapes:
     layers = {path: [build(path, out_features, in_features) for _ in range(options.copies)] for path in paths}
     for rows in [int(size) for size in options.rows.split(",")]:
         x = torch.randn(rows, in_features).to(dtype)
         times: dict[str, list[float]] = {path: [] for path in paths}
         for round_index in range(options.rounds + 1):
             for path in paths:
-                started = time.perf_counter()
+                started = clock()
                 for matmul in layers[path]:
                     matmul(x)
                 if round_index:  # the first round warms up
-                    times[path].append((time.perf_counter() - started) / options.copies)
-        medians = {path: sorted(values)[len(values) // 2] * 1e3 for path, values in times.items()}
+                    times[path].append((clock() - started) / options.copies)
+        ordered = {path: sorted(values) for path, values in times.items()}
         print(
-            f"[{in_features:5d} -> {out_features:5d}] {rows:2d} rows: "
-            + "  ".join(f"{path} {ms:6.3f}" for path, ms in medians.items()),
+            f"[{in_features:5d} -> {out_features:5d}] {rows:3d} rows: "
+            + "  ".join(f"{path} {v[len(v) // 2] * 1e3:7.3f} / {v[0] * 1e3:7.3f}" for path, v in ordered.items()),
             flush=True,
         )

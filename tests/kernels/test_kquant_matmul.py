@@ -72,11 +72,12 @@ def weight_for(case: str, shape: tuple[int, int], seed: int):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 130])
 @pytest.mark.parametrize("case, shape", CASES)
 def test_kernel_is_exact_up_to_float32_summation(case, shape, rows):
-    """Tiles of 1-4 rows, chunks of 128 rows, odd and even block counts, one and several
-    superblocks: within float32 summation error of the exact product."""
+    """Tiles of 1-4 rows; 5-16 rows over one decoding of the codes (AVX-512), in one or two tiles
+    a block, and 17 (a second decoding for the last row); chunks of 128 rows; odd and even block
+    counts, one and several superblocks: within float32 summation error of the exact product."""
     weight, dense = weight_for(case, shape, seed=rows)
     assert weight is not None
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
@@ -90,9 +91,9 @@ def test_kernel_is_exact_up_to_float32_summation(case, shape, rows):
 @pytest.mark.parametrize("case, shape", [CASES[1], CASES[3], CASES[4]])
 def test_any_number_of_rows_gives_each_row_the_bits_it_gets_alone(case, shape):
     weight, _ = weight_for(case, shape, seed=11)
-    x = torch.randn(11, shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    alone = torch.cat([kquant_linear(x[row : row + 1], weight) for row in range(11)])
-    for rows in range(1, 12):
+    x = torch.randn(17, shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([kquant_linear(x[row : row + 1], weight) for row in range(17)])
+    for rows in range(1, 18):
         assert torch.equal(kquant_linear(x[:rows], weight), alone[:rows]), f"{rows} rows"
 
 

@@ -17,7 +17,8 @@
 //   6-bit: I = sc0 (S0 - 32 A0) + sc1 (S1 - 32 A1) per group, S_h the code products and A_h the
 //          activation codes' sum over features 16h..16h+15 (|I| < 2^26); out += float(I) * (d s)
 //   5-bit: out += float(sc S) * (d s) - (dmin mn) (s A), A the group's sum of activation codes
-// the same operations, in the same order per output, at every level and tile size.
+// the same operations, in the same order per output, at every level and tile size (AVX-512 forms
+// float(I) in float multiplies, which give the same float exactly: see kquant_tile).
 //
 // Layout, for out_features N (a multiple of 16), in_features K (a multiple of 32 G): block b
 // (output rows 16b..16b+15) has K / (32 G) superblocks of bytes, stored in pairs of blocks
@@ -38,6 +39,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_kquant.h"
 #include "cpu_qlinear.h"
 
 #include <algorithm>
@@ -59,7 +61,9 @@ template <int kBits> constexpr int64_t kPlaneBytes = (kBits - 4) * 64;
 constexpr int64_t kNibbleBytes = 256;
 constexpr int64_t kSubScaleBytes = 32;
 template <int kBits> constexpr int64_t kKGroupBytes = kNibbleBytes + kPlaneBytes<kBits> + kSubScaleBytes;
-constexpr int kMaxRows = 4;  // activation rows per tile, at most (AVX-512: 4 x 2 blocks x 3 integer/float sets in zmm)
+constexpr int kMaxRows = 4;  // activation rows per tile, at most (AVX-512: 4 x 2 blocks x 2 integer sets in zmm)
+constexpr int64_t kDecodedRows = 16;  // AVX-512: activation rows that share one decoding of the codes
+constexpr int64_t kDecodedGroups = 8;  // AVX-512: groups of 32 features decoded at once, at least
 
 struct Superblocks {
   int64_t groups;  // G: groups of 32 features per superblock
@@ -104,17 +108,52 @@ inline __m512i with_high_bits(__m512i nibbles, __m512i plane, int step) {
   }
 }
 
-template <int kBits, int kRows, int kBlocks>
-void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out, int64_t m0,
-                 int64_t b0, int64_t N, int64_t K, const Superblocks& layout) {
-  const int64_t groups = x.groups;
+// the codes of one block's group at steps `step` and `step + 1`, from its packed bytes
+template <int kBits>
+inline void decode_steps(const uint8_t* group, int step, __m512i (&codes)[2]) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  __m512 acc[kRows][kBlocks];
-  for (int r = 0; r < kRows; ++r)
-    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
-  const uint8_t* pair_start = weight + b0 * layout.count * layout.bytes;
-  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
-  for (int64_t sb = 0; sb < layout.count; ++sb) {
+  const __m512i bytes = _mm512_loadu_si512(group + (step / 2) * 64);
+  const __m512i plane = _mm512_loadu_si512(group + kNibbleBytes + (kBits == 6 ? step / 4 : 0) * 64);
+  codes[0] = with_high_bits<kBits>(_mm512_and_si512(bytes, low_nibbles), plane, step);
+  codes[1] = with_high_bits<kBits>(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles), plane, step + 1);
+}
+
+// a block's decoded codes: per group of the superblocks decoded together, 8 steps x 64 bytes
+constexpr int64_t kDecodedGroupBytes = 8 * 64;
+
+// superblocks [sb_begin, sb_end) of the pair's kBlocks blocks decoded into `decoded`, block b's
+// from b * block_stride bytes on
+template <int kBits, int kBlocks>
+void decode_superblocks(const uint8_t* pair_start, int64_t width, const Superblocks& layout, int64_t sb_begin,
+                        int64_t sb_end, uint8_t* decoded, int64_t block_stride) {
+  for (int64_t sb = sb_begin; sb < sb_end; ++sb)
+    for (int b = 0; b < kBlocks; ++b) {
+      const uint8_t* header = pair_start + (sb * width + b) * layout.bytes;
+      for (int64_t gi = 0; gi < layout.groups; ++gi) {
+        const uint8_t* group = header + kHeaderBytes<kBits> + gi * kKGroupBytes<kBits>;
+        uint8_t* target = decoded + b * block_stride + ((sb - sb_begin) * layout.groups + gi) * kDecodedGroupBytes;
+        for (int step = 0; step < 8; step += 2) {
+          __m512i codes[2];
+          decode_steps<kBits>(group, step, codes);
+          _mm512_storeu_si512(target + step * 64, codes[0]);
+          _mm512_storeu_si512(target + (step + 1) * 64, codes[1]);
+        }
+      }
+    }
+}
+
+// kRows activation rows from m0 times kBlocks blocks (blocks b0.. of a pair, whose stream starts
+// at pair_start) over superblocks [sb_begin, sb_end), added to acc: row r's block b at
+// acc_rows + r * acc_stride + 16 b. The codes are decoded here from the packed stream
+// (kFromDecoded false), or read from `decoded` (decode_superblocks of these superblocks, block b's
+// from b * block_stride bytes on): the same integers, the same float operations in the same order, so every row
+// gets the same bits
+template <int kBits, int kRows, int kBlocks, bool kFromDecoded>
+void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* pair_start, int64_t width,
+                 const Superblocks& layout, int64_t sb_begin, int64_t sb_end, const uint8_t* decoded, int64_t block_stride,
+                 float* acc_rows, int64_t acc_stride, int64_t m0, int64_t K) {
+  const int64_t groups = x.groups;
+  for (int64_t sb = sb_begin; sb < sb_end; ++sb) {
     const uint8_t* header[kBlocks];
     __m512 d[kBlocks], dmin[kBlocks];
     for (int b = 0; b < kBlocks; ++b) {
@@ -127,22 +166,34 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
       const int64_t g = sb * layout.groups + gi;
       const uint8_t* group[kBlocks];
       for (int b = 0; b < kBlocks; ++b) group[b] = header[b] + kHeaderBytes<kBits> + gi * kKGroupBytes<kBits>;
-      __m512i total[kRows][kBlocks];  // I
+      const uint8_t* decoded_group = decoded + ((sb - sb_begin) * layout.groups + gi) * kDecodedGroupBytes;
+      // I in float32, as float(I) exactly: each sc (S - 32 A) is an integer below 2^24 (|code - 32|
+      // <= 32: 16 x 32 x 127 x 128 < 2^23) so its float product is exact, and the sum of the two
+      // is rounded once, as the conversion of the integer I would be (5-bit: sc S, one rounding).
+      // Float multiplies instead of vpmulld: at 4 or more rows two vpmulld a group ran as long as
+      // its 8 dot products
+      __m512 total[kRows][kBlocks];
+      // (unrolled: each step's shifts are constants; the accumulators stay in memory, updated once a
+      // group, so that the integer sums of 4 rows x 2 blocks stay in registers: held there too,
+      // they spilled)
+#pragma GCC unroll 2
       for (int h = 0; h < (kBits == 6 ? 2 : 1); ++h) {
         // 6-bit: the group in halves of 16 features (steps 4h..4h+3); 5-bit: all 8 steps at once
         constexpr int kSteps = kBits == 6 ? 4 : 8;
         __m512i sums[kRows][kBlocks];
         for (int r = 0; r < kRows; ++r)
           for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_setzero_si512();
+#pragma GCC unroll 4
         for (int t = 0; t < kSteps / 2; ++t) {
           const int step = h * 4 + 2 * t;
           __m512i codes[kBlocks][2];
           for (int b = 0; b < kBlocks; ++b) {
-            const __m512i bytes = _mm512_loadu_si512(group[b] + (step / 2) * 64);
-            const __m512i plane = _mm512_loadu_si512(group[b] + kNibbleBytes + (kBits == 6 ? step / 4 : 0) * 64);
-            codes[b][0] = with_high_bits<kBits>(_mm512_and_si512(bytes, low_nibbles), plane, step);
-            codes[b][1] =
-                with_high_bits<kBits>(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles), plane, step + 1);
+            if constexpr (kFromDecoded) {
+              for (int i = 0; i < 2; ++i)
+                codes[b][i] = _mm512_loadu_si512(decoded_group + b * block_stride + (step + i) * 64);
+            } else {
+              decode_steps<kBits>(group[b], step, codes[b]);
+            }
           }
           for (int r = 0; r < kRows; ++r) {
             const int8_t* row = x.codes + (m0 + r) * K + g * kGroup + step * 4;
@@ -157,16 +208,17 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
         for (int b = 0; b < kBlocks; ++b) {
           const uint8_t* sub_scales = group[b] + kNibbleBytes + kPlaneBytes<kBits>;
           if constexpr (kBits == 6) {
-            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16 * h)));
+            const __m512 sc = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16 * h))));
             for (int r = 0; r < kRows; ++r) {
-              const __m512i centred =
-                  _mm512_sub_epi32(sums[r][b], _mm512_set1_epi32(32 * half_sums[((m0 + r) * groups + g) * 2 + h]));
-              const __m512i scaled = _mm512_mullo_epi32(sc, centred);
-              total[r][b] = h == 0 ? scaled : _mm512_add_epi32(total[r][b], scaled);
+              const __m512 centred = _mm512_cvtepi32_ps(
+                  _mm512_sub_epi32(sums[r][b], _mm512_set1_epi32(32 * half_sums[((m0 + r) * groups + g) * 2 + h])));
+              total[r][b] = h == 0 ? _mm512_mul_ps(sc, centred) : _mm512_fmadd_ps(sc, centred, total[r][b]);
             }
           } else {
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales)));
-            for (int r = 0; r < kRows; ++r) total[r][b] = _mm512_mullo_epi32(sc, sums[r][b]);
+            const __m512 sc = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales))));
+            for (int r = 0; r < kRows; ++r) total[r][b] = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(sums[r][b]));
           }
         }
       }
@@ -179,15 +231,64 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
         }
         for (int r = 0; r < kRows; ++r) {
           const int64_t index = (m0 + r) * groups + g;
-          acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r][b]), _mm512_mul_ps(d[b], _mm512_set1_ps(x.scales[index])),
-                                      acc[r][b]);
-          if constexpr (kBits == 5) acc[r][b] = _mm512_fnmadd_ps(dmin_mn, _mm512_set1_ps(x.scaled_sums[index]), acc[r][b]);
+          float* acc = acc_rows + r * acc_stride + b * kBlockRows;
+          __m512 sum =
+              _mm512_fmadd_ps(total[r][b], _mm512_mul_ps(d[b], _mm512_set1_ps(x.scales[index])), _mm512_loadu_ps(acc));
+          if constexpr (kBits == 5) sum = _mm512_fnmadd_ps(dmin_mn, _mm512_set1_ps(x.scaled_sums[index]), sum);
+          _mm512_storeu_ps(acc, sum);
         }
       }
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int b = 0; b < kBlocks; ++b) _mm512_storeu_ps(out + (m0 + r) * N + (b0 + b) * kBlockRows, acc[r][b]);
+}
+
+template <int kBits, int kBlocks, bool kFromDecoded, int... kRows>
+constexpr auto kquant_tiles(std::integer_sequence<int, kRows...>) {
+  using Tile = void (*)(const QuantizedRows&, const int32_t*, const uint8_t*, int64_t, const Superblocks&, int64_t,
+                        int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t);
+  return std::array<Tile, sizeof...(kRows) + 1>{nullptr, &kquant_tile<kBits, kRows + 1, kBlocks, kFromDecoded>...};
+}
+
+// rows [m_begin, m_end) times the pair of blocks from b0, kDecodedRows rows at a time: up to
+// kMaxRows in one tile that decodes the codes as it reads them; more over one decoding of each
+// kDecodedGroups groups of the pair into an L1 buffer, in tiles of sizes that differ by at most
+// one (9 rows 5 + 4) (decoding, a dozen shifts and masks per 64 codes, cost about as much as the
+// dot products of 4 rows: 8 rows decoding twice ran the 6-bit weight at a third of the int4
+// tile's speed per byte)
+template <int kBits, int kBlocks>
+void kquant_rows(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out, int64_t m_begin,
+                 int64_t m_end, int64_t b0, int64_t N, int64_t K, const Superblocks& layout) {
+  static constexpr auto direct = kquant_tiles<kBits, kBlocks, false>(std::make_integer_sequence<int, kMaxRows>());
+  static constexpr auto from_decoded = kquant_tiles<kBits, kBlocks, true>(std::make_integer_sequence<int, kMaxRows>());
+  const uint8_t* pair_start = weight + b0 * layout.count * layout.bytes;
+  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+  const int64_t chunk = std::max<int64_t>(1, kDecodedGroups / layout.groups);  // superblocks decoded at once
+  const int64_t block_stride = chunk * layout.groups * kDecodedGroupBytes;
+  thread_local std::vector<uint8_t> decoded;
+  alignas(64) float acc[kDecodedRows * kBlocks * kBlockRows];
+  constexpr int64_t acc_stride = kBlocks * kBlockRows;
+  for (int64_t m = m_begin; m < m_end; m += kDecodedRows) {
+    const int64_t rows = std::min<int64_t>(kDecodedRows, m_end - m);
+    std::fill_n(acc, rows * acc_stride, 0.f);
+    if (rows <= kMaxRows) {
+      direct[rows](x, half_sums, pair_start, width, layout, 0, layout.count, nullptr, 0, acc, acc_stride, m, K);
+    } else {
+      decoded.resize(kBlocks * block_stride);
+      for (int64_t sb = 0; sb < layout.count; sb += chunk) {
+        const int64_t sb_end = std::min(layout.count, sb + chunk);
+        decode_superblocks<kBits, kBlocks>(pair_start, width, layout, sb, sb_end, decoded.data(), block_stride);
+        for (int64_t r = 0; r < rows;) {
+          const int64_t left = rows - r, tiles_left = (left + kMaxRows - 1) / kMaxRows;
+          const int64_t tile_rows = (left + tiles_left - 1) / tiles_left;
+          from_decoded[tile_rows](x, half_sums, pair_start, width, layout, sb, sb_end, decoded.data(), block_stride,
+                                  acc + r * acc_stride, acc_stride, m + r, K);
+          r += tile_rows;
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(out + (m + r) * N + b0 * kBlockRows, acc + r * acc_stride, sizeof(float) * acc_stride);
+  }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -368,8 +469,10 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
       std::memcpy(out + (m0 + r) * N + (b0 + b) * kBlockRows, acc[r][b], sizeof(float) * kBlockRows);
 }
 
+
 #endif
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 template <int kBits, int kBlocks, int... kRows>
 constexpr auto kquant_tiles(std::integer_sequence<int, kRows...>) {
   using Tile = void (*)(const QuantizedRows&, const int32_t*, const uint8_t*, float*, int64_t, int64_t, int64_t,
@@ -385,6 +488,7 @@ void kquant_rows(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
   for (int64_t m = m_begin; m < m_end; m += kMaxRows)
     tiles[std::min<int64_t>(m_end - m, kMaxRows)](x, half_sums, weight, out, m, b0, N, K, layout);
 }
+#endif
 
 // x [M, K] bfloat16 or float32; weight packed for kBits in superblocks of `groups` groups; float32 out [M, N]
 template <int kBits>
@@ -417,6 +521,17 @@ at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor
 }
 
 }  // namespace
+
+const int32_t* int6_half_group_sums(const QuantizedRows& x, int64_t M, int64_t K) { return half_group_sums(x, M, K); }
+
+void int6_rows_times_block_pair(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out,
+                                int64_t m_begin, int64_t m_end, int64_t b0, int64_t N, int64_t K) {
+  const Superblocks layout = superblocks<6>(K, 8);
+  if (b0 + 1 < N / kBlockRows)
+    kquant_rows<6, 2>(x, half_sums, weight, out, m_begin, m_end, b0, N, K, layout);
+  else
+    kquant_rows<6, 1>(x, half_sums, weight, out, m_begin, m_end, b0, N, K, layout);
+}
 
 at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups) {
   return kquant_linear<5>("int5_linear", x, weight, superblock_groups);
