@@ -14,13 +14,14 @@
 //       gives it;
 //     6 bits (Q6_K) or 5 bits (Q5_0, Q5_1, Q5_K; superblocks of `w13_groups`/`w2_groups` groups
 //       of 32): each expert packed for int6_linear/int5_linear (cpu_kquant.cpp), [E, N / 16,
-//       K / (32 G) * superblock bytes]; each expert's rows go through that operator, so they get
-//       its bits.
+//       K / (32 G) * superblock bytes]; each expert's rows go through that operator (on runs of
+//       its output blocks), so they get its bits.
 // A float or 4-bit projection is one at::parallel_for over every (expert, block of output
 // features, chunk of the expert's rows) that has rows: no loop over experts outside it, and an
-// expert no row chose costs nothing. A 5- or 6-bit projection calls the kquant operator once per
-// expert with rows (its tile is private to cpu_kquant.cpp; each call is one parallel loop over
-// the expert's output blocks, enough to fill the threads at a decode step's widths). Between them the gated activation is act_and_mul's (cpu_layers.cpp).
+// expert no row chose costs nothing. A 5- or 6-bit projection is one at::parallel_for too, over
+// every (expert with rows, run of 16 output blocks), each calling the kquant operator (whose tile
+// is private to cpu_kquant.cpp) on that expert's rows and blocks. Between them the gated
+// activation is act_and_mul's (cpu_layers.cpp).
 // Float weights take a plain dot-product tile (4 weight rows against each activation row, left to
 // the compiler's vectoriser; a bfloat16 weight row is widened once per tile): a decode step's few
 // rows per expert are bound by reading the weights.
@@ -136,15 +137,28 @@ void int4_projection(const float* x, const uint8_t* weight, float* out, const in
   });
 }
 
-// out [R, N] = each row of x [R, K] times its expert's 5- or 6-bit weight, expert by expert
+// out [R, N] = each row of x [R, K] times its expert's 5- or 6-bit weight: one at::parallel_for over
+// every (expert with rows, run of kKquantBlocks output blocks), each item the kquant operator on
+// that expert's rows and those blocks (whole pairs of blocks are a packed weight of their own;
+// inside the loop the operator's own parallel loop runs inline)
+constexpr int64_t kKquantBlocks = 16;  // 256 output features per work item, whole pairs of blocks
 void kquant_projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, const int64_t* offsets,
                        int64_t bits, int64_t groups) {
-  for (int64_t e = 0; e < weight.size(0); ++e) {
-    const int64_t count = offsets[e + 1] - offsets[e];
-    if (count == 0) continue;
-    const at::Tensor rows = x.narrow(0, offsets[e], count);
-    out.narrow(0, offsets[e], count).copy_(bits == 6 ? int6_linear(rows, weight[e]) : int5_linear(rows, weight[e], groups));
-  }
+  const int64_t blocks = weight.size(1);
+  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first block)
+  for (int64_t e = 0; e < weight.size(0); ++e)
+    if (offsets[e + 1] > offsets[e])
+      for (int64_t b = 0; b < blocks; b += kKquantBlocks) items.emplace_back(e, b);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [e, b0] = items[i];
+      const int64_t count = std::min(kKquantBlocks, blocks - b0), rows = offsets[e + 1] - offsets[e];
+      const at::Tensor x_rows = x.narrow(0, offsets[e], rows);
+      const at::Tensor part = weight[e].narrow(0, b0, count);
+      const at::Tensor product = bits == 6 ? int6_linear(x_rows, part) : int5_linear(x_rows, part, groups);
+      out.narrow(0, offsets[e], rows).narrow(1, b0 * kMoeBlock, count * kMoeBlock).copy_(product);
+    }
+  });
 }
 
 // bytes of one expert's packed [N, K] weight of `bits` (superblocks of `groups` groups of 32)
