@@ -59,8 +59,10 @@ def main() -> None:
     part = GGUFWeight(gate_up.data[:eight], Q4_K, torch.Size((eight, HIDDEN)))
     torch_s = seconds(torch_pack, part) * EXPERTS / 8
     repack_s = seconds(repack_gguf_rows, part.data, Q4_K, eight, HIDDEN) * EXPERTS / 8
-    print(f"load, one layer's Q4_K gate+up ({gate_up.data.numel() / 2**20:.0f} MiB): torch packers {torch_s:.2f} s, "
-          f"gguf_repack {repack_s:.2f} s")
+    print(
+        f"load, one layer's Q4_K gate+up ({gate_up.data.numel() / 2**20:.0f} MiB): torch packers {torch_s:.2f} s, "
+        f"gguf_repack {repack_s:.2f} s"
+    )
     w13 = repack_gguf_rows(gate_up.data, Q4_K, EXPERTS * 2 * INTERMEDIATE, HIDDEN).packed
     w13 = w13.view(EXPERTS, 2 * INTERMEDIATE // 16, -1)
     w2 = repack_gguf_rows(down.data, Q6_K, EXPERTS * HIDDEN, INTERMEDIATE).packed.view(EXPERTS, HIDDEN // 16, -1)

@@ -80,7 +80,8 @@ def test_experts_of_each_kind_give_each_row_the_bits_of_its_projections_operator
     weights, ids = uneven_routing(num_tokens, generator)
     assert (ids == 0).sum() == num_tokens and not (ids == EXPERTS - 1).any()
 
-    got = fused_experts(x, weights, ids, w13, w2, "silu", ops, (KINDS[w13_kind], KINDS[w2_kind]))
+    with torch.inference_mode():  # as the engine runs it (the operator's threads are not in that mode)
+        got = fused_experts(x, weights, ids, w13, w2, "silu", ops, (KINDS[w13_kind], KINDS[w2_kind]))
 
     expected = torch.zeros(num_tokens, HIDDEN)
     for token in range(num_tokens):  # expert by expert, row by row, through each projection's operator

@@ -156,7 +156,11 @@ void kquant_projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor
       const at::Tensor x_rows = x.narrow(0, offsets[e], rows);
       const at::Tensor part = weight[e].narrow(0, b0, count);
       const at::Tensor product = bits == 6 ? int6_linear(x_rows, part) : int5_linear(x_rows, part, groups);
-      out.narrow(0, offsets[e], rows).narrow(1, b0 * kMoeBlock, count * kMoeBlock).copy_(product);
+      // raw copies: the pool's threads are not in the caller's inference mode, so no in-place ATen op on `out`
+      const float* source = product.data_ptr<float>();
+      float* target = out.data_ptr<float>() + offsets[e] * out.size(1) + b0 * kMoeBlock;
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(target + r * out.size(1), source + r * count * kMoeBlock, sizeof(float) * count * kMoeBlock);
     }
   });
 }
