@@ -49,7 +49,7 @@ from tokenloom.kernels.int4_matmul import Int4Weight
 from tokenloom.kernels.kquant_matmul import KQuantWeight
 from tokenloom.layers.activation import get_act_and_mul
 from tokenloom.layers.decoder import GatedMLP
-from tokenloom.layers.linear import ReplicatedLinear, divide, tensor_parallel_all_reduce, tp_place
+from tokenloom.layers.linear import divide, tensor_parallel_all_reduce, tp_place
 from tokenloom.layers.quantization import QuantizationConfig, QuantizationMethod, materialize
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
@@ -370,32 +370,48 @@ class FusedExperts(nn.Module):
         )
 
 
-class SharedExpertGate(nn.Module):
-    """``sigmoid(x @ weight.T)``: one scale per token for the shared expert's output, ``weight
-    [1, H]`` (a Hugging Face checkpoint's shape; llama.cpp's ``ffn_gate_inp_shexp`` may hold it as
-    a vector of ``H``). Replicated on every tensor-parallel rank, never quantized."""
+class RouterLinear(nn.Module):
+    """``x @ weight.T`` with a plain dense ``weight [out, H]`` (the router, ``out`` experts):
+    replicated on every tensor-parallel rank, never quantized, and never packed for oneDNN, whose
+    matmul took ~12 ms for one row of OLMoE's [64, 2048] router on the loaded 2-core machine (0.03 ms
+    with torch's own). A checkpoint tensor of the same number of values loads in this shape (a
+    llama.cpp file may hold a one-row weight as a vector)."""
 
-    def __init__(self, hidden_size: int, *, params_dtype: torch.dtype | None = None):
+    def __init__(self, hidden_size: int, out_features: int, *, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(
-            torch.empty(1, hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
+            torch.empty(out_features, hidden_size, dtype=params_dtype or torch.get_default_dtype()),
+            requires_grad=False,
         )
 
     def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         tensor = materialize(loaded_weight, self.weight.dtype)
         if param_name != "weight" or tensor.numel() != self.weight.numel() or tensor.dim() > 2:
+            vector = f" or ({self.weight.shape[1]},)" if self.weight.shape[0] == 1 else ""
             raise ModelLoadError(
-                f"{type(self).__name__} expects 'weight' of shape {tuple(self.weight.shape)} or "
-                f"({self.weight.shape[1]},), got {param_name!r} of shape {tuple(tensor.shape)}"
+                f"{type(self).__name__} expects 'weight' of shape {tuple(self.weight.shape)}{vector}, got "
+                f"{param_name!r} of shape {tuple(tensor.shape)}"
             )
         self.weight.data.copy_(tensor.reshape(self.weight.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SharedExpertGate(RouterLinear):
+    """``sigmoid(x @ weight.T)``: one scale per token for the shared expert's output, ``weight
+    [1, H]`` (a Hugging Face checkpoint's shape; llama.cpp's ``ffn_gate_inp_shexp`` may hold it as
+    a vector of ``H``)."""
+
+    def __init__(self, hidden_size: int, *, params_dtype: torch.dtype | None = None):
+        super().__init__(hidden_size, 1, params_dtype=params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(x, self.weight))
 
 
 class FusedMoE(nn.Module):
-    """A router (``gate``, never quantized) over ``experts``, and with
+    """A router (``gate``, a :class:`RouterLinear`) over ``experts``, and with
     ``shared_expert_intermediate_size`` a ``shared_expert`` (gated by ``shared_expert_gate``
     when ``shared_expert_gate``); see the module docstring."""
 
@@ -425,7 +441,7 @@ class FusedMoE(nn.Module):
         self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
         self.tp_group = tp_group
         self.tp_size = tp_place(tp_group, 0, 1)[1]
-        self.gate = ReplicatedLinear(hidden_size, num_experts, params_dtype=params_dtype)
+        self.gate = RouterLinear(hidden_size, num_experts, params_dtype=params_dtype)
         self.experts = FusedExperts(
             num_experts,
             hidden_size,
