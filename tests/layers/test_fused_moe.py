@@ -3,7 +3,8 @@ routers route; the ``moe_experts`` operator (csrc/cpu_moe.cpp) against the torch
 experts at every kernel level, for float32, bfloat16 and 4-bit experts (the 4-bit ones bit for
 bit against ``int4_linear`` run expert by expert); the layer loading per-expert and stacked
 tensors alike, tensor-parallel shards summing to the whole layer, a missing expert named, and a
-sigmoid-gated shared expert as transformers' Qwen2-MoE block computes it."""
+sigmoid-gated shared expert as transformers' Qwen2-MoE block computes it; a Q4_K_M file's
+experts kept in their own codes per projection (Q4_K gate/up, Q6_K down)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ import torch
 from helpers.isa_levels import at_the_host_level
 from torch.nn import functional as F
 
+from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
+from tokenloom.builtin_plugins.quantization.gguf_blocks import GGML_TYPES, Q4_K, Q6_K, Q8_0, GGUFWeight
+from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups
+from tokenloom.builtin_plugins.quantization.gguf_kquant import pack_kquant
 from tokenloom.errors import ModelLoadError
 from tokenloom.kernels import cpu_native
 from tokenloom.kernels.int4_matmul import int4_linear, pack_int4
+from tokenloom.kernels.moe_packing import repack_gguf_rows
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.fused_moe import FusedExperts, FusedMoE, fused_experts, fused_experts_reference, route
 
@@ -191,6 +197,68 @@ def test_a_missing_expert_weight_is_named():
         ModelLoadError, match=r"expert 1's up weight has shape \(48, 32\), the model expects \(48, 64\)"
     ):
         experts.load_checkpoint_weight("weight", w13[1, INTERMEDIATE:, :32], ("up", 1))
+
+
+def random_blocks(ggml_type: int, experts: int, rows: int, columns: int, generator: torch.Generator) -> GGUFWeight:
+    """A stacked ``[experts, rows, columns]`` GGUF tensor of random blocks whose float16 scales are
+    small and finite (Q4_K: d and dmin first; Q6_K: d last; Q8_0: d first)."""
+    _, block_values, block_bytes = GGML_TYPES[ggml_type]
+    count = experts * rows * columns // block_values
+    data = torch.randint(0, 256, (count, block_bytes), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(count, 2, generator=generator) * 1e-3).half().view(torch.uint8)
+    if ggml_type == Q6_K:
+        data[:, -2:] = scale[:, :2]
+    else:
+        data[:, : 4 if ggml_type == Q4_K else 2] = scale[:, : 4 if ggml_type == Q4_K else 2]
+    return GGUFWeight(data.view(experts * rows, -1), ggml_type, torch.Size((experts, rows, columns)), "ffn_exps")
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=["q4_k", "q6_k"])
+def test_gguf_repack_writes_the_torch_packers_bytes(ggml_type):
+    """The native one-pass repack of Q4_K and Q6_K rows (48: an odd last block of 16) gives the
+    bytes the torch packers give from the same blocks."""
+    native_ops()
+    weight = random_blocks(ggml_type, 1, 48, 512, torch.Generator().manual_seed(5))
+    rows = GGUFWeight(weight.data, ggml_type, torch.Size((48, 512)))
+    repacked = repack_gguf_rows(rows.data, ggml_type, 48, 512)
+    if ggml_type == Q6_K:
+        expected = pack_kquant([rows])
+    else:
+        expected = pack_int4(*int4_groups(rows), torch.bfloat16)
+    assert type(repacked) is type(expected) and torch.equal(repacked.packed, expected.packed)
+
+
+@pytest.mark.parametrize("down_type", [Q6_K, Q8_0], ids=["q6_k-down", "q8_0-down"])
+def test_a_q4_k_m_files_experts_stay_in_their_codes_per_projection(down_type):
+    """Q4_K gate and up beside a Q6_K down (a Q4_K_M file's layer) are kept packed, each in its
+    own kind, with no dense copy; a type the operator does not take (Q8_0) makes the layer dense."""
+    native_ops()
+    generator = torch.Generator().manual_seed(4)
+    experts, hidden, intermediate = 4, 256, 256
+    stacks = {
+        "gate": random_blocks(Q4_K, experts, intermediate, hidden, generator),
+        "up": random_blocks(Q4_K, experts, intermediate, hidden, generator),
+        "down": random_blocks(down_type, experts, hidden, intermediate, generator),
+    }
+    layer = FusedExperts(
+        experts, hidden, intermediate, "silu", quant_method=GGUFQuantizationMethod(), params_dtype=torch.bfloat16
+    )
+    for projection, stack in stacks.items():
+        layer.load_checkpoint_weight("weight", stack, (projection, None))
+    layer.process_weights_after_loading()
+    w13 = torch.cat([stacks["gate"].dequantize(), stacks["up"].dequantize()], dim=1)
+    w2 = stacks["down"].dequantize()
+    if down_type == Q6_K:
+        assert layer.w13_weight.is_meta and layer.w2_weight.is_meta
+        assert (layer.w13_kind, layer.w2_kind) == ((4, 8), (6, 8))
+    else:
+        assert layer.w13_packed is None and layer.w2_packed is None
+        assert torch.equal(layer.w13_weight, w13.bfloat16()) and torch.equal(layer.w2_weight, w2.bfloat16())
+    x = torch.randn(9, hidden, generator=generator)
+    weights, ids = route(torch.randn(9, experts, generator=generator), 2, renormalize=True)
+    reference = fused_experts_reference(x, weights, ids, w13, w2, SiluAndMul())
+    got = layer(x.bfloat16(), weights, ids).float()
+    assert (got - reference).abs().max() <= 0.03 * reference.abs().max()
 
 
 def load_qwen2_moe_block(moe: FusedMoE, block, shared_gate: torch.Tensor) -> FusedMoE:

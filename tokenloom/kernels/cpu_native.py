@@ -75,6 +75,7 @@ OPERATORS = {
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
     "moe_experts": "a torch loop over the experts a batch routes to",
+    "gguf_repack": "the torch packers of int4_matmul.py and kquant_matmul.py (many passes over the weight)",
     "lora_bgmv_": "the torch LoRA delta (every used slot's columns, masked, as two matmuls)",
     "paged_decode_attention": "the torch paged attention (gathered keys and values, SDPA)",
     "write_kv_cache": "the torch paged attention (index_put)",

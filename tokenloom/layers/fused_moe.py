@@ -10,10 +10,15 @@ always, Qwen3-MoE ``norm_topk_prob``). The experts' ``gate``/``up`` rows are sta
 over the (token, expert) rows sorted by expert; :func:`fused_experts_reference` is the torch
 loop over experts the tests hold it to, and what runs with the kernels off.
 
-A GGUF checkpoint's 4-bit expert blocks (Q4_0, Q4_1, Q4_K) are kept as 4-bit, each expert
-packed as :mod:`tokenloom.kernels.int4_matmul` packs a linear layer, when that layer's kernel
-would take them (the ``gguf`` method in mode ``auto``, the kernels built, a bfloat16 model or a
-float32 one the platform chose); every other expert weight is dense in the model dtype.
+A GGUF checkpoint's expert blocks stay in their own codes, each projection in its own kind, when
+the quantization method keeps them (:meth:`QuantizationMethod.pack_expert_rows`: the ``gguf``
+method in mode ``auto``, the kernels built, a bfloat16 model or a float32 one the platform
+chose): 4-bit ones (Q4_0, Q4_1, Q4_K) packed as :mod:`tokenloom.kernels.int4_matmul` packs a
+linear layer, 6-bit (Q6_K) and 5-bit ones (Q5_0, Q5_1, Q5_K) as :mod:`tokenloom.kernels.kquant_matmul`
+does, so a Q4_K_M file's Q4_K gate and up and its Q6_K down all run natively with no dense copy.
+A stacked tensor is packed a few experts at a time straight into ``w13_packed``/``w2_packed``
+``[E, rows / 16, bytes]``. If any expert weight is of a type the kernels do not take (or gate and
+up differ in kind), every expert of the layer is dense in the model dtype.
 
 Checkpoint tensors reach :meth:`FusedExperts.load_checkpoint_weight` with a shard id
 ``(projection, expert)``: ``projection`` one of ``"gate"``, ``"up"``, ``"down"`` and ``expert``
@@ -40,16 +45,19 @@ from torch.nn import functional as F
 
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.cpu_native import ops_for
-from tokenloom.kernels.int4_matmul import NATIVE_GROUP_SIZE, can_pack, dequantize_int4, pack_int4
+from tokenloom.kernels.int4_matmul import Int4Weight
+from tokenloom.kernels.kquant_matmul import KQuantWeight
 from tokenloom.layers.activation import get_act_and_mul
 from tokenloom.layers.decoder import GatedMLP
-from tokenloom.layers.linear import ReplicatedLinear, divide, tensor_parallel_all_reduce, tp_place
+from tokenloom.layers.linear import divide, tensor_parallel_all_reduce, tp_place
 from tokenloom.layers.quantization import QuantizationConfig, QuantizationMethod, materialize
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 PROJECTIONS = ("gate", "up", "down")
-# one weight's 4-bit (codes, scales, zeros), see tokenloom.kernels.int4_matmul
-Int4Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# a packed projection's layout for the moe_experts operator: (bits 4, 5 or 6, superblock groups of 32)
+PackedKind = tuple[int, int]
+# experts packed at a time: bounds the packers' temporaries (a few hundred MB for OLMoE's experts)
+_EXPERTS_PER_PACK = 8
 # Hugging Face ``hidden_act`` -> the activation name of the CPU operators' act_and_mul
 _KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -85,18 +93,27 @@ def fused_experts_reference(
 
 
 def fused_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str, ops
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    ops,
+    kinds: tuple[PackedKind | None, PackedKind | None] = (None, None),
 ) -> torch.Tensor:
     """What :func:`fused_experts_reference` computes, by the CPU operator ``moe_experts``: the
     ``(token, expert)`` rows sorted by expert, every expert in one call, each token's rows summed
-    with its routing weights. ``w13``/``w2`` dense or packed 4-bit (see csrc/cpu_moe.cpp)."""
+    with its routing weights. ``w13``/``w2`` dense, or packed with their ``kinds`` (bits,
+    superblock groups; see csrc/cpu_moe.cpp)."""
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     offsets = torch.zeros(w13.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(torch.bincount(flat_ids, minlength=w13.shape[0]), 0, out=offsets[1:])
     rows = x.float().index_select(0, order // top_k)
-    sorted_out = ops.moe_experts(rows, offsets, w13, w2, activation)
+    (w13_bits, w13_groups), (w2_bits, w2_groups) = (kind or (4, 8) for kind in kinds)
+    sorted_out = ops.moe_experts(rows, offsets, w13, w2, activation, w13_bits, w2_bits, w13_groups, w2_groups)
     out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
     return torch.bmm(weights.unsqueeze(1), out.view(num_tokens, top_k, -1)).squeeze(1).to(x.dtype)
 
@@ -121,28 +138,53 @@ def expert_stacked_params(
     return tuple(rows)
 
 
-def _expert_slice(weight: Any, expert: int) -> Any:
-    """Expert ``expert``'s ``[N, K]`` of a stacked ``[E, N, K]`` checkpoint tensor (a packed GGUF
-    tensor stays packed)."""
-    if isinstance(weight, torch.Tensor) or not hasattr(weight, "narrow_rows"):
-        return torch.as_tensor(weight)[expert]
-    experts, rows = weight.shape[0], weight.shape[1]
-    packed = type(weight)(weight.data.view(experts, rows, -1)[expert], weight.ggml_type, weight.shape[1:])
+def _as_stack(weight: Any) -> Any:
+    """One expert's ``[N, K]`` checkpoint weight as a stack ``[1, N, K]`` (a packed GGUF weight
+    stays packed)."""
+    if not hasattr(weight, "narrow_rows"):
+        return torch.as_tensor(weight).unsqueeze(0)
+    stack = type(weight)(weight.data, weight.ggml_type, (1, *weight.shape))
+    stack.name, stack.path = weight.name, weight.path
+    return stack
+
+
+def _packed_like(weight: Any, data: torch.Tensor, shape: tuple[int, ...]) -> Any:
+    packed = type(weight)(data, weight.ggml_type, shape)
     packed.name, packed.path = weight.name, weight.path
     return packed
 
 
-def _narrow(weight: Any, dim: int, start: int, size: int) -> Any:
-    """Rows (``dim`` 0) or columns (1) ``start:start+size`` of a checkpoint weight, a packed one in
-    its packed form."""
-    if hasattr(weight, "narrow_rows"):
-        return weight.narrow_rows(start, size) if dim == 0 else weight.narrow_columns(start, size)
-    return torch.as_tensor(weight).narrow(dim, start, size)
+def _expert_rows(stack: Any, first: int, count: int) -> Any:
+    """Experts ``first .. first+count`` of a stack ``[E, N, K]`` as rows ``[count N, K]`` (a view
+    of a packed GGUF weight's bytes, still packed)."""
+    experts, rows, columns = stack.shape
+    if not hasattr(stack, "narrow_rows"):
+        return torch.as_tensor(stack)[first : first + count].reshape(count * rows, columns)
+    data = stack.data.view(experts, rows, -1)[first : first + count].reshape(count * rows, -1)
+    return _packed_like(stack, data, (count * rows, columns))
+
+
+def _narrow_stack(stack: Any, dim: int, start: int, size: int) -> Any:
+    """Every expert's rows (``dim`` 0) or columns (1) ``start:start+size`` of a stack ``[E, N, K]``,
+    a packed one in its packed form (a tensor-parallel rank's share)."""
+    if not hasattr(stack, "narrow_rows"):
+        return torch.as_tensor(stack).narrow(dim + 1, start, size)
+    experts, rows, columns = stack.shape
+    if dim == 0:
+        data = stack.data.view(experts, rows, -1)[:, start : start + size].reshape(experts * size, -1)
+        return _packed_like(stack, data, (experts, size, columns))
+    flat = _packed_like(stack, stack.data.reshape(experts * rows, -1), (experts * rows, columns))
+    return _packed_like(stack, flat.narrow_columns(start, size).data, (experts, rows, size))
+
+
+def _packed_kind(weight: Int4Weight | KQuantWeight) -> PackedKind:
+    """The moe_experts operator's (bits, superblock groups) for a packed weight."""
+    return (weight.bits, weight.superblock_groups) if isinstance(weight, KQuantWeight) else (4, 8)
 
 
 class FusedExperts(nn.Module):
     """Every routed expert's gated MLP, stacked: ``w13_weight [E, 2 I/tp, H]``, ``w2_weight [E, H, I/tp]``
-    (or, for 4-bit experts, ``w13_packed``/``w2_packed``; see the module docstring)."""
+    (or, for experts kept in their codes, ``w13_packed``/``w2_packed``; see the module docstring)."""
 
     #: the weight loader leaves the check for missing tensors to this module (a shard per expert)
     checks_own_weights = True
@@ -177,11 +219,16 @@ class FusedExperts(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, size, dtype=self.params_dtype), requires_grad=False
         )
+        # packed experts (see the module docstring): [E, rows / 16, bytes] uint8 and their kind
         self.w13_packed: torch.Tensor | None = None
         self.w2_packed: torch.Tensor | None = None
+        self.w13_kind: PackedKind | None = None
+        self.w2_kind: PackedKind | None = None
         self._loaded: set[tuple[str, int]] = set()
-        # 4-bit checkpoint weights the quantization method keeps 4-bit, packed once all are loaded
-        self._int4_groups: dict[tuple[str, int], Int4Groups] = {}
+        # the checkpoint weights behind the packed experts (projection, first expert, their rows),
+        # dequantized instead if some expert weight could not be packed alike; dropped once loaded
+        self._packed_sources: list[tuple[str, int, Any]] = []
+        self._any_dense = False
 
     # -- loading ---------------------------------------------------------------------
 
@@ -196,44 +243,77 @@ class FusedExperts(nn.Module):
                 f"{type(self).__name__} loads expert weights by (projection, expert), not {shard_id!r}"
             )
         projection, expert = shard_id
-        experts = range(self.num_experts) if expert is None else [expert]
-        if expert is None and tuple(loaded_weight.shape[:1]) != (self.num_experts,):
-            raise ModelLoadError(
-                f"a stacked {projection} tensor of shape {tuple(loaded_weight.shape)} does not hold "
-                f"{self.num_experts} experts"
-            )
-        for index in experts:
-            if not 0 <= index < self.num_experts:
-                raise ModelLoadError(f"expert {index} is outside the model's {self.num_experts} experts")
-            one = _expert_slice(loaded_weight, index) if expert is None else loaded_weight
-            self._load_one(projection, index, one)
-            self._loaded.add((projection, index))
-
-    def _load_one(self, projection: str, expert: int, weight: Any) -> None:
-        size, start = self.intermediate_size, self.tp_rank * self.intermediate_size
         full = (self.intermediate_size * self.tp_size, self.hidden_size)
         expected = full if projection != "down" else full[::-1]
-        if tuple(weight.shape) != expected:
-            raise ModelLoadError(
-                f"expert {expert}'s {projection} weight has shape {tuple(weight.shape)}, the model expects {expected}"
-            )
-        if self.tp_size > 1:  # this rank's intermediate features: rows of gate/up, columns of down
-            if projection == "down":
-                weight = _narrow(weight, 1, start, size)
-            else:
-                weight = _narrow(weight, 0, start, size)
-        groups = self.quant_method.int4_groups(weight, self.params_dtype) if self.quant_method is not None else None
-        if groups is not None:
-            self._int4_groups[(projection, expert)] = groups
+        if expert is None:
+            if tuple(loaded_weight.shape[:1]) != (self.num_experts,):
+                raise ModelLoadError(
+                    f"a stacked {projection} tensor of shape {tuple(loaded_weight.shape)} does not hold "
+                    f"{self.num_experts} experts"
+                )
+            if tuple(loaded_weight.shape[1:]) != expected:
+                raise ModelLoadError(
+                    f"the stacked {projection} tensor holds experts of shape {tuple(loaded_weight.shape[1:])}, "
+                    f"the model expects {expected}"
+                )
+            first, stack = 0, loaded_weight
         else:
-            self._copy_dense(projection, expert, materialize(weight, self.params_dtype))
+            if not 0 <= expert < self.num_experts:
+                raise ModelLoadError(f"expert {expert} is outside the model's {self.num_experts} experts")
+            if tuple(loaded_weight.shape) != expected:
+                raise ModelLoadError(
+                    f"expert {expert}'s {projection} weight has shape {tuple(loaded_weight.shape)}, "
+                    f"the model expects {expected}"
+                )
+            first, stack = expert, _as_stack(loaded_weight)
+        if self.tp_size > 1:  # this rank's intermediate features: rows of gate/up, columns of down
+            size = self.intermediate_size
+            stack = _narrow_stack(stack, 1 if projection == "down" else 0, self.tp_rank * size, size)
+        count = stack.shape[0]
+        for start in range(0, count, _EXPERTS_PER_PACK):
+            chunk = min(_EXPERTS_PER_PACK, count - start)
+            self._load_rows(projection, first + start, chunk, _expert_rows(stack, start, chunk))
+        self._loaded.update((projection, index) for index in range(first, first + count))
 
-    def _copy_dense(self, projection: str, expert: int, dense: torch.Tensor) -> None:
+    def _load_rows(self, projection: str, first: int, count: int, rows: Any) -> None:
+        """Experts ``first .. first+count``'s ``projection`` weights, ``rows [count N, K]``: packed
+        into the stacked kernel weight when the quantization method keeps them in their codes
+        (and the operator can take them), else dense."""
+        packed = None
+        per_expert = rows.shape[0] // count
+        if self.quant_method is not None and self.kernel_activation is not None and per_expert % 32 == 0:
+            packed = self.quant_method.pack_expert_rows(rows, self.params_dtype)
+        if packed is not None and self._store_packed(projection, first, count, packed):
+            self._packed_sources.append((projection, first, rows))
+            return
+        self._any_dense = True
+        self._copy_dense(projection, first, materialize(rows, self.params_dtype).view(count, per_expert, -1))
+
+    def _store_packed(self, projection: str, first: int, count: int, packed: Int4Weight | KQuantWeight) -> bool:
+        """``packed`` (experts ``first .. first+count``, blocks of 16 rows) written into the
+        projection's stacked weight (gate then up in ``w13_packed``); False when its kind or
+        bytes differ from what that stack already holds."""
+        kind, blocks = _packed_kind(packed), packed.packed.view(count, -1, packed.packed.shape[-1])
+        name = "w2" if projection == "down" else "w13"
+        stacked = getattr(self, f"{name}_packed")
+        if stacked is None:
+            rows = self.hidden_size if projection == "down" else 2 * self.intermediate_size
+            stacked = torch.empty(self.num_experts, rows // 16, blocks.shape[-1], dtype=torch.uint8)
+            setattr(self, f"{name}_packed", stacked)
+            setattr(self, f"{name}_kind", kind)
+        elif getattr(self, f"{name}_kind") != kind or stacked.shape[-1] != blocks.shape[-1]:
+            return False
+        offset = self.intermediate_size // 16 if projection == "up" else 0
+        stacked[first : first + count, offset : offset + blocks.shape[1]].copy_(blocks)
+        return True
+
+    def _copy_dense(self, projection: str, first: int, dense: torch.Tensor) -> None:
+        experts = slice(first, first + dense.shape[0])
         if projection == "down":
-            self.w2_weight.data[expert].copy_(dense)
+            self.w2_weight.data[experts].copy_(dense)
         else:
             offset = 0 if projection == "gate" else self.intermediate_size
-            self.w13_weight.data[expert, offset : offset + self.intermediate_size].copy_(dense)
+            self.w13_weight.data[experts, offset : offset + self.intermediate_size].copy_(dense)
 
     def process_weights_after_loading(self) -> None:
         missing = [
@@ -246,39 +326,24 @@ class FusedExperts(nn.Module):
             raise ModelLoadError(
                 f"the checkpoint lacks {len(missing)} expert weight(s) the model needs: {', '.join(missing[:10])}"
             )
-        groups, self._int4_groups = self._int4_groups, {}
-        if not groups:
+        sources, self._packed_sources = self._packed_sources, []
+        if not sources:
             return
-        whole = len(groups) == 3 * self.num_experts and self.kernel_activation is not None
-        packed = self._pack_int4(groups) if whole else None
-        if packed is not None:
-            self.w13_packed, self.w2_packed = packed
-            for name in ("w13_weight", "w2_weight"):  # no dense copy: the shape and dtype stay
+        if not self._any_dense:  # every expert packed: no dense copy (the shape and dtype stay)
+            for name in ("w13_weight", "w2_weight"):
                 shape = getattr(self, name).shape
                 setattr(self, name, nn.Parameter(torch.empty(shape, dtype=self.params_dtype, device="meta"), False))
             return
-        # some experts of another type, a shape the kernel's layout refuses, or no kernel: dense
-        for (projection, expert), (codes, scales, zeros) in groups.items():
-            self._copy_dense(projection, expert, dequantize_int4(codes, scales, zeros).to(self.params_dtype))
+        # some expert weights the kernels do not take (another type, a shape, gate and up of two
+        # kinds): every expert dense, for one path
+        self.w13_packed = self.w2_packed = self.w13_kind = self.w2_kind = None
+        for projection, first, rows in sources:
+            dense = materialize(rows, self.params_dtype)
+            self._copy_dense(projection, first, dense.view(-1, *self._dense_shape(projection)))
 
-    def _pack_int4(self, groups: dict[tuple[str, int], Int4Groups]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every expert's gate+up and down packed for tokenloom's int4_linear kernel and stacked, or
-        None when the kernel is not built or a shape does not fit its layout."""
-        w13, w2 = [], []
-        for expert in range(self.num_experts):
-            gate, up, down = (groups[(projection, expert)] for projection in PROJECTIONS)
-            gate_up = (torch.cat([gate[0], up[0]]), torch.cat([gate[1], up[1]]), torch.cat([gate[2], up[2]]))
-            packed = []
-            for codes, scales, zeros in (gate_up, down):
-                rows, columns = codes.shape
-                if scales.shape[1] * NATIVE_GROUP_SIZE != columns or not can_pack(rows, columns, NATIVE_GROUP_SIZE):
-                    return None
-                packed.append(pack_int4(codes, scales, zeros, torch.bfloat16))
-            if any(weight.kernel is None for weight in packed):
-                return None
-            w13.append(packed[0].packed)
-            w2.append(packed[1].packed)
-        return torch.stack(w13), torch.stack(w2)
+    def _dense_shape(self, projection: str) -> tuple[int, int]:
+        size = (self.intermediate_size, self.hidden_size)
+        return size[::-1] if projection == "down" else size
 
     # -- forward -----------------------------------------------------------------------
 
@@ -288,45 +353,65 @@ class FusedExperts(nn.Module):
         activation = self.kernel_activation
         ops = ops_for(x) if activation is not None else None
         if self.w13_packed is not None and self.w2_packed is not None and activation is not None:
-            return fused_experts(x, weights, ids, self.w13_packed, self.w2_packed, activation, ops)
+            kinds = (self.w13_kind, self.w2_kind)
+            return fused_experts(x, weights, ids, self.w13_packed, self.w2_packed, activation, ops, kinds)
         if ops is not None and activation is not None and self.w13_weight.dtype in (torch.float32, torch.bfloat16):
             return fused_experts(x, weights, ids, self.w13_weight, self.w2_weight, activation, ops)
         return fused_experts_reference(x, weights, ids, self.w13_weight, self.w2_weight, self.act_fn)
 
     def extra_repr(self) -> str:
-        kind = "int4" if self.w13_packed is not None else str(self.w13_weight.dtype).removeprefix("torch.")
+        if self.w13_kind is not None and self.w2_kind is not None:
+            kind = f"int{self.w13_kind[0]}+int{self.w2_kind[0]}"
+        else:
+            kind = str(self.w13_weight.dtype).removeprefix("torch.")
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
             f"weights={kind}, tp={self.tp_rank}/{self.tp_size}"
         )
 
 
-class SharedExpertGate(nn.Module):
-    """``sigmoid(x @ weight.T)``: one scale per token for the shared expert's output, ``weight
-    [1, H]`` (a Hugging Face checkpoint's shape; llama.cpp's ``ffn_gate_inp_shexp`` may hold it as
-    a vector of ``H``). Replicated on every tensor-parallel rank, never quantized."""
+class RouterLinear(nn.Module):
+    """``x @ weight.T`` with a plain dense ``weight [out, H]`` (the router, ``out`` experts):
+    replicated on every tensor-parallel rank, never quantized, and never packed for oneDNN, whose
+    matmul took ~12 ms for one row of OLMoE's [64, 2048] router on the loaded 2-core machine (0.03 ms
+    with torch's own). A checkpoint tensor of the same number of values loads in this shape (a
+    llama.cpp file may hold a one-row weight as a vector)."""
 
-    def __init__(self, hidden_size: int, *, params_dtype: torch.dtype | None = None):
+    def __init__(self, hidden_size: int, out_features: int, *, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(
-            torch.empty(1, hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
+            torch.empty(out_features, hidden_size, dtype=params_dtype or torch.get_default_dtype()),
+            requires_grad=False,
         )
 
     def load_checkpoint_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         tensor = materialize(loaded_weight, self.weight.dtype)
         if param_name != "weight" or tensor.numel() != self.weight.numel() or tensor.dim() > 2:
+            vector = f" or ({self.weight.shape[1]},)" if self.weight.shape[0] == 1 else ""
             raise ModelLoadError(
-                f"{type(self).__name__} expects 'weight' of shape {tuple(self.weight.shape)} or "
-                f"({self.weight.shape[1]},), got {param_name!r} of shape {tuple(tensor.shape)}"
+                f"{type(self).__name__} expects 'weight' of shape {tuple(self.weight.shape)}{vector}, got "
+                f"{param_name!r} of shape {tuple(tensor.shape)}"
             )
         self.weight.data.copy_(tensor.reshape(self.weight.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SharedExpertGate(RouterLinear):
+    """``sigmoid(x @ weight.T)``: one scale per token for the shared expert's output, ``weight
+    [1, H]`` (a Hugging Face checkpoint's shape; llama.cpp's ``ffn_gate_inp_shexp`` may hold it as
+    a vector of ``H``)."""
+
+    def __init__(self, hidden_size: int, *, params_dtype: torch.dtype | None = None):
+        super().__init__(hidden_size, 1, params_dtype=params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(x, self.weight))
 
 
 class FusedMoE(nn.Module):
-    """A router (``gate``, never quantized) over ``experts``, and with
+    """A router (``gate``, a :class:`RouterLinear`) over ``experts``, and with
     ``shared_expert_intermediate_size`` a ``shared_expert`` (gated by ``shared_expert_gate``
     when ``shared_expert_gate``); see the module docstring."""
 
@@ -356,7 +441,7 @@ class FusedMoE(nn.Module):
         self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
         self.tp_group = tp_group
         self.tp_size = tp_place(tp_group, 0, 1)[1]
-        self.gate = ReplicatedLinear(hidden_size, num_experts, params_dtype=params_dtype)
+        self.gate = RouterLinear(hidden_size, num_experts, params_dtype=params_dtype)
         self.experts = FusedExperts(
             num_experts,
             hidden_size,

@@ -107,12 +107,12 @@ class QuantizationMethod:
         """``x @ weight.T + bias``."""
         raise NotImplementedError
 
-    def int4_groups(
-        self, loaded_weight: Any, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(codes, scales, zeros)`` (see :mod:`tokenloom.kernels.int4_matmul`) of a checkpoint
-        weight this method would keep 4-bit in a layer of ``dtype``, else None (it is loaded
-        dense): how layers that are not linear (:mod:`tokenloom.layers.fused_moe`) ask."""
+    def pack_expert_rows(self, loaded_weight: Any, dtype: torch.dtype) -> Any:
+        """A checkpoint weight's rows ``[R, K]`` (one expert's, or several experts' stacked) packed
+        for one of tokenloom's CPU kernels, when this method keeps such a weight in its own codes
+        in a layer of ``dtype``: an :class:`~tokenloom.kernels.int4_matmul.Int4Weight` packed for
+        tokenloom's kernel or a :class:`~tokenloom.kernels.kquant_matmul.KQuantWeight`; else None
+        (it is loaded dense). How layers that are not linear (:mod:`tokenloom.layers.fused_moe`) ask."""
         return None
 
 

@@ -28,6 +28,7 @@ from tokenloom.builtin_plugins.loaders.gguf_config import gguf_to_hf_config
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
 from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_qwen2_moe import Qwen2MoeForCausalLM
+from tokenloom.kernels import cpu_native
 from tokenloom.layers.decoder import GatedMLP
 from tokenloom.layers.fused_moe import FusedMoE
 
@@ -119,6 +120,14 @@ def test_qwen2_moe_served_from_a_llama_quantize_q4_k_m_file_agrees_with_transfor
     assert all(len(set(tokens)) > 3 for tokens, _ in expected), "greedy decoding is degenerate"
     llm = LLM(model=path, max_model_len=64, kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
     assert_greedy_agrees(served_greedy_top_k(llm, PROMPTS, 10), expected)
+    if cpu_native.load() is not None:  # every expert in its file's codes, each projection in its own kind
+        layers = llm.engine.executor.worker.runner.model.model.layers
+        kinds = [(layer.mlp.experts.w13_kind, layer.mlp.experts.w2_kind) for layer in layers]
+        down_bits = [
+            6 if types[f"blk.{index}.ffn_down_exps.weight"] == GGMLQuantizationType.Q6_K else 4 for index in (0, 1)
+        ]
+        assert kinds == [((4, 8), (bits, 8)) for bits in down_bits] and 6 in down_bits
+        assert all(layer.mlp.experts.w13_weight.is_meta and layer.mlp.experts.w2_weight.is_meta for layer in layers)
 
 
 def test_registration():

@@ -48,6 +48,7 @@ from tokenloom.kernels.int4_matmul import INT4_DTYPES, Int4Weight, can_pack, int
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
 from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
 from tokenloom.kernels.lowbit_matmul import LowbitWeight, lowbit_linear
+from tokenloom.kernels.moe_packing import repack_gguf_rows
 from tokenloom.kernels.triton import gguf as triton_gguf
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
 
@@ -183,15 +184,26 @@ class GGUFQuantizationMethod(UnquantizedMethod):
             return dtype
         return torch.bfloat16 if dtype == torch.float32 and not self.exact_dtype else None
 
-    def int4_groups(self, loaded_weight, dtype):
+    def pack_expert_rows(self, loaded_weight, dtype):
         if (
-            self.mode == "auto"
-            and isinstance(loaded_weight, GGUFWeight)
-            and is_int4_type(loaded_weight.ggml_type)
-            and self._int4_dtype(dtype) is not None
+            self.mode != "auto"
+            or not isinstance(loaded_weight, GGUFWeight)
+            # the expert kernel takes 4-, 5- and 6-bit codes; 8-, 3- and 2-bit experts run dense
+            or (native_kernel_family(loaded_weight.ggml_type) or ("",))[0] not in ("int4", "int5", "int6")
+            or self._int4_dtype(dtype) is None
         ):
-            return int4_groups(loaded_weight)
-        return None
+            return None
+        rows, columns = loaded_weight.shape
+        repacked = repack_gguf_rows(loaded_weight.data, loaded_weight.ggml_type, rows, columns)
+        if repacked is not None:  # Q4_K, Q6_K: one native pass
+            return repacked
+        if not is_int4_type(loaded_weight.ggml_type):
+            return pack_kquant([loaded_weight])
+        codes, scales, zeros = int4_groups(loaded_weight)
+        if not can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
+            return None
+        packed = pack_int4(codes, scales, zeros, torch.bfloat16)
+        return packed if packed.kernel is not None else None
 
     def apply(self, layer, x, bias):
         gguf_blocks = getattr(layer, "gguf_blocks", None)

@@ -44,6 +44,8 @@ void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, c
 
 // cpu_moe.cpp
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_offsets, const at::Tensor& w13,
-                       const at::Tensor& w2, const std::string& activation);
+                       const at::Tensor& w2, const std::string& activation, int64_t w13_bits, int64_t w2_bits,
+                       int64_t w13_groups, int64_t w2_groups);
+at::Tensor gguf_repack(const at::Tensor& blocks, int64_t ggml_type, int64_t rows, int64_t columns);
 
 }  // namespace TOKENLOOM_CPU_NAMESPACE
