@@ -29,7 +29,7 @@
 namespace TOKENLOOM_CPU_NAMESPACE {
 
 // (a named namespace: every source is one translation unit, whose anonymous namespaces merge)
-namespace gguf_repack {
+namespace gguf_pack {
 
 // ggml's type ids (tokenloom/builtin_plugins/quantization/ggml_types.py)
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 12;
@@ -124,22 +124,22 @@ inline void group_codes(const Shard& shard, int64_t row, int64_t group, uint8_t 
   m_bits = to_f16_bits(rounded(zero - rounded(kCodeOffset * scale)));
 }
 
-}  // namespace gguf_repack
+}  // namespace gguf_pack
 
 at::Tensor gguf_pack_int4(const std::vector<at::Tensor>& shards, c10::IntArrayRef ggml_types) {
   TORCH_CHECK(!shards.empty() && shards.size() == ggml_types.size(), "gguf_pack_int4: one GGML type per shard");
   int64_t rows = 0, features = -1;
-  std::vector<gguf_repack::Shard> views;
+  std::vector<gguf_pack::Shard> views;
   std::vector<int64_t> first_rows;  // the first output row of each shard
   for (size_t i = 0; i < shards.size(); ++i) {
     const at::Tensor& shard = shards[i];
     const int64_t type = ggml_types[i];
-    TORCH_CHECK(type == gguf_repack::kQ4_0 || type == gguf_repack::kQ4_1 || type == gguf_repack::kQ4_K, "gguf_pack_int4: GGML type ", type,
+    TORCH_CHECK(type == gguf_pack::kQ4_0 || type == gguf_pack::kQ4_1 || type == gguf_pack::kQ4_K, "gguf_pack_int4: GGML type ", type,
                 " is not Q4_0, Q4_1 or Q4_K");
     TORCH_CHECK(shard.device().is_cpu() && shard.scalar_type() == at::kByte && shard.dim() == 2 && shard.stride(1) == 1,
                 "gguf_pack_int4: each shard is uint8 [rows, bytes per row] with contiguous rows");
-    const int64_t block_bytes = type == gguf_repack::kQ4_K ? 144 : (type == gguf_repack::kQ4_1 ? 20 : 18);
-    const int64_t block_values = type == gguf_repack::kQ4_K ? 256 : 32;
+    const int64_t block_bytes = type == gguf_pack::kQ4_K ? 144 : (type == gguf_pack::kQ4_1 ? 20 : 18);
+    const int64_t block_values = type == gguf_pack::kQ4_K ? 256 : 32;
     TORCH_CHECK(shard.size(1) % block_bytes == 0, "gguf_pack_int4: rows are not whole blocks");
     const int64_t shard_features = shard.size(1) / block_bytes * block_values;
     TORCH_CHECK(features < 0 || shard_features == features, "gguf_pack_int4: shards differ in row length");
@@ -148,21 +148,21 @@ at::Tensor gguf_pack_int4(const std::vector<at::Tensor>& shards, c10::IntArrayRe
     first_rows.push_back(rows);
     rows += shard.size(0);
   }
-  TORCH_CHECK(rows % gguf_repack::kBlockRows == 0 && features % gguf_repack::kGroup == 0, "gguf_pack_int4: ", rows,
+  TORCH_CHECK(rows % gguf_pack::kBlockRows == 0 && features % gguf_pack::kGroup == 0, "gguf_pack_int4: ", rows,
               " rows are not a multiple of 16");
-  const int64_t blocks = rows / gguf_repack::kBlockRows, groups = features / gguf_repack::kGroup;
-  at::Tensor packed = at::empty({blocks, groups * gguf_repack::kGroupBytes}, at::kByte);
+  const int64_t blocks = rows / gguf_pack::kBlockRows, groups = features / gguf_pack::kGroup;
+  at::Tensor packed = at::empty({blocks, groups * gguf_pack::kGroupBytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   const int64_t paired_blocks = blocks - blocks % 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    uint8_t codes[gguf_repack::kBlockRows][gguf_repack::kGroup];
-    uint16_t d_bits[gguf_repack::kBlockRows], m_bits[gguf_repack::kBlockRows];
+    uint8_t codes[gguf_pack::kBlockRows][gguf_pack::kGroup];
+    uint16_t d_bits[gguf_pack::kBlockRows], m_bits[gguf_pack::kBlockRows];
     for (int64_t block = begin; block < end; ++block) {
       // the shard and row of each of the block's 16 rows
-      const gguf_repack::Shard* row_shard[gguf_repack::kBlockRows];
-      int64_t shard_row[gguf_repack::kBlockRows];
-      for (int64_t lane = 0; lane < gguf_repack::kBlockRows; ++lane) {
-        const int64_t row = block * gguf_repack::kBlockRows + lane;
+      const gguf_pack::Shard* row_shard[gguf_pack::kBlockRows];
+      int64_t shard_row[gguf_pack::kBlockRows];
+      for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
+        const int64_t row = block * gguf_pack::kBlockRows + lane;
         size_t index = first_rows.size() - 1;
         while (first_rows[index] > row) --index;
         row_shard[lane] = &views[index];
@@ -170,16 +170,16 @@ at::Tensor gguf_pack_int4(const std::vector<at::Tensor>& shards, c10::IntArrayRe
       }
       const bool paired = block < paired_blocks;
       const int64_t in_pair = paired ? block % 2 : 0;
-      uint8_t* base = out + (block - in_pair) * groups * gguf_repack::kGroupBytes + in_pair * gguf_repack::kGroupBytes;
-      const int64_t group_stride = (paired ? 2 : 1) * gguf_repack::kGroupBytes;
+      uint8_t* base = out + (block - in_pair) * groups * gguf_pack::kGroupBytes + in_pair * gguf_pack::kGroupBytes;
+      const int64_t group_stride = (paired ? 2 : 1) * gguf_pack::kGroupBytes;
       for (int64_t group = 0; group < groups; ++group) {
-        for (int64_t lane = 0; lane < gguf_repack::kBlockRows; ++lane) {
-          gguf_repack::group_codes(*row_shard[lane], shard_row[lane], group, codes[lane], d_bits[lane], m_bits[lane]);
+        for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
+          gguf_pack::group_codes(*row_shard[lane], shard_row[lane], group, codes[lane], d_bits[lane], m_bits[lane]);
         }
         uint8_t* slot = base + group * group_stride;
         // step t, lane, byte j: features 8t + j (low nibble) and 8t + 4 + j (high)
         for (int t = 0; t < 4; ++t) {
-          for (int64_t lane = 0; lane < gguf_repack::kBlockRows; ++lane) {
+          for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
             for (int j = 0; j < 4; ++j) {
               slot[t * 64 + lane * 4 + j] =
                   static_cast<uint8_t>(codes[lane][8 * t + j] | (codes[lane][8 * t + 4 + j] << 4));
@@ -196,7 +196,7 @@ at::Tensor gguf_pack_int4(const std::vector<at::Tensor>& shards, c10::IntArrayRe
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_q6_k_parts(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
-                  blocks.size(1) == gguf_repack::kQ6KBytes && blocks.stride(1) == 1,
+                  blocks.size(1) == gguf_pack::kQ6KBytes && blocks.stride(1) == 1,
               "gguf_q6_k_parts: blocks are uint8 [n, 210] with contiguous rows");
   const int64_t count = blocks.size(0), stride = blocks.stride(0);
   at::Tensor codes = at::empty({count, 256}, at::kByte);
