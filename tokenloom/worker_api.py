@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         execute_model_timeout,
         is_stopped,
         node_authkey,
+        wait_for_node_processes,
     )
     from tokenloom.core.model_loader import ModelInfo, build_model, resolve_model
     from tokenloom.core.platform import Platform, attention_backend_target
@@ -54,6 +55,7 @@ _LAZY = {
     # the secret of the control connections between nodes
     "NODE_AUTHKEY_ENV": "tokenloom.core.executor",
     "node_authkey": "tokenloom.core.executor",
+    "wait_for_node_processes": "tokenloom.core.executor",
     # a proposer: its interface and what it is constructed with
     "Proposer": "tokenloom.core.spec_decode.proposer",
     "ProposerSpec": "tokenloom.core.spec_decode.proposer",
@@ -85,6 +87,7 @@ __all__ = [
     "EXECUTE_MODEL_TIMEOUT_ENV",
     "NODE_AUTHKEY_ENV",
     "node_authkey",
+    "wait_for_node_processes",
     "execute_model_timeout",
     "is_stopped",
     "Proposer",

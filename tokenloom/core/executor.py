@@ -5,9 +5,12 @@ Implementations (one process, several processes, Ray) are plugins."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.config import EngineConfig
@@ -67,6 +70,27 @@ def node_authkey(param: str, environ: dict[str, str] | None = None) -> bytes:
             param=param,
         )
     return value.encode()
+
+
+def wait_for_node_processes(processes: list[Any], what: str) -> int:
+    """A ``--headless`` node's main: waits until its started ``processes`` (``what`` they are, for
+    the log) end, SIGTERM or Ctrl-C terminating them. The exit code: 0 when they were stopped that
+    way or every one ended cleanly, else 1."""
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: Any) -> None:
+        stopping.set()
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for process in processes:
+        process.join()
+    codes = [process.exitcode for process in processes]
+    logging.getLogger(__name__).info("headless: the %s ended (exit codes %s)", what, codes)
+    return 0 if stopping.is_set() or all(code == 0 for code in codes) else 1
 
 
 def is_stopped(pid: int | None) -> bool:

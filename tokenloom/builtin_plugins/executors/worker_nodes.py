@@ -30,7 +30,7 @@ from typing import Any
 
 from tokenloom.builtin_plugins.executors.worker_host import WorkerLaunch
 from tokenloom.errors import ConfigError, EngineDeadError
-from tokenloom.worker_api import EngineConfig, node_authkey
+from tokenloom.worker_api import EngineConfig, node_authkey, wait_for_node_processes
 
 logger = logging.getLogger(__name__)
 
@@ -226,18 +226,4 @@ def run_worker_node(config: EngineConfig, timeout: float) -> int:
         parallel.master_addr,
         parallel.worker_control_port,
     )
-    stopping = threading.Event()
-
-    def stop(signum: int, frame: Any) -> None:
-        stopping.set()
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    for process in processes:
-        process.join()
-    codes = [process.exitcode for process in processes]
-    logger.info("headless: the workers ended (exit codes %s)", codes)
-    return 0 if stopping.is_set() or all(code == 0 for code in codes) else 1
+    return wait_for_node_processes(processes, "workers")

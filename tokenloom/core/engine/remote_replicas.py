@@ -25,11 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine.replica_host import enter_replica, serve_replica
-from tokenloom.core.executor import node_authkey
+from tokenloom.core.executor import node_authkey, wait_for_node_processes
 from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PlainPlugins, PluginSet
 
@@ -179,18 +178,4 @@ def run_headless(engine_args: EngineArgs, plugins: PluginSet, timeout: float) ->
         parallel.data_parallel_address,
         parallel.data_parallel_rpc_port,
     )
-    stopping = threading.Event()
-
-    def stop(signum: int, frame: Any) -> None:
-        stopping.set()
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    for process in processes:
-        process.join()
-    codes = [process.exitcode for process in processes]
-    logger.info("headless: the replicas ended (exit codes %s)", codes)
-    return 0 if stopping.is_set() or all(code == 0 for code in codes) else 1
+    return wait_for_node_processes(processes, "replicas")
