@@ -231,7 +231,8 @@ def test_gguf_repack_writes_the_torch_packers_bytes(ggml_type):
 @pytest.mark.parametrize("down_type", [Q6_K, Q8_0], ids=["q6_k-down", "q8_0-down"])
 def test_a_q4_k_m_files_experts_stay_in_their_codes_per_projection(down_type):
     """Q4_K gate and up beside a Q6_K down (a Q4_K_M file's layer) are kept packed, each in its
-    own kind, with no dense copy; a type the operator does not take (Q8_0) makes the layer dense."""
+    own kind, with no dense copy; a type the operator does not take (Q8_0) makes the layer dense.
+    Either way each checkpoint tensor's file pages are released once it is loaded."""
     native_ops()
     generator = torch.Generator().manual_seed(4)
     experts, hidden, intermediate = 4, 256, 256
@@ -243,9 +244,13 @@ def test_a_q4_k_m_files_experts_stay_in_their_codes_per_projection(down_type):
     layer = FusedExperts(
         experts, hidden, intermediate, "silu", quant_method=GGUFQuantizationMethod(), params_dtype=torch.bfloat16
     )
+    released = []
     for projection, stack in stacks.items():
+        stack.release = lambda projection=projection: released.append(projection)
         layer.load_checkpoint_weight("weight", stack, (projection, None))
+        assert released[-1] == projection
     layer.process_weights_after_loading()
+    assert released == ["gate", "up", "down"]
     w13 = torch.cat([stacks["gate"].dequantize(), stacks["up"].dequantize()], dim=1)
     w2 = stacks["down"].dequantize()
     if down_type == Q6_K:

@@ -274,6 +274,11 @@ class FusedExperts(nn.Module):
             chunk = min(_EXPERTS_PER_PACK, count - start)
             self._load_rows(projection, first + start, chunk, _expert_rows(stack, start, chunk))
         self._loaded.update((projection, index) for index in range(first, first + count))
+        # a memory-mapped checkpoint tensor (a GGUF file's) is packed or copied now: its file pages
+        # leave the process (read back from the file, unchanged, should a dense fallback need them)
+        release = getattr(loaded_weight, "release", None)
+        if release is not None:
+            release()
 
     def _load_rows(self, projection: str, first: int, count: int, rows: Any) -> None:
         """Experts ``first .. first+count``'s ``projection`` weights, ``rows [count N, K]``: packed
