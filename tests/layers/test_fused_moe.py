@@ -16,10 +16,11 @@ from torch.nn import functional as F
 from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
 from tokenloom.builtin_plugins.quantization.gguf_blocks import GGML_TYPES, Q4_K, Q6_K, Q8_0, GGUFWeight
 from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups
-from tokenloom.builtin_plugins.quantization.gguf_kquant import pack_kquant
+from tokenloom.builtin_plugins.quantization.gguf_kquant import int6_parts
 from tokenloom.errors import ModelLoadError
 from tokenloom.kernels import cpu_native
 from tokenloom.kernels.int4_matmul import int4_linear, pack_int4
+from tokenloom.kernels.kquant_matmul import pack_int6
 from tokenloom.kernels.moe_packing import repack_gguf_rows
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.fused_moe import FusedExperts, FusedMoE, fused_experts, fused_experts_reference, route
@@ -222,7 +223,7 @@ def test_gguf_repack_writes_the_torch_packers_bytes(ggml_type):
     rows = GGUFWeight(weight.data, ggml_type, torch.Size((48, 512)))
     repacked = repack_gguf_rows(rows.data, ggml_type, 48, 512)
     if ggml_type == Q6_K:
-        expected = pack_kquant([rows])
+        expected = pack_int6(*int6_parts(rows))  # the split and pack_int6, the path without gguf_repack
     else:
         expected = pack_int4(*int4_groups(rows), torch.bfloat16)
     assert type(repacked) is type(expected) and torch.equal(repacked.packed, expected.packed)

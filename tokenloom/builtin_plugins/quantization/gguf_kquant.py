@@ -20,6 +20,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (
 )
 from tokenloom.kernels import cpu_native
 from tokenloom.kernels.kquant_matmul import KQuantWeight, pack_int5, pack_int6
+from tokenloom.kernels.moe_packing import repack_gguf_rows
 
 # superblock groups of 32 per 5-bit type: Q5_K's d and dmin cover 256 values, Q5_0's and Q5_1's 32
 _INT5_SUPERBLOCK_GROUPS = {Q5_0: 1, Q5_1: 1, Q5_K: 8}
@@ -88,6 +89,11 @@ def pack_kquant(shards: list[GGUFWeight]) -> KQuantWeight | None:
     """Row shards of one layer, all Q6_K or all one 5-bit superblock size, stacked and packed for
     the kernel; None when it is not built here or the rows do not suit it."""
     if shards[0].ggml_type == Q6_K:
+        rows, columns = sum(shard.shape[0] for shard in shards), shards[0].shape[-1]
+        blocks = shards[0].data if len(shards) == 1 else torch.cat([shard.data.reshape(-1) for shard in shards])
+        native = repack_gguf_rows(blocks, Q6_K, rows, columns)  # one native pass, pack_int6's bytes
+        if native is not None:
+            return native
         codes, scales, d = (torch.cat(parts) for parts in zip(*(int6_parts(shard) for shard in shards)))
         return pack_int6(codes, scales, d)
     codes, scales, mins, d, dmin = (torch.cat(parts) for parts in zip(*(int5_parts(shard) for shard in shards)))
