@@ -110,23 +110,49 @@ def load_checkpoint(load_format: str, hf_model, directory) -> tuple:
     """``hf_model`` saved the way ``load_format`` reads it (``safetensors``: ``save_pretrained``;
     ``gguf``: as llama.cpp's converter writes it, float32) and read back through tokenloom's load
     format: ``(config, weights)`` as the model runner would receive them."""
+    from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
+    from tokenloom.builtin_plugins.loaders.safetensors_format import SafetensorsLoadFormat
     from tokenloom.core.config import LoadConfig, ModelConfig
 
-    if load_format == "safetensors":
-        from tokenloom.builtin_plugins.loaders.safetensors_format import SafetensorsLoadFormat
-
-        hf_model.save_pretrained(str(directory))
-        reader, path = SafetensorsLoadFormat(), str(directory)
-    else:
-        from helpers.gguf_files import write_model_gguf
-
-        from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
-
-        architecture = hf_model.config.model_type  # llama.cpp's names are transformers' model types
-        path = write_model_gguf(str(directory / "model.gguf"), architecture, hf_model.config, hf_model.state_dict())
-        reader = GGUFLoadFormat()
+    path = saved_checkpoint(load_format, hf_model, directory)
+    reader = SafetensorsLoadFormat() if load_format == "safetensors" else GGUFLoadFormat()
     config = reader.load_config(path, ModelConfig())
     return config, list(reader.iterate_weights(path, ModelConfig(), LoadConfig(use_tqdm_on_load=False)))
+
+
+def saved_checkpoint(load_format: str, hf_model, directory, architecture: str | None = None) -> str:
+    """``hf_model`` written where ``LLM(model=...)`` takes it: ``safetensors`` a ``save_pretrained``
+    directory, ``gguf`` a float32 file as llama.cpp's converter writes it under ``architecture``
+    (llama.cpp's name; by default transformers' model type, which is llama.cpp's for most)."""
+    if load_format == "safetensors":
+        hf_model.save_pretrained(str(directory))
+        return str(directory)
+    from helpers.gguf_files import write_model_gguf
+
+    architecture = architecture or hf_model.config.model_type
+    return write_model_gguf(str(directory / "model.gguf"), architecture, hf_model.config, hf_model.state_dict())
+
+
+#: what a served parity test gives the offline LLM: a tiny model's context and cache, ids in and out
+SERVED_OPTIONS = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
+
+
+def assert_served_greedy_agrees(
+    hf_model, path: str, prompts: list[list[int]], num_new_tokens: int = 10, *, distinct: bool = True, **llm_options
+):
+    """transformers' greedy continuation of each prompt (checked not degenerate, and with
+    ``distinct`` different per prompt) against tokenloom's engine serving ``path`` through its
+    scheduler, paged cache and sampler (:data:`SERVED_OPTIONS` updated with ``llm_options``):
+    vLLM's model-test rule (:func:`assert_greedy_agrees`). Returns the LLM for further checks."""
+    from tokenloom import LLM
+
+    expected = [hf_greedy_top_k(hf_model, prompt, num_new_tokens) for prompt in prompts]
+    if distinct:
+        assert len({tuple(tokens) for tokens, _ in expected}) == len(prompts)
+    assert all(len(set(tokens)) > 3 for tokens, _ in expected), "greedy decoding is degenerate"
+    llm = LLM(model=path, **{**SERVED_OPTIONS, **llm_options})
+    assert_greedy_agrees(served_greedy_top_k(llm, prompts, num_new_tokens), expected)
+    return llm
 
 
 def hf_greedy_top_k(hf_model, prompt: list[int], num_new_tokens: int, k: int = 5) -> tuple[list[int], list[set[int]]]:

@@ -11,18 +11,16 @@ import numpy as np
 import pytest
 import torch
 from helpers.model_parity import (
-    assert_greedy_agrees,
     assert_matches_transformers,
+    assert_served_greedy_agrees,
     build_model,
-    hf_greedy_top_k,
     load_checkpoint,
     randomize_parameters,
-    served_greedy_top_k,
+    saved_checkpoint,
 )
 from transformers import Gemma2Config
 from transformers import Gemma2ForCausalLM as HFGemma2ForCausalLM
 
-from tokenloom import LLM
 from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_gemma2 import Gemma2ForCausalLM
 from tokenloom.errors import ModelLoadError
@@ -82,18 +80,7 @@ def test_gemma2_matches_transformers(load_format, tie_word_embeddings, tmp_path)
 def test_gemma2_served_greedy_matches_transformers(load_format, tmp_path):
     """Through the engine (scheduler, paged cache, sampler) as a server runs it."""
     hf_model = hf_gemma2(seed=5, query_pre_attn_scalar=TINY["head_dim"])
-    expected = [hf_greedy_top_k(hf_model, prompt, 10) for prompt in PROMPTS]
-    assert len({tuple(tokens) for tokens, _ in expected}) == len(PROMPTS)
-    assert all(len(set(tokens)) > 3 for tokens, _ in expected), "greedy decoding is degenerate"
-    path = str(tmp_path)
-    if load_format == "safetensors":
-        hf_model.save_pretrained(path)
-    else:
-        from helpers.gguf_files import write_model_gguf
-
-        path = write_model_gguf(str(tmp_path / "model.gguf"), "gemma2", hf_model.config, hf_model.state_dict())
-    llm = LLM(model=path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
-    assert_greedy_agrees(served_greedy_top_k(llm, PROMPTS, 10), expected)
+    assert_served_greedy_agrees(hf_model, saved_checkpoint(load_format, hf_model, tmp_path), PROMPTS)
 
 
 def test_a_checkpoint_tensor_without_a_parameter_is_refused():

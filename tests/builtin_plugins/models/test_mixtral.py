@@ -11,18 +11,15 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from helpers.gguf_files import write_model_gguf
 from helpers.model_parity import (
-    assert_greedy_agrees,
     assert_matches_transformers,
+    assert_served_greedy_agrees,
     build_model,
-    hf_greedy_top_k,
     load_checkpoint,
     randomize_parameters,
-    served_greedy_top_k,
 )
 from transformers import MixtralConfig
 from transformers import MixtralForCausalLM as HFMixtralForCausalLM
 
-from tokenloom import LLM
 from tokenloom.builtin_plugins.loaders.gguf_config import gguf_to_hf_config
 from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
@@ -76,8 +73,6 @@ def test_mixtral_served_from_a_gguf_with_q8_0_experts_agrees_with_transformers(t
                 data = param.detach().numpy()
                 round_trip = dequantize(quantize(data, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
                 param.copy_(torch.from_numpy(round_trip.reshape(data.shape)))
-    expected = [hf_greedy_top_k(hf_model, prompt, 10) for prompt in PROMPTS]
-    assert all(len(set(tokens)) > 3 for tokens, _ in expected), "greedy decoding is degenerate"
     path = write_model_gguf(
         str(tmp_path / "model.gguf"),
         "llama",
@@ -85,8 +80,7 @@ def test_mixtral_served_from_a_gguf_with_q8_0_experts_agrees_with_transformers(t
         hf_model.state_dict(),
         expert_quant_type=GGMLQuantizationType.Q8_0,
     )
-    llm = LLM(model=path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**20, skip_tokenizer_init=True)
-    assert_greedy_agrees(served_greedy_top_k(llm, PROMPTS, 10), expected)
+    assert_served_greedy_agrees(hf_model, path, PROMPTS, distinct=False)
 
 
 def test_registration():
