@@ -341,4 +341,22 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
             backend=self.attention_backend,
             kv_scales=self.kv_scales,
             num_draft_tokens_cpu=[len(spec_tokens.get(state.req_id, ())) for state in states] if spec_tokens else None,
+            bidirectional_spans=self._bidirectional_spans(states, num_scheduled),
         )
+
+    @staticmethod
+    def _bidirectional_spans(
+        states: list[CachedRequestState], num_scheduled: dict[str, int]
+    ) -> list[list[tuple[int, int]]] | None:
+        """Per row, the items attending both ways that this step's tokens reach (None: none do)."""
+        spans = [
+            [
+                (item.offset, item.end)
+                for item in state.mm_items
+                if item.bidirectional
+                and item.offset < state.num_computed_tokens + num_scheduled[state.req_id]
+                and item.end > state.num_computed_tokens
+            ]
+            for state in states
+        ]
+        return spans if any(spans) else None
