@@ -57,8 +57,10 @@ class MultiModalProcessor:
         return {modality: None for modality in self.placeholders}
 
     def dummy_images(self) -> list[Any]:
-        """The worst-case input for one item: images (PIL) that produce the most feature tokens;
-        the server runs them through :meth:`process` at start-up to check the processor works."""
+        """The worst-case input for one item: images (PIL) that produce the most feature tokens
+        (:func:`worst_case_items`): the server runs them through :meth:`process` at start-up to
+        check the processor works, and a platform that profiles activations encodes them in its
+        profile run."""
         from PIL import Image
 
         return [Image.new("RGB", (64, 64))]
@@ -130,6 +132,16 @@ def splice_placeholders(
         previous = placeholder + 1
     token_ids += prompt_token_ids[previous:]
     return ProcessedPrompt(token_ids, items)
+
+
+def worst_case_items(processor: MultiModalProcessor) -> list[MultiModalItem]:
+    """The items of :meth:`MultiModalProcessor.dummy_images`, each behind its placeholder, processed
+    with the server's ``--mm-processor-kwargs``: the start-up check of a processor, and the media
+    a platform that profiles activations encodes in its profile run."""
+    images = processor.dummy_images()
+    placeholder = processor.placeholders["image"]
+    prompt_ids = list(processor.ctx.tokenizer.encode(placeholder * len(images), add_special_tokens=False))
+    return processor.process(prompt_ids, images, processor.ctx.processor_kwargs).items
 
 
 @dataclass(frozen=True)
