@@ -19,7 +19,7 @@ from tokenloom.core.model_interface import (
     ModelProtocol,
     mixture_of_experts_error,
 )
-from tokenloom.core.multimodal.inputs import MultiModalItem
+from tokenloom.core.multimodal.inputs import MultiModalItem, item_features
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.layers.activation import get_act_and_mul
 from tokenloom.layers.attention import Attention
@@ -59,6 +59,7 @@ __all__ = [
     "mixture_of_experts_error",
     # a model that sees: the items it embeds, and its encoder's attention over each whole item
     "MultiModalItem",
+    "item_features",
     "encoder_attention_metadata",
     "ModelLoadError",
     "ConfigError",

@@ -29,9 +29,11 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from tokenloom.core.multimodal.processor import (
         ImageEmbeddings,
         MultiModalProcessor,
+        PlaceholderExpansion,
         ProcessedPrompt,
         ProcessorContext,
         image_hash,
+        splice_placeholders,
     )
     from tokenloom.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from tokenloom.core.parsers import (
@@ -107,6 +109,8 @@ _LAZY = {
     "ProcessedPrompt": "tokenloom.core.multimodal.processor",
     "image_hash": "tokenloom.core.multimodal.processor",
     "ImageEmbeddings": "tokenloom.core.multimodal.processor",
+    "PlaceholderExpansion": "tokenloom.core.multimodal.processor",
+    "splice_placeholders": "tokenloom.core.multimodal.processor",
     "MultiModalItem": "tokenloom.core.multimodal.inputs",
     "MROPE_GRID": "tokenloom.core.multimodal.mrope",
     "QuantizationConfig": "tokenloom.layers.quantization",
@@ -196,6 +200,8 @@ __all__ = [
     "ProcessedPrompt",
     "image_hash",
     "ImageEmbeddings",
+    "PlaceholderExpansion",
+    "splice_placeholders",
     "MultiModalItem",
     "MROPE_GRID",
     "QuantizationConfig",

@@ -20,7 +20,12 @@ from typing import Any
 
 from tokenloom.api.media import MediaPolicy, load_image
 from tokenloom.api.server_config import ServerConfig
-from tokenloom.core.multimodal.processor import ImageEmbeddings, MultiModalProcessor, ProcessorContext
+from tokenloom.core.multimodal.processor import (
+    ImageEmbeddings,
+    MultiModalProcessor,
+    ProcessorContext,
+    worst_case_items,
+)
 from tokenloom.errors import ConfigError, InvalidRequestError
 from tokenloom.plugins.registry import resolve_target
 
@@ -116,7 +121,7 @@ class MultiModalInputs:
                     )
                 )
         inputs = cls(processor, config, engine.served_model_names[0])
-        inputs.check_processor(engine.tokenizer)
+        inputs.check_processor()
         return inputs
 
     @property
@@ -154,16 +159,13 @@ class MultiModalInputs:
             )
         return limits
 
-    def check_processor(self, tokenizer: Any) -> None:
+    def check_processor(self) -> None:
         """Run the processor once on its worst-case input, so bad ``--mm-processor-kwargs`` or a
         missing image-processor file fail the start and not every request."""
         if self.processor is None:
             return
-        images = self.processor.dummy_images()
-        placeholder = self.processor.placeholders["image"]
-        prompt_ids = list(tokenizer.encode(placeholder * len(images), add_special_tokens=False))
         try:
-            self.processor.process(prompt_ids, images, self.processor_kwargs)
+            worst_case_items(self.processor)
         except InvalidRequestError as exc:
             raise ConfigError(f"the multimodal processor refused its own test input: {exc.message}") from None
 

@@ -192,6 +192,10 @@ class AttentionMetadata:
     # decoding; None when no sequence verifies): such a query, the pending token and its drafts,
     # is a decode of each row in turn, which a backend may run as that many decode rows
     num_draft_tokens_cpu: list[int] | None = None
+    # per sequence, the [start, end) position ranges of its prompt whose tokens attend to each
+    # other both ways on top of the causal mask (a Gemma 3 image's tokens, computed whole in one
+    # step); None when no sequence of the step has one
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_seqs(self) -> int:

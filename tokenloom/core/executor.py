@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
@@ -117,6 +117,8 @@ class WorkerSpec:
     plugin_tables: PlainPlugins
     """The plugin registries as plain data (kind -> name -> ``"module:attr"``), which workers
     import from; workers never run plugin discovery."""
+    profile_mm_items: list[Any] = field(default_factory=list)
+    """The worst-case media items (``MultiModalItem``) a profile run encodes (empty: none)."""
 
     def platform_class(self) -> type[Platform]:
         """The chosen platform plugin's class, imported from :attr:`plugin_tables`: what an

@@ -72,7 +72,16 @@ class CachedRequestState:
 class ModelRunner(KVCacheSetup, SpeculativeSteps):
     """Owns the model, its KV cache and the per-request state; one per worker."""
 
-    def __init__(self, config: EngineConfig, info: ModelInfo, plugins: PluginSet, platform: Any, parallel: Any = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        info: ModelInfo,
+        plugins: PluginSet,
+        platform: Any,
+        parallel: Any = None,
+        *,
+        profile_mm_items: list[Any] | None = None,
+    ):
         self.config = config
         # this worker's place and communicators (tokenloom.core.distributed.ParallelState)
         self.parallel = parallel if parallel is not None else ParallelState.single()
@@ -120,6 +129,8 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
         self.dtype: torch.dtype | None = None
         # the LoRA slots and adapter cache (tokenloom.lora.manager.LoRAModelManager) with --enable-lora
         self.lora_manager: Any = None
+        # the worst-case media the profile run encodes (WorkerSpec.profile_mm_items)
+        self.profile_mm_items: list[Any] = list(profile_mm_items or ())
         # images' embeddings by hash: a repeated image is encoded once
         self.encoder_cache = EncoderCache(
             max(MIN_ENCODER_CACHE_TOKENS, config.scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -341,4 +352,22 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
             backend=self.attention_backend,
             kv_scales=self.kv_scales,
             num_draft_tokens_cpu=[len(spec_tokens.get(state.req_id, ())) for state in states] if spec_tokens else None,
+            bidirectional_spans=self._bidirectional_spans(states, num_scheduled),
         )
+
+    @staticmethod
+    def _bidirectional_spans(
+        states: list[CachedRequestState], num_scheduled: dict[str, int]
+    ) -> list[list[tuple[int, int]]] | None:
+        """Per row, the items attending both ways that this step's tokens reach (None: none do)."""
+        spans = [
+            [
+                (item.offset, item.end)
+                for item in state.mm_items
+                if item.bidirectional
+                and item.offset < state.num_computed_tokens + num_scheduled[state.req_id]
+                and item.end > state.num_computed_tokens
+            ]
+            for state in states
+        ]
+        return spans if any(spans) else None

@@ -1,6 +1,6 @@
 """The KV cache a model runner owns: its element type (``--kv-cache-dtype``, fp8 scales), how
-many blocks it gets (``determine_num_blocks``, after a profile run of the largest step where
-the platform measures activations), its allocation, and the prefaulting of never-used blocks
+many blocks it gets (``determine_num_blocks``, after a profile run of the largest step, and of
+the vision encoder on the worst-case image, where the platform measures activations), its allocation, and the prefaulting of never-used blocks
 between steps."""
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class KVCacheSetup(PipelineStageIO):
     block_size: int
     kv_caches: list[torch.Tensor]
     kv_scales: list[KVCacheScales] | None
+    profile_mm_items: list[Any]
     _kv_high_water: int
     _kv_prefaulted: int
 
@@ -114,8 +115,9 @@ class KVCacheSetup(PipelineStageIO):
         """One forward pass of the largest step the scheduler may make: the token budget as
         prompts of at most ``max_model_len`` tokens (at most ``max_num_seqs`` of them), logits
         for every prompt, over a throwaway KV cache just large enough. The platform's memory
-        profile, taken after it, then holds the peak activations too, as vLLM's does. Returns
-        the number of tokens run."""
+        profile, taken after it, then holds the peak activations too, as vLLM's does; a model
+        that sees first encodes its worst-case media (``profile_mm_items``). Returns the number
+        of tokens run."""
         spec = self.model.kv_cache_spec
         scheduler = self.config.scheduler
         remaining = scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -159,10 +161,25 @@ class KVCacheSetup(PipelineStageIO):
         intermediate = None
         if not self.parallel.place.is_first_stage:
             intermediate = self._zero_intermediate_tensors(len(positions))
-        hidden_states = self._run_model(input_ids, to_device(positions), attn_metadata, intermediate)
+        inputs_embeds = self._profile_inputs_embeds(input_ids)
+        hidden_states = self._run_model(input_ids, to_device(positions), attn_metadata, intermediate, inputs_embeds)
         if self.parallel.place.is_last_stage:
             self.model.compute_logits(hidden_states.index_select(0, attn_metadata.query_start_loc[1:] - 1))
         return len(positions)
+
+    def _profile_inputs_embeds(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The profile step's input embeddings with the worst-case media encoded into its first
+        rows (``profile_mm_items``: the vision encoder's peak joins the profile; each item is
+        encoded alone, as a step encodes them), or None for a model that sees nothing."""
+        if not self.profile_mm_items or not self.parallel.place.is_first_stage:
+            return None
+        embeddings = torch.cat(
+            [self.model.embed_multimodal(item, self.attention_backend) for item in self.profile_mm_items]
+        )
+        inputs_embeds: torch.Tensor = self.model.embed_input_ids(input_ids)
+        rows = min(embeddings.shape[0], inputs_embeds.shape[0])
+        inputs_embeds[:rows] = embeddings[:rows].to(inputs_embeds.dtype)
+        return inputs_embeds
 
     def _pooling_step_blocks(self) -> int:
         """Blocks one step of pooling requests can hold: they are freed in the step that

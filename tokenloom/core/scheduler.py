@@ -24,7 +24,7 @@ from tokenloom.core.kv_connector import KVConnector, KVConnectorScheduler
 from tokenloom.core.scheduler_queues import SchedulerQueues
 from tokenloom.core.scheduler_stats import SchedulerStats, SpecDecodingStats
 from tokenloom.core.sequence import EngineSequence, SequenceStatus
-from tokenloom.core.step_budget import PrefillChunking, max_draft_tokens
+from tokenloom.core.step_budget import PrefillChunking, check_items_fit_a_step, keep_items_whole, max_draft_tokens
 from tokenloom.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,13 @@ class Scheduler(SchedulerQueues):
     def enable_chunked_prefill(self) -> bool:
         return self.chunking.enable_chunked_prefill
 
+    def add_sequences(self, sequences: list[EngineSequence]) -> None:
+        """:meth:`SchedulerQueues.add_sequences`, refusing first an image that attends both ways
+        and can never fit one step's chunk."""
+        for seq in sequences:
+            check_items_fit_a_step(seq, self.chunking)
+        super().add_sequences(sequences)
+
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -123,6 +130,7 @@ class Scheduler(SchedulerQueues):
             if seq.seq_id in self._in_flight:
                 continue  # its tokens are not known until its batch comes back
             num_new_tokens = self.chunking.running_chunk(seq.num_tokens - seq.num_computed_tokens, token_budget)
+            num_new_tokens = keep_items_whole(seq.mm_items, seq.num_computed_tokens, num_new_tokens)
             if num_new_tokens == 0:
                 continue
             # drafts are verified in this step or never: the next step brings new ones
@@ -288,6 +296,8 @@ class Scheduler(SchedulerQueues):
                 num_partial_prefills=num_partial_prefills,
                 step_is_empty=not num_scheduled_tokens,
             )
+            if num_new_tokens is not None:
+                num_new_tokens = keep_items_whole(seq.mm_items, num_cached_tokens, num_new_tokens) or None
             if num_new_tokens is None:
                 break
             new_block_ids = self._allocate_with_lookahead(seq, num_new_tokens, speculate, computed_blocks)

@@ -1,5 +1,6 @@
 """How many tokens each request computes in one step, under the step's token budget: the
-chunked-prefill rules (:class:`PrefillChunking`) and how many draft tokens a decoding request
+chunked-prefill rules (:class:`PrefillChunking`), the chunk end kept outside an image that
+attends both ways (:func:`keep_items_whole`), and how many draft tokens a decoding request
 may have verified (:func:`max_draft_tokens`).
 
 Chunked prefill disabled means a prompt is never split: one that does not fit the step's
@@ -9,10 +10,13 @@ resumed request with its output) runs whole, alone in a step, once nothing else 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenloom.core.config import SchedulerConfig
+from tokenloom.core.multimodal.inputs import MultiModalItem
 from tokenloom.core.sequence import EngineSequence
+from tokenloom.errors import InvalidRequestError
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # share of the model length above which a prompt's chunk is capped when several prompts may
@@ -74,6 +78,40 @@ class PrefillChunking:
         if num_uncomputed > self.max_num_batched_tokens and step_is_empty:
             return num_uncomputed  # can never fit the budget: runs whole, alone
         return None
+
+
+def keep_items_whole(items: Sequence[MultiModalItem], num_computed: int, num_new_tokens: int) -> int:
+    """``num_new_tokens`` from position ``num_computed``, cut back so the chunk ends outside every
+    item whose tokens attend to each other both ways (``MultiModalItem.bidirectional``): such an
+    item's tokens are computed in one step, or its first ones would miss its later ones. 0 when
+    the chunk starts inside (or at) such an item and cannot reach its end in this step."""
+    end = num_computed + num_new_tokens
+    for item in items:
+        if item.bidirectional and item.offset < end < item.end:
+            # items are in prompt order and do not overlap: no later one reaches below this end
+            end = max(item.offset, num_computed)
+            break
+    return end - num_computed
+
+
+def check_items_fit_a_step(seq: EngineSequence, chunking: PrefillChunking) -> None:
+    """Refuse a request holding an item that attends both ways and is longer than a chunked
+    step's prompt tokens (it could never be computed whole)."""
+    if not chunking.enable_chunked_prefill:
+        return  # a prompt is never split
+    largest_chunk = chunking.max_num_batched_tokens
+    if chunking.long_prefill_token_threshold:
+        largest_chunk = min(largest_chunk, chunking.long_prefill_token_threshold)
+    for item in seq.mm_items:
+        if item.bidirectional and item.length > largest_chunk:
+            raise InvalidRequestError(
+                f"the prompt's {item.modality} at position {item.offset} has {item.length} tokens that attend to each "
+                f"other both ways, so it is computed in one step, but a step computes at most {largest_chunk} prompt "
+                "tokens: raise "
+                "--max-num-batched-tokens (and --long-prefill-token-threshold, if set) to at least "
+                f"{item.length}",
+                param="messages",
+            )
 
 
 def max_draft_tokens(seq: EngineSequence, token_budget: int, max_model_len: int) -> int:

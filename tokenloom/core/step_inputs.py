@@ -31,11 +31,13 @@ def prepare_batch(
     backend: Any,
     kv_scales: list[KVCacheScales] | None = None,
     num_draft_tokens_cpu: list[int] | None = None,
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None,
 ) -> PreparedBatch:
     """One batch from ``rows`` of ``(token_ids, start, block_ids)``: a sequence computes
     ``token_ids`` at positions ``start, start + 1, ...``, its KV going to the slots its
     ``block_ids`` give those positions. ``to_device`` copies a host tensor the platform's
-    way (pinned and asynchronous on a GPU)."""
+    way (pinned and asynchronous on a GPU). ``bidirectional_spans``: see
+    :class:`~tokenloom.core.batch.AttentionMetadata`."""
     token_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -75,6 +77,7 @@ def prepare_batch(
         backend=backend,
         kv_scales=kv_scales,
         num_draft_tokens_cpu=num_draft_tokens_cpu,
+        bidirectional_spans=bidirectional_spans,
     )
     return PreparedBatch(
         input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)),

@@ -28,7 +28,9 @@ class Worker:
             self.platform.configure_threads(num_local_workers=num_local_workers)
         else:  # a platform plugin written before workers shared a machine takes no argument
             self.platform.configure_threads()
-        self.runner = ModelRunner(spec.config, spec.model_info, plugins, self.platform, parallel)
+        self.runner = ModelRunner(
+            spec.config, spec.model_info, plugins, self.platform, parallel, profile_mm_items=spec.profile_mm_items
+        )
 
     def load_model(self) -> None:
         self.runner.load_model()

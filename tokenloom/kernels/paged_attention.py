@@ -18,6 +18,7 @@ format before its tokens attend to them, as later decode steps see them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,13 +100,21 @@ def attention_allowed(
     *,
     causal: bool,
     sliding_window: int | None,
+    bidirectional_spans: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor:
     """``[..., num_queries, num_keys]`` boolean: may the query at each position see each key.
 
-    Bidirectional attention under a window allows ``|q - k| < window``."""
+    Bidirectional attention under a window allows ``|q - k| < window``. Under causal attention
+    a query inside one of ``bidirectional_spans`` (``[start, end)`` positions) also sees the
+    span's later keys; a window still cuts keys more than ``window - 1`` before the query, as
+    transformers composes Gemma 3's image mask (window AND (causal OR same span))."""
     distance = query_positions.unsqueeze(-1) - key_positions.unsqueeze(-2)
     if causal:
         allowed = distance >= 0
+        for start, end in bidirectional_spans:
+            query_inside = (query_positions >= start) & (query_positions < end)
+            key_inside = (key_positions >= start) & (key_positions < end)
+            allowed |= query_inside.unsqueeze(-1) & key_inside.unsqueeze(-2)
         if sliding_window is not None:
             allowed &= distance < sliding_window
     else:
@@ -113,6 +122,12 @@ def attention_allowed(
         if sliding_window is not None:
             allowed &= distance.abs() < sliding_window
     return allowed
+
+
+def _spans_of(attn_metadata, seq_index: int) -> Sequence[tuple[int, int]]:
+    """The sequence's ``AttentionMetadata.bidirectional_spans`` (none when the step has none)."""
+    spans = getattr(attn_metadata, "bidirectional_spans", None)
+    return spans[seq_index] if spans is not None else ()
 
 
 def _soft_capped(scores: torch.Tensor, logits_soft_cap: float | None) -> torch.Tensor:
@@ -163,7 +178,11 @@ def reference_paged_attention(
         scores = torch.einsum("qhd,khd->hqk", query[tokens].float(), seq_keys) * scale
         scores = _soft_capped(scores, logits_soft_cap)
         allowed = attention_allowed(
-            query_positions, key_positions, causal=not bidirectional, sliding_window=sliding_window
+            query_positions,
+            key_positions,
+            causal=not bidirectional,
+            sliding_window=sliding_window,
+            bidirectional_spans=_spans_of(attn_metadata, seq_index),
         )
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         output[tokens] = torch.einsum("hqk,khd->qhd", probs, seq_values).to(query.dtype)
@@ -456,7 +475,8 @@ class TorchPagedAttention:
     very different lengths are split into a few groups of similar length, so short ones are
     not padded to the longest. Each prefill
     (or chunked-prefill) sequence runs its own SDPA call: ``is_causal`` on the new tokens
-    when nothing is cached before them, else an explicit mask over the gathered context.
+    when nothing is cached before them, else an explicit mask over the gathered context (also
+    when the sequence has ``bidirectional_spans``, whose tokens see each other both ways).
 
     Masking is by selection, because whatever an earlier request left in a freed block (nan or
     inf from one whose activations overflowed) must never reach the output, and a masked nan
@@ -689,7 +709,8 @@ class TorchPagedAttention:
         query_len, seq_len = attn_metadata.query_lens_cpu[seq_index], attn_metadata.seq_lens_cpu[seq_index]
         tokens = slice(start, start + query_len)
         context_len = seq_len - query_len
-        if context_len == 0 and (sliding_window is None or sliding_window >= query_len):
+        spans = _spans_of(attn_metadata, seq_index)
+        if context_len == 0 and not spans and (sliding_window is None or sliding_window >= query_len):
             # nothing cached before these tokens and no window cut: plain causal attention
             output[tokens] = _attend_sequence(
                 query[tokens],
@@ -707,7 +728,11 @@ class TorchPagedAttention:
         )
         query_positions = torch.arange(context_len, seq_len, device=query.device)
         allowed = attention_allowed(
-            query_positions, gather.key_positions[0], causal=True, sliding_window=sliding_window
+            query_positions,
+            gather.key_positions[0],
+            causal=True,
+            sliding_window=sliding_window,
+            bidirectional_spans=spans,
         )
         seq_keys, seq_values = self._gather(kv_cache, gather.block_ids, gather.stale_rows)
         output[tokens] = _attend_sequence(

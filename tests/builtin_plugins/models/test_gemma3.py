@@ -1,5 +1,5 @@
-"""Gemma3ForCausalLM (and the text part of Gemma3ForConditionalGeneration) against
-transformers on tiny random models whose sliding window (4 tokens) is shorter than the
+"""Gemma3ForCausalLM (and the text part of Gemma3ForConditionalGeneration, whose images
+tests/builtin_plugins/models/test_gemma3_vision.py covers) against transformers on tiny random models whose sliding window (4 tokens) is shorter than the
 prompts, so local and global layers, their two RoPE bases and the window all matter."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditiona
 
 from tokenloom.builtin_plugins.models import register_models
 from tokenloom.builtin_plugins.models.modeling_gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
-from tokenloom.errors import ModelLoadError
+from tokenloom.errors import ConfigError, ModelLoadError
 
 PROMPTS = [[2, 17, 99, 3, 42, 7, 8, 140, 66], [2, 120, 4], [2, 33, 61, 5, 90, 11, 150, 23, 8, 77, 5, 64, 31]]
 
@@ -80,9 +80,13 @@ def test_gemma3_attention_soft_cap_reaches_every_attention_layer():
 
 
 def build_model_without_weights(config):
+    return build_model_without_weights_of(Gemma3ForCausalLM, config), None
+
+
+def build_model_without_weights_of(model_class, config):
     from tokenloom.core.model_interface import ModelContext
 
-    return Gemma3ForCausalLM(ModelContext(hf_config=config, dtype=torch.float32, device=torch.device("cpu"))), None
+    return model_class(ModelContext(hf_config=config, dtype=torch.float32, device=torch.device("cpu")))
 
 
 def test_gemma3_legacy_config_fields_select_the_local_rope_base():
@@ -97,44 +101,62 @@ def test_gemma3_legacy_config_fields_select_the_local_rope_base():
     torch.testing.assert_close(inv_freq_local.cos_cache[3, 1], expected)
 
 
-def test_gemma3_conditional_generation_text_part_matches_transformers():
-    torch.manual_seed(5)
+def tiny_multimodal_config() -> Gemma3Config:
     vision = SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
     )
-    config = Gemma3Config(
+    return Gemma3Config(
         text_config=tiny_text_config().to_dict(),
         vision_config=vision.to_dict(),
         mm_tokens_per_image=4,
         image_token_index=150,
     )
+
+
+def test_gemma3_conditional_generation_text_part_matches_transformers():
+    torch.manual_seed(5)
+    config = tiny_multimodal_config()
     hf_model = perturb_parameters(HFGemma3ForConditionalGeneration(config).eval(), seed=5)
     weights = hf_model.state_dict()
-    assert any("vision_tower" in name for name in weights)
     model, loaded = build_model(Gemma3ForConditionalGeneration, config, weights.items())
-    assert not any("vision" in name for name in loaded)
+    assert "vision_tower.encoder.layers.0.self_attn.qkv_proj.weight" in loaded
+    assert "multi_modal_projector.mm_input_projection_weight" in loaded
     prompts = [[2, 17, 99, 3, 42, 7, 8, 140, 66], [2, 120, 4, 9, 10]]
     assert_matches_transformers(model, hf_model, prompts, num_new_tokens=5)
 
 
 def test_gemma3_conditional_generation_accepts_legacy_checkpoint_names():
-    config = tiny_text_config()
-    hf_model = perturb_parameters(HFGemma3ForCausalLM(config).eval(), seed=6)
-    legacy = {"language_model." + name: tensor for name, tensor in hf_model.state_dict().items()}
-    legacy["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(3)
-    model, loaded = build_model(Gemma3ForConditionalGeneration, config, legacy.items())
-    expected, _ = build_model(Gemma3ForCausalLM, config, hf_model.state_dict().items())
+    config = tiny_multimodal_config()
+    hf_model = perturb_parameters(HFGemma3ForConditionalGeneration(config).eval(), seed=6)
+    # the layout transformers < 4.52 saved: language_model.model.*, vision_tower.vision_model.*, ...
+    renames = (
+        ("model.language_model.", "language_model.model."),
+        ("model.vision_tower.", "vision_tower.vision_model."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    )
+    legacy = {}
+    for name, tensor in hf_model.state_dict().items():
+        for prefix, replacement in renames:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix) :]
+                break
+        legacy[name] = tensor
+    model, _ = build_model(Gemma3ForConditionalGeneration, config, legacy.items())
+    expected, _ = build_model(Gemma3ForConditionalGeneration, config, hf_model.state_dict().items())
     torch.testing.assert_close(model.state_dict(), expected.state_dict())
 
 
 def test_gemma3_conditional_generation_refuses_what_is_neither_text_nor_vision():
-    config = tiny_text_config()
-    hf_model = perturb_parameters(HFGemma3ForCausalLM(config).eval(), seed=6)
-    weights = [("language_model." + name, tensor) for name, tensor in hf_model.state_dict().items()]
-    weights += [("vision_tower.vision_model.post_layernorm.weight", torch.zeros(3))]  # ignored
-    weights += [("model.audio_tower.proj.weight", torch.zeros(3))]
+    config = tiny_multimodal_config()
+    hf_model = perturb_parameters(HFGemma3ForConditionalGeneration(config).eval(), seed=6)
+    weights = [*hf_model.state_dict().items(), ("model.audio_tower.proj.weight", torch.zeros(3))]
     with pytest.raises(ModelLoadError, match=r"has no parameter for: model\.audio_tower\.proj\.weight"):
         build_model(Gemma3ForConditionalGeneration, config, weights)
+
+
+def test_gemma3_conditional_generation_needs_its_vision_config():
+    with pytest.raises(ConfigError, match="needs its text_config and its vision_config"):
+        build_model_without_weights_of(Gemma3ForConditionalGeneration, tiny_text_config())
 
 
 def test_registration():

@@ -40,6 +40,7 @@ MULTIMODAL_PROCESSORS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
     "Qwen2_5_VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
     "Idefics3ForConditionalGeneration": f"{PACKAGE}.idefics3_processing:Idefics3Processor",
+    "Gemma3ForConditionalGeneration": f"{PACKAGE}.gemma3_processing:Gemma3Processor",
 }
 
 

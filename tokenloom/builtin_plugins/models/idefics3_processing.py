@@ -23,11 +23,12 @@ from tokenloom.plugin_api import (
     ImageEmbeddings,
     InvalidRequestError,
     ModelLoadError,
-    MultiModalItem,
     MultiModalProcessor,
+    PlaceholderExpansion,
     ProcessedPrompt,
     ProcessorContext,
     image_hash,
+    splice_placeholders,
 )
 
 FAKE_TOKEN = "<fake_token_around_image>"
@@ -114,17 +115,7 @@ class Idefics3Processor(MultiModalProcessor):
     def process(
         self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
-        placeholders = [index for index, token in enumerate(prompt_token_ids) if token == self.image_token_id]
-        if len(placeholders) != len(images):
-            raise InvalidRequestError(
-                f"the prompt holds {len(placeholders)} image placeholder(s) ({self.image_token}) but "
-                f"{len(images)} image(s) came with it: the chat template must place one per image",
-                param="messages",
-            )
-        token_ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for placeholder, image in zip(placeholders, images, strict=True):
+        def expand(image: Any) -> PlaceholderExpansion:
             if isinstance(image, ImageEmbeddings):
                 data = {"image_embeds": image.checked(self.image_seq_len, self.hidden_size)}
                 rows = cols = 0
@@ -134,10 +125,7 @@ class Idefics3Processor(MultiModalProcessor):
                 data = {"pixel_values": pixel_values}
                 content_hash = image_hash(image, processor_kwargs)
             span = self.span_token_ids(rows, cols)
-            token_ids += prompt_token_ids[previous:placeholder]
             data["token_ids"] = torch.tensor(span)
-            items.append(MultiModalItem("image", content_hash, offset=len(token_ids), length=len(span), data=data))
-            token_ids += span
-            previous = placeholder + 1
-        token_ids += prompt_token_ids[previous:]
-        return ProcessedPrompt(token_ids, items)
+            return PlaceholderExpansion(span, content_hash, data)
+
+        return splice_placeholders(prompt_token_ids, self.image_token_id, images, expand, self.image_token)

@@ -11,11 +11,12 @@ from tokenloom.plugin_api import (
     ImageEmbeddings,
     InvalidRequestError,
     ModelLoadError,
-    MultiModalItem,
     MultiModalProcessor,
+    PlaceholderExpansion,
     ProcessedPrompt,
     ProcessorContext,
     image_hash,
+    splice_placeholders,
 )
 
 
@@ -50,24 +51,11 @@ class LlavaProcessor(MultiModalProcessor):
     def process(
         self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
-        placeholders = [index for index, token in enumerate(prompt_token_ids) if token == self.image_token_id]
-        if len(placeholders) != len(images):
-            raise InvalidRequestError(
-                f"the prompt holds {len(placeholders)} image placeholder(s) ({self.placeholders['image']}) but "
-                f"{len(images)} image(s) came with it: the chat template must place one per image",
-                param="messages",
-            )
-        token_ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for placeholder, image in zip(placeholders, images, strict=True):
+        def expand(image: Any) -> PlaceholderExpansion:
             content_hash, length, data = self.image_inputs(image, processor_kwargs)
-            token_ids += prompt_token_ids[previous:placeholder]
-            items.append(MultiModalItem("image", content_hash, offset=len(token_ids), length=length, data=data))
-            token_ids += [self.image_token_id] * length
-            previous = placeholder + 1
-        token_ids += prompt_token_ids[previous:]
-        return ProcessedPrompt(token_ids, items)
+            return PlaceholderExpansion([self.image_token_id] * length, content_hash, data)
+
+        return splice_placeholders(prompt_token_ids, self.image_token_id, images, expand, self.placeholders["image"])
 
     def image_inputs(self, image: Any, processor_kwargs: dict[str, Any]) -> tuple[str, int, dict[str, Any]]:
         """An image's (or its embeddings') hash, feature tokens and item data."""

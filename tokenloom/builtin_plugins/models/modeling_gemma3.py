@@ -3,22 +3,34 @@ base), per-head q/k RMSNorm, ``(1 + weight)`` norms before and after both attent
 MLP, embeddings scaled by ``sqrt(hidden_size)``, GeGLU, ``query_pre_attn_scalar`` as the
 softmax scale, and optional attention / final logit soft-capping.
 
-``Gemma3ForConditionalGeneration`` runs the text part of the multimodal checkpoint (image
-inputs are not supported). Registered by :mod:`~tokenloom.builtin_plugins.models.gemma3`.
+``Gemma3ForConditionalGeneration`` is the multimodal checkpoint: the SigLIP vision tower
+(:mod:`~tokenloom.builtin_plugins.models.modeling_siglip`), Gemma 3's projector (the tower's
+patches average-pooled to ``mm_tokens_per_image``, the soft-embedding RMSNorm, one matrix to
+the language model's width) and this language model, where an image's tokens attend to each
+other both ways during prefill (its items are ``bidirectional``), as transformers' mask from
+``token_type_ids`` has them. Registered by :mod:`~tokenloom.builtin_plugins.models`, with its
+processor :mod:`~tokenloom.builtin_plugins.models.gemma3_processing`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from tokenloom.builtin_plugins.models.modeling_siglip import SiglipVisionTransformer
 from tokenloom.model_api import (
+    ConfigError,
     DecoderForCausalLM,
     GatedMLP,
     GemmaRMSNorm,
+    ModelContext,
+    MultiModalItem,
     SelfAttention,
+    item_features,
     layer_types_of,
     rope_parameters_from_config,
 )
@@ -95,32 +107,93 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         return rope_parameters_from_config(self.config, layer_type)
 
 
+def mm_tokens_per_side(config: Any) -> int:
+    """Image tokens along one side of the pooled patch grid (``mm_tokens_per_image`` is its square)."""
+    side = math.isqrt(config.mm_tokens_per_image)
+    patches_per_side = config.vision_config.image_size // config.vision_config.patch_size
+    if side * side != config.mm_tokens_per_image or patches_per_side % side:
+        raise ConfigError(
+            f"mm_tokens_per_image {config.mm_tokens_per_image} must be the square of a number dividing the vision "
+            f"tower's {patches_per_side} patches per side"
+        )
+    return side
+
+
+class Gemma3MultiModalProjector(nn.Module):
+    """``[images, patches, vision hidden]`` -> ``[images, mm_tokens_per_image, text hidden]``:
+    the patch grid average-pooled in square windows, RMS-normalised, then projected."""
+
+    def __init__(self, config: Any, text_hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        vision = config.vision_config
+        self.patches_per_side = vision.image_size // vision.patch_size
+        self.pool_size = self.patches_per_side // mm_tokens_per_side(config)
+        self.mm_soft_emb_norm = GemmaRMSNorm(vision.hidden_size, vision.layer_norm_eps, params_dtype=dtype)
+        # stored [vision hidden, text hidden]: the features multiply it from the left
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(vision.hidden_size, text_hidden_size, dtype=dtype))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        num_images, _, hidden_size = features.shape
+        grid = features.transpose(1, 2).reshape(num_images, hidden_size, self.patches_per_side, self.patches_per_side)
+        pooled = F.avg_pool2d(grid, self.pool_size).flatten(2).transpose(1, 2)
+        normed = self.mm_soft_emb_norm(pooled.reshape(-1, hidden_size)).view(num_images, -1, hidden_size)
+        return torch.matmul(normed, self.mm_input_projection_weight)
+
+
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The language model of a multimodal Gemma 3 checkpoint; vision weights are skipped."""
+    """The Gemma 3 language model (``text_config``) with the SigLIP tower and projector beside it."""
 
-    # the vision tower and its projector, under either naming (transformers >= 4.52 first)
-    ignored_checkpoint_weights = (
-        *Gemma3ForCausalLM.ignored_checkpoint_weights,
-        "model.vision_tower.*",
-        "model.multi_modal_projector.*",
-        "vision_tower.*",
-        "multi_modal_projector.*",
-    )
-
-    # checkpoint prefixes of the language model: transformers >= 4.52 names first
-    _TEXT_PREFIXES = (
+    # checkpoint prefixes: transformers >= 4.52 names first (its files keep SigLIP's
+    # vision_model level, its modules in memory drop it), then the older layout
+    _CHECKPOINT_PREFIXES = (
         ("model.language_model.", "model."),
+        ("model.vision_tower.vision_model.", "vision_tower."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
         ("language_model.model.", "model."),
         ("language_model.lm_head.", "lm_head."),
-        ("lm_head.", "lm_head."),
+        ("vision_tower.vision_model.", "vision_tower."),
     )
 
+    # SigLIP's pooling head: transformers' Gemma 3 reads the tower's last hidden states, never it
+    ignored_checkpoint_weights = (
+        *Gemma3ForCausalLM.ignored_checkpoint_weights,
+        "model.vision_tower.head.*",
+        "*vision_tower.vision_model.head.*",
+    )
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__(ctx)
+        if not self.is_first_stage or not self.is_last_stage:
+            # the model runner merges image embeddings on the stage that samples only
+            raise ConfigError(
+                "Gemma3ForConditionalGeneration does not run with pipeline parallelism yet: use "
+                "--pipeline-parallel-size 1",
+                param="pipeline_parallel_size",
+            )
+        config = ctx.hf_config
+        self.vision_tower = SiglipVisionTransformer(config.vision_config, self.dtype)
+        self.multi_modal_projector = Gemma3MultiModalProjector(config, self.config.hidden_size, self.dtype)
+
     @staticmethod
-    def text_config(hf_config):
-        return getattr(hf_config, "text_config", hf_config)
+    def text_config(hf_config: Any) -> Any:
+        if getattr(hf_config, "vision_config", None) is None or getattr(hf_config, "text_config", None) is None:
+            raise ConfigError(
+                "a Gemma3ForConditionalGeneration config needs its text_config and its vision_config (the SigLIP "
+                "tower); a text-only Gemma 3 is Gemma3ForCausalLM"
+            )
+        return hf_config.text_config
 
     def checkpoint_name(self, name: str) -> str:
-        for prefix, replacement in self._TEXT_PREFIXES:
+        for prefix, replacement in self._CHECKPOINT_PREFIXES:
             if name.startswith(prefix):
                 return replacement + name[len(prefix) :]
         return name
+
+    def image_features(self, pixel_values: torch.Tensor, attention_backend: Any) -> torch.Tensor:
+        """``[images, 3, image_size, image_size]`` -> ``[images * mm_tokens_per_image, hidden_size]``."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values, attention_backend)).flatten(0, 1)
+
+    def embed_multimodal(self, item: MultiModalItem, attention_backend: Any) -> torch.Tensor:
+        """One image's ``mm_tokens_per_image`` embeddings (the request's ``image_embeds`` as they are)."""
+        return item_features(item, self.dtype, lambda pixels: self.image_features(pixels, attention_backend))

@@ -4,8 +4,8 @@ tower, a pixel-shuffle connector and a Llama language model (registered by
 :mod:`~tokenloom.builtin_plugins.models.idefics3_processing`).
 
 An image arrives as frames (the tiles of a split image and the global image, each a square of
-the tower's ``image_size``). Each frame runs through the tower (tokenloom's linear layers and
-the platform's attention backend, as LLaVA's CLIP tower), its patches are pixel-shuffled
+the tower's ``image_size``). Each frame runs through the SigLIP tower
+(:mod:`~tokenloom.builtin_plugins.models.modeling_siglip`), its patches are pixel-shuffled
 ``scale_factor`` by ``scale_factor`` into fewer, wider tokens and projected to the language
 model's width. One item covers the image's whole span in the prompt, the frame markers
 (``<fake_token_around_image>``, ``<row_r_col_c>``, ``<global-img>``, the line breaks between
@@ -21,65 +21,14 @@ import torch
 from torch import nn
 
 from tokenloom.builtin_plugins.models.modeling_llama import LlamaForCausalLM
-from tokenloom.builtin_plugins.models.modeling_llava import CLIPEncoderLayer
-from tokenloom.model_api import ConfigError, ModelContext, MultiModalItem, ReplicatedLinear, encoder_attention_metadata
+from tokenloom.builtin_plugins.models.modeling_siglip import SiglipVisionTransformer
+from tokenloom.model_api import ConfigError, ModelContext, MultiModalItem, ReplicatedLinear, item_features
 
 
 def image_seq_len(config: Any) -> int:
     """Feature tokens of one frame: the tower's patches after the pixel shuffle."""
     vision = config.vision_config
     return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
-
-
-class SiglipVisionEmbeddings(nn.Module):
-    """Patches by a strided convolution (with a bias) and learned absolute positions, no class token."""
-
-    def __init__(self, config: Any, dtype: torch.dtype):
-        super().__init__()
-        self.patch_embedding = nn.Conv2d(
-            config.num_channels,
-            config.hidden_size,
-            kernel_size=config.patch_size,
-            stride=config.patch_size,
-            dtype=dtype,
-        )
-        self.position_embedding = nn.Embedding(
-            (config.image_size // config.patch_size) ** 2, config.hidden_size, dtype=dtype
-        )
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[frames, channels, image_size, image_size]`` -> ``[frames, patches, hidden]``
-        (a whole frame's patches take the positions in order)."""
-        patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
-        return patches + self.position_embedding.weight
-
-
-class SiglipEncoder(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype):
-        super().__init__()
-        # SigLIP's encoder layer is CLIP's: pre-norm, bidirectional attention, a two-layer MLP
-        self.layers = nn.ModuleList(CLIPEncoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
-
-
-class Idefics3VisionTransformer(nn.Module):
-    """Every layer of the SigLIP tower and its ``post_layernorm``."""
-
-    def __init__(self, config: Any, dtype: torch.dtype):
-        super().__init__()
-        self.image_size = config.image_size
-        self.embeddings = SiglipVisionEmbeddings(config, dtype)
-        self.encoder = SiglipEncoder(config, dtype)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
-
-    def forward(self, pixel_values: torch.Tensor, attention_backend: Any) -> torch.Tensor:
-        """``[frames, 3, image_size, image_size]`` -> ``[frames, patches, hidden]``."""
-        embeddings = self.embeddings(pixel_values)
-        num_frames, num_patches, hidden_size = embeddings.shape
-        attn_metadata = encoder_attention_metadata([num_patches] * num_frames, attention_backend)
-        hidden_states = embeddings.reshape(num_frames * num_patches, hidden_size)
-        for layer in self.encoder.layers:
-            hidden_states = layer(hidden_states, attn_metadata)
-        return self.post_layernorm(hidden_states).view(num_frames, num_patches, hidden_size)
 
 
 class Idefics3SimpleMLP(nn.Module):
@@ -146,7 +95,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
             )
         self.image_token_id = config.image_token_id
         self.image_seq_len = image_seq_len(config)
-        self.vision_model = Idefics3VisionTransformer(vision, self.dtype)
+        self.vision_model = SiglipVisionTransformer(vision, self.dtype)
         self.connector = Idefics3Connector(config, self.config.hidden_size, self.dtype)
 
     @staticmethod
@@ -161,18 +110,14 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     def image_features(self, pixel_values: torch.Tensor, attention_backend: Any) -> torch.Tensor:
         """``[frames, 3, image_size, image_size]`` -> ``[frames * image_seq_len, hidden_size]``."""
-        hidden_states = self.vision_model(pixel_values.to(self.dtype), attention_backend)
-        return self.connector(hidden_states).flatten(0, 1)
+        return self.connector(self.vision_model(pixel_values, attention_backend)).flatten(0, 1)
 
     def embed_multimodal(self, item: MultiModalItem, attention_backend: Any) -> torch.Tensor:
         """One image's span, ``[item.length, hidden_size]``: its frames' features (or the
         request's ``image_embeds``) at the ``<image>`` tokens, the markers' token embeddings
         around them."""
         token_ids = item.data["token_ids"]
-        if "image_embeds" in item.data:
-            features = item.data["image_embeds"].to(self.dtype)
-        else:
-            features = self.image_features(item.data["pixel_values"], attention_backend)
+        features = item_features(item, self.dtype, lambda pixels: self.image_features(pixels, attention_backend))
         embeddings = self.embed_input_ids(token_ids)
         embeddings[token_ids == self.image_token_id] = features.to(embeddings.dtype)
         return embeddings

@@ -26,6 +26,7 @@ from tokenloom.model_api import (
     QKVParallelLinear,
     ReplicatedLinear,
     encoder_attention_metadata,
+    item_features,
 )
 
 _ACTIVATIONS = {
@@ -208,11 +209,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def embed_multimodal(self, item: MultiModalItem, attention_backend: Any) -> torch.Tensor:
         """One image's embeddings, ``[item.length, hidden_size]`` (the request's ``image_embeds`` as they are)."""
-        if "image_embeds" in item.data:
-            return item.data["image_embeds"].to(self.dtype)
-        pixel_values = item.data["pixel_values"].to(self.dtype)
-        if pixel_values.dim() == 3:
-            pixel_values = pixel_values.unsqueeze(0)
+        return item_features(item, self.dtype, lambda pixels: self.image_features(pixels, attention_backend))
+
+    def image_features(self, pixel_values: torch.Tensor, attention_backend: Any) -> torch.Tensor:
+        """``[images, 3, H, W]`` -> the projected features of every image, ``[images * features, hidden_size]``."""
         features = self.vision_tower(pixel_values, attention_backend)
         if self.select_strategy == "default":
             features = features[:, 1:]  # the class token is not an image feature

@@ -15,11 +15,12 @@ from tokenloom.plugin_api import (
     MROPE_GRID,
     InvalidRequestError,
     ModelLoadError,
-    MultiModalItem,
     MultiModalProcessor,
+    PlaceholderExpansion,
     ProcessedPrompt,
     ProcessorContext,
     image_hash,
+    splice_placeholders,
 )
 
 
@@ -71,20 +72,11 @@ class Qwen2VLProcessor(MultiModalProcessor):
     def process(
         self, prompt_token_ids: list[int], images: list[Any], processor_kwargs: dict[str, Any]
     ) -> ProcessedPrompt:
-        placeholders = [index for index, token in enumerate(prompt_token_ids) if token == self.image_token_id]
-        if len(placeholders) != len(images):
-            raise InvalidRequestError(
-                f"the prompt holds {len(placeholders)} image placeholder(s) ({self.placeholders['image']}) but "
-                f"{len(images)} image(s) came with it: the chat template must place one per image",
-                param="messages",
-            )
         from huggingface_hub.errors import StrictDataclassError
 
         call_kwargs = self._call_kwargs(processor_kwargs)
-        token_ids: list[int] = []
-        items: list[MultiModalItem] = []
-        previous = 0
-        for placeholder, image in zip(placeholders, images, strict=True):
+
+        def expand(image: Any) -> PlaceholderExpansion:
             try:
                 processed = self.image_processor(images=[image], return_tensors="pt", **call_kwargs)
             except (TypeError, ValueError, KeyError, StrictDataclassError) as exc:
@@ -94,22 +86,13 @@ class Qwen2VLProcessor(MultiModalProcessor):
                 ) from None
             frames, height, width = (int(size) for size in processed["image_grid_thw"][0])
             grid = (frames, height // self.merge_size, width // self.merge_size)
-            length = math.prod(grid)
-            token_ids += prompt_token_ids[previous:placeholder]
-            items.append(
-                MultiModalItem(
-                    modality="image",
-                    hash=image_hash(image, processor_kwargs),
-                    offset=len(token_ids),
-                    length=length,
-                    data={
-                        "pixel_values": processed["pixel_values"],
-                        "image_grid_thw": (frames, height, width),
-                        MROPE_GRID: grid,
-                    },
-                )
+            data = {
+                "pixel_values": processed["pixel_values"],
+                "image_grid_thw": (frames, height, width),
+                MROPE_GRID: grid,
+            }
+            return PlaceholderExpansion(
+                [self.image_token_id] * math.prod(grid), image_hash(image, processor_kwargs), data
             )
-            token_ids += [self.image_token_id] * length
-            previous = placeholder + 1
-        token_ids += prompt_token_ids[previous:]
-        return ProcessedPrompt(token_ids, items)
+
+        return splice_placeholders(prompt_token_ids, self.image_token_id, images, expand, self.placeholders["image"])

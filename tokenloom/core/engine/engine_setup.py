@@ -1,7 +1,8 @@
 """What :class:`~tokenloom.core.engine.llm_engine.LLMEngine` decides and checks before any worker
 starts: the device platform (``--device auto``), the executor (``uni``, ``mp``, or the
-``--distributed-executor-backend`` choice) and the speculative-decoding proposer (its name, then
-its own checks against the resolved target model).
+``--distributed-executor-backend`` choice), the speculative-decoding proposer (its name, then
+its own checks against the resolved target model) and the worst-case media a profile run
+encodes (:func:`profile_multimodal_items`).
 """
 
 from __future__ import annotations
@@ -68,3 +69,25 @@ def choose_platform(name: str, plugins: PluginSet) -> str:
         if entry.resolve().is_available():
             return str(entry.name)
     raise EngineDeadError(f"no available device platform among {', '.join(registry.names()) or 'none'}")
+
+
+def profile_multimodal_items(plugins: PluginSet, platform: str, model_info: ModelInfo, tokenizer: Any) -> list[Any]:
+    """The worst-case media items of a model that sees (its registered processor's
+    :func:`~tokenloom.core.multimodal.processor.worst_case_items`), for the profile run of a
+    platform that profiles activations, whose peak then holds the vision encoder's; none for a
+    text-only model, without a tokenizer, or on a platform that measures no activations."""
+    from tokenloom.core.multimodal.processor import ProcessorContext, worst_case_items
+    from tokenloom.plugins.registry import resolve_target
+
+    platform_class = plugins.registry("platform").get(platform)
+    if not getattr(platform_class, "profiles_activations", False) or model_info.runner != "generate":
+        return []
+    models = plugins.registry("model")
+    if tokenizer is None or model_info.architecture not in models:
+        return []
+    target = models.entry(model_info.architecture).options.get("multimodal_processor")
+    if target is None:
+        return []
+    processor_class = resolve_target(target) if isinstance(target, str) else target
+    processor = processor_class(ProcessorContext(model_info.hf_config, model_info.path, tokenizer, {}))
+    return worst_case_items(processor)

@@ -16,7 +16,13 @@ from typing import Any
 
 from tokenloom.core.batch import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.config import EngineArgs, EngineConfig
-from tokenloom.core.engine.engine_setup import check_proposer, check_proposer_model, choose_executor, choose_platform
+from tokenloom.core.engine.engine_setup import (
+    check_proposer,
+    check_proposer_model,
+    choose_executor,
+    choose_platform,
+    profile_multimodal_items,
+)
 from tokenloom.core.engine.engine_stats import EngineStats
 from tokenloom.core.engine.grammar_gate import GrammarGate
 from tokenloom.core.engine.input_processor import InputProcessor, ModelLimits, PreparedPrompt
@@ -65,7 +71,11 @@ class LLMEngine:
         executor_class: type[Executor] = plugins.registry("executor").get(executor_name)
         self.executor = executor_class(
             WorkerSpec(
-                config=config, model_info=self.model_info, platform=self.platform, plugin_tables=plugins.to_plain()
+                config=config,
+                model_info=self.model_info,
+                platform=self.platform,
+                plugin_tables=plugins.to_plain(),
+                profile_mm_items=profile_multimodal_items(plugins, self.platform, self.model_info, self.tokenizer),
             )
         )
         self.num_blocks = self.executor.initialize()

@@ -5,7 +5,7 @@ to the items whose placeholders they hold."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,9 @@ class MultiModalItem:
     offset: int
     length: int
     data: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # the item's tokens attend to each other both ways during prefill (Gemma 3's images), so a
+    # prefill chunk never ends inside it (core/step_budget.py:keep_items_whole)
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:
@@ -59,3 +62,14 @@ def check_items(items: Sequence[MultiModalItem], num_prompt_tokens: int) -> None
                 param="prompt",
             )
         previous_end = item.end
+
+
+def item_features(item: MultiModalItem, dtype: Any, encode: Callable[[Any], Any]) -> Any:
+    """An image item's features: the request's ``image_embeds`` as they are, else ``encode`` of
+    its ``pixel_values`` in ``dtype`` (with a leading batch dimension: ``[frames, 3, H, W]``)."""
+    if "image_embeds" in item.data:
+        return item.data["image_embeds"].to(dtype)
+    pixel_values = item.data["pixel_values"].to(dtype)
+    if pixel_values.dim() == 3:
+        pixel_values = pixel_values.unsqueeze(0)
+    return encode(pixel_values)

@@ -11,7 +11,8 @@ per prompt, a worst-case input), and the processing itself. No torch at import.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.multimodal.inputs import MultiModalItem
@@ -56,8 +57,10 @@ class MultiModalProcessor:
         return {modality: None for modality in self.placeholders}
 
     def dummy_images(self) -> list[Any]:
-        """The worst-case input for one item: images (PIL) that produce the most feature tokens;
-        the server runs them through :meth:`process` at start-up to check the processor works."""
+        """The worst-case input for one item: images (PIL) that produce the most feature tokens
+        (:func:`worst_case_items`): the server runs them through :meth:`process` at start-up to
+        check the processor works, and a platform that profiles activations encodes them in its
+        profile run."""
         from PIL import Image
 
         return [Image.new("RGB", (64, 64))]
@@ -67,9 +70,78 @@ class MultiModalProcessor:
     ) -> ProcessedPrompt:
         """Expand each image's placeholder token in ``prompt_token_ids`` (in order: the n-th
         placeholder is the n-th image) and build its item. An image is a decoded PIL image, or
-        :class:`ImageEmbeddings` when :attr:`takes_image_embeds`. ``processor_kwargs`` are the server's ``--mm-processor-kwargs`` updated with the request's ``mm_processor_kwargs``.
-        A mismatch between placeholders and images is an InvalidRequestError."""
+        :class:`ImageEmbeddings` when :attr:`takes_image_embeds`. ``processor_kwargs`` are the
+        server's ``--mm-processor-kwargs`` updated with the request's ``mm_processor_kwargs``.
+        A mismatch between placeholders and images is an InvalidRequestError
+        (:func:`splice_placeholders` does both)."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class PlaceholderExpansion:
+    """What one image's placeholder token becomes: ``token_ids`` spliced in its place, and the
+    item over ``item_length`` of them from ``item_start`` (None: through the last)."""
+
+    token_ids: list[int]
+    hash: str
+    data: dict[str, Any] = field(default_factory=dict)
+    item_start: int = 0
+    item_length: int | None = None
+    # the item's tokens attend to each other both ways in prefill (MultiModalItem.bidirectional)
+    bidirectional: bool = False
+
+
+def splice_placeholders(
+    prompt_token_ids: list[int],
+    placeholder_token_id: int,
+    images: list[Any],
+    expand: Callable[[Any], PlaceholderExpansion],
+    placeholder_text: str,
+) -> ProcessedPrompt:
+    """``prompt_token_ids`` with its n-th ``placeholder_token_id`` replaced by ``expand`` of the
+    n-th image, and the images' items at their places. A prompt whose placeholder count is not
+    the image count is an InvalidRequestError naming ``placeholder_text`` (what the chat template
+    renders for an image)."""
+    placeholders = [index for index, token in enumerate(prompt_token_ids) if token == placeholder_token_id]
+    if len(placeholders) != len(images):
+        raise InvalidRequestError(
+            f"the prompt holds {len(placeholders)} image placeholder(s) ({placeholder_text}) but "
+            f"{len(images)} image(s) came with it: the chat template must place one per image",
+            param="messages",
+        )
+    token_ids: list[int] = []
+    items: list[MultiModalItem] = []
+    previous = 0
+    for placeholder, image in zip(placeholders, images, strict=True):
+        expansion = expand(image)
+        token_ids += prompt_token_ids[previous:placeholder]
+        item_length = expansion.item_length
+        if item_length is None:
+            item_length = len(expansion.token_ids) - expansion.item_start
+        items.append(
+            MultiModalItem(
+                "image",
+                expansion.hash,
+                offset=len(token_ids) + expansion.item_start,
+                length=item_length,
+                data=expansion.data,
+                bidirectional=expansion.bidirectional,
+            )
+        )
+        token_ids += expansion.token_ids
+        previous = placeholder + 1
+    token_ids += prompt_token_ids[previous:]
+    return ProcessedPrompt(token_ids, items)
+
+
+def worst_case_items(processor: MultiModalProcessor) -> list[MultiModalItem]:
+    """The items of :meth:`MultiModalProcessor.dummy_images`, each behind its placeholder, processed
+    with the server's ``--mm-processor-kwargs``: the start-up check of a processor, and the media
+    a platform that profiles activations encodes in its profile run."""
+    images = processor.dummy_images()
+    placeholder = processor.placeholders["image"]
+    prompt_ids = list(processor.ctx.tokenizer.encode(placeholder * len(images), add_special_tokens=False))
+    return processor.process(prompt_ids, images, processor.ctx.processor_kwargs).items
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ style kernel that reads every key through the block table, and decodes by a spli
 
 The torch reference it is tested against is
 :func:`tokenloom.kernels.paged_attention.reference_paged_attention`. Bidirectional (encoder)
-batches, which keep no cache, are handed to :class:`TorchPagedAttention`.
+batches, which keep no cache, and steps whose prompts hold spans attending both ways
+(``AttentionMetadata.bidirectional_spans``: Gemma 3's images) are handed to
+:class:`TorchPagedAttention`.
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``; writes K/V into
         ``kv_cache`` at ``attn_metadata.slot_mapping`` first."""
-        if attn_metadata.bidirectional:
+        if attn_metadata.bidirectional or getattr(attn_metadata, "bidirectional_spans", None) is not None:
+            # encoder batches, and steps with an image attending both ways (Gemma 3), which the
+            # prefill kernel's causal mask cannot express: the torch backend (same cache layout)
             if self._bidirectional_backend is None:
                 self._bidirectional_backend = TorchPagedAttention()
             return self._bidirectional_backend.forward(
