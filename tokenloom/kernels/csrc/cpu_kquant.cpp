@@ -62,7 +62,7 @@ constexpr int64_t kNibbleBytes = 256;
 constexpr int64_t kSubScaleBytes = 32;
 template <int kBits> constexpr int64_t kKGroupBytes = kNibbleBytes + kPlaneBytes<kBits> + kSubScaleBytes;
 constexpr int kMaxRows = 4;  // activation rows per tile, at most (AVX-512: 4 x 2 blocks x 2 integer sets in zmm)
-constexpr int64_t kDecodedRows = 16;  // AVX-512: activation rows that share one decoding of the codes
+constexpr int64_t kDecodedRows = 32;  // AVX-512: activation rows that share one decoding of the codes
 constexpr int64_t kDecodedGroups = 8;  // AVX-512: groups of 32 features decoded at once, at least
 
 struct Superblocks {
@@ -76,16 +76,18 @@ Superblocks superblocks(int64_t K, int64_t groups) {
   return {groups, kHeaderBytes<kBits> + groups * kKGroupBytes<kBits>, K / (kGroup * groups)};
 }
 
-// the activation codes' sums over each 16 features: [M, K / 16] (the 6-bit code offset)
-const int32_t* half_group_sums(const QuantizedRows& x, int64_t M, int64_t K) {
-  thread_local std::vector<int32_t> sums;
-  sums.resize(M * K / 16);
+// -32 A for each 16 features: [M, K / 16], A the activation codes' sum (the 6-bit code offset's
+// share of the code products S, which start from it: S - 32 A with no subtraction, and no
+// multiply and broadcast from a general register per row in the tiles)
+const int32_t* half_group_offsets(const QuantizedRows& x, int64_t M, int64_t K) {
+  thread_local std::vector<int32_t> offsets;
+  offsets.resize(M * K / 16);
   for (int64_t index = 0; index < M * K / 16; ++index) {
     int32_t sum = 0;
     for (int i = 0; i < 16; ++i) sum += x.codes[16 * index + i];
-    sums[index] = sum;
+    offsets[index] = -32 * sum;
   }
-  return sums.data();
+  return offsets.data();
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -122,15 +124,23 @@ inline void decode_steps(const uint8_t* group, int step, __m512i (&codes)[2]) {
 constexpr int64_t kDecodedGroupBytes = 8 * 64;
 
 // superblocks [sb_begin, sb_end) of the pair's kBlocks blocks decoded into `decoded`, block b's
-// from b * block_stride bytes on
+// from b * block_stride bytes on. The superblocks are one run of the pair's stream, read front to
+// back; the next run (the next chunk's, or past the pair's end the next pair's, which this thread
+// decodes next) is prefetched as this one is read: without it the decoding waited on memory, and
+// 5-16 rows (a batch's decode step) ran the 6-bit weight at two thirds of the 4-bit tile's bytes
+// per second
 template <int kBits, int kBlocks>
 void decode_superblocks(const uint8_t* pair_start, int64_t width, const Superblocks& layout, int64_t sb_begin,
                         int64_t sb_end, uint8_t* decoded, int64_t block_stride) {
+  const int64_t run_bytes = (sb_end - sb_begin) * width * layout.bytes;
   for (int64_t sb = sb_begin; sb < sb_end; ++sb)
     for (int b = 0; b < kBlocks; ++b) {
       const uint8_t* header = pair_start + (sb * width + b) * layout.bytes;
       for (int64_t gi = 0; gi < layout.groups; ++gi) {
         const uint8_t* group = header + kHeaderBytes<kBits> + gi * kKGroupBytes<kBits>;
+        // (the lines from the group's start on cover the next header too: kKGroupBytes is 32 short of a line)
+        for (int64_t line = 0; line < kKGroupBytes<kBits>; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(group + run_bytes + line), _MM_HINT_T0);
         uint8_t* target = decoded + b * block_stride + ((sb - sb_begin) * layout.groups + gi) * kDecodedGroupBytes;
         for (int step = 0; step < 8; step += 2) {
           __m512i codes[2];
@@ -149,7 +159,7 @@ void decode_superblocks(const uint8_t* pair_start, int64_t width, const Superblo
 // from b * block_stride bytes on): the same integers, the same float operations in the same order, so every row
 // gets the same bits
 template <int kBits, int kRows, int kBlocks, bool kFromDecoded>
-void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* pair_start, int64_t width,
+void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* pair_start, int64_t width,
                  const Superblocks& layout, int64_t sb_begin, int64_t sb_end, const uint8_t* decoded, int64_t block_stride,
                  float* acc_rows, int64_t acc_stride, int64_t m0, int64_t K) {
   const int64_t groups = x.groups;
@@ -180,9 +190,13 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
       for (int h = 0; h < (kBits == 6 ? 2 : 1); ++h) {
         // 6-bit: the group in halves of 16 features (steps 4h..4h+3); 5-bit: all 8 steps at once
         constexpr int kSteps = kBits == 6 ? 4 : 8;
+        // 6-bit: S - 32 A, from -32 A on
         __m512i sums[kRows][kBlocks];
-        for (int r = 0; r < kRows; ++r)
-          for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_setzero_si512();
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i start = kBits == 6 ? _mm512_set1_epi32(half_offsets[((m0 + r) * groups + g) * 2 + h])
+                                           : _mm512_setzero_si512();
+          for (int b = 0; b < kBlocks; ++b) sums[r][b] = start;
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < kSteps / 2; ++t) {
           const int step = h * 4 + 2 * t;
@@ -211,8 +225,7 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
             const __m512 sc = _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16 * h))));
             for (int r = 0; r < kRows; ++r) {
-              const __m512 centred = _mm512_cvtepi32_ps(
-                  _mm512_sub_epi32(sums[r][b], _mm512_set1_epi32(32 * half_sums[((m0 + r) * groups + g) * 2 + h])));
+              const __m512 centred = _mm512_cvtepi32_ps(sums[r][b]);
               total[r][b] = h == 0 ? _mm512_mul_ps(sc, centred) : _mm512_fmadd_ps(sc, centred, total[r][b]);
             }
           } else {
@@ -256,7 +269,7 @@ constexpr auto kquant_tiles(std::integer_sequence<int, kRows...>) {
 // dot products of 4 rows: 8 rows decoding twice ran the 6-bit weight at a third of the int4
 // tile's speed per byte)
 template <int kBits, int kBlocks>
-void kquant_rows(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out, int64_t m_begin,
+void kquant_rows(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* weight, float* out, int64_t m_begin,
                  int64_t m_end, int64_t b0, int64_t N, int64_t K, const Superblocks& layout) {
   static constexpr auto direct = kquant_tiles<kBits, kBlocks, false>(std::make_integer_sequence<int, kMaxRows>());
   static constexpr auto from_decoded = kquant_tiles<kBits, kBlocks, true>(std::make_integer_sequence<int, kMaxRows>());
@@ -271,7 +284,7 @@ void kquant_rows(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
     const int64_t rows = std::min<int64_t>(kDecodedRows, m_end - m);
     std::fill_n(acc, rows * acc_stride, 0.f);
     if (rows <= kMaxRows) {
-      direct[rows](x, half_sums, pair_start, width, layout, 0, layout.count, nullptr, 0, acc, acc_stride, m, K);
+      direct[rows](x, half_offsets, pair_start, width, layout, 0, layout.count, nullptr, 0, acc, acc_stride, m, K);
     } else {
       decoded.resize(kBlocks * block_stride);
       for (int64_t sb = 0; sb < layout.count; sb += chunk) {
@@ -280,7 +293,7 @@ void kquant_rows(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
         for (int64_t r = 0; r < rows;) {
           const int64_t left = rows - r, tiles_left = (left + kMaxRows - 1) / kMaxRows;
           const int64_t tile_rows = (left + tiles_left - 1) / tiles_left;
-          from_decoded[tile_rows](x, half_sums, pair_start, width, layout, sb, sb_end, decoded.data(), block_stride,
+          from_decoded[tile_rows](x, half_offsets, pair_start, width, layout, sb, sb_end, decoded.data(), block_stride,
                                   acc + r * acc_stride, acc_stride, m + r, K);
           r += tile_rows;
         }
@@ -312,7 +325,7 @@ inline __m256i with_high_bits(__m256i nibbles, __m256i plane, int step) {
 
 // each block in two halves of 8 output rows (a vector's lanes), as cpu_qlinear.cpp's AVX2 tile
 template <int kBits, int kRows, int kBlocks>
-void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out, int64_t m0,
+void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* weight, float* out, int64_t m0,
                  int64_t b0, int64_t N, int64_t K, const Superblocks& layout) {
   const int64_t groups = x.groups;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
@@ -379,8 +392,8 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
             __m256i total;
             if constexpr (kBits == 6) {
               total = _mm256_add_epi32(
-                  _mm256_mullo_epi32(sc[0], _mm256_sub_epi32(sums[0], _mm256_set1_epi32(32 * half_sums[2 * index]))),
-                  _mm256_mullo_epi32(sc[1], _mm256_sub_epi32(sums[1], _mm256_set1_epi32(32 * half_sums[2 * index + 1]))));
+                  _mm256_mullo_epi32(sc[0], _mm256_add_epi32(sums[0], _mm256_set1_epi32(half_offsets[2 * index]))),
+                  _mm256_mullo_epi32(sc[1], _mm256_add_epi32(sums[1], _mm256_set1_epi32(half_offsets[2 * index + 1]))));
             } else {
               total = _mm256_mullo_epi32(sc[0], _mm256_add_epi32(sums[0], sums[1]));
             }
@@ -405,7 +418,7 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
 // tile orders these float operations the same way (see cpu_qlinear.cpp's scale_group)
 template <int kBits>
 [[gnu::noinline]] void scale_group(float* acc, const int32_t (*sums)[kBlockRows], const uint8_t* header,
-                                   const uint8_t* sub_scales, const QuantizedRows& x, const int32_t* half_sums,
+                                   const uint8_t* sub_scales, const QuantizedRows& x, const int32_t* half_offsets,
                                    int64_t index) {
   for (int lane = 0; lane < kBlockRows; ++lane) {
     c10::Half d;
@@ -413,8 +426,8 @@ template <int kBits>
     int32_t total;
     if constexpr (kBits == 6) {
       const int8_t* sc = reinterpret_cast<const int8_t*>(sub_scales);
-      total = sc[lane] * (sums[0][lane] - 32 * half_sums[2 * index]) +
-              sc[16 + lane] * (sums[1][lane] - 32 * half_sums[2 * index + 1]);
+      total = sc[lane] * (sums[0][lane] + half_offsets[2 * index]) +
+              sc[16 + lane] * (sums[1][lane] + half_offsets[2 * index + 1]);
     } else {
       total = sub_scales[lane] * (sums[0][lane] + sums[1][lane]);
     }
@@ -428,7 +441,7 @@ template <int kBits>
 }
 
 template <int kBits, int kRows, int kBlocks>
-void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out, int64_t m0,
+void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* weight, float* out, int64_t m0,
                  int64_t b0, int64_t N, int64_t K, const Superblocks& layout) {
   const int64_t groups = x.groups;
   float acc[kRows][kBlocks][kBlockRows] = {};
@@ -458,7 +471,7 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_sums, const uint8_t
             for (int lane = 0; lane < kBlockRows; ++lane)
               for (int j = 0; j < 4; ++j)
                 sums[step / 4][lane] += static_cast<int32_t>(codes[step][lane][j]) * row[4 * step + j];
-          scale_group<kBits>(acc[r][b], sums, header, group + kNibbleBytes + kPlaneBytes<kBits>, x, half_sums,
+          scale_group<kBits>(acc[r][b], sums, header, group + kNibbleBytes + kPlaneBytes<kBits>, x, half_offsets,
                              (m0 + r) * groups + g);
         }
       }
@@ -482,11 +495,11 @@ constexpr auto kquant_tiles(std::integer_sequence<int, kRows...>) {
 
 // rows [m_begin, m_end) in full tiles of kMaxRows and the rest
 template <int kBits, int kBlocks>
-void kquant_rows(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out, int64_t m_begin,
+void kquant_rows(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* weight, float* out, int64_t m_begin,
                  int64_t m_end, int64_t b0, int64_t N, int64_t K, const Superblocks& layout) {
   static constexpr auto tiles = kquant_tiles<kBits, kBlocks>(std::make_integer_sequence<int, kMaxRows>());
   for (int64_t m = m_begin; m < m_end; m += kMaxRows)
-    tiles[std::min<int64_t>(m_end - m, kMaxRows)](x, half_sums, weight, out, m, b0, N, K, layout);
+    tiles[std::min<int64_t>(m_end - m, kMaxRows)](x, half_offsets, weight, out, m, b0, N, K, layout);
 }
 #endif
 
@@ -508,29 +521,29 @@ at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
   const QuantizedRows rows = quantize_activation_rows(x);
-  const int32_t* half_sums = kBits == 6 ? half_group_sums(rows, M, K) : nullptr;
+  const int32_t* half_offsets = kBits == 6 ? half_group_offsets(rows, M, K) : nullptr;
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   float* result = out.data_ptr<float>();
   for_each_tile(M, N, [&](int64_t m, int64_t m_end, int64_t b0, int width) {
     if (width == 2)
-      kquant_rows<kBits, 2>(rows, half_sums, packed, result, m, m_end, b0, N, K, layout);
+      kquant_rows<kBits, 2>(rows, half_offsets, packed, result, m, m_end, b0, N, K, layout);
     else
-      kquant_rows<kBits, 1>(rows, half_sums, packed, result, m, m_end, b0, N, K, layout);
+      kquant_rows<kBits, 1>(rows, half_offsets, packed, result, m, m_end, b0, N, K, layout);
   });
   return out;
 }
 
 }  // namespace
 
-const int32_t* int6_half_group_sums(const QuantizedRows& x, int64_t M, int64_t K) { return half_group_sums(x, M, K); }
+const int32_t* int6_half_group_sums(const QuantizedRows& x, int64_t M, int64_t K) { return half_group_offsets(x, M, K); }
 
-void int6_rows_times_block_pair(const QuantizedRows& x, const int32_t* half_sums, const uint8_t* weight, float* out,
+void int6_rows_times_block_pair(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* weight, float* out,
                                 int64_t m_begin, int64_t m_end, int64_t b0, int64_t N, int64_t K) {
   const Superblocks layout = superblocks<6>(K, 8);
   if (b0 + 1 < N / kBlockRows)
-    kquant_rows<6, 2>(x, half_sums, weight, out, m_begin, m_end, b0, N, K, layout);
+    kquant_rows<6, 2>(x, half_offsets, weight, out, m_begin, m_end, b0, N, K, layout);
   else
-    kquant_rows<6, 1>(x, half_sums, weight, out, m_begin, m_end, b0, N, K, layout);
+    kquant_rows<6, 1>(x, half_offsets, weight, out, m_begin, m_end, b0, N, K, layout);
 }
 
 at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups) {
