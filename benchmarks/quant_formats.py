@@ -201,12 +201,30 @@ def peak_rss_bytes(pid: int) -> tuple[int, int]:
     return total, count
 
 
-def kv_cache_mib(server: str, fmt: str, log: str) -> float | None:
-    """The KV cache the server allocated, from its log (vLLM CPU's: the space it was given)."""
+def llama_server_kv_mib(gguf_path: Path) -> float:
+    """llama-server's f16 KV cache for LLAMA_CONTEXT tokens of this GGUF's shape (it logs the size
+    only at a verbosity that logs every step too)."""
+    import gguf  # tokenloom's venv has it; only this server's row needs it
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    architecture = reader.fields["general.architecture"].contents()
+
+    def field(key: str) -> int:
+        return int(reader.fields[f"{architecture}.{key}"].contents())
+
+    head_dim = field("embedding_length") // field("attention.head_count")
+    per_token = field("block_count") * 2 * field("attention.head_count_kv") * head_dim * 2  # K and V, f16
+    return per_token * int(os.environ.get("LLAMA_CONTEXT", "16384")) / 2**20
+
+
+def kv_cache_mib(server: str, fmt: str, path: Path, log: str) -> float | None:
+    """The KV cache the server allocated: tokenloom's from its log, vLLM CPU's the space it was
+    given, llama-server's from the file's shape."""
     if server == "peer" and fmt in COMPRESSED_FORMATS:
         return float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")) * 1024
-    pattern = r"KV cache: .*\(([\d.]+) MiB\)" if server == "tokenloom" else r"KV buffer size\s*=\s*([\d.]+) MiB"
-    sizes = [float(match) for match in re.findall(pattern, log)]
+    if server == "peer":
+        return llama_server_kv_mib(path)
+    sizes = [float(match) for match in re.findall(r"KV cache: .*\(([\d.]+) MiB\)", log)]
     return sum(sizes) if sizes else None
 
 
@@ -251,7 +269,7 @@ def sit_one(server: str, fmt: str, path: Path, out: Path, run: int) -> str:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    kv = kv_cache_mib(server, fmt, log_path.read_text(errors="replace"))
+    kv = kv_cache_mib(server, fmt, path, log_path.read_text(errors="replace"))
     kv_text = "?" if kv is None else f"{kv:.0f}"
     return (
         f"{fmt:7} {server:9} file {size_bytes(path) / 2**20:6.1f} MiB | KV {kv_text:>5} MiB | ready {ready:5.1f} s | "
