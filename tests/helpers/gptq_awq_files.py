@@ -1,7 +1,9 @@
 """GPTQ and AWQ checkpoints written in the tests, in the tensor layouts auto-gptq/gptqmodel and
 AutoAWQ save (those tools need a GPU and do not install here), from a dense Hugging Face
-directory: every linear layer but the LM head quantized with a few lines of torch (round to
-nearest; GPTQ's error feedback changes which codes are chosen, not how they are stored). Beside
+directory: every linear layer quantized with a few lines of torch (round to nearest; GPTQ's error
+feedback changes which codes are chosen, not how they are stored), and the LM head too with GPTQ's
+``lm_head=True`` (as gptqmodel writes it: ``lm_head.qweight`` and the rest, made from the tied
+embedding, beside the dense ``embed_tokens.weight``; config.json left as it was). Beside
 each, the same model with the weights read back from the packed tensors by this module's own
 unpacking (a loop over bit fields, written apart from tokenloom's), the reference tokenloom is
 compared with."""
@@ -125,7 +127,9 @@ def awq_dequantize(tensors: dict[str, torch.Tensor], group_size: int) -> torch.T
     return ((codes - zeros[groups]) * tensors["scales"].float()[groups]).t().float()
 
 
-def gptq_config(bits=4, group_size=128, symmetric=True, desc_act=False, checkpoint_format="gptq") -> dict:
+def gptq_config(
+    bits=4, group_size=128, symmetric=True, desc_act=False, checkpoint_format="gptq", lm_head=False
+) -> dict:
     return {
         "quant_method": "gptq",
         "bits": bits,
@@ -135,7 +139,7 @@ def gptq_config(bits=4, group_size=128, symmetric=True, desc_act=False, checkpoi
         "static_groups": False,
         "true_sequential": True,
         "damp_percent": 0.01,
-        "lm_head": False,
+        "lm_head": lm_head,
         "checkpoint_format": checkpoint_format,
     }
 
@@ -157,8 +161,14 @@ def write_quantized(dense_dir: str, out_dir: Path, method: str, **options) -> tu
     orders: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
-    for name, tensor in load_file(str(Path(dense_dir) / "model.safetensors")).items():
-        if not name.endswith(LINEAR_SUFFIXES):
+    dense = load_file(str(Path(dense_dir) / "model.safetensors"))
+    quantized_names = LINEAR_SUFFIXES
+    if config.get("lm_head"):
+        # a tied checkpoint holds the head as the embedding: the head's codes are made from it
+        dense.setdefault("lm_head.weight", dense["model.embed_tokens.weight"])
+        quantized_names += ("lm_head.weight",)
+    for name, tensor in dense.items():
+        if not name.endswith(quantized_names):
             packed[name] = dequantized[name] = tensor.contiguous()
             continue
         module = name.removesuffix(".weight")
@@ -179,6 +189,9 @@ def write_quantized(dense_dir: str, out_dir: Path, method: str, **options) -> tu
     save_file(packed, str(quantized / "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantized, str(reference / "model.safetensors"), metadata={"format": "pt"})
     hf_config = json.loads((Path(dense_dir) / "config.json").read_text())
+    if config.get("lm_head"):  # the reference's head is the dequantized one, not the embedding
+        reference_config = {**hf_config, "tie_word_embeddings": False}
+        (reference / "config.json").write_text(json.dumps(reference_config, indent=2))
     hf_config["quantization_config"] = config
     (quantized / "config.json").write_text(json.dumps(hf_config, indent=2))
     return str(quantized), str(reference)

@@ -20,6 +20,12 @@ copy's, and its exact weight values. A tied pair then holds the blocks (for the 
 head's packed codes, and no dense weight; a head no kernel takes makes the dense weight from the
 blocks after all (shared with a tied embedding, which then looks up in it).
 
+A head the checkpoint stores quantized as a linear layer (a GPTQ checkpoint's ``lm_head:
+true``; see :attr:`~tokenloom.layers.quantization.QuantizationConfig.quantizes_lm_head`) is a
+:class:`QuantizedLMHead` instead: a column-parallel linear layer over the vocabulary whose method
+the config chooses, multiplying the checkpoint's codes with no dense copy, beside a dense
+embedding.
+
 Under tensor parallelism (``tp_group``, the model's ``ctx.parallel.tp``) each rank holds
 ``ceil(vocab / tp)`` rows (the last rank's tail zero): the embedding looks up the ids in its
 range, zeroes the others and sums over ranks; the head computes its shard's logits and gathers
@@ -41,7 +47,7 @@ from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear
 from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
 from tokenloom.kernels.lowbit_matmul import LowbitWeight, lowbit_linear
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
-from tokenloom.layers.linear import tensor_parallel_all_reduce, tp_place
+from tokenloom.layers.linear import ColumnParallelLinear, tensor_parallel_all_reduce, tp_place
 from tokenloom.layers.quantization import materialize
 
 
@@ -264,3 +270,18 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.data[: tensor.shape[0]].copy_(tensor)
             return
         super().load_checkpoint_weight(param_name, loaded_weight, shard_id)
+
+
+class QuantizedLMHead(ColumnParallelLinear):
+    """``hidden -> logits`` through a quantized linear layer of ``vocab_size`` output rows, each
+    rank's an equal share of the vocabulary (a vocabulary the tensor-parallel size does not
+    divide is refused when the layer is built)."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
+        # float32 in, float32 logits out: the kernels quantize the activations themselves, so a
+        # bfloat16 model's logits are not rounded to bfloat16 on the way out
+        logits = self(hidden_states.float())
+        if self.tp_size > 1:
+            logits = self.tp_group.all_gather(logits.contiguous(), dim=-1)
+        return logits

@@ -128,6 +128,12 @@ class QuantizationConfig:
     # set by the loader before any method is asked for (see QuantizationMethod.exact_dtype)
     exact_dtype: bool = True
 
+    #: whether the checkpoint stores the LM head in this method's tensors (GPTQ's ``lm_head:
+    #: true``: ``lm_head.qweight`` and so on): the model then builds its head as a linear layer
+    #: of this config (:class:`~tokenloom.layers.embedding.QuantizedLMHead`, never tied to the
+    #: embedding, which stays dense), and :meth:`get_method` is asked for it by the name ``lm_head``
+    quantizes_lm_head: bool = False
+
     @classmethod
     def from_checkpoint(cls, hf_config: Any) -> QuantizationConfig:
         """The config for a checkpoint (``hf_config.quantization_config``, when it has one,

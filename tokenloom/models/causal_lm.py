@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext
-from tokenloom.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenloom.layers.embedding import ParallelLMHead, QuantizedLMHead, VocabParallelEmbedding
 from tokenloom.layers.layernorm import RMSNorm
 from tokenloom.layers.linear import kv_heads_per_rank
 from tokenloom.layers.pipeline import MissingLayer, number_attention_layers, stage_layers
@@ -147,7 +147,9 @@ class DecoderForCausalLM(nn.Module):
         # this worker's tensor-parallel group (None: one worker holds the whole model)
         self.tp_group = ctx.parallel.tp if ctx.parallel is not None and ctx.parallel.tp.size > 1 else None
         hidden_size = config.hidden_size
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # a head the checkpoint quantized is read from its own tensors, never tied to the embedding
+        self.quantized_lm_head = bool(getattr(ctx.quantization, "quantizes_lm_head", False))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and not self.quantized_lm_head
         # pipeline parallelism: this worker builds its stage's layers only, the embedding on
         # the first stage (and on the last when the LM head shares its weight), the final
         # norm and the LM head on the last; every other module is a parameterless placeholder
@@ -176,7 +178,9 @@ class DecoderForCausalLM(nn.Module):
         # head for decode steps reads half the bytes
         small_batch_dtype = torch.float16 if self.dtype == torch.float32 and not ctx.exact_dtype else None
         self.lm_head: nn.Module = MissingLayer()
-        if self.is_last_stage:
+        if self.is_last_stage and self.quantized_lm_head:
+            self.lm_head = QuantizedLMHead(hidden_size, config.vocab_size, **self.linear_options())
+        elif self.is_last_stage:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
                 hidden_size,

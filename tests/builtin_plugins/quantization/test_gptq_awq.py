@@ -37,6 +37,7 @@ from tokenloom.builtin_plugins.quantization.awq import AWQConfig, AWQMethod
 from tokenloom.builtin_plugins.quantization.gptq import GPTQConfig, GPTQMethod
 from tokenloom.builtin_plugins.quantization.grouped_int import plan_columns
 from tokenloom.errors import ConfigError, ModelLoadError
+from tokenloom.layers.embedding import ParallelLMHead, QuantizedLMHead
 from tokenloom.layers.linear import ColumnParallelLinear, LinearBase, QKVParallelLinear, RowParallelLinear
 
 
@@ -50,6 +51,8 @@ CASES = {
     "gptq-4bit-symmetric-group128": ("gptq", dict(bits=4, group_size=128)),
     "gptq-4bit-asymmetric-act-order-group32": ("gptq", dict(group_size=32, symmetric=False, desc_act=True)),
     "gptq-8bit-symmetric-group128": ("gptq", dict(bits=8, group_size=128)),
+    # gptqmodel's lm_head=True: the (tied) head's codes on the int4 kernel, the embedding dense
+    "gptq-4bit-asymmetric-group32-lm-head": ("gptq", dict(group_size=32, symmetric=False, lm_head=True)),
 }
 
 
@@ -66,7 +69,13 @@ def test_a_checkpoint_is_detected_and_agrees_with_transformers(case, dense_llama
         check_logprobs_close(transformers_greedy(reference), tokenloom_greedy(llm))
         model = llm.engine.executor.worker.runner.model
         layers = [module for module in model.modules() if isinstance(module, LinearBase)]
-        assert len(layers) == 2 * 4  # qkv, o, gate_up, down of each layer; the LM head stays dense
+        if options.get("lm_head"):
+            assert isinstance(model.lm_head, QuantizedLMHead) and model.lm_head in layers
+            assert model.model.embed_tokens.weight.shape == (model.lm_head.output_size, 128)  # dense, untied
+        else:
+            assert isinstance(model.lm_head, ParallelLMHead)  # dense
+        # qkv, o, gate_up, down of each layer (and the head)
+        assert len(layers) == 2 * 4 + bool(options.get("lm_head"))
         for layer in layers:
             assert isinstance(layer.quant_method, GPTQMethod if method == "gptq" else AWQMethod)
             # no dense weight, nor the checkpoint's tensors: the kernel's packed bytes only
@@ -269,6 +278,32 @@ def test_fused_shards_land_at_their_rows_and_must_order_features_alike(monkeypat
         layer.quant_method.process_weights_after_loading(layer)
 
 
+class GatherGroup(IdentityGroup):
+    """A stand-in group for rank 1 of 2 whose ``all_gather`` puts rank 0's logits (zeros) first."""
+
+    def all_gather(self, tensor, dim):
+        return torch.cat([torch.zeros_like(tensor), tensor], dim=dim)
+
+
+def test_a_quantized_head_gives_float32_logits_of_its_share_of_the_vocabulary(monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", "require")
+    generator = torch.Generator().manual_seed(7)
+    options = dict(group_size=32, symmetric=False, lm_head=True)
+    tensors, dense, quantization_config = layer_tensors("gptq", torch.randn(64, 64, generator=generator), options)
+    config = config_of(quantization_config)
+    head = QuantizedLMHead(64, 64, quant_method=config, params_dtype=torch.bfloat16, tp_group=GatherGroup(1, 2))
+    loaded(bound_layer(head, config, "lm_head"), tensors)
+    assert isinstance(head.quant_method, GPTQMethod) and head.int4_weight.packed.dtype == torch.uint8
+    x = torch.randn(3, 64, generator=generator)
+    logits = head.compute_logits(x.to(torch.bfloat16))
+    assert logits.dtype == torch.float32 and logits.shape == (3, 64)
+    assert not logits[:, :32].any()  # rank 0's part, from the gather
+    assert_matches(logits[:, 32:], x, dense[32:])
+    # the config names the head by lm_head alone, whatever modules_in_block_to_quantize lists
+    blocks = config_of({**quantization_config, "modules_in_block_to_quantize": [["mlp.down_proj"]]})
+    assert blocks.quantizes("lm_head") and not config_of(gptq_config()).quantizes("lm_head")
+
+
 def test_without_the_int8_kernel_the_codes_are_kept_and_scaled_per_call(monkeypatch):
     monkeypatch.setattr(grouped_int, "pack_int8", lambda codes, scales: None)  # kernels not built
     options = dict(bits=8, group_size=32)
@@ -320,7 +355,6 @@ def test_unsupported_fields_are_refused_by_name():
     assert "asymmetric 8-bit weights (sym: false" in refused(gptq_config(bits=8, symmetric=False))
     assert "checkpoint_format 'marlin'" in refused(gptq_config(checkpoint_format="marlin"))
     assert "checkpoint_format 'marlin'" in refused({**gptq_config(), "is_marlin_format": True})
-    assert "a quantized LM head (lm_head: true)" in refused({**gptq_config(), "lm_head": True})
     assert "per-module overrides (dynamic)" in refused({**gptq_config(), "dynamic": {"-:.*down": {}}})
     assert "a group size of 0" in refused(gptq_config(group_size=0))
     assert "the 'gemv' layout (version)" in refused({**awq_config(), "version": "GEMV"})

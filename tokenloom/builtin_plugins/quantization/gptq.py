@@ -14,9 +14,12 @@ kernel, any group size (``-1``: one group per output feature), act-order (``desc
 not monotone) and ``static_groups``: :mod:`~tokenloom.builtin_plugins.quantization.grouped_int`
 sorts the input features by group and gathers the activations' columns in that order per call.
 ``true_sequential``, ``damp_percent`` and the like only shaped quantization and are ignored.
+A quantized LM head (``lm_head: true``, as gptqmodel writes it: ``lm_head.qweight`` and the rest
+beside a dense ``embed_tokens.weight``) is such a layer too, on the same kernels, in a model whose
+head is then never tied to its embedding (:class:`~tokenloom.layers.embedding.QuantizedLMHead`).
 Refused by name: 2- and 3-bit codes, asymmetric 8-bit codes (the int8 kernel has no zero point),
-a quantized LM head, per-module ``dynamic`` overrides, and the marlin/bitblas checkpoint formats.
-Layers a ``modules_in_block_to_quantize`` list leaves out stay dense.
+per-module ``dynamic`` overrides, and the marlin/bitblas checkpoint formats. Layers a
+``modules_in_block_to_quantize`` list leaves out stay dense.
 """
 
 from __future__ import annotations
@@ -67,12 +70,14 @@ class GPTQConfig(QuantizationConfig):
         symmetric: bool,
         zero_point_offset: int,
         block_modules: tuple[str, ...] | None = None,
+        lm_head: bool = False,
     ):
         self.bits = bits
         self.group_size = group_size  # -1: one group per output feature
         self.symmetric = symmetric
         self.zero_point_offset = zero_point_offset
         self.block_modules = block_modules  # modules_in_block_to_quantize, flattened (None: all)
+        self.quantizes_lm_head = lm_head
 
     @classmethod
     def from_checkpoint(cls, hf_config: Any) -> GPTQConfig:
@@ -97,16 +102,18 @@ class GPTQConfig(QuantizationConfig):
             checkpoint_format = "marlin"
         if checkpoint_format not in _FORMATS:
             raise _refuse(f"checkpoint_format {checkpoint_format!r}")
-        if config.get("lm_head"):
-            raise _refuse("a quantized LM head (lm_head: true)")
         if config.get("dynamic"):
             raise _refuse("per-module overrides (dynamic)")
         blocks = config.get("modules_in_block_to_quantize")
         block_modules = None if not blocks else tuple(name for block in blocks for name in block)
-        return cls(bits, group_size, symmetric, _FORMATS[checkpoint_format], block_modules)
+        lm_head = bool(config.get("lm_head"))
+        return cls(bits, group_size, symmetric, _FORMATS[checkpoint_format], block_modules, lm_head)
 
     def quantizes(self, name: str) -> bool:
-        """Whether the checkpoint module ``name`` is quantized (modules_in_block_to_quantize)."""
+        """Whether the checkpoint module ``name`` is quantized (modules_in_block_to_quantize; the
+        LM head by ``lm_head``)."""
+        if name == "lm_head" or name.endswith(".lm_head"):
+            return self.quantizes_lm_head
         if self.block_modules is None:
             return True
         return any(name == module or name.endswith("." + module) for module in self.block_modules)
