@@ -1,8 +1,9 @@
 """One Q4_K_M mixture-of-experts layer on an OLMoE-1B-7B shape (64 experts, top-8, hidden 2048,
 expert intermediate 1024; Q4_K gate and up, Q6_K down, as llama-quantize writes half of its
 layers), op level: the experts' load (the file's blocks packed by the native ``gguf_pack_int4`` vs the
-torch packers) and a step's experts at 1 and 8 tokens (each projection in its own packed kind vs
-the dense bfloat16 experts such a layer held before). Random blocks with small scales; median of
+torch packers), a step's experts at 1 and 8 tokens (each projection in its own packed kind vs
+the dense bfloat16 experts such a layer held before), and a prefill chunk's at 256 and 2048 tokens
+(process CPU time). Random blocks with small scales; median of
 repeated calls, alternating, the torch threads the process has; the CPU kernel level is printed.
 
     python benchmarks/moe_q4_k_m_layer.py
@@ -75,6 +76,18 @@ def main() -> None:
             dense_ms.append(seconds(fused_experts, x, weights, ids, dense13, dense2, "silu", ops) * 1e3)
         packed, dense = sorted(packed_ms)[7], sorted(dense_ms)[7]
         print(f"M={tokens}: Q4_K+Q6_K packed {packed:.2f} ms, dense bfloat16 {dense:.2f} ms ({dense / packed:.2f}x)")
+    for tokens in (
+        256,
+        2048,
+    ):  # a prefill chunk: 32 and 256 rows per expert; process CPU time (the machine may be shared)
+        x = torch.randn(tokens, HIDDEN).bfloat16()
+        weights, ids = route(torch.randn(tokens, EXPERTS), TOP_K, renormalize=False)
+        cpu_ms = []
+        for _ in range(5):
+            start = time.process_time()
+            fused_experts(x, weights, ids, w13, w2, "silu", ops, ((4, 8), (6, 8)))
+            cpu_ms.append((time.process_time() - start) * 1e3)
+        print(f"M={tokens}: Q4_K+Q6_K packed, CPU time {sorted(cpu_ms)[2]:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The ``moe_experts`` operator (csrc/cpu_moe.cpp) with each projection packed in its own kind, as a
 GGUF file stores it (a Q4_K_M file's Q4_K gate and up beside a Q6_K down; Q5_K_M's Q5_K; Q5_0),
-on every kernel level the host runs: 1 to 17 tokens routed top-k over experts loaded unevenly
+on every kernel level the host runs: 1 to 1100 tokens routed top-k over experts loaded unevenly
 (one expert most rows, one none), each row given exactly the bits the projection's own operator
 (int4_linear, int5_linear, int6_linear) gives it, and the whole within the 8-bit activations'
 error of the torch loop over the dequantized experts."""
@@ -62,6 +62,7 @@ def one_row(weight, x: torch.Tensor) -> torch.Tensor:
         ("q4", "q6_k", 1, torch.float32),  # Q4_K_M: a decode step
         ("q4", "q6_k", 17, torch.float32),
         ("q4", "q6_k", 8, torch.bfloat16),  # a bfloat16 model's tokens: summed in float32, rounded once
+        ("q4", "q6_k", 1100, torch.float32),  # 2200 rows: the experts run in two slabs
         ("q6_k", "q6_k", 4, torch.float32),
         ("q5_k", "q6_k", 9, torch.float32),  # Q5_K_M
         ("q5_0", "q5_0", 2, torch.float32),

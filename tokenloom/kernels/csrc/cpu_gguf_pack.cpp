@@ -25,6 +25,10 @@
 
 #include "cpu_namespace.h"
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -49,8 +53,13 @@ inline float load_f16(const uint8_t* bytes) {
   return c10::detail::fp16_ieee_to_fp32_value(bits);  // exact: float32 holds every float16
 }
 
-// float32 -> float16 bits, rounding to nearest even (torch's .to(torch.float16)), in integers
+// float32 -> float16 bits, rounding to nearest even (torch's .to(torch.float16)): F16C's
+// conversion where the level has it (the same bits for every float32, NaNs included; the integer
+// code's data-dependent branches made it most of a Q4_K weight's packing time), else in integers
 inline uint16_t to_f16_bits(float value) {
+#ifdef __F16C__
+  return static_cast<uint16_t>(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT));
+#else
   uint32_t bits;
   std::memcpy(&bits, &value, 4);
   const uint32_t sign = (bits >> 16) & 0x8000u;
@@ -74,6 +83,7 @@ inline uint16_t to_f16_bits(float value) {
   const uint32_t rest = magnitude & 0x1FFFu;
   if (rest > 0x1000u || (rest == 0x1000u && (result & 1u))) ++result;
   return static_cast<uint16_t>(sign | result);
+#endif
 }
 
 // a float32 product or difference rounded once, as torch computes it, whatever -ffast-math allows
