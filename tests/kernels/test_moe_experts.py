@@ -1,6 +1,6 @@
 """The ``moe_experts`` operator (csrc/cpu_moe.cpp) with each projection packed in its own kind, as a
 GGUF file stores it (a Q4_K_M file's Q4_K gate and up beside a Q6_K down; Q5_K_M's Q5_K; Q5_0),
-on every kernel level the host runs: 1 to 17 tokens routed top-k over experts loaded unevenly
+on every kernel level the host runs: 1 to 1100 tokens routed top-k over experts loaded unevenly
 (one expert most rows, one none), each row given exactly the bits the projection's own operator
 (int4_linear, int5_linear, int6_linear) gives it, and the whole within the 8-bit activations'
 error of the torch loop over the dequantized experts."""
@@ -57,17 +57,19 @@ def one_row(weight, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "w13_kind, w2_kind, num_tokens",
+    "w13_kind, w2_kind, num_tokens, dtype",
     [
-        ("q4", "q6_k", 1),  # Q4_K_M: a decode step
-        ("q4", "q6_k", 17),
-        ("q6_k", "q6_k", 4),
-        ("q5_k", "q6_k", 9),  # Q5_K_M
-        ("q5_0", "q5_0", 2),
-        ("q4", "q5_k", 17),
+        ("q4", "q6_k", 1, torch.float32),  # Q4_K_M: a decode step
+        ("q4", "q6_k", 17, torch.float32),
+        ("q4", "q6_k", 8, torch.bfloat16),  # a bfloat16 model's tokens: summed in float32, rounded once
+        ("q4", "q6_k", 1100, torch.float32),  # 2200 rows: the experts run in two slabs
+        ("q6_k", "q6_k", 4, torch.float32),
+        ("q5_k", "q6_k", 9, torch.float32),  # Q5_K_M
+        ("q5_0", "q5_0", 2, torch.float32),
+        ("q4", "q5_k", 17, torch.float32),
     ],
 )
-def test_experts_of_each_kind_give_each_row_the_bits_of_its_projections_operator(w13_kind, w2_kind, num_tokens):
+def test_experts_of_each_kind_give_each_row_the_bits_of_its_projections_operator(w13_kind, w2_kind, num_tokens, dtype):
     ops = cpu_native.load()
     if ops is None:
         pytest.skip("the CPU kernels are off")
@@ -76,12 +78,13 @@ def test_experts_of_each_kind_give_each_row_the_bits_of_its_projections_operator
     down = [random_weight(w2_kind, HIDDEN, INTERMEDIATE, generator) for _ in range(EXPERTS)]
     w13 = torch.stack([packed.packed for packed, _ in gate_up])
     w2 = torch.stack([packed.packed for packed, _ in down])
-    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype).float()  # values the dtype holds
     weights, ids = uneven_routing(num_tokens, generator)
     assert (ids == 0).sum() == num_tokens and not (ids == EXPERTS - 1).any()
 
     with torch.inference_mode():  # as the engine runs it (the operator's threads are not in that mode)
-        got = fused_experts(x, weights, ids, w13, w2, "silu", ops, (KINDS[w13_kind], KINDS[w2_kind]))
+        got = fused_experts(x.to(dtype), weights, ids, w13, w2, "silu", ops, (KINDS[w13_kind], KINDS[w2_kind]))
+    assert got.dtype == dtype
 
     expected = torch.zeros(num_tokens, HIDDEN)
     for token in range(num_tokens):  # expert by expert, row by row, through each projection's operator
@@ -89,11 +92,11 @@ def test_experts_of_each_kind_give_each_row_the_bits_of_its_projections_operator
             expert = int(ids[token, slot])
             hidden = ops.act_and_mul(one_row(gate_up[expert][0], x[token : token + 1]), "silu")
             expected[token] += weights[token, slot] * one_row(down[expert][0], hidden)[0]
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, expected.to(dtype), rtol=1e-6, atol=1e-6)
     dense13 = torch.stack([dense for _, dense in gate_up])
     dense2 = torch.stack([dense for _, dense in down])
     reference = fused_experts_reference(x, weights, ids, dense13, dense2, SiluAndMul())
-    assert (got - reference).abs().max() <= 0.03 * reference.abs().max()
+    assert (got.float() - reference).abs().max() <= 0.03 * reference.abs().max()
 
 
 def test_the_operator_refuses_an_unknown_kind_and_a_packed_size_of_another_kind():
@@ -103,8 +106,8 @@ def test_the_operator_refuses_an_unknown_kind_and_a_packed_size_of_another_kind(
     generator = torch.Generator().manual_seed(0)
     w13 = torch.stack([random_weight("q4", 2 * INTERMEDIATE, HIDDEN, generator)[0].packed] * 2)
     w2 = torch.stack([random_weight("q6_k", HIDDEN, INTERMEDIATE, generator)[0].packed] * 2)
-    x, offsets = torch.randn(2, HIDDEN), torch.tensor([0, 1, 2])
+    x, weights, slots, offsets = torch.randn(2, HIDDEN), torch.ones(2, 1), torch.arange(2), torch.tensor([0, 1, 2])
     with pytest.raises(RuntimeError, match="packed experts are 4-, 5- or 6-bit"):
-        ops.moe_experts(x, offsets, w13, w2, "silu", 4, 3)
+        ops.moe_experts(x, weights, slots, offsets, w13, w2, "silu", 4, 3)
     with pytest.raises(RuntimeError, match="packed w13 must be"):
-        ops.moe_experts(x, offsets, w13, w2, "silu", 4, 4)  # a 6-bit down read as 4-bit
+        ops.moe_experts(x, weights, slots, offsets, w13, w2, "silu", 4, 4)  # a 6-bit down read as 4-bit

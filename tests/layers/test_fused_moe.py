@@ -21,7 +21,6 @@ from tokenloom.errors import ModelLoadError
 from tokenloom.kernels import cpu_native
 from tokenloom.kernels.int4_matmul import int4_linear, pack_int4
 from tokenloom.kernels.kquant_matmul import pack_int6
-from tokenloom.kernels.moe_packing import repack_gguf_rows
 from tokenloom.layers.activation import SiluAndMul
 from tokenloom.layers.fused_moe import FusedExperts, FusedMoE, fused_experts, fused_experts_reference, route
 
@@ -125,14 +124,18 @@ def test_four_bit_experts_give_each_row_the_bits_int4_linear_gives_it(num_tokens
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_the_operator_refuses_mismatched_weights():
+def test_the_operator_refuses_mismatched_weights_and_routing():
     ops = native_ops()
     x, _, _, w13, w2 = routed_batch(4)
-    offsets = torch.tensor([0, 4, 4, 4, 4, 4, 4])
+    weights, slots, offsets = torch.ones(4, 1), torch.arange(4), torch.tensor([0, 4, 4, 4, 4, 4, 4])
     with pytest.raises(RuntimeError, match="w13 must be \\[experts, 2 I, H\\] and w2 \\[experts, H, I\\]"):
-        ops.moe_experts(x, offsets, w13, w2[:, :, :-1].contiguous(), "silu")
-    with pytest.raises(RuntimeError, match="expert_offsets must run from 0 to the rows of x"):
-        ops.moe_experts(x, offsets - 1, w13, w2, "silu")
+        ops.moe_experts(x, weights, slots, offsets, w13, w2[:, :, :-1].contiguous(), "silu")
+    with pytest.raises(RuntimeError, match="expert_offsets must run from 0 to tokens \\* top_k"):
+        ops.moe_experts(x, weights, slots, offsets - 1, w13, w2, "silu")
+    with pytest.raises(RuntimeError, match="sorted_slots must hold each of 0 .. tokens \\* top_k once"):
+        ops.moe_experts(x, weights, torch.tensor([0, 1, 1, 3]), offsets, w13, w2, "silu")
+    with pytest.raises(RuntimeError, match="topk_weights must be a contiguous \\[tokens, top_k\\] float32"):
+        ops.moe_experts(x, weights.double(), slots, offsets, w13, w2, "silu")
 
 
 def expert_tensors(w13: torch.Tensor, w2: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
@@ -215,18 +218,18 @@ def random_blocks(ggml_type: int, experts: int, rows: int, columns: int, generat
 
 
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q6_K], ids=["q4_k", "q6_k"])
-def test_gguf_repack_writes_the_torch_packers_bytes(ggml_type):
-    """The native one-pass repack of Q4_K and Q6_K rows (48: an odd last block of 16) gives the
-    bytes the torch packers give from the same blocks."""
+def test_gguf_expert_rows_are_packed_to_the_torch_packers_bytes(ggml_type):
+    """A GGUF file's Q4_K and Q6_K expert rows (48: an odd last block of 16) packed by the linear
+    layers' native packers give the bytes the torch packers give from the same blocks."""
     native_ops()
     weight = random_blocks(ggml_type, 1, 48, 512, torch.Generator().manual_seed(5))
     rows = GGUFWeight(weight.data, ggml_type, torch.Size((48, 512)))
-    repacked = repack_gguf_rows(rows.data, ggml_type, 48, 512)
+    packed = GGUFQuantizationMethod().pack_expert_rows(rows, torch.bfloat16)
     if ggml_type == Q6_K:
-        expected = pack_int6(*int6_parts(rows))  # the split and pack_int6, the path without gguf_repack
+        expected = pack_int6(*int6_parts(rows))
     else:
         expected = pack_int4(*int4_groups(rows), torch.bfloat16)
-    assert type(repacked) is type(expected) and torch.equal(repacked.packed, expected.packed)
+    assert type(packed) is type(expected) and torch.equal(packed.packed, expected.packed)
 
 
 @pytest.mark.parametrize("down_type", [Q6_K, Q8_0], ids=["q6_k-down", "q8_0-down"])

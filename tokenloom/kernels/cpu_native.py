@@ -75,7 +75,6 @@ OPERATORS = {
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
     "moe_experts": "a torch loop over the experts a batch routes to",
-    "gguf_repack": "the torch packers of int4_matmul.py and kquant_matmul.py (many passes over the weight)",
     "lora_bgmv_": "the torch LoRA delta (every used slot's columns, masked, as two matmuls)",
     "paged_decode_attention": "the torch paged attention (gathered keys and values, SDPA)",
     "write_kv_cache": "the torch paged attention (index_put)",
@@ -84,7 +83,7 @@ OPERATORS = {
     "act_and_mul": "the torch activation chain",
     "causal_softmax_": "torch softmax",
     "gguf_pack_int4": "the torch repacking of Q4_0/Q4_1/Q4_K blocks at load (slower start-up)",
-    "gguf_q6_k_parts": "the torch split of Q6_K blocks at load (slower start-up)",
+    "gguf_pack_int6": "dense Q6_K linear layers and experts (dequantized at load)",
 }
 
 _X86 = ("x86_64", "amd64", "i686", "i386")

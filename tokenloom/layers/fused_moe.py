@@ -103,19 +103,29 @@ def fused_experts(
     kinds: tuple[PackedKind | None, PackedKind | None] = (None, None),
 ) -> torch.Tensor:
     """What :func:`fused_experts_reference` computes, by the CPU operator ``moe_experts``: the
-    ``(token, expert)`` rows sorted by expert, every expert in one call, each token's rows summed
-    with its routing weights. ``w13``/``w2`` dense, or packed with their ``kinds`` (bits,
-    superblock groups; see csrc/cpu_moe.cpp)."""
-    num_tokens, top_k = ids.shape
+    ``(token, expert)`` pairs sorted by expert here, the rows gathered, every expert run and each
+    token's rows summed with its routing weights in one call. ``w13``/``w2`` dense, or packed with
+    their ``kinds`` (bits, superblock groups; see csrc/cpu_moe.cpp)."""
     flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
+    sorted_slots = torch.argsort(flat_ids, stable=True)
     offsets = torch.zeros(w13.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(torch.bincount(flat_ids, minlength=w13.shape[0]), 0, out=offsets[1:])
-    rows = x.float().index_select(0, order // top_k)
     (w13_bits, w13_groups), (w2_bits, w2_groups) = (kind or (4, 8) for kind in kinds)
-    sorted_out = ops.moe_experts(rows, offsets, w13, w2, activation, w13_bits, w2_bits, w13_groups, w2_groups)
-    out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
-    return torch.bmm(weights.unsqueeze(1), out.view(num_tokens, top_k, -1)).squeeze(1).to(x.dtype)
+    rows = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()  # the dtypes the operator reads
+    out = ops.moe_experts(
+        rows.contiguous(),
+        weights.float().contiguous(),
+        sorted_slots,
+        offsets,
+        w13,
+        w2,
+        activation,
+        w13_bits,
+        w2_bits,
+        w13_groups,
+        w2_groups,
+    )
+    return out.to(x.dtype)
 
 
 def expert_stacked_params(

@@ -1,7 +1,7 @@
 """The kernels' GGUF repacking at load (csrc/cpu_gguf_pack.cpp) against the torch path it replaces,
 byte for byte, on every CPU kernel level the host runs: Q4_0/Q4_1/Q4_K row shards (mixed, odd
-and even block counts, float16 edge scales) into int4_linear's layout, and Q6_K blocks into the
-parts pack_int6 takes."""
+and even block counts, float16 edge scales) into int4_linear's layout, and Q6_K row shards (odd
+block counts, narrowed rows) into int6_linear's."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from gguf import GGMLQuantizationType
 from tests.builtin_plugins.quantization.test_gguf_blocks import random_blocks
 from tokenloom.builtin_plugins.quantization.gguf_blocks import GGML_TYPES, GGUFWeight
 from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, pack_native
-from tokenloom.builtin_plugins.quantization.gguf_kquant import _q6_k, int6_parts
+from tokenloom.builtin_plugins.quantization.gguf_kquant import int6_parts, pack_native_q6_k
 from tokenloom.kernels import cpu_native
 from tokenloom.kernels.int4_matmul import _pack_native
+from tokenloom.kernels.kquant_matmul import pack_int6
 
 pytestmark = pytest.mark.usefixtures("isa_level")
 
@@ -78,13 +79,25 @@ def test_int4_repacking_leaves_shapes_the_kernel_does_not_take_to_the_caller():
     assert pack_native([shard(Q.Q4_0, 8, 64, seed=1)], torch.bfloat16) is None  # 8 rows: not a block of 16
 
 
-def test_q6_k_split_gives_the_torch_splits_parts():
-    weight = shard(Q.Q6_K, 16, 1024, seed=5)
-    expected = _q6_k(weight.data.reshape(-1, GGML_TYPES[int(Q.Q6_K)][2]))
-    codes, scales, d = int6_parts(weight)
-    assert torch.equal(codes, expected[0].reshape(16, 1024))
-    assert torch.equal(scales, expected[1].reshape(16, 64))
-    assert torch.equal(d.view(torch.int16), expected[2].reshape(16, 4).view(torch.int16))
+@pytest.mark.parametrize("rows", [[48], [32, 16, 16]], ids=["odd-blocks", "three-shards"])
+def test_q6_k_repacking_gives_pack_int6s_bytes(rows):
+    if cpu_native.load() is None:
+        pytest.skip("the kernels are switched off: Q6_K layers are dense")
+    shards = [shard(Q.Q6_K, count, 512, seed) for seed, count in enumerate(rows)]
+    weight = pack_native_q6_k(shards)
+    expected = pack_int6(*(torch.cat(parts) for parts in zip(*(int6_parts(part) for part in shards))))
+    assert weight is not None and weight.out_features == sum(rows) and weight.kernel is not None
+    assert torch.equal(weight.packed, expected.packed)
+
+
+def test_q6_k_repacking_reads_narrowed_rows_and_leaves_other_shapes_to_the_caller():
+    if cpu_native.load() is None:
+        pytest.skip("the kernels are switched off: Q6_K layers are dense")
+    whole = shard(Q.Q6_K, 64, 512, seed=3)
+    parts = [whole.narrow_rows(16, 32), whole.narrow_rows(0, 16)]  # strided views of the file's rows
+    expected = pack_int6(*(torch.cat(parts) for parts in zip(*(int6_parts(part) for part in parts))))
+    assert torch.equal(pack_native_q6_k(parts).packed, expected.packed)
+    assert pack_native_q6_k([whole.narrow_rows(0, 8)]) is None  # 8 rows: not a block of 16
 
 
 @pytest.mark.parametrize("mode", ["auto", "dequantize"])

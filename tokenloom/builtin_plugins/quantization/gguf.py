@@ -48,7 +48,6 @@ from tokenloom.kernels.int4_matmul import INT4_DTYPES, Int4Weight, can_pack, int
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
 from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
 from tokenloom.kernels.lowbit_matmul import LowbitWeight, lowbit_linear
-from tokenloom.kernels.moe_packing import repack_gguf_rows
 from tokenloom.kernels.triton import gguf as triton_gguf
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
 
@@ -193,17 +192,10 @@ class GGUFQuantizationMethod(UnquantizedMethod):
             or self._int4_dtype(dtype) is None
         ):
             return None
-        rows, columns = loaded_weight.shape
-        repacked = repack_gguf_rows(loaded_weight.data, loaded_weight.ggml_type, rows, columns)
-        if repacked is not None:  # Q4_K, Q6_K: one native pass
-            return repacked
         if not is_int4_type(loaded_weight.ggml_type):
             return pack_kquant([loaded_weight])
-        codes, scales, zeros = int4_groups(loaded_weight)
-        if not can_pack(*codes.shape, codes.shape[1] // scales.shape[1]):
-            return None
-        packed = pack_int4(codes, scales, zeros, torch.bfloat16)
-        return packed if packed.kernel is not None else None
+        packed = self._pack_int4([loaded_weight], dtype)  # a linear layer's packing: one native pass
+        return packed if packed is not None and packed.kernel is not None else None
 
     def apply(self, layer, x, bias):
         gguf_blocks = getattr(layer, "gguf_blocks", None)

@@ -19,8 +19,7 @@ from tokenloom.builtin_plugins.quantization.gguf_blocks import (
     _split_32s,
 )
 from tokenloom.kernels import cpu_native
-from tokenloom.kernels.kquant_matmul import KQuantWeight, pack_int5, pack_int6
-from tokenloom.kernels.moe_packing import repack_gguf_rows
+from tokenloom.kernels.kquant_matmul import Q6_SUPERBLOCK_GROUPS, KQuantWeight, can_pack, pack_int5
 
 # superblock groups of 32 per 5-bit type: Q5_K's d and dmin cover 256 values, Q5_0's and Q5_1's 32
 _INT5_SUPERBLOCK_GROUPS = {Q5_0: 1, Q5_1: 1, Q5_K: 8}
@@ -66,9 +65,7 @@ def int6_parts(weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """A Q6_K weight's ``(codes [N, K] uint8 0..63, scales [N, K / 16] int8, d [N, K / 256] float16)``."""
     rows, cols = weight.shape[0], weight.shape[-1]
     blocks = weight.data.reshape(-1, GGML_TYPES[Q6_K][2])
-    ops = cpu_native.load()
-    # the kernels' split (csrc/cpu_gguf_pack.cpp) gives _q6_k's tensors without its temporaries
-    codes, scales, d = ops.gguf_q6_k_parts(blocks) if ops is not None else _q6_k(blocks)
+    codes, scales, d = _q6_k(blocks)
     return codes.reshape(rows, cols), scales.reshape(rows, cols // 16), d.reshape(rows, cols // 256)
 
 
@@ -85,16 +82,24 @@ def superblock_groups(ggml_type: int) -> int:
     return 8 if ggml_type == Q6_K else _INT5_SUPERBLOCK_GROUPS[ggml_type]
 
 
+def pack_native_q6_k(shards: list[GGUFWeight]) -> KQuantWeight | None:
+    """Q6_K row shards (stacked in list order) packed for int6_linear straight from their blocks
+    (``gguf_pack_int6``, csrc/cpu_gguf_pack.cpp: the bytes :func:`int6_parts` and
+    :func:`~tokenloom.kernels.kquant_matmul.pack_int6` make, in one pass without their
+    intermediate tensors); None when the kernels are not loaded here or the rows are not whole
+    blocks of 16."""
+    ops = cpu_native.load()
+    rows = sum(shard.shape[0] for shard in shards)
+    if ops is None or not can_pack(rows, shards[0].shape[-1], Q6_SUPERBLOCK_GROUPS):
+        return None
+    packed = ops.gguf_pack_int6([shard.data.reshape(shard.shape[0], -1) for shard in shards])
+    return KQuantWeight(packed, rows, 6, Q6_SUPERBLOCK_GROUPS, ops.int6_linear)
+
+
 def pack_kquant(shards: list[GGUFWeight]) -> KQuantWeight | None:
     """Row shards of one layer, all Q6_K or all one 5-bit superblock size, stacked and packed for
     the kernel; None when it is not built here or the rows do not suit it."""
     if shards[0].ggml_type == Q6_K:
-        rows, columns = sum(shard.shape[0] for shard in shards), shards[0].shape[-1]
-        blocks = shards[0].data if len(shards) == 1 else torch.cat([shard.data.reshape(-1) for shard in shards])
-        native = repack_gguf_rows(blocks, Q6_K, rows, columns)  # one native pass, pack_int6's bytes
-        if native is not None:
-            return native
-        codes, scales, d = (torch.cat(parts) for parts in zip(*(int6_parts(shard) for shard in shards)))
-        return pack_int6(codes, scales, d)
+        return pack_native_q6_k(shards)
     codes, scales, mins, d, dmin = (torch.cat(parts) for parts in zip(*(int5_parts(shard) for shard in shards)))
     return pack_int5(codes, scales, mins, d, dmin, superblock_groups(shards[0].ggml_type))

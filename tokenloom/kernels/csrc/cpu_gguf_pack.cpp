@@ -1,14 +1,18 @@
 // GGUF blocks repacked at load, straight from the memory-mapped file into the kernels' layouts, in
-// every build (one per ISA level, see cpu_namespace.h):
-//   `gguf_pack_int4(shards, ggml_types)`: row shards of Q4_0, Q4_1 or Q4_K blocks (uint8
-//   [rows_i, bytes per row], rows stacked in list order) -> int4_linear's weight (cpu_qlinear.cpp:
-//   per block of 16 rows and group of 32 features, 4 steps of [16 rows, 4 bytes] of nibbles, the
-//   16 rows' d then m as float16; blocks stored in pairs group by group), the bytes
-//   tokenloom/kernels/int4_matmul.py's torch packer makes from the same codes and float32 scales.
-//   `gguf_q6_k_parts(blocks)`: Q6_K blocks [n, 210] -> (codes [n, 256] 0..63 in value order,
-//   scales [n, 16] int8, d [n, 1] float16), the parts kquant_matmul.pack_int6 takes.
+// every build (one per ISA level, see cpu_namespace.h); each takes row shards (uint8 [rows_i, bytes
+// per row], rows stacked in list order: a layer's q, k and v, or a few experts of a stacked tensor):
+//   `gguf_pack_int4(shards, ggml_types)`: Q4_0, Q4_1 or Q4_K rows -> int4_linear's weight
+//   (cpu_qlinear.cpp: per block of 16 rows and group of 32 features, 4 steps of [16 rows, 4 bytes]
+//   of nibbles, the 16 rows' d then m as float16), the bytes tokenloom/kernels/int4_matmul.py's
+//   torch packer makes from the same codes and float32 scales.
+//   `gguf_pack_int6(shards)`: Q6_K rows -> int6_linear's weight (cpu_kquant.cpp: per block of 16
+//   rows and superblock of 256 features, the 16 rows' d as float16, then per group of 32 the code
+//   nibbles, two planes of high bits and the sub-scales sc[2][16]), the bytes
+//   tokenloom/kernels/kquant_matmul.py's pack_int6 makes from the same codes and scales.
+// In both layouts the blocks are stored in pairs, unit (group or superblock) by unit, an odd last
+// block alone after the pairs.
 // Both replace torch chains of strided uint8 operations and concatenations that took most of a 1 GB
-// file's start-up; each is one at::parallel_for writing its output once.
+// file's start-up (and a 4 GB mixture of experts'); each is one at::parallel_for writing its output once.
 //
 // The sources build with -ffast-math: the float32 products below are kept in ggml's order and
 // rounded as torch rounds them by passing each through a volatile (no reassociation can cancel
@@ -21,9 +25,13 @@
 
 #include "cpu_namespace.h"
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace TOKENLOOM_CPU_NAMESPACE {
@@ -32,7 +40,7 @@ namespace TOKENLOOM_CPU_NAMESPACE {
 namespace gguf_pack {
 
 // ggml's type ids (tokenloom/builtin_plugins/quantization/ggml_types.py)
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 12;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 12, kQ6_K = 14;
 constexpr int64_t kGroup = 32;          // features per group of the int4 layout
 constexpr int64_t kBlockRows = 16;      // output rows per block of the int4 layout
 constexpr int64_t kGroupBytes = 320;    // 16 rows x 32 codes in nibbles, 16 d, 16 m
@@ -45,8 +53,13 @@ inline float load_f16(const uint8_t* bytes) {
   return c10::detail::fp16_ieee_to_fp32_value(bits);  // exact: float32 holds every float16
 }
 
-// float32 -> float16 bits, rounding to nearest even (torch's .to(torch.float16)), in integers
+// float32 -> float16 bits, rounding to nearest even (torch's .to(torch.float16)): F16C's
+// conversion where the level has it (the same bits for every float32, NaNs included; the integer
+// code's data-dependent branches made it most of a Q4_K weight's packing time), else in integers
 inline uint16_t to_f16_bits(float value) {
+#ifdef __F16C__
+  return static_cast<uint16_t>(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT));
+#else
   uint32_t bits;
   std::memcpy(&bits, &value, 4);
   const uint32_t sign = (bits >> 16) & 0x8000u;
@@ -70,6 +83,7 @@ inline uint16_t to_f16_bits(float value) {
   const uint32_t rest = magnitude & 0x1FFFu;
   if (rest > 0x1000u || (rest == 0x1000u && (result & 1u))) ++result;
   return static_cast<uint16_t>(sign | result);
+#endif
 }
 
 // a float32 product or difference rounded once, as torch computes it, whatever -ffast-math allows
@@ -83,6 +97,49 @@ struct Shard {
   int64_t row_stride;
   int64_t ggml_type;
 };
+
+// the shards of one packed weight: each output row's shard and row in it
+struct Shards {
+  std::vector<Shard> views;
+  std::vector<int64_t> first_rows;  // the first output row of each shard
+  int64_t rows = 0, features = -1;
+
+  // shard [rows_i, bytes per row] of `type`, whose blocks hold block_values values in block_bytes
+  void add(const char* name, const at::Tensor& shard, int64_t type, int64_t block_bytes, int64_t block_values) {
+    TORCH_CHECK(shard.device().is_cpu() && shard.scalar_type() == at::kByte && shard.dim() == 2 && shard.stride(1) == 1,
+                name, ": each shard is uint8 [rows, bytes per row] with contiguous rows");
+    TORCH_CHECK(shard.size(1) % block_bytes == 0, name, ": rows are not whole blocks");
+    const int64_t shard_features = shard.size(1) / block_bytes * block_values;
+    TORCH_CHECK(features < 0 || shard_features == features, name, ": shards differ in row length");
+    features = shard_features;
+    views.push_back({shard.data_ptr<uint8_t>(), shard.stride(0), type});
+    first_rows.push_back(rows);
+    rows += shard.size(0);
+  }
+
+  // output row `row`'s shard and its row there
+  std::pair<const Shard*, int64_t> locate(int64_t row) const {
+    size_t index = first_rows.size() - 1;
+    while (first_rows[index] > row) --index;
+    return {&views[index], row - first_rows[index]};
+  }
+};
+
+// where block `block`'s unit `unit` (a group or superblock of unit_bytes) starts in a weight of
+// `blocks` blocks of `units` units: pairs of blocks interleaved unit by unit, an odd last block alone
+inline int64_t unit_offset(int64_t block, int64_t unit, int64_t blocks, int64_t units, int64_t unit_bytes) {
+  const int64_t paired = blocks - blocks % 2;
+  if (block >= paired) return paired * units * unit_bytes + unit * unit_bytes;
+  return (block / 2) * 2 * units * unit_bytes + (unit * 2 + block % 2) * unit_bytes;
+}
+
+// one lane's 32 codes of a group into [4 steps, 16 lanes, 4 bytes] of nibbles: step t, byte j holds
+// features 8t + j (low nibble) and 8t + 4 + j (high)
+inline void put_nibbles(uint8_t* group, int64_t lane, const uint8_t* codes) {
+  for (int t = 0; t < 4; ++t)
+    for (int j = 0; j < 4; ++j)
+      group[t * 64 + lane * 4 + j] = static_cast<uint8_t>((codes[8 * t + j] & 0x0F) | ((codes[8 * t + 4 + j] & 0x0F) << 4));
+}
 
 // One 32-feature group `group` of one row: its 32 codes (0..15) and its float16 d and m bits,
 // exactly as int4_groups + the torch packer compute them.
@@ -124,67 +181,49 @@ inline void group_codes(const Shard& shard, int64_t row, int64_t group, uint8_t 
   m_bits = to_f16_bits(rounded(zero - rounded(kCodeOffset * scale)));
 }
 
+// One Q6_K block's 256 codes (0..63) in value order: per half of 128 values, l in 0..31 -> l,
+// l + 32, l + 64, l + 96 (ggml's order)
+inline void q6_k_codes(const uint8_t* block, uint8_t codes[256]) {
+  const uint8_t* ql = block;
+  const uint8_t* qh = block + 128;
+  for (int half = 0; half < 2; ++half)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t low0 = ql[64 * half + l], low1 = ql[64 * half + 32 + l], high = qh[32 * half + l];
+      uint8_t* code = codes + 128 * half;
+      code[l] = (low0 & 0x0F) | ((high & 3) << 4);
+      code[32 + l] = (low1 & 0x0F) | (((high >> 2) & 3) << 4);
+      code[64 + l] = (low0 >> 4) | (((high >> 4) & 3) << 4);
+      code[96 + l] = (low1 >> 4) | (((high >> 6) & 3) << 4);
+    }
+}
+
 }  // namespace gguf_pack
 
 at::Tensor gguf_pack_int4(const std::vector<at::Tensor>& shards, c10::IntArrayRef ggml_types) {
   TORCH_CHECK(!shards.empty() && shards.size() == ggml_types.size(), "gguf_pack_int4: one GGML type per shard");
-  int64_t rows = 0, features = -1;
-  std::vector<gguf_pack::Shard> views;
-  std::vector<int64_t> first_rows;  // the first output row of each shard
+  gguf_pack::Shards rows_of;
   for (size_t i = 0; i < shards.size(); ++i) {
-    const at::Tensor& shard = shards[i];
     const int64_t type = ggml_types[i];
-    TORCH_CHECK(type == gguf_pack::kQ4_0 || type == gguf_pack::kQ4_1 || type == gguf_pack::kQ4_K, "gguf_pack_int4: GGML type ", type,
-                " is not Q4_0, Q4_1 or Q4_K");
-    TORCH_CHECK(shard.device().is_cpu() && shard.scalar_type() == at::kByte && shard.dim() == 2 && shard.stride(1) == 1,
-                "gguf_pack_int4: each shard is uint8 [rows, bytes per row] with contiguous rows");
+    TORCH_CHECK(type == gguf_pack::kQ4_0 || type == gguf_pack::kQ4_1 || type == gguf_pack::kQ4_K, "gguf_pack_int4: GGML type ",
+                type, " is not Q4_0, Q4_1 or Q4_K");
     const int64_t block_bytes = type == gguf_pack::kQ4_K ? 144 : (type == gguf_pack::kQ4_1 ? 20 : 18);
-    const int64_t block_values = type == gguf_pack::kQ4_K ? 256 : 32;
-    TORCH_CHECK(shard.size(1) % block_bytes == 0, "gguf_pack_int4: rows are not whole blocks");
-    const int64_t shard_features = shard.size(1) / block_bytes * block_values;
-    TORCH_CHECK(features < 0 || shard_features == features, "gguf_pack_int4: shards differ in row length");
-    features = shard_features;
-    views.push_back({shard.data_ptr<uint8_t>(), shard.stride(0), type});
-    first_rows.push_back(rows);
-    rows += shard.size(0);
+    rows_of.add("gguf_pack_int4", shards[i], type, block_bytes, type == gguf_pack::kQ4_K ? 256 : 32);
   }
-  TORCH_CHECK(rows % gguf_pack::kBlockRows == 0 && features % gguf_pack::kGroup == 0, "gguf_pack_int4: ", rows,
-              " rows are not a multiple of 16");
-  const int64_t blocks = rows / gguf_pack::kBlockRows, groups = features / gguf_pack::kGroup;
+  TORCH_CHECK(rows_of.rows % gguf_pack::kBlockRows == 0, "gguf_pack_int4: ", rows_of.rows, " rows are not a multiple of 16");
+  const int64_t blocks = rows_of.rows / gguf_pack::kBlockRows, groups = rows_of.features / gguf_pack::kGroup;
   at::Tensor packed = at::empty({blocks, groups * gguf_pack::kGroupBytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
-  const int64_t paired_blocks = blocks - blocks % 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    uint8_t codes[gguf_pack::kBlockRows][gguf_pack::kGroup];
+    uint8_t codes[gguf_pack::kGroup];
     uint16_t d_bits[gguf_pack::kBlockRows], m_bits[gguf_pack::kBlockRows];
     for (int64_t block = begin; block < end; ++block) {
-      // the shard and row of each of the block's 16 rows
-      const gguf_pack::Shard* row_shard[gguf_pack::kBlockRows];
-      int64_t shard_row[gguf_pack::kBlockRows];
-      for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
-        const int64_t row = block * gguf_pack::kBlockRows + lane;
-        size_t index = first_rows.size() - 1;
-        while (first_rows[index] > row) --index;
-        row_shard[lane] = &views[index];
-        shard_row[lane] = row - first_rows[index];
-      }
-      const bool paired = block < paired_blocks;
-      const int64_t in_pair = paired ? block % 2 : 0;
-      uint8_t* base = out + (block - in_pair) * groups * gguf_pack::kGroupBytes + in_pair * gguf_pack::kGroupBytes;
-      const int64_t group_stride = (paired ? 2 : 1) * gguf_pack::kGroupBytes;
+      std::pair<const gguf_pack::Shard*, int64_t> lanes[gguf_pack::kBlockRows];  // each of the 16 rows' shard and row
+      for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) lanes[lane] = rows_of.locate(block * gguf_pack::kBlockRows + lane);
       for (int64_t group = 0; group < groups; ++group) {
+        uint8_t* slot = out + gguf_pack::unit_offset(block, group, blocks, groups, gguf_pack::kGroupBytes);
         for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
-          gguf_pack::group_codes(*row_shard[lane], shard_row[lane], group, codes[lane], d_bits[lane], m_bits[lane]);
-        }
-        uint8_t* slot = base + group * group_stride;
-        // step t, lane, byte j: features 8t + j (low nibble) and 8t + 4 + j (high)
-        for (int t = 0; t < 4; ++t) {
-          for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
-            for (int j = 0; j < 4; ++j) {
-              slot[t * 64 + lane * 4 + j] =
-                  static_cast<uint8_t>(codes[lane][8 * t + j] | (codes[lane][8 * t + 4 + j] << 4));
-            }
-          }
+          gguf_pack::group_codes(*lanes[lane].first, lanes[lane].second, group, codes, d_bits[lane], m_bits[lane]);
+          gguf_pack::put_nibbles(slot, lane, codes);
         }
         std::memcpy(slot + 256, d_bits, sizeof(d_bits));
         std::memcpy(slot + 288, m_bits, sizeof(m_bits));
@@ -194,49 +233,53 @@ at::Tensor gguf_pack_int4(const std::vector<at::Tensor>& shards, c10::IntArrayRe
   return packed;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_q6_k_parts(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
-                  blocks.size(1) == gguf_pack::kQ6KBytes && blocks.stride(1) == 1,
-              "gguf_q6_k_parts: blocks are uint8 [n, 210] with contiguous rows");
-  const int64_t count = blocks.size(0), stride = blocks.stride(0);
-  at::Tensor codes = at::empty({count, 256}, at::kByte);
-  at::Tensor scales = at::empty({count, 16}, at::kChar);
-  at::Tensor d = at::empty({count, 1}, at::kHalf);
-  const uint8_t* in = blocks.data_ptr<uint8_t>();
-  uint8_t* code_out = codes.data_ptr<uint8_t>();
-  uint8_t* scale_out = reinterpret_cast<uint8_t*>(scales.data_ptr<int8_t>());
-  uint8_t* d_out = reinterpret_cast<uint8_t*>(d.data_ptr<at::Half>());
-  at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t index = begin; index < end; ++index) {
-      const uint8_t* block = in + index * stride;
-      const uint8_t* ql = block;
-      const uint8_t* qh = block + 128;
-      uint8_t* code = code_out + index * 256;
-      // ggml's order: per half of 128 values, l in 0..31 -> l, l + 32, l + 64, l + 96
-      for (int half = 0; half < 2; ++half) {
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t low0 = ql[64 * half + l], low1 = ql[64 * half + 32 + l], high = qh[32 * half + l];
-          code[128 * half + l] = (low0 & 0x0F) | ((high & 3) << 4);
-          code[128 * half + 32 + l] = (low1 & 0x0F) | (((high >> 2) & 3) << 4);
-          code[128 * half + 64 + l] = (low0 >> 4) | (((high >> 4) & 3) << 4);
-          code[128 * half + 96 + l] = (low1 >> 4) | (((high >> 6) & 3) << 4);
+at::Tensor gguf_pack_int6(const std::vector<at::Tensor>& shards) {
+  TORCH_CHECK(!shards.empty(), "gguf_pack_int6: no shards");
+  gguf_pack::Shards rows_of;
+  for (const at::Tensor& shard : shards) rows_of.add("gguf_pack_int6", shard, gguf_pack::kQ6_K, gguf_pack::kQ6KBytes, 256);
+  TORCH_CHECK(rows_of.rows % gguf_pack::kBlockRows == 0, "gguf_pack_int6: ", rows_of.rows, " rows are not a multiple of 16");
+  constexpr int64_t group_bytes = 256 + 128 + 32, super_bytes = 32 + 8 * group_bytes;  // d[16], 8 groups
+  const int64_t blocks = rows_of.rows / gguf_pack::kBlockRows, supers = rows_of.features / 256;
+  at::Tensor packed = at::empty({blocks, supers * super_bytes}, at::kByte);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    uint8_t codes[256];
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
+        const auto [shard, row] = rows_of.locate(block * gguf_pack::kBlockRows + lane);
+        const uint8_t* row_blocks = shard->data + row * shard->row_stride;
+        for (int64_t sb = 0; sb < supers; ++sb) {
+          const uint8_t* q6 = row_blocks + sb * gguf_pack::kQ6KBytes;
+          gguf_pack::q6_k_codes(q6, codes);
+          uint8_t* super = out + gguf_pack::unit_offset(block, sb, blocks, supers, super_bytes);
+          std::memcpy(super + 2 * lane, q6 + 208, 2);  // d, the file's float16
+          for (int g = 0; g < 8; ++g) {
+            uint8_t* group = super + 32 + g * group_bytes;
+            const uint8_t* group_codes = codes + 32 * g;
+            gguf_pack::put_nibbles(group, lane, group_codes);
+            for (int h = 0; h < 2; ++h)  // plane h, byte 4 lane + j: bits 2i, 2i+1 are feature 16h + 4i + j's
+              for (int j = 0; j < 4; ++j) {
+                uint8_t bits = 0;
+                for (int i = 0; i < 4; ++i) bits |= static_cast<uint8_t>((group_codes[16 * h + 4 * i + j] >> 4) << (2 * i));
+                group[256 + h * 64 + 4 * lane + j] = bits;
+              }
+            group[384 + lane] = q6[192 + 2 * g];  // the int8 sub-scales of features 0..15 and 16..31
+            group[384 + 16 + lane] = q6[192 + 2 * g + 1];
+          }
         }
       }
-      std::memcpy(scale_out + index * 16, block + 192, 16);
-      std::memcpy(d_out + index * 2, block + 208, 2);
-    }
   });
-  return {codes, scales, d};
+  return packed;
 }
 
 }  // namespace TOKENLOOM_CPU_NAMESPACE
 
 TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def("gguf_pack_int4(Tensor[] shards, int[] ggml_types) -> Tensor");
-  m.def("gguf_q6_k_parts(Tensor blocks) -> (Tensor, Tensor, Tensor)");
+  m.def("gguf_pack_int6(Tensor[] shards) -> Tensor");
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {
   m.impl("gguf_pack_int4", &TOKENLOOM_CPU_NAMESPACE::gguf_pack_int4);
-  m.impl("gguf_q6_k_parts", &TOKENLOOM_CPU_NAMESPACE::gguf_q6_k_parts);
+  m.impl("gguf_pack_int6", &TOKENLOOM_CPU_NAMESPACE::gguf_pack_int6);
 }

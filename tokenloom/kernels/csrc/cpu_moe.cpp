@@ -1,44 +1,41 @@
 // The experts of a mixture-of-experts layer (tokenloom/layers/fused_moe.py), every expert in one
 // operator, in every build (one per ISA level, see cpu_namespace.h):
-//   `moe_experts(x, expert_offsets, w13, w2, activation)`: rows x [R, H] float32 sorted by expert
-//   (expert e's rows are expert_offsets[e] .. expert_offsets[e + 1]), each row through its expert's
-//   gated MLP: down(act(gate(x)) * up(x)), float32 out [R, H]. The caller routes the tokens, sorts
-//   their (token, expert) pairs and sums each token's rows with its routing weights.
+//   `moe_experts(x, topk_weights, sorted_slots, expert_offsets, w13, w2, activation)`: tokens x
+//   [T, H] (float32 or bfloat16), each through the gated MLP down(act(gate(x)) * up(x)) of each of
+//   its top_k experts, summed with its routing weights topk_weights [T, top_k] (float32, slot by
+//   slot, rounded once to x's dtype): out [T, H]. The caller routes the tokens and sorts their
+//   (token, slot) pairs t top_k + j by expert: sorted_slots [T top_k], expert e's pairs
+//   expert_offsets[e] .. expert_offsets[e + 1]. The operator gathers those rows as float32, runs
+//   the experts on them, and sums each token's rows.
 // The experts' weights are stacked:
 //   float (float32 or bfloat16): w13 [E, 2 I, H] (gate rows then up rows), w2 [E, H, I];
 //   packed (uint8), each projection in its own kind (`w13_bits`, `w2_bits`; a Q4_K_M file's Q4_K
 //   gate and up beside its Q6_K down):
 //     4 bits: each expert packed for int4_linear (cpu_qlinear.cpp), w13 [E, 2 I / 16, H / 32 * 320],
-//       w2 [E, H / 16, I / 32 * 320]; the rows are quantized to 8 bits once per projection, and
-//       each tile is cpu_qlinear.cpp's own (cpu_qlinear.h), so a row gets the bits int4_linear
-//       gives it;
-//     6 bits (Q6_K) or 5 bits (Q5_0, Q5_1, Q5_K; superblocks of `w13_groups`/`w2_groups` groups
-//       of 32): each expert packed for int6_linear/int5_linear (cpu_kquant.cpp), [E, N / 16,
-//       K / (32 G) * superblock bytes]; each expert's rows go through that operator (on runs of
-//       its output blocks), so they get its bits.
-// A float or 4-bit projection is one at::parallel_for over every (expert, block of output
-// features, chunk of the expert's rows) that has rows: no loop over experts outside it, and an
-// expert no row chose costs nothing. A 5- or 6-bit projection is one at::parallel_for too, over
-// every (expert with rows, run of 16 output blocks), each calling the kquant operator (whose tile
-// is private to cpu_kquant.cpp) on that expert's rows and blocks. Between them the gated
-// activation is act_and_mul's (cpu_layers.cpp).
+//       w2 [E, H / 16, I / 32 * 320];
+//     6 bits (Q6_K): each expert packed for int6_linear (cpu_kquant.cpp), [E, N / 16, K / 256 * 3360];
+//     5 bits (Q5_0, Q5_1, Q5_K; superblocks of `w13_groups`/`w2_groups` groups of 32): each expert
+//       packed for int5_linear (cpu_kquant.cpp), [E, N / 16, K / (32 G) * superblock bytes].
+// A float, 4- or 6-bit projection is one at::parallel_for over every (expert, pair of blocks of 16
+// output features, chunk of the expert's rows) that has rows: no loop over experts outside it, and
+// an expert no row chose costs nothing. A 4- or 6-bit projection quantizes its rows to 8 bits once
+// and runs the tile of int4_linear (cpu_qlinear.h) or int6_linear (cpu_kquant.h) on them, so a row
+// gets the bits those operators give it. A 5-bit projection is one at::parallel_for over every
+// (expert with rows, run of 16 output blocks), each calling int5_linear (whose tile is private to
+// cpu_kquant.cpp) on that expert's rows and blocks. Between them the gated activation is
+// act_and_mul's (cpu_layers.cpp).
 // Float weights take a plain dot-product tile (4 weight rows against each activation row, left to
 // the compiler's vectoriser; a bfloat16 weight row is widened once per tile): a decode step's few
 // rows per expert are bound by reading the weights.
-//   `gguf_repack(blocks, ggml_type, rows, columns)`: rows of a GGUF file's Q4_K or Q6_K blocks
-// rewritten in one parallel pass into int4_linear's or int6_linear's layout (what
-// kernels/int4_matmul.py's and kquant_matmul.py's torch packers build from the same codes and
-// scales; Q4_K's d * sc and -(dmin * mn) rounded to float16 as there), so a 4 GB file's experts
-// are packed at load at about the speed of reading them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_kquant.h"
 #include "cpu_qlinear.h"
 
 #include <algorithm>
@@ -55,6 +52,7 @@ namespace {
 
 constexpr int64_t kMoeBlock = 16;      // output features per work item (the 4-bit layout's block)
 constexpr int64_t kMoeRowChunk = 64;   // an expert's rows per work item
+constexpr int64_t kSlabRows = 2048;    // rows of whole experts run at a time (a slab)
 
 struct WorkItem {
   int64_t expert, block, row_begin, row_end;
@@ -121,29 +119,43 @@ void float_projection(const float* x, const w_t* weight, float* out, const int64
   });
 }
 
-// out [R, N] = each row of x [R, K] times its expert's 4-bit weight (N / 16 blocks of K / 32 groups)
-void int4_projection(const float* x, const uint8_t* weight, float* out, const int64_t* offsets, int64_t experts,
-                     int64_t N, int64_t K) {
+// bytes of one expert's packed [N, K] weight of `bits` (superblocks of `groups` groups of 32)
+int64_t packed_row_bytes(int64_t bits, int64_t groups, int64_t K) {
+  if (bits == 4) return K / 32 * 320;
+  const int64_t group_bytes = 256 + (bits - 4) * 64 + 32, header_bytes = bits == 6 ? 32 : 64;
+  return K / (32 * groups) * (header_bytes + groups * group_bytes);
+}
+
+// out [R, N] = each row of x [R, K] times its expert's 4- or 6-bit weight (N / 16 blocks, each expert
+// `expert_bytes`): the rows quantized once, then every (expert, pair of blocks, chunk of its rows)
+// through the tile int4_linear or int6_linear runs on the same rows
+void quantized_projection(const float* x, const uint8_t* weight, float* out, const int64_t* offsets, int64_t experts,
+                          int64_t N, int64_t K, int64_t bits) {
   const int64_t rows = offsets[experts];
   const QuantizedRows quantized = int4_quantize_rows(x, rows, K);
-  const int64_t blocks = N / kMoeBlock, expert_bytes = blocks * (K / 32) * 320;
+  const int32_t* half_sums = bits == 6 ? int6_half_group_sums(quantized, rows, K) : nullptr;
+  const int64_t blocks = N / kMoeBlock, expert_bytes = blocks * packed_row_bytes(bits, 8, K);
   const std::vector<WorkItem> items = work_items(offsets, experts, blocks, 2);  // pairs of blocks
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
-      int4_rows_times_block_pair(quantized, weight + item.expert * expert_bytes, out, item.row_begin, item.row_end,
-                                 item.block, N, K);
+      const uint8_t* expert_weight = weight + item.expert * expert_bytes;
+      if (bits == 6)
+        int6_rows_times_block_pair(quantized, half_sums, expert_weight, out, item.row_begin, item.row_end, item.block,
+                                   N, K);
+      else
+        int4_rows_times_block_pair(quantized, expert_weight, out, item.row_begin, item.row_end, item.block, N, K);
     }
   });
 }
 
-// out [R, N] = each row of x [R, K] times its expert's 5- or 6-bit weight: one at::parallel_for over
-// every (expert with rows, run of kKquantBlocks output blocks), each item the kquant operator on
-// that expert's rows and those blocks (whole pairs of blocks are a packed weight of their own;
-// inside the loop the operator's own parallel loop runs inline)
+// out [R, N] = each row of x [R, K] times its expert's 5-bit weight: one at::parallel_for over
+// every (expert with rows, run of kKquantBlocks output blocks), each item int5_linear on that
+// expert's rows and those blocks (whole pairs of blocks are a packed weight of their own; inside
+// the loop the operator's own parallel loop runs inline)
 constexpr int64_t kKquantBlocks = 16;  // 256 output features per work item, whole pairs of blocks
-void kquant_projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, const int64_t* offsets,
-                       int64_t bits, int64_t groups) {
+void int5_projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, const int64_t* offsets,
+                     int64_t groups) {
   const int64_t blocks = weight.size(1);
   std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first block)
   for (int64_t e = 0; e < weight.size(0); ++e)
@@ -155,7 +167,7 @@ void kquant_projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor
       const int64_t count = std::min(kKquantBlocks, blocks - b0), rows = offsets[e + 1] - offsets[e];
       const at::Tensor x_rows = x.narrow(0, offsets[e], rows);
       const at::Tensor part = weight[e].narrow(0, b0, count);
-      const at::Tensor product = bits == 6 ? int6_linear(x_rows, part) : int5_linear(x_rows, part, groups);
+      const at::Tensor product = int5_linear(x_rows, part, groups);
       // raw copies: the pool's threads are not in the caller's inference mode, so no in-place ATen op on `out`
       const float* source = product.data_ptr<float>();
       float* target = out.data_ptr<float>() + offsets[e] * out.size(1) + b0 * kMoeBlock;
@@ -165,20 +177,14 @@ void kquant_projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor
   });
 }
 
-// bytes of one expert's packed [N, K] weight of `bits` (superblocks of `groups` groups of 32)
-int64_t packed_row_bytes(int64_t bits, int64_t groups, int64_t K) {
-  if (bits == 4) return K / 32 * 320;
-  const int64_t group_bytes = 256 + (bits - 4) * 64 + 32, header_bytes = bits == 6 ? 32 : 64;
-  return K / (32 * groups) * (header_bytes + groups * group_bytes);
-}
-
 void projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, const int64_t* offsets, int64_t N,
                 int64_t K, int64_t bits, int64_t groups) {
   const int64_t experts = weight.size(0);
-  if (weight.scalar_type() == at::kByte && bits != 4)
-    kquant_projection(x, weight, out, offsets, bits, groups);
+  if (weight.scalar_type() == at::kByte && bits == 5)
+    int5_projection(x, weight, out, offsets, groups);
   else if (weight.scalar_type() == at::kByte)
-    int4_projection(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), out.data_ptr<float>(), offsets, experts, N, K);
+    quantized_projection(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), out.data_ptr<float>(), offsets, experts, N,
+                         K, bits);
   else if (weight.scalar_type() == at::kBFloat16)
     float_projection(x.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), offsets, experts,
                      N, K);
@@ -186,155 +192,68 @@ void projection(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, 
     float_projection(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), offsets, experts, N, K);
 }
 
-// -- GGUF blocks into the kernels' layouts ------------------------------------------------------
-
-constexpr int64_t kGgmlQ4K = 12, kGgmlQ6K = 14;  // ggml's type ids
-constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kSuperValues = 256;
-
-inline float half_at(const uint8_t* bytes) {
-  c10::Half value;
-  std::memcpy(&value, bytes, 2);
-  return static_cast<float>(value);
-}
-
-inline void put_half(uint8_t* bytes, float value) {
-  const c10::Half half(value);
-  std::memcpy(bytes, &half, 2);
-}
-
-// where block b's bytes of unit u (a group of 32, or a superblock) start: blocks stored in pairs
-// unit by unit (see interleave_block_pairs), an odd last block alone after the pairs
-inline int64_t unit_offset(int64_t b, int64_t u, int64_t blocks, int64_t units, int64_t unit_bytes) {
-  const int64_t paired = blocks - blocks % 2;
-  if (b >= paired) return paired * units * unit_bytes + u * unit_bytes;
-  return (b / 2) * 2 * units * unit_bytes + (u * 2 + b % 2) * unit_bytes;
-}
-
-// a row's 32 codes of a group into the 4-bit code bytes: byte t * 64 + 4 lane + j holds
-// features 8t + j (low nibble) and 8t + 4 + j (high)
-inline void put_nibbles(uint8_t* group, int64_t lane, const uint8_t* codes) {
-  for (int t = 0; t < 4; ++t)
-    for (int j = 0; j < 4; ++j)
-      group[t * 64 + 4 * lane + j] = static_cast<uint8_t>((codes[8 * t + j] & 0x0F) | ((codes[8 * t + 4 + j] & 0x0F) << 4));
-}
-
-// Q4_K block -> codes[256], and each group's scale and offset: value = code * scale + offset
-void decode_q4_k(const uint8_t* block, uint8_t* codes, float* scale, float* offset) {
-  const float d = half_at(block), dmin = half_at(block + 2);
-  const uint8_t* s = block + 4;
-  const uint8_t* q = block + 16;
-  for (int g = 0; g < 8; ++g) {
-    int sc, mn;
-    if (g < 4) {
-      sc = s[g] & 63;
-      mn = s[g + 4] & 63;
-    } else {
-      sc = (s[g + 4] & 0x0F) | ((s[g - 4] >> 6) << 4);
-      mn = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
-    }
-    scale[g] = d * static_cast<float>(sc);
-    const float subtracted = dmin * static_cast<float>(mn);
-    offset[g] = subtracted == 0.f ? 0.f : -subtracted;  // +0 where nothing is subtracted, as the torch packer
-  }
-  for (int j = 0; j < 4; ++j)
-    for (int l = 0; l < 32; ++l) {
-      codes[64 * j + l] = q[32 * j + l] & 0x0F;
-      codes[64 * j + 32 + l] = q[32 * j + l] >> 4;
-    }
-}
-
-// Q6_K block -> codes[256] (0..63), its 16 int8 scales (one per 16 values) and d
-float decode_q6_k(const uint8_t* block, uint8_t* codes, int8_t* scales) {
-  const uint8_t* ql = block;
-  const uint8_t* qh = block + 128;
-  std::memcpy(scales, block + 192, 16);
-  for (int n = 0; n < 2; ++n)
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t h = qh[32 * n + l];
-      uint8_t* y = codes + 128 * n;
-      y[l] = (ql[64 * n + l] & 0x0F) | ((h & 3) << 4);
-      y[l + 32] = (ql[64 * n + l + 32] & 0x0F) | (((h >> 2) & 3) << 4);
-      y[l + 64] = (ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4);
-      y[l + 96] = (ql[64 * n + l + 32] >> 4) | (((h >> 6) & 3) << 4);
-    }
-  return half_at(block + 208);
-}
-
-// rows of Q4_K blocks -> int4_linear's layout (cpu_qlinear.cpp): per block of 16 rows and group of
-// 32 features, the code bytes then d[16] and m[16] as float16 (value = code d + m)
-void pack_q4_k(const uint8_t* in, uint8_t* out, int64_t rows, int64_t columns) {
-  const int64_t blocks = rows / 16, supers = columns / kSuperValues, groups = columns / 32, unit = 320;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    uint8_t codes[256];
-    float scale[8], offset[8];
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t lane = 0; lane < 16; ++lane) {
-        const uint8_t* row = in + (16 * b + lane) * supers * kQ4KBytes;
-        for (int64_t sb = 0; sb < supers; ++sb) {
-          decode_q4_k(row + sb * kQ4KBytes, codes, scale, offset);
-          for (int g = 0; g < 8; ++g) {
-            uint8_t* group = out + unit_offset(b, sb * 8 + g, blocks, groups, unit);
-            put_nibbles(group, lane, codes + 32 * g);
-            put_half(group + 256 + 2 * lane, scale[g]);
-            put_half(group + 288 + 2 * lane, offset[g]);
-          }
-        }
-      }
+// rows [R, H] float32: row r the token of (token, slot) pair sorted_slots[r] (slot-major: t k + j)
+template <typename x_t>
+void gather_rows(const x_t* x, const int64_t* sorted_slots, float* rows, int64_t R, int64_t top_k, int64_t H) {
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) load_row(x + sorted_slots[r] / top_k * H, rows + r * H, H);
   });
 }
 
-// rows of Q6_K blocks -> int6_linear's layout (cpu_kquant.cpp): per block of 16 rows and
-// superblock of 256 features, d[16] as float16, then 8 groups of the code bytes, two planes of
-// high bits and the sub-scales sc[2][16]
-void pack_q6_k(const uint8_t* in, uint8_t* out, int64_t rows, int64_t columns) {
-  const int64_t blocks = rows / 16, supers = columns / kSuperValues, group_bytes = 256 + 128 + 32;
-  const int64_t unit = 32 + 8 * group_bytes;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    uint8_t codes[256];
-    int8_t scales[16];
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t lane = 0; lane < 16; ++lane) {
-        const uint8_t* row = in + (16 * b + lane) * supers * kQ6KBytes;
-        for (int64_t sb = 0; sb < supers; ++sb) {
-          const float d = decode_q6_k(row + sb * kQ6KBytes, codes, scales);
-          uint8_t* super = out + unit_offset(b, sb, blocks, supers, unit);
-          put_half(super + 2 * lane, d);
-          for (int g = 0; g < 8; ++g) {
-            uint8_t* group = super + 32 + g * group_bytes;
-            const uint8_t* group_codes = codes + 32 * g;
-            put_nibbles(group, lane, group_codes);
-            for (int h = 0; h < 2; ++h)  // plane h, byte 4 lane + j: bits 2i, 2i+1 are feature 16h + 4i + j's
-              for (int j = 0; j < 4; ++j) {
-                uint8_t bits = 0;
-                for (int i = 0; i < 4; ++i) bits |= static_cast<uint8_t>((group_codes[16 * h + 4 * i + j] >> 4) << (2 * i));
-                group[256 + h * 64 + 4 * lane + j] = bits;
-              }
-            group[384 + lane] = static_cast<uint8_t>(scales[2 * g]);
-            group[384 + 16 + lane] = static_cast<uint8_t>(scales[2 * g + 1]);
-          }
-        }
+// sums[t] += weights[t, j] * rows[position[t k + j] - r0] for each slot j whose row is one of
+// r0 .. r0 + R, slot by slot
+void accumulate_rows(const float* rows, const float* weights, const int64_t* position, float* sums, int64_t T,
+                     int64_t top_k, int64_t H, int64_t r0, int64_t R) {
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t r = position[t * top_k + j] - r0;
+        if (r < 0 || r >= R) continue;
+        const float weight = weights[t * top_k + j];
+        const float* row = rows + r * H;
+        float* sum = sums + t * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) sum[h] += weight * row[h];
       }
   });
 }
 
 }  // namespace
 
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_offsets, const at::Tensor& w13,
-                       const at::Tensor& w2, const std::string& activation, int64_t w13_bits, int64_t w2_bits,
-                       int64_t w13_groups, int64_t w2_groups) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "moe_experts: x must be a contiguous [rows, hidden] float32 tensor");
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& sorted_slots,
+                       const at::Tensor& expert_offsets, const at::Tensor& w13, const at::Tensor& w2,
+                       const std::string& activation, int64_t w13_bits, int64_t w2_bits, int64_t w13_groups,
+                       int64_t w2_groups) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "moe_experts: x must be a contiguous [tokens, hidden] float32 or bfloat16 tensor");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == tokens && topk_weights.is_contiguous() &&
+                  topk_weights.scalar_type() == at::kFloat,
+              "moe_experts: topk_weights must be a contiguous [tokens, top_k] float32 tensor");
+  const int64_t top_k = topk_weights.size(1), rows = tokens * top_k;
+  TORCH_CHECK(sorted_slots.dim() == 1 && sorted_slots.size(0) == rows && sorted_slots.is_contiguous() &&
+                  sorted_slots.scalar_type() == at::kLong,
+              "moe_experts: sorted_slots must be [tokens * top_k] int64");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
                   w13.scalar_type() == w2.scalar_type() && w13.size(0) == w2.size(0),
               "moe_experts: w13 and w2 must be contiguous stacks [experts, ...] of one dtype");
-  const int64_t experts = w13.size(0), rows = x.size(0), hidden = x.size(1);
+  const int64_t experts = w13.size(0);
   TORCH_CHECK(expert_offsets.dim() == 1 && expert_offsets.size(0) == experts + 1 &&
                   expert_offsets.scalar_type() == at::kLong && expert_offsets.is_contiguous(),
               "moe_experts: expert_offsets must be [experts + 1] int64");
   const int64_t* offsets = expert_offsets.data_ptr<int64_t>();
-  TORCH_CHECK(offsets[0] == 0 && offsets[experts] == rows, "moe_experts: expert_offsets must run from 0 to the rows of x");
+  TORCH_CHECK(offsets[0] == 0 && offsets[experts] == rows,
+              "moe_experts: expert_offsets must run from 0 to tokens * top_k");
   for (int64_t e = 0; e < experts; ++e)
     TORCH_CHECK(offsets[e] <= offsets[e + 1], "moe_experts: expert_offsets must not decrease");
+  // each (token, slot) pair's row: sorted_slots must be a permutation of 0 .. tokens * top_k
+  const int64_t* slots = sorted_slots.data_ptr<int64_t>();
+  std::vector<int64_t> position(rows, -1);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < rows && position[slots[r]] < 0,
+                "moe_experts: sorted_slots must hold each of 0 .. tokens * top_k once");
+    position[slots[r]] = r;
+  }
   int64_t gate_up, intermediate;
   if (w13.scalar_type() == at::kByte) {
     for (const auto& [bits, groups] : {std::pair{w13_bits, w13_groups}, std::pair{w2_bits, w2_groups}})
@@ -359,30 +278,43 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_offsets, co
     TORCH_CHECK(gate_up % 2 == 0 && w13.size(2) == hidden && w2.size(1) == hidden && w2.size(2) == intermediate,
                 "moe_experts: w13 must be [experts, 2 I, H] and w2 [experts, H, I]");
   }
-  at::Tensor out = at::empty({rows, hidden}, x.options());
-  if (rows == 0) return out;
-  at::Tensor gate_up_rows = at::empty({rows, gate_up}, x.options());
-  projection(x, w13, gate_up_rows, offsets, gate_up, hidden, w13_bits, w13_groups);
-  const at::Tensor activated = act_and_mul(gate_up_rows, activation);
-  projection(activated, w2, out, offsets, hidden, intermediate, w2_bits, w2_groups);
-  return out;
-}
-
-at::Tensor gguf_repack(const at::Tensor& blocks, int64_t ggml_type, int64_t rows, int64_t columns) {
-  TORCH_CHECK(ggml_type == kGgmlQ4K || ggml_type == kGgmlQ6K, "gguf_repack: takes Q4_K (12) and Q6_K (14) blocks, not type ",
-              ggml_type);
-  const int64_t block_bytes = ggml_type == kGgmlQ4K ? kQ4KBytes : kQ6KBytes;
-  TORCH_CHECK(rows > 0 && rows % 16 == 0 && columns > 0 && columns % kSuperValues == 0,
-              "gguf_repack: rows must be a multiple of 16 and columns of 256, got ", rows, " x ", columns);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.numel() == rows * columns / kSuperValues * block_bytes,
-              "gguf_repack: blocks must be the contiguous uint8 bytes of ", rows, " rows of ", columns, " values");
-  const int64_t row_bytes = ggml_type == kGgmlQ4K ? columns / 32 * 320 : columns / kSuperValues * (32 + 8 * 416);
-  at::Tensor out = at::empty({rows / 16, row_bytes}, blocks.options());
-  if (ggml_type == kGgmlQ4K)
-    pack_q4_k(blocks.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), rows, columns);
-  else
-    pack_q6_k(blocks.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), rows, columns);
+  if (tokens == 0) return at::empty({tokens, hidden}, x.options());
+  const at::TensorOptions floats = x.options().dtype(at::kFloat);
+  at::Tensor sums = at::zeros({tokens, hidden}, floats);  // out itself for float32 tokens
+  const float* weights = topk_weights.data_ptr<float>();
+  // the experts in slabs of whole experts of at most kSlabRows rows (or one expert's, if more):
+  // the temporaries stay bounded and small enough for the allocator to reuse rather than map
+  // fresh zero pages at every call (a 2048-token prefill's rows: ~11% of the layer in page faults)
+  for (int64_t e0 = 0; e0 < experts;) {
+    int64_t e1 = e0 + 1;
+    while (e1 < experts && offsets[e1 + 1] - offsets[e0] <= kSlabRows) ++e1;
+    const int64_t r0 = offsets[e0], slab_rows = offsets[e1] - r0;
+    if (slab_rows > 0) {
+      std::vector<int64_t> slab_offsets(offsets + e0, offsets + e1 + 1);
+      for (int64_t& offset : slab_offsets) offset -= r0;
+      at::Tensor x_rows = at::empty({slab_rows, hidden}, floats);
+      if (x.scalar_type() == at::kFloat)
+        gather_rows(x.data_ptr<float>(), slots + r0, x_rows.data_ptr<float>(), slab_rows, top_k, hidden);
+      else
+        gather_rows(x.data_ptr<c10::BFloat16>(), slots + r0, x_rows.data_ptr<float>(), slab_rows, top_k, hidden);
+      at::Tensor gate_up_rows = at::empty({slab_rows, gate_up}, floats);
+      projection(x_rows, w13.narrow(0, e0, e1 - e0), gate_up_rows, slab_offsets.data(), gate_up, hidden, w13_bits,
+                 w13_groups);
+      const at::Tensor activated = act_and_mul(gate_up_rows, activation);
+      projection(activated, w2.narrow(0, e0, e1 - e0), x_rows, slab_offsets.data(), hidden, intermediate, w2_bits,
+                 w2_groups);  // x_rows already read: reused
+      accumulate_rows(x_rows.data_ptr<float>(), weights, position.data(), sums.data_ptr<float>(), tokens, top_k,
+                      hidden, r0, slab_rows);
+    }
+    e0 = e1;
+  }
+  if (x.scalar_type() == at::kFloat) return sums;
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  const float* sum_rows = sums.data_ptr<float>();
+  c10::BFloat16* out_rows = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    store_row(sum_rows + begin * hidden, out_rows + begin * hidden, (end - begin) * hidden);
+  });
   return out;
 }
 
@@ -390,12 +322,10 @@ at::Tensor gguf_repack(const at::Tensor& blocks, int64_t ggml_type, int64_t rows
 
 TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def(
-      "moe_experts(Tensor x, Tensor expert_offsets, Tensor w13, Tensor w2, str activation, int w13_bits=4, "
-      "int w2_bits=4, int w13_groups=8, int w2_groups=8) -> Tensor");
-  m.def("gguf_repack(Tensor blocks, int ggml_type, int rows, int columns) -> Tensor");
+      "moe_experts(Tensor x, Tensor topk_weights, Tensor sorted_slots, Tensor expert_offsets, Tensor w13, Tensor w2, "
+      "str activation, int w13_bits=4, int w2_bits=4, int w13_groups=8, int w2_groups=8) -> Tensor");
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {
   m.impl("moe_experts", &TOKENLOOM_CPU_NAMESPACE::moe_experts);
-  m.impl("gguf_repack", &TOKENLOOM_CPU_NAMESPACE::gguf_repack);
 }

@@ -43,9 +43,9 @@ void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& lora_a, c
                 const at::Tensor& token_slots, const at::Tensor& shard_table, int64_t max_rank);
 
 // cpu_moe.cpp
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_offsets, const at::Tensor& w13,
-                       const at::Tensor& w2, const std::string& activation, int64_t w13_bits, int64_t w2_bits,
-                       int64_t w13_groups, int64_t w2_groups);
-at::Tensor gguf_repack(const at::Tensor& blocks, int64_t ggml_type, int64_t rows, int64_t columns);
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& sorted_slots,
+                       const at::Tensor& expert_offsets, const at::Tensor& w13, const at::Tensor& w2,
+                       const std::string& activation, int64_t w13_bits, int64_t w2_bits, int64_t w13_groups,
+                       int64_t w2_groups);
 
 }  // namespace TOKENLOOM_CPU_NAMESPACE
