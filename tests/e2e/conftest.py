@@ -1,5 +1,6 @@
 """The real `tokenloom serve` process on a free loopback port: started once per test module, or
-once per session for the plain `smollm2_server` several modules share."""
+once per session for the plain `smollm2_server` several modules share; forked from the test
+process's pre-imported zygote (tests/e2e/serve_zygote.py), so no server pays the imports again."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from tests.e2e.serve_zygote import ForkedServer, start_serve
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "e2e-secret"
@@ -24,7 +26,7 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, process: subprocess.Popen, base_url: str, log_path: str):
+    def __init__(self, process: ForkedServer | subprocess.Popen, base_url: str, log_path: str):
         self.process = process
         self.base_url = base_url
         self.log_path = log_path
@@ -36,7 +38,14 @@ class RunningServer:
 
 def start_server(args: list[str], log_path: str, timeout: float = 240.0) -> RunningServer:
     port = free_port()
-    command = [sys.executable, "-m", "tokenloom", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    process = launch_serve([*args, "--host", "127.0.0.1", "--port", str(port)], log_path)
+    return wait_ready(RunningServer(process, f"http://127.0.0.1:{port}", log_path), timeout)
+
+
+def launch_serve(args: list[str], log_path: str) -> ForkedServer | subprocess.Popen:
+    """``tokenloom serve <args>`` started (not waited for) with its output in ``log_path``:
+    forked from the test process's pre-imported zygote (tests/e2e/serve_zygote.py), which
+    saves each server the imports every server makes."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # OpenMP threads that sleep while they wait: the suite runs servers beside each other and
     # beside pytest workers on few cores, and spinning waiters then steal the time slices of the
@@ -44,9 +53,7 @@ def start_server(args: list[str], log_path: str, timeout: float = 240.0) -> Runn
     # the draft-model proofs took 3 minutes where one thread per server took 10). Speed only:
     # the arithmetic is the same
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    return wait_ready(RunningServer(process, f"http://127.0.0.1:{port}", log_path), timeout)
+    return start_serve(["serve", *args], log_path, REPO_ROOT, env)
 
 
 def wait_ready(server: RunningServer, timeout: float = 240.0) -> RunningServer:

@@ -5,14 +5,11 @@ a client call that returns what an OpenAI client sees, streamed or not."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import openai
 
-from tests.e2e.conftest import REPO_ROOT, RunningServer, free_port, start_server, wait_ready
+from tests.e2e.conftest import RunningServer, free_port, launch_serve, start_server, wait_ready
 from tests.plugins.scripted_model.model_dir import marker, write_model_dir
 
 MODEL = "scripted"
@@ -51,20 +48,7 @@ class Launch:
 
     def __init__(self, model_dir: str, log_path: str, *flags: str):
         port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "tokenloom",
-            "serve",
-            *serve_args(model_dir, *flags),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        with open(log_path, "w") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        process = launch_serve([*serve_args(model_dir, *flags), "--host", "127.0.0.1", "--port", str(port)], log_path)
         self.server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
 
     def wait_ready(self, timeout: float = 240.0) -> RunningServer:

@@ -286,3 +286,20 @@ def test_the_draft_quantization_is_the_drafts_own(tiny_llama_dir):
             speculative_config=draft_config(tiny_llama_dir, quantization="no-such-method"),
         )
     assert tiny_llama_dir in str(error.value)
+
+
+def test_the_drafts_tokenizer_is_loaded_once_for_the_vocabulary_check(tiny_llama_dir, monkeypatch):
+    """The target's tokenizer and the draft's for the vocabulary check: loading the draft model
+    needs its files and config only (a Gemma 3 self-draft loaded its 262k vocabulary three times)."""
+    from tokenloom.builtin_plugins.loaders.hf_files import HfDirectoryFormat
+
+    loaded = []
+    load_tokenizer = HfDirectoryFormat.load_tokenizer
+
+    def counting(self, path, model_config):
+        loaded.append(path)
+        return load_tokenizer(self, path, model_config)
+
+    monkeypatch.setattr(HfDirectoryFormat, "load_tokenizer", counting)
+    LLM(model=tiny_llama_dir, dtype="float32", plugins=PROPOSERS, speculative_config=draft_config(tiny_llama_dir))
+    assert loaded == [tiny_llama_dir, tiny_llama_dir]

@@ -70,11 +70,15 @@ def draft_engine_config(spec: ProposerSpec) -> EngineConfig:
     return dataclasses.replace(spec.config, model=model, lora=lora, speculative=None)
 
 
-def resolve_draft(spec: ProposerSpec) -> tuple[EngineConfig, ModelInfo, Any]:
-    """The draft model resolved to files, config and tokenizer; errors name the draft."""
+def resolve_draft(spec: ProposerSpec, *, load_tokenizer: bool = True) -> tuple[EngineConfig, ModelInfo, Any]:
+    """The draft model resolved to files, config and (unless ``load_tokenizer`` is false: only
+    the vocabulary check needs it) tokenizer; errors name the draft."""
     config = draft_engine_config(spec)
+    resolving = config
+    if not load_tokenizer:
+        resolving = dataclasses.replace(config, model=dataclasses.replace(config.model, skip_tokenizer_init=True))
     try:
-        info, tokenizer = resolve_model(config, spec.plugins)
+        info, tokenizer = resolve_model(resolving, spec.plugins)
     except TokenloomError as exc:
         raise _bad(f"draft model {spec.speculative.model!r}: {exc}") from exc
     if info.runner != "generate":
@@ -150,7 +154,9 @@ class DraftModelProposer(Proposer):
         return int(speculative.num_speculative_tokens)
 
     def load_model(self) -> None:
-        config, self.info, _ = resolve_draft(self.spec)
+        # the engine checked the draft's vocabulary (check, with its tokenizer) before it
+        # built the workers: loading the model needs its files and config only
+        config, self.info, _ = resolve_draft(self.spec, load_tokenizer=False)
         platform = self.spec.platform
         self.device = platform.torch_device()
         self.model, self.dtype = build_model(config, self.info, self.spec.plugins, platform)
