@@ -20,6 +20,10 @@ MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": (f"{PACKAGE}.modeling_gemma3:Gemma3ForCausalLM", "generate"),
     "Gemma3ForConditionalGeneration": (f"{PACKAGE}.modeling_gemma3:Gemma3ForConditionalGeneration", "generate"),
     "LlavaForConditionalGeneration": (f"{PACKAGE}.modeling_llava:LlavaForConditionalGeneration", "generate"),
+    "LlavaNextForConditionalGeneration": (
+        f"{PACKAGE}.modeling_llava_next:LlavaNextForConditionalGeneration",
+        "generate",
+    ),
     "Qwen2VLForConditionalGeneration": (f"{PACKAGE}.modeling_qwen2_vl:Qwen2VLForConditionalGeneration", "generate"),
     "Qwen2_5_VLForConditionalGeneration": (
         f"{PACKAGE}.modeling_qwen2_vl:Qwen2_5_VLForConditionalGeneration",
@@ -37,6 +41,7 @@ MODELS: dict[str, tuple[str, str]] = {
 # architecture -> the multimodal processor of a model that sees (core/multimodal/processor.py)
 MULTIMODAL_PROCESSORS: dict[str, str] = {
     "LlavaForConditionalGeneration": f"{PACKAGE}.llava_processing:LlavaProcessor",
+    "LlavaNextForConditionalGeneration": f"{PACKAGE}.llava_next_processing:LlavaNextProcessor",
     "Qwen2VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
     "Qwen2_5_VLForConditionalGeneration": f"{PACKAGE}.qwen2_vl_processing:Qwen2VLProcessor",
     "Idefics3ForConditionalGeneration": f"{PACKAGE}.idefics3_processing:Idefics3Processor",
