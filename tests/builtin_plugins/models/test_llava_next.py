@@ -2,10 +2,12 @@
 transformers' LlavaNextProcessor's for images of several aspect ratios (the anyres grid, the
 unpadding, the newline per row), greedy tokens against transformers' ``generate`` with one and
 two images (vLLM's top-5 rule), the packed features against transformers' and given as
-``image_embeds``, and the refusals
-of a processor that cannot match the model's grid."""
+``image_embeds``, and the refusals of a processor that cannot match the model's grid."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from helpers.model_parity import assert_greedy_agrees
 from tokenloom import LLM, SamplingParams
 from tokenloom.builtin_plugins.models.llava_next_processing import LlavaNextProcessor
 from tokenloom.core.multimodal.processor import ImageEmbeddings, ProcessorContext
-from tokenloom.errors import InvalidRequestError, ModelLoadError
+from tokenloom.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 NUM_NEW_TOKENS = 6
 ENGINE = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=64, block_size=16)
@@ -148,18 +150,27 @@ def test_the_packed_features_equal_transformers_and_give_the_same_tokens_as_imag
         prompt_for(llm, processor, ONE_IMAGE, [ImageEmbeddings(torch.zeros(70, 32), "messages[0].content[0]")])
 
 
-def test_a_processor_that_cannot_match_the_models_grid_is_refused(checkpoint, llm, processor, tmp_path):
+def edited_copy(checkpoint_dir: str, directory, **config_changes) -> str:
+    """A copy of the checkpoint with ``config_changes`` in its config.json."""
+    shutil.copytree(checkpoint_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(config_changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_a_processor_or_model_that_cannot_match_the_grid_is_refused(checkpoint, llm, processor, tmp_path):
     with pytest.raises(InvalidRequestError, match=r"base image and 4 tiles of \(28, 28\)"):
         processor.process(
             llm.get_tokenizer().encode(ONE_IMAGE), [drawn_image("red")], {"image_grid_pinpoints": [[56, 84]]}
         )
-    import json
-    import shutil
-
-    directory = tmp_path / "other-pinpoints"
-    shutil.copytree(checkpoint[0], directory)
-    config = json.loads((directory / "config.json").read_text())
-    config["image_grid_pinpoints"] = [[28, 42]]
-    (directory / "config.json").write_text(json.dumps(config))
+    half_tiles = edited_copy(checkpoint[0], tmp_path / "half-tiles", image_grid_pinpoints=[[28, 42]])
     with pytest.raises(ModelLoadError, match=r"image_grid_pinpoints \[\[28, 42\]\].*multiple of .* 28-pixel"):
-        make_processor(str(directory), llm.get_tokenizer())
+        make_processor(half_tiles, llm.get_tokenizer())
+    other = edited_copy(checkpoint[0], tmp_path / "other-pinpoints", image_grid_pinpoints=[[56, 56]])
+    with pytest.raises(ModelLoadError, match=r"image processor's image_grid_pinpoints .* are not the model's"):
+        make_processor(other, llm.get_tokenizer())
+    # the tiles' class tokens do not fit the grid (transformers fails on them too)
+    full = edited_copy(checkpoint[0], tmp_path / "full", vision_feature_select_strategy="full")
+    with pytest.raises(ConfigError, match="vision_feature_select_strategy 'full': LLaVA-NeXT supports only 'default'"):
+        LLM(model=full, **ENGINE)
