@@ -20,12 +20,28 @@ CHAT_TEMPLATE = (
 IMAGE_TOKENS = 4  # (28 / 14) ** 2 patches, the class token dropped
 
 
+def tiny_text_config(tokenizer):
+    """The tiny Llama the LLaVA checkpoints' language side is, over ``tokenizer``'s vocabulary."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def write_tiny_llava(directory, smollm2_gguf: str):
     """Save the checkpoint into ``directory``; returns the transformers model (float32, eval)."""
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -38,17 +54,7 @@ def write_tiny_llava(directory, smollm2_gguf: str):
     vision = CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = tiny_text_config(tokenizer)
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,

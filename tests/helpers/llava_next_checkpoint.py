@@ -6,7 +6,7 @@ configuration (a LlavaNextImageProcessor and LLaVA-1.5's chat template)."""
 from __future__ import annotations
 
 import torch
-from helpers.llava_checkpoint import CHAT_TEMPLATE
+from helpers.llava_checkpoint import CHAT_TEMPLATE, tiny_text_config
 
 TILE_SIZE = 28
 PATCH_SIZE = 7
@@ -17,7 +17,6 @@ def write_tiny_llava_next(directory, smollm2_gguf: str):
     """Save the checkpoint into ``directory``; returns the transformers model (float32, eval)."""
     from transformers import (
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaNextConfig,
         LlavaNextForConditionalGeneration,
         LlavaNextImageProcessor,
@@ -36,17 +35,7 @@ def write_tiny_llava_next(directory, smollm2_gguf: str):
         image_size=TILE_SIZE,
         patch_size=PATCH_SIZE,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = tiny_text_config(tokenizer)
     config = LlavaNextConfig(
         vision_config=vision,
         text_config=text,
