@@ -24,7 +24,9 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 
 @pytest.fixture(scope="module")
 def served(smollm2_gguf):
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # a private local Ray: another module's cluster (running in parallel under xdist) leaves its
+    # address in /tmp/ray, and ray.init() would join it and refuse num_cpus
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         small = {"max_model_len": 256, "max_num_seqs": 4}
