@@ -30,6 +30,13 @@ def pytest_configure(config):
         config.pluginmanager.register(SecondsRecorder(), "xdist-seconds-recorder")
 
 
+def pytest_collection_finish(session):
+    # the end-to-end servers' zygote compares each server's environment with this one
+    from tests.e2e.serve_zygote import record_environment_before_tests
+
+    record_environment_before_tests()
+
+
 def pytest_unconfigure(config):
     from helpers.xdist_scheduling import remove_slow_units_dir
 

@@ -262,11 +262,8 @@ class Zygote:
 
 
 _zygote: Zygote | None = None
-# the test process's environment before any test changed it: the zygote starts only from a
-# server asked for in it, so that a test that sets a variable for its own servers leaves the
-# zygote's environment the one every other server is started with
-# (pytest's own per-test variable aside: nothing reads it at import, and a forked server gets
-# the value of the test that asked for it)
+# pytest's own per-test variable: nothing reads it at import, and a forked server gets the value
+# of the test that asked for it
 PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 
 
@@ -274,7 +271,19 @@ def _lasting(env: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if name not in PER_TEST_VARIABLES}
 
 
-_ENVIRON_AT_IMPORT = _lasting(os.environ)
+# the test process's environment before any test changed it: the zygote starts only from a
+# server asked for in it, so that a test that sets a variable for its own servers leaves the
+# zygote's environment the one every other server is started with
+_environ_before_tests = _lasting(os.environ)
+
+
+def record_environment_before_tests() -> None:
+    """Take the environment as collection left it (tests/conftest.py calls this once the session
+    has collected): the test modules' imports set variables of their own (torch's inductor its
+    cache directory, Ray its client mode), and against the environment this module was imported
+    in, no server of the whole suite would find it unchanged and none would fork."""
+    global _environ_before_tests
+    _environ_before_tests = _lasting(os.environ)
 
 
 def start_serve(args: list[str], log_path: str, cwd: str, env: dict[str, str]) -> ForkedServer | subprocess.Popen:
@@ -282,7 +291,7 @@ def start_serve(args: list[str], log_path: str, cwd: str, env: dict[str, str]) -
     zygote when ``env`` is the environment the zygote started with, else a cold process."""
     global _zygote
     if os.environ.get(COLD_ENV) != "1":
-        if _zygote is None and _lasting(os.environ) == _ENVIRON_AT_IMPORT:
+        if _zygote is None and _lasting(os.environ) == _environ_before_tests:
             _zygote = Zygote(env, cwd, log_path + ".zygote")
             atexit.register(_zygote.close)
         if _zygote is not None and _lasting(_zygote.env) == _lasting(env):
