@@ -42,10 +42,9 @@ def start_server(args: list[str], log_path: str, timeout: float = 240.0) -> Runn
     return wait_ready(RunningServer(process, f"http://127.0.0.1:{port}", log_path), timeout)
 
 
-def launch_serve(args: list[str], log_path: str) -> ForkedServer | subprocess.Popen:
-    """``tokenloom serve <args>`` started (not waited for) with its output in ``log_path``:
-    forked from the test process's pre-imported zygote (tests/e2e/serve_zygote.py), which
-    saves each server the imports every server makes."""
+def serve_environment(**extra: str) -> dict[str, str]:
+    """The environment the suite's servers run in: this process's, with the repository on the
+    path, and ``extra``."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # OpenMP threads that sleep while they wait: the suite runs servers beside each other and
     # beside pytest workers on few cores, and spinning waiters then steal the time slices of the
@@ -53,7 +52,14 @@ def launch_serve(args: list[str], log_path: str) -> ForkedServer | subprocess.Po
     # the draft-model proofs took 3 minutes where one thread per server took 10). Speed only:
     # the arithmetic is the same
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return start_serve(["serve", *args], log_path, REPO_ROOT, env)
+    return {**env, **extra}
+
+
+def launch_serve(args: list[str], log_path: str) -> ForkedServer | subprocess.Popen:
+    """``tokenloom serve <args>`` started (not waited for) with its output in ``log_path``:
+    forked from the test process's pre-imported zygote (tests/e2e/serve_zygote.py), which
+    saves each server the imports every server makes."""
+    return start_serve(["serve", *args], log_path, REPO_ROOT, serve_environment())
 
 
 def wait_ready(server: RunningServer, timeout: float = 240.0) -> RunningServer:

@@ -12,32 +12,30 @@ import subprocess
 import pytest
 
 from tests.e2e import serve_zygote
-from tests.e2e.conftest import REPO_ROOT
+from tests.e2e.conftest import REPO_ROOT, serve_environment
 from tests.e2e.serve_zygote import ForkedServer, start_serve
 from tokenloom import __version__
-
-
-def environment(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
 def expected_kind():
     if os.environ.get(serve_zygote.COLD_ENV) == "1":
         return subprocess.Popen
-    start_serve(["--version"], os.devnull, REPO_ROOT, environment()).wait(timeout=60)  # the zygote is up
+    start_serve(["--version"], os.devnull, REPO_ROOT, serve_environment()).wait(timeout=60)  # the zygote is up
     zygote = serve_zygote._zygote
-    return ForkedServer if zygote is not None and zygote.usable else subprocess.Popen
+    lasting = serve_zygote._lasting
+    forks = zygote is not None and zygote.usable and lasting(zygote.env) == lasting(serve_environment())
+    return ForkedServer if forks else subprocess.Popen
 
 
 def test_a_forked_command_writes_its_output_and_exit_status(tmp_path):
     kind = expected_kind()
     log = tmp_path / "version.log"
-    process = start_serve(["version"], str(log), REPO_ROOT, environment())
+    process = start_serve(["version"], str(log), REPO_ROOT, serve_environment())
     assert isinstance(process, kind)
     assert process.wait(timeout=60) == 0 and process.returncode == 0 and process.poll() == 0
     assert __version__ in log.read_text()
     refused = start_serve(
-        ["serve", "smollm2", "--no-such-flag"], str(tmp_path / "refused.log"), REPO_ROOT, environment()
+        ["serve", "smollm2", "--no-such-flag"], str(tmp_path / "refused.log"), REPO_ROOT, serve_environment()
     )
     assert isinstance(refused, kind)
     assert refused.wait(timeout=60) == 2
@@ -47,7 +45,9 @@ def test_a_forked_command_writes_its_output_and_exit_status(tmp_path):
 def test_a_forked_command_takes_signals_and_a_wait_times_out(tmp_path):
     kind = expected_kind()
     # a server still loading its model (a second at least): killed long before it could listen
-    loading = start_serve(["serve", "smollm2", "--port", "1"], str(tmp_path / "loading.log"), REPO_ROOT, environment())
+    loading = start_serve(
+        ["serve", "smollm2", "--port", "1"], str(tmp_path / "loading.log"), REPO_ROOT, serve_environment()
+    )
     assert isinstance(loading, kind)
     with pytest.raises(subprocess.TimeoutExpired):
         loading.wait(timeout=0.05)
@@ -58,6 +58,8 @@ def test_a_forked_command_takes_signals_and_a_wait_times_out(tmp_path):
 
 def test_a_command_whose_environment_differs_from_the_zygotes_starts_cold(tmp_path):
     expected_kind()
-    process = start_serve(["version"], str(tmp_path / "cold.log"), REPO_ROOT, environment(TOKENLOOM_ZYGOTE_PROBE="1"))
+    process = start_serve(
+        ["version"], str(tmp_path / "cold.log"), REPO_ROOT, serve_environment(TOKENLOOM_ZYGOTE_PROBE="1")
+    )
     assert isinstance(process, subprocess.Popen)
     assert process.wait(timeout=60) == 0

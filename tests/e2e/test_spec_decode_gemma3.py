@@ -45,8 +45,8 @@ METHODS = {
 SCHEMA = {
     "type": "object",
     "properties": {
-        "function": {"type": "string", "maxLength": 30},
-        "variables": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5},
+        "function": {"type": "string", "maxLength": 16},
+        "variables": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
     },
     "required": ["function", "variables"],
     "additionalProperties": False,
@@ -83,12 +83,13 @@ DESCRIBE = f"{CODE}\nThe function above, described as JSON:\n"
 
 def single_stream(server: RunningServer) -> list[tuple[list[str], str]]:
     """One request at a time (completions: the packaged Gemma 3 GGUF carries no chat template):
-    the rewrite, long enough for prompt lookup to hit while it copies the code (40 tokens: the
+    the rewrite, long enough for prompt lookup to hit while it copies the code (24 tokens: the
     function's first lines, as in the mixed batch; a self-drafting Gemma step costs up to four
-    forward passes), and a JSON-schema constrained description. Each as its token ids ("token_id:N") and
-    finish reason."""
+    float32 forward passes, each reading a gigabyte of weights), and a JSON-schema constrained
+    description (a schema whose longest answer fits in its 64 tokens). Each as its token ids
+    ("token_id:N") and finish reason."""
     outputs = []
-    for prompt, max_tokens, options in ((REWRITE, 40, {}), (DESCRIBE, 80, json_schema_format(SCHEMA))):
+    for prompt, max_tokens, options in ((REWRITE, 24, {}), (DESCRIBE, 64, json_schema_format(SCHEMA))):
         choice = (
             client(server)
             .completions.create(
@@ -112,12 +113,12 @@ async def mixed_batch(server: RunningServer) -> list:
     # connections later, in whichever test's loop is running then, and fails that test
     async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY) as api:
         requests = [
-            api.completions.create(model=MODEL, prompt=REWRITE, temperature=0.0, max_tokens=40),
+            api.completions.create(model=MODEL, prompt=REWRITE, temperature=0.0, max_tokens=24),
             api.completions.create(
-                model=MODEL, prompt=DESCRIBE, temperature=0.0, max_tokens=80, extra_body=json_schema_format(SCHEMA)
+                model=MODEL, prompt=DESCRIBE, temperature=0.0, max_tokens=64, extra_body=json_schema_format(SCHEMA)
             ),
             api.completions.create(
-                model=MODEL, prompt="The days of the week are", temperature=0.0, max_tokens=40, stop=["Friday"]
+                model=MODEL, prompt="The days of the week are", temperature=0.0, max_tokens=32, stop=["Friday"]
             ),
             api.completions.create(model=MODEL, prompt="12 times 7 is", temperature=0.0, max_tokens=24, logprobs=2),
             api.completions.create(

@@ -60,6 +60,25 @@ async def client(server):
         yield async_client
 
 
+# Of the JSON schemas the default backend serves every one through the server; each other
+# backend every JSON_SHARE-th schema it takes, a different slice each, so every schema still
+# meets two backends here where two take it (and every backend's own tests, under
+# tests/builtin_plugins/structured_output, walk every case's masks without a model).
+# lm-format-enforcer computes its masks in Python per token: all its schemas took half of this
+# module's time.
+JSON_SHARE = {"xgrammar": 1, "guidance": 2, "outlines": 2, "lm-format-enforcer": 3}
+
+
+def json_share(backend: str, cases: dict) -> dict:
+    """The JSON cases ``backend`` samples here, of those it takes: every JSON_SHARE-th schema of
+    SCHEMAS, starting at the backend's own offset."""
+    share = JSON_SHARE[backend]
+    offset = list(BACKENDS).index(backend) % share
+    return {
+        name: spec for index, (name, spec) in enumerate(SCHEMAS.items()) if index % share == offset and name in cases
+    }
+
+
 def supported(backend: str, kind: str, cases: dict) -> dict:
     """The cases ``backend`` takes (construction is cheap: no tokenizer needed to ask)."""
     instance = BACKENDS[backend](None, 0, [], BackendOptions())
@@ -177,7 +196,8 @@ async def run_cases(client, backend: str, kind: str, cases: dict) -> int:
 async def test_json_schemas_always_validate(client, backend):
     cases = supported(backend, "json", SCHEMAS)
     assert len(cases) >= 18, f"{backend} takes only {sorted(cases)}"
-    assert await run_cases(client, backend, "json", cases) == len(cases)
+    sampled = json_share(backend, cases)
+    assert await run_cases(client, backend, "json", sampled) == len(sampled)
 
 
 @pytest.mark.anyio

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import pytest
 import torch
@@ -108,17 +107,12 @@ def test_config_equals_transformers_conversion(real_model):
         assert getattr(ours, key) == value, key
 
 
-def test_tokenizer_gives_the_same_ids_and_text_as_transformers_and_is_faster(real_model):
+def test_tokenizer_gives_the_same_ids_and_text_as_transformers(real_model):
     from transformers import AutoTokenizer
 
     _, path = real_model
-    started = time.perf_counter()
     ours = GGUFLoadFormat().load_tokenizer(path, ModelConfig())
-    ours_seconds = time.perf_counter() - started
-    started = time.perf_counter()
     reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    reference_seconds = time.perf_counter() - started
-    assert ours_seconds < reference_seconds
     for text in TEXTS:
         ids = ours(text).input_ids
         assert ids == reference(text).input_ids, text
