@@ -54,6 +54,7 @@ SOURCES = tuple(
         "cpu_moe.cpp",
         "cpu_w8a16.cpp",
         "cpu_gguf_pack.cpp",
+        "cpu_w8a8.cpp",
     )
 )
 # -ffast-math vectorises exp and the reductions (the kernels keep every value finite); -fopenmp
@@ -72,6 +73,7 @@ OPERATORS = {
     "int3_linear": "dense Q3_K linear layers (dequantized at load)",
     "int2_linear": "dense Q2_K linear layers (dequantized at load)",
     "w8a16_linear": "compressed-tensors FP8 and W8A16 layers dequantized from their 8-bit codes at every call",
+    "w8a8_linear": "compressed-tensors W8A8 int8 layers: the int8 codes scaled to float and a torch matmul at every call",
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
     "moe_experts": "a torch loop over the experts a batch routes to",
