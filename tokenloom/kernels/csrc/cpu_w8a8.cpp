@@ -216,10 +216,18 @@ struct PackedWeight {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
-constexpr int kMaxRows = 6;     // 6 rows x 4 blocks: 24 accumulators + 4 weight vectors in 32 zmm
+constexpr int kMaxRows = 6;  // 6 rows x 4 blocks: 24 accumulators + 4 weight vectors + a broadcast in 32 zmm
 constexpr int kTileBlocks = 4;  // blocks per tile, and per unit of parallel work
 constexpr uint8_t kCodeOffset = 128;
 constexpr int64_t kPrefetchSteps = 16;  // how far ahead of a decode tile each block's stream is prefetched
+
+// acc + 4 unsigned x 4 signed bytes per lane. As an asm statement with the accumulator tied to
+// its register: with the intrinsic, GCC 12 copied every accumulator of a tile to another
+// register (or the stack) and back around each vpdpbusd of the K loop
+inline __m512i dot_accumulate(__m512i acc, __m512i unsigned_bytes, __m512i signed_bytes) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(unsigned_bytes), "v"(signed_bytes));
+  return acc;
+}
 
 // the epilogue of 16 channels from n0 of one row: float(acc) * (s_m d_n) + bias
 template <typename out_t>
@@ -254,7 +262,7 @@ void vnni_tile(const QuantizedTokens& x, const PackedWeight& w, out_t* out, int6
       int32_t four;  // this step's 4 activation bytes of row m0 + r
       std::memcpy(&four, x.codes + (m0 + r) * x.stride + 4 * step, 4);
       const __m512i broadcast = _mm512_set1_epi32(four);
-      for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], broadcast, codes[b]);
+      for (int b = 0; b < kBlocks; ++b) acc[r][b] = dot_accumulate(acc[r][b], broadcast, codes[b]);
     }
   }
   for (int b = 0; b < kBlocks; ++b) {
@@ -268,14 +276,28 @@ void vnni_tile(const QuantizedTokens& x, const PackedWeight& w, out_t* out, int6
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-constexpr int kMaxRows = 3;     // 3 rows x 2 blocks x 2 halves: 12 accumulators of 16 ymm
-constexpr int kTileBlocks = 2;
 #if defined(__AVXVNNI__)
+constexpr int kMaxRows = 3;  // 3 rows x 2 blocks x 2 halves: 12 accumulators of the 16 ymm
+constexpr int kTileBlocks = 2;
 constexpr uint8_t kCodeOffset = 128;
 #else
+// the sign trick keeps |w| beside w and needs the ones and a product in registers: 4 rows x 1
+// block x 2 halves (8 accumulators) fit the 16 ymm, 3 rows x 2 blocks spilled
+constexpr int kMaxRows = 4;
+constexpr int kTileBlocks = 1;
 constexpr uint8_t kCodeOffset = 0;
 #endif
 constexpr int64_t kPrefetchSteps = 16;
+
+#if defined(__AVXVNNI__)
+// acc + 4 unsigned x 4 signed bytes per lane, the accumulator tied to its register (as the
+// AVX-512 dot_accumulate; the signed bytes may stay in memory: 16 ymm registers hold a tile's
+// 12 accumulators and the broadcast, not its 4 weight vectors as well)
+inline __m256i dot_accumulate8(__m256i acc, __m256i unsigned_bytes, const __m256i& signed_bytes) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(unsigned_bytes), "xm"(signed_bytes));
+  return acc;
+}
+#endif
 
 template <typename out_t>
 inline void store_channels8(__m256i acc, float token_scale, const PackedWeight& w, out_t* out_row, int64_t n0) {
@@ -329,7 +351,7 @@ void vnni_tile(const QuantizedTokens& x, const PackedWeight& w, out_t* out, int6
       for (int b = 0; b < kBlocks; ++b)
         for (int half = 0; half < 2; ++half) {
 #if defined(__AVXVNNI__)
-          acc[r][b][half] = _mm256_dpbusd_avx_epi32(acc[r][b][half], broadcast, codes[b][half]);
+          acc[r][b][half] = dot_accumulate8(acc[r][b][half], broadcast, codes[b][half]);
 #else
           // |w| times q with w's sign: at most 2 * 128 * 127 per int16 pair, no saturation
           const __m256i pairs = _mm256_maddubs_epi16(magnitudes[b][half], _mm256_sign_epi8(broadcast, codes[b][half]));
