@@ -112,6 +112,16 @@ def test_extreme_codes_and_zero_rows(amx_rows):
     assert torch.equal(out, (x.long() @ codes.long().T).float() + bias)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 8, 40])
+def test_the_default_path_matches_the_reference(rows):
+    """amx_rows left to the module (AMX from AMX_MIN_ROWS rows where the CPU has it)."""
+    codes, scales = random_weight(96, 320, seed=rows)
+    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+    expected = reference_w8a8(x, codes, scales)
+    out = w8a8_linear(x, pack_w8a8(codes, scales))
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=2e-6 * expected.abs().max().item())
+
+
 def test_no_rows():
     codes, scales = random_weight(32, 64, seed=0)
     out = w8a8_linear(torch.empty(0, 64), pack_w8a8(codes, scales))

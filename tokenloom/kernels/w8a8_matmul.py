@@ -25,8 +25,10 @@ from tokenloom.kernels import cpu_native
 BLOCK_ROWS = 16  # output channels per block of the layout
 K_ALIGN = 64  # in_features padded to this (one AMX tile row)
 N_ALIGN = 32  # out_features padded to this (two blocks: an AMX tile pair)
-# rows from which the kernel takes AMX where the CPU has it (measured: see docs/design.md)
-AMX_MIN_ROWS = 32
+# rows from which the kernel takes AMX where the CPU has it: from 8 rows AMX was ahead on every
+# shape measured (SmolLM2-135M's and 2048x8192), at 1 to 4 rows level or behind (an A tile of 16
+# rows mostly padding; the layer is a weight stream either way). Figures in docs/design.md.
+AMX_MIN_ROWS = 8
 ENV_AMX = "TOKENLOOM_CPU_AMX"
 _INVERSE_127 = torch.tensor(1 / 127, dtype=torch.float32)
 
