@@ -439,14 +439,13 @@ void vector_linear(const in_t* x, const PackedWeight& w, out_t* out, int64_t M, 
   static constexpr auto by_blocks = block_table<out_t>(std::make_integer_sequence<int, kTileBlocks>());
   // only blocks holding some of the N outputs (the padding to 32 may add an empty one)
   const int64_t blocks = (w.N + kBlock - 1) / kBlock;
-  const int64_t units = (blocks + kTileBlocks - 1) / kTileBlocks;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  // each thread an even share of the blocks (576 outputs are 36 blocks: 18 and 18 on 2 threads,
+  // where units of 4 blocks split 5 + 4), walked in tiles of kTileBlocks and a narrower last one
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = 0; m < M; m += kRowChunk) {
       const int64_t m_end = std::min(M, m + kRowChunk);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t b0 = unit * kTileBlocks;
-        by_blocks[std::min<int64_t>(kTileBlocks, blocks - b0)](tokens, w, out, m, m_end, b0);
-      }
+      for (int64_t b0 = begin; b0 < end; b0 += kTileBlocks)
+        by_blocks[std::min<int64_t>(kTileBlocks, end - b0)](tokens, w, out, m, m_end, b0);
     }
   });
 }
