@@ -164,6 +164,22 @@ def test_tokenloom_env_reports_each_operators_path(capsys, monkeypatch, fresh_st
     info = json.loads(capsys.readouterr().out)
     assert info["level"] == "avx2" and info["forced"] and info["namespace"] == "tokenloom_cpu_avx2"
     assert set(info["operators"].values()) == {"avx2"} and "avx2" in info["levels"]
+    assert info["amx_int8"].startswith("not used (")  # the avx2 build has no AMX path
+
+
+def test_tokenloom_env_says_whether_w8a8_takes_amx(capsys, monkeypatch, fresh_state):
+    from tokenloom.kernels import w8a8_matmul
+
+    if cpu_native.load() is None:
+        pytest.skip("tokenloom's CPU kernels are switched off or did not build")
+    assert cli_main(["env"]) == 0
+    text = capsys.readouterr().out
+    if not w8a8_matmul.amx_available():
+        assert "AMX-INT8: not used (" in text
+        return
+    assert f"AMX-INT8: w8a8_linear from {w8a8_matmul.AMX_MIN_ROWS} rows\n" in text
+    monkeypatch.setenv(w8a8_matmul.ENV_AMX, "0")
+    assert cpu_native.status()["amx_int8"] == "off (TOKENLOOM_CPU_AMX=0)"
 
 
 def test_tokenloom_env_shows_the_torch_paths_when_the_kernels_are_missing(capsys, monkeypatch, fresh_state):

@@ -54,6 +54,7 @@ SOURCES = tuple(
         "cpu_moe.cpp",
         "cpu_w8a16.cpp",
         "cpu_gguf_pack.cpp",
+        "cpu_w8a8.cpp",
     )
 )
 # -ffast-math vectorises exp and the reductions (the kernels keep every value finite); -fopenmp
@@ -72,6 +73,7 @@ OPERATORS = {
     "int3_linear": "dense Q3_K linear layers (dequantized at load)",
     "int2_linear": "dense Q2_K linear layers (dequantized at load)",
     "w8a16_linear": "compressed-tensors FP8 and W8A16 layers dequantized from their 8-bit codes at every call",
+    "w8a8_linear": "compressed-tensors W8A8 int8 layers: the int8 codes scaled to float and a torch matmul at every call",
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
     "moe_experts": "a torch loop over the experts a batch routes to",
@@ -375,6 +377,7 @@ def status() -> dict[str, Any]:
         "namespace": None,
         "build_directory": None,
         "problem": None,
+        "amx_int8": None,  # whether w8a8_linear takes AMX-INT8, and from how many rows
     }
     ops = None
     if not enabled():
@@ -391,11 +394,24 @@ def status() -> dict[str, Any]:
             info["build_directory"] = str(build_directory(level))
             if ops is None:
                 info["problem"] = f"the {level.name} library did not build or load: {failure(level)}"
+            else:
+                info["amx_int8"] = _amx_state(ops, level)
     info["operators"] = {
         name: info["level"] if ops is not None and hasattr(ops, name) else f"torch: {fallback}"
         for name, fallback in OPERATORS.items()
     }
     return info
+
+
+def _amx_state(ops: Any, level: IsaLevel) -> str:
+    """Whether ``level``'s w8a8_linear takes its AMX-INT8 path here, and from how many rows."""
+    from tokenloom.kernels import w8a8_matmul
+
+    if not (hasattr(ops, "w8a8_amx_available") and ops.w8a8_amx_available()):
+        reason = "the CPU has no amx_int8" if "amx_int8" not in cpu_flags() else f"not in the {level.name} build"
+        return f"not used ({reason})"
+    rows = w8a8_matmul.amx_min_rows()
+    return f"w8a8_linear from {rows} rows" if rows else f"off ({w8a8_matmul.ENV_AMX}=0)"
 
 
 def report() -> list[str]:
@@ -414,6 +430,8 @@ def report() -> list[str]:
         )
     else:
         lines.append(f"tokenloom CPU kernels: unavailable, {info['problem']}")
+    if info["amx_int8"] is not None:
+        lines.append(f"AMX-INT8: {info['amx_int8']}")
     lines.append("operators:")
     lines.extend(f"  {name}: {path}" for name, path in info["operators"].items())
     return lines

@@ -12,10 +12,11 @@ Schemes served (each a ``config_groups`` entry, chosen per layer by its ``target
   folded into the kernel's per-group offset. No value is re-quantized.
 - **W8A8 int8**, format ``int-quantized``: 8-bit symmetric weights with one scale per output
   channel, activations 8-bit symmetric, dynamic per token or static per tensor. The int8 weight is
-  repacked into :mod:`tokenloom.kernels.int8_matmul`'s layout (the channel scale repeated over
-  the groups of 32). That kernel quantizes activations dynamically per group of 32 features of
-  each token: finer than a per-token scale, and finer than a static ``input_scale``, which is read
-  and checked but not used.
+  repacked once into :mod:`tokenloom.kernels.w8a8_matmul`'s layout, whose kernel quantizes each
+  token's activations dynamically (one scale per row, as vLLM's ``scaled_int8_quant``), sums
+  int32 products over the whole row (AMX-INT8 for many rows where the CPU has it) and scales
+  each output once by token scale x channel scale. A static per-tensor ``input_scale`` is read
+  and checked but not used: those layers are quantized dynamically per token too (finer).
 
 - **W8A16 int8**, format ``pack-quantized`` (four codes to an int32, what llm-compressor writes)
   or ``int-quantized``: 8-bit symmetric weights with channel or group scales, float activations.
@@ -49,8 +50,7 @@ from torch import nn
 from tokenloom.builtin_plugins.quantization.grouped_int import drop_parameters, shard_count, unpack_int32
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.kernels.int4_matmul import INT4_DTYPES, NATIVE_GROUP_SIZE, can_pack, int4_linear, pack_int4
-from tokenloom.kernels.int8_matmul import GROUP_SIZE as INT8_GROUP_SIZE
-from tokenloom.kernels.int8_matmul import int8_linear, pack_int8
+from tokenloom.kernels.w8a8_matmul import pack_w8a8, w8a8_linear
 from tokenloom.kernels.w8a16_matmul import pack_w8, w8a16_linear
 from tokenloom.layers.quantization import (
     ParameterLayout,
@@ -354,9 +354,11 @@ class Int4PackedMethod(QuantizationMethod):
 
 
 class Int8ChannelMethod(QuantizationMethod):
-    """W8A8 int8 weights with channel scales, repacked for the int8 kernel
-    (``layer.int8_weight``); where that kernel is not built, the int8 codes are kept and each
-    call multiplies them scaled in the activations' dtype."""
+    """W8A8 int8 weights with channel scales, packed for the W8A8 kernel (``layer.w8a8_weight``):
+    activations quantized dynamically per token in the kernel, also for a scheme with a static
+    per-tensor ``input_scale`` (read and checked, not used: a token's own scale is finer). Where
+    that kernel is not built, the int8 codes are kept and each call multiplies them scaled in the
+    activations' dtype (no activation quantization)."""
 
     name = "compressed-tensors"
 
@@ -380,20 +382,24 @@ class Int8ChannelMethod(QuantizationMethod):
         if self.scheme.static_input_scale:
             _check_input_scale(layer)
         codes, scales = layer.weight.data, layer.weight_scale.data
-        layer.int8_weight = pack_int8(codes, scales.expand(-1, codes.shape[1] // INT8_GROUP_SIZE))
-        if layer.int8_weight is None:  # no kernel here: the int8 codes themselves, scaled per call
+        layer.w8a8_weight = pack_w8a8(codes, scales)
+        if layer.w8a8_weight is None:  # no kernel here: the int8 codes themselves, scaled per call
             layer.int8_codes, layer.int8_scales = codes.clone(), scales.clone()
         drop_parameters(layer, "weight", "weight_scale", "input_scale")
 
     def apply(self, layer, x, bias):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if layer.int8_weight is not None:
-            out = int8_linear(rows, layer.int8_weight)
-        else:
+        if layer.w8a8_weight is None:
             out = torch.nn.functional.linear(rows, layer.int8_codes.to(rows.dtype)) * layer.int8_scales.t().to(
                 rows.dtype
             )
-        return _float32_out(layer, x, out, bias)
+            return _float32_out(layer, x, out, bias)
+        # a row-parallel shard keeps float32 until its partial sums are added over the ranks
+        float_out = getattr(layer, "sums_partials", False) and x.dtype != torch.float32
+        out = w8a8_linear(rows, layer.w8a8_weight, bias, float_out=float_out)
+        if out.dtype != x.dtype and not float_out:  # rows of another float dtype, computed from float32
+            out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Weight8Method(QuantizationMethod):
