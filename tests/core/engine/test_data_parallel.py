@@ -330,7 +330,9 @@ def test_a_reply_to_a_call_on_a_dead_replica_is_an_error_not_a_hang():
 # -- real replica processes --------------------------------------------------------------------
 
 
-def collect(engine, request_id: str, prompt: str, max_tokens: int):
+def collect(engine, request_id: str, prompt: str, max_tokens: int, first_tokens: asyncio.Event | None = None):
+    """The request's greedy token ids; ``first_tokens`` is set once its first tokens arrived."""
+
     async def run():
         tokens = []
         params = SamplingParams(
@@ -338,9 +340,24 @@ def collect(engine, request_id: str, prompt: str, max_tokens: int):
         )
         async for item in engine.generate(prompt, params, request_id):
             tokens += item.outputs[0].token_ids
+            if first_tokens is not None:
+                first_tokens.set()
         return tokens
 
     return run()
+
+
+async def running_long_requests(engine, prompts: list[str]) -> list[asyncio.Future]:
+    """A 200-token request per prompt (``long-0``, ``long-1`` ...), returned once each is running,
+    its first tokens received. (Polling the replicas' stats for both running missed the window
+    whenever a replica ran its 200 tokens between two stats messages, and the test hung.)"""
+    started = [asyncio.Event() for _ in prompts]
+    requests = [
+        asyncio.ensure_future(collect(engine, f"long-{index}", prompt, 200, started[index]))
+        for index, prompt in enumerate(prompts)
+    ]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=120)
+    return requests
 
 
 @pytest.mark.slow  # two engine processes
@@ -370,10 +387,7 @@ def test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_i
             assert got == expected
             assert engine.stats().generation_tokens_total == 8 * len(prompts)
             # a long request on each replica, then replica 1 dies mid-stream
-            long_zero = asyncio.ensure_future(collect(engine, "long-0", prompts[0], 200))
-            long_one = asyncio.ensure_future(collect(engine, "long-1", prompts[1], 200))
-            while not all(engine._replica_stats[i] and engine._replica_stats[i].num_running for i in (0, 1)):
-                await asyncio.sleep(0.05)
+            long_zero, long_one = await running_long_requests(engine, prompts[:2])
             assert engine._owner == {"long-0": 0, "long-1": 1}
             engine.replicas[1].kill()
             with pytest.raises(EngineDeadError, match="replica 1 .* exited with code -9"):
@@ -399,10 +413,10 @@ def test_a_stopped_replica_process_is_dead_once_silent_for_the_step_timeout_and_
     async def run():
         await engine.start()
         try:
-            long_zero = asyncio.ensure_future(collect(engine, "long-0", "A short story about a robot:", 200))
-            long_one = asyncio.ensure_future(collect(engine, "long-1", "Numbers: 1, 2,", 200))
-            while not all(engine._replica_stats[i] and engine._replica_stats[i].num_running for i in (0, 1)):
-                await asyncio.sleep(0.05)
+            long_zero, long_one = await running_long_requests(
+                engine, ["A short story about a robot:", "Numbers: 1, 2,"]
+            )
+            assert engine._owner == {"long-0": 0, "long-1": 1}
             os.kill(pids[1], signal.SIGSTOP)
             with pytest.raises(EngineDeadError) as failure:
                 await asyncio.wait_for(long_one, timeout=3 + 20)

@@ -17,7 +17,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from tests.core.engine.test_data_parallel import collect
+from tests.core.engine.test_data_parallel import collect, running_long_requests
 from tests.e2e.conftest import REPO_ROOT, free_port
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine import build_engine_client
@@ -182,10 +182,7 @@ def test_a_headless_nodes_replica_serves_with_the_heads_and_its_loss_fails_only_
             try:
                 got = await asyncio.gather(*(collect(engine, f"r{i}", prompt, 8) for i, prompt in enumerate(prompts)))
                 assert got == expected
-                long_zero = asyncio.ensure_future(collect(engine, "long-0", prompts[0], 200))
-                long_one = asyncio.ensure_future(collect(engine, "long-1", prompts[1], 200))
-                while not all(engine._replica_stats[i] and engine._replica_stats[i].num_running for i in (0, 1)):
-                    await asyncio.sleep(0.05)
+                long_zero, long_one = await running_long_requests(engine, prompts[:2])
                 assert engine._owner == {"long-0": 0, "long-1": 1}  # the remote replica holds one
                 os.killpg(headless.pid, signal.SIGKILL)  # the node goes away
                 with pytest.raises(EngineDeadError, match=r"replica 1 \(rank 1, on a headless node\) disconnected"):
