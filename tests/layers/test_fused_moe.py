@@ -13,8 +13,9 @@ import torch
 from helpers.isa_levels import at_the_host_level
 from torch.nn import functional as F
 
+from tokenloom.builtin_plugins.quantization import gguf as gguf_method_module
 from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
-from tokenloom.builtin_plugins.quantization.gguf_blocks import GGML_TYPES, Q4_K, Q6_K, Q8_0, GGUFWeight
+from tokenloom.builtin_plugins.quantization.gguf_blocks import GGML_TYPES, Q4_K, Q5_K, Q6_K, Q8_0, GGUFWeight
 from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups
 from tokenloom.builtin_plugins.quantization.gguf_kquant import int6_parts
 from tokenloom.errors import ModelLoadError
@@ -205,7 +206,7 @@ def test_a_missing_expert_weight_is_named():
 
 def random_blocks(ggml_type: int, experts: int, rows: int, columns: int, generator: torch.Generator) -> GGUFWeight:
     """A stacked ``[experts, rows, columns]`` GGUF tensor of random blocks whose float16 scales are
-    small and finite (Q4_K: d and dmin first; Q6_K: d last; Q8_0: d first)."""
+    small and finite (Q4_K, Q5_K: d and dmin first; Q6_K: d last; Q8_0: d first)."""
     _, block_values, block_bytes = GGML_TYPES[ggml_type]
     count = experts * rows * columns // block_values
     data = torch.randint(0, 256, (count, block_bytes), generator=generator, dtype=torch.uint8)
@@ -213,7 +214,8 @@ def random_blocks(ggml_type: int, experts: int, rows: int, columns: int, generat
     if ggml_type == Q6_K:
         data[:, -2:] = scale[:, :2]
     else:
-        data[:, : 4 if ggml_type == Q4_K else 2] = scale[:, : 4 if ggml_type == Q4_K else 2]
+        head = 4 if ggml_type in (Q4_K, Q5_K) else 2
+        data[:, :head] = scale[:, :head]
     return GGUFWeight(data.view(experts * rows, -1), ggml_type, torch.Size((experts, rows, columns)), "ffn_exps")
 
 
@@ -268,6 +270,47 @@ def test_a_q4_k_m_files_experts_stay_in_their_codes_per_projection(down_type):
     reference = fused_experts_reference(x, weights, ids, w13, w2, SiluAndMul())
     got = layer(x.bfloat16(), weights, ids).float()
     assert (got - reference).abs().max() <= 0.03 * reference.abs().max()
+
+
+@pytest.mark.parametrize("down_type", [Q4_K, Q6_K, Q5_K], ids=["q4_k-down", "q6_k-down", "q5_k-down"])
+def test_a_stacked_down_tensor_packed_in_one_call_holds_the_bytes_of_its_experts_packed_one_by_one(
+    down_type, monkeypatch
+):
+    """A file's stacked down tensor, packed whole straight into ``w2_packed``, gives each expert
+    the bytes its own packing gives it (each expert's blocks paired within it), and the layer the
+    same output; a 5-bit stack is packed in parts of rows (here one expert's), joined."""
+    native_ops()
+    monkeypatch.setattr(gguf_method_module, "KQUANT_EXPERT_PACK_ROWS", 256)
+    generator = torch.Generator().manual_seed(6)
+    experts, hidden, intermediate = 3, 256, 256
+    stacks = {
+        "gate": random_blocks(Q4_K, experts, intermediate, hidden, generator),
+        "up": random_blocks(Q4_K, experts, intermediate, hidden, generator),
+        "down": random_blocks(down_type, experts, hidden, intermediate, generator),
+    }
+
+    def loaded(per_expert: bool) -> FusedExperts:
+        layer = FusedExperts(
+            experts, hidden, intermediate, "silu", quant_method=GGUFQuantizationMethod(), params_dtype=torch.bfloat16
+        )
+        for projection, stack in stacks.items():
+            if not per_expert:
+                layer.load_checkpoint_weight("weight", stack, (projection, None))
+                continue
+            rows = stack.shape[1]
+            for expert in range(experts):
+                one = GGUFWeight(stack.data.view(experts, rows, -1)[expert], stack.ggml_type, stack.shape[1:])
+                layer.load_checkpoint_weight("weight", one, (projection, expert))
+        layer.process_weights_after_loading()
+        return layer
+
+    whole, one_by_one = loaded(per_expert=False), loaded(per_expert=True)
+    assert whole.w2_kind == one_by_one.w2_kind == {Q4_K: (4, 8), Q6_K: (6, 8), Q5_K: (5, 8)}[down_type]
+    assert whole.w2_packed.is_contiguous() and torch.equal(whole.w2_packed, one_by_one.w2_packed)
+    assert torch.equal(whole.w13_packed, one_by_one.w13_packed)
+    x = torch.randn(5, hidden, generator=generator).bfloat16()
+    weights, ids = route(torch.randn(5, experts, generator=generator), 2, renormalize=True)
+    assert torch.equal(whole(x, weights, ids), one_by_one(x, weights, ids))
 
 
 def load_qwen2_moe_block(moe: FusedMoE, block, shared_gate: torch.Tensor) -> FusedMoE:

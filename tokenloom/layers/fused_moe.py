@@ -17,7 +17,8 @@ chose): 4-bit ones (Q4_0, Q4_1, Q4_K) packed as :mod:`tokenloom.kernels.int4_mat
 linear layer, 6-bit (Q6_K) and 5-bit ones (Q5_0, Q5_1, Q5_K) as :mod:`tokenloom.kernels.kquant_matmul`
 does, so a Q4_K_M file's Q4_K gate and up and its Q6_K down all run natively with no dense copy.
 A stacked tensor is packed a few experts at a time straight into ``w13_packed``/``w2_packed``
-``[E, rows / 16, bytes]``. If any expert weight is of a type the kernels do not take (or gate and
+``[E, rows / 16, bytes]``; a stacked ``down`` tensor in one call whose output is ``w2_packed``
+itself, with no copy. If any expert weight is of a type the kernels do not take (or gate and
 up differ in kind), every expert of the layer is dense in the model dtype.
 
 Checkpoint tensors reach :meth:`FusedExperts.load_checkpoint_weight` with a shard id
@@ -280,15 +281,42 @@ class FusedExperts(nn.Module):
             size = self.intermediate_size
             stack = _narrow_stack(stack, 1 if projection == "down" else 0, self.tp_rank * size, size)
         count = stack.shape[0]
-        for start in range(0, count, _EXPERTS_PER_PACK):
-            chunk = min(_EXPERTS_PER_PACK, count - start)
-            self._load_rows(projection, first + start, chunk, _expert_rows(stack, start, chunk))
+        if not self._pack_whole_down_stack(projection, first, count, stack):
+            for start in range(0, count, _EXPERTS_PER_PACK):
+                chunk = min(_EXPERTS_PER_PACK, count - start)
+                self._load_rows(projection, first + start, chunk, _expert_rows(stack, start, chunk))
         self._loaded.update((projection, index) for index in range(first, first + count))
         # a memory-mapped checkpoint tensor (a GGUF file's) is packed or copied now: its file pages
         # leave the process (read back from the file, unchanged, should a dense fallback need them)
         release = getattr(loaded_weight, "release", None)
         if release is not None:
             release()
+
+    def _pack_whole_down_stack(self, projection: str, first: int, count: int, stack: Any) -> bool:
+        """Every expert's ``down`` weight (a GGUF file's stacked ``ffn_down_exps``) packed in one
+        call whose output becomes ``w2_packed`` as it is, with no copy into a stack: packed in
+        chunks, the copies' first touch of the stack was about as long as the packing (the
+        method bounds its own packers' temporaries). Each expert's rows are a multiple of 32, so
+        its 16-row blocks pair within it and the bytes are the per-chunk packing's. False (a
+        method that does not pack these rows): load it in chunks."""
+        if (
+            projection != "down"
+            or (first, count) != (0, self.num_experts)
+            or self.w2_packed is not None
+            or not hasattr(stack, "narrow_rows")  # a file's packed blocks (a dense tensor is copied in chunks)
+            or self.quant_method is None
+            or self.kernel_activation is None
+            or self.hidden_size % 32 != 0
+        ):
+            return False
+        rows = _expert_rows(stack, 0, count)
+        packed = self.quant_method.pack_expert_rows(rows, self.params_dtype)
+        if packed is None:
+            return False
+        self.w2_packed = packed.packed.view(count, self.hidden_size // 16, -1)
+        self.w2_kind = _packed_kind(packed)
+        self._packed_sources.append((projection, first, rows))
+        return True
 
     def _load_rows(self, projection: str, first: int, count: int, rows: Any) -> None:
         """Experts ``first .. first+count``'s ``projection`` weights, ``rows [count N, K]``: packed

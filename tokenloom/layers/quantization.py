@@ -112,7 +112,9 @@ class QuantizationMethod:
         for one of tokenloom's CPU kernels, when this method keeps such a weight in its own codes
         in a layer of ``dtype``: an :class:`~tokenloom.kernels.int4_matmul.Int4Weight` packed for
         tokenloom's kernel or a :class:`~tokenloom.kernels.kquant_matmul.KQuantWeight`; else None
-        (it is loaded dense). How layers that are not linear (:mod:`tokenloom.layers.fused_moe`) ask."""
+        (it is loaded dense). How layers that are not linear (:mod:`tokenloom.layers.fused_moe`) ask;
+        the experts pass a stacked down tensor's every expert at once, so a method bounds its own
+        packers' temporaries."""
         return None
 
 

@@ -26,6 +26,7 @@ keeps them as stored in device memory and multiplies them with the Triton dequan
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -52,6 +53,11 @@ from tokenloom.kernels.triton import gguf as triton_gguf
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
 
 MODES = ("auto", "dequantize")
+
+
+# rows of a 5-bit expert weight packed at a time by pack_expert_rows (a multiple of 32: whole pairs
+# of blocks): bounds the torch packer's temporaries when a layer passes every expert at once
+KQUANT_EXPERT_PACK_ROWS = 16384
 
 
 class GGUFQuantizationMethod(UnquantizedMethod):
@@ -193,7 +199,20 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         ):
             return None
         if not is_int4_type(loaded_weight.ggml_type):
-            return pack_kquant([loaded_weight])
+            rows = loaded_weight.shape[0]
+            if loaded_weight.ggml_type == Q6_K or rows <= KQUANT_EXPERT_PACK_ROWS:
+                return pack_kquant([loaded_weight])  # (Q6_K: the native packer, one pass, nothing beside its output)
+            # a 5-bit packer is a chain of torch operations whose temporaries grow with its rows (a
+            # layer may pass every expert's at once): parts of at most KQUANT_EXPERT_PACK_ROWS rows,
+            # their packed bytes joined (each part whole pairs of blocks, so the bytes are the same)
+            parts = [
+                pack_kquant([loaded_weight.narrow_rows(start, min(KQUANT_EXPERT_PACK_ROWS, rows - start))])
+                for start in range(0, rows, KQUANT_EXPERT_PACK_ROWS)
+            ]
+            if any(part is None for part in parts):
+                return None
+            joined = torch.cat([part.packed for part in parts if part is not None])
+            return dataclasses.replace(parts[0], packed=joined, out_features=rows)
         packed = self._pack_int4([loaded_weight], dtype)  # a linear layer's packing: one native pass
         return packed if packed is not None and packed.kernel is not None else None
 

@@ -133,68 +133,112 @@ inline int64_t unit_offset(int64_t block, int64_t unit, int64_t blocks, int64_t 
   return (block / 2) * 2 * units * unit_bytes + (unit * 2 + block % 2) * unit_bytes;
 }
 
-// one lane's 32 codes of a group into [4 steps, 16 lanes, 4 bytes] of nibbles: step t, byte j holds
-// features 8t + j (low nibble) and 8t + 4 + j (high)
-inline void put_nibbles(uint8_t* group, int64_t lane, const uint8_t* codes) {
-  for (int t = 0; t < 4; ++t)
-    for (int j = 0; j < 4; ++j)
-      group[t * 64 + lane * 4 + j] = static_cast<uint8_t>((codes[8 * t + j] & 0x0F) | ((codes[8 * t + 4 + j] & 0x0F) << 4));
+// Nibble codes are moved a step at a time with word operations (the sources build for
+// little-endian x86-64 and aarch64 only): a step of a lane is 4 bytes, byte j holding features
+// 8t + j (low nibble) and 8t + 4 + j (high) of its group. When a group's 32 codes are the low
+// (`high` false) or high nibbles of 32 consecutive bytes q, step t is made from bytes q[8t .. 8t + 8).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packers read nibbles as little-endian words");
+
+inline uint32_t nibble_step(const uint8_t* eight_bytes, bool high) {
+  uint64_t word;
+  std::memcpy(&word, eight_bytes, 8);
+  const uint32_t first = static_cast<uint32_t>(word), second = static_cast<uint32_t>(word >> 32);
+  return high ? ((first >> 4) & 0x0F0F0F0Fu) | (second & 0xF0F0F0F0u)
+              : (first & 0x0F0F0F0Fu) | ((second & 0x0F0F0F0Fu) << 4);
 }
 
-// One 32-feature group `group` of one row: its 32 codes (0..15) and its float16 d and m bits,
-// exactly as int4_groups + the torch packer compute them.
-inline void group_codes(const Shard& shard, int64_t row, int64_t group, uint8_t codes[kGroup], uint16_t& d_bits,
-                        uint16_t& m_bits) {
-  const uint8_t* row_bytes = shard.data + row * shard.row_stride;
-  float scale, zero;
-  if (shard.ggml_type == kQ4_K) {
-    const uint8_t* block = row_bytes + (group / 8) * 144;
-    const int sub = static_cast<int>(group % 8);
-    const uint8_t* packed = block + 4;
-    int sc, mn;
-    if (sub < 4) {
-      sc = packed[sub] & 63;
-      mn = packed[sub + 4] & 63;
-    } else {
-      sc = (packed[sub + 4] & 0x0F) | ((packed[sub - 4] >> 6) << 4);
-      mn = (packed[sub + 4] >> 4) | ((packed[sub] >> 6) << 4);
-    }
-    const uint8_t* qs = block + 16 + 32 * (sub / 2);
-    const int shift = 4 * (sub % 2);
-    for (int i = 0; i < kGroup; ++i) codes[i] = (qs[i] >> shift) & 0x0F;
-    scale = rounded(load_f16(block) * static_cast<float>(sc));
-    const float offset = rounded(load_f16(block + 2) * static_cast<float>(mn));
-    zero = rounded(rounded(kCodeOffset * scale) - offset);
-  } else {
-    const bool has_min = shard.ggml_type == kQ4_1;
-    const uint8_t* block = row_bytes + group * (has_min ? 20 : 18);
-    const uint8_t* qs = block + (has_min ? 4 : 2);
-    for (int i = 0; i < 16; ++i) {
-      codes[i] = qs[i] & 0x0F;
-      codes[i + 16] = qs[i] >> 4;
-    }
-    scale = load_f16(block);
-    // (Q4_0's zero passes through a volatile too: a known 0 - x would be -x, and -0 for x = 0)
-    zero = rounded(has_min ? load_f16(block + 2) + rounded(kCodeOffset * scale) : 0.0f);
+// a lane's four steps of a group whose codes are the low or high nibbles of `bytes` (32 of them)
+inline void put_nibble_steps(uint8_t* group, int64_t lane, const uint8_t* bytes, bool high) {
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t step = nibble_step(bytes + 8 * t, high);
+    std::memcpy(group + t * 64 + lane * 4, &step, 4);
   }
-  d_bits = to_f16_bits(scale);
-  m_bits = to_f16_bits(rounded(zero - rounded(kCodeOffset * scale)));
 }
 
-// One Q6_K block's 256 codes (0..63) in value order: per half of 128 values, l in 0..31 -> l,
-// l + 32, l + 64, l + 96 (ggml's order)
-inline void q6_k_codes(const uint8_t* block, uint8_t codes[256]) {
-  const uint8_t* ql = block;
-  const uint8_t* qh = block + 128;
-  for (int half = 0; half < 2; ++half)
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t low0 = ql[64 * half + l], low1 = ql[64 * half + 32 + l], high = qh[32 * half + l];
-      uint8_t* code = codes + 128 * half;
-      code[l] = (low0 & 0x0F) | ((high & 3) << 4);
-      code[32 + l] = (low1 & 0x0F) | (((high >> 2) & 3) << 4);
-      code[64 + l] = (low0 >> 4) | (((high >> 4) & 3) << 4);
-      code[96 + l] = (low1 >> 4) | (((high >> 6) & 3) << 4);
+// a lane's float16 d and m of a group whose affine is (scale, zero), as the torch packer rounds them
+inline void put_scales(uint8_t* group, int64_t lane, float scale, float zero) {
+  const uint16_t d_bits = to_f16_bits(scale);
+  const uint16_t m_bits = to_f16_bits(rounded(zero - rounded(kCodeOffset * scale)));
+  std::memcpy(group + 256 + 2 * lane, &d_bits, 2);
+  std::memcpy(group + 288 + 2 * lane, &m_bits, 2);
+}
+
+// One row (lane `lane` of block `block`) of Q4_0, Q4_1 or Q4_K blocks into its slots of every
+// group: a row at a time, so a Q4_K superblock's header (d, dmin, the eight 6-bit scales and
+// mins) is decoded once for its eight groups, exactly as int4_groups + the torch packer compute
+// each group's scale and zero.
+inline void pack_int4_row(const uint8_t* row_bytes, int64_t ggml_type, uint8_t* out, int64_t block, int64_t lane,
+                          int64_t blocks, int64_t groups) {
+  if (ggml_type == kQ4_K) {
+    for (int64_t sb = 0; sb < groups / 8; ++sb) {
+      const uint8_t* superblock = row_bytes + sb * 144;
+      const uint8_t* packed = superblock + 4;
+      const float d = load_f16(superblock), dmin = load_f16(superblock + 2);
+      for (int sub = 0; sub < 8; ++sub) {
+        int sc, mn;
+        if (sub < 4) {
+          sc = packed[sub] & 63;
+          mn = packed[sub + 4] & 63;
+        } else {
+          sc = (packed[sub + 4] & 0x0F) | ((packed[sub - 4] >> 6) << 4);
+          mn = (packed[sub + 4] >> 4) | ((packed[sub] >> 6) << 4);
+        }
+        uint8_t* group = out + unit_offset(block, 8 * sb + sub, blocks, groups, kGroupBytes);
+        put_nibble_steps(group, lane, superblock + 16 + 32 * (sub / 2), sub % 2 == 1);
+        const float scale = rounded(d * static_cast<float>(sc));
+        const float offset = rounded(dmin * static_cast<float>(mn));
+        put_scales(group, lane, scale, rounded(rounded(kCodeOffset * scale) - offset));
+      }
     }
+    return;
+  }
+  const bool has_min = ggml_type == kQ4_1;
+  const int64_t block_bytes = has_min ? 20 : 18;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* source = row_bytes + g * block_bytes;
+    const uint8_t* qs = source + (has_min ? 4 : 2);
+    uint8_t* group = out + unit_offset(block, g, blocks, groups, kGroupBytes);
+    // features 0..15 are the low nibbles of the 16 code bytes, 16..31 the high ones
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t step = nibble_step(qs + 8 * (t % 2), t >= 2);
+      std::memcpy(group + t * 64 + lane * 4, &step, 4);
+    }
+    const float scale = load_f16(source);
+    // (Q4_0's zero passes through a volatile too: a known 0 - x would be -x, and -0 for x = 0)
+    put_scales(group, lane, scale, rounded(has_min ? load_f16(source + 2) + rounded(kCodeOffset * scale) : 0.0f));
+  }
+}
+
+// One row (lane `lane` of block `block`) of Q6_K superblocks into int6_linear's layout. A
+// superblock's code bytes ql [128] and qh [64] hold, per half h of 128 values and l in 0..31, the
+// values l, l + 32, l + 64, l + 96 as the low nibbles of ql[64h + l], ql[64h + 32 + l], their
+// high nibbles, and bits 0-1, 2-3, 4-5, 6-7 of qh[32h + l] (ggml's order): group g = 4h + q is
+// nibble half q / 2 of ql[64h + 32 (q % 2) ..], with high bits (qh[32h ..] >> 2q) & 3.
+inline void pack_int6_row(const uint8_t* row_bytes, uint8_t* out, int64_t block, int64_t lane, int64_t blocks,
+                          int64_t supers) {
+  constexpr int64_t group_bytes = 256 + 128 + 32, super_bytes = 32 + 8 * group_bytes;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* q6 = row_bytes + sb * kQ6KBytes;
+    uint8_t* super = out + unit_offset(block, sb, blocks, supers, super_bytes);
+    std::memcpy(super + 2 * lane, q6 + 208, 2);  // d, the file's float16
+    for (int g = 0; g < 8; ++g) {
+      const int half = g / 4, q = g % 4;
+      uint8_t* group = super + 32 + g * group_bytes;
+      put_nibble_steps(group, lane, q6 + 64 * half + 32 * (q % 2), q >= 2);
+      const uint8_t* high_bits = q6 + 128 + 32 * half;
+      for (int h = 0; h < 2; ++h) {  // plane h, byte 4 lane + j: bits 2i, 2i+1 are feature 16h + 4i + j's
+        uint32_t plane = 0;
+        for (int i = 0; i < 4; ++i) {
+          uint32_t word;
+          std::memcpy(&word, high_bits + 16 * h + 4 * i, 4);
+          plane |= ((word >> (2 * q)) & 0x03030303u) << (2 * i);
+        }
+        std::memcpy(group + 256 + h * 64 + 4 * lane, &plane, 4);
+      }
+      group[384 + lane] = q6[192 + 2 * g];  // the int8 sub-scales of features 0..15 and 16..31
+      group[384 + 16 + lane] = q6[192 + 2 * g + 1];
+    }
+  }
 }
 
 }  // namespace gguf_pack
@@ -214,21 +258,12 @@ at::Tensor gguf_pack_int4(const std::vector<at::Tensor>& shards, c10::IntArrayRe
   at::Tensor packed = at::empty({blocks, groups * gguf_pack::kGroupBytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    uint8_t codes[gguf_pack::kGroup];
-    uint16_t d_bits[gguf_pack::kBlockRows], m_bits[gguf_pack::kBlockRows];
-    for (int64_t block = begin; block < end; ++block) {
-      std::pair<const gguf_pack::Shard*, int64_t> lanes[gguf_pack::kBlockRows];  // each of the 16 rows' shard and row
-      for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) lanes[lane] = rows_of.locate(block * gguf_pack::kBlockRows + lane);
-      for (int64_t group = 0; group < groups; ++group) {
-        uint8_t* slot = out + gguf_pack::unit_offset(block, group, blocks, groups, gguf_pack::kGroupBytes);
-        for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
-          gguf_pack::group_codes(*lanes[lane].first, lanes[lane].second, group, codes, d_bits[lane], m_bits[lane]);
-          gguf_pack::put_nibbles(slot, lane, codes);
-        }
-        std::memcpy(slot + 256, d_bits, sizeof(d_bits));
-        std::memcpy(slot + 288, m_bits, sizeof(m_bits));
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
+        const auto [shard, row] = rows_of.locate(block * gguf_pack::kBlockRows + lane);
+        gguf_pack::pack_int4_row(shard->data + row * shard->row_stride, shard->ggml_type, out, block, lane, blocks,
+                                 groups);
       }
-    }
   });
   return packed;
 }
@@ -243,30 +278,10 @@ at::Tensor gguf_pack_int6(const std::vector<at::Tensor>& shards) {
   at::Tensor packed = at::empty({blocks, supers * super_bytes}, at::kByte);
   uint8_t* out = packed.data_ptr<uint8_t>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    uint8_t codes[256];
     for (int64_t block = begin; block < end; ++block)
       for (int64_t lane = 0; lane < gguf_pack::kBlockRows; ++lane) {
         const auto [shard, row] = rows_of.locate(block * gguf_pack::kBlockRows + lane);
-        const uint8_t* row_blocks = shard->data + row * shard->row_stride;
-        for (int64_t sb = 0; sb < supers; ++sb) {
-          const uint8_t* q6 = row_blocks + sb * gguf_pack::kQ6KBytes;
-          gguf_pack::q6_k_codes(q6, codes);
-          uint8_t* super = out + gguf_pack::unit_offset(block, sb, blocks, supers, super_bytes);
-          std::memcpy(super + 2 * lane, q6 + 208, 2);  // d, the file's float16
-          for (int g = 0; g < 8; ++g) {
-            uint8_t* group = super + 32 + g * group_bytes;
-            const uint8_t* group_codes = codes + 32 * g;
-            gguf_pack::put_nibbles(group, lane, group_codes);
-            for (int h = 0; h < 2; ++h)  // plane h, byte 4 lane + j: bits 2i, 2i+1 are feature 16h + 4i + j's
-              for (int j = 0; j < 4; ++j) {
-                uint8_t bits = 0;
-                for (int i = 0; i < 4; ++i) bits |= static_cast<uint8_t>((group_codes[16 * h + 4 * i + j] >> 4) << (2 * i));
-                group[256 + h * 64 + 4 * lane + j] = bits;
-              }
-            group[384 + lane] = q6[192 + 2 * g];  // the int8 sub-scales of features 0..15 and 16..31
-            group[384 + 16 + lane] = q6[192 + 2 * g + 1];
-          }
-        }
+        gguf_pack::pack_int6_row(shard->data + row * shard->row_stride, out, block, lane, blocks, supers);
       }
   });
   return packed;
