@@ -10,7 +10,8 @@
 # ORDER (default "tokenloom llamaserver") may repeat a server (A B A) on a noisy machine.
 # Env: PEER_DIR (peer.sh's; default /tmp/peer), PAIRS (default "1:4 8:16": concurrency:prompts),
 # TOKENLOOM (default the repository's .venv/bin/tokenloom), LLAMA_SLOTS (default 32),
-# LLAMA_CONTEXT (default 16384: 512 tokens a slot).
+# LLAMA_CONTEXT (default 16384: 512 tokens a slot), LLAMA_ARGS (more llama-server flags: on a Sapphire
+# Rapids VM with AMX its default weight repacking crashed on a Q4_K_M MoE file, `--no-repack` ran).
 # The machine has 2 cores: nothing else heavy may run during a sitting.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -40,7 +41,7 @@ for server in $order; do
   tokenloom) ready_and_bench tokenloom 8400 "$tokenloom" serve "$gguf" --served-model-name m --port 8400 ;;
   llamaserver) ready_and_bench llamaserver 8300 "$PEER_DIR/llama.cpp-src/build/bin/llama-server" -m "$gguf" \
       -a m -t 2 -tb 2 -c "${LLAMA_CONTEXT:-16384}" -np "${LLAMA_SLOTS:-32}" -cb --no-kv-unified \
-      --host 127.0.0.1 --port 8300 ;;
+      --host 127.0.0.1 --port 8300 ${LLAMA_ARGS:-} ;;
   *) echo "unknown server $server"; exit 2 ;;
   esac
 done
