@@ -129,6 +129,18 @@ inline __m512 load_bf16x16(const void* src, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(src))), 16));
 }
+
+// float32 -> bfloat16 bits of 16 lanes, to nearest even, NaN kept a quiet NaN (as c10 rounds)
+inline __m256i bf16_bits16(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                              _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
+      16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)

@@ -101,16 +101,7 @@ inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
 
 inline void store16(float* dst, __m512 value) { _mm512_storeu_ps(dst, value); }
 inline void store16(c10::BFloat16* dst, __m512 value) {
-  // rounded to nearest even, NaN kept a quiet NaN, as c10 rounds
-  const __m512i bits = _mm512_castps_si512(value);
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                              _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
-      16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  const __m512i result = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(result));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_bits16(value));
 }
 
 template <typename scalar_t>
