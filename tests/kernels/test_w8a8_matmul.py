@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.isa_levels import at_the_host_level
+from helpers.isa_levels import at_the_host_level, once_and_per_level
 
 from tokenloom.kernels import cpu_native, w8a8_matmul
 from tokenloom.kernels.w8a8_matmul import integer_sums, pack_w8a8, quantize_tokens, reference_w8a8, w8a8_linear
@@ -18,8 +18,9 @@ pytestmark = [
     ),
 ]
 
-# the vector tiles (AMX never taken), and AMX for every row count (where the CPU has it)
-PATHS = [pytest.param(0, id="vector"), pytest.param(1, id="amx")]
+# the vector tiles (AMX never taken) at every level, and AMX for every row count once, at the
+# host's own level (only the avx512 build has an AMX path, where the CPU has AMX)
+PATHS = once_and_per_level("amx_rows", 1, 0, ("amx", "vector"))
 
 
 def skip_without_amx(amx_rows: int) -> None:
@@ -37,7 +38,7 @@ def random_weight(out_features: int, in_features: int, seed: int):
     return codes, scales
 
 
-@pytest.mark.parametrize("amx_rows", PATHS)
+@PATHS
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 33])
 @pytest.mark.parametrize("shape", [(16, 64), (48, 100), (40, 576), (96, 196), (7, 4)])
 def test_integer_sums_are_exact(shape, rows, amx_rows):
@@ -59,7 +60,7 @@ def test_integer_sums_are_exact(shape, rows, amx_rows):
     assert torch.equal(out.to(torch.int32), integer_sums(x, codes))
 
 
-@pytest.mark.parametrize("amx_rows", PATHS)
+@PATHS
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 17, 33, 131])
 @pytest.mark.parametrize("shape", [(64, 576), (40, 100), (96, 1536)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -86,7 +87,7 @@ def test_matches_the_reference(shape, rows, dtype, amx_rows):
     torch.testing.assert_close(float_out, expected, rtol=2e-6, atol=2e-6 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("amx_rows", PATHS)
+@PATHS
 def test_rows_are_independent_of_the_batch(amx_rows):
     """A row's output does not depend on the rows beside it (per-token scales, whole-K integer
     sums): 1..40 rows at once give each row the bits it gets alone."""
@@ -99,7 +100,7 @@ def test_rows_are_independent_of_the_batch(amx_rows):
         assert torch.equal(w8a8_linear(x[:rows], weight, amx_rows=amx_rows), alone[:rows]), rows
 
 
-@pytest.mark.parametrize("amx_rows", PATHS)
+@PATHS
 def test_extreme_codes_and_zero_rows(amx_rows):
     """-128 and 127 weight codes against +-127 activations (the largest int16 pairs of the AVX2
     sign trick, the +128 offset of vpdpbusd), an all-zero row (scale 0, output 0 + bias)."""
