@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers.model_parity import perturb_parameters
+from helpers.tiny_llama import tiny_llama_config
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.distributed import ParallelRank, init_parallel_state
@@ -174,24 +175,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
 # -- tiny random models in float32 ----------------------------------------------------------
-
-
-def tiny_llama_config(tokenizer, **overrides):
-    from transformers import LlamaConfig
-
-    options = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    return LlamaConfig(**{**options, **overrides})
 
 
 @pytest.fixture(scope="module")

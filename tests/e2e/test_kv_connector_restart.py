@@ -33,25 +33,15 @@ MODEL = "tiny-long"
 def long_llama_dir(tmp_path_factory, smollm2_gguf):
     """A tiny random Llama (2 layers, seed 0) with a 2,048-token context and SmolLM2's tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers.tiny_llama import tiny_llama_config
+    from transformers import LlamaForCausalLM
 
     from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
     directory = tmp_path_factory.mktemp("tiny-long-llama")
     tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
     tokenizer.save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
+    config = tiny_llama_config(tokenizer, max_position_embeddings=2048)
     torch.manual_seed(0)
     LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
     return str(directory)

@@ -9,6 +9,7 @@ import base64
 import io
 
 import torch
+from helpers.tiny_llama import tiny_llama_config
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | upper }}: "
@@ -22,19 +23,7 @@ IMAGE_TOKENS = 4  # (28 / 14) ** 2 patches, the class token dropped
 
 def tiny_text_config(tokenizer):
     """The tiny Llama the LLaVA checkpoints' language side is, over ``tokenizer``'s vocabulary."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    return tiny_llama_config(tokenizer, max_position_embeddings=512, tie_word_embeddings=False)
 
 
 def write_tiny_llava(directory, smollm2_gguf: str):
