@@ -887,7 +887,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     TORCH_CHECK(lens[row] <= table_keys, "seq_lens[", row, "] = ", lens[row], " exceeds the ", table_keys,
                 " keys its block table holds");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+  TOKENLOOM_DISPATCH_ACTIVATION_TYPES(query.scalar_type(), "paged_decode_attention", [&] {
     dispatch_cache<scalar_t>(kv_cache, [&](auto cache_tag) {
       using cache_t = decltype(cache_tag);
       switch (query.size(2)) {
@@ -966,7 +966,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0),
               "slot_mapping must be a contiguous int64 [num_tokens] tensor");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv_cache", [&] {
+  TOKENLOOM_DISPATCH_ACTIVATION_TYPES(key.scalar_type(), "write_kv_cache", [&] {
     dispatch_cache<scalar_t>(kv_cache, [&](auto cache_tag) {
       write_kv_impl<scalar_t, decltype(cache_tag)>(key, value, kv_cache, slot_mapping, k_scale, v_scale);
     });

@@ -381,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::opti
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
   at::Tensor residual_out = residual ? at::empty(x.sizes(), x.options()) : x;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  TOKENLOOM_DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(x, residual, weight, eps, gemma, out, residual_out);
   });
   return {out, residual_out};
@@ -432,7 +432,7 @@ void rotary_embedding_(at::Tensor x, const at::Tensor& positions, const at::Tens
                   sin_cache.scalar_type() == x.scalar_type(),
               "cos/sin caches must be contiguous [positions, rotary_dim / 2] tensors of x's dtype");
   TORCH_CHECK(2 * cos_cache.size(1) <= x.size(2), "the rotary dimension exceeds the head size");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_embedding_", [&] {
+  TOKENLOOM_DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "rotary_embedding_", [&] {
     rotary_impl<scalar_t>(x, positions, cos_cache, sin_cache);
   });
 }
@@ -522,13 +522,13 @@ at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation) {
 #endif
 #if defined(TOKENLOOM_ROWS_AVX2)
   if (act == silu_rows && x.scalar_type() != at::kDouble) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
+    TOKENLOOM_DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "act_and_mul", [&] {
       silu_and_mul_rows8<scalar_t>(x, out);
     });
     return out;
   }
 #endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
+  TOKENLOOM_DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "act_and_mul", [&] {
     act_and_mul_impl<scalar_t>(x, out, act);
   });
   return out;
@@ -593,7 +593,7 @@ void causal_softmax_(at::Tensor scores, double scale) {
   TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous() && scores.size(2) >= scores.size(1),
               "scores must be a contiguous [batch, queries, keys] tensor with keys >= queries");
   TORCH_CHECK(scale > 0, "the softmax scale must be positive");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scores.scalar_type(), "causal_softmax_", [&] {
+  TOKENLOOM_DISPATCH_ACTIVATION_TYPES(scores.scalar_type(), "causal_softmax_", [&] {
     causal_softmax_impl<scalar_t>(scores, scale);
   });
 }

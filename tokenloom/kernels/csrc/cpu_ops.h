@@ -9,6 +9,14 @@
 
 #include "cpu_namespace.h"
 
+// AT_DISPATCH over the activations' dtypes a model runs in (float32, bfloat16, float16): torch's
+// AT_DISPATCH_FLOATING_TYPES_AND2 also instantiates every body for double, which no model uses and
+// which cost each level's build about a tenth of its compile time (the attention kernel's
+// instantiations most); a double tensor is refused by name ("not implemented for 'Double'").
+#define TOKENLOOM_DISPATCH_ACTIVATION_TYPES(TYPE, NAME, ...)                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                      \
+                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
 namespace TOKENLOOM_CPU_NAMESPACE {
 
 // cpu_layers.cpp
