@@ -1,13 +1,14 @@
 """Speculative decoding on the real Gemma 3 270M GGUF (q/k norms, sliding windows, so its layers
 take the Python path, not the fused decode operator), over HTTP with the ``openai`` client, by
-n-gram prompt lookup and by a draft model (Gemma 3 itself, whose greedy drafts the target must
-all accept): greedy token ids identical to a server without speculation, plain and JSON-schema
-constrained (completions: the GGUF has no chat template), alone and in a concurrent mixed
-batch, with drafts really accepted (the vLLM spec-decode metrics say so).
+n-gram prompt lookup: greedy token ids identical to a server without speculation, plain and
+JSON-schema constrained (completions: the GGUF has no chat template), alone and in a concurrent
+mixed batch, with drafts really accepted (the vLLM spec-decode metrics say so).
 
-The plain server is the module's one reference and its outputs are computed once; the two
-speculative servers run one at a time (one method per server), each through the same proofs.
-The disagreeing draft (rejections over HTTP) is proved on SmolLM2 (test_spec_decode_smollm2.py)."""
+The plain server is the module's one reference and its outputs are computed once. A draft model
+over HTTP, agreeing and disagreeing, is proved on SmolLM2 (test_spec_decode_smollm2.py); Gemma 3
+as its own draft, with drafts verified far past its sliding window, on a tiny Gemma 3 through the
+engine (tests/core/spec_decode/test_spec_decode_sliding_window.py): here each self-drafted step
+cost up to four float32 passes over a gigabyte of weights, a third of the module's time."""
 
 from __future__ import annotations
 
@@ -37,11 +38,7 @@ COMMON += ["--kv-cache-memory-bytes", "256M"]
 # the default 30 s limit (a 400), which is the limit working, not what these tests check
 COMMON += ["--structured-outputs-compile-timeout", "300"]
 PROPOSERS = ["--plugin", "tokenloom.builtin_plugins.proposers"]  # a no-op once the entry point is installed
-# method -> its --speculative-config
-METHODS = {
-    "ngram": '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}',
-    "self-draft": f'{{"method": "draft_model", "model": "{MODEL}", "num_speculative_tokens": 3}}',
-}
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -60,12 +57,11 @@ def plain_server(tmp_path_factory):
     stop_server(server)
 
 
-@pytest.fixture(scope="module", params=list(METHODS))
-def speculative(request, plain_server, tmp_path_factory):
-    # pytest runs every test of one method before starting the next method's server
-    log_path = str(tmp_path_factory.mktemp(f"gemma3-spec-{request.param}") / "speculative.log")
-    server = start_server(COMMON + PROPOSERS + ["--speculative-config", METHODS[request.param]], log_path, timeout=400)
-    yield request.param, server
+@pytest.fixture(scope="module")
+def speculative(plain_server, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("gemma3-spec-ngram") / "speculative.log")
+    server = start_server(COMMON + PROPOSERS + ["--speculative-config", NGRAM], log_path, timeout=400)
+    yield server
     stop_server(server)
 
 
@@ -84,8 +80,8 @@ DESCRIBE = f"{CODE}\nThe function above, described as JSON:\n"
 def single_stream(server: RunningServer) -> list[tuple[list[str], str]]:
     """One request at a time (completions: the packaged Gemma 3 GGUF carries no chat template):
     the rewrite, long enough for prompt lookup to hit while it copies the code (24 tokens: the
-    function's first lines, as in the mixed batch; a self-drafting Gemma step costs up to four
-    float32 forward passes, each reading a gigabyte of weights), and a JSON-schema constrained
+    function's first lines, as in the mixed batch; a float32 step reads a gigabyte of weights),
+    and a JSON-schema constrained
     description (a schema whose longest answer fits in its 64 tokens). Each as its token ids
     ("token_id:N") and finish reason."""
     outputs = []
@@ -144,7 +140,7 @@ def plain_mixed_batch(plain_server):
 
 
 def test_single_stream_greedy_ids_are_identical_and_drafts_are_accepted(speculative, plain_single_stream):
-    method, server = speculative
+    server = speculative
     drafted_before = spec_decode_counter(server, MODEL, "num_draft_tokens")
     accepted_before = spec_decode_counter(server, MODEL, "num_accepted_tokens")
     got = single_stream(server)
@@ -153,13 +149,10 @@ def test_single_stream_greedy_ids_are_identical_and_drafts_are_accepted(speculat
     drafted = spec_decode_counter(server, MODEL, "num_draft_tokens") - drafted_before
     accepted = spec_decode_counter(server, MODEL, "num_accepted_tokens") - accepted_before
     assert 0 < accepted <= drafted
-    if method == "self-draft":
-        # the target drafting for itself: its greedy drafts are its own argmax, every one accepted
-        assert accepted == drafted
 
 
 def test_concurrent_mixed_batch_is_identical(speculative, plain_mixed_batch):
-    _, server = speculative
+    server = speculative
     drafted_before = spec_decode_counter(server, MODEL, "num_draft_tokens")
     accepted_before = spec_decode_counter(server, MODEL, "num_accepted_tokens")
     got = asyncio.run(mixed_batch(server))
@@ -174,7 +167,7 @@ def test_concurrent_mixed_batch_is_identical(speculative, plain_mixed_batch):
     # the sampled request keeps the target's distribution, not the plain server's draws: it
     # just shares the batch
     assert got[4].usage.completion_tokens == 24
-    # the batch speculated too (a sampled draft may be rejected, even the target's own)
+    # the batch speculated too
     drafted = spec_decode_counter(server, MODEL, "num_draft_tokens") - drafted_before
     accepted = spec_decode_counter(server, MODEL, "num_accepted_tokens") - accepted_before
     assert 0 < drafted and 0 <= accepted <= drafted
