@@ -10,8 +10,14 @@
 # ORDER (default "tokenloom llamaserver") may repeat a server (A B A) on a noisy machine.
 # Env: PEER_DIR (peer.sh's; default /tmp/peer), PAIRS (default "1:4 8:16": concurrency:prompts),
 # TOKENLOOM (default the repository's .venv/bin/tokenloom), LLAMA_SLOTS (default 32),
-# LLAMA_CONTEXT (default 16384: 512 tokens a slot), LLAMA_ARGS (more llama-server flags: on a Sapphire
-# Rapids VM with AMX its default weight repacking crashed on a Q4_K_M MoE file, `--no-repack` ran).
+# LLAMA_CONTEXT (default 16384: 512 tokens a slot), LLAMA_ARGS (more llama-server flags),
+# LLAMA_SERVER (default peer.sh's build). On a Sapphire Rapids VM with AMX, a GGML_NATIVE build's
+# llama-server crashed (SIGSEGV in ggml_backend_amx_mul_mat) on every Q4_K_M file it repacked for
+# AMX; a build with AMX off and AVX-512 (VNNI, BF16) on repacks and runs:
+#   cmake -S llama.cpp-src -B llama.cpp-src/build-noamx -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+#     -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+#     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF \
+#     -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF && cmake --build llama.cpp-src/build-noamx --target llama-server
 # The machine has 2 cores: nothing else heavy may run during a sitting.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -39,7 +45,7 @@ ready_and_bench() {  # name port command...
 for server in $order; do
   case $server in
   tokenloom) ready_and_bench tokenloom 8400 "$tokenloom" serve "$gguf" --served-model-name m --port 8400 ;;
-  llamaserver) ready_and_bench llamaserver 8300 "$PEER_DIR/llama.cpp-src/build/bin/llama-server" -m "$gguf" \
+  llamaserver) ready_and_bench llamaserver 8300 "${LLAMA_SERVER:-$PEER_DIR/llama.cpp-src/build/bin/llama-server}" -m "$gguf" \
       -a m -t 2 -tb 2 -c "${LLAMA_CONTEXT:-16384}" -np "${LLAMA_SLOTS:-32}" -cb --no-kv-unified \
       --host 127.0.0.1 --port 8300 ${LLAMA_ARGS:-} ;;
   *) echo "unknown server $server"; exit 2 ;;
