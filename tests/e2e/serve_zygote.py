@@ -39,6 +39,12 @@ PRELOADED_MODULES = (
     "torch",
     "transformers",
     "transformers.tokenization_utils_fast",
+    # what a server's first AutoConfig / AutoTokenizer call imports (about 730 modules, accelerate
+    # and sympy among them: 0.6-2.5 s of a forked server's start), and the suite's usual config
+    "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.configuration_llama",
     "fastapi",
     "uvicorn",
     "tokenloom.api.cli",
