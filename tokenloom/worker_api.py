@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
         is_stopped,
         node_authkey,
         wait_for_node_processes,
+        worker_process,
     )
     from tokenloom.core.model_loader import ModelInfo, build_model, resolve_model
     from tokenloom.core.platform import Platform, attention_backend_target
@@ -56,6 +57,8 @@ _LAZY = {
     "NODE_AUTHKEY_ENV": "tokenloom.core.executor",
     "node_authkey": "tokenloom.core.executor",
     "wait_for_node_processes": "tokenloom.core.executor",
+    # a worker process: forked from a forkserver that has imported torch
+    "worker_process": "tokenloom.core.executor",
     # a proposer: its interface and what it is constructed with
     "Proposer": "tokenloom.core.spec_decode.proposer",
     "ProposerSpec": "tokenloom.core.spec_decode.proposer",
@@ -88,6 +91,7 @@ __all__ = [
     "NODE_AUTHKEY_ENV",
     "node_authkey",
     "wait_for_node_processes",
+    "worker_process",
     "execute_model_timeout",
     "is_stopped",
     "Proposer",

@@ -29,9 +29,11 @@ MAX_MODEL_LEN = "512"
 
 
 def worker_processes(server) -> list[psutil.Process]:
-    """The server's spawned worker processes (not multiprocessing's resource tracker)."""
+    """The server's worker processes: the children of its forkserver (not the forkserver itself,
+    nor multiprocessing's resource tracker)."""
     children = psutil.Process(server.process.pid).children(recursive=True)
-    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    forkservers = {child.pid for child in children if "multiprocessing.forkserver" in " ".join(child.cmdline())}
+    return [child for child in children if child.ppid() in forkservers]
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,12 @@ Implementations (one process, several processes, Ray) are plugins."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +93,42 @@ def wait_for_node_processes(processes: list[Any], what: str) -> int:
     codes = [process.exitcode for process in processes]
     logging.getLogger(__name__).info("headless: the %s ended (exit codes %s)", what, codes)
     return 0 if stopping.is_set() or all(code == 0 for code in codes) else 1
+
+
+# what every worker and replica process imports whatever it runs, imported once by the forkserver
+WORKER_PRELOAD = ("torch", "transformers")
+
+
+@functools.cache
+def _worker_context() -> Any:
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context
+
+
+def worker_process(target: Callable[..., Any], args: tuple[Any, ...], *, name: str, daemon: bool = False) -> Any:
+    """A process (not yet started) that runs ``target(*args)``: a worker of ``-tp``/``-pp``, a
+    node's worker, a data-parallel replica. It is forked from this process's forkserver, which
+    imported :data:`WORKER_PRELOAD` once, when the first such process started: a spawned process
+    imported torch and transformers again each time (about 2 CPU seconds; 0.1 s forked). Not a
+    plain fork of this process: torch's thread pools do not survive one.
+
+    A forkserver's children inherit the forkserver's environment, as it was when it started;
+    each process here gets this process's environment of the moment it is created instead,
+    before ``target`` runs (only what the preloaded modules read when imported stays the
+    forkserver's). Its CPU affinity is the forkserver's too: a process that needs other cores
+    sets them itself (a replica does)."""
+    return _worker_context().Process(
+        target=_run_in_environment, args=(dict(os.environ), target, args), name=name, daemon=daemon
+    )
+
+
+def _run_in_environment(environ: dict[str, str], target: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 def is_stopped(pid: int | None) -> bool:

@@ -347,17 +347,33 @@ def collect(engine, request_id: str, prompt: str, max_tokens: int, first_tokens:
     return run()
 
 
-async def running_long_requests(engine, prompts: list[str]) -> list[asyncio.Future]:
+class FirstTokens(asyncio.Event):
+    """Set on a request's first tokens, noting then which replica the engine gave it to (a
+    request that has finished is no longer in the engine's table)."""
+
+    def __init__(self, engine, request_id: str):
+        super().__init__()
+        self.engine, self.request_id, self.owner = engine, request_id, None
+
+    def set(self) -> None:
+        if not self.is_set():
+            self.owner = self.engine._owner.get(self.request_id)
+        super().set()
+
+
+async def running_long_requests(engine, prompts: list[str]) -> tuple[list[asyncio.Future], dict[str, int]]:
     """A 200-token request per prompt (``long-0``, ``long-1`` ...), returned once each is running,
-    its first tokens received. (Polling the replicas' stats for both running missed the window
-    whenever a replica ran its 200 tokens between two stats messages, and the test hung.)"""
-    started = [asyncio.Event() for _ in prompts]
+    its first tokens received, with the replica each was running on then. (Polling the replicas'
+    stats for both running missed the window whenever a replica ran its 200 tokens between two
+    stats messages, and the test hung; the engine's table after both started missed a request
+    that one replica had finished before the other replica's first tokens.)"""
+    started = [FirstTokens(engine, f"long-{index}") for index in range(len(prompts))]
     requests = [
         asyncio.ensure_future(collect(engine, f"long-{index}", prompt, 200, started[index]))
         for index, prompt in enumerate(prompts)
     ]
     await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=120)
-    return requests
+    return requests, {event.request_id: event.owner for event in started}
 
 
 @pytest.mark.slow  # two engine processes
@@ -387,8 +403,8 @@ def test_two_replica_processes_serve_as_one_engine_and_a_killed_one_fails_only_i
             assert got == expected
             assert engine.stats().generation_tokens_total == 8 * len(prompts)
             # a long request on each replica, then replica 1 dies mid-stream
-            long_zero, long_one = await running_long_requests(engine, prompts[:2])
-            assert engine._owner == {"long-0": 0, "long-1": 1}
+            (long_zero, long_one), owners = await running_long_requests(engine, prompts[:2])
+            assert owners == {"long-0": 0, "long-1": 1}
             engine.replicas[1].kill()
             with pytest.raises(EngineDeadError, match="replica 1 .* exited with code -9"):
                 await long_one
@@ -413,10 +429,10 @@ def test_a_stopped_replica_process_is_dead_once_silent_for_the_step_timeout_and_
     async def run():
         await engine.start()
         try:
-            long_zero, long_one = await running_long_requests(
+            (long_zero, long_one), owners = await running_long_requests(
                 engine, ["A short story about a robot:", "Numbers: 1, 2,"]
             )
-            assert engine._owner == {"long-0": 0, "long-1": 1}
+            assert owners == {"long-0": 0, "long-1": 1}
             os.kill(pids[1], signal.SIGSTOP)
             with pytest.raises(EngineDeadError) as failure:
                 await asyncio.wait_for(long_one, timeout=3 + 20)

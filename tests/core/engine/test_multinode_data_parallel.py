@@ -182,8 +182,8 @@ def test_a_headless_nodes_replica_serves_with_the_heads_and_its_loss_fails_only_
             try:
                 got = await asyncio.gather(*(collect(engine, f"r{i}", prompt, 8) for i, prompt in enumerate(prompts)))
                 assert got == expected
-                long_zero, long_one = await running_long_requests(engine, prompts[:2])
-                assert engine._owner == {"long-0": 0, "long-1": 1}  # the remote replica holds one
+                (long_zero, long_one), owners = await running_long_requests(engine, prompts[:2])
+                assert owners == {"long-0": 0, "long-1": 1}  # the remote replica holds one
                 os.killpg(headless.pid, signal.SIGKILL)  # the node goes away
                 with pytest.raises(EngineDeadError, match=r"replica 1 \(rank 1, on a headless node\) disconnected"):
                     await long_one

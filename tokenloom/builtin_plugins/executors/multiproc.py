@@ -48,6 +48,7 @@ from tokenloom.worker_api import (
     SchedulerOutput,
     WorkerSpec,
     is_stopped,
+    worker_process,
 )
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,6 @@ class WorkerProcessGroup:
         launches: list[WorkerLaunch],
         remote_workers: Callable[[], list[tuple[RemoteWorkerProcess, multiprocessing.connection.Connection]]] = list,
     ):
-        context = multiprocessing.get_context("spawn")
         self.processes: list[Any] = []  # by rank: multiprocessing.Process, or RemoteWorkerProcess
         self.conns: list[multiprocessing.connection.Connection] = []
         # held while a call is registered and written: writes reach every pipe in call order.
@@ -163,13 +163,13 @@ class WorkerProcessGroup:
         self._send_lock = threading.Lock()
         self._closing = False
         self.dead_reason: str | None = None
-        self._wake_reader, self._wake_writer = context.Pipe(duplex=False)
+        self._wake_reader, self._wake_writer = multiprocessing.Pipe(duplex=False)
         try:
             for launch in launches:
-                parent_end, child_end = context.Pipe()
-                process = context.Process(
-                    target=run_worker_process,
-                    args=(launch, child_end),
+                parent_end, child_end = multiprocessing.Pipe()
+                process = worker_process(
+                    run_worker_process,
+                    (launch, child_end),
                     name=f"tokenloom-worker-{launch.rank}",
                     daemon=True,  # multiprocessing's exit handler terminates them if all else fails
                 )

@@ -30,7 +30,7 @@ from typing import Any
 
 from tokenloom.builtin_plugins.executors.worker_host import WorkerLaunch
 from tokenloom.errors import ConfigError, EngineDeadError
-from tokenloom.worker_api import EngineConfig, node_authkey, wait_for_node_processes
+from tokenloom.worker_api import EngineConfig, node_authkey, wait_for_node_processes, worker_process
 
 logger = logging.getLogger(__name__)
 
@@ -210,10 +210,8 @@ def run_worker_node(config: EngineConfig, timeout: float) -> int:
     parallel = config.parallel
     per_node = parallel.workers_per_node
     ranks = range(parallel.node_rank * per_node, (parallel.node_rank + 1) * per_node)
-    context = multiprocessing.get_context("spawn")
     processes = [
-        context.Process(target=node_worker_main, args=(rank, config, timeout), name=f"tokenloom-worker-{rank}")
-        for rank in ranks
+        worker_process(node_worker_main, (rank, config, timeout), name=f"tokenloom-worker-{rank}") for rank in ranks
     ]
     for process in processes:
         process.start()

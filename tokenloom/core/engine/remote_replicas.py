@@ -28,7 +28,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine.replica_host import enter_replica, serve_replica
-from tokenloom.core.executor import node_authkey, wait_for_node_processes
+from tokenloom.core.executor import node_authkey, wait_for_node_processes, worker_process
 from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PlainPlugins, PluginSet
 
@@ -158,12 +158,11 @@ def run_headless(engine_args: EngineArgs, plugins: PluginSet, timeout: float) ->
     parallel = engine_args.create_engine_config().parallel
     local = parallel.data_parallel_size_local or 0
     ranks = list(range(parallel.data_parallel_start_rank, parallel.data_parallel_start_rank + local))
-    context = multiprocessing.get_context("spawn")
     tables = plugins.to_plain()
     processes = [
-        context.Process(
-            target=remote_replica_main,
-            args=(rank, replica_engine_args(engine_args, rank), tables, cpu_ids, timeout),
+        worker_process(
+            remote_replica_main,
+            (rank, replica_engine_args(engine_args, rank), tables, cpu_ids, timeout),
             name=f"tokenloom-dp-replica-{rank}",
         )
         for rank, cpu_ids in zip(ranks, local_cpu_sets(len(ranks)), strict=True)

@@ -21,7 +21,7 @@ from typing import Any, cast
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.engine.replica_host import STATS_INTERVAL_SECONDS, RayReplicaActor, replica_process_main
 from tokenloom.core.engine.replica_messages import Failed, FromReplica, Ready, Shutdown, ToReplica
-from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped
+from tokenloom.core.executor import EXECUTE_MODEL_TIMEOUT_ENV, execute_model_timeout, is_stopped, worker_process
 from tokenloom.errors import ConfigError, EngineDeadError
 from tokenloom.plugins.manager import PlainPlugins
 
@@ -111,13 +111,12 @@ class ProcessReplica(ReplicaHandle):
 
     def __init__(self, index: int, engine_args: EngineArgs, tables: PlainPlugins, cpu_ids: list[int] | None):
         super().__init__(index)
-        context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive fork
-        inbox_reader, self._inbox = context.Pipe(duplex=False)
-        self._outbox, outbox_writer = context.Pipe(duplex=False)
+        inbox_reader, self._inbox = multiprocessing.Pipe(duplex=False)
+        self._outbox, outbox_writer = multiprocessing.Pipe(duplex=False)
         # not a daemon: a replica running -tp N starts worker processes of its own
-        self.process = context.Process(
-            target=replica_process_main,
-            args=(index, engine_args, tables, cpu_ids, inbox_reader, outbox_writer),
+        self.process = worker_process(
+            replica_process_main,
+            (index, engine_args, tables, cpu_ids, inbox_reader, outbox_writer),
             name=f"tokenloom-dp-replica-{index}",
         )
         self.process.start()
