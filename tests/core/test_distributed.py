@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers.rank_processes import run_ranks
 
 from tokenloom.core.distributed import Communicator, ParallelRank, ParallelState, init_parallel_state
 
@@ -53,7 +54,7 @@ def test_tensor_and_pipeline_groups_over_gloo():
     """A 2 x 2 grid: TP groups {0,1} and {2,3} sum and gather; PP groups {0,2} and {1,3}
     broadcast from stage 0 and pass a tensor from stage 0 to stage 1."""
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(2, 2, f"tcp://127.0.0.1:{free_port()}", results), nprocs=4, join=True)
+    run_ranks(_worker, (2, 2, f"tcp://127.0.0.1:{free_port()}", results), nprocs=4)
     assert results[0]["sum"] == results[1]["sum"] == [3.0] * 3
     assert results[2]["sum"] == results[3]["sum"] == [7.0] * 3
     assert results[0]["gather"] == [[0.0, 1.0]] and results[3]["gather"] == [[2.0, 3.0]]

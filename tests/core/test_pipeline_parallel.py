@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.rank_processes import run_ranks
 
 from tokenloom.core.config import EngineArgs
 from tokenloom.core.distributed import ParallelRank, init_parallel_state
@@ -152,7 +153,7 @@ def per_spec(results, num_specs: int) -> list[dict]:
 def run_grid(specs: list[WorkerSpec], tp_size: int, pp_size: int) -> list[dict]:
     results = mp.Manager().dict()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(_run_worker, args=(tp_size, pp_size, init_method, specs, results), nprocs=tp_size * pp_size, join=True)
+    run_ranks(_run_worker, (tp_size, pp_size, init_method, specs, results), nprocs=tp_size * pp_size)
     return per_spec(dict(results), len(specs))
 
 

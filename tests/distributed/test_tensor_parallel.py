@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers.model_parity import perturb_parameters
+from helpers.rank_processes import run_ranks
 from helpers.tiny_llama import tiny_llama_config
 
 from tokenloom import LLM, SamplingParams
@@ -140,7 +141,7 @@ def run_tensor_parallel(tp_size: int, references: list[Reference], without_nativ
     reports no native bfloat16 (as the parent ran them)."""
     results = mp.Manager().dict()
     runs = [(ref.spec, ref.num_blocks, ref.steps, i in without_native_bfloat16) for i, ref in enumerate(references)]
-    mp.spawn(_tp_worker, args=(tp_size, f"tcp://127.0.0.1:{free_port()}", runs, results), nprocs=tp_size, join=True)
+    run_ranks(_tp_worker, (tp_size, f"tcp://127.0.0.1:{free_port()}", runs, results), nprocs=tp_size)
     return [results[rank] for rank in range(tp_size)]
 
 
