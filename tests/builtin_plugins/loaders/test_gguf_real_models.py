@@ -31,6 +31,28 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_reference_reader_per_file():
+    """transformers' GGUF conversion opens each file with ``gguf.GGUFReader``, which parses every
+    metadata entry into numpy objects (Gemma 3's 262k-token vocabulary: most of a test's time),
+    on every call; the tokenizer and weight tests below call it for the same files. The reader
+    only reads, so each file is parsed once and its reader shared (tokenloom's own loader has a
+    reader of its own, which this does not touch)."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", shared_reader)
+        yield
+
+
 @pytest.fixture(scope="module")
 def gemma3_gguf() -> str:
     from tokenloom.builtin_plugins.model_sources.pip_packages import PipPackageModelSource
