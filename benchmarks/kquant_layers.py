@@ -11,8 +11,11 @@ weights come from memory as in a real step.
   fp8    compressed-tensors FP8 (e4m3 codes, channel scales) through w8a16_linear
   w8a16  compressed-tensors W8A16 int8 (channel scales) through w8a16_linear
   dense  the dequantized weight in --dtype, oneDNN-packed (what Q6_K/Q5_K layers ran before)
+  PATH:vnni  PATH with TOKENLOOM_CPU_AMX=0 during its calls: on a CPU with AMX-INT8, int4:vnni
+             beside int4 is an A/B of int4_linear's AMX tile (from its row threshold) against
+             its VNNI tile, alternated
 
-  python benchmarks/kquant_layers.py 1,2,4,8,16,32 [--paths int6,int5,int4,int8,fp8,w8a16,dense]
+  python benchmarks/kquant_layers.py 1,2,4,8,16,32 [--paths int6,int5,int4,int8,fp8,w8a16,dense,int4:vnni]
       [--shapes layers,head] [--rounds 15] [--copies 4]
 
 TOKENLOOM_CPU_ISA=avx2 (or benchmarks/avx2_host.sh) measures a lower kernel level. The paths are
@@ -20,6 +23,7 @@ measured alternately (one pass of each per round): the machine's drift hits them
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -56,6 +60,9 @@ clock = time.thread_time if options.threads == 1 else time.perf_counter
 
 
 def build(path: str, out_features: int, in_features: int):
+    if path.endswith(":vnni"):
+        matmul = build(path.removesuffix(":vnni"), out_features, in_features)
+        return lambda x: without_amx(matmul, x)
     groups = in_features // 32
     if path == "int6" or path == "dense":
         codes = torch.randint(0, 64, (out_features, in_features), dtype=torch.uint8)
@@ -88,6 +95,18 @@ def build(path: str, out_features: int, in_features: int):
     codes = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
     weight = pack_int8(codes, torch.rand(out_features, groups) * 0.01)
     return lambda x: int8_linear(x, weight).to(x.dtype)
+
+
+def without_amx(matmul, x: torch.Tensor) -> torch.Tensor:
+    previous = os.environ.get("TOKENLOOM_CPU_AMX")
+    os.environ["TOKENLOOM_CPU_AMX"] = "0"
+    try:
+        return matmul(x)
+    finally:
+        if previous is None:
+            del os.environ["TOKENLOOM_CPU_AMX"]
+        else:
+            os.environ["TOKENLOOM_CPU_AMX"] = previous
 
 
 print(

@@ -4,7 +4,12 @@ server), then of the decode steps once BATCH such prompts run, and with ``--prof
 operators that took the prefill's time (torch.profiler, self CPU time).
 
   python benchmarks/prefill_and_step.py /work/peer/models/smollm2-1.7b-Q4_K_M.gguf [--batch 8]
-      [--prefills 3] [--profile]
+      [--prefills 3] [--profile] [--cpu-time]
+
+With ``--cpu-time`` (torch held to one thread, OMP_NUM_THREADS=1) the figures are the calling
+thread's CPU time, which runs the whole step (the offline engine's one in-process worker): a
+loaded machine stretches it far less than wall time. For an A/B of a kernel switch
+(TOKENLOOM_CPU_AMX=0), alternate runs.
 
 Random prompt tokens, greedy, ignore_eos; noisy on a shared machine (say so with the figures).
 """
@@ -24,7 +29,11 @@ parser.add_argument("--batch", type=int, default=8, help="rows of the decode ste
 parser.add_argument("--prompt-tokens", type=int, default=256)
 parser.add_argument("--prefills", type=int, default=3, help="lone prefills timed (median)")
 parser.add_argument("--profile", action="store_true", help="profile one more prefill, print its top operators")
+parser.add_argument("--cpu-time", action="store_true", help="time the calling thread's CPU time (one torch thread)")
 options = parser.parse_args()
+if options.cpu_time and torch.get_num_threads() != 1:
+    parser.error("--cpu-time measures one thread: run with OMP_NUM_THREADS=1")
+clock = time.thread_time if options.cpu_time else time.perf_counter
 
 started = time.perf_counter()
 engine = LLM(model=options.model, max_model_len=1024).engine
@@ -38,9 +47,9 @@ def prompt() -> dict:
 
 def prefill_ms(name: str) -> float:
     engine.add_request(name, prompt(), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    begun = time.perf_counter()
+    begun = clock()
     engine.step()
-    spent = (time.perf_counter() - begun) * 1e3
+    spent = (clock() - begun) * 1e3
     while engine.has_unfinished_requests():
         engine.step()
     return spent
@@ -59,8 +68,8 @@ for index in range(options.batch):
     engine.add_request(f"row-{index}", prompt(), params)
 steps = []
 while engine.has_unfinished_requests():
-    begun = time.perf_counter()
+    begun = clock()
     engine.step()
-    steps.append((time.perf_counter() - begun) * 1e3)
+    steps.append((clock() - begun) * 1e3)
 decode = sorted(steps[-16:])  # past the prefills: BATCH rows a step
 print(f"decode step at {options.batch} rows: median {decode[len(decode) // 2]:.1f} ms of the last {len(decode)}")

@@ -167,17 +167,23 @@ def test_tokenloom_env_reports_each_operators_path(capsys, monkeypatch, fresh_st
     assert info["amx_int8"].startswith("not used (")  # the avx2 build has no AMX path
 
 
-def test_tokenloom_env_says_whether_w8a8_takes_amx(capsys, monkeypatch, fresh_state):
+def test_tokenloom_env_says_whether_w8a8_and_int4_take_amx(capsys, monkeypatch, fresh_state):
     from tokenloom.kernels import w8a8_matmul
 
-    if cpu_native.load() is None:
+    ops = cpu_native.load()
+    if ops is None:
         pytest.skip("tokenloom's CPU kernels are switched off or did not build")
     assert cli_main(["env"]) == 0
     text = capsys.readouterr().out
     if not w8a8_matmul.amx_available():
         assert "AMX-INT8: not used (" in text
         return
-    assert f"AMX-INT8: w8a8_linear from {w8a8_matmul.AMX_MIN_ROWS} rows\n" in text
+    int4_rows = ops.quantized_amx_min_rows(4)
+    assert int4_rows > 0
+    assert (
+        f"AMX-INT8: w8a8_linear from {w8a8_matmul.AMX_MIN_ROWS} rows, "
+        f"int4_linear (and the 4-bit MoE experts) from {int4_rows} rows\n"
+    ) in text
     monkeypatch.setenv(w8a8_matmul.ENV_AMX, "0")
     assert cpu_native.status()["amx_int8"] == "off (TOKENLOOM_CPU_AMX=0)"
 

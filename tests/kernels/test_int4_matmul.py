@@ -228,3 +228,49 @@ def test_every_level_the_host_runs_gives_the_same_integers(rows):
             atol=1e-5 * exact.abs().max().item(),
             msg=lambda message, name=name: f"{name}: {message}",
         )
+
+
+def amx_rows() -> int:
+    """The row count from which the selected level's int4_linear takes AMX-INT8 here (0: never)."""
+    ops = cpu_native.load()
+    return int(ops.quantized_amx_min_rows(4)) if ops is not None else 0
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (80, 1536), (32, 8192)])
+def test_amx_tiles_give_the_vnni_tiles_bits(shape, dtype, monkeypatch):
+    """Where the avx512 build takes AMX-INT8 (from amx_rows() rows), every row gets exactly the
+    bits the VNNI tile gives it (TOKENLOOM_CPU_AMX=0): 1-40 rows around the threshold and 16- and
+    32-row tiles with their tails, 130 rows across the 128-row chunks; one block, an odd block
+    count, one group and 256 groups."""
+    threshold = amx_rows()
+    if not threshold:
+        pytest.skip("no AMX-INT8 path here: the CPU has no amx_int8, or not the avx512 level, or TOKENLOOM_CPU_AMX=0")
+    codes, scales, zeros = random_int4(*shape, 32, seed=shape[1])
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(130, shape[1], generator=torch.Generator().manual_seed(shape[0])).to(dtype)
+    for rows in [*range(1, 41), 130]:
+        monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
+        amx = int4_linear(x[:rows], weight)
+        monkeypatch.setenv("TOKENLOOM_CPU_AMX", "0")
+        vnni = int4_linear(x[:rows], weight)
+        assert amx.dtype == dtype and torch.equal(amx, vnni), f"{rows} rows: {(amx != vnni).nonzero()[:4].tolist()}"
+    assert threshold <= 40  # the loop crossed it
+
+
+@needs_native
+def test_cpu_amx_0_keeps_int4_linear_off_amx(monkeypatch):
+    """At every level: the 4-bit matmul takes AMX only in the avx512 build on a CPU with AMX-INT8
+    (where w8a8_linear takes it), and never under TOKENLOOM_CPU_AMX=0; no other bits have an AMX
+    path."""
+    ops = cpu_native.load()
+    monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
+    has_amx = bool(ops.w8a8_amx_available())
+    assert (ops.quantized_amx_min_rows(4) > 0) == has_amx
+    assert ops.quantized_amx_min_rows(6) == 0 and ops.quantized_amx_min_rows(8) == 0
+    for off in ("0", "off", "False", " no"):
+        monkeypatch.setenv("TOKENLOOM_CPU_AMX", off)
+        assert ops.quantized_amx_min_rows(4) == 0
+    monkeypatch.setenv("TOKENLOOM_CPU_AMX", "1")
+    assert (ops.quantized_amx_min_rows(4) > 0) == has_amx

@@ -377,7 +377,7 @@ def status() -> dict[str, Any]:
         "namespace": None,
         "build_directory": None,
         "problem": None,
-        "amx_int8": None,  # whether w8a8_linear takes AMX-INT8, and from how many rows
+        "amx_int8": None,  # whether w8a8_linear and int4_linear take AMX-INT8, and from how many rows
     }
     ops = None
     if not enabled():
@@ -404,14 +404,19 @@ def status() -> dict[str, Any]:
 
 
 def _amx_state(ops: Any, level: IsaLevel) -> str:
-    """Whether ``level``'s w8a8_linear takes its AMX-INT8 path here, and from how many rows."""
+    """Whether ``level``'s w8a8_linear and int4_linear take their AMX-INT8 paths here, and from
+    how many rows."""
     from tokenloom.kernels import w8a8_matmul
 
     if not (hasattr(ops, "w8a8_amx_available") and ops.w8a8_amx_available()):
         reason = "the CPU has no amx_int8" if "amx_int8" not in cpu_flags() else f"not in the {level.name} build"
         return f"not used ({reason})"
     rows = w8a8_matmul.amx_min_rows()
-    return f"w8a8_linear from {rows} rows" if rows else f"off ({w8a8_matmul.ENV_AMX}=0)"
+    if not rows:
+        return f"off ({w8a8_matmul.ENV_AMX}=0)"
+    # (the kernel reads TOKENLOOM_CPU_AMX itself at each call: 0 there too)
+    int4_rows = int(ops.quantized_amx_min_rows(4))
+    return f"w8a8_linear from {rows} rows, int4_linear (and the 4-bit MoE experts) from {int4_rows} rows"
 
 
 def report() -> list[str]:

@@ -24,6 +24,9 @@
 //   per pair), widened every step.
 //   AVX2 + AVX-VNNI (built with -mavxvnni where the host has it): 256-bit `vpdpbusd`, the 8-bit
 //   codes as AVX-512 takes them; the same integers.
+//   AMX-INT8 (inside the avx512 build, 4-bit weights, from kInt4AmxMinRows rows where the CPU has
+//   it; TOKENLOOM_CPU_AMX=0 keeps it off, cpu_amx.h): `tdpbsud` forms each group's integer sums
+//   for 16 or 32 rows x 2 blocks, then the VNNI tile's float operations: the same bits.
 //
 // Layout, for out_features N (a multiple of 16), in_features K, G = K / 32 groups: block b
 // (output rows 16b..16b+15) has G groups of bytes; its group g holds the codes in 8
@@ -51,6 +54,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
 #include "cpu_qlinear.h"
@@ -75,13 +79,14 @@ template <int kBits> constexpr int64_t kGroupBytes = kBits == 4 ? 320 : 576;
 
 // (buffers kept per calling thread: a decode step makes 120 calls, and three tensor allocations
 // a call cost a third of a millisecond a step; pointers taken in the calling thread: in the
-// worker threads these names are their own, empty, buffers)
+// worker threads these names are their own, empty, buffers. The codes run kAmxRowSlack rows past
+// the last: an AMX tile reads 16 or 32 rows whatever the rows left, and drops the extra results)
 inline QuantizedRows quantized_rows_buffers(int64_t M, int64_t K) {
   thread_local std::vector<int8_t> code_buffer;
   thread_local std::vector<float> scale_buffer, scaled_sum_buffer;
   thread_local std::vector<int32_t> code_sum_buffer;
   const int64_t groups = K / kGroup;
-  code_buffer.resize(M * K);
+  code_buffer.resize((M + kAmxRowSlack) * K);
   scale_buffer.resize(M * groups);
   scaled_sum_buffer.resize(M * groups);
   code_sum_buffer.resize(M * groups);
@@ -95,6 +100,9 @@ inline QuantizedRows quantized_rows_buffers(int64_t M, int64_t K) {
 constexpr int kMaxTileRows = 6;
 constexpr bool kBalancedTiles = true;  // see qlinear_rows
 constexpr int64_t kPrefetchGroups = 4;  // how far ahead of the tile the 4-bit weight stream is prefetched
+// rows from which the 4-bit matmul takes AMX where the CPU has it: from 16 rows AMX was 1.15-1.4x
+// the VNNI tile on 1.7B shapes (one thread), at 8 rows 0.8x (an A tile of 16 rows half padding)
+constexpr int64_t kInt4AmxMinRows = 16;
 
 inline __m512 load16(const c10::BFloat16* src) { return load_bf16x16(src, 0xFFFF); }
 inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
@@ -207,6 +215,129 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
   for (int r = 0; r < kRows; ++r)
     for (int b = 0; b < kBlocks; ++b) store16(out + (m0 + r) * N + (b0 + b) * kBlockRows, acc[r][b]);
 }
+
+#if defined(TOKENLOOM_AMX_BUILD)
+
+// AMX-INT8, for many rows (from kInt4AmxMinRows, where the CPU has it): a block's group of 4-bit
+// codes, unpacked from its nibbles, is exactly an AMX B tile of 8 rows x 64 bytes (row t: step t,
+// 16 outputs x 4 features), and 16 rows' activation codes of the group an A tile of 16 rows x 32
+// bytes (read in place: x.codes, stride K; the buffer has kAmxRowSlack rows past the last, whose
+// results are dropped). `tdpbsud` (signed activations x unsigned codes) forms the int32 sums the
+// VNNI tile forms; they are stored kAmxGroups groups at a time, then scaled into each output's
+// float accumulator with the VNNI tile's operations in its order, so a row gets the bits the VNNI
+// tile gives it (tested). The gain is bounded by that scaling: every 32 features each int32 tile
+// is stored and read back, and its 16 rows take the four vector operations per 16 outputs the
+// VNNI tile also takes; the tile's integer products are what AMX saves (8 `vpdpbusd` per row and
+// 16 outputs). Tried and measured no faster: A tiles repacked contiguous, runs of groups formed
+// while the previous run is scaled, one group's B tiles shared by 128 rows.
+constexpr int64_t kAmxTileRows = 16;  // rows of an A tile
+// groups whose int32 tiles are formed before they are scaled: 1 and 2 measured alike, 4 a little
+// and 8 much slower (256 rows x [2048 -> 8192], one thread)
+constexpr int64_t kAmxGroups = 2;
+
+// tiles 0-3: int32 sums [16 rows, 16 outputs] (row tile i's block b: 2 i + b); 4-5: activation
+// codes [16 rows, 32 features]; 6-7: a block's codes [8 steps, 16 outputs x 4 features]
+__attribute__((target("amx-tile"))) inline void int4_amx_configure() {
+  static constexpr uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 8, 8};
+  static constexpr uint16_t colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
+  amx_configure(rows, colsb);
+}
+
+// rows [m0, m0 + rows) (at most 16 kRowTiles; the tiles read 16 kRowTiles) times kBlocks blocks
+// from b0 (even): out[m0.., 16 b0..]
+template <typename out_t, int kRowTiles, int kBlocks>
+__attribute__((target("amx-tile,amx-int8"))) void int4_amx_tile(const QuantizedRows& x, const uint8_t* weight,
+                                                                 out_t* out, int64_t m0, int64_t rows, int64_t b0,
+                                                                 int64_t N, int64_t K) {
+  constexpr int64_t kWidth = kBlocks * kBlockRows;
+  constexpr int64_t kTileRows = kRowTiles * kAmxTileRows;
+  const int64_t groups = x.groups;
+  const uint8_t* pair_start = weight + b0 * groups * kGroupBytes<4>;
+  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+  alignas(64) int32_t sums[kAmxGroups][kTileRows][kWidth];
+  alignas(64) uint8_t codes[kBlocks][8 * 64];
+  alignas(64) float acc[kTileRows][kWidth];
+  __m512 d[kAmxGroups][kBlocks], m[kAmxGroups][kBlocks];
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int b = 0; b < kBlocks; ++b) _mm512_store_ps(acc[r] + b * kBlockRows, _mm512_setzero_ps());
+  const int8_t* a0 = x.codes + m0 * K;
+  for (int64_t g0 = 0; g0 < groups; g0 += kAmxGroups) {
+    const int64_t chunk = std::min(kAmxGroups, groups - g0);
+    for (int64_t gi = 0; gi < chunk; ++gi) {
+      const int64_t g = g0 + gi;
+      for (int b = 0; b < kBlocks; ++b) {
+        const uint8_t* group = pair_start + (g * width + b) * kGroupBytes<4>;
+        for (int t = 0; t < 4; ++t) {  // 64 bytes t: step 2t in the low nibbles, 2t+1 in the high
+          const __m512i bytes = _mm512_loadu_si512(group + t * 64);
+          _mm512_store_si512(codes[b] + 2 * t * 64, _mm512_and_si512(bytes, low_nibbles));
+          _mm512_store_si512(codes[b] + (2 * t + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles));
+        }
+        d[gi][b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4>)));
+        m[gi][b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4> + 32)));
+      }
+      // (the tile instructions are asm statements without a memory clobber: fence the compiler's
+      // own reads and writes around them)
+      asm volatile("" ::: "memory");
+      _tile_loadd(6, codes[0], 64);
+      if constexpr (kBlocks == 2) _tile_loadd(7, codes[1], 64);
+      _tile_loadd(4, a0 + g * kGroup, K);
+      _tile_zero(0);
+      _tile_dpbsud(0, 4, 6);
+      if constexpr (kBlocks == 2) {
+        _tile_zero(1);
+        _tile_dpbsud(1, 4, 7);
+      }
+      if constexpr (kRowTiles == 2) {
+        _tile_loadd(5, a0 + kAmxTileRows * K + g * kGroup, K);
+        _tile_zero(2);
+        _tile_dpbsud(2, 5, 6);
+        if constexpr (kBlocks == 2) {
+          _tile_zero(3);
+          _tile_dpbsud(3, 5, 7);
+        }
+      }
+      constexpr int64_t stride = kWidth * sizeof(int32_t);
+      _tile_stored(0, sums[gi][0], stride);
+      if constexpr (kBlocks == 2) _tile_stored(1, sums[gi][0] + kBlockRows, stride);
+      if constexpr (kRowTiles == 2) {
+        _tile_stored(2, sums[gi][kAmxTileRows], stride);
+        if constexpr (kBlocks == 2) _tile_stored(3, sums[gi][kAmxTileRows] + kBlockRows, stride);
+      }
+      asm volatile("" ::: "memory");
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t index = (m0 + r) * groups + g0;
+      for (int b = 0; b < kBlocks; ++b) {
+        __m512 total = _mm512_load_ps(acc[r] + b * kBlockRows);
+        for (int64_t gi = 0; gi < chunk; ++gi) {
+          const __m512 group_sums = _mm512_cvtepi32_ps(_mm512_load_si512(sums[gi][r] + b * kBlockRows));
+          total = _mm512_fmadd_ps(group_sums, _mm512_mul_ps(d[gi][b], _mm512_set1_ps(x.scales[index + gi])), total);
+          total = _mm512_fmadd_ps(m[gi][b], _mm512_set1_ps(x.scaled_sums[index + gi]), total);
+        }
+        _mm512_store_ps(acc[r] + b * kBlockRows, total);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int b = 0; b < kBlocks; ++b) store16(out + (m0 + r) * N + (b0 + b) * kBlockRows, _mm512_load_ps(acc[r] + b * kBlockRows));
+}
+
+// rows [m_begin, m_end) times blocks [b0, b0 + kBlocks), tiles of 32 rows and a last of 16 or 32;
+// the calling thread's tiles configured by int4_amx_configure
+template <typename out_t, int kBlocks>
+void int4_amx_rows(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m_begin, int64_t m_end,
+                   int64_t b0, int64_t N, int64_t K) {
+  for (int64_t m = m_begin; m < m_end; m += 2 * kAmxTileRows) {
+    const int64_t rows = std::min(m_end - m, 2 * kAmxTileRows);
+    if (rows > kAmxTileRows)
+      int4_amx_tile<out_t, 2, kBlocks>(x, weight, out, m, rows, b0, N, K);
+    else
+      int4_amx_tile<out_t, 1, kBlocks>(x, weight, out, m, rows, b0, N, K);
+  }
+}
+
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -480,9 +611,40 @@ void qlinear_rows(const QuantizedRows& x, const uint8_t* weight, out_t* out, int
   }
 }
 
+// the row count from which the 4-bit matmul takes AMX in this call, 0 for never (no AMX here, or
+// TOKENLOOM_CPU_AMX=0)
+int64_t int4_amx_min_rows() {
+#if defined(TOKENLOOM_AMX_BUILD)
+  if (amx_enabled()) return kInt4AmxMinRows;
+#endif
+  return 0;
+}
+
 template <int kBits, typename in_t, typename out_t>
 void qlinear(const in_t* x, const uint8_t* weight, out_t* out, int64_t M, int64_t N, int64_t K) {
   const QuantizedRows rows = quantize_activations(x, M, K);
+#if defined(TOKENLOOM_AMX_BUILD)
+  if constexpr (kBits == 4) {
+    const int64_t amx_rows = int4_amx_min_rows();
+    if (amx_rows > 0 && M >= amx_rows) {
+      const int64_t blocks = N / kBlockRows;
+      at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+        int4_amx_configure();  // tile state is per thread
+        for (int64_t m = 0; m < M; m += kRowChunk) {
+          const int64_t m_end = std::min(M, m + kRowChunk);
+          for (int64_t pair = begin; pair < end; ++pair) {
+            if (2 * pair + 1 < blocks)
+              int4_amx_rows<out_t, 2>(rows, weight, out, m, m_end, 2 * pair, N, K);
+            else
+              int4_amx_rows<out_t, 1>(rows, weight, out, m, m_end, 2 * pair, N, K);
+          }
+        }
+        amx_release();
+      });
+      return;
+    }
+  }
+#endif
   for_each_tile(M, N, [&](int64_t m, int64_t m_end, int64_t b0, int width) {
     if (width == 2)
       qlinear_rows<kBits, out_t, 2>(rows, weight, out, m, m_end, b0, N, K);
@@ -524,6 +686,18 @@ QuantizedRows int4_quantize_rows(const float* x, int64_t M, int64_t K) { return 
 
 void int4_rows_times_block_pair(const QuantizedRows& x, const uint8_t* weight, float* out, int64_t m_begin,
                                 int64_t m_end, int64_t b0, int64_t N, int64_t K) {
+#if defined(TOKENLOOM_AMX_BUILD)
+  const int64_t amx_rows = int4_amx_min_rows();
+  if (amx_rows > 0 && m_end - m_begin >= amx_rows) {
+    int4_amx_configure();
+    if (b0 + 1 < N / kBlockRows)
+      int4_amx_rows<float, 2>(x, weight, out, m_begin, m_end, b0, N, K);
+    else
+      int4_amx_rows<float, 1>(x, weight, out, m_begin, m_end, b0, N, K);
+    amx_release();
+    return;
+  }
+#endif
   if (b0 + 1 < N / kBlockRows)
     qlinear_rows<4, float, 2>(x, weight, out, m_begin, m_end, b0, N, K);
   else
@@ -538,11 +712,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight) {
   return qlinear_op<8>("int8_linear", x, weight, true);
 }
 
+// the row count from which the `bits`-bit matmul (4: int4_linear and the MoE experts' 4-bit tile)
+// takes AMX-INT8 in this process, 0 for never (no AMX in this build or CPU, TOKENLOOM_CPU_AMX=0,
+// or no AMX path for those bits)
+int64_t quantized_amx_min_rows(int64_t bits) { return bits == 4 ? int4_amx_min_rows() : 0; }
+
 }  // namespace TOKENLOOM_CPU_NAMESPACE
 
 TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def("int4_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight) -> Tensor");
+  // no tensor argument to dispatch on: one kernel for every dispatch key
+  m.def("quantized_amx_min_rows(int bits) -> int", &TOKENLOOM_CPU_NAMESPACE::quantized_amx_min_rows);
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {

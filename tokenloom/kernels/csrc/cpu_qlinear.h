@@ -18,6 +18,7 @@ namespace TOKENLOOM_CPU_NAMESPACE {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;  // output rows per block
 constexpr int64_t kRowChunk = 128;  // activation rows per pass over the blocks (kept in L2)
+constexpr int64_t kAmxRowSlack = 32;  // allocated activation code rows past the last (read by AMX tiles)
 
 // rows of x quantized per group of 32: codes [M, K]; per row and group the scale s, the sum of
 // the codes S, and s * S

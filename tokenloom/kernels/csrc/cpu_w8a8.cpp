@@ -40,6 +40,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "cpu_namespace.h"
 
@@ -53,14 +54,6 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__x86_64__) && defined(__linux__) && \
-    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
-#define TOKENLOOM_W8A8_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace TOKENLOOM_CPU_NAMESPACE {
@@ -441,45 +434,14 @@ void vector_linear(const in_t* x, const PackedWeight& w, out_t* out, int64_t M, 
   });
 }
 
-#if defined(TOKENLOOM_W8A8_AMX)
-
-constexpr int kXfeatureTileData = 18;  // XFEATURE_XTILEDATA
-constexpr int kArchReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
-
-// whether this CPU has AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25) and Linux lets this
-// process use the tile registers (asked once per process: a thread's first tile instruction
-// without the permission is a SIGILL)
-bool amx_usable() {
-  static const bool usable = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return usable;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#if defined(TOKENLOOM_AMX_BUILD)
 
 // tiles 0-3: int32 results [16 rows, 16 channels]; 4-5: activation codes [16 rows, 64 features];
 // 6-7: weight steps [16 steps, 16 channels x 4 features]: every tile 16 rows of 64 bytes
-__attribute__((target("amx-tile,amx-int8"))) inline void amx_configure() {
-  TileConfig config{};
-  config.palette_id = 1;
-  for (int tile = 0; tile < 8; ++tile) {
-    config.rows[tile] = 16;
-    config.colsb[tile] = 64;
-  }
-  // (ldtilecfg is an asm statement that tells the compiler it reads 8 bytes of the config: make
-  // all 64 bytes be stored first)
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+inline void configure_tiles() {
+  static constexpr uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  static constexpr uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+  amx_configure(rows, colsb);
 }
 
 // 16 kRowTiles rows from m0 times 16 kBlocks channels from block b0: int32 tiles, stored to
@@ -522,8 +484,6 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_microkernel(const Quantize
   asm volatile("" ::: "memory");
 }
 
-__attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
-
 template <typename in_t, typename out_t>
 void amx_linear(const in_t* x, const PackedWeight& w, out_t* out, int64_t M, int64_t K) {
   const int64_t padded_rows = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
@@ -531,7 +491,7 @@ void amx_linear(const in_t* x, const PackedWeight& w, out_t* out, int64_t M, int
   const int64_t blocks = (w.N + kBlock - 1) / kBlock;
   const int64_t pairs = (blocks + 1) / 2;  // the packed N is a multiple of 32: a pair's second block exists
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    amx_configure();  // tile state is per thread
+    configure_tiles();  // tile state is per thread
     alignas(64) int32_t results[2 * kAmxRows * 2 * kBlock];
     for (int64_t m = 0; m < padded_rows; m += kRowChunk) {
       const int64_t m_end = std::min(padded_rows, m + kRowChunk);
@@ -555,15 +515,11 @@ void amx_linear(const in_t* x, const PackedWeight& w, out_t* out, int64_t M, int
   });
 }
 
-#else
-
-inline bool amx_usable() { return false; }
-
 #endif
 
 template <typename in_t, typename out_t>
 void linear(const in_t* x, const PackedWeight& w, out_t* out, int64_t M, int64_t K, int64_t amx_min_rows) {
-#if defined(TOKENLOOM_W8A8_AMX)
+#if defined(TOKENLOOM_AMX_BUILD)
   if (amx_min_rows > 0 && M >= amx_min_rows && amx_usable()) return amx_linear(x, w, out, M, K);
 #endif
   (void)amx_min_rows;
@@ -614,7 +570,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 // whether w8a8_linear can take its AMX-INT8 path in this process (this build, CPU and kernel)
-bool w8a8_amx_available() { return w8a8::amx_usable(); }
+bool w8a8_amx_available() { return amx_usable(); }
 
 }  // namespace TOKENLOOM_CPU_NAMESPACE
 
