@@ -215,6 +215,26 @@ def test_fast_backend_bfloat16_close_to_reference(specs, window, backend_class):
     torch.testing.assert_close(output.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("backend_class", FAST_BACKENDS)
+def test_causal_prompts_share_one_scores_buffer_with_the_bits_of_a_fresh_one(backend_class):
+    # prompts on the two-matmul path (64-384 tokens), the longest first and a shorter after it:
+    # the second reuses the first's buffer, and a later step finds the same buffer again
+    specs = [(0, 100), (0, 70), (3, 1)]
+    _, kv_cache, metadata, (query, key, value) = make_step(specs, 8, 2, 16, torch.bfloat16, 5, num_blocks=64)
+    backend = backend_class()
+    output = backend.forward(query, key, value, kv_cache, metadata, scale=0.25)
+    buffer = backend._scores
+    assert buffer is not None and buffer.numel() == 8 * 100 * 100 and buffer.dtype == torch.bfloat16
+    start = 0
+    for _, query_len in specs[:2]:
+        tokens = slice(start, start + query_len)
+        alone = paged_attention._causal_attention_bmm(query[tokens], key[tokens], value[tokens], 0.25)
+        assert torch.equal(output[tokens], alone)
+        start += query_len
+    again = backend.forward(query, key, value, kv_cache, metadata, scale=0.25)
+    assert backend._scores is buffer and torch.equal(again, output)
+
+
 @at_the_host_level()
 def test_plan_is_reused_per_step_and_per_window():
     _, kv_cache, metadata, (query, key, value) = make_step(MIXED_BATCHES[0], 4, 2, 8, torch.float32, 4)

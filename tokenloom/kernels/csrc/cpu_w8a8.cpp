@@ -27,7 +27,8 @@
 //   AMX-INT8 (inside the avx512 build, chosen at run time for many rows where the CPU has it):
 //     `tdpbssd` on the signed codes, 32 rows x 32 channels per microkernel, four int32 tiles.
 //     Its functions carry target("amx-tile,amx-int8") so the library still loads on an AVX-512
-//     CPU without AMX (AMD EPYC), where they are never called.
+//     CPU without AMX (AMD EPYC), where they are never called. A call of 32 rows asks the next
+//     pair of blocks into L2 as it goes (a decode step's tiles otherwise waited on memory).
 //
 // Tiles (the vector levels): up to kMaxRows activation rows x kTileBlocks blocks, int32
 // accumulators in registers over the whole K, the weight stream read once per tile. One row (a
@@ -445,10 +446,14 @@ inline void configure_tiles() {
 }
 
 // 16 kRowTiles rows from m0 times 16 kBlocks channels from block b0: int32 tiles, stored to
-// results [kRowTiles * 16, kBlocks * 16]
+// results [kRowTiles * 16, kBlocks * 16]. `next` (or nullptr): the kBlocks blocks the caller
+// works on next, asked into L2 a step's worth of lines per step, so that their tile loads do not
+// wait on memory: a pair of blocks is one microkernel call for up to 32 rows (a decode step),
+// and without it each call's first loads found its weights in memory and the tiles waited.
 template <int kRowTiles, int kBlocks>
 __attribute__((target("amx-tile,amx-int8"))) void amx_microkernel(const QuantizedTokens& x, const PackedWeight& w,
-                                                                  int64_t m0, int64_t b0, int32_t* results) {
+                                                                  int64_t m0, int64_t b0, int32_t* results,
+                                                                  const uint8_t* next) {
   asm volatile("" ::: "memory");
   _tile_zero(0);
   if constexpr (kBlocks == 2) _tile_zero(1);
@@ -460,6 +465,12 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_microkernel(const Quantize
   const uint8_t* w0 = w.codes + b0 * block_bytes;
   const uint8_t* w1 = w0 + block_bytes;
   for (int64_t k = 0; k < w.K_padded; k += 64) {
+    if (next != nullptr) {
+      // the same 1 KiB of each next block as this step reads of its own (16 steps x 64 bytes)
+      for (int b = 0; b < kBlocks; ++b)
+        for (int64_t line = 0; line < kBlock * kStepBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + b * block_bytes + k * kBlock + line), _MM_HINT_T1);
+    }
     _tile_loadd(4, a0 + k, x.stride);
     _tile_loadd(6, w0 + k * kBlock, 64);
     _tile_dpbssd(0, 4, 6);
@@ -497,12 +508,17 @@ void amx_linear(const in_t* x, const PackedWeight& w, out_t* out, int64_t M, int
       const int64_t m_end = std::min(padded_rows, m + kRowChunk);
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t b0 = 2 * pair;
+        // the thread's next pair comes in while this one's first rows are worked on (later rows
+        // and chunks find this pair in the caches); not under one row tile (8-16 rows), whose
+        // two tdpbssd a step left the prefetches no time to pay for themselves (3% slower)
+        const uint8_t* next_pair = pair + 1 < end ? w.codes + (b0 + 2) * w.K_padded * kBlock : nullptr;
         for (int64_t m0 = m; m0 < m_end; m0 += 2 * kAmxRows) {
           const bool two_rows = m0 + kAmxRows < m_end;
+          const uint8_t* next = m0 == m && two_rows ? next_pair : nullptr;
           if (two_rows)
-            amx_microkernel<2, 2>(tokens, w, m0, b0, results);
+            amx_microkernel<2, 2>(tokens, w, m0, b0, results, next);
           else
-            amx_microkernel<1, 2>(tokens, w, m0, b0, results);
+            amx_microkernel<1, 2>(tokens, w, m0, b0, results, next);
           const int64_t rows = std::min<int64_t>(M - m0, two_rows ? 2 * kAmxRows : kAmxRows);
           for (int64_t r = 0; r < rows; ++r)
             for (int b = 0; b < 2; ++b)
