@@ -268,13 +268,21 @@ class Zygote:
 
 
 _zygote: Zygote | None = None
-# pytest's own per-test variable: nothing reads it at import, and a forked server gets the value
-# of the test that asked for it
-PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
+# variables no preloaded module reads when imported, so a forked server, which gets the value of
+# the environment it was asked for, is the server a cold start would give: pytest's per-test
+# variable, and what a test's `ray.init` leaves in the test process (its client mode and
+# breakpoint hook; Ray is not preloaded), which had made every later server of that test process
+# start cold
+IGNORED_VARIABLES = ("PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT")
+IGNORED_PREFIXES = ("RAY_",)
 
 
 def _lasting(env: Mapping[str, str]) -> dict[str, str]:
-    return {name: value for name, value in env.items() if name not in PER_TEST_VARIABLES}
+    return {
+        name: value
+        for name, value in env.items()
+        if name not in IGNORED_VARIABLES and not name.startswith(IGNORED_PREFIXES)
+    }
 
 
 # the test process's environment before any test changed it: the zygote starts only from a
