@@ -25,6 +25,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port that is free together with the one after it (``--master-port`` and the nodes'
+    control port, ``--master-port + 1``): a free port's neighbour may be any other test's."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port + 1 >= 65535:  # the control port must itself leave room (--master-port checks it)
+                continue
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
 class RunningServer:
     def __init__(self, process: ForkedServer | subprocess.Popen, base_url: str, log_path: str):
         self.process = process

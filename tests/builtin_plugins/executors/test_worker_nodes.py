@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, free_port, start_server, stop_server
+from tests.e2e.conftest import REPO_ROOT, free_port, free_port_pair, start_server, stop_server
 from tokenloom.api.serve_args import parse_serve_args
 from tokenloom.builtin_plugins.executors.worker_host import WorkerLaunch
 from tokenloom.builtin_plugins.executors.worker_nodes import WorkerHello, accept_node_workers
@@ -91,7 +91,9 @@ def test_a_node_without_the_shared_secret_is_refused_before_it_starts_anything(t
 
 def test_node_0_takes_only_authenticated_workers_it_waits_for_and_sends_each_its_launch(monkeypatch):
     monkeypatch.setenv(NODE_AUTHKEY_ENV, SECRET)
-    config = EngineArgs(model="m", tensor_parallel_size=2, nnodes=2, master_port=free_port()).create_engine_config()
+    config = EngineArgs(
+        model="m", tensor_parallel_size=2, nnodes=2, master_port=free_port_pair()
+    ).create_engine_config()
     launch = WorkerLaunch(spec=None, rank=1, init_method="tcp://127.0.0.1:1", distributed_backend="gloo")
     accepted = []
     listening = threading.Thread(target=lambda: accepted.append(accept_node_workers(config, [launch], timeout=60)))
@@ -125,7 +127,9 @@ def test_node_0_takes_only_authenticated_workers_it_waits_for_and_sends_each_its
 
 def test_node_0_gives_up_on_workers_that_never_connect_naming_them(monkeypatch):
     monkeypatch.setenv(NODE_AUTHKEY_ENV, SECRET)
-    config = EngineArgs(model="m", tensor_parallel_size=2, nnodes=2, master_port=free_port()).create_engine_config()
+    config = EngineArgs(
+        model="m", tensor_parallel_size=2, nnodes=2, master_port=free_port_pair()
+    ).create_engine_config()
     launch = WorkerLaunch(spec=None, rank=1, init_method="tcp://127.0.0.1:1", distributed_backend="gloo")
     with pytest.raises(EngineDeadError, match=r"workers 1 of the other nodes did not connect .* within 1s"):
         accept_node_workers(config, [launch], timeout=1)
@@ -142,9 +146,7 @@ def two_nodes(tiny_llama_dir, tmp_path_factory):
     expected = [output.outputs[0].token_ids for output in uni.generate(PROMPTS, _greedy())]
     uni.engine.shutdown()
     logs = tmp_path_factory.mktemp("nodes")
-    master_port = free_port()
-    while master_port + 1 == 65535:  # the control port is the one after it
-        master_port = free_port()
+    master_port = free_port_pair()  # the control port is the one after it
     common = [tiny_llama_dir, "-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
     common += ["--master-port", str(master_port), "--dtype", "float32", "--served-model-name", "tiny"]
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
