@@ -230,25 +230,10 @@ def qwen2_with_biases(directory, tokenizer, smollm2_gguf) -> list[Reference]:
 
 
 def gemma3_with_one_kv_head(directory, tokenizer, smollm2_gguf) -> list[Reference]:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from helpers.tiny_gemma3 import tiny_gemma3_config
+    from transformers import Gemma3ForCausalLM
 
-    gemma3 = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        query_pre_attn_scalar=32,
-        sliding_window=8,
-        final_logit_softcapping=30.0,
-        max_position_embeddings=256,
-        layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=0,
-    )
+    gemma3 = tiny_gemma3_config(tokenizer, num_key_value_heads=1, final_logit_softcapping=30.0)
     return [Reference(save_tiny_model(directory, tokenizer, Gemma3ForCausalLM, gemma3, 5), GREEDY, dtype="float32")]
 
 

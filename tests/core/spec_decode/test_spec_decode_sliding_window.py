@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.model_parity import randomize_parameters
+from helpers.tiny_gemma3 import tiny_gemma3_config
 
 from tests.core.spec_decode.test_spec_decode_engine import NGRAM, PROMPTS, PROPOSERS, greedy, token_ids
 from tokenloom import LLM
@@ -19,30 +20,14 @@ WINDOW = 8
 
 @pytest.fixture(scope="module")
 def tiny_gemma3_dir(tmp_path_factory, smollm2_gguf):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM
 
     from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
     directory = tmp_path_factory.mktemp("tiny-gemma3-spec")
     tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
     tokenizer.save_pretrained(directory)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        query_pre_attn_scalar=32,
-        sliding_window=WINDOW,
-        final_logit_softcapping=30.0,
-        max_position_embeddings=256,
-        layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=0,
-    )
+    config = tiny_gemma3_config(tokenizer, sliding_window=WINDOW, num_key_value_heads=1, final_logit_softcapping=30.0)
     # weights large enough that greedy decoding does not repeat one token and attention depends
     # on position (so a window applied wrongly changes the tokens)
     model = randomize_parameters(Gemma3ForCausalLM(config).eval(), seed=0)

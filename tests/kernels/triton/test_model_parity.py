@@ -29,29 +29,15 @@ MAX_TOKENS = 8
 def tiny_gemma3_dir(tmp_path_factory, smollm2_gguf):
     """A tiny random Gemma 3 text model (window of 8 tokens, shorter than the prompts; head size
     32) saved as safetensors with SmolLM2's tokenizer."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from helpers.tiny_gemma3 import tiny_gemma3_config
+    from transformers import Gemma3ForCausalLM
 
     from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
     directory = tmp_path_factory.mktemp("tiny-gemma3")
     tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
     tokenizer.save_pretrained(directory)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=32,
-        sliding_window=8,
-        max_position_embeddings=256,
-        layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=0,
-    )
+    config = tiny_gemma3_config(tokenizer)
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config).eval()
     perturb_parameters(model)  # zero-initialised norm weights would hide a mis-applied norm
