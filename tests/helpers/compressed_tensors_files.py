@@ -28,24 +28,14 @@ def write_random_llama(directory: Path, smollm2_gguf: str) -> str:
     """A tiny random Llama wide enough for groups of 128 (hidden 128, 2 layers), weights large
     enough that greedy decoding is not degenerate, with SmolLM2's tokenizer (and chat template)."""
     from helpers.model_parity import randomize_parameters
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers.tiny_llama import tiny_llama_config
+    from transformers import LlamaForCausalLM
 
     from tokenloom.builtin_plugins.loaders.gguf_format import GGUFLoadFormat
 
     tokenizer = GGUFLoadFormat().load_tokenizer(smollm2_gguf, None)
     tokenizer.save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
+    config = tiny_llama_config(tokenizer, hidden_size=128, intermediate_size=256)
     torch.manual_seed(0)
     randomize_parameters(LlamaForCausalLM(config).eval()).save_pretrained(directory)
     return str(directory)
