@@ -394,6 +394,7 @@ def build_model(
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"the files at {info.path} have no weights for {shown}")
+    platform.finish_loading(model)
     loading = time.perf_counter() - built
     logger.info(
         "model %s built in %.2fs, weights loaded in %.2fs: reading the checkpoint %.2fs, placing and "

@@ -127,6 +127,11 @@ class Platform:
         ``verify_row_cost``. By default 0.1: a step reads its weights once for all its rows."""
         return 0.1
 
+    def finish_loading(self, model: Any) -> None:
+        """Called once in the worker when ``model``'s weights are loaded and packed, before the
+        KV cache is sized: the place to settle where they live (the CPU platform moves their
+        pages onto huge pages). By default nothing."""
+
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A zero-filled tensor on this device (the KV cache is allocated with it)."""
         import torch

@@ -1,0 +1,61 @@
+"""kernels/huge_pages.py: a model's large tensors found wherever a layer keeps them, and moved
+onto huge pages in place with their contents unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tokenloom.kernels import huge_pages
+
+
+@dataclasses.dataclass
+class Packed:
+    packed: torch.Tensor
+    out_features: int
+
+
+def anon_huge_kib(start: int, end: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [start, end)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                low, high = (int(part, 16) for part in fields[0].split("-"))
+                inside = low < end and high > start
+            elif inside and fields[0] == "AnonHugePages:":
+                total += int(fields[1])
+    return total
+
+
+def test_module_tensors_reach_parameters_buffers_and_packed_weights():
+    layer = torch.nn.Linear(4, 4)
+    layer.register_buffer("table", torch.zeros(3))
+    packed = Packed(torch.ones(8, dtype=torch.uint8), 16)
+    segment = Packed(torch.full((2,), 7, dtype=torch.uint8), 16)
+    layer.int4_weight = packed
+    layer.native_segments = [segment, None]
+    model = torch.nn.Sequential(layer)
+    found = {id(tensor) for tensor in huge_pages.module_tensors(model)}
+    expected = {layer.weight, layer.bias, layer.table, packed.packed, segment.packed}
+    assert {id(tensor) for tensor in expected} <= found
+
+
+@pytest.mark.skipif(huge_pages._madvise() is None, reason="no transparent huge pages here")
+def test_collapse_moves_a_tensor_onto_huge_pages_unchanged():
+    tensor = torch.randint(0, 255, (12 * 2**20,), dtype=torch.uint8)  # 12 MiB, written: 4 KiB pages
+    expected = tensor.clone()
+    start = tensor.data_ptr()
+    end = start + tensor.numel()
+    before = anon_huge_kib(start, end)
+    collapsed = huge_pages.collapse([tensor, tensor[: 2**20]])  # a view of the same storage: once
+    if collapsed == 0:
+        pytest.skip("this kernel refused MADV_COLLAPSE (older than 6.1, or no memory to compact)")
+    assert collapsed % huge_pages.HUGE_PAGE_BYTES == 0 and 8 * 2**20 <= collapsed <= 12 * 2**20
+    assert anon_huge_kib(start, end) - before >= collapsed // 1024
+    assert torch.equal(tensor, expected)
+    # too small for an aligned 2 MiB stretch: nothing to do
+    assert huge_pages.collapse([torch.zeros(1000)]) == 0
