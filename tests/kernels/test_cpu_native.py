@@ -165,6 +165,7 @@ def test_tokenloom_env_reports_each_operators_path(capsys, monkeypatch, fresh_st
     assert info["level"] == "avx2" and info["forced"] and info["namespace"] == "tokenloom_cpu_avx2"
     assert set(info["operators"].values()) == {"avx2"} and "avx2" in info["levels"]
     assert info["amx_int8"].startswith("not used (")  # the avx2 build has no AMX path
+    assert info["amx_bf16"] == "not used (not in the avx2 build)"
 
 
 def test_tokenloom_env_says_whether_w8a8_and_int4_take_amx(capsys, monkeypatch, fresh_state):
@@ -186,6 +187,21 @@ def test_tokenloom_env_says_whether_w8a8_and_int4_take_amx(capsys, monkeypatch, 
     ) in text
     monkeypatch.setenv(w8a8_matmul.ENV_AMX, "0")
     assert cpu_native.status()["amx_int8"] == "off (TOKENLOOM_CPU_AMX=0)"
+
+
+def test_tokenloom_env_says_whether_the_bf16_prompt_kernels_run(capsys, monkeypatch, fresh_state):
+    ops = cpu_native.load()
+    if ops is None:
+        pytest.skip("tokenloom's CPU kernels are switched off or did not build")
+    monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
+    assert cli_main(["env"]) == 0
+    text = capsys.readouterr().out
+    if not ops.bf16_amx_available():
+        assert "AMX-BF16: not used (" in text
+        return
+    assert "AMX-BF16: int4_linear_bf16, int5_linear_bf16 and int6_linear_bf16 available (prompt rows)\n" in text
+    monkeypatch.setenv("TOKENLOOM_CPU_AMX", "0")
+    assert cpu_native.status()["amx_bf16"] == "off (TOKENLOOM_CPU_AMX=0)"
 
 
 def test_tokenloom_env_shows_the_torch_paths_when_the_kernels_are_missing(capsys, monkeypatch, fresh_state):

@@ -13,9 +13,11 @@ from helpers.isa_levels import at_the_host_level
 from tokenloom.kernels import cpu_native, int4_matmul
 from tokenloom.kernels.int4_matmul import (
     INT4_MAX_ROWS,
+    bf16_amx_available,
     can_pack,
     dequantize_int4,
     int4_linear,
+    int4_linear_bf16,
     pack_int4,
     prefers_int4,
     quantize_activations,
@@ -274,3 +276,116 @@ def test_cpu_amx_0_keeps_int4_linear_off_amx(monkeypatch):
         assert ops.quantized_amx_min_rows(4) == 0
     monkeypatch.setenv("TOKENLOOM_CPU_AMX", "1")
     assert (ops.quantized_amx_min_rows(4) > 0) == has_amx
+
+
+# -- the AMX-BF16 prompt path (int4_linear_bf16, csrc/cpu_amx_bf16.h) --------------------------
+
+
+@pytest.fixture
+def bf16_amx(monkeypatch):
+    """The test needs the AMX-BF16 kernels at this level (the avx512 build on a CPU with AMX-BF16)."""
+    monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
+    if not bf16_amx_available():
+        pytest.skip("no AMX-BF16 path here: not the avx512 level, or the CPU has no amx_bf16 / avx512_bf16")
+
+
+def bfloat16_weight(codes, scales, zeros) -> torch.Tensor:
+    """The weight int4_linear_bf16 multiplies: bf16(d * code + m), d and m the packed float16 pair."""
+    out_features, in_features = codes.shape
+    d = scales.float().half().float()
+    m = (zeros.float() - 8 * scales.float()).half().float()
+    grouped = codes.float().view(out_features, -1, 32) * d.unsqueeze(-1) + m.unsqueeze(-1)
+    return grouped.view(out_features, in_features).to(torch.bfloat16)
+
+
+def assert_close_to_float32_sums(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, rounding: float) -> None:
+    """``out`` within float32 summation error of the float64 product of bfloat16 ``x`` and
+    ``dense`` (the products are exact), plus ``rounding`` times the product (the output's own
+    rounding: bfloat16's half ulp is at most 2^-8 of the value)."""
+    exact = x.double() @ dense.double().T
+    magnitude = x.double().abs() @ dense.double().abs().T
+    bound = rounding * exact.abs() + 2 * x.shape[1] * 2.0**-24 * magnitude
+    excess = (out.double() - exact).abs() - bound
+    assert excess.max().item() <= 0, f"worst at {divmod(excess.argmax().item(), out.shape[1])}"
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (80, 1536), (32, 8192)])
+def test_bf16_prompt_path_is_the_bfloat16_weight_times_the_rows(shape, bf16_amx):
+    """One block, odd block counts (3, 5), 1-256 groups; rows 1, 15 and 16 (one row tile), 17 and
+    33 (a partial chunk of 32), 300 (chunks and a tail): float32 sums of the bfloat16 weight's
+    products, rounded once to bfloat16."""
+    codes, scales, zeros = random_int4(*shape, 32, seed=shape[1])
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    dense = bfloat16_weight(codes, scales, zeros)
+    for rows in (1, 15, 16, 17, 33, 300):
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        out = int4_linear_bf16(x, weight)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[0])
+        assert_close_to_float32_sums(out, x, dense, 2.0**-8)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(48, 320), (32, 608)])
+def test_bf16_prompt_path_reads_every_weight_value_exactly(shape, bf16_amx):
+    """One-hot rows read the weight back: each output is one product, exact, so every value the
+    panel holds is bf16(d * code + m) bit for bit (K rows: chunks of 32 rows and none left over)."""
+    codes, scales, zeros = random_int4(*shape, 32, seed=5)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    one_hot = torch.eye(shape[1], dtype=torch.bfloat16)
+    assert torch.equal(int4_linear_bf16(one_hot, weight), bfloat16_weight(codes, scales, zeros).T)
+
+
+@needs_native
+def test_bf16_prompt_path_gives_a_row_the_same_bits_in_any_batch_and_thread_count(bf16_amx):
+    """Each row alone, among 1-300 rows, at any position, and on 1 or 2 threads: the same bits."""
+    codes, scales, zeros = random_int4(80, 1536, 32, seed=2)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    alone = torch.cat([int4_linear_bf16(x[row : row + 1], weight) for row in range(40)])
+    for rows in (1, 15, 16, 17, 33, 40):
+        assert torch.equal(int4_linear_bf16(x[:rows], weight), alone[:rows]), f"{rows} rows"
+    everything = int4_linear_bf16(x, weight)
+    assert torch.equal(everything[:40], alone)
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(int4_linear_bf16(x[order], weight), everything[order])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(int4_linear_bf16(x, weight), everything), f"{count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_bf16_prompt_path_rounds_other_rows_in_and_keeps_leading_dimensions(bf16_amx):
+    codes, scales, zeros = random_int4(32, 128, 32, seed=4)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(2, 3, 128)
+    bias = torch.randn(32)
+    out = int4_linear_bf16(x, weight, bias)
+    assert out.dtype == torch.float32 and out.shape == (2, 3, 32)
+    expected = int4_linear_bf16(x.reshape(6, 128).to(torch.bfloat16), weight).float() + bias
+    assert torch.equal(out, expected.view(2, 3, 32))
+
+
+@needs_native
+def test_bf16_prompt_path_only_where_the_avx512_build_has_amx_bf16(monkeypatch):
+    """At every level: available only in the avx512 build on a CPU with AMX-BF16 and AVX512-BF16,
+    never under TOKENLOOM_CPU_AMX=0; where it is not, the kernel refuses with the reason."""
+    monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
+    flags = cpu_native.cpu_flags()
+    has_it = cpu_native.selected_level().name == "avx512" and {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
+    assert bf16_amx_available() == has_it
+    codes, scales, zeros = random_int4(16, 32, 32)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    monkeypatch.setenv("TOKENLOOM_CPU_AMX", "0")
+    assert not bf16_amx_available()
+    with pytest.raises(RuntimeError, match="AMX-BF16 is not available here"):
+        int4_linear_bf16(x, weight)
+    monkeypatch.delenv("TOKENLOOM_CPU_AMX")
+    if not has_it:
+        with pytest.raises(RuntimeError, match="AMX-BF16 is not available here"):
+            int4_linear_bf16(x, weight)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from tokenloom.kernels import kquant_matmul
-from tokenloom.kernels.int4_matmul import quantize_activations
+from tokenloom.kernels.int4_matmul import bf16_amx_available, quantize_activations
 from tokenloom.kernels.kquant_matmul import (
     dequantize_int5,
     dequantize_int6,
     kquant_linear,
+    kquant_linear_bf16,
     pack_int5,
     pack_int6,
 )
@@ -139,3 +140,75 @@ def test_shapes_the_kernel_cannot_take_are_not_packed():
     weight, _ = weight_for("int6", (16, 256), seed=0)
     with pytest.raises(RuntimeError, match="in_features must be a positive multiple of 256"):
         weight.kernel(torch.randn(1, 128), weight.packed)
+
+
+# -- the AMX-BF16 prompt path (int6_linear_bf16, int5_linear_bf16, csrc/cpu_amx_bf16.h) -----------
+
+
+@pytest.fixture
+def bf16_amx(monkeypatch):
+    """The test needs the AMX-BF16 kernels at this level (the avx512 build on a CPU with AMX-BF16)."""
+    monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
+    if not bf16_amx_available():
+        pytest.skip("no AMX-BF16 path here: not the avx512 level, or the CPU has no amx_bf16 / avx512_bf16")
+
+
+@needs_native
+@pytest.mark.parametrize("case, shape", [*CASES, ("int6", (32, 2048))])
+def test_bf16_prompt_path_is_the_bfloat16_weight_times_the_rows(case, shape, bf16_amx):
+    """One block and odd block counts, one and several superblocks, Q5_0's 640 features (not a
+    multiple of 256); rows 1, 15, 16, 17, 33, 300: float32 sums of the products of the bfloat16
+    rows and the dequantized weight rounded to bfloat16 (float32 out, no rounding of its own)."""
+    weight, dense = weight_for(case, shape, seed=shape[1])
+    weight_bf16 = dense.to(torch.bfloat16).double()
+    for rows in (1, 15, 16, 17, 33, 300):
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        out = kquant_linear_bf16(x, weight, dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (rows, shape[0])
+        exact = x.double() @ weight_bf16.T
+        bound = 2 * shape[1] * 2.0**-24 * (x.double().abs() @ weight_bf16.abs().T)
+        excess = (out.double() - exact).abs() - bound
+        assert excess.max().item() <= 0, f"{rows} rows: worst at {divmod(excess.argmax().item(), shape[0])}"
+
+
+@needs_native
+@pytest.mark.parametrize("case, shape", [CASES[1], CASES[3], CASES[4]])
+def test_bf16_prompt_path_reads_every_weight_value_exactly(case, shape, bf16_amx):
+    """One-hot rows read the weight back (one exact product per output): every panel value is the
+    dequantized float32 weight rounded to bfloat16, bit for bit."""
+    weight, dense = weight_for(case, shape, seed=7)
+    one_hot = torch.eye(shape[1], dtype=torch.bfloat16)
+    assert torch.equal(kquant_linear_bf16(one_hot, weight, dtype=torch.float32), dense.to(torch.bfloat16).float().T)
+
+
+@needs_native
+@pytest.mark.parametrize("case, shape", [CASES[1], CASES[4]])
+def test_bf16_prompt_path_gives_a_row_the_same_bits_in_any_batch_and_thread_count(case, shape, bf16_amx):
+    weight, _ = weight_for(case, shape, seed=11)
+    x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([kquant_linear_bf16(x[row : row + 1], weight) for row in range(40)])
+    for rows in (1, 15, 16, 17, 33, 40):
+        assert torch.equal(kquant_linear_bf16(x[:rows], weight), alone[:rows]), f"{rows} rows"
+    everything = kquant_linear_bf16(x, weight)
+    assert torch.equal(everything[:40], alone)
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kquant_linear_bf16(x[order], weight), everything[order])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(kquant_linear_bf16(x, weight), everything), f"{count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_bf16_prompt_path_refuses_where_amx_bf16_is_not_available(monkeypatch):
+    weight, _ = weight_for("int6", (16, 256), seed=0)
+    int5, _ = weight_for("int5-0", (48, 640), seed=0)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    monkeypatch.setenv("TOKENLOOM_CPU_AMX", "0")
+    assert not bf16_amx_available()
+    for matmul, rows in ((weight, x), (int5, torch.randn(2, 640))):
+        with pytest.raises(RuntimeError, match="AMX-BF16 is not available here"):
+            kquant_linear_bf16(rows, matmul)

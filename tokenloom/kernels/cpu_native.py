@@ -70,6 +70,9 @@ OPERATORS = {
     "int8_linear": "a dense LM head (oneDNN matmul) and dense Q8_0 linear layers",
     "int5_linear": "dense Q5_0, Q5_1 and Q5_K linear layers (dequantized at load)",
     "int6_linear": "dense Q6_K linear layers (dequantized at load)",
+    "int4_linear_bf16": "int4_linear (8-bit activations) for prompt rows too",
+    "int5_linear_bf16": "int5_linear (8-bit activations) for prompt rows too",
+    "int6_linear_bf16": "int6_linear (8-bit activations) for prompt rows too",
     "int3_linear": "dense Q3_K linear layers (dequantized at load)",
     "int2_linear": "dense Q2_K linear layers (dequantized at load)",
     "w8a16_linear": "compressed-tensors FP8 and W8A16 layers dequantized from their 8-bit codes at every call",
@@ -378,6 +381,7 @@ def status() -> dict[str, Any]:
         "build_directory": None,
         "problem": None,
         "amx_int8": None,  # whether w8a8_linear and int4_linear take AMX-INT8, and from how many rows
+        "amx_bf16": None,  # whether the *_linear_bf16 prompt-row kernels can run (AMX-BF16)
     }
     ops = None
     if not enabled():
@@ -396,6 +400,7 @@ def status() -> dict[str, Any]:
                 info["problem"] = f"the {level.name} library did not build or load: {failure(level)}"
             else:
                 info["amx_int8"] = _amx_state(ops, level)
+                info["amx_bf16"] = _amx_bf16_state(ops, level)
     info["operators"] = {
         name: info["level"] if ops is not None and hasattr(ops, name) else f"torch: {fallback}"
         for name, fallback in OPERATORS.items()
@@ -419,6 +424,18 @@ def _amx_state(ops: Any, level: IsaLevel) -> str:
     return f"w8a8_linear from {rows} rows, int4_linear (and the 4-bit MoE experts) from {int4_rows} rows"
 
 
+def _amx_bf16_state(ops: Any, level: IsaLevel) -> str:
+    """Whether ``level``'s AMX-BF16 prompt-row kernels (int4/int5/int6_linear_bf16) can run here."""
+    if ops.bf16_amx_available():
+        return "int4_linear_bf16, int5_linear_bf16 and int6_linear_bf16 available (prompt rows)"
+    flags = cpu_flags()
+    if level.name != "avx512":
+        return f"not used (not in the {level.name} build)"
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
+        return "not used (the CPU has no amx_bf16 or avx512_bf16)"
+    return "off (TOKENLOOM_CPU_AMX=0)"
+
+
 def report() -> list[str]:
     """:func:`status` as lines of text."""
     info = status()
@@ -437,6 +454,8 @@ def report() -> list[str]:
         lines.append(f"tokenloom CPU kernels: unavailable, {info['problem']}")
     if info["amx_int8"] is not None:
         lines.append(f"AMX-INT8: {info['amx_int8']}")
+    if info["amx_bf16"] is not None:
+        lines.append(f"AMX-BF16: {info['amx_bf16']}")
     lines.append("operators:")
     lines.extend(f"  {name}: {path}" for name, path in info["operators"].items())
     return lines

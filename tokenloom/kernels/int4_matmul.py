@@ -160,6 +160,39 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
+def bf16_amx_available() -> bool:
+    """Whether the AMX-BF16 prompt-path kernels (:func:`int4_linear_bf16`,
+    :func:`tokenloom.kernels.kquant_matmul.kquant_linear_bf16`) run in this process now: the
+    selected kernel level is the avx512 build, the CPU has AMX-BF16 and AVX512-BF16 (and Linux
+    grants the tile registers), and ``TOKENLOOM_CPU_AMX`` does not switch AMX off (read at each
+    call, as the kernels read it). False at the avx2 and generic levels."""
+    ops = cpu_native.load()
+    return ops is not None and hasattr(ops, "bf16_amx_available") and bool(ops.bf16_amx_available())
+
+
+def int4_linear_bf16(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ W.T + bias`` for many rows (a prompt's) through AMX-BF16 (csrc/cpu_amx_bf16.h):
+    each weight value ``bf16(d * code + m)`` of the buffer :func:`int4_linear` reads (no copy),
+    the rows in bfloat16 (others are rounded to it on the way in), float32 sums over all of ``K``,
+    rounded once to bfloat16; the result has ``x``'s dtype. A row's bits do not depend on the other
+    rows of the call. Only where :func:`bf16_amx_available` (else a RuntimeError), for a weight
+    packed for tokenloom's kernel (``weight.kernel`` set)."""
+    if weight.kernel is None:
+        raise ValueError("int4_linear_bf16 takes a weight packed for tokenloom's kernel (groups of 32)")
+    ops = cpu_native.load()
+    if ops is None:
+        raise RuntimeError("int4_linear_bf16: tokenloom's CPU kernels are switched off or did not build")
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16)
+    out = ops.int4_linear_bf16(rows if rows.is_contiguous() else rows.contiguous(), weight.packed)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+
+
 def prefers_int4(x: torch.Tensor, weight: Int4Weight) -> bool:
     """Whether a batch of these activations runs faster on the int4 kernel than dense (always on
     tokenloom's kernel)."""

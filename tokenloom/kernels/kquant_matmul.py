@@ -157,6 +157,35 @@ def kquant_linear(
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
+def kquant_linear_bf16(
+    x: torch.Tensor, weight: KQuantWeight, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x [..., K] @ W.T + bias`` in ``dtype`` (default ``x``'s) for many rows (a prompt's) through
+    AMX-BF16 (``int6_linear_bf16`` / ``int5_linear_bf16``, csrc/cpu_amx_bf16.h): each weight value
+    the dequantized one rounded to bfloat16, read from the buffer :func:`kquant_linear` reads (no
+    copy), the rows in bfloat16 (others are rounded to it on the way in), float32 sums over all of
+    ``K`` (the kernel's float32 out, then rounded once to ``dtype``). A row's bits do not depend on
+    the other rows of the call. Only where
+    :func:`~tokenloom.kernels.int4_matmul.bf16_amx_available` (else a RuntimeError)."""
+    ops = cpu_native.load()
+    if ops is None:
+        raise RuntimeError("kquant_linear_bf16: tokenloom's CPU kernels are switched off or did not build")
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16)
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    if weight.bits == 6:
+        out = ops.int6_linear_bf16(rows, weight.packed)
+    else:
+        out = ops.int5_linear_bf16(rows, weight.packed, weight.superblock_groups)
+    if bias is not None:
+        out = out + bias
+    dtype = x.dtype if dtype is None else dtype
+    if out.dtype != dtype:
+        out = out.to(dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+
+
 def dequantize_int6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The dense float32 weight (exact: ``d * scale`` and its product with ``code - 32`` fit
     float32's significand); the reference the kernel is tested against."""

@@ -1,9 +1,9 @@
-// AMX-INT8 plumbing shared by the kernels that take it (cpu_w8a8.cpp; cpu_qlinear.cpp and
-// cpu_kquant.cpp for many rows): whether this process may use the tile registers, the tile
-// configuration, and the TOKENLOOM_CPU_AMX=0 switch. Only the avx512 build has AMX paths
-// (TOKENLOOM_AMX_BUILD); their functions carry target("amx-tile,amx-int8") so that library still
-// loads on an AVX-512 CPU without AMX (AMD EPYC), where amx_usable() is false and they are never
-// called.
+// AMX plumbing shared by the kernels that take it (AMX-INT8: cpu_w8a8.cpp, cpu_qlinear.cpp for
+// many rows; AMX-BF16: the prompt-row panels of cpu_amx_bf16.h): whether this process may use the
+// tile registers, the tile configuration, and the TOKENLOOM_CPU_AMX=0 switch. Only the avx512
+// build has AMX paths (TOKENLOOM_AMX_BUILD); their functions carry target("amx-tile,amx-int8")
+// (or amx-bf16) so that library still loads on an AVX-512 CPU without AMX (AMD EPYC), where
+// amx_usable() and amx_bf16_usable() are false and they are never called.
 #pragma once
 
 #include <cstdint>
@@ -40,17 +40,37 @@ inline bool amx_switched_off() {
 
 #if defined(TOKENLOOM_AMX_BUILD)
 
-// whether this CPU has AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25) and Linux lets this
-// process use the tile registers (asked once per process: a thread's first tile instruction
-// without the permission is a SIGILL)
-inline bool amx_usable() {
-  static const bool usable = [] {
+// whether Linux lets this process use the tile registers (asked once per process, only once a
+// CPU with AMX-TILE asks: a thread's first tile instruction without the permission is a SIGILL)
+inline bool amx_tile_permission() {
+  static const bool granted = [] {
     constexpr int kXfeatureTileData = 18;      // XFEATURE_XTILEDATA
     constexpr int kArchReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return granted;
+}
+
+// whether this CPU has AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25) and the tile permission
+inline bool amx_usable() {
+  static const bool usable = [] {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
+    return amx_tile_permission();
+  }();
+  return usable;
+}
+
+// whether this CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24, 22), AVX512-BF16 (CPUID.(7,1):EAX
+// bit 5: the panels of cpu_amx_bf16.h are rounded by vcvtne2ps2bf16) and the tile permission
+inline bool amx_bf16_usable() {
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1) || !((edx >> 22) & 1)) return false;
+    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !((eax >> 5) & 1)) return false;
+    return amx_tile_permission();
   }();
   return usable;
 }
@@ -83,6 +103,7 @@ __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release();
 #else
 
 inline bool amx_usable() { return false; }
+inline bool amx_bf16_usable() { return false; }
 
 #endif
 

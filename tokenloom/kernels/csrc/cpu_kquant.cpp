@@ -36,9 +36,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_amx_bf16.h"
 #include "cpu_kquant.h"
 #include "cpu_qlinear.h"
 
@@ -319,6 +321,57 @@ void kquant_rows(const QuantizedRows& x, const int32_t* half_offsets, const uint
   }
 }
 
+#if defined(TOKENLOOM_AMX_BUILD)
+
+// int5_linear_bf16's and int6_linear_bf16's panel (cpu_amx_bf16.h): blocks [b0, b0 + blocks) of
+// the weight, each group one panel step, its codes decoded as the int8 tiles decode them and each
+// value rounded once to bfloat16 from float32: 6-bit (d sc) * code - 32 (d sc), 5-bit (d sc) *
+// code - dmin mn, in one fused multiply-add of exact terms (d sc and dmin mn are exact in float32,
+// so is 32 d sc, and so is 5-bit's (d sc) * code): the float32 the dequantized weight holds
+template <int kBits>
+__attribute__((target("avx512bf16,avx512bw,avx512f"))) void kquant_fill_panel(const uint8_t* weight, int64_t b0,
+                                                                             int blocks, int64_t N,
+                                                                             const Superblocks& layout,
+                                                                             uint8_t* panel) {
+  const uint8_t* pair_start = weight + b0 * layout.count * layout.bytes;
+  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+  for (int64_t sb = 0; sb < layout.count; ++sb) {
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* header = pair_start + (sb * width + b) * layout.bytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+      for (int64_t gi = 0; gi < layout.groups; ++gi) {
+        const uint8_t* group = header + kHeaderBytes<kBits> + gi * kKGroupBytes<kBits>;
+        const uint8_t* sub_scales = group + kNibbleBytes + kPlaneBytes<kBits>;
+        __m512 scale[2], offset[2];
+        if constexpr (kBits == 6) {
+          for (int h = 0; h < 2; ++h) {  // sc per 16 features
+            scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16 * h)))));
+            offset[h] = _mm512_mul_ps(scale[h], _mm512_set1_ps(-32.f));
+          }
+        } else {
+          const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+          scale[0] = scale[1] = _mm512_mul_ps(
+              d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales)))));
+          offset[0] = offset[1] = _mm512_mul_ps(
+              dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16)))));
+          offset[0] = offset[1] = _mm512_sub_ps(_mm512_setzero_ps(), offset[0]);
+        }
+        uint8_t* tile = panel + ((sb * layout.groups + gi) * blocks + b) * kPanelTileBytes;
+        for (int step = 0; step < 8; step += 2) {
+          __m512i codes[2];
+          decode_steps<kBits>(group, step, codes);
+          for (int i = 0; i < 2; ++i)
+            bf16_panel_step(codes[i], scale[(step + i) / 4], offset[(step + i) / 4], tile + 2 * (step + i) * 64);
+        }
+      }
+    }
+  }
+}
+
+#endif
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 template <int kBits>
@@ -548,6 +601,39 @@ at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor
   return out;
 }
 
+// x [M, K] bfloat16 times the kBits weight through AMX-BF16 panels: float32 out [M, N]
+template <int kBits>
+at::Tensor kquant_linear_bf16(const char* name, const at::Tensor& x, const at::Tensor& weight, int64_t groups) {
+  TORCH_CHECK(bf16_amx_enabled(), name, ": AMX-BF16 is not available here (it needs the avx512 kernel build on a CPU "
+              "with AMX-BF16 and AVX512-BF16, and TOKENLOOM_CPU_AMX not switched off): check bf16_amx_available() first");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name,
+              ": x must be a contiguous [rows, in_features] bfloat16 tensor");
+  TORCH_CHECK(groups > 0, name, ": superblock_groups must be positive, got ", groups);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K > 0 && K % (kGroup * groups) == 0, name, ": in_features must be a positive multiple of ",
+              kGroup * groups, ", got ", K);
+  const Superblocks layout = superblocks<kBits>(K, groups);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(1) == layout.count * layout.bytes,
+              name, ": weight must be a contiguous [out_features / 16, in_features / ", kGroup * groups, " * ",
+              layout.bytes, "] uint8 tensor");
+  const int64_t N = weight.size(0) * kBlockRows;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(TOKENLOOM_AMX_BUILD)
+  if (M == 0) return out;
+  const uint8_t* packed = weight.data_ptr<uint8_t>();
+  float* result = out.data_ptr<float>();
+  bf16_amx_panel_gemm(
+      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K,
+      [&](int64_t b0, int blocks, uint8_t* panel) { kquant_fill_panel<kBits>(packed, b0, blocks, N, layout, panel); },
+      [&](const float* c, int64_t m, int64_t rows, int64_t b0, int blocks) {
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(result + (m + r) * N + b0 * kBlockRows, c + r * 32, sizeof(float) * kBlockRows * blocks);
+      });
+#endif
+  return out;
+}
+
 }  // namespace
 
 const int32_t* int6_half_group_sums(const QuantizedRows& x, int64_t M, int64_t K) { return half_group_offsets(x, M, K); }
@@ -569,14 +655,26 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& weight) {
   return kquant_linear<6>("int6_linear", x, weight, 8);
 }
 
+at::Tensor int5_linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups) {
+  return kquant_linear_bf16<5>("int5_linear_bf16", x, weight, superblock_groups);
+}
+
+at::Tensor int6_linear_bf16(const at::Tensor& x, const at::Tensor& weight) {
+  return kquant_linear_bf16<6>("int6_linear_bf16", x, weight, 8);
+}
+
 }  // namespace TOKENLOOM_CPU_NAMESPACE
 
 TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def("int5_linear(Tensor x, Tensor weight, int superblock_groups) -> Tensor");
   m.def("int6_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("int5_linear_bf16(Tensor x, Tensor weight, int superblock_groups) -> Tensor");
+  m.def("int6_linear_bf16(Tensor x, Tensor weight) -> Tensor");
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {
   m.impl("int5_linear", &TOKENLOOM_CPU_NAMESPACE::int5_linear);
   m.impl("int6_linear", &TOKENLOOM_CPU_NAMESPACE::int6_linear);
+  m.impl("int5_linear_bf16", &TOKENLOOM_CPU_NAMESPACE::int5_linear_bf16);
+  m.impl("int6_linear_bf16", &TOKENLOOM_CPU_NAMESPACE::int6_linear_bf16);
 }

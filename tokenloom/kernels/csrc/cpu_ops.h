@@ -36,12 +36,16 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 // cpu_qlinear.cpp
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& weight);
+bool bf16_amx_available();
 
 // cpu_w8a16.cpp
 at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, bool fp8);
 // cpu_kquant.cpp
 at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups);
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor int5_linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t superblock_groups);
+at::Tensor int6_linear_bf16(const at::Tensor& x, const at::Tensor& weight);
 // cpu_lowbit.cpp
 at::Tensor int2_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int3_linear(const at::Tensor& x, const at::Tensor& weight);

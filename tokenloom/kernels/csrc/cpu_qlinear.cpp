@@ -55,6 +55,7 @@
 #include <torch/library.h>
 
 #include "cpu_amx.h"
+#include "cpu_amx_bf16.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
 #include "cpu_qlinear.h"
@@ -712,6 +713,70 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight) {
   return qlinear_op<8>("int8_linear", x, weight, true);
 }
 
+#if defined(TOKENLOOM_AMX_BUILD)
+
+// int4_linear_bf16's panel: blocks [b0, b0 + blocks) of the 4-bit weight, every group (one panel
+// step of 32 features) dequantized as bf16(d * code + m) (cpu_amx_bf16.h)
+__attribute__((target("avx512bf16,avx512bw,avx512f"))) void int4_fill_panel(const uint8_t* weight, int64_t b0,
+                                                                           int blocks, int64_t N, int64_t K,
+                                                                           uint8_t* panel) {
+  const int64_t groups = K / kGroup;
+  const uint8_t* pair_start = weight + b0 * groups * kGroupBytes<4>;
+  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* group = pair_start + (g * width + b) * kGroupBytes<4>;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4>)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4> + 32)));
+      uint8_t* tile = panel + (g * blocks + b) * kPanelTileBytes;
+      for (int t = 0; t < 4; ++t) {  // 64 bytes t: step 2t in the low nibbles, 2t+1 in the high
+        const __m512i bytes = _mm512_loadu_si512(group + t * 64);
+        bf16_panel_step(_mm512_and_si512(bytes, low_nibbles), d, m, tile + 2 * (2 * t) * 64);
+        bf16_panel_step(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles), d, m, tile + 2 * (2 * t + 1) * 64);
+      }
+    }
+  }
+}
+
+#endif
+
+// x [M, K] bfloat16 times the 4-bit weight through AMX-BF16 panels (cpu_amx_bf16.h): each weight
+// value bf16(d * code + m), float32 sums over the whole K, out [M, N] bfloat16 rounded once
+at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(bf16_amx_enabled(), "int4_linear_bf16: AMX-BF16 is not available here (it needs the avx512 kernel "
+              "build on a CPU with AMX-BF16 and AVX512-BF16, and TOKENLOOM_CPU_AMX not switched off): check "
+              "bf16_amx_available() first");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "int4_linear_bf16: x must be a contiguous [rows, in_features] bfloat16 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0 && K > 0, "int4_linear_bf16: in_features must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(1) == K / kGroup * kGroupBytes<4>,
+              "int4_linear_bf16: weight must be a contiguous [out_features / 16, in_features / 32 * ", kGroupBytes<4>,
+              "] uint8 tensor (packed for int4_linear)");
+  const int64_t N = weight.size(0) * kBlockRows;
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(TOKENLOOM_AMX_BUILD)
+  if (M == 0) return out;
+  const uint8_t* packed = weight.data_ptr<uint8_t>();
+  uint16_t* result = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  bf16_amx_panel_gemm(
+      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K,
+      [&](int64_t b0, int blocks, uint8_t* panel) { int4_fill_panel(packed, b0, blocks, N, K, panel); },
+      [&](const float* c, int64_t m, int64_t rows, int64_t b0, int blocks) {
+        for (int64_t r = 0; r < rows; ++r)
+          for (int b = 0; b < blocks; ++b)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(result + (m + r) * N + (b0 + b) * kBlockRows),
+                                bf16_bits16(_mm512_load_ps(c + r * 32 + b * 16)));
+      });
+#endif
+  return out;
+}
+
+// whether int4_linear_bf16 and the 5- and 6-bit ones may be called in this process now
+bool bf16_amx_available() { return bf16_amx_enabled(); }
+
 // the row count from which the `bits`-bit matmul (4: int4_linear and the MoE experts' 4-bit tile)
 // takes AMX-INT8 in this process, 0 for never (no AMX in this build or CPU, TOKENLOOM_CPU_AMX=0,
 // or no AMX path for those bits)
@@ -724,10 +789,13 @@ TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def("int8_linear(Tensor x, Tensor weight) -> Tensor");
   // no tensor argument to dispatch on: one kernel for every dispatch key
   m.def("quantized_amx_min_rows(int bits) -> int", &TOKENLOOM_CPU_NAMESPACE::quantized_amx_min_rows);
+  m.def("int4_linear_bf16(Tensor x, Tensor weight) -> Tensor");
+  m.def("bf16_amx_available() -> bool", &TOKENLOOM_CPU_NAMESPACE::bf16_amx_available);
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {
   m.impl("int4_linear", &TOKENLOOM_CPU_NAMESPACE::int4_linear);
   m.impl("int8_linear", &TOKENLOOM_CPU_NAMESPACE::int8_linear);
+  m.impl("int4_linear_bf16", &TOKENLOOM_CPU_NAMESPACE::int4_linear_bf16);
 }
 

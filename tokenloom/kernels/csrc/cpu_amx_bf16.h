@@ -1,0 +1,185 @@
+// AMX-BF16 "prompt path" GEMM shared by the quantized-weight kernels (cpu_qlinear.cpp's
+// int4_linear_bf16, cpu_kquant.cpp's int5_linear_bf16 and int6_linear_bf16; cpu_moe.cpp may chain
+// it later): bfloat16 rows x [M, K] times a weight of N outputs stored in 16-output blocks (the
+// int4 / k-quant layouts, blocks in pairs), out[m, n] = sum_k x[m, k] * w[n, k] accumulated in
+// float32 over the whole K by `tdpbf16ps`, each weight value w a bfloat16 the layout's own code
+// and scales give (computed in float32, rounded to nearest even once).
+//
+// Why: the int8 paths (cpu_qlinear.cpp's AMX-INT8 tile included) scale every group of 32
+// features' integer sums into float accumulators, so AMX saves only their integer products. For
+// many rows (a prompt's) it pays instead to dequantize each pair of blocks ONCE per call into a
+// bfloat16 panel [K x 32 outputs] laid out as AMX B tiles, then run all M rows over it with no
+// per-group epilogue. Decode rows keep the int8 paths; which rows take this one is the caller's
+// choice, by row role and never by batch size, and a row's bits here do not depend on the other
+// rows, their number, its position or the thread count (each output is one thread's, over the
+// same tiles in the same K order; an AMX row's result reads only its own A row).
+//
+// Panel layout (one per block pair, the calling worker thread's buffer): for each step of 32
+// features k0 = 32 s, per block b (1 or 2): a B tile of 16 rows x 64 bytes, row r holding for
+// each of the block's 16 outputs n the bfloat16 pair (w[n, k0 + 2r], w[n, k0 + 2r + 1]). A
+// layout's dequantizer fills it with bf16_panel_step: a 64-byte vector of codes with 4 features
+// per output lane (the int4 layout's "step") and each output's float scale and offset.
+//
+// Tiles: 0-3 float32 accumulators [16 rows, 16 outputs] (row tile i, block b: 2 i + b); 4-5 rows
+// of x [16 rows, 32 features] read in place (stride K; the last partial chunk of 32 rows from a
+// zero-padded copy); 6-7 the pair's two B tiles. Rows go in blocks of about 1 MiB of x (which
+// stay in L2 while each pair of the thread's range runs over them, the pair's panel dequantized
+// once per block), each block in chunks of 32 rows (16 when no more are left), the whole K each. Only in the avx512 build on a CPU with AMX-BF16 and AVX512-BF16
+// (amx_bf16_usable, cpu_amx.h); tdpbf16ps reads bfloat16 denormals as zero (prompt activations
+// and GGUF scales are far from them).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_amx.h"
+#include "cpu_namespace.h"
+
+namespace TOKENLOOM_CPU_NAMESPACE {
+
+// whether this call may take the AMX-BF16 panel kernels: the build and CPU have them and
+// TOKENLOOM_CPU_AMX does not switch AMX off
+inline bool bf16_amx_enabled() { return amx_bf16_usable() && !amx_switched_off(); }
+
+#if defined(TOKENLOOM_AMX_BUILD)
+
+constexpr int64_t kPanelFeatures = 32;  // features per panel step (one B tile's rows hold 16 pairs)
+constexpr int64_t kPanelTileBytes = 1024;  // one block's B tile of a step: 16 x 64 bytes
+constexpr int64_t kPanelChunkRows = 32;  // rows per pass over a panel: two A tiles
+// bytes of x rows that each panel is run over before the next pair's panel: the rows stay in L2
+// (2 MiB a core here, beside a panel of up to 512 KiB) from one pair to the next, each panel
+// dequantized once per block of rows. Measured on one thread, int4 2048 -> 2048 at 2048 rows: 768
+// KiB, 1 MiB and 1.5 MiB alike (1 MiB best), all rows at once (x from L3) 2.1x the time, 32 rows
+// (a dequantization per 32 rows) 2.2x
+constexpr int64_t kPanelRowBlockBytes = 1 << 20;
+
+// the B tile rows 2 s' and 2 s' + 1 of one block for a step s' of 4 features (rows + 0, rows +
+// 64): `codes` holds per output lane n (32 bits) its 4 features' unsigned codes, one per byte
+// (each below 256), and the value of code c is c * scale[n] + offset[n] in float32 (one fused
+// rounding), then rounded to bfloat16 to nearest even by vcvtne2ps2bf16 (which flushes float32
+// denormals: no layout's values reach them, their scales are float16 products)
+__attribute__((target("avx512bf16,avx512bw,avx512f"))) inline void bf16_panel_step(__m512i codes, __m512 scale,
+                                                                                   __m512 offset, uint8_t* rows) {
+  // word 2n <- word n (the first feature of the pair), word 2n + 1 <- word 16 + n (the second)
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  __m512 values[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512i code = _mm512_and_si512(_mm512_srli_epi32(codes, 8 * j), byte);
+    values[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, offset);
+  }
+  for (int pair = 0; pair < 2; ++pair) {
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(values[2 * pair + 1], values[2 * pair]);
+    _mm512_store_si512(rows + pair * 64, _mm512_permutexvar_epi16(interleave, halves));
+  }
+}
+
+// tiles 0-3: float32 sums [16 rows, 16 outputs]; 4-5: rows of x [16, 32 bfloat16]; 6-7: B tiles
+// [16 feature pairs, 16 outputs x 2 bfloat16]
+__attribute__((target("amx-tile"))) inline void bf16_amx_configure() {
+  static constexpr uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  static constexpr uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+  amx_configure(rows, colsb);
+}
+
+// 16 kRowTiles rows of x (from `a`, row stride a_stride bytes) times the kBlocks blocks of a
+// panel of `steps` steps: c[r, 16 b + n] (row stride 32 floats), the tiles configured by
+// bf16_amx_configure
+template <int kRowTiles, int kBlocks>
+__attribute__((target("amx-tile,amx-bf16"))) void bf16_amx_rows_times_panel(const uint8_t* a, int64_t a_stride,
+                                                                             const uint8_t* panel, int64_t steps,
+                                                                             float* c) {
+  // (the tile instructions are asm statements without a memory clobber: fence the compiler's own
+  // reads and writes of the panel and of c around them)
+  asm volatile("" ::: "memory");
+  _tile_zero(0);
+  if constexpr (kBlocks == 2) _tile_zero(1);
+  if constexpr (kRowTiles == 2) {
+    _tile_zero(2);
+    if constexpr (kBlocks == 2) _tile_zero(3);
+  }
+  const uint8_t* a1 = a + 16 * a_stride;
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint8_t* b = panel + s * kBlocks * kPanelTileBytes;
+    _tile_loadd(6, b, 64);
+    if constexpr (kBlocks == 2) _tile_loadd(7, b + kPanelTileBytes, 64);
+    _tile_loadd(4, a + s * 64, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kBlocks == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kRowTiles == 2) {
+      _tile_loadd(5, a1 + s * 64, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kBlocks == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t stride = 2 * 16 * sizeof(float);
+  _tile_stored(0, c, stride);
+  if constexpr (kBlocks == 2) _tile_stored(1, c + 16, stride);
+  if constexpr (kRowTiles == 2) {
+    _tile_stored(2, c + 16 * 32, stride);
+    if constexpr (kBlocks == 2) _tile_stored(3, c + 16 * 32 + 16, stride);
+  }
+  asm volatile("" ::: "memory");
+}
+
+// x [M, K] bfloat16 (K a multiple of 32, as uint16_t bits) times the N / 16 blocks of a weight:
+// at::parallel_for over the block pairs (an odd last block alone), each thread a contiguous range.
+// Per pair, fill_panel(b0, blocks, panel) writes the panel (blocks: 2, or 1 for the odd last),
+// then each chunk of rows m.. (rows of them) gives store_rows(c, m, rows, b0, blocks) the float32
+// results c[r, 16 b + n] (row stride 32) to write out.
+template <typename FillPanel, typename StoreRows>
+void bf16_amx_panel_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, const FillPanel& fill_panel,
+                         const StoreRows& store_rows) {
+  const int64_t blocks = N / 16, steps = K / kPanelFeatures;
+  // the last partial chunk of rows, zero-padded to 32 (A tiles read 16 or 32 rows whatever is left)
+  const int64_t full_rows = M - M % kPanelChunkRows;
+  std::vector<uint16_t> tail;
+  if (full_rows < M) {
+    tail.assign(kPanelChunkRows * K, 0);
+    std::memcpy(tail.data(), x + full_rows * K, (M - full_rows) * K * sizeof(uint16_t));
+  }
+  const uint16_t* tail_rows = tail.data();
+  const int64_t block_rows = std::max(kPanelChunkRows, kPanelRowBlockBytes / (K * 2) / kPanelChunkRows * kPanelChunkRows);
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> panel_buffer;
+    panel_buffer.resize(steps * 2 * kPanelTileBytes + 64);
+    uint8_t* panel = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(panel_buffer.data()) + 63) & ~uintptr_t{63});
+    alignas(64) float c[kPanelChunkRows * 32];
+    bf16_amx_configure();  // tile state is per thread
+    for (int64_t m_block = 0; m_block < M; m_block += block_rows) {
+      const int64_t m_block_end = std::min(M, m_block + block_rows);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t b0 = 2 * pair;
+        const int width = b0 + 1 < blocks ? 2 : 1;
+        fill_panel(b0, width, panel);
+        for (int64_t m = m_block; m < m_block_end; m += kPanelChunkRows) {
+          const int64_t rows = std::min(kPanelChunkRows, M - m);
+          const uint8_t* a = reinterpret_cast<const uint8_t*>(m < full_rows ? x + m * K : tail_rows);
+          const int64_t a_stride = K * sizeof(uint16_t);
+          if (rows > 16) {
+            if (width == 2)
+              bf16_amx_rows_times_panel<2, 2>(a, a_stride, panel, steps, c);
+            else
+              bf16_amx_rows_times_panel<2, 1>(a, a_stride, panel, steps, c);
+          } else {
+            if (width == 2)
+              bf16_amx_rows_times_panel<1, 2>(a, a_stride, panel, steps, c);
+            else
+              bf16_amx_rows_times_panel<1, 1>(a, a_stride, panel, steps, c);
+          }
+          store_rows(static_cast<const float*>(c), m, rows, b0, width);
+        }
+      }
+    }
+    amx_release();
+  });
+}
+
+#endif
+
+}  // namespace TOKENLOOM_CPU_NAMESPACE
