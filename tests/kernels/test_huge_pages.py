@@ -59,3 +59,8 @@ def test_collapse_moves_a_tensor_onto_huge_pages_unchanged():
     assert torch.equal(tensor, expected)
     # too small for an aligned 2 MiB stretch: nothing to do
     assert huge_pages.collapse([torch.zeros(1000)]) == 0
+
+
+def test_opaque_tensors_are_left_alone():
+    dense = torch.randn(2048, 1024)
+    assert huge_pages.collapse([dense.to_mkldnn()]) == 0

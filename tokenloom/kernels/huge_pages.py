@@ -56,8 +56,8 @@ def _madvise() -> Any:
 
 def _huge_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     """The 2 MiB-aligned ``(start, length)`` inside ``tensor``'s storage, None if there is none."""
-    if tensor.device.type != "cpu":
-        return None
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn:
+        return None  # (a oneDNN-packed weight is opaque: its memory is oneDNN's)
     storage = tensor.untyped_storage()
     begin, size = storage.data_ptr(), storage.nbytes()
     start = -(-begin // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
