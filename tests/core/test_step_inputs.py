@@ -45,3 +45,12 @@ def test_drafts_and_scales_are_passed_through_and_rows_may_be_a_generator():
     assert batch.attn_metadata.block_tables.tolist() == [[4, 8]]
     assert batch.attn_metadata.kv_scales is kv_scales
     assert batch.attn_metadata.num_draft_tokens_cpu == [3]
+
+
+def test_prompt_query_lens_count_each_querys_rows_inside_its_prompt():
+    # a prompt chunk (positions 2..6 of an 8-token prompt), a decode row (position 9 of a
+    # 6-token prompt), the last prompt token with recomputed outputs after it (positions 4..7 of
+    # a 5-token prompt: one prompt row), and a first chunk of a 3-token prompt
+    rows = [([1] * 5, 2, [0, 1]), ([2], 9, [0, 1, 2]), ([3] * 4, 4, [0, 1]), ([4] * 3, 0, [0])]
+    assert build(rows, prompt_lens=[8, 6, 5, 3]).attn_metadata.prompt_query_lens_cpu == [5, 0, 1, 3]
+    assert build(rows).attn_metadata.prompt_query_lens_cpu is None

@@ -196,6 +196,11 @@ class AttentionMetadata:
     # other both ways on top of the causal mask (a Gemma 3 image's tokens, computed whole in one
     # step); None when no sequence of the step has one
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # per sequence, how many of its query's first tokens are at positions inside its prompt (the
+    # rest are generated tokens: decodes, drafts, a preempted request's recomputed outputs); None
+    # when the runner did not say (a draft model's step, an encoder's). Kernels that multiply
+    # prompt rows another way (layers/row_roles.py) read it.
+    prompt_query_lens_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

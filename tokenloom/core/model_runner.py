@@ -353,6 +353,7 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
             kv_scales=self.kv_scales,
             num_draft_tokens_cpu=[len(spec_tokens.get(state.req_id, ())) for state in states] if spec_tokens else None,
             bidirectional_spans=self._bidirectional_spans(states, num_scheduled),
+            prompt_lens=[state.num_prompt_tokens for state in states],
         )
 
     @staticmethod

@@ -32,12 +32,14 @@ def prepare_batch(
     kv_scales: list[KVCacheScales] | None = None,
     num_draft_tokens_cpu: list[int] | None = None,
     bidirectional_spans: list[list[tuple[int, int]]] | None = None,
+    prompt_lens: Sequence[int] | None = None,
 ) -> PreparedBatch:
     """One batch from ``rows`` of ``(token_ids, start, block_ids)``: a sequence computes
     ``token_ids`` at positions ``start, start + 1, ...``, its KV going to the slots its
     ``block_ids`` give those positions. ``to_device`` copies a host tensor the platform's
     way (pinned and asynchronous on a GPU). ``bidirectional_spans``: see
-    :class:`~tokenloom.core.batch.AttentionMetadata`."""
+    :class:`~tokenloom.core.batch.AttentionMetadata`; ``prompt_lens``: each sequence's prompt
+    length, from which its ``prompt_query_lens_cpu`` follows."""
     token_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -78,6 +80,12 @@ def prepare_batch(
         kv_scales=kv_scales,
         num_draft_tokens_cpu=num_draft_tokens_cpu,
         bidirectional_spans=bidirectional_spans,
+        prompt_query_lens_cpu=None
+        if prompt_lens is None
+        else [
+            max(0, min(count, prompt - (end - count)))
+            for count, end, prompt in zip(query_lens, seq_lens, prompt_lens, strict=True)
+        ],
     )
     return PreparedBatch(
         input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext
+from tokenloom.layers import row_roles
 from tokenloom.layers.embedding import ParallelLMHead, QuantizedLMHead, VocabParallelEmbedding
 from tokenloom.layers.layernorm import RMSNorm
 from tokenloom.layers.linear import kv_heads_per_rank
@@ -111,8 +112,10 @@ class DecoderStack(nn.Module):
             residual = None
         else:
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
-        for layer in self._stage_layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        prompt_query_lens = getattr(attn_metadata, "prompt_query_lens_cpu", None)
+        with row_roles.computing(attn_metadata.query_lens_cpu if prompt_query_lens else (), prompt_query_lens):
+            for layer in self._stage_layers:
+                hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if not self.is_last_stage:
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

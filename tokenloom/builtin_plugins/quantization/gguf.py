@@ -45,12 +45,22 @@ from tokenloom.builtin_plugins.quantization.gguf_int4 import int4_groups, is_int
 from tokenloom.builtin_plugins.quantization.gguf_kquant import KQUANT_TYPES, pack_kquant, superblock_groups
 from tokenloom.builtin_plugins.quantization.gguf_lowbit import LOWBIT_TYPES, pack_lowbit
 from tokenloom.errors import ConfigError, ModelLoadError
-from tokenloom.kernels.int4_matmul import INT4_DTYPES, Int4Weight, can_pack, int4_linear, pack_int4, prefers_int4
+from tokenloom.kernels.int4_matmul import (
+    INT4_DTYPES,
+    Int4Weight,
+    bf16_amx_available,
+    can_pack,
+    int4_linear,
+    int4_linear_bf16,
+    pack_int4,
+    prefers_int4,
+)
 from tokenloom.kernels.int8_matmul import Int8Weight, int8_linear, pack_int8
-from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear
+from tokenloom.kernels.kquant_matmul import KQuantWeight, kquant_linear, kquant_linear_bf16
 from tokenloom.kernels.lowbit_matmul import LowbitWeight, lowbit_linear
 from tokenloom.kernels.triton import gguf as triton_gguf
 from tokenloom.layers.quantization import UnquantizedMethod, materialize
+from tokenloom.layers.row_roles import split_by_role
 
 MODES = ("auto", "dequantize")
 
@@ -221,21 +231,33 @@ class GGUFQuantizationMethod(UnquantizedMethod):
         if gguf_blocks is not None:
             return triton_gguf.gguf_matmul(x, gguf_blocks, layer.gguf_type, gguf_blocks.shape[0], bias)
         segments = getattr(layer, "native_segments", None)
+        int4_weight = getattr(layer, "int4_weight", None)
+        if segments is None and int4_weight is not None and int4_weight.kernel is not None:
+            segments = [int4_weight]
         if segments is not None:
             if getattr(layer, "sums_partials", False) and x.dtype != torch.float32:
-                # a row-parallel shard stays float32 until summed over the ranks (as below)
-                x, bias = x.float(), None if bias is None else bias.float()
-            outputs = [segment_linear(x, segment) for segment in segments]
-            out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-            return out if bias is None else out + bias
-        int4_weight = getattr(layer, "int4_weight", None)
-        if int4_weight is not None and prefers_int4(x, int4_weight):
-            if int4_weight.kernel is not None and getattr(layer, "sums_partials", False) and x.dtype != torch.float32:
                 # a row-parallel shard: its partial product stays float32 until summed over the
                 # ranks, so the sum is rounded once, as one worker's kernel rounds it
-                return int4_linear(x.float(), int4_weight, None if bias is None else bias.float())
+                x, bias = x.float(), None if bias is None else bias.float()
+            native = segments
+
+            def prompt_rows(rows: torch.Tensor) -> torch.Tensor:
+                return joined([prompt_segment_linear(rows, segment) for segment in native])
+
+            out = split_by_role(
+                x,
+                lambda rows: joined([segment_linear(rows, segment) for segment in native]),
+                prompt_rows if x.dtype == torch.bfloat16 and bf16_amx_available() else None,
+            )
+            return out if bias is None else out + bias
+        if int4_weight is not None and prefers_int4(x, int4_weight):
             return int4_linear(x, int4_weight, bias)
         return super().apply(layer, x, bias)
+
+
+def joined(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """A fused layer's outputs, one per run of rows, side by side."""
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
 def native_kernel_family(ggml_type: int) -> tuple[str, int] | None:
@@ -263,6 +285,18 @@ def segment_linear(x: torch.Tensor, weight: Int4Weight | Int8Weight | KQuantWeig
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = int8_linear(rows, weight).to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+
+
+def prompt_segment_linear(
+    x: torch.Tensor, weight: Int4Weight | Int8Weight | KQuantWeight | LowbitWeight
+) -> torch.Tensor:
+    """``x @ W.T`` for prompt rows (bfloat16): the AMX-BF16 kernels where the run has one (4-, 5-
+    and 6-bit codes), else the run's own kernel; in ``x``'s dtype."""
+    if isinstance(weight, Int4Weight) and weight.kernel is not None:
+        return int4_linear_bf16(x, weight)
+    if isinstance(weight, KQuantWeight):
+        return kquant_linear_bf16(x, weight)
+    return segment_linear(x, weight)
 
 
 def release_file_pages(weights: Any) -> None:
