@@ -50,12 +50,16 @@ inline bool bf16_amx_enabled() { return amx_bf16_usable() && !amx_switched_off()
 constexpr int64_t kPanelFeatures = 32;  // features per panel step (one B tile's rows hold 16 pairs)
 constexpr int64_t kPanelTileBytes = 1024;  // one block's B tile of a step: 16 x 64 bytes
 constexpr int64_t kPanelChunkRows = 32;  // rows per pass over a panel: two A tiles
-// bytes of x rows that each panel is run over before the next pair's panel: the rows stay in L2
-// (2 MiB a core here, beside a panel of up to 512 KiB) from one pair to the next, each panel
-// dequantized once per block of rows. Measured on one thread, int4 2048 -> 2048 at 2048 rows: 768
-// KiB, 1 MiB and 1.5 MiB alike (1 MiB best), all rows at once (x from L3) 2.1x the time, 32 rows
-// (a dequantization per 32 rows) 2.2x
+// bytes of x rows (of one chunk of features) that each panel is run over before the next pair's
+// panel: the rows stay in L2 (2 MiB a core here, beside a panel of 128 KiB) from one pair to the
+// next, each panel dequantized once per block of rows. Measured on one thread, int4 2048 -> 2048
+// at 2048 rows: 768 KiB, 1 MiB and 1.5 MiB alike (1 MiB best), all rows at once (x from L3) 2.1x
+// the time, 32 rows (a dequantization per 32 rows) 2.2x
 constexpr int64_t kPanelRowBlockBytes = 1 << 20;
+// features per panel, at most: a longer K (8192 -> 2048, down) is split into chunks whose sums are
+// stored and loaded back between them, so that a block of rows is 256 rows whatever K (the whole K
+// at once left 64 rows a block at K = 8192, and four dequantizations per pair at 256 rows)
+constexpr int64_t kPanelChunkFeatures = 2048;
 
 // the B tile rows 2 s' and 2 s' + 1 of one block for a step s' of 4 features (rows + 0, rows +
 // 64): `codes` holds per output lane n (32 bits) its 4 features' unsigned codes, one per byte
@@ -88,20 +92,31 @@ __attribute__((target("amx-tile"))) inline void bf16_amx_configure() {
 }
 
 // 16 kRowTiles rows of x (from `a`, row stride a_stride bytes) times the kBlocks blocks of a
-// panel of `steps` steps: c[r, 16 b + n] (row stride 32 floats), the tiles configured by
-// bf16_amx_configure
+// panel of `steps` steps, added to c[r, 16 b + n] (row stride 32 floats) when `accumulate`, else
+// written there; the tiles configured by bf16_amx_configure. (Sums stored and loaded back between
+// calls are the same floats: a row's bits do not depend on where its K is split.)
 template <int kRowTiles, int kBlocks>
 __attribute__((target("amx-tile,amx-bf16"))) void bf16_amx_rows_times_panel(const uint8_t* a, int64_t a_stride,
                                                                              const uint8_t* panel, int64_t steps,
-                                                                             float* c) {
+                                                                             float* c, bool accumulate) {
+  constexpr int64_t stride = 2 * 16 * sizeof(float);
   // (the tile instructions are asm statements without a memory clobber: fence the compiler's own
   // reads and writes of the panel and of c around them)
   asm volatile("" ::: "memory");
-  _tile_zero(0);
-  if constexpr (kBlocks == 2) _tile_zero(1);
-  if constexpr (kRowTiles == 2) {
-    _tile_zero(2);
-    if constexpr (kBlocks == 2) _tile_zero(3);
+  if (accumulate) {
+    _tile_loadd(0, c, stride);
+    if constexpr (kBlocks == 2) _tile_loadd(1, c + 16, stride);
+    if constexpr (kRowTiles == 2) {
+      _tile_loadd(2, c + 16 * 32, stride);
+      if constexpr (kBlocks == 2) _tile_loadd(3, c + 16 * 32 + 16, stride);
+    }
+  } else {
+    _tile_zero(0);
+    if constexpr (kBlocks == 2) _tile_zero(1);
+    if constexpr (kRowTiles == 2) {
+      _tile_zero(2);
+      if constexpr (kBlocks == 2) _tile_zero(3);
+    }
   }
   const uint8_t* a1 = a + 16 * a_stride;
   for (int64_t s = 0; s < steps; ++s) {
@@ -117,7 +132,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void bf16_amx_rows_times_panel(cons
       if constexpr (kBlocks == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t stride = 2 * 16 * sizeof(float);
   _tile_stored(0, c, stride);
   if constexpr (kBlocks == 2) _tile_stored(1, c + 16, stride);
   if constexpr (kRowTiles == 2) {
@@ -127,15 +141,18 @@ __attribute__((target("amx-tile,amx-bf16"))) void bf16_amx_rows_times_panel(cons
   asm volatile("" ::: "memory");
 }
 
-// x [M, K] bfloat16 (K a multiple of 32, as uint16_t bits) times the N / 16 blocks of a weight:
-// at::parallel_for over the block pairs (an odd last block alone), each thread a contiguous range.
-// Per pair, fill_panel(b0, blocks, panel) writes the panel (blocks: 2, or 1 for the odd last),
-// then each chunk of rows m.. (rows of them) gives store_rows(c, m, rows, b0, blocks) the float32
-// results c[r, 16 b + n] (row stride 32) to write out.
+// x [M, K] bfloat16 (as uint16_t bits; K a multiple of k_align, itself a multiple of 32) times the
+// N / 16 blocks of a weight: at::parallel_for over the block pairs (an odd last block alone),
+// each thread a contiguous range of them. Loops, from the outside: blocks of rows (about
+// kPanelRowBlockBytes of x), chunks of features (at most kPanelChunkFeatures, multiples of
+// k_align), the thread's pairs, chunks of 32 rows. fill_panel(b0, blocks, k_begin, k_end, panel)
+// writes the panel of blocks [b0, b0 + blocks) (2, or 1 for the odd last) and features [k_begin,
+// k_end); a row chunk's sums over the whole K are given to store_rows(c, m, rows, b0, blocks) as
+// c[r, 16 b + n] (row stride 32 floats) to write out.
 template <typename FillPanel, typename StoreRows>
-void bf16_amx_panel_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, const FillPanel& fill_panel,
-                         const StoreRows& store_rows) {
-  const int64_t blocks = N / 16, steps = K / kPanelFeatures;
+void bf16_amx_panel_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, int64_t k_align,
+                         const FillPanel& fill_panel, const StoreRows& store_rows) {
+  const int64_t blocks = N / 16;
   // the last partial chunk of rows, zero-padded to 32 (A tiles read 16 or 32 rows whatever is left)
   const int64_t full_rows = M - M % kPanelChunkRows;
   std::vector<uint16_t> tail;
@@ -144,35 +161,50 @@ void bf16_amx_panel_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, con
     std::memcpy(tail.data(), x + full_rows * K, (M - full_rows) * K * sizeof(uint16_t));
   }
   const uint16_t* tail_rows = tail.data();
-  const int64_t block_rows = std::max(kPanelChunkRows, kPanelRowBlockBytes / (K * 2) / kPanelChunkRows * kPanelChunkRows);
+  const int64_t chunk_features = std::min(K, std::max(k_align, kPanelChunkFeatures / k_align * k_align));
+  const int64_t k_chunks = (K + chunk_features - 1) / chunk_features;
+  const int64_t block_rows =
+      std::max(kPanelChunkRows, kPanelRowBlockBytes / (chunk_features * 2) / kPanelChunkRows * kPanelChunkRows);
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    // the calling thread's panel, and its pairs' float32 sums for a block of rows (one pair's
+    // when K is one chunk: nothing to carry from one chunk to the next)
     thread_local std::vector<uint8_t> panel_buffer;
-    panel_buffer.resize(steps * 2 * kPanelTileBytes + 64);
+    thread_local std::vector<float> sums_buffer;
+    panel_buffer.resize(chunk_features / kPanelFeatures * 2 * kPanelTileBytes + 64);
+    const int64_t pair_sums = block_rows * 32;
+    sums_buffer.resize(pair_sums * (k_chunks > 1 ? end - begin : 1) + 16);
     uint8_t* panel = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(panel_buffer.data()) + 63) & ~uintptr_t{63});
-    alignas(64) float c[kPanelChunkRows * 32];
+    float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums_buffer.data()) + 63) & ~uintptr_t{63});
+    const int64_t a_stride = K * sizeof(uint16_t);
     bf16_amx_configure();  // tile state is per thread
     for (int64_t m_block = 0; m_block < M; m_block += block_rows) {
       const int64_t m_block_end = std::min(M, m_block + block_rows);
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t b0 = 2 * pair;
-        const int width = b0 + 1 < blocks ? 2 : 1;
-        fill_panel(b0, width, panel);
-        for (int64_t m = m_block; m < m_block_end; m += kPanelChunkRows) {
-          const int64_t rows = std::min(kPanelChunkRows, M - m);
-          const uint8_t* a = reinterpret_cast<const uint8_t*>(m < full_rows ? x + m * K : tail_rows);
-          const int64_t a_stride = K * sizeof(uint16_t);
-          if (rows > 16) {
-            if (width == 2)
-              bf16_amx_rows_times_panel<2, 2>(a, a_stride, panel, steps, c);
-            else
-              bf16_amx_rows_times_panel<2, 1>(a, a_stride, panel, steps, c);
-          } else {
-            if (width == 2)
-              bf16_amx_rows_times_panel<1, 2>(a, a_stride, panel, steps, c);
-            else
-              bf16_amx_rows_times_panel<1, 1>(a, a_stride, panel, steps, c);
+      for (int64_t chunk = 0; chunk < k_chunks; ++chunk) {
+        const int64_t k_begin = chunk * chunk_features, k_end = std::min(K, k_begin + chunk_features);
+        const int64_t steps = (k_end - k_begin) / kPanelFeatures;
+        const bool last = chunk == k_chunks - 1;
+        for (int64_t pair = begin; pair < end; ++pair) {
+          const int64_t b0 = 2 * pair;
+          const int width = b0 + 1 < blocks ? 2 : 1;
+          fill_panel(b0, width, k_begin, k_end, panel);
+          float* pair_rows = sums + (k_chunks > 1 ? (pair - begin) * pair_sums : 0);
+          for (int64_t m = m_block; m < m_block_end; m += kPanelChunkRows) {
+            const int64_t rows = std::min(kPanelChunkRows, M - m);
+            const uint8_t* a = reinterpret_cast<const uint8_t*>((m < full_rows ? x + m * K : tail_rows) + k_begin);
+            float* c = pair_rows + (m - m_block) * 32;
+            if (rows > 16) {
+              if (width == 2)
+                bf16_amx_rows_times_panel<2, 2>(a, a_stride, panel, steps, c, chunk > 0);
+              else
+                bf16_amx_rows_times_panel<2, 1>(a, a_stride, panel, steps, c, chunk > 0);
+            } else {
+              if (width == 2)
+                bf16_amx_rows_times_panel<1, 2>(a, a_stride, panel, steps, c, chunk > 0);
+              else
+                bf16_amx_rows_times_panel<1, 1>(a, a_stride, panel, steps, c, chunk > 0);
+            }
+            if (last) store_rows(static_cast<const float*>(c), m, rows, b0, width);
           }
-          store_rows(static_cast<const float*>(c), m, rows, b0, width);
         }
       }
     }

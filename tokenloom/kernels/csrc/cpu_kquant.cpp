@@ -332,10 +332,12 @@ template <int kBits>
 __attribute__((target("avx512bf16,avx512bw,avx512f"))) void kquant_fill_panel(const uint8_t* weight, int64_t b0,
                                                                              int blocks, int64_t N,
                                                                              const Superblocks& layout,
+                                                                             int64_t k_begin, int64_t k_end,
                                                                              uint8_t* panel) {
   const uint8_t* pair_start = weight + b0 * layout.count * layout.bytes;
   const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
-  for (int64_t sb = 0; sb < layout.count; ++sb) {
+  const int64_t superblock_features = kGroup * layout.groups, sb_begin = k_begin / superblock_features;
+  for (int64_t sb = sb_begin; sb < k_end / superblock_features; ++sb) {
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* header = pair_start + (sb * width + b) * layout.bytes;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
@@ -358,7 +360,7 @@ __attribute__((target("avx512bf16,avx512bw,avx512f"))) void kquant_fill_panel(co
                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16)))));
           offset[0] = offset[1] = _mm512_sub_ps(_mm512_setzero_ps(), offset[0]);
         }
-        uint8_t* tile = panel + ((sb * layout.groups + gi) * blocks + b) * kPanelTileBytes;
+        uint8_t* tile = panel + (((sb - sb_begin) * layout.groups + gi) * blocks + b) * kPanelTileBytes;
         for (int step = 0; step < 8; step += 2) {
           __m512i codes[2];
           decode_steps<kBits>(group, step, codes);
@@ -624,8 +626,10 @@ at::Tensor kquant_linear_bf16(const char* name, const at::Tensor& x, const at::T
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   float* result = out.data_ptr<float>();
   bf16_amx_panel_gemm(
-      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K,
-      [&](int64_t b0, int blocks, uint8_t* panel) { kquant_fill_panel<kBits>(packed, b0, blocks, N, layout, panel); },
+      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K, kGroup * groups,
+      [&](int64_t b0, int blocks, int64_t k_begin, int64_t k_end, uint8_t* panel) {
+        kquant_fill_panel<kBits>(packed, b0, blocks, N, layout, k_begin, k_end, panel);
+      },
       [&](const float* c, int64_t m, int64_t rows, int64_t b0, int blocks) {
         for (int64_t r = 0; r < rows; ++r)
           std::memcpy(result + (m + r) * N + b0 * kBlockRows, c + r * 32, sizeof(float) * kBlockRows * blocks);
