@@ -379,7 +379,9 @@ def test_bf16_prompt_path_only_where_the_avx512_build_has_amx_bf16(monkeypatch):
     never under TOKENLOOM_CPU_AMX=0; where it is not, the kernel refuses with the reason."""
     monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
     flags = cpu_native.cpu_flags()
-    has_it = cpu_native.selected_level().name == "avx512" and {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
+    has_it = (
+        cpu_native.selected_level().name == "avx512" and {"amx_bf16", "amx_tile", "avx512_bf16", "avx512vbmi"} <= flags
+    )
     assert bf16_amx_available() == has_it
     codes, scales, zeros = random_int4(16, 32, 32)
     weight = pack_int4(codes, scales, zeros, torch.bfloat16)

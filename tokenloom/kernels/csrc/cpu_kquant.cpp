@@ -329,7 +329,7 @@ void kquant_rows(const QuantizedRows& x, const int32_t* half_offsets, const uint
 // code - dmin mn, in one fused multiply-add of exact terms (d sc and dmin mn are exact in float32,
 // so is 32 d sc, and so is 5-bit's (d sc) * code): the float32 the dequantized weight holds
 template <int kBits>
-__attribute__((target("avx512bf16,avx512bw,avx512f"))) void kquant_fill_panel(const uint8_t* weight, int64_t b0,
+__attribute__((target("avx512bf16,avx512bw,avx512f,avx512vbmi"))) void kquant_fill_panel(const uint8_t* weight, int64_t b0,
                                                                              int blocks, int64_t N,
                                                                              const Superblocks& layout,
                                                                              int64_t k_begin, int64_t k_end,
@@ -360,12 +360,14 @@ __attribute__((target("avx512bf16,avx512bw,avx512f"))) void kquant_fill_panel(co
                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16)))));
           offset[0] = offset[1] = _mm512_sub_ps(_mm512_setzero_ps(), offset[0]);
         }
+        const PanelScales scales[2] = {bf16_panel_scales(scale[0], offset[0]),
+                                       kBits == 6 ? bf16_panel_scales(scale[1], offset[1]) : PanelScales{}};
         uint8_t* tile = panel + (((sb - sb_begin) * layout.groups + gi) * blocks + b) * kPanelTileBytes;
         for (int step = 0; step < 8; step += 2) {
           __m512i codes[2];
           decode_steps<kBits>(group, step, codes);
           for (int i = 0; i < 2; ++i)
-            bf16_panel_step(codes[i], scale[(step + i) / 4], offset[(step + i) / 4], tile + 2 * (step + i) * 64);
+            bf16_panel_step(codes[i], scales[kBits == 6 ? (step + i) / 4 : 0], tile + 2 * (step + i) * 64);
         }
       }
     }

@@ -717,7 +717,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 // int4_linear_bf16's panel: blocks [b0, b0 + blocks) of the 4-bit weight, every group (one panel
 // step of 32 features) dequantized as bf16(d * code + m) (cpu_amx_bf16.h)
-__attribute__((target("avx512bf16,avx512bw,avx512f"))) void int4_fill_panel(const uint8_t* weight, int64_t b0,
+__attribute__((target("avx512bf16,avx512bw,avx512f,avx512vbmi"))) void int4_fill_panel(const uint8_t* weight, int64_t b0,
                                                                            int blocks, int64_t N, int64_t K,
                                                                            int64_t k_begin, int64_t k_end,
                                                                            uint8_t* panel) {
@@ -731,10 +731,12 @@ __attribute__((target("avx512bf16,avx512bw,avx512f"))) void int4_fill_panel(cons
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4>)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4> + 32)));
       uint8_t* tile = panel + ((g - k_begin / kGroup) * blocks + b) * kPanelTileBytes;
+      const PanelScales scales = bf16_panel_scales(d, m);
       for (int t = 0; t < 4; ++t) {  // 64 bytes t: step 2t in the low nibbles, 2t+1 in the high
         const __m512i bytes = _mm512_loadu_si512(group + t * 64);
-        bf16_panel_step(_mm512_and_si512(bytes, low_nibbles), d, m, tile + 2 * (2 * t) * 64);
-        bf16_panel_step(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles), d, m, tile + 2 * (2 * t + 1) * 64);
+        bf16_panel_step(_mm512_and_si512(bytes, low_nibbles), scales, tile + 2 * (2 * t) * 64);
+        bf16_panel_step(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles), scales,
+                        tile + 2 * (2 * t + 1) * 64);
       }
     }
   }
