@@ -394,3 +394,15 @@ def test_bf16_prompt_path_only_where_the_avx512_build_has_amx_bf16(monkeypatch):
     if not has_it:
         with pytest.raises(RuntimeError, match="AMX-BF16 is not available here"):
             int4_linear_bf16(x, weight)
+
+
+@needs_native
+def test_bf16_prompt_path_writes_a_large_output_as_it_writes_a_small_one(bf16_amx):
+    """From 16 MiB the output is asked for huge pages before it is written: 512 rows x 16384
+    outputs give each row the bits it gets in calls of 100 rows (small outputs)."""
+    codes, scales, zeros = random_int4(16384, 64, 32, seed=3)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    large = int4_linear_bf16(x, weight)
+    assert large.numel() * large.element_size() >= 16 << 20
+    assert torch.equal(large, torch.cat([int4_linear_bf16(part, weight) for part in x.split(100)]))

@@ -213,3 +213,16 @@ def test_bf16_prompt_path_refuses_where_amx_bf16_is_not_available(monkeypatch):
     for matmul, rows in ((weight, x), (int5, torch.randn(2, 640))):
         with pytest.raises(RuntimeError, match="AMX-BF16 is not available here"):
             kquant_linear_bf16(rows, matmul)
+
+
+@needs_native
+def test_bf16_prompt_path_writes_a_large_output_as_it_writes_a_small_one(bf16_amx):
+    """From 16 MiB the output is asked for huge pages before it is written: 256 rows x 16384
+    float32 outputs give each row the bits it gets in calls of 100 rows."""
+    weight, _ = weight_for("int6", (16384, 256), seed=5)
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    large = kquant_linear_bf16(x, weight, dtype=torch.float32)
+    assert large.numel() * large.element_size() >= 16 << 20
+    assert torch.equal(
+        large, torch.cat([kquant_linear_bf16(part, weight, dtype=torch.float32) for part in x.split(100)])
+    )
