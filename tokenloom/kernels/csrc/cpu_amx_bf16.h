@@ -7,27 +7,29 @@
 //
 // Why: the int8 paths (cpu_qlinear.cpp's AMX-INT8 tile included) scale every group of 32
 // features' integer sums into float accumulators, so AMX saves only their integer products. For
-// many rows (a prompt's) it pays instead to dequantize each pair of blocks ONCE per call into a
-// bfloat16 panel [K x 32 outputs] laid out as AMX B tiles, then run all M rows over it with no
-// per-group epilogue. Decode rows keep the int8 paths; which rows take this one is the caller's
-// choice, by row role and never by batch size, and a row's bits here do not depend on the other
-// rows, their number, its position or the thread count (each output is one thread's, over the
-// same tiles in the same K order; an AMX row's result reads only its own A row).
+// many rows (a prompt's) it pays instead to dequantize each pair of blocks into a bfloat16 panel
+// [K x 32 outputs] laid out as AMX B tiles, once per block of rows, and run those rows over it
+// with no per-group epilogue. Decode rows keep the int8 paths; which rows take this one is the
+// caller's choice, by row role and never by batch size, and a row's bits here do not depend on
+// the other rows, their number, its position or the thread count (each output is one thread's,
+// over the same tiles in the same K order, K split at fixed points; an AMX row's result reads
+// only its own A row).
 //
-// Panel layout (one per block pair, the calling worker thread's buffer): for each step of 32
-// features k0 = 32 s, per block b (1 or 2): a B tile of 16 rows x 64 bytes, row r holding for
-// each of the block's 16 outputs n the bfloat16 pair (w[n, k0 + 2r], w[n, k0 + 2r + 1]). A
-// layout's dequantizer fills it with bf16_panel_step: a 64-byte vector of codes with 4 features
-// per output lane (the int4 layout's "step") and each output's float scale and offset
+// Panel layout (one per block pair and chunk of K, the calling worker thread's buffer): for each
+// step of 32 features k0 = 32 s, per block b (1 or 2): a B tile of 16 rows x 64 bytes, row r
+// holding for each of the block's 16 outputs n the bfloat16 pair (w[n, k0 + 2r], w[n, k0 + 2r +
+// 1]). A layout's dequantizer fills it with bf16_panel_step: a 64-byte vector of codes with 4
+// features per output lane (the int4 layout's "step") and each output's float scale and offset
 // (bf16_panel_scales).
 //
 // Tiles: 0-3 float32 accumulators [16 rows, 16 outputs] (row tile i, block b: 2 i + b); 4-5 rows
 // of x [16 rows, 32 features] read in place (stride K; the last partial chunk of 32 rows from a
 // zero-padded copy); 6-7 the pair's two B tiles. Rows go in blocks of about 1 MiB of x (which
-// stay in L2 while each pair of the thread's range runs over them, the pair's panel dequantized
-// once per block), each block in chunks of 32 rows (16 when no more are left), the whole K each. Only in the avx512 build on a CPU with AMX-BF16 and AVX512-BF16
-// (amx_bf16_usable, cpu_amx.h; AVX512-VBMI too, for the panels' byte gathers); tdpbf16ps reads bfloat16 denormals as zero (prompt activations
-// and GGUF scales are far from them).
+// stay in L2 while each pair of the thread's range runs over them), K in chunks of up to 2048
+// features, each block in chunks of 32 rows (16 when no more are left). Only in the avx512 build
+// on a CPU with AMX-BF16, AVX512-BF16 and AVX512-VBMI (the panels' byte gathers; amx_bf16_usable,
+// cpu_amx.h); tdpbf16ps reads bfloat16 denormals as zero (prompt activations and GGUF scales are
+// far from them).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -227,7 +229,8 @@ void bf16_amx_panel_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, int
     panel_buffer.resize(chunk_features / kPanelFeatures * 2 * kPanelTileBytes + 64);
     const int64_t pair_sums = block_rows * 32;
     sums_buffer.resize(pair_sums * (k_chunks > 1 ? end - begin : 1) + 16);
-    uint8_t* panel = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(panel_buffer.data()) + 63) & ~uintptr_t{63});
+    uint8_t* panel =
+        reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(panel_buffer.data()) + 63) & ~uintptr_t{63});
     float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums_buffer.data()) + 63) & ~uintptr_t{63});
     const int64_t a_stride = K * sizeof(uint16_t);
     bf16_amx_configure();  // tile state is per thread
