@@ -14,9 +14,18 @@ weights come from memory as in a real step.
   PATH:vnni  PATH with TOKENLOOM_CPU_AMX=0 during its calls: on a CPU with AMX-INT8, int4:vnni
              beside int4 is an A/B of int4_linear's AMX tile (from its row threshold) against
              its VNNI tile, alternated
+  int4bf16, int6bf16, int5bf16  the same weights as int4 / int6 / int5 through the AMX-BF16
+             prompt path (int4_linear_bf16, kquant_linear_bf16: bfloat16 panels, float32 sums;
+             where bf16_amx_available())
 
   python benchmarks/kquant_layers.py 1,2,4,8,16,32 [--paths int6,int5,int4,int8,fp8,w8a16,dense,int4:vnni]
       [--shapes layers,head] [--rounds 15] [--copies 4]
+
+The prompt path against the int8 one, on a 1.7B model's prefill shapes ([2048 -> 2048] q/o,
+[2048 -> 16384] gate and up together, [8192 -> 2048] down), one thread's CPU time:
+
+  python benchmarks/kquant_layers.py 16,64,256,2048 --paths int4,int4bf16,int6,int6bf16 \
+      --shapes prefill --threads 1 --rounds 5 --copies 1
 
 TOKENLOOM_CPU_ISA=avx2 (or benchmarks/avx2_host.sh) measures a lower kernel level. The paths are
 measured alternately (one pass of each per round): the machine's drift hits them all alike.
@@ -29,19 +38,33 @@ import time
 import torch
 
 from tokenloom.kernels import cpu_native
-from tokenloom.kernels.int4_matmul import int4_linear, pack_int4
+from tokenloom.kernels.int4_matmul import int4_linear, int4_linear_bf16, pack_int4
 from tokenloom.kernels.int8_matmul import int8_linear, pack_int8
-from tokenloom.kernels.kquant_matmul import dequantize_int6, kquant_linear, pack_int5, pack_int6
+from tokenloom.kernels.kquant_matmul import (
+    dequantize_int6,
+    kquant_linear,
+    kquant_linear_bf16,
+    pack_int5,
+    pack_int6,
+)
 from tokenloom.kernels.onednn_linear import pack_weight, packable, packed_linear
 from tokenloom.kernels.w8a16_matmul import pack_w8, w8a16_linear
 
-SHAPES = {"layers": [(8192, 2048), (2048, 8192), (2048, 2048)], "head": [(49152, 2048)]}  # (out, in)
+SHAPES = {  # (out, in)
+    "layers": [(8192, 2048), (2048, 8192), (2048, 2048)],
+    "head": [(49152, 2048)],
+    "prefill": [(2048, 2048), (16384, 2048), (2048, 8192)],
+}
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("rows", help="comma-separated batch sizes")
 parser.add_argument("--paths", default="int6,int5,int4,int8,dense")
 parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-parser.add_argument("--shapes", default="layers", help="comma-separated: layers (the decoder's), head (the LM head)")
+parser.add_argument(
+    "--shapes",
+    default="layers",
+    help="comma-separated: layers (the decoder's), head (the LM head), prefill (q/o, gate+up, down)",
+)
 parser.add_argument("--rounds", type=int, default=15)
 parser.add_argument(
     "--threads",
@@ -64,6 +87,8 @@ def build(path: str, out_features: int, in_features: int):
         matmul = build(path.removesuffix(":vnni"), out_features, in_features)
         return lambda x: without_amx(matmul, x)
     groups = in_features // 32
+    prompt_path = path.endswith("bf16")
+    path = path.removesuffix("bf16")
     if path == "int6" or path == "dense":
         codes = torch.randint(0, 64, (out_features, in_features), dtype=torch.uint8)
         scales = torch.randint(-128, 128, (out_features, in_features // 16)).to(torch.int8)
@@ -73,13 +98,13 @@ def build(path: str, out_features: int, in_features: int):
             packed = pack_weight(weight) if packable(weight) else weight
             return lambda x: packed_linear(x, packed) if packed.is_mkldnn else torch.nn.functional.linear(x, packed)
         weight = pack_int6(codes, scales, d)
-        return lambda x: kquant_linear(x, weight)
+        return (lambda x: kquant_linear_bf16(x, weight)) if prompt_path else (lambda x: kquant_linear(x, weight))
     if path == "int5":
         codes = torch.randint(0, 32, (out_features, in_features), dtype=torch.uint8)
         scales, mins = (torch.randint(0, 64, (out_features, groups), dtype=torch.uint8) for _ in "ab")
         d, dmin = ((torch.rand(out_features, groups // 8) * 0.001).half() for _ in "ab")
         weight = pack_int5(codes, scales, mins, d, dmin, 8)
-        return lambda x: kquant_linear(x, weight)
+        return (lambda x: kquant_linear_bf16(x, weight)) if prompt_path else (lambda x: kquant_linear(x, weight))
     if path in ("fp8", "w8a16"):
         if path == "fp8":
             codes = (torch.randn(out_features, in_features) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -91,7 +116,7 @@ def build(path: str, out_features: int, in_features: int):
         codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
         scales = (torch.rand(out_features, groups) * 0.02).half().float()
         weight = pack_int4(codes, scales, 8 * scales, torch.bfloat16)
-        return lambda x: int4_linear(x, weight)
+        return (lambda x: int4_linear_bf16(x, weight)) if prompt_path else (lambda x: int4_linear(x, weight))
     codes = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
     weight = pack_int8(codes, torch.rand(out_features, groups) * 0.01)
     return lambda x: int8_linear(x, weight).to(x.dtype)

@@ -310,11 +310,12 @@ def assert_close_to_float32_sums(out: torch.Tensor, x: torch.Tensor, dense: torc
 
 
 @needs_native
-@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (80, 1536), (32, 8192)])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (80, 1536), (48, 2080), (32, 8192)])
 def test_bf16_prompt_path_is_the_bfloat16_weight_times_the_rows(shape, bf16_amx):
-    """One block, odd block counts (3, 5), 1-256 groups; rows 1, 15 and 16 (one row tile), 17 and
-    33 (a partial chunk of 32), 300 (chunks and a tail): float32 sums of the bfloat16 weight's
-    products, rounded once to bfloat16."""
+    """One block, odd block counts (3, 5), 1-256 groups, K in chunks of 2048 features (2048 + 32,
+    4 x 2048); rows 1, 15 and 16 (one row tile), 17 and 33 (a partial chunk of 32), 300 (chunks and
+    a tail, two blocks of rows at K = 8192): float32 sums of the bfloat16 weight's products,
+    rounded once to bfloat16."""
     codes, scales, zeros = random_int4(*shape, 32, seed=shape[1])
     weight = pack_int4(codes, scales, zeros, torch.bfloat16)
     dense = bfloat16_weight(codes, scales, zeros)
@@ -337,11 +338,13 @@ def test_bf16_prompt_path_reads_every_weight_value_exactly(shape, bf16_amx):
 
 
 @needs_native
-def test_bf16_prompt_path_gives_a_row_the_same_bits_in_any_batch_and_thread_count(bf16_amx):
-    """Each row alone, among 1-300 rows, at any position, and on 1 or 2 threads: the same bits."""
-    codes, scales, zeros = random_int4(80, 1536, 32, seed=2)
+@pytest.mark.parametrize("shape", [(80, 1536), (48, 2080)])
+def test_bf16_prompt_path_gives_a_row_the_same_bits_in_any_batch_and_thread_count(shape, bf16_amx):
+    """Each row alone, among 1-300 rows, at any position, and on 1 or 2 threads: the same bits
+    (K in one chunk, and in two whose sums are stored between them)."""
+    codes, scales, zeros = random_int4(*shape, 32, seed=2)
     weight = pack_int4(codes, scales, zeros, torch.bfloat16)
-    x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     alone = torch.cat([int4_linear_bf16(x[row : row + 1], weight) for row in range(40)])
     for rows in (1, 15, 16, 17, 33, 40):
         assert torch.equal(int4_linear_bf16(x[:rows], weight), alone[:rows]), f"{rows} rows"
@@ -376,7 +379,9 @@ def test_bf16_prompt_path_only_where_the_avx512_build_has_amx_bf16(monkeypatch):
     never under TOKENLOOM_CPU_AMX=0; where it is not, the kernel refuses with the reason."""
     monkeypatch.delenv("TOKENLOOM_CPU_AMX", raising=False)
     flags = cpu_native.cpu_flags()
-    has_it = cpu_native.selected_level().name == "avx512" and {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
+    has_it = (
+        cpu_native.selected_level().name == "avx512" and {"amx_bf16", "amx_tile", "avx512_bf16", "avx512vbmi"} <= flags
+    )
     assert bf16_amx_available() == has_it
     codes, scales, zeros = random_int4(16, 32, 32)
     weight = pack_int4(codes, scales, zeros, torch.bfloat16)
@@ -389,3 +394,15 @@ def test_bf16_prompt_path_only_where_the_avx512_build_has_amx_bf16(monkeypatch):
     if not has_it:
         with pytest.raises(RuntimeError, match="AMX-BF16 is not available here"):
             int4_linear_bf16(x, weight)
+
+
+@needs_native
+def test_bf16_prompt_path_writes_a_large_output_as_it_writes_a_small_one(bf16_amx):
+    """From 16 MiB the output is asked for huge pages before it is written: 512 rows x 16384
+    outputs give each row the bits it gets in calls of 100 rows (small outputs)."""
+    codes, scales, zeros = random_int4(16384, 64, 32, seed=3)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    large = int4_linear_bf16(x, weight)
+    assert large.numel() * large.element_size() >= 16 << 20
+    assert torch.equal(large, torch.cat([int4_linear_bf16(part, weight) for part in x.split(100)]))

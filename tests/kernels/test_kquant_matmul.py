@@ -154,11 +154,12 @@ def bf16_amx(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("case, shape", [*CASES, ("int6", (32, 2048))])
+@pytest.mark.parametrize("case, shape", [*CASES, ("int6", (32, 2048)), ("int6", (48, 4608)), ("int5-0", (16, 2080))])
 def test_bf16_prompt_path_is_the_bfloat16_weight_times_the_rows(case, shape, bf16_amx):
     """One block and odd block counts, one and several superblocks, Q5_0's 640 features (not a
-    multiple of 256); rows 1, 15, 16, 17, 33, 300: float32 sums of the products of the bfloat16
-    rows and the dequantized weight rounded to bfloat16 (float32 out, no rounding of its own)."""
+    multiple of 256), K in chunks of 2048 features (2 x 2048 + 512; Q5_0's 2048 + 32); rows 1,
+    15, 16, 17, 33, 300: float32 sums of the products of the bfloat16 rows and the dequantized
+    weight rounded to bfloat16 (float32 out, no rounding of its own)."""
     weight, dense = weight_for(case, shape, seed=shape[1])
     weight_bf16 = dense.to(torch.bfloat16).double()
     for rows in (1, 15, 16, 17, 33, 300):
@@ -182,7 +183,7 @@ def test_bf16_prompt_path_reads_every_weight_value_exactly(case, shape, bf16_amx
 
 
 @needs_native
-@pytest.mark.parametrize("case, shape", [CASES[1], CASES[4]])
+@pytest.mark.parametrize("case, shape", [CASES[1], CASES[4], ("int6", (48, 4608))])
 def test_bf16_prompt_path_gives_a_row_the_same_bits_in_any_batch_and_thread_count(case, shape, bf16_amx):
     weight, _ = weight_for(case, shape, seed=11)
     x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -212,3 +213,16 @@ def test_bf16_prompt_path_refuses_where_amx_bf16_is_not_available(monkeypatch):
     for matmul, rows in ((weight, x), (int5, torch.randn(2, 640))):
         with pytest.raises(RuntimeError, match="AMX-BF16 is not available here"):
             kquant_linear_bf16(rows, matmul)
+
+
+@needs_native
+def test_bf16_prompt_path_writes_a_large_output_as_it_writes_a_small_one(bf16_amx):
+    """From 16 MiB the output is asked for huge pages before it is written: 256 rows x 16384
+    float32 outputs give each row the bits it gets in calls of 100 rows."""
+    weight, _ = weight_for("int6", (16384, 256), seed=5)
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    large = kquant_linear_bf16(x, weight, dtype=torch.float32)
+    assert large.numel() * large.element_size() >= 16 << 20
+    assert torch.equal(
+        large, torch.cat([kquant_linear_bf16(part, weight, dtype=torch.float32) for part in x.split(100)])
+    )

@@ -431,8 +431,8 @@ def _amx_bf16_state(ops: Any, level: IsaLevel) -> str:
     flags = cpu_flags()
     if level.name != "avx512":
         return f"not used (not in the {level.name} build)"
-    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
-        return "not used (the CPU has no amx_bf16 or avx512_bf16)"
+    if not {"amx_bf16", "amx_tile", "avx512_bf16", "avx512vbmi"} <= flags:
+        return "not used (the CPU has no amx_bf16, avx512_bf16 or avx512vbmi)"
     return "off (TOKENLOOM_CPU_AMX=0)"
 
 

@@ -8,6 +8,11 @@ of input features, multiplied without ever materialising the dense weight.
   the dot products of codes are summed exactly in integers. Faster than the dense matmul at
   every batch size (docs/design.md has the figures per level), so a layer holding such a weight
   needs no dense copy at all.
+- for a prompt's rows, where the avx512 build runs on a CPU with AMX-BF16
+  (:func:`bf16_amx_available`), :func:`int4_linear_bf16` on the same packed buffer: each block
+  pair dequantized to a bfloat16 panel once per block of rows, bfloat16 rows, float32 sums over
+  all of K (csrc/cpu_amx_bf16.h); about 2x :func:`int4_linear` from 256 rows, slower below ~32.
+  Which rows take it is the caller's choice, by row role (never by batch size).
 - else (kernels switched off or not built) torch's weight-only kernel (``aten._weight_int4pack_mm_for_cpu``, 16-bit activations), which
   beats the dense matmul only for a few rows: layers keep both and choose per call
   (:func:`prefers_int4`).

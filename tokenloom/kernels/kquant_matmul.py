@@ -11,6 +11,11 @@ scales. The layout is the int4 one (the low 4 bits of each code) plus a plane of
 - 5-bit (:func:`pack_int5`): ``d * scale * code - dmin * min``, ``code`` in ``0..31``, an unsigned
   8-bit ``scale`` and ``min`` per 32 features, float16 ``d`` and ``dmin`` per superblock of
   ``superblock_groups`` groups of 32 (Q5_K: 8; Q5_0 and Q5_1: 1, with scale 1).
+
+For a prompt's rows, where AMX-BF16 runs
+(:func:`~tokenloom.kernels.int4_matmul.bf16_amx_available`), :func:`kquant_linear_bf16` multiplies
+bfloat16 rows by the same packed weight dequantized to bfloat16 panels (``int6_linear_bf16``,
+``int5_linear_bf16``, csrc/cpu_amx_bf16.h), float32 sums over all of K.
 """
 
 from __future__ import annotations

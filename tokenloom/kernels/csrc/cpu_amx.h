@@ -62,13 +62,14 @@ inline bool amx_usable() {
   return usable;
 }
 
-// whether this CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24, 22), AVX512-BF16 (CPUID.(7,1):EAX
-// bit 5: the panels of cpu_amx_bf16.h are rounded by vcvtne2ps2bf16) and the tile permission
+// whether this CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24, 22), AVX512-VBMI (ECX bit 1)
+// and AVX512-BF16 (CPUID.(7,1):EAX bit 5: the panels of cpu_amx_bf16.h gather codes by vpermb and
+// round by vcvtne2ps2bf16; every CPU with AMX-BF16 has both) and the tile permission
 inline bool amx_bf16_usable() {
   static const bool usable = [] {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!((edx >> 24) & 1) || !((edx >> 22) & 1)) return false;
+    if (!((edx >> 24) & 1) || !((edx >> 22) & 1) || !((ecx >> 1) & 1)) return false;
     if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !((eax >> 5) & 1)) return false;
     return amx_tile_permission();
   }();

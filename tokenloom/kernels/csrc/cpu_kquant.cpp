@@ -329,13 +329,15 @@ void kquant_rows(const QuantizedRows& x, const int32_t* half_offsets, const uint
 // code - dmin mn, in one fused multiply-add of exact terms (d sc and dmin mn are exact in float32,
 // so is 32 d sc, and so is 5-bit's (d sc) * code): the float32 the dequantized weight holds
 template <int kBits>
-__attribute__((target("avx512bf16,avx512bw,avx512f"))) void kquant_fill_panel(const uint8_t* weight, int64_t b0,
+__attribute__((target("avx512bf16,avx512bw,avx512f,avx512vbmi"))) void kquant_fill_panel(const uint8_t* weight, int64_t b0,
                                                                              int blocks, int64_t N,
                                                                              const Superblocks& layout,
+                                                                             int64_t k_begin, int64_t k_end,
                                                                              uint8_t* panel) {
   const uint8_t* pair_start = weight + b0 * layout.count * layout.bytes;
   const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
-  for (int64_t sb = 0; sb < layout.count; ++sb) {
+  const int64_t superblock_features = kGroup * layout.groups, sb_begin = k_begin / superblock_features;
+  for (int64_t sb = sb_begin; sb < k_end / superblock_features; ++sb) {
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* header = pair_start + (sb * width + b) * layout.bytes;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
@@ -358,12 +360,14 @@ __attribute__((target("avx512bf16,avx512bw,avx512f"))) void kquant_fill_panel(co
                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + 16)))));
           offset[0] = offset[1] = _mm512_sub_ps(_mm512_setzero_ps(), offset[0]);
         }
-        uint8_t* tile = panel + ((sb * layout.groups + gi) * blocks + b) * kPanelTileBytes;
+        const PanelScales scales[2] = {bf16_panel_scales(scale[0], offset[0]),
+                                       kBits == 6 ? bf16_panel_scales(scale[1], offset[1]) : PanelScales{}};
+        uint8_t* tile = panel + (((sb - sb_begin) * layout.groups + gi) * blocks + b) * kPanelTileBytes;
         for (int step = 0; step < 8; step += 2) {
           __m512i codes[2];
           decode_steps<kBits>(group, step, codes);
           for (int i = 0; i < 2; ++i)
-            bf16_panel_step(codes[i], scale[(step + i) / 4], offset[(step + i) / 4], tile + 2 * (step + i) * 64);
+            bf16_panel_step(codes[i], scales[kBits == 6 ? (step + i) / 4 : 0], tile + 2 * (step + i) * 64);
         }
       }
     }
@@ -623,9 +627,12 @@ at::Tensor kquant_linear_bf16(const char* name, const at::Tensor& x, const at::T
   if (M == 0) return out;
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   float* result = out.data_ptr<float>();
+  bf16_amx_huge_output_pages(result, M * N * static_cast<int64_t>(sizeof(float)));
   bf16_amx_panel_gemm(
-      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K,
-      [&](int64_t b0, int blocks, uint8_t* panel) { kquant_fill_panel<kBits>(packed, b0, blocks, N, layout, panel); },
+      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K, kGroup * groups,
+      [&](int64_t b0, int blocks, int64_t k_begin, int64_t k_end, uint8_t* panel) {
+        kquant_fill_panel<kBits>(packed, b0, blocks, N, layout, k_begin, k_end, panel);
+      },
       [&](const float* c, int64_t m, int64_t rows, int64_t b0, int blocks) {
         for (int64_t r = 0; r < rows; ++r)
           std::memcpy(result + (m + r) * N + b0 * kBlockRows, c + r * 32, sizeof(float) * kBlockRows * blocks);

@@ -717,23 +717,26 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 // int4_linear_bf16's panel: blocks [b0, b0 + blocks) of the 4-bit weight, every group (one panel
 // step of 32 features) dequantized as bf16(d * code + m) (cpu_amx_bf16.h)
-__attribute__((target("avx512bf16,avx512bw,avx512f"))) void int4_fill_panel(const uint8_t* weight, int64_t b0,
+__attribute__((target("avx512bf16,avx512bw,avx512f,avx512vbmi"))) void int4_fill_panel(const uint8_t* weight, int64_t b0,
                                                                            int blocks, int64_t N, int64_t K,
+                                                                           int64_t k_begin, int64_t k_end,
                                                                            uint8_t* panel) {
   const int64_t groups = K / kGroup;
   const uint8_t* pair_start = weight + b0 * groups * kGroupBytes<4>;
   const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = k_begin / kGroup; g < k_end / kGroup; ++g) {
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* group = pair_start + (g * width + b) * kGroupBytes<4>;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4>)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kCodeBytes<4> + 32)));
-      uint8_t* tile = panel + (g * blocks + b) * kPanelTileBytes;
+      uint8_t* tile = panel + ((g - k_begin / kGroup) * blocks + b) * kPanelTileBytes;
+      const PanelScales scales = bf16_panel_scales(d, m);
       for (int t = 0; t < 4; ++t) {  // 64 bytes t: step 2t in the low nibbles, 2t+1 in the high
         const __m512i bytes = _mm512_loadu_si512(group + t * 64);
-        bf16_panel_step(_mm512_and_si512(bytes, low_nibbles), d, m, tile + 2 * (2 * t) * 64);
-        bf16_panel_step(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles), d, m, tile + 2 * (2 * t + 1) * 64);
+        bf16_panel_step(_mm512_and_si512(bytes, low_nibbles), scales, tile + 2 * (2 * t) * 64);
+        bf16_panel_step(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles), scales,
+                        tile + 2 * (2 * t + 1) * 64);
       }
     }
   }
@@ -761,9 +764,12 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& weight) {
   if (M == 0) return out;
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   uint16_t* result = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  bf16_amx_huge_output_pages(result, M * N * static_cast<int64_t>(sizeof(uint16_t)));
   bf16_amx_panel_gemm(
-      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K,
-      [&](int64_t b0, int blocks, uint8_t* panel) { int4_fill_panel(packed, b0, blocks, N, K, panel); },
+      reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K, kGroup,
+      [&](int64_t b0, int blocks, int64_t k_begin, int64_t k_end, uint8_t* panel) {
+        int4_fill_panel(packed, b0, blocks, N, K, k_begin, k_end, panel);
+      },
       [&](const float* c, int64_t m, int64_t rows, int64_t b0, int blocks) {
         for (int64_t r = 0; r < rows; ++r)
           for (int b = 0; b < blocks; ++b)
