@@ -50,12 +50,13 @@ def test_collapse_moves_a_tensor_onto_huge_pages_unchanged():
     expected = tensor.clone()
     start = tensor.data_ptr()
     end = start + tensor.numel()
-    before = anon_huge_kib(start, end)
     collapsed = huge_pages.collapse([tensor, tensor[: 2**20]])  # a view of the same storage: once
     if collapsed == 0:
         pytest.skip("this kernel refused MADV_COLLAPSE (older than 6.1, or no memory to compact)")
     assert collapsed % huge_pages.HUGE_PAGE_BYTES == 0 and 8 * 2**20 <= collapsed <= 12 * 2**20
-    assert anon_huge_kib(start, end) - before >= collapsed // 1024
+    # (the mappings it overlaps, which may hold more: the allocator can hand out a stretch that
+    # an earlier test's weights had already moved onto huge pages, so no "before" to subtract)
+    assert anon_huge_kib(start, end) >= collapsed // 1024
     assert torch.equal(tensor, expected)
     # too small for an aligned 2 MiB stretch: nothing to do
     assert huge_pages.collapse([torch.zeros(1000)]) == 0
