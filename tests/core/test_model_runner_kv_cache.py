@@ -123,3 +123,42 @@ def test_an_attention_backend_that_cannot_read_fp8_is_refused_by_name(tiny_llama
         pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e5m2: the attention backend .* cannot read an fp8"),
     ):
         make_llm(tiny_llama, cache_dtype="fp8_e5m2")
+
+
+def test_blocks_are_mapped_ahead_of_the_high_water_mark_in_batches():
+    """The runner asks the platform to map the next never-used blocks, up to
+    KV_MAP_AHEAD_BYTES (or a quarter of the pool) past the high-water mark, again once half of
+    them are in use, never below what it mapped, and stops asking a platform that maps nothing."""
+    from tokenloom.core import model_runner_kv_cache
+    from tokenloom.core.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.kv_caches = [torch.zeros((2, 100, 4, 1, 2)) for _ in range(2)]  # 128 bytes a block
+    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_ahead_off = 0, 0, False
+    calls = []
+    runner.platform = mock.Mock()
+    runner.platform.map_ahead.side_effect = lambda caches, first, end: calls.append((first, end)) or True
+    with mock.patch.object(model_runner_kv_cache, "KV_MAP_AHEAD_BYTES", 20 * 128):
+        runner.map_kv_ahead()
+        assert calls == [(0, 20)]
+        runner._kv_high_water = 9  # fewer than half of the 20 used: nothing to do yet
+        runner.map_kv_ahead()
+        assert calls == [(0, 20)]
+        runner._kv_high_water = 10
+        runner.map_kv_ahead()
+        assert calls == [(0, 20), (20, 30)]
+        runner._kv_high_water = 95  # the end of the pool: the rest, however few
+        runner.map_kv_ahead()
+        runner.map_kv_ahead()
+        assert calls == [(0, 20), (20, 30), (95, 100)]
+        assert runner._kv_prefaulted == 100
+    calls.clear()
+    runner._kv_high_water, runner._kv_prefaulted = 0, 0
+    runner.map_kv_ahead()  # the default window: a quarter of this small pool
+    assert calls == [(0, 25)]
+    runner.platform.map_ahead.side_effect = None
+    runner.platform.map_ahead.return_value = False
+    runner._kv_high_water, runner._kv_prefaulted = 0, 0
+    runner.map_kv_ahead()
+    runner.map_kv_ahead()
+    assert runner.platform.map_ahead.call_count == 5 and runner._kv_map_ahead_off

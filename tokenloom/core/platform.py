@@ -138,6 +138,13 @@ class Platform:
 
         return torch.zeros(shape, dtype=dtype, device=self.torch_device())
 
+    def map_ahead(self, kv_caches: list[Any], first_block: int, end_block: int) -> bool:
+        """Blocks ``[first_block, end_block)`` of every layer's cache (its dimension 1) are the
+        next the block manager hands out: a platform whose :meth:`zeros` maps memory lazily may
+        map them now, beside the compute and without changing their contents, so the steps that
+        first write them pay no page faults. True when it does; by default False (nothing to do)."""
+        return False
+
     def configure_threads(self, num_local_workers: int = 1) -> None:
         """Set thread counts that fit the machine (called once in the worker, before the model
         loads). ``num_local_workers``: how many of the engine's workers run on this machine,

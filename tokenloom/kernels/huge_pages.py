@@ -19,15 +19,14 @@ stay as they are: only the speed differs.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import sys
 from collections.abc import Iterable, Iterator
 from functools import cache
 from typing import Any
 
 import torch
+
+from tokenloom.kernels.page_mapping import libc_madvise
 
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 # <sys/mman.h> (Linux)
@@ -39,19 +38,13 @@ _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 @cache
 def _madvise() -> Any:
     """libc's ``madvise``, or None where there is none to ask (not Linux, THP set to never)."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         with open(_THP_SETTING, encoding="ascii") as setting:
             if "[never]" in setting.read():
                 return None
     except OSError:
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    function = libc.madvise
-    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    function.restype = ctypes.c_int
-    return function
+    return libc_madvise()
 
 
 def _huge_range(tensor: torch.Tensor) -> tuple[int, int] | None:

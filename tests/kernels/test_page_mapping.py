@@ -1,0 +1,64 @@
+"""kernels/page_mapping.py: a lazily zeroed tensor's pages faulted in ahead of its first write,
+contents unchanged, by the mapping thread; a span that is only partly whole pages populates
+those pages only."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tokenloom.kernels import page_mapping
+
+pytestmark = pytest.mark.skipif(not page_mapping.available(), reason="no MADV_POPULATE_WRITE here")
+
+PAGE = page_mapping.PAGE_BYTES
+
+
+def resident_pages(tensor: torch.Tensor) -> int:
+    """How many of the whole pages inside ``tensor``'s span are resident (mincore)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    start = -(-tensor.data_ptr() // PAGE) * PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+    pages = (end - start) // PAGE
+    vector = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, end - start, vector) == 0
+    return sum(byte & 1 for byte in vector.raw)
+
+
+def lazy_zeros(num_bytes: int) -> torch.Tensor:
+    """calloc'd memory, as the CPU platform's KV cache: nothing resident until written (above
+    glibc's largest mmap threshold, 32 MiB, a fresh mapping)."""
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8))
+
+
+def test_populate_maps_the_whole_pages_and_changes_nothing():
+    tensor = lazy_zeros(40 * 2**20 + 100)
+    if resident_pages(tensor) > 8:
+        pytest.skip("the allocator handed out memory already mapped")
+    tensor[5 * 2**20] = 7  # a written byte keeps its value
+    span = tensor[1000 : 4 * 2**20 + 5000]
+    done = page_mapping.populate(span)
+    start = -(-(tensor.data_ptr() + 1000) // PAGE) * PAGE
+    end = (tensor.data_ptr() + 4 * 2**20 + 5000) // PAGE * PAGE
+    assert done == end - start
+    assert resident_pages(span) == done // PAGE
+    assert int(tensor[5 * 2**20]) == 7 and int(tensor.sum()) == 7
+
+
+def test_the_mapping_thread_populates_what_it_is_handed():
+    tensors = [lazy_zeros(40 * 2**20), lazy_zeros(36 * 2**20)]
+    if any(resident_pages(tensor) > 8 for tensor in tensors):
+        pytest.skip("the allocator handed out memory already mapped")
+    page_mapping.populate_in_background(tensors)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(resident_pages(t) < t.numel() // PAGE - 1 for t in tensors):
+        time.sleep(0.01)
+    assert all(resident_pages(tensor) >= tensor.numel() // PAGE - 1 for tensor in tensors)
+    assert all(int(tensor.sum()) == 0 for tensor in tensors)
+    with pytest.raises(ValueError, match="contiguous"):
+        page_mapping.populate_in_background([torch.zeros(4, 4).t()])
