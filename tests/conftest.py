@@ -147,12 +147,3 @@ def tiny_llama_dir(tmp_path_factory, smollm2_gguf):
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory, safe_serialization=True)
     return str(directory)
-
-
-@pytest.fixture
-def no_map_ahead(monkeypatch):
-    """The CPU platform maps no KV blocks ahead of the steps (Platform.map_ahead), so the idle
-    loop's prefaulting has blocks left to map (a test's tiny cache is otherwise mapped whole)."""
-    from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
-
-    monkeypatch.setattr(CpuPlatform, "map_ahead", lambda self, kv_caches, first, end: False)

@@ -153,7 +153,7 @@ def test_a_build_error_is_raised_by_from_engine_args(tmp_path):
         AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path / "missing")))
 
 
-def test_an_idle_engine_maps_unused_kv_blocks_without_touching_used_ones(no_map_ahead, engine, tiny_llama_dir):
+def test_an_idle_engine_maps_unused_kv_blocks_without_touching_used_ones(engine, tiny_llama_dir):
     """Prefaulting writes zeros only above the high-water mark of blocks ever handed out: a
     request's KV survives it, and greedy output after it equals the offline engine's."""
     offline = LLM(model=tiny_llama_dir, dtype="float32", block_size=4).generate(

@@ -125,40 +125,42 @@ def test_an_attention_backend_that_cannot_read_fp8_is_refused_by_name(tiny_llama
         make_llm(tiny_llama, cache_dtype="fp8_e5m2")
 
 
-def test_blocks_are_mapped_ahead_of_the_high_water_mark_in_batches():
-    """The runner asks the platform to map the next never-used blocks, up to
-    KV_MAP_AHEAD_BYTES (or a quarter of the pool) past the high-water mark, again once half of
-    them are in use, never below what it mapped, and stops asking a platform that maps nothing."""
-    from tokenloom.core import model_runner_kv_cache
+def test_a_steps_never_used_blocks_are_mapped_before_it_runs_and_once():
+    """Blocks from the mapped mark up to the high-water mark go to Platform.map_blocks before the
+    step writes them; blocks already mapped (by it or the idle loop) never again; a platform that
+    maps nothing is not asked again."""
     from tokenloom.core.model_runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)
-    runner.kv_caches = [torch.zeros((2, 100, 4, 1, 2)) for _ in range(2)]  # 128 bytes a block
-    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_ahead_off = 0, 0, False
-    calls = []
+    runner.kv_caches = [torch.zeros((2, 100, 4, 1, 2)) for _ in range(2)]
+    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = 0, 0, False
     runner.platform = mock.Mock()
-    runner.platform.map_ahead.side_effect = lambda caches, first, end: calls.append((first, end)) or True
-    with mock.patch.object(model_runner_kv_cache, "KV_MAP_AHEAD_BYTES", 20 * 128):
-        runner.map_kv_ahead()
-        assert calls == [(0, 20)]
-        runner._kv_high_water = 9  # fewer than half of the 20 used: nothing to do yet
-        runner.map_kv_ahead()
-        assert calls == [(0, 20)]
-        runner._kv_high_water = 10
-        runner.map_kv_ahead()
-        assert calls == [(0, 20), (20, 30)]
-        runner._kv_high_water = 95  # the end of the pool: the rest, however few
-        runner.map_kv_ahead()
-        runner.map_kv_ahead()
-        assert calls == [(0, 20), (20, 30), (95, 100)]
-        assert runner._kv_prefaulted == 100
-    calls.clear()
-    runner._kv_high_water, runner._kv_prefaulted = 0, 0
-    runner.map_kv_ahead()  # the default window: a quarter of this small pool
-    assert calls == [(0, 25)]
-    runner.platform.map_ahead.side_effect = None
-    runner.platform.map_ahead.return_value = False
-    runner._kv_high_water, runner._kv_prefaulted = 0, 0
-    runner.map_kv_ahead()
-    runner.map_kv_ahead()
-    assert runner.platform.map_ahead.call_count == 5 and runner._kv_map_ahead_off
+    runner.platform.map_blocks.return_value = True
+    runner.map_new_blocks()  # nothing handed out yet
+    runner._kv_high_water = 7
+    runner.map_new_blocks()
+    runner.map_new_blocks()
+    runner._kv_prefaulted = 30  # the idle loop mapped on
+    runner._kv_high_water = 31
+    runner.map_new_blocks()
+    assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(0, 7), (30, 31)]
+    assert runner.platform.map_blocks.call_args_list[0].args[0] is runner.kv_caches
+    assert runner._kv_prefaulted == 31
+    runner.platform.map_blocks.return_value = False
+    runner._kv_high_water = 40
+    runner.map_new_blocks()
+    runner._kv_high_water = 50
+    runner.map_new_blocks()
+    assert runner.platform.map_blocks.call_count == 3 and runner._kv_prefaulted == 31
+
+
+def test_the_cpu_platform_maps_each_layers_k_and_v_pages_of_the_blocks():
+    from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
+    from tokenloom.kernels import page_mapping
+
+    caches = [torch.zeros((2, 10, 4, 1, 2)) for _ in range(3)]
+    with mock.patch.object(page_mapping, "populate") as populate:
+        assert CpuPlatform().map_blocks(caches, 2, 5) is page_mapping.available()
+    if page_mapping.available():
+        spans = [(call.args[0].data_ptr(), call.args[0].shape) for call in populate.call_args_list]
+        assert spans == [(cache[half, 2].data_ptr(), (3, 4, 1, 2)) for cache in caches for half in (0, 1)]

@@ -1,11 +1,9 @@
-"""kernels/page_mapping.py: a lazily zeroed tensor's pages faulted in ahead of its first write,
-contents unchanged, by the mapping thread; a span that is only partly whole pages populates
-those pages only."""
+"""kernels/page_mapping.py: a lazily zeroed tensor's pages faulted in before its first write,
+contents unchanged; a span that is only partly whole pages populates those pages only."""
 
 from __future__ import annotations
 
 import ctypes
-import time
 
 import numpy as np
 import pytest
@@ -50,15 +48,6 @@ def test_populate_maps_the_whole_pages_and_changes_nothing():
     assert int(tensor[5 * 2**20]) == 7 and int(tensor.sum()) == 7
 
 
-def test_the_mapping_thread_populates_what_it_is_handed():
-    tensors = [lazy_zeros(40 * 2**20), lazy_zeros(36 * 2**20)]
-    if any(resident_pages(tensor) > 8 for tensor in tensors):
-        pytest.skip("the allocator handed out memory already mapped")
-    page_mapping.populate_in_background(tensors)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(resident_pages(t) < t.numel() // PAGE - 1 for t in tensors):
-        time.sleep(0.01)
-    assert all(resident_pages(tensor) >= tensor.numel() // PAGE - 1 for tensor in tensors)
-    assert all(int(tensor.sum()) == 0 for tensor in tensors)
+def test_only_a_contiguous_cpu_tensor_is_taken():
     with pytest.raises(ValueError, match="contiguous"):
-        page_mapping.populate_in_background([torch.zeros(4, 4).t()])
+        page_mapping.populate(torch.zeros(4, 4).t())

@@ -137,9 +137,9 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
         )
         # blocks at or above this id have never been in a block table: nothing was written there
         self._kv_high_water = 0
-        # blocks below this id have been mapped by prefault_kv_cache or map_kv_ahead (or used)
+        # blocks below this id have been mapped by prefault_kv_cache or map_new_blocks (or used)
         self._kv_prefaulted = 0
-        self._kv_map_ahead_off = False  # the platform maps nothing ahead
+        self._kv_map_blocks_off = False  # the platform maps nothing (Platform.map_blocks)
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
         """Run one step. A pipeline stage before the last sends its hidden states on to the
         next stage and returns None; the last stage samples and returns the step's output."""
         self._update_states(scheduler_output)
-        self.map_kv_ahead()
+        self.map_new_blocks()
         place = self.parallel.place
         if not place.is_last_stage:
             self._execute_stage(scheduler_output)

@@ -22,9 +22,6 @@ logger = logging.getLogger(__name__)
 
 # memory left free when the KV cache is sized from --gpu-memory-utilization
 KV_SAFETY_MARGIN_BYTES = 512 * 1024 * 1024
-# never-used KV memory kept mapped past the blocks in use (map_kv_ahead): at least one full step
-# of fresh blocks for a 1-2B model (256 prompt tokens of SmolLM2-1.7B are 48 MiB)
-KV_MAP_AHEAD_BYTES = 256 * 1024 * 1024
 
 # --kv-cache-dtype values and the cache's element type (None: the model's dtype); fp8 is e4m3,
 # as in vLLM on the CPU and CUDA
@@ -55,7 +52,7 @@ class KVCacheSetup(PipelineStageIO):
     profile_mm_items: list[Any]
     _kv_high_water: int
     _kv_prefaulted: int
-    _kv_map_ahead_off: bool
+    _kv_map_blocks_off: bool
 
     def kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type for ``--kv-cache-dtype``; an fp8 cache needs an attention
@@ -197,7 +194,6 @@ class KVCacheSetup(PipelineStageIO):
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         dtype = self.kv_cache_dtype()
         self.kv_caches = [self.platform.zeros(shape, dtype) for _ in range(spec.num_layers)]
-        self.map_kv_ahead()
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
         self.kv_scales = None
@@ -215,26 +211,16 @@ class KVCacheSetup(PipelineStageIO):
             sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20,
         )
 
-    def map_kv_ahead(self) -> None:
-        """Keep the next never-used blocks past the high-water mark, ``KV_MAP_AHEAD_BYTES`` over
-        all layers or a quarter of the pool if less, mapped by the platform beside the compute
-        (:meth:`Platform.map_ahead`; the block manager hands out never-used blocks in id order),
-        topped up when half is used. The rest the idle loop maps (:meth:`prefault_kv_cache`)."""
-        if not self.kv_caches or self._kv_map_ahead_off:
+    def map_new_blocks(self) -> None:
+        """Before a step first writes never-used blocks (from the mapped mark up to the high-water
+        mark: the block manager hands them out in id order), the platform maps them all at once
+        (:meth:`Platform.map_blocks`)."""
+        if self._kv_map_blocks_off or not self.kv_caches or self._kv_high_water <= self._kv_prefaulted:
             return
-        num_blocks = self.kv_caches[0].shape[1]
-        bytes_per_block = sum(cache[:, 0].numel() * cache.element_size() for cache in self.kv_caches)
-        ahead = max(1, min(KV_MAP_AHEAD_BYTES // max(bytes_per_block, 1), num_blocks // 4))
-        first = max(self._kv_high_water, self._kv_prefaulted)
-        end = min(num_blocks, self._kv_high_water + ahead)
-        if end - first < max(1, ahead // 2) and end < num_blocks:
-            return
-        if end <= first:
-            return
-        if self.platform.map_ahead(self.kv_caches, first, end):
-            self._kv_prefaulted = end
+        if self.platform.map_blocks(self.kv_caches, self._kv_prefaulted, self._kv_high_water):
+            self._kv_prefaulted = self._kv_high_water
         else:
-            self._kv_map_ahead_off = True
+            self._kv_map_blocks_off = True
 
     def note_blocks_written(self, block_ids: list[int]) -> None:
         """Blocks written outside a step (a KV connector's loads) before any block table holds

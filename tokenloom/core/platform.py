@@ -138,11 +138,11 @@ class Platform:
 
         return torch.zeros(shape, dtype=dtype, device=self.torch_device())
 
-    def map_ahead(self, kv_caches: list[Any], first_block: int, end_block: int) -> bool:
-        """Blocks ``[first_block, end_block)`` of every layer's cache (its dimension 1) are the
-        next the block manager hands out: a platform whose :meth:`zeros` maps memory lazily may
-        map them now, beside the compute and without changing their contents, so the steps that
-        first write them pay no page faults. True when it does; by default False (nothing to do)."""
+    def map_blocks(self, kv_caches: list[Any], first_block: int, end_block: int) -> bool:
+        """Blocks ``[first_block, end_block)`` of every layer's cache (its dimension 1) are about
+        to be written for the first time: a platform whose :meth:`zeros` maps memory lazily may
+        map them now, all at once and without changing their contents, rather than fault after
+        fault in the step. True when it does; by default False (nothing to map)."""
         return False
 
     def configure_threads(self, num_local_workers: int = 1) -> None:

@@ -156,9 +156,7 @@ def test_chunked_prefill_preemption_and_the_mp_executor_give_the_same_ids(tiny_l
     gc.collect()
 
 
-def test_blocks_loaded_before_their_request_runs_are_not_zeroed_by_prefaulting(
-    no_map_ahead, tiny_llama_dir, tmp_path, reference
-):
+def test_blocks_loaded_before_their_request_runs_are_not_zeroed_by_prefaulting(tiny_llama_dir, tmp_path, reference):
     writer = make_llm(tiny_llama_dir, tmp_path)
     ids(writer, [PROMPT])
     flush(writer)

@@ -134,17 +134,17 @@ class CpuPlatform(Platform):
         # all-zero bits are 0.0 in every float format
         return torch.from_numpy(np.zeros(shape, dtype=storage_dtype)).view(dtype)
 
-    def map_ahead(self, kv_caches: list[Any], first_block: int, end_block: int) -> bool:
-        """The blocks' pages faulted in by a thread of their own (``MADV_POPULATE_WRITE``,
-        kernels/page_mapping.py): on a 2-vCPU VM a 256-token prefill of a 1.7B model spent a fifth
-        of its time faulting in its fresh KV pages (115 of 600 ms)."""
+    def map_blocks(self, kv_caches: list[Any], first_block: int, end_block: int) -> bool:
+        """The blocks' K and V pages faulted in with one ``MADV_POPULATE_WRITE`` each
+        (kernels/page_mapping.py): on a 2-vCPU VM a 256-token prefill of a 1.7B model spent a
+        fifth of its time faulting in its fresh KV pages one by one (115 of 600 ms)."""
         from tokenloom.kernels import page_mapping
 
         if not page_mapping.available():
             return False
-        page_mapping.populate_in_background(
-            [cache[half, first_block:end_block] for cache in kv_caches for half in range(cache.shape[0])]
-        )
+        for cache in kv_caches:
+            for half in range(cache.shape[0]):
+                page_mapping.populate(cache[half, first_block:end_block])
         return True
 
     def finish_loading(self, model: Any) -> None:
