@@ -159,7 +159,8 @@ def gguf_path(path: str) -> str:
 class GGUFLoadFormat(LoadFormat):
     """Reads ``.gguf`` files; see the module docstring."""
 
-    architecture_names = GGUF_ARCHITECTURES
+    # (llama.cpp writes Mixtral as llama with experts: gguf_config.py tells the two apart)
+    architecture_names = {**GGUF_ARCHITECTURES, "llama with experts": "MixtralForCausalLM"}
 
     def can_load(self, path: str) -> bool:
         return find_gguf_file(path) is not None
