@@ -165,6 +165,19 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
+def finish_float_out(
+    out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None, out_features: int
+) -> torch.Tensor:
+    """A kernel's float32 ``[rows, N]`` product of ``x``'s rows, plus ``bias``, rounded once to
+    ``dtype`` (default ``x``'s), in ``x``'s leading shape."""
+    if bias is not None:
+        out = out + bias
+    dtype = x.dtype if dtype is None else dtype
+    if out.dtype != dtype:
+        out = out.to(dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
 def bf16_amx_available() -> bool:
     """Whether the AMX-BF16 prompt-path kernels (:func:`int4_linear_bf16`,
     :func:`tokenloom.kernels.kquant_matmul.kquant_linear_bf16`) run in this process now: the

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tokenloom.kernels import cpu_native
-from tokenloom.kernels.int4_matmul import NATIVE_DTYPES, interleave_block_pairs
+from tokenloom.kernels.int4_matmul import NATIVE_DTYPES, finish_float_out, interleave_block_pairs
 
 GROUP_SIZE = 32
 Q6_SCALE_FEATURES = 16  # features per 6-bit sub-scale
@@ -154,12 +154,7 @@ def kquant_linear(
         out = weight.kernel(rows, weight.packed)
     else:
         out = weight.kernel(rows, weight.packed, weight.superblock_groups)
-    if bias is not None:
-        out = out + bias
-    dtype = x.dtype if dtype is None else dtype
-    if out.dtype != dtype:
-        out = out.to(dtype)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+    return finish_float_out(out, x, bias, dtype, weight.out_features)
 
 
 def kquant_linear_bf16(
@@ -183,12 +178,7 @@ def kquant_linear_bf16(
         out = ops.int6_linear_bf16(rows, weight.packed)
     else:
         out = ops.int5_linear_bf16(rows, weight.packed, weight.superblock_groups)
-    if bias is not None:
-        out = out + bias
-    dtype = x.dtype if dtype is None else dtype
-    if out.dtype != dtype:
-        out = out.to(dtype)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+    return finish_float_out(out, x, bias, dtype, weight.out_features)
 
 
 def dequantize_int6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tokenloom.kernels import cpu_native
-from tokenloom.kernels.int4_matmul import NATIVE_DTYPES, interleave_block_pairs
+from tokenloom.kernels.int4_matmul import NATIVE_DTYPES, finish_float_out, interleave_block_pairs
 
 GROUP_SIZE = 32
 SUPERBLOCK = 256  # features per float16 d (and dmin)
@@ -135,12 +135,7 @@ def lowbit_linear(
     if rows.dtype not in NATIVE_DTYPES:
         rows = rows.float()
     out = weight.kernel(rows if rows.is_contiguous() else rows.contiguous(), weight.packed)
-    if bias is not None:
-        out = out + bias
-    dtype = x.dtype if dtype is None else dtype
-    if out.dtype != dtype:
-        out = out.to(dtype)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+    return finish_float_out(out, x, bias, dtype, weight.out_features)
 
 
 def dequantize_int3(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

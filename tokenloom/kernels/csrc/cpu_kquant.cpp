@@ -575,13 +575,13 @@ void kquant_rows(const QuantizedRows& x, const int32_t* half_offsets, const uint
 }
 #endif
 
-// x [M, K] bfloat16 or float32; weight packed for kBits in superblocks of `groups` groups; float32 out [M, N]
+// The superblock layout of a kBits weight for x's K, checking x's and the weight's shapes (x already
+// checked for its dtype); N is the weight's out_features.
 template <int kBits>
-at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor& weight, int64_t groups) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              name, ": x must be a contiguous [rows, in_features] bfloat16 or float32 tensor");
+Superblocks checked_layout(const char* name, const at::Tensor& x, const at::Tensor& weight, int64_t groups,
+                           int64_t* N) {
   TORCH_CHECK(groups > 0, name, ": superblock_groups must be positive, got ", groups);
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   TORCH_CHECK(K > 0 && K % (kGroup * groups) == 0, name, ": in_features must be a positive multiple of ",
               kGroup * groups, ", got ", K);
   const Superblocks layout = superblocks<kBits>(K, groups);
@@ -589,7 +589,18 @@ at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor
                   weight.size(1) == layout.count * layout.bytes,
               name, ": weight must be a contiguous [out_features / 16, in_features / ", kGroup * groups, " * ",
               layout.bytes, "] uint8 tensor");
-  const int64_t N = weight.size(0) * kBlockRows;
+  *N = weight.size(0) * kBlockRows;
+  return layout;
+}
+
+// x [M, K] bfloat16 or float32; weight packed for kBits in superblocks of `groups` groups; float32 out [M, N]
+template <int kBits>
+at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor& weight, int64_t groups) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              name, ": x must be a contiguous [rows, in_features] bfloat16 or float32 tensor");
+  int64_t N = 0;
+  const Superblocks layout = checked_layout<kBits>(name, x, weight, groups, &N);
+  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
   const QuantizedRows rows = quantize_activation_rows(x);
@@ -612,16 +623,9 @@ at::Tensor kquant_linear_bf16(const char* name, const at::Tensor& x, const at::T
               "with AMX-BF16 and AVX512-BF16, and TOKENLOOM_CPU_AMX not switched off): check bf16_amx_available() first");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name,
               ": x must be a contiguous [rows, in_features] bfloat16 tensor");
-  TORCH_CHECK(groups > 0, name, ": superblock_groups must be positive, got ", groups);
+  int64_t N = 0;
+  const Superblocks layout = checked_layout<kBits>(name, x, weight, groups, &N);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K > 0 && K % (kGroup * groups) == 0, name, ": in_features must be a positive multiple of ",
-              kGroup * groups, ", got ", K);
-  const Superblocks layout = superblocks<kBits>(K, groups);
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2 &&
-                  weight.size(1) == layout.count * layout.bytes,
-              name, ": weight must be a contiguous [out_features / 16, in_features / ", kGroup * groups, " * ",
-              layout.bytes, "] uint8 tensor");
-  const int64_t N = weight.size(0) * kBlockRows;
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if defined(TOKENLOOM_AMX_BUILD)
   if (M == 0) return out;
