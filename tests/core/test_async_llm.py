@@ -4,6 +4,7 @@ validation before anything is queued, and every stream told when the engine dies
 from __future__ import annotations
 
 import asyncio
+from unittest import mock
 
 import pytest
 import torch
@@ -190,9 +191,28 @@ def test_prefault_stops_at_the_end_of_the_pool_and_never_goes_below_the_high_wat
     runner = ModelRunner.__new__(ModelRunner)
     runner.kv_caches = [torch.full((2, 6, 4, 1, 2), 7.0) for _ in range(2)]
     runner._kv_high_water, runner._kv_prefaulted = 3, 0
+    runner.platform = mock.Mock()
+    runner.platform.map_blocks.return_value = False  # a platform that cannot map: zeros are written
+    runner._kv_map_blocks_off = False
     block_bytes = 2 * (2 * 4 * 1 * 2 * 4)  # two layers of K and V for one block, float32
     assert runner.prefault_kv_cache(2 * block_bytes) == 2 * block_bytes
     for cache in runner.kv_caches:
         assert (cache[:, :3] == 7).all() and (cache[:, 3:5] == 0).all() and (cache[:, 5:] == 7).all()
     assert runner.prefault_kv_cache(10 * block_bytes) == block_bytes  # only block 5 is left
     assert runner.prefault_kv_cache(10 * block_bytes) == 0
+    assert runner.platform.map_blocks.call_count == 1  # not asked again once it could not
+
+
+def test_prefault_maps_through_the_platform_where_it_maps_and_writes_nothing():
+    from tokenloom.core.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.kv_caches = [torch.full((2, 6, 4, 1, 2), 7.0) for _ in range(2)]
+    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = 3, 0, False
+    runner.platform = mock.Mock()
+    runner.platform.map_blocks.return_value = True
+    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)
+    assert runner.prefault_kv_cache(2 * block_bytes) == 2 * block_bytes
+    assert runner.prefault_kv_cache(10 * block_bytes) == block_bytes
+    assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(3, 5), (5, 6)]
+    assert all((cache == 7).all() for cache in runner.kv_caches)

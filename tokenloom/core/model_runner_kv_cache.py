@@ -229,11 +229,12 @@ class KVCacheSetup(PipelineStageIO):
             self._kv_high_water = max(self._kv_high_water, max(block_ids) + 1)
 
     def prefault_kv_cache(self, max_bytes: int) -> int:
-        """Write zeros over the next never-used blocks (ids from the high-water mark up), up to
-        ``max_bytes`` over all layers: the platform's lazily zeroed cache then pays its page
-        faults now rather than in a request's step. Blocks at or above the high-water mark were
-        never in a block table, so they hold zeros already and nothing is lost; called between
-        steps on the thread that runs them. Returns the bytes written (0: nothing left)."""
+        """Map the next never-used blocks (ids from the high-water mark up), up to ``max_bytes``
+        over all layers: the platform's lazily zeroed cache then pays its page faults now rather
+        than in a request's step. Through :meth:`Platform.map_blocks` where the platform maps
+        (contents unchanged), else by writing zeros over them: blocks at or above the high-water
+        mark were never in a block table, so they hold zeros already and nothing is lost. Called
+        between steps on the thread that runs them. Returns the bytes mapped (0: nothing left)."""
         if not self.kv_caches:
             return 0
         num_blocks = self.kv_caches[0].shape[1]
@@ -242,7 +243,9 @@ class KVCacheSetup(PipelineStageIO):
         count = min(num_blocks - first, max_bytes // max(bytes_per_block, 1))
         if count <= 0:
             return 0
-        for cache in self.kv_caches:
-            cache[:, first : first + count].zero_()
+        if self._kv_map_blocks_off or not self.platform.map_blocks(self.kv_caches, first, first + count):
+            self._kv_map_blocks_off = True
+            for cache in self.kv_caches:
+                cache[:, first : first + count].zero_()
         self._kv_prefaulted = first + count
         return count * bytes_per_block
