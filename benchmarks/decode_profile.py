@@ -1,15 +1,15 @@
-"""Where one c=1 decode step of a GGUF file goes, against the memory-bandwidth floor.
+"""Where a decode step of a GGUF file goes, against the memory-bandwidth floor.
 
-Runs the offline engine on FILE (one random 256-token prompt, greedy, ignore_eos, TOKENS
-decode steps) and splits the median step into: the model's forward (the fused decode layers),
+Runs the offline engine on FILE (REQUESTS random 256-token prompts, default one, greedy,
+ignore_eos, TOKENS decode steps) and splits the median step into: the model's forward (the fused decode layers),
 the LM head, sampling and output assembly, and the engine's Python before and after the model
 call (scheduling, input preparation, detokenizing). Then it times every packed weight of the
-layers alone on one row, in layer order, so that each weight comes from memory as in a step
+layers alone on REQUESTS rows, in layer order, so that each weight comes from memory as in a step
 (the model is far larger than the last-level cache), and reports each kernel kind's time, the
 bytes it read and the rate against the read bandwidth measured here (memory_bandwidth.py's
 method), plus the head and the attention operator.
 
-    python benchmarks/decode_profile.py FILE [--tokens 64] [--passes 5]
+    python benchmarks/decode_profile.py FILE [--tokens 64] [--passes 5] [--requests 8]
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def layer_weights(llm: LLM) -> list[tuple[torch.Tensor, int]]:
     return found
 
 
-def kernel_split(llm: LLM, passes: int, bandwidth: float) -> None:
+def kernel_split(llm: LLM, passes: int, bandwidth: float, rows: int = 1) -> None:
     ops = cpu_native.load()
     weights = layer_weights(llm)
     if not weights:
@@ -113,7 +113,7 @@ def kernel_split(llm: LLM, passes: int, bandwidth: float) -> None:
     for p in range(passes):
         for weight, kind in weights:
             k = weight_in_features(weight, kind)
-            x = inputs.setdefault(k, torch.randn(1, k, dtype=torch.bfloat16))
+            x = inputs.setdefault(k, torch.randn(rows, k, dtype=torch.bfloat16))
             started = clock()
             if kind // 100 == 4:
                 ops.int4_linear(x, weight)
@@ -152,11 +152,11 @@ def weight_in_features(weight: torch.Tensor, kind: int) -> int:
     return weight.shape[1] // superblock * groups * 32
 
 
-def head_split(llm: LLM, passes: int, bandwidth: float) -> None:
+def head_split(llm: LLM, passes: int, bandwidth: float, rows: int = 1) -> None:
     model = llm.engine.executor.worker.runner.model
     head = model.lm_head
     weight = getattr(head.kernel_weight, "packed", None)
-    hidden = torch.randn(1, model.config.hidden_size, dtype=torch.bfloat16)
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=torch.bfloat16)
     times = []
     for _ in range(passes):
         torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)  # the head out of the cache
@@ -179,7 +179,7 @@ def main() -> int:
     parser.add_argument("file")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=1, help="concurrent requests (the step split only)")
+    parser.add_argument("--requests", type=int, default=1, help="concurrent requests: the decode steps' rows, and the rows each kernel is timed on")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the engine's, one per core)")
     args = parser.parse_args()
     llm = LLM(model=args.file, max_model_len=1024)
@@ -196,9 +196,8 @@ def main() -> int:
         f"+ the runner's inputs/sampling/outputs {other:.1f} + the engine's Python {split['step'] - split['execute']:.1f}; "
         f"from one step's head to the next forward {split['gap']:.2f} ms ({split['gap cpu']:.2f} ms CPU time)"
     )
-    if args.requests == 1:
-        kernel_split(llm, args.passes, bandwidth)
-        head_split(llm, args.passes, bandwidth)
+    kernel_split(llm, args.passes, bandwidth, args.requests)
+    head_split(llm, args.passes, bandwidth, args.requests)
     return 0
 
 
