@@ -31,6 +31,8 @@ JSON and logs and each server's log go to OUT. vLLM compiles its model on a firs
 2 cores; cached under ~/.cache/vllm): its time to ready is a warm one from the second start on.
 The machine has 2 cores: nothing else heavy may run during a sitting.
 Env: PEER_DIR (default /work/peer), TOKENLOOM (default the repository's .venv/bin/tokenloom),
+LLAMA_SERVER (default PEER_DIR's llama.cpp-src/build/bin/llama-server; on a CPU whose AMX build
+crashes, the no-AMX build of benchmarks/big_model_sitting.sh),
 LLAMA_SLOTS (32), LLAMA_CONTEXT (16384), VLLM_CPU_KVCACHE_SPACE (GiB, default 4, as peer.sh's).
 
 This file imports nothing beyond the standard library at its top: ``compress`` (what ``make``
@@ -155,7 +157,7 @@ def server_command(server: str, fmt: str, path: Path) -> tuple[list[str], dict[s
         vllm = str(PEER_DIR / "venv-vllm" / "bin" / "vllm")
         command = [vllm, "serve", str(path), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16"]
         return command + ["--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(PEER_PORT)], env
-    llama_server = str(PEER_DIR / "llama.cpp-src" / "build" / "bin" / "llama-server")
+    llama_server = os.environ.get("LLAMA_SERVER", str(PEER_DIR / "llama.cpp-src" / "build" / "bin" / "llama-server"))
     command = [llama_server, "-m", str(path), "-a", SERVED_NAME, "-t", "2", "-tb", "2"]
     command += ["-c", os.environ.get("LLAMA_CONTEXT", "16384"), "-np", os.environ.get("LLAMA_SLOTS", "32")]
     return command + ["-cb", "--no-kv-unified", "--host", "127.0.0.1", "--port", str(PEER_PORT)], env
