@@ -5,7 +5,8 @@ cached tokens in scattered blocks; and the memory's own read speed (a sum over t
 Then one sequence of ~300 cached tokens verifying R = 1, 2, 5, 9 rows (its pending token and
 R - 1 drafts: rows of one block table with consecutive lengths), the native kernel alone.
 
-  python benchmarks/decode_attention.py [verify]   (verify: only the verifying sequence)
+  python benchmarks/decode_attention.py [verify] [--heads Q:KV]   (verify: only the verifying
+      sequence; --heads: another model's query and KV heads of 64, e.g. 32:32 for SmolLM2-1.7B)
 """
 
 import random
@@ -22,6 +23,10 @@ ops = cpu_native.load()
 random.seed(0)
 torch.manual_seed(0)
 num_q_heads, num_kv_heads, head_size, block_size = 9, 3, 64, 16
+if "--heads" in sys.argv:  # another model's heads, e.g. --heads 32:32 (SmolLM2-1.7B)
+    at = sys.argv.index("--heads")
+    num_q_heads, num_kv_heads = (int(part) for part in sys.argv[at + 1].split(":"))
+    del sys.argv[at : at + 2]
 
 
 def per_30_layers(function, caches, repeats=5):
