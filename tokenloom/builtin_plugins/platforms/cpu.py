@@ -152,12 +152,9 @@ class CpuPlatform(Platform):
         decode step streams them, and on 4 KiB pages TLB misses cost a fifth of its time
         (kernels/huge_pages.py). In a thread of its own, beside start-up and the first steps:
         the kernel copies the pages (2.2 s for 0.83 GiB on a 2-vCPU VM), and the model's
-        readers see the same contents throughout. From here on the process's heap keeps what a
-        step frees for the next step's activations (kernels/heap.py): after loading, so that
-        loading's own temporaries are still given back."""
-        from tokenloom.kernels import heap, huge_pages
+        readers see the same contents throughout."""
+        from tokenloom.kernels import huge_pages
 
-        heap.keep_freed_memory()
         tensors = list(huge_pages.module_tensors(model))
 
         def collapse() -> None:
