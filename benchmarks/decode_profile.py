@@ -179,7 +179,12 @@ def main() -> int:
     parser.add_argument("file")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=1, help="concurrent requests: the decode steps' rows, and the rows each kernel is timed on")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=1,
+        help="concurrent requests: the decode steps' rows, and the rows each kernel is timed on",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the engine's, one per core)")
     args = parser.parse_args()
     llm = LLM(model=args.file, max_model_len=1024)
