@@ -255,6 +255,39 @@ inline void score_chunk_bf16(const uint16_t* q_rows, int64_t num_rows, const c10
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Scores of bfloat16 query rows against bfloat16 keys read as they lie (no transposition), for
+// models whose KV heads each serve one query head (group size 1: each key is scored by one row of
+// a plain decode step, so transposing a run's keys, 128 shuffles a head, cost more than the dot
+// products it was to save). Per key: kHead / 32 `vdpbf16ps` (pairs l, l + 16, .. in lane l), then
+// the 16 keys' lanes summed by one shuffle tree. A score's arithmetic depends only on its key and
+// row: every row of such a model takes this path, alone or in any batch.
+template <int kHead>
+inline void score_rows_direct_bf16(const uint16_t* q_rows, int64_t num_rows, const c10::BFloat16* k_cache,
+                                   const int64_t* slots, int64_t n, int64_t slot_stride, int64_t head_offset,
+                                   float scale, float* scores, int64_t score_stride, int64_t t0) {
+  constexpr int kVecs = kHead / 32;
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    __m512bh query[kVecs];
+    for (int c = 0; c < kVecs; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q_rows + r * kHead + 32 * c);
+    __m512 partial[16];
+    for (int j = 0; j < 16; ++j) {
+      if (j >= n) {
+        partial[j] = _mm512_setzero_ps();
+        continue;
+      }
+      const c10::BFloat16* key = k_cache + slots[j] * slot_stride + head_offset;
+      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(key), query[0]);
+      for (int c = 1; c < kVecs; ++c) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(key + 32 * c), query[c]);
+      partial[j] = acc;
+    }
+    _mm512_mask_storeu_ps(scores + r * score_stride + t0, valid,
+                          _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
 // out rows += the weighted values at `slots` for a KV head's query rows (num_rows of them), row
 // r taking only its own keys (t0 + j < row_keys[r]): a run's shorter rows stop before its end
 template <typename scalar_t, int kHead>
@@ -740,6 +773,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
                       kHead > 0 && kHead % 32 == 0) {
+          if (group_size == 1) {
+            score_rows_direct_bf16<kHead>(q_bf16.data() + r0 * head_size, head_rows, k_cache, slots, n, slot_stride,
+                                          head_offset, fscale, head_scores, score_stride, t0);
+            return;
+          }
           score_chunk_bf16<kHead>(q_bf16.data() + r0 * head_size, head_rows, k_cache, slots, n, slot_stride,
                                   head_offset, fscale, head_scores, score_stride, t0);
           return;
