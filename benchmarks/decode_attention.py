@@ -5,8 +5,11 @@ cached tokens in scattered blocks; and the memory's own read speed (a sum over t
 Then one sequence of ~300 cached tokens verifying R = 1, 2, 5, 9 rows (its pending token and
 R - 1 drafts: rows of one block table with consecutive lengths), the native kernel alone.
 
-  python benchmarks/decode_attention.py [verify] [--heads Q:KV]   (verify: only the verifying
-      sequence; --heads: another model's query and KV heads of 64, e.g. 32:32 for SmolLM2-1.7B)
+  python benchmarks/decode_attention.py [verify | cached] [--heads Q:KV]   (verify: only the
+      verifying sequence; cached: the native kernel's arithmetic, its caches in L2 (8, 4, 2
+      sequences of 16, 32, 64 keys: TSC cycles a key and KV head, at 2.6 GHz) and one layer's
+      cache of 8 sequences of 257-384 keys (L3) against 30 layers' (memory); --heads: another
+      model's query and KV heads of 64, e.g. 32:32 for SmolLM2-1.7B)
 """
 
 import random
@@ -56,6 +59,58 @@ def verify_rows_case():
         best = min(per_30_layers(native_attention, caches, repeats=20) for _ in range(5))
         print(f"1 sequence verifying {rows} rows (~{context_len} cached tokens): native {best:.3f} ms per 30 layers")
 
+
+def cached_case():
+    """The kernel with its caches in L2 (short sequences), in L3 (one layer) and in memory."""
+    scale = head_size**-0.5
+    for num_keys, batch in ((16, 8), (32, 4), (64, 2)):
+        blocks = batch * -(-num_keys // block_size)
+        tables = torch.arange(blocks).view(batch, -1)
+        cache = torch.randn(2, blocks, block_size, num_kv_heads, head_size).bfloat16()
+        query = torch.randn(batch, num_q_heads, head_size).bfloat16()
+        output, lens = torch.empty_like(query), torch.full((batch,), num_keys)
+        repeats = 20000 // (num_keys * batch)
+        for _ in range(repeats):  # warm-up: the cache, the thread pool
+            ops.paged_decode_attention(output, query, cache, tables, lens, scale, 0, 0.0)
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                ops.paged_decode_attention(output, query, cache, tables, lens, scale, 0, 0.0)
+            best = min(best, (time.perf_counter() - started) / repeats)
+        cycles = best * torch.get_num_threads() * 2.6e9 / (batch * num_keys * num_kv_heads)
+        print(
+            f"{batch} sequences x {num_keys} keys (L2): {best * 1e6:.1f} us, {cycles:.1f} TSC cycles a key and KV head"
+        )
+    batch = 8
+    num_blocks = batch * 25 + 50
+    seq_lens = [random.randint(257, 384) for _ in range(batch)]
+    order = torch.randperm(num_blocks)
+    tables = torch.zeros(batch, max(-(-length // block_size) for length in seq_lens), dtype=torch.long)
+    used = 0
+    for row, length in enumerate(seq_lens):
+        count = -(-length // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    query = torch.randn(batch, num_q_heads, head_size).bfloat16()
+    output, lens = torch.empty_like(query), torch.tensor(seq_lens)
+    layer_bytes = sum(seq_lens) * num_kv_heads * head_size * 2 * 2
+    for copies, repeats, where in ((1, 60, "one layer's cache: L3"), (30, 3, "30 layers' caches: memory")):
+        caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).bfloat16() for _ in range(copies)]
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                for cache in caches:
+                    ops.paged_decode_attention(output, query, cache, tables, lens, scale, 0, 0.0)
+            best = min(best, (time.perf_counter() - started) / (repeats * copies))
+        print(f"8 sequences of 257-384 keys, {where}: {best * 1e3:.3f} ms a layer, {layer_bytes / best / 1e9:.1f} GB/s")
+
+
+if sys.argv[1:] == ["cached"]:
+    print(f"kernel level: {cpu_native.selected_level().name}, {torch.get_num_threads()} threads")
+    cached_case()
+    sys.exit(0)
 
 if sys.argv[1:] == ["verify"]:
     print(f"kernel level: {cpu_native.selected_level().name}, {torch.get_num_threads()} threads")
