@@ -41,10 +41,8 @@
 
 #include "cpu_amx.h"
 #include "cpu_namespace.h"
+#include "cpu_pages.h"
 
-#if defined(TOKENLOOM_AMX_BUILD)
-#include <sys/mman.h>
-#endif
 
 namespace TOKENLOOM_CPU_NAMESPACE {
 
@@ -178,23 +176,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void bf16_amx_rows_times_panel(cons
     if constexpr (kBlocks == 2) _tile_stored(3, c + 16 * 32 + 16, stride);
   }
   asm volatile("" ::: "memory");
-}
-
-// a large output (from kHugePageOutputBytes) asked to be backed by 2 MiB pages before its first
-// write: each pair writes 64 (bfloat16) or 128 bytes (float32) of every row, a row of N outputs
-// apart, so with 4 KiB pages a block of 256 rows of [2048 x 16384] (gate and up) touches 256
-// pages per pair and nearly every row's store missed the TLB. With MADV_HUGEPAGE int4 2048 x
-// [2048 -> 16384] measured 137-142 -> 123-125 ms (one thread, alternated). Only a hint on the
-// range the output's own allocation spans (whole 2 MiB pages inside it): where transparent huge
-// pages are off it changes nothing
-constexpr int64_t kHugePageOutputBytes = int64_t{16} << 20;
-
-inline void bf16_amx_huge_output_pages(void* data, int64_t bytes) {
-  if (bytes < kHugePageOutputBytes) return;
-  constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHugePage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
 // x [M, K] bfloat16 (as uint16_t bits; K a multiple of k_align, itself a multiple of 32) times the

@@ -631,7 +631,7 @@ at::Tensor kquant_linear_bf16(const char* name, const at::Tensor& x, const at::T
   if (M == 0) return out;
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   float* result = out.data_ptr<float>();
-  bf16_amx_huge_output_pages(result, M * N * static_cast<int64_t>(sizeof(float)));
+  huge_output_pages(result, M * N * static_cast<int64_t>(sizeof(float)));
   bf16_amx_panel_gemm(
       reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K, kGroup * groups,
       [&](int64_t b0, int blocks, int64_t k_begin, int64_t k_end, uint8_t* panel) {

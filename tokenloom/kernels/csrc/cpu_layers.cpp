@@ -15,6 +15,7 @@
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_pages.h"
 
 #include <algorithm>
 #include <cmath>
@@ -508,6 +509,7 @@ at::Tensor act_and_mul(const at::Tensor& x, const std::string& activation) {
   }
   TORCH_CHECK(act != nullptr, "unknown activation ", activation, "; known: silu, gelu_tanh, gelu");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  huge_output_pages(out.data_ptr(), static_cast<int64_t>(out.nbytes()));
 #if defined(__AVX512BF16__)
   if (act == silu_rows && x.scalar_type() == at::kBFloat16) {
     const int64_t width = x.size(1) / 2, x_stride = x.stride(0);

@@ -786,7 +786,7 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& weight) {
   if (M == 0) return out;
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   uint16_t* result = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  bf16_amx_huge_output_pages(result, M * N * static_cast<int64_t>(sizeof(uint16_t)));
+  huge_output_pages(result, M * N * static_cast<int64_t>(sizeof(uint16_t)));
   bf16_amx_panel_gemm(
       reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, N, K, kGroup,
       [&](int64_t b0, int blocks, int64_t k_begin, int64_t k_end, uint8_t* panel) {
