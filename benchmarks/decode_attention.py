@@ -60,6 +60,20 @@ def verify_rows_case():
         print(f"1 sequence verifying {rows} rows (~{context_len} cached tokens): native {best:.3f} ms per 30 layers")
 
 
+def scattered_tables(batch: int, num_blocks: int) -> tuple[list[int], torch.Tensor]:
+    """``batch`` sequences of 257-384 cached tokens and their block tables, the blocks scattered
+    over the cache in a random order."""
+    seq_lens = [random.randint(257, 384) for _ in range(batch)]
+    order = torch.randperm(num_blocks)
+    tables = torch.zeros(batch, max(-(-length // block_size) for length in seq_lens), dtype=torch.long)
+    used = 0
+    for row, length in enumerate(seq_lens):
+        count = -(-length // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    return seq_lens, tables
+
+
 def cached_case():
     """The kernel with its caches in L2 (short sequences), in L3 (one layer) and in memory."""
     scale = head_size**-0.5
@@ -84,14 +98,7 @@ def cached_case():
         )
     batch = 8
     num_blocks = batch * 25 + 50
-    seq_lens = [random.randint(257, 384) for _ in range(batch)]
-    order = torch.randperm(num_blocks)
-    tables = torch.zeros(batch, max(-(-length // block_size) for length in seq_lens), dtype=torch.long)
-    used = 0
-    for row, length in enumerate(seq_lens):
-        count = -(-length // block_size)
-        tables[row, :count] = order[used : used + count]
-        used += count
+    seq_lens, tables = scattered_tables(batch, num_blocks)
     query = torch.randn(batch, num_q_heads, head_size).bfloat16()
     output, lens = torch.empty_like(query), torch.tensor(seq_lens)
     layer_bytes = sum(seq_lens) * num_kv_heads * head_size * 2 * 2
@@ -120,15 +127,7 @@ if sys.argv[1:] == ["verify"]:
 for batch in (1, 8, 32):
     num_blocks = batch * 25 + 50
     caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).bfloat16() for _ in range(30)]
-    seq_lens = [random.randint(257, 384) for _ in range(batch)]
-    order = torch.randperm(num_blocks)
-    max_blocks = max(-(-length // block_size) for length in seq_lens)
-    block_tables = torch.zeros(batch, max_blocks, dtype=torch.long)
-    next_block = 0
-    for row, length in enumerate(seq_lens):
-        count = -(-length // block_size)
-        block_tables[row, :count] = order[next_block : next_block + count]
-        next_block += count
+    seq_lens, block_tables = scattered_tables(batch, num_blocks)
     query = torch.randn(batch, num_q_heads, head_size).bfloat16()
     new_kv = torch.randn(batch, num_kv_heads, head_size).bfloat16()
     lens = torch.tensor(seq_lens)

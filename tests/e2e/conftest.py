@@ -5,6 +5,7 @@ process's pre-imported zygote (tests/e2e/serve_zygote.py), so no server pays the
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -25,16 +26,31 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# its own generator: a test that seeds `random` must not make two workers pick the same ports
+_PORTS = random.SystemRandom()
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out for port 0 and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = (int(part) for part in ports.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_pair() -> int:
     """A port that is free together with the one after it (``--master-port`` and the nodes'
-    control port, ``--master-port + 1``): a free port's neighbour may be any other test's."""
+    control port, ``--master-port + 1``), below the ephemeral range: the server binds them seconds
+    later, and a port the kernel may hand out meanwhile (another test's server on port 0, any
+    outgoing connection) was taken in between once (`Address already in use` in a clean-clone run)."""
+    low, _ = ephemeral_ports()
     while True:
+        port = _PORTS.randrange(10000, max(10002, low - 2))
         with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port + 1 >= 65535:  # the control port must itself leave room (--master-port checks it)
-                continue
             try:
+                first.bind(("127.0.0.1", port))
                 second.bind(("127.0.0.1", port + 1))
             except OSError:
                 continue
