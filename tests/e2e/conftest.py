@@ -20,12 +20,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 API_KEY = "e2e-secret"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 # its own generator: a test that seeds `random` must not make two workers pick the same ports
 _PORTS = random.SystemRandom()
 
@@ -40,21 +34,34 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port_pair() -> int:
-    """A port that is free together with the one after it (``--master-port`` and the nodes'
-    control port, ``--master-port + 1``), below the ephemeral range: the server binds them seconds
-    later, and a port the kernel may hand out meanwhile (another test's server on port 0, any
-    outgoing connection) was taken in between once (`Address already in use` in a clean-clone run)."""
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports, below the ephemeral range: a server binds its
+    port seconds after the test picked it, and a port the kernel may hand out meanwhile (a port-0
+    bind, any outgoing connection) was taken in between once (`Address already in use` for a
+    node's control port in a clean-clone run); below the range only other explicit picks land."""
     low, _ = ephemeral_ports()
     while True:
-        port = _PORTS.randrange(10000, max(10002, low - 2))
-        with socket.socket() as first, socket.socket() as second:
-            try:
-                first.bind(("127.0.0.1", port))
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
+        port = _PORTS.randrange(10000, max(10000 + count, low - count))
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+        return port
+
+
+def free_port() -> int:
+    return free_ports(1)
+
+
+def free_port_pair() -> int:
+    """A port that is free together with the one after it (``--master-port`` and the nodes'
+    control port, ``--master-port + 1``)."""
+    return free_ports(2)
 
 
 class RunningServer:
