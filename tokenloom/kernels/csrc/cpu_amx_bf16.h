@@ -43,7 +43,6 @@
 #include "cpu_namespace.h"
 #include "cpu_pages.h"
 
-
 namespace TOKENLOOM_CPU_NAMESPACE {
 
 // whether this call may take the AMX-BF16 panel kernels: the build and CPU have them and
