@@ -1,8 +1,10 @@
-"""A/B of one CPU optimisation inside one process: two offline engines (SmolLM2, default dtype)
-serve the same BATCH random 256-token prompts and are stepped alternately, so both see the same
-machine; prints the median decode step of each (and their first, prefill, steps).
+"""A/B of one CPU optimisation inside one process: two offline engines (MODEL, default SmolLM2;
+default dtype) serve the same BATCH random 256-token prompts and are stepped alternately, so both
+see the same machine; prints the median decode step of each (and their first, prefill, steps).
 
-  python benchmarks/ab_steps.py packed|attention|layer-ops|int4 1,8,32
+  python benchmarks/ab_steps.py packed|attention|layer-ops|int4 1,8,32 [MODEL]
+
+MODEL is what `tokenloom serve` takes (a GGUF path: the benchmark set's 1.7B file, say).
 
 packed: linear weights and LM head oneDNN-packed (default) vs dense F.linear; attention: the
 native decode-attention backend vs the torch one; layer-ops: the fused RMSNorm / rotary /
@@ -23,6 +25,7 @@ from tokenloom.kernels.paged_attention import TorchPagedAttention
 from tokenloom.layers import activation, embedding, layernorm, quantization, rotary
 
 variant, batches = sys.argv[1], [int(size) for size in sys.argv[2].split(",")]
+model = sys.argv[3] if len(sys.argv) > 3 else "smollm2"
 construction, during_steps = contextlib.nullcontext(), contextlib.nullcontext
 if variant == "packed":
     construction = contextlib.ExitStack()
@@ -40,9 +43,9 @@ elif variant == "int4":
 elif variant != "attention":
     raise SystemExit(f"unknown variant {variant!r}: packed, attention, layer-ops or int4")
 
-optimised = LLM(model="smollm2", max_model_len=1024).engine
+optimised = LLM(model=model, max_model_len=1024).engine
 with construction:
-    baseline = LLM(model="smollm2", max_model_len=1024).engine
+    baseline = LLM(model=model, max_model_len=1024).engine
 if variant == "attention":
     baseline.executor.worker.runner.attention_backend = TorchPagedAttention()
 engines = {"without": (baseline, during_steps), "with": (optimised, contextlib.nullcontext)}
