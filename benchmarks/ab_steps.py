@@ -2,14 +2,15 @@
 default dtype) serve the same BATCH random 256-token prompts and are stepped alternately, so both
 see the same machine; prints the median decode step of each (and their first, prefill, steps).
 
-  python benchmarks/ab_steps.py packed|attention|layer-ops|int4 1,8,32 [MODEL]
+  python benchmarks/ab_steps.py packed|attention|layer-ops|int4|stack 1,8,32 [MODEL]
 
 MODEL is what `tokenloom serve` takes (a GGUF path: the benchmark set's 1.7B file, say).
 
 packed: linear weights and LM head oneDNN-packed (default) vs dense F.linear; attention: the
 native decode-attention backend vs the torch one; layer-ops: the fused RMSNorm / rotary /
 gated-activation operators vs their torch code (both engines on native attention); int4: the
-4-bit layers on tokenloom's int4 kernel vs torch's.
+4-bit layers on tokenloom's int4 kernel vs torch's; stack: a decode step's layers in one
+``decode_layers`` call vs one ``decode_layer`` call each.
 """
 
 import contextlib
@@ -22,7 +23,7 @@ from unittest import mock
 from tokenloom import LLM, SamplingParams
 from tokenloom.kernels import int4_matmul
 from tokenloom.kernels.paged_attention import TorchPagedAttention
-from tokenloom.layers import activation, embedding, layernorm, quantization, rotary
+from tokenloom.layers import activation, embedding, fused_decode, layernorm, quantization, rotary
 
 variant, batches = sys.argv[1], [int(size) for size in sys.argv[2].split(",")]
 model = sys.argv[3] if len(sys.argv) > 3 else "smollm2"
@@ -40,8 +41,12 @@ elif variant == "layer-ops":
         return stack
 elif variant == "int4":
     construction = mock.patch.object(int4_matmul, "_native_kernel", lambda: None)
+elif variant == "stack":
+
+    def during_steps():
+        return mock.patch.object(fused_decode.FusedDecodeStack, "__call__", lambda *args: None)
 elif variant != "attention":
-    raise SystemExit(f"unknown variant {variant!r}: packed, attention, layer-ops or int4")
+    raise SystemExit(f"unknown variant {variant!r}: packed, attention, layer-ops, int4 or stack")
 
 optimised = LLM(model=model, max_model_len=1024).engine
 with construction:

@@ -1,9 +1,11 @@
-"""The fused decode layer (``decode_layer``) against the layer's own Python path, on tiny random
-Llama GGUFs with Q4_1 projections (int4 weights for tokenloom's kernel), on every CPU kernel
-level the host runs (``isa_level``), with 16-bit and fp8 KV caches."""
+"""The fused decode layer (``decode_layer``) and the whole stack of them (``decode_layers``)
+against the layers' own Python path, on tiny random Llama GGUFs with Q4_1 projections (int4
+weights for tokenloom's kernel), on every CPU kernel level the host runs (``isa_level``), with
+16-bit and fp8 KV caches."""
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -14,7 +16,7 @@ from helpers.gguf_files import tiny_model_state_dict, write_model_gguf
 from tokenloom import LLM, SamplingParams
 from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
 from tokenloom.kernels import int4_matmul
-from tokenloom.layers.fused_decode import FusedDecodeLayer
+from tokenloom.layers.fused_decode import FusedDecodeLayer, FusedDecodeStack
 
 pytestmark = [
     pytest.mark.usefixtures("isa_level"),
@@ -65,18 +67,38 @@ def generate(llm, max_tokens=12, **params):
 
 
 def count_fused_calls():
-    """Patch FusedDecodeLayer.__call__ to count the calls it took and declined, and the row
-    counts of the ones it took; returns (patch, counter)."""
-    taken = {"fused": 0, "declined": 0, "fused_rows": set(), "declined_rows": set()}
-    original = FusedDecodeLayer.__call__
+    """Patch FusedDecodeLayer.__call__ and FusedDecodeStack.__call__ to count the layers they took
+    (a stack call: each of its layers) and the layer calls declined, and the row counts of each;
+    returns (patch, counter), whose "stacked" counts the stack's calls taken."""
+    taken = {"fused": 0, "declined": 0, "stacked": 0, "fused_rows": set(), "declined_rows": set()}
+    layer_call, stack_call = FusedDecodeLayer.__call__, FusedDecodeStack.__call__
 
-    def counting(self, positions, hidden_states, *args):
-        result = original(self, positions, hidden_states, *args)
+    def counting_layer(self, positions, hidden_states, *args):
+        result = layer_call(self, positions, hidden_states, *args)
         taken["fused" if result is not None else "declined"] += 1
         taken["fused_rows" if result is not None else "declined_rows"].add(hidden_states.shape[0])
         return result
 
-    return mock.patch.object(FusedDecodeLayer, "__call__", counting), taken
+    def counting_stack(self, positions, hidden_states, *args):
+        result = stack_call(self, positions, hidden_states, *args)
+        if result is not None:
+            taken["stacked"] += 1
+            taken["fused"] += len(self.layers)
+            taken["fused_rows"].add(hidden_states.shape[0])
+        return result
+
+    patch = contextlib.ExitStack()
+    patch.enter_context(mock.patch.object(FusedDecodeLayer, "__call__", counting_layer))
+    patch.enter_context(mock.patch.object(FusedDecodeStack, "__call__", counting_stack))
+    return patch, taken
+
+
+@contextlib.contextmanager
+def unfused():
+    """Every layer on its Python path: the stack and the layer operator both decline."""
+    with mock.patch.object(FusedDecodeStack, "__call__", lambda *args: None):
+        with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
+            yield
 
 
 def test_decode_steps_take_the_fused_layer_and_give_the_same_bits(llama_llm):
@@ -84,9 +106,37 @@ def test_decode_steps_take_the_fused_layer_and_give_the_same_bits(llama_llm):
     with patch:
         fused = generate(llama_llm)
     assert taken["fused"] > 0 and taken["declined"] > 0  # decode steps fused; prompt steps not
-    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
-        unfused = generate(llama_llm)
-    assert fused == unfused
+    with unfused():
+        python_path = generate(llama_llm)
+    assert fused == python_path
+
+
+def test_decode_steps_run_every_layer_in_one_call_with_each_layers_bits(llama_llm):
+    """The stack takes every decode step (one ``decode_layers`` call for all the layers) and
+    gives the bits of the layers' own ``decode_layer`` calls."""
+    patch, taken = count_fused_calls()
+    with patch:
+        stacked = generate(llama_llm)
+    layers = len(llama_llm.engine.executor.worker.runner.model.model.layers)
+    assert taken["stacked"] > 0 and taken["fused"] == taken["stacked"] * layers  # no layer alone
+    patch, taken = count_fused_calls()
+    with mock.patch.object(FusedDecodeStack, "__call__", lambda *args: None), patch:
+        layer_by_layer = generate(llama_llm)
+    assert taken["stacked"] == 0 and taken["fused"] > 0
+    assert stacked == layer_by_layer
+
+
+def test_a_layer_class_that_changes_forward_keeps_its_layers_out_of_the_stack(llama_llm):
+    model = llama_llm.engine.executor.worker.runner.model.model
+    layers = list(model.layers)
+    assert FusedDecodeStack.of(layers) is not None
+    original = type(layers[1])
+    layers[1].__class__ = type("Changed", (original,), {"forward": lambda self, *args: None})
+    try:
+        assert layers[1].stacked_decode() is None and FusedDecodeStack.of(layers) is None
+    finally:
+        layers[1].__class__ = original
+    assert layers[1].stacked_decode() is layers[1].fused_decode
 
 
 def test_decode_steps_of_many_rows_are_fused_too(llama_llm):
@@ -120,9 +170,9 @@ def test_layers_mixing_kernels_per_projection_are_fused_and_give_the_same_bits(t
     assert taken["fused"] > 0
     _, _, _, _, (_, kinds, segments), *_ = layer.fused_decode._arguments
     assert (kinds, segments) == ([400, 501, 400, 501, 800], [2, 1, 1, 1])
-    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
-        unfused = generate(llm, max_tokens=6)
-    assert fused == unfused
+    with unfused():
+        python_path = generate(llm, max_tokens=6)
+    assert fused == python_path
 
 
 def test_a_layer_with_biases_is_not_fused(tmp_path_factory):
@@ -151,9 +201,9 @@ def test_float32_the_platform_chose_is_fused_and_gives_the_same_bits(tmp_path_fa
     with patch:
         fused = generate(llm, max_tokens=6)
     assert taken["fused"] > 0
-    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
-        unfused = generate(llm, max_tokens=6)
-    assert fused == unfused
+    with unfused():
+        python_path = generate(llm, max_tokens=6)
+    assert fused == python_path
 
 
 def test_float32_models_asked_for_by_name_are_not_fused(tmp_path_factory):
@@ -186,9 +236,9 @@ def test_an_fp8_cache_is_fused_with_its_scales_and_gives_the_same_bits(tmp_path_
         fused = generate(llm)
     assert taken["fused"] > 0
     assert all(not scales.pending and scales.k_scale != 1.0 for scales in runner.kv_scales)
-    with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
-        unfused = generate(llm)
-    assert fused == unfused
+    with unfused():
+        python_path = generate(llm)
+    assert fused == python_path
 
 
 def test_verification_steps_take_the_fused_layer_and_give_the_plain_decode_bits(tmp_path_factory, llama_llm):

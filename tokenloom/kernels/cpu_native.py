@@ -79,6 +79,7 @@ OPERATORS = {
     "w8a8_linear": "compressed-tensors W8A8 int8 layers: the int8 codes scaled to float and a torch matmul at every call",
     "decode_layer": "the layer's Python path",
     "decode_layer_lora": "the layer's Python path (with its LoRA deltas)",
+    "decode_layers": "each layer's own call (decode_layer, or its Python path)",
     "moe_experts": "a torch loop over the experts a batch routes to",
     "lora_bgmv_": "the torch LoRA delta (every used slot's columns, masked, as two matmuls)",
     "paged_decode_attention": "the torch paged attention (gathered keys and values, SDPA)",

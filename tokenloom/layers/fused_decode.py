@@ -17,6 +17,11 @@ adapters change the layer's projections runs ``decode_layer_lora``: the same cha
 kernels/csrc/cpu_decoder.cpp) with each projection's BGMV added after its matmul, the operator the
 Python path's LoRA layers call.
 An fp8 KV cache goes through the operator with the layer's scales, once they are set.
+
+:class:`FusedDecodeStack` goes one further for a model (or pipeline stage) whose every layer is
+such a layer and whose caches hold the activations' dtype, with no LoRA: a decode step runs all
+its layers in one ``decode_layers`` call (the same chain, layer after layer, so the same bits),
+with no Python between them. A step it declines runs the layers one by one as above.
 """
 
 from __future__ import annotations
@@ -181,6 +186,112 @@ class FusedDecodeLayer:
             self_attn.num_heads,
             self_attn.num_kv_heads,
             attention.scale,
+        )
+
+
+class FusedDecodeStack:
+    """All of a model's (or stage's) decoder layers in one ``decode_layers`` call; built by
+    :meth:`of` when every layer offers its :class:`FusedDecodeLayer` (``stacked_decode``), checked
+    on the first call. ``__call__`` returns the last layer's ``(output, residual)``, or None when
+    this step or some layer is not one the operator takes (the caller then runs the layers)."""
+
+    def __init__(self, layers: list[FusedDecodeLayer]):
+        self.layers = tuple(layers)
+        self._arguments: Any = _UNCHECKED
+
+    @classmethod
+    def of(cls, layers) -> FusedDecodeStack | None:
+        """The stack of these layers, or None when one of them does not offer its fused decode
+        (a layer class whose ``forward`` does more than choose between it and the Python path)."""
+        fused = []
+        for layer in layers:
+            stacked_decode = getattr(layer, "stacked_decode", None)
+            layer_fused = stacked_decode() if stacked_decode is not None else None
+            if not isinstance(layer_fused, FusedDecodeLayer):
+                return None
+            fused.append(layer_fused)
+        return cls(fused) if fused else None
+
+    def __call__(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._arguments is _UNCHECKED:
+            self._arguments = self._check_stack(hidden_states)
+        arguments = self._arguments
+        if (
+            arguments is None
+            or hidden_states.dtype != arguments[1][0].dtype
+            or hidden_states.dim() != 2
+            or positions.dim() != 1
+            or positions.dtype != torch.long
+            or attn_metadata.bidirectional
+        ):
+            return None
+        backend = attn_metadata.backend
+        decode = backend.whole_decode_plan(attn_metadata) if isinstance(backend, NativeCpuPagedAttention) else None
+        caches = attn_metadata.kv_caches
+        if decode is None or not caches:
+            return None
+        operator, input_norms, post_norms, eps, weights, kinds, segments, cos, sin, indices, heads, kv_heads, scale = (
+            arguments
+        )
+        kv_caches = [caches[index] for index in indices]
+        for cache in kv_caches:
+            if cache is None or cache.dtype != hidden_states.dtype:  # an fp8 cache: its layer's scales
+                return None
+        return operator(
+            hidden_states,
+            residual,
+            positions,
+            input_norms,
+            post_norms,
+            eps,
+            weights,
+            kinds,
+            segments,
+            cos,
+            sin,
+            kv_caches,
+            attn_metadata.slot_mapping,
+            decode.block_tables,
+            decode.seq_lens,
+            heads,
+            kv_heads,
+            scale,
+        )
+
+    def _check_stack(self, hidden_states: torch.Tensor) -> tuple | None:
+        """``decode_layers`` and its arguments, when every layer is one ``decode_layer`` computes,
+        none has LoRA layers, and all share the norms' eps, the heads and the scale."""
+        ops = cpu_native.ops_for(hidden_states)
+        operator = getattr(ops, "decode_layers", None) if ops is not None else None
+        if operator is None:
+            return None
+        per_layer = []
+        for layer in self.layers:
+            if layer._arguments is _UNCHECKED:
+                layer._arguments = layer._check_layer(hidden_states)
+            if layer._arguments is None or any(projection.lora is not None for projection in layer.projections):
+                return None
+            per_layer.append(layer._arguments)
+        shared = [(arguments[3], *arguments[8:]) for arguments in per_layer]
+        if any(entry != shared[0] for entry in shared):
+            return None
+        eps, heads, kv_heads, scale = shared[0]
+        return (
+            operator,
+            [arguments[1] for arguments in per_layer],
+            [arguments[2] for arguments in per_layer],
+            eps,
+            [tensor for arguments in per_layer for tensor in arguments[4][0]],
+            [kind for arguments in per_layer for kind in arguments[4][1]],
+            [count for arguments in per_layer for count in arguments[4][2]],
+            [arguments[5] for arguments in per_layer],
+            [arguments[6] for arguments in per_layer],
+            [arguments[7] for arguments in per_layer],
+            heads,
+            kv_heads,
+            scale,
         )
 
 

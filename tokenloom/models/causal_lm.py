@@ -16,6 +16,7 @@ from torch import nn
 from tokenloom.core.model_interface import IntermediateTensors, KVCacheSpec, ModelContext
 from tokenloom.layers import row_roles
 from tokenloom.layers.embedding import ParallelLMHead, QuantizedLMHead, VocabParallelEmbedding
+from tokenloom.layers.fused_decode import FusedDecodeStack
 from tokenloom.layers.layernorm import RMSNorm
 from tokenloom.layers.linear import kv_heads_per_rank
 from tokenloom.layers.pipeline import MissingLayer, number_attention_layers, stage_layers
@@ -58,6 +59,9 @@ def sliding_windows_of(config: Any, model_config: Any = None) -> list[int | None
     return [config.sliding_window if kind == "sliding_attention" else None for kind in layer_types_of(config)]
 
 
+_UNBUILT = object()  # DecoderModel._fused_stack before the first forward
+
+
 class DecoderStack(nn.Module):
     """``model.*`` of a Hugging Face causal LM: embedding, decoder layers, final norm.
 
@@ -91,6 +95,9 @@ class DecoderStack(nn.Module):
         # a tuple, not a ModuleList: the layers are registered once, under ``layers``
         self._stage_layers = tuple(layers[stage.start : stage.stop])
         self.is_last_stage = is_last_stage
+        # the stage's layers as one decode-step operator call, built on the first forward (the
+        # layers' weights are packed after construction); None when they cannot be
+        self._fused_stack: Any = _UNBUILT
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings the first layer takes (scaled by the embedding multiplier)."""
@@ -112,10 +119,20 @@ class DecoderStack(nn.Module):
             residual = None
         else:
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
-        prompt_query_lens = getattr(attn_metadata, "prompt_query_lens_cpu", None)
-        with row_roles.computing(attn_metadata.query_lens_cpu if prompt_query_lens else (), prompt_query_lens):
-            for layer in self._stage_layers:
-                hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if self._fused_stack is _UNBUILT:
+            self._fused_stack = FusedDecodeStack.of(self._stage_layers)
+        stacked = (
+            self._fused_stack(positions, hidden_states, residual, attn_metadata)
+            if self._fused_stack is not None
+            else None
+        )
+        if stacked is not None:  # a decode step: every layer in one operator call
+            hidden_states, residual = stacked
+        else:
+            prompt_query_lens = getattr(attn_metadata, "prompt_query_lens_cpu", None)
+            with row_roles.computing(attn_metadata.query_lens_cpu if prompt_query_lens else (), prompt_query_lens):
+                for layer in self._stage_layers:
+                    hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if not self.is_last_stage:
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

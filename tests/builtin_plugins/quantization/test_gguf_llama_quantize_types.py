@@ -11,8 +11,6 @@ operator with their 2- and 3-bit projections, bit for bit the layers' own path. 
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -22,11 +20,10 @@ from helpers.moe_checkpoints import llama_quantize, quantize_with_llama_cpp, wit
 from helpers.quantized_parity import check_logprobs_close
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.layers.test_fused_decode import count_fused_calls
+from tests.layers.test_fused_decode import count_fused_calls, unfused
 from tokenloom import LLM
 from tokenloom.builtin_plugins.loaders.gguf_reader import GGUFFile
 from tokenloom.kernels import cpu_native
-from tokenloom.layers.fused_decode import FusedDecodeLayer
 from tokenloom.layers.linear import LinearBase
 
 pytestmark = [
@@ -121,5 +118,5 @@ def test_a_llama_quantize_file_holds_no_dense_copy_and_agrees_with_transformers(
         layer = model.model.layers[0]
         _, _, _, _, (_, kinds, _), *_ = layer.fused_decode._arguments
         assert kinds == FUSED_KINDS[kind]
-        with mock.patch.object(FusedDecodeLayer, "__call__", lambda *args: None):
+        with unfused():
             assert served_greedy_top_k(llm, PROMPTS, NEW_TOKENS) == served

@@ -65,6 +65,12 @@ class LlamaDecoderLayer(nn.Module):
             else None
         )
 
+    def stacked_decode(self):
+        """The layer's fused decode for a step that runs every layer in one call
+        (``FusedDecodeStack``): only while ``forward`` is this class's (a subclass that changes
+        it decides its steps itself)."""
+        return self.fused_decode if type(self).forward is LlamaDecoderLayer.forward else None
+
     def forward(self, positions, hidden_states, residual, attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_decode is not None:
             fused = self.fused_decode(positions, hidden_states, residual, attn_metadata)

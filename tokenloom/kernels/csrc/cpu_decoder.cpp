@@ -4,7 +4,9 @@
 // calls, each a few microseconds, which at decode sizes cost as much as the arithmetic.
 // Registered as `decode_layer` in every build (each ISA level's operators it chains are that
 // level's), and as `decode_layer_lora`: the same chain with each projection's LoRA (lora_bgmv_,
-// cpu_lora.cpp) added after its matmul, as the Python path adds it after the base matmul.
+// cpu_lora.cpp) added after its matmul, as the Python path adds it after the base matmul; and as
+// `decode_layers`: every layer of a model (or of a pipeline stage) in one call, each the
+// `decode_layer` chain, so that a decode step runs no Python between its layers.
 // Each projection is one or more packed weights of the file's codes, each with its own kernel
 // (int4, int5, int6 or int8: a Q4_K_M file's Q4_K q and k beside a Q6_K v), their outputs
 // concatenated in row order as the gguf quantization method's Python path concatenates them.
@@ -137,6 +139,46 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_chain(
   return {std::move(down), std::move(residual_next)};
 }
 
+// Layers one after another, as decode_layer calls would run them: layer i's norms, cos/sin tables
+// and KV cache are entry i of their lists, its packed weights the next segments[4i..4i+3] of
+// `weights` and `kinds`; every layer has the same heads and scale, and a KV cache of the
+// activations' dtype (the fp8 caches' scales are per layer: their steps take decode_layer).
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& positions,
+    at::TensorList input_norms, at::TensorList post_norms, double eps, at::TensorList weights, at::IntArrayRef kinds,
+    at::IntArrayRef segments, at::TensorList cos_caches, at::TensorList sin_caches, at::TensorList kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, double scale) {
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(layers > 0 && input_norms.size() == layers && post_norms.size() == layers &&
+                  cos_caches.size() == layers && sin_caches.size() == layers && segments.size() == 4 * layers,
+              "decode_layers: one input norm, post norm, cos and sin table and KV cache per layer and 4 segments "
+              "per layer, got ", layers, " KV caches, ", input_norms.size(), " and ", post_norms.size(), " norms, ",
+              cos_caches.size(), " and ", sin_caches.size(), " tables, ", segments.size(), " segments");
+  TORCH_CHECK(kinds.size() == weights.size(), "decode_layers: one kind per packed weight: ", kinds.size(),
+              " kinds for ", weights.size(), " weights");
+  at::Tensor out = hidden;
+  c10::optional<at::Tensor> carried = residual;
+  size_t next = 0;
+  for (size_t layer = 0; layer < layers; ++layer) {
+    const at::IntArrayRef layer_segments = segments.slice(4 * layer, 4);
+    size_t count = 0;
+    for (const int64_t segment : layer_segments) count += static_cast<size_t>(segment);
+    TORCH_CHECK(next + count <= weights.size(), "decode_layers: segments ", segments, " ask for more than the ",
+                weights.size(), " packed weights");
+    auto [layer_out, layer_residual] = decode_layer_chain<>(
+        out, carried, positions, input_norms[layer], post_norms[layer], eps, weights.slice(next, count),
+        kinds.slice(next, count), layer_segments, cos_caches[layer], sin_caches[layer], kv_caches[layer], slot_mapping,
+        block_tables, seq_lens, num_heads, num_kv_heads, scale, 1.0, 1.0);
+    next += count;
+    out = std::move(layer_out);
+    carried = std::move(layer_residual);
+  }
+  TORCH_CHECK(next == weights.size(), "decode_layers: segments ", segments, " do not divide the ", weights.size(),
+              " packed weights");
+  return {std::move(out), std::move(*carried)};
+}
+
 }  // namespace
 
 }  // namespace TOKENLOOM_CPU_NAMESPACE
@@ -154,6 +196,11 @@ TOKENLOOM_LIBRARY_FRAGMENT(m) {
       "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
       "int num_kv_heads, float scale, float k_scale, "
       "float v_scale, Tensor token_slots, Tensor?[] loras, int max_rank) -> (Tensor, Tensor)");
+  m.def(
+      "decode_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor[] input_norms, Tensor[] post_norms, "
+      "float eps, Tensor[] weights, int[] kinds, int[] segments, Tensor[] cos_caches, Tensor[] sin_caches, "
+      "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
+      "int num_kv_heads, float scale) -> (Tensor, Tensor)");
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {
@@ -161,4 +208,5 @@ TOKENLOOM_LIBRARY_IMPL_CPU(m) {
   m.impl("decode_layer", &decode_layer_chain<>);
   // the LoRA arguments after the plain operator's: token_slots, loras, max_rank
   m.impl("decode_layer_lora", &decode_layer_chain<const at::Tensor&, const OptionalTensors&, int64_t>);
+  m.impl("decode_layers", &decode_layers);
 }
