@@ -220,7 +220,7 @@ class FusedDecodeStack:
         arguments = self._arguments
         if (
             arguments is None
-            or hidden_states.dtype != arguments[1][0].dtype
+            or hidden_states.dtype != arguments[1]
             or hidden_states.dim() != 2
             or positions.dim() != 1
             or positions.dtype != torch.long
@@ -232,33 +232,13 @@ class FusedDecodeStack:
         caches = attn_metadata.kv_caches
         if decode is None or not caches:
             return None
-        operator, input_norms, post_norms, eps, weights, kinds, segments, cos, sin, indices, heads, kv_heads, scale = (
-            arguments
-        )
+        operator, dtype, layer_tables, indices, shape = arguments
         kv_caches = [caches[index] for index in indices]
         for cache in kv_caches:
-            if cache is None or cache.dtype != hidden_states.dtype:  # an fp8 cache: its layer's scales
+            if cache is None or cache.dtype != dtype:  # an fp8 cache: its layer's scales
                 return None
-        return operator(
-            hidden_states,
-            residual,
-            positions,
-            input_norms,
-            post_norms,
-            eps,
-            weights,
-            kinds,
-            segments,
-            cos,
-            sin,
-            kv_caches,
-            attn_metadata.slot_mapping,
-            decode.block_tables,
-            decode.seq_lens,
-            heads,
-            kv_heads,
-            scale,
-        )
+        step = (attn_metadata.slot_mapping, decode.block_tables, decode.seq_lens)
+        return operator(hidden_states, residual, positions, *layer_tables, kv_caches, *step, *shape)
 
     def _check_stack(self, hidden_states: torch.Tensor) -> tuple | None:
         """``decode_layers`` and its arguments, when every layer is one ``decode_layer`` computes,
@@ -278,8 +258,9 @@ class FusedDecodeStack:
         if any(entry != shared[0] for entry in shared):
             return None
         eps, heads, kv_heads, scale = shared[0]
-        return (
-            operator,
+        # (the operator's arguments in its order: the layers' norms, eps, packed weights and
+        # rotary tables; then the step's KV caches and tensors; then the heads and the scale)
+        layer_tables = (
             [arguments[1] for arguments in per_layer],
             [arguments[2] for arguments in per_layer],
             eps,
@@ -288,11 +269,9 @@ class FusedDecodeStack:
             [count for arguments in per_layer for count in arguments[4][2]],
             [arguments[5] for arguments in per_layer],
             [arguments[6] for arguments in per_layer],
-            [arguments[7] for arguments in per_layer],
-            heads,
-            kv_heads,
-            scale,
         )
+        indices = [arguments[7] for arguments in per_layer]
+        return operator, per_layer[0][1].dtype, layer_tables, indices, (heads, kv_heads, scale)
 
 
 def packed_weights(projection) -> list[tuple[torch.Tensor, int]] | None:
