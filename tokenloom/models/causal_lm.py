@@ -59,7 +59,7 @@ def sliding_windows_of(config: Any, model_config: Any = None) -> list[int | None
     return [config.sliding_window if kind == "sliding_attention" else None for kind in layer_types_of(config)]
 
 
-_UNBUILT = object()  # DecoderModel._fused_stack before the first forward
+_UNBUILT = object()  # DecoderStack._fused_stack before the first forward
 
 
 class DecoderStack(nn.Module):
