@@ -216,3 +216,46 @@ def test_prefault_maps_through_the_platform_where_it_maps_and_writes_nothing():
     assert runner.prefault_kv_cache(10 * block_bytes) == block_bytes
     assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(3, 5), (5, 6)]
     assert all((cache == 7).all() for cache in runner.kv_caches)
+
+
+def test_prefault_keeps_a_lead_of_mapped_blocks_ahead_of_the_used_ones(monkeypatch):
+    """The idle loop maps up to KV_PREFAULT_LEAD_BYTES ahead of the high-water mark, and after
+    steps took more blocks, maps on to restore that lead (a benchmark sweeping a 4 GiB pool finds
+    its next blocks mapped after each pause, not only its first GiB)."""
+    from tokenloom.core import model_runner_kv_cache
+    from tokenloom.core.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.kv_caches = [torch.zeros((2, 10, 4, 1, 2)) for _ in range(2)]
+    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = 0, 0, False
+    runner.platform = mock.Mock()
+    runner.platform.map_blocks.return_value = True
+    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)
+    monkeypatch.setattr(model_runner_kv_cache, "KV_PREFAULT_LEAD_BYTES", 3 * block_bytes)
+    assert runner.prefault_kv_cache(2 * block_bytes) == 2 * block_bytes
+    assert runner.prefault_kv_cache(2 * block_bytes) == block_bytes  # the lead is 3 blocks
+    assert runner.prefault_kv_cache(2 * block_bytes) == 0
+    runner._kv_high_water = 2  # steps used blocks 0 and 1
+    assert runner.prefault_kv_cache(5 * block_bytes) == 2 * block_bytes
+    assert runner.prefault_kv_cache(5 * block_bytes) == 0
+    runner._kv_high_water = 9
+    assert runner.prefault_kv_cache(5 * block_bytes) == block_bytes  # the pool's last block
+    assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(0, 2), (2, 3), (3, 5), (9, 10)]
+
+
+def test_a_prefault_chunk_smaller_than_a_block_still_maps_one_block():
+    """A 1.7B model's block (all layers' K and V) is 3 MiB, three times the idle loop's chunk: the
+    chunk maps one block, where it used to map none and so end the idle mapping at once."""
+    from tokenloom.core.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.kv_caches = [torch.zeros((2, 4, 4, 1, 2)) for _ in range(2)]
+    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = 1, 0, False
+    runner.platform = mock.Mock()
+    runner.platform.map_blocks.return_value = True
+    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)
+    assert runner.prefault_kv_cache(block_bytes // 3) == block_bytes
+    assert runner.prefault_kv_cache(block_bytes // 3) == block_bytes
+    assert runner.prefault_kv_cache(block_bytes // 3) == block_bytes
+    assert runner.prefault_kv_cache(block_bytes // 3) == 0  # the pool's end
+    assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(1, 2), (2, 3), (3, 4)]

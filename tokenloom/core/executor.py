@@ -205,12 +205,13 @@ class Executor:
         return future
 
     def prefault_kv_cache(self, max_bytes: int) -> int:
-        """Optional: while the engine is idle, make the workers map up to ``max_bytes`` more of
-        KV-cache memory that no request has used yet (a lazily zeroed cache otherwise pays a
-        page fault per page on a request's critical path). Called on the engine's thread,
-        between steps, never concurrently with :meth:`execute`.
+        """Optional: while the engine is idle, make the workers map up to ``max_bytes`` more (at
+        least one block) of KV-cache memory that no request has used yet, while less than the
+        runner's lead is mapped ahead of use (a lazily zeroed cache otherwise pays a page fault
+        per page on a request's critical path). Called on the engine's thread, between steps,
+        never concurrently with :meth:`execute`.
 
-        :returns: the bytes mapped; 0 when there is nothing left to do (the default).
+        :returns: the bytes mapped; 0 when there is nothing left to do now (the default).
         """
         return 0
 

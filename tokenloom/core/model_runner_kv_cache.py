@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 # memory left free when the KV cache is sized from --gpu-memory-utilization
 KV_SAFETY_MARGIN_BYTES = 512 * 1024 * 1024
+# never-used KV-cache memory an idle server keeps mapped ahead of the blocks used so far
+# (prefault_kv_cache; figures: docs/design.md, "KV cache sizing on the CPU")
+KV_PREFAULT_LEAD_BYTES = 1 << 30
 
 # --kv-cache-dtype values and the cache's element type (None: the model's dtype); fp8 is e4m3,
 # as in vLLM on the CPU and CUDA
@@ -230,17 +233,22 @@ class KVCacheSetup(PipelineStageIO):
 
     def prefault_kv_cache(self, max_bytes: int) -> int:
         """Map the next never-used blocks (ids from the high-water mark up), up to ``max_bytes``
-        over all layers: the platform's lazily zeroed cache then pays its page faults now rather
-        than in a request's step. Through :meth:`Platform.map_blocks` where the platform maps
-        (contents unchanged), else by writing zeros over them: blocks at or above the high-water
-        mark were never in a block table, so they hold zeros already and nothing is lost. Called
-        between steps on the thread that runs them. Returns the bytes mapped (0: nothing left)."""
+        over all layers and at least one block (a 1.7B model's block is 3 MiB, more than the idle
+        loop's chunk), while less than ``KV_PREFAULT_LEAD_BYTES`` is mapped ahead of the
+        high-water mark: the platform's lazily zeroed cache then pays its page faults now rather
+        than in a request's step, and a server that keeps taking fresh blocks (cached ones are
+        evicted only when no never-used block is left) finds the next ones mapped after each
+        pause. Through :meth:`Platform.map_blocks` where the platform maps (contents unchanged),
+        else by writing zeros over them: blocks at or above the high-water mark were never in a
+        block table, so they hold zeros already and nothing is lost. Called between steps on the
+        thread that runs them. Returns the bytes mapped (0: nothing left to map now)."""
         if not self.kv_caches:
             return 0
         num_blocks = self.kv_caches[0].shape[1]
         first = max(self._kv_high_water, self._kv_prefaulted)
-        bytes_per_block = sum(cache[:, 0].numel() * cache.element_size() for cache in self.kv_caches)
-        count = min(num_blocks - first, max_bytes // max(bytes_per_block, 1))
+        bytes_per_block = max(1, sum(cache[:, 0].numel() * cache.element_size() for cache in self.kv_caches))
+        lead_blocks = KV_PREFAULT_LEAD_BYTES // bytes_per_block - (first - self._kv_high_water)
+        count = min(num_blocks - first, lead_blocks, max(1, max_bytes // bytes_per_block))
         if count <= 0:
             return 0
         if self._kv_map_blocks_off or not self.platform.map_blocks(self.kv_caches, first, first + count):

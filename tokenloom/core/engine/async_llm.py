@@ -34,10 +34,10 @@ from tokenloom.plugins.manager import PluginSet
 
 logger = logging.getLogger(__name__)
 
-# KV-cache memory the idle server maps ahead of use, in chunks of about a millisecond, once
-# the engine has been idle a while: a lazily zeroed cache otherwise pays its page faults in the
-# first step that writes there (figures: docs/design.md, "KV cache sizing on the CPU")
-PREFAULT_MAX_BYTES = 1 << 30
+# KV-cache memory the idle server maps ahead of use (up to the runner's lead), a chunk of about
+# a millisecond (at least one block) at a time, once the engine has been idle a while: a lazily
+# zeroed cache otherwise pays its page faults in the first step that writes there (figures:
+# docs/design.md, "KV cache sizing on the CPU")
 PREFAULT_CHUNK_BYTES = 1 << 20
 PREFAULT_AFTER_IDLE_SECONDS = 0.05
 # how often the engine thread asks the executor whether its workers live (idle or busy)
@@ -48,8 +48,9 @@ class AsyncLLM(RequestStreams):
     """The engine for the server: a background thread runs ``LLMEngine.step()`` while there is
     work; each request gets an asyncio queue of its outputs.
 
-    While it has no work, the thread maps up to ``PREFAULT_MAX_BYTES`` of never-used KV-cache
-    memory ahead of the requests that will need it.
+    While it has no work, the thread maps never-used KV-cache memory ahead of the requests that
+    will need it (up to ``KV_PREFAULT_LEAD_BYTES`` ahead of the blocks used so far, topped up
+    after each busy spell).
 
     :meth:`from_engine_args` builds the engine on that same thread: torch keeps one OpenMP
     worker pool per thread that runs parallel ops, and a second pool (the one weight loading
@@ -65,7 +66,7 @@ class AsyncLLM(RequestStreams):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = engine.stats() if engine is not None else None
-        self._prefault_budget = PREFAULT_MAX_BYTES
+        self._prefault_pending = True  # more may be mapped: set by each step, cleared when none is
         self._last_step_time = 0.0
         self._last_health_check = 0.0
         self._logits_processor_resolver: LogitsProcessorResolver | None = None
@@ -334,6 +335,7 @@ class AsyncLLM(RequestStreams):
                     continue
                 outputs = engine.step()
                 self._last_step_time = time.monotonic()
+                self._prefault_pending = True
                 self._stats = engine.stats()
                 if outputs:
                     self._deliver([(output.request_id, output) for output in outputs])
@@ -356,15 +358,15 @@ class AsyncLLM(RequestStreams):
         """Once idle for ``PREFAULT_AFTER_IDLE_SECONDS``, map the next slice of never-used
         KV-cache memory (see ``Executor.prefault_kv_cache``), a chunk at a time so a new request
         waits at most one chunk; True when a chunk was mapped or the idle wait is not over."""
-        if self._prefault_budget <= 0 or not self._commands.empty():
+        if not self._prefault_pending or not self._commands.empty():
             return False
         idle_for = time.monotonic() - self._last_step_time
         if idle_for < PREFAULT_AFTER_IDLE_SECONDS:
             self._wakeup.wait(timeout=PREFAULT_AFTER_IDLE_SECONDS - idle_for)
             self._wakeup.clear()
             return True
-        mapped = self.engine.executor.prefault_kv_cache(min(PREFAULT_CHUNK_BYTES, self._prefault_budget))
-        self._prefault_budget = self._prefault_budget - mapped if mapped else 0
+        mapped = self.engine.executor.prefault_kv_cache(PREFAULT_CHUNK_BYTES)
+        self._prefault_pending = mapped > 0
         return mapped > 0
 
     def _deliver(self, items: list[tuple[str, StreamItem]]) -> None:
