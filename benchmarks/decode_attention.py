@@ -9,7 +9,8 @@ R - 1 drafts: rows of one block table with consecutive lengths), the native kern
       verifying sequence; cached: the native kernel's arithmetic, its caches in L2 (8, 4, 2
       sequences of 16, 32, 64 keys: TSC cycles a key and KV head, at 2.6 GHz) and one layer's
       cache of 8 sequences of 257-384 keys (L3) against 30 layers' (memory); --heads: another
-      model's query and KV heads of 64, e.g. 32:32 for SmolLM2-1.7B)
+      model's query and KV heads of 64, e.g. 32:32 for SmolLM2-1.7B; --huge-pages: the caches
+      moved onto 2 MiB pages first, as the CPU platform maps the served KV cache)
 """
 
 import random
@@ -19,7 +20,7 @@ import time
 import torch
 
 from tokenloom.core.batch import AttentionMetadata
-from tokenloom.kernels import cpu_native
+from tokenloom.kernels import cpu_native, huge_pages
 from tokenloom.kernels.paged_attention import TorchPagedAttention
 
 ops = cpu_native.load()
@@ -30,6 +31,9 @@ if "--heads" in sys.argv:  # another model's heads, e.g. --heads 32:32 (SmolLM2-
     at = sys.argv.index("--heads")
     num_q_heads, num_kv_heads = (int(part) for part in sys.argv[at + 1].split(":"))
     del sys.argv[at : at + 2]
+huge = "--huge-pages" in sys.argv
+if huge:
+    sys.argv.remove("--huge-pages")
 
 
 def per_30_layers(function, caches, repeats=5):
@@ -104,6 +108,8 @@ def cached_case():
     layer_bytes = sum(seq_lens) * num_kv_heads * head_size * 2 * 2
     for copies, repeats, where in ((1, 60, "one layer's cache: L3"), (30, 3, "30 layers' caches: memory")):
         caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).bfloat16() for _ in range(copies)]
+        if huge:
+            print(f"on huge pages: {huge_pages.collapse(caches) / 2**20:.0f} MiB")
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()

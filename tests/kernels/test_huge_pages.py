@@ -65,3 +65,40 @@ def test_collapse_moves_a_tensor_onto_huge_pages_unchanged():
 def test_opaque_tensors_are_left_alone():
     dense = torch.randn(2048, 1024)
     assert huge_pages.collapse([dense.to_mkldnn()]) == 0
+
+
+def vm_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                low, high = (int(part, 16) for part in fields[0].split("-"))
+                inside = low <= address < high
+            elif inside and fields[0] == "VmFlags:":
+                return set(fields[1:])
+    return set()
+
+
+@pytest.mark.skipif(huge_pages._madvise() is None, reason="no transparent huge pages here")
+def test_the_cpu_platforms_kv_cache_is_advised_onto_huge_pages(monkeypatch):
+    """The KV cache's mapping carries MADV_HUGEPAGE ("hg") before any page is touched, whatever
+    numpy's own allocator does for large arrays (switched off here)."""
+    import numpy as np
+
+    from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
+
+    multiarray = np._core.multiarray
+    previous = multiarray._set_madvise_hugepage(False)
+    try:
+        # 40 MiB: above glibc's largest mmap threshold, so each is a fresh mapping of its own
+        plain = torch.from_numpy(np.zeros(40 * 2**20, dtype=np.uint8))
+        assert "hg" not in vm_flags(plain.data_ptr() + 20 * 2**20)  # numpy's advice is off
+        cache = CpuPlatform().zeros((2, 160, 16, 32, 64), torch.bfloat16)
+        middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2
+        assert "hg" in vm_flags(middle)
+        assert not cache.any()
+    finally:
+        multiarray._set_madvise_hugepage(previous)
+    assert huge_pages.advise(torch.zeros(1000)) == 0  # no aligned 2 MiB stretch inside

@@ -10,11 +10,15 @@ torch allocates weights with ``posix_memalign`` (4 KiB pages unless the system m
 mapping huge), and a quantization method's packing writes them, so they are already resident when
 loading ends. :func:`collapse` asks Linux (6.1 or later) to copy a tensor's pages into huge pages
 in place (``madvise(MADV_COLLAPSE)``, after ``MADV_HUGEPAGE`` so they stay huge), the whole 2
-MiB-aligned stretches inside each tensor, once, at load. The KV cache stays on 4 KiB pages: its
-blocks are first written while serving, and a huge page's first touch in a ``MADV_HUGEPAGE``
-region may stall on the kernel's compaction (``defrag`` is ``madvise`` by default). Where the kernel or the
-system's setting (``/sys/kernel/mm/transparent_hugepage/enabled``: ``never``) refuses, the pages
-stay as they are: only the speed differs.
+MiB-aligned stretches inside each tensor, once, at load.
+
+The KV cache is read the same way at every decode step (each sequence's keys and values, a layer
+at a time), but it is allocated lazily and its pages fault in as blocks are first used:
+:func:`advise` marks its mapping ``MADV_HUGEPAGE`` when it is allocated, before any page is
+touched, so that those faults (the CPU platform maps blocks ahead of the steps that write them,
+``page_mapping.populate``) take 2 MiB pages. Where the kernel or the system's setting
+(``/sys/kernel/mm/transparent_hugepage/enabled``: ``never``) refuses, the pages stay as they are:
+only the speed differs.
 """
 
 from __future__ import annotations
@@ -75,6 +79,17 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
         if madvise(start, length, _MADV_HUGEPAGE) == 0 and madvise(start, length, _MADV_COLLAPSE) == 0:
             collapsed += length
     return collapsed
+
+
+def advise(tensor: torch.Tensor) -> int:
+    """Ask that the pages of ``tensor``'s aligned 2 MiB stretches be huge when they first fault in
+    (``MADV_HUGEPAGE``; pages already there stay as they are). Returns the bytes advised."""
+    madvise = _madvise()
+    found = _huge_range(tensor)
+    if madvise is None or found is None:
+        return 0
+    start, length = found
+    return length if madvise(start, length, _MADV_HUGEPAGE) == 0 else 0
 
 
 def module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:

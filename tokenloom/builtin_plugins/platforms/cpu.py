@@ -125,14 +125,20 @@ class CpuPlatform(Platform):
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """Zeros the OS provides lazily: numpy's calloc maps untouched pages to the zero page, so
         a large KV cache costs neither start-up time (torch.zeros writes every byte: 29 s for
-        8 GiB here) nor resident memory until a block is used."""
+        8 GiB here) nor resident memory until a block is used. Its pages fault in as 2 MiB pages
+        (kernels/huge_pages.py:advise): decode attention reads every cached key and value of a
+        batch each step, and on 4 KiB pages its page walks held it to ~21 GB/s."""
         import numpy as np
         import torch
+
+        from tokenloom.kernels import huge_pages
 
         element_size = torch.empty((), dtype=dtype).element_size()
         storage_dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[element_size]
         # all-zero bits are 0.0 in every float format
-        return torch.from_numpy(np.zeros(shape, dtype=storage_dtype)).view(dtype)
+        tensor = torch.from_numpy(np.zeros(shape, dtype=storage_dtype)).view(dtype)
+        huge_pages.advise(tensor)
+        return tensor
 
     def map_blocks(self, kv_caches: list[Any], first_block: int, end_block: int) -> bool:
         """The blocks' K and V pages faulted in with one ``MADV_POPULATE_WRITE`` each
