@@ -185,36 +185,43 @@ def test_an_idle_engine_maps_unused_kv_blocks_without_touching_used_ones(engine,
         assert tokens == expected.outputs[0].token_ids
 
 
-def test_prefault_stops_at_the_end_of_the_pool_and_never_goes_below_the_high_water_mark():
+# two layers of K and V for one block of the runners below, float32
+BLOCK_BYTES = 2 * (2 * 4 * 1 * 2 * 4)
+
+
+def prefault_runner(blocks: int, high_water: int, fill: float, maps: bool):
+    """A model runner with only what prefault_kv_cache reads: two layers' caches of ``blocks``
+    blocks filled with ``fill``, blocks below ``high_water`` used, and a mock platform whose
+    map_blocks answers ``maps``."""
     from tokenloom.core.model_runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)
-    runner.kv_caches = [torch.full((2, 6, 4, 1, 2), 7.0) for _ in range(2)]
-    runner._kv_high_water, runner._kv_prefaulted = 3, 0
+    runner.kv_caches = [torch.full((2, blocks, 4, 1, 2), fill) for _ in range(2)]
+    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = high_water, 0, False
     runner.platform = mock.Mock()
-    runner.platform.map_blocks.return_value = False  # a platform that cannot map: zeros are written
-    runner._kv_map_blocks_off = False
-    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)  # two layers of K and V for one block, float32
-    assert runner.prefault_kv_cache(2 * block_bytes) == 2 * block_bytes
+    runner.platform.map_blocks.return_value = maps
+    return runner
+
+
+def mapped_spans(runner) -> list[tuple[int, int]]:
+    return [call.args[1:] for call in runner.platform.map_blocks.call_args_list]
+
+
+def test_prefault_stops_at_the_end_of_the_pool_and_never_goes_below_the_high_water_mark():
+    runner = prefault_runner(6, 3, 7.0, maps=False)  # a platform that cannot map: zeros are written
+    assert runner.prefault_kv_cache(2 * BLOCK_BYTES) == 2 * BLOCK_BYTES
     for cache in runner.kv_caches:
         assert (cache[:, :3] == 7).all() and (cache[:, 3:5] == 0).all() and (cache[:, 5:] == 7).all()
-    assert runner.prefault_kv_cache(10 * block_bytes) == block_bytes  # only block 5 is left
-    assert runner.prefault_kv_cache(10 * block_bytes) == 0
+    assert runner.prefault_kv_cache(10 * BLOCK_BYTES) == BLOCK_BYTES  # only block 5 is left
+    assert runner.prefault_kv_cache(10 * BLOCK_BYTES) == 0
     assert runner.platform.map_blocks.call_count == 1  # not asked again once it could not
 
 
 def test_prefault_maps_through_the_platform_where_it_maps_and_writes_nothing():
-    from tokenloom.core.model_runner import ModelRunner
-
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.kv_caches = [torch.full((2, 6, 4, 1, 2), 7.0) for _ in range(2)]
-    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = 3, 0, False
-    runner.platform = mock.Mock()
-    runner.platform.map_blocks.return_value = True
-    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)
-    assert runner.prefault_kv_cache(2 * block_bytes) == 2 * block_bytes
-    assert runner.prefault_kv_cache(10 * block_bytes) == block_bytes
-    assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(3, 5), (5, 6)]
+    runner = prefault_runner(6, 3, 7.0, maps=True)
+    assert runner.prefault_kv_cache(2 * BLOCK_BYTES) == 2 * BLOCK_BYTES
+    assert runner.prefault_kv_cache(10 * BLOCK_BYTES) == BLOCK_BYTES
+    assert mapped_spans(runner) == [(3, 5), (5, 6)]
     assert all((cache == 7).all() for cache in runner.kv_caches)
 
 
@@ -223,39 +230,25 @@ def test_prefault_keeps_a_lead_of_mapped_blocks_ahead_of_the_used_ones(monkeypat
     steps took more blocks, maps on to restore that lead (a benchmark sweeping a 4 GiB pool finds
     its next blocks mapped after each pause, not only its first GiB)."""
     from tokenloom.core import model_runner_kv_cache
-    from tokenloom.core.model_runner import ModelRunner
 
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.kv_caches = [torch.zeros((2, 10, 4, 1, 2)) for _ in range(2)]
-    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = 0, 0, False
-    runner.platform = mock.Mock()
-    runner.platform.map_blocks.return_value = True
-    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)
-    monkeypatch.setattr(model_runner_kv_cache, "KV_PREFAULT_LEAD_BYTES", 3 * block_bytes)
-    assert runner.prefault_kv_cache(2 * block_bytes) == 2 * block_bytes
-    assert runner.prefault_kv_cache(2 * block_bytes) == block_bytes  # the lead is 3 blocks
-    assert runner.prefault_kv_cache(2 * block_bytes) == 0
+    runner = prefault_runner(10, 0, 0.0, maps=True)
+    monkeypatch.setattr(model_runner_kv_cache, "KV_PREFAULT_LEAD_BYTES", 3 * BLOCK_BYTES)
+    assert runner.prefault_kv_cache(2 * BLOCK_BYTES) == 2 * BLOCK_BYTES
+    assert runner.prefault_kv_cache(2 * BLOCK_BYTES) == BLOCK_BYTES  # the lead is 3 blocks
+    assert runner.prefault_kv_cache(2 * BLOCK_BYTES) == 0
     runner._kv_high_water = 2  # steps used blocks 0 and 1
-    assert runner.prefault_kv_cache(5 * block_bytes) == 2 * block_bytes
-    assert runner.prefault_kv_cache(5 * block_bytes) == 0
+    assert runner.prefault_kv_cache(5 * BLOCK_BYTES) == 2 * BLOCK_BYTES
+    assert runner.prefault_kv_cache(5 * BLOCK_BYTES) == 0
     runner._kv_high_water = 9
-    assert runner.prefault_kv_cache(5 * block_bytes) == block_bytes  # the pool's last block
-    assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(0, 2), (2, 3), (3, 5), (9, 10)]
+    assert runner.prefault_kv_cache(5 * BLOCK_BYTES) == BLOCK_BYTES  # the pool's last block
+    assert mapped_spans(runner) == [(0, 2), (2, 3), (3, 5), (9, 10)]
 
 
 def test_a_prefault_chunk_smaller_than_a_block_still_maps_one_block():
     """A 1.7B model's block (all layers' K and V) is 3 MiB, three times the idle loop's chunk: the
     chunk maps one block, where it used to map none and so end the idle mapping at once."""
-    from tokenloom.core.model_runner import ModelRunner
-
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.kv_caches = [torch.zeros((2, 4, 4, 1, 2)) for _ in range(2)]
-    runner._kv_high_water, runner._kv_prefaulted, runner._kv_map_blocks_off = 1, 0, False
-    runner.platform = mock.Mock()
-    runner.platform.map_blocks.return_value = True
-    block_bytes = 2 * (2 * 4 * 1 * 2 * 4)
-    assert runner.prefault_kv_cache(block_bytes // 3) == block_bytes
-    assert runner.prefault_kv_cache(block_bytes // 3) == block_bytes
-    assert runner.prefault_kv_cache(block_bytes // 3) == block_bytes
-    assert runner.prefault_kv_cache(block_bytes // 3) == 0  # the pool's end
-    assert [call.args[1:] for call in runner.platform.map_blocks.call_args_list] == [(1, 2), (2, 3), (3, 4)]
+    runner = prefault_runner(4, 1, 0.0, maps=True)
+    for _ in range(3):
+        assert runner.prefault_kv_cache(BLOCK_BYTES // 3) == BLOCK_BYTES
+    assert runner.prefault_kv_cache(BLOCK_BYTES // 3) == 0  # the pool's end
+    assert mapped_spans(runner) == [(1, 2), (2, 3), (3, 4)]
