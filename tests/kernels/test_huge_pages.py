@@ -4,6 +4,8 @@ onto huge pages in place with their contents unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import mmap
+from unittest import mock
 
 import pytest
 import torch
@@ -82,23 +84,24 @@ def vm_flags(address: int) -> set[str]:
 
 
 @pytest.mark.skipif(huge_pages._madvise() is None, reason="no transparent huge pages here")
-def test_the_cpu_platforms_kv_cache_is_advised_onto_huge_pages(monkeypatch):
-    """The KV cache's mapping carries MADV_HUGEPAGE ("hg") before any page is touched, whatever
-    numpy's own allocator does for large arrays (switched off here)."""
-    import numpy as np
+def test_advise_marks_a_fresh_mapping_for_huge_pages():
+    """advise sets MADV_HUGEPAGE ("hg") on the tensor's aligned 2 MiB stretches, before any page
+    is touched; a mapping of our own, so no allocator's earlier advice is in the way."""
+    area = mmap.mmap(-1, 8 * 2**20)
+    tensor = torch.frombuffer(area, dtype=torch.uint8)
+    middle = tensor.data_ptr() + 4 * 2**20
+    assert "hg" not in vm_flags(middle)
+    assert huge_pages.advise(tensor) >= 6 * 2**20
+    assert "hg" in vm_flags(middle)
+    assert huge_pages.advise(torch.zeros(1000)) == 0  # no aligned 2 MiB stretch inside
+    del tensor
+    area.close()
 
+
+def test_the_cpu_platforms_kv_cache_is_advised_when_allocated():
     from tokenloom.builtin_plugins.platforms.cpu import CpuPlatform
 
-    multiarray = np._core.multiarray
-    previous = multiarray._set_madvise_hugepage(False)
-    try:
-        # 40 MiB: above glibc's largest mmap threshold, so each is a fresh mapping of its own
-        plain = torch.from_numpy(np.zeros(40 * 2**20, dtype=np.uint8))
-        assert "hg" not in vm_flags(plain.data_ptr() + 20 * 2**20)  # numpy's advice is off
-        cache = CpuPlatform().zeros((2, 160, 16, 32, 64), torch.bfloat16)
-        middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2
-        assert "hg" in vm_flags(middle)
-        assert not cache.any()
-    finally:
-        multiarray._set_madvise_hugepage(previous)
-    assert huge_pages.advise(torch.zeros(1000)) == 0  # no aligned 2 MiB stretch inside
+    with mock.patch.object(huge_pages, "advise") as advise:
+        cache = CpuPlatform().zeros((2, 8, 16, 4, 64), torch.bfloat16)
+    assert advise.call_count == 1 and advise.call_args.args[0] is cache
+    assert not cache.any()
