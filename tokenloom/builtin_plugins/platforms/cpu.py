@@ -127,7 +127,7 @@ class CpuPlatform(Platform):
         a large KV cache costs neither start-up time (torch.zeros writes every byte: 29 s for
         8 GiB here) nor resident memory until a block is used. Its pages fault in as 2 MiB pages
         (kernels/huge_pages.py:advise): decode attention reads every cached key and value of a
-        batch each step, and on 4 KiB pages its page walks held it to ~21 GB/s."""
+        batch each step, 8-9 % slower on 4 KiB pages (figures: docs/design.md)."""
         import numpy as np
         import torch
 
