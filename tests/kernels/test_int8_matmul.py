@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from helpers.isa_levels import at_the_host_level
 
-from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight
+from tokenloom.builtin_plugins.quantization.gguf_blocks import GGUFWeight, PackedRows
 from tokenloom.kernels import cpu_native, int8_matmul
 from tokenloom.kernels.int4_matmul import quantize_activations
 from tokenloom.kernels.int8_matmul import dequantize_int8, int8_linear, pack_int8
@@ -138,8 +138,9 @@ def test_a_tied_bfloat16_head_multiplies_the_q8_0_values_at_every_batch():
     head.tie_to(embedding)
     embedding.load_checkpoint_weight("weight", weight)
     head.process_weights_after_loading()
-    assert head.kernel_weight is not None and embedding.row_blocks is not None
-    # no dense weight: the embedding looks up in the blocks, the head multiplies the codes
+    assert head.kernel_weight is not None and isinstance(embedding.row_blocks, PackedRows)
+    # no dense weight and no second copy: the head multiplies the codes, the embedding reads its
+    # rows back out of them
     assert embedding.weight.is_meta and head.weight is embedding.weight and head.packed_weight is None
     exact = weight.dequantize(torch.float32)
     ids = torch.tensor([[0, 47], [5, 5]])

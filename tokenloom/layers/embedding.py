@@ -16,9 +16,12 @@ kernels takes the type (``kernel_weight()`` of the blocks: Q8_0 with
 :mod:`tokenloom.kernels.int8_matmul`, Q5_0/Q5_1/Q5_K/Q6_K with
 :mod:`tokenloom.kernels.kquant_matmul`, Q2_K/Q3_K with :mod:`tokenloom.kernels.lowbit_matmul`; GGML's Q x Q8 arithmetic, every CPU kernel level), for
 every batch, float32 logits straight out: about the file's bytes per token instead of a 16-bit
-copy's, and its exact weight values. A tied pair then holds the blocks (for the lookup) and the
-head's packed codes, and no dense weight; a head no kernel takes makes the dense weight from the
-blocks after all (shared with a tied embedding, which then looks up in it).
+copy's, and its exact weight values. A tied pair then holds the head's packed codes and no dense
+weight: the lookup reads its rows back out of them where the type has a way back (Q6_K and Q8_0,
+``GGUFWeight.rows_in``), else out of the file's blocks beside them. Once packed, the file's pages
+of the tensor are dropped from memory (its ``release``) unless the lookup still reads them. A head
+no kernel takes makes the dense weight from the blocks after all (shared with a tied embedding,
+which then looks up in it).
 
 A head the checkpoint stores quantized as a linear layer (a GPTQ checkpoint's ``lm_head:
 true``; see :attr:`~tokenloom.layers.quantization.QuantizationConfig.quantizes_lm_head`) is a
@@ -219,8 +222,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.kernel_weight is not None:  # no dense weight: a tied embedding looks up in the blocks
             source._drop_dense_weight()
             self.weight = source.weight
+            blocks = source.row_blocks
             if source is self:
                 self.row_blocks = None
+            else:  # the tied embedding looks up in the head's codes where the type has a way back
+                lookup = blocks.rows_in(self.kernel_weight)
+                if lookup is None:
+                    return
+                source.row_blocks = lookup
+            release = getattr(blocks, "release", None)
+            if release is not None:  # the file's pages the packing read leave this process's memory
+                release()
             return
         if source.row_blocks is not None:
             source._make_dense_weight()

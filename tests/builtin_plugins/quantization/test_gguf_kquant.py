@@ -14,7 +14,7 @@ from torch import nn
 
 from tests.builtin_plugins.quantization.test_gguf_blocks import random_blocks
 from tokenloom.builtin_plugins.quantization.gguf import GGUFQuantizationMethod
-from tokenloom.builtin_plugins.quantization.gguf_blocks import GGML_TYPES, GGUFWeight
+from tokenloom.builtin_plugins.quantization.gguf_blocks import GGML_TYPES, GGUFWeight, PackedRows
 from tokenloom.builtin_plugins.quantization.gguf_kquant import int5_parts, int6_parts, superblock_groups
 from tokenloom.kernels import kquant_matmul
 from tokenloom.kernels.int4_matmul import Int4Weight, int4_linear
@@ -127,6 +127,8 @@ def test_a_tied_head_on_k_quant_blocks_multiplies_their_codes_and_holds_no_dense
     """A Q4_K_M file's tied Q6_K embedding (and the 5-bit types): the head runs the kquant
     kernel on the file's codes at every batch, float32 logits; the lookup dequantizes rows."""
     weight = random_weight(quant_type, 48, 256, seed=3)
+    released = []
+    weight.release = lambda: released.append(weight.name)
     embedding = VocabParallelEmbedding(48, 256, params_dtype=torch.bfloat16)
     head = ParallelLMHead(48, 256, params_dtype=torch.bfloat16)
     head.tie_to(embedding)
@@ -137,6 +139,11 @@ def test_a_tied_head_on_k_quant_blocks_multiplies_their_codes_and_holds_no_dense
     assert head.kernel_weight.bits == (6 if quant_type == Q.Q6_K else 5)
     assert embedding.weight.is_meta and head.weight is embedding.weight
     assert head.packed_weight is None and head.small_batch_weight is None
+    # Q6_K: the lookup reads the head's codes and the file's pages are let go; the 5-bit types
+    # have no way back and keep the file's blocks
+    has_way_back = quant_type == Q.Q6_K
+    assert isinstance(embedding.row_blocks, PackedRows) is has_way_back
+    assert released == ([weight.name] if has_way_back else [])
     exact = weight.dequantize(torch.float32)
     ids = torch.tensor([47, 0, 9, 9])
     assert torch.equal(embedding(ids), exact[ids].to(torch.bfloat16))
@@ -146,6 +153,24 @@ def test_a_tied_head_on_k_quant_blocks_multiplies_their_codes_and_holds_no_dense
         assert logits.dtype == torch.float32 and logits.shape == (rows, 48)
         assert torch.equal(logits, kquant_linear(hidden, head.kernel_weight, dtype=torch.float32))
         torch.testing.assert_close(logits, hidden.float() @ exact.T, rtol=0, atol=0.03 * logits.abs().max().item())
+
+
+@pytest.mark.skipif(not NATIVE, reason="tokenloom's CPU kernels are switched off or did not build")
+@pytest.mark.parametrize("quant_type", [Q.Q6_K, Q.Q8_0])
+def test_rows_read_back_out_of_the_packed_head_are_the_files_blocks(quant_type):
+    """``gguf_unpack_rows`` inverts the packers byte for byte: rows of paired blocks and of the odd
+    last block, in any order and repeated, give the file's bytes; its lookup their values."""
+    weight = random_weight(quant_type, 80, 512, seed=7)  # 5 blocks of 16 rows: two pairs, one alone
+    kernel_weight = weight.kernel_weight()
+    lookup = weight.rows_in(kernel_weight)
+    ids = torch.tensor([79, 0, 15, 16, 33, 64, 65, 31, 31, 48])
+    assert torch.equal(lookup.unpack(kernel_weight.packed, ids, int(quant_type)), weight.data[ids])
+    assert torch.equal(
+        lookup.dequantize_rows(ids.view(2, 5), torch.bfloat16), weight.dequantize_rows(ids.view(2, 5), torch.bfloat16)
+    )
+    with pytest.raises(RuntimeError, match="outside 0..79"):
+        lookup.unpack(kernel_weight.packed, torch.tensor([80]), int(quant_type))
+    assert random_weight(Q.Q5_K, 16, 256, seed=8).rows_in(kernel_weight) is None
 
 
 @pytest.mark.skipif(not NATIVE, reason="tokenloom's CPU kernels are switched off or did not build")

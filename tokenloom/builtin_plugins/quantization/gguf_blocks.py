@@ -292,6 +292,20 @@ class GGUFWeight:
             return pack_lowbit([self])
         return pack_kquant([self]) if self.ggml_type in KQUANT_TYPES else None
 
+    def rows_in(self, kernel_weight: Any) -> PackedRows | None:
+        """A lookup of these rows that reads them back out of ``kernel_weight`` (what
+        :meth:`kernel_weight` made of them: a tied LM head's codes), so an embedding needs no
+        copy of the file's blocks beside the head's; None where the type has no way back (Q6_K
+        and Q8_0 have: ``gguf_unpack_rows``, csrc/cpu_gguf_pack.cpp)."""
+        if self.ggml_type not in (Q6_K, Q8_0) or kernel_weight is None:
+            return None
+        from tokenloom.kernels import cpu_native
+
+        ops = cpu_native.load()
+        if ops is None or not hasattr(ops, "gguf_unpack_rows"):
+            return None
+        return PackedRows(kernel_weight.packed, self.ggml_type, self.shape, ops.gguf_unpack_rows, self.name, self.path)
+
     def padded_rows(self, rows: int) -> GGUFWeight:
         """Zero rows appended up to ``rows`` (the last tensor-parallel shard of a vocabulary):
         zero bytes are zero values in every block type."""
@@ -344,3 +358,25 @@ class GGUFWeight:
 
     def __repr__(self) -> str:
         return f"GGUFWeight(name={self.name!r}, type={self.type_name}, shape={tuple(self.shape)})"
+
+
+@dataclass
+class PackedRows:
+    """The rows of a GGUF tensor as a kernel's packed weight holds them (:meth:`GGUFWeight.rows_in`):
+    ``dequantize_rows`` unpacks the looked-up rows to the file's blocks, byte for byte, and
+    dequantizes those, so it returns what the file's blocks would."""
+
+    packed: torch.Tensor
+    ggml_type: int
+    shape: torch.Size
+    unpack: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    name: str = ""
+    path: str = ""
+
+    def dequantize_rows(self, row_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``row_ids`` (any shape of ids) dequantized: ``[*row_ids.shape, cols]``."""
+        blocks = self.unpack(self.packed, row_ids.reshape(-1).to(torch.int64), self.ggml_type)
+        values = dequantize_blocks(
+            blocks, self.ggml_type, (blocks.shape[0], self.shape[-1]), dtype, tensor_name=self.name, path=self.path
+        )
+        return values.view(*row_ids.shape, self.shape[-1])

@@ -11,6 +11,10 @@
 //   tokenloom/kernels/kquant_matmul.py's pack_int6 makes from the same codes and scales.
 // In both layouts the blocks are stored in pairs, unit (group or superblock) by unit, an odd last
 // block alone after the pairs.
+//   `gguf_unpack_rows(packed, rows, ggml_type)`: the way back for some rows of a packed LM head, to
+//   the file's blocks byte for byte (Q6_K from int6_linear's layout, Q8_0 from int8_linear's,
+//   tokenloom/kernels/int8_matmul.py's pack_int8): an embedding tied to the head looks its rows up
+//   in the head's codes, so the file's copy of the tensor need not stay in memory.
 // Both replace torch chains of strided uint8 operations and concatenations that took most of a 1 GB
 // file's start-up (and a 4 GB mixture of experts'); each is one at::parallel_for writing its output once.
 //
@@ -40,12 +44,15 @@ namespace TOKENLOOM_CPU_NAMESPACE {
 namespace gguf_pack {
 
 // ggml's type ids (tokenloom/builtin_plugins/quantization/ggml_types.py)
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 12, kQ6_K = 14;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 constexpr int64_t kGroup = 32;          // features per group of the int4 layout
 constexpr int64_t kBlockRows = 16;      // output rows per block of the int4 layout
 constexpr int64_t kGroupBytes = 320;    // 16 rows x 32 codes in nibbles, 16 d, 16 m
 constexpr float kCodeOffset = 8.0f;     // int4_matmul.CODE_OFFSET
 constexpr int64_t kQ6KBytes = 210;
+constexpr int64_t kQ6KGroupBytes = 256 + 128 + 32, kQ6KSuperBytes = 32 + 8 * kQ6KGroupBytes;  // int6_linear's
+constexpr int64_t kQ8_0Bytes = 34;
+constexpr int64_t kInt8GroupBytes = 8 * 64 + 64;  // int8_linear's: 8 steps of [16 rows, 4 codes], 16 float32 scales
 
 inline float load_f16(const uint8_t* bytes) {
   uint16_t bits;
@@ -216,14 +223,13 @@ inline void pack_int4_row(const uint8_t* row_bytes, int64_t ggml_type, uint8_t* 
 // nibble half q / 2 of ql[64h + 32 (q % 2) ..], with high bits (qh[32h ..] >> 2q) & 3.
 inline void pack_int6_row(const uint8_t* row_bytes, uint8_t* out, int64_t block, int64_t lane, int64_t blocks,
                           int64_t supers) {
-  constexpr int64_t group_bytes = 256 + 128 + 32, super_bytes = 32 + 8 * group_bytes;
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* q6 = row_bytes + sb * kQ6KBytes;
-    uint8_t* super = out + unit_offset(block, sb, blocks, supers, super_bytes);
+    uint8_t* super = out + unit_offset(block, sb, blocks, supers, kQ6KSuperBytes);
     std::memcpy(super + 2 * lane, q6 + 208, 2);  // d, the file's float16
     for (int g = 0; g < 8; ++g) {
       const int half = g / 4, q = g % 4;
-      uint8_t* group = super + 32 + g * group_bytes;
+      uint8_t* group = super + 32 + g * kQ6KGroupBytes;
       put_nibble_steps(group, lane, q6 + 64 * half + 32 * (q % 2), q >= 2);
       const uint8_t* high_bits = q6 + 128 + 32 * half;
       for (int h = 0; h < 2; ++h) {  // plane h, byte 4 lane + j: bits 2i, 2i+1 are feature 16h + 4i + j's
@@ -238,6 +244,68 @@ inline void pack_int6_row(const uint8_t* row_bytes, uint8_t* out, int64_t block,
       group[384 + lane] = q6[192 + 2 * g];  // the int8 sub-scales of features 0..15 and 16..31
       group[384 + 16 + lane] = q6[192 + 2 * g + 1];
     }
+  }
+}
+
+
+// The inverse of put_nibble_steps: a lane's four steps OR-ed back into the low or high nibbles of
+// the 32 bytes they came from (zero there before)
+inline void take_nibble_steps(const uint8_t* group, int64_t lane, uint8_t* bytes, bool high) {
+  for (int t = 0; t < 4; ++t)
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t step = group[t * 64 + lane * 4 + j];
+      if (high) {
+        bytes[8 * t + j] |= static_cast<uint8_t>(step << 4);
+        bytes[8 * t + 4 + j] |= static_cast<uint8_t>(step & 0xF0);
+      } else {
+        bytes[8 * t + j] |= static_cast<uint8_t>(step & 0x0F);
+        bytes[8 * t + 4 + j] |= static_cast<uint8_t>(step >> 4);
+      }
+    }
+}
+
+// The inverse of pack_int6_row: lane `lane` of block `block` back to its Q6_K superblocks
+// (`row_bytes` zeroed: the nibbles and high bits of four groups share each byte)
+inline void unpack_int6_row(const uint8_t* in, uint8_t* row_bytes, int64_t block, int64_t lane, int64_t blocks,
+                            int64_t supers) {
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    uint8_t* q6 = row_bytes + sb * kQ6KBytes;
+    const uint8_t* super = in + unit_offset(block, sb, blocks, supers, kQ6KSuperBytes);
+    std::memcpy(q6 + 208, super + 2 * lane, 2);
+    for (int g = 0; g < 8; ++g) {
+      const int half = g / 4, q = g % 4;
+      const uint8_t* group = super + 32 + g * kQ6KGroupBytes;
+      take_nibble_steps(group, lane, q6 + 64 * half + 32 * (q % 2), q >= 2);
+      uint8_t* high_bits = q6 + 128 + 32 * half;
+      for (int h = 0; h < 2; ++h) {
+        uint32_t plane;
+        std::memcpy(&plane, group + 256 + h * 64 + 4 * lane, 4);
+        for (int i = 0; i < 4; ++i) {
+          uint32_t word;
+          std::memcpy(&word, high_bits + 16 * h + 4 * i, 4);
+          word |= ((plane >> (2 * i)) & 0x03030303u) << (2 * q);
+          std::memcpy(high_bits + 16 * h + 4 * i, &word, 4);
+        }
+      }
+      q6[192 + 2 * g] = group[384 + lane];
+      q6[192 + 2 * g + 1] = group[384 + 16 + lane];
+    }
+  }
+}
+
+// Lane `lane` of block `block` of int8_linear's weight back to Q8_0 blocks: each group's float32
+// scale (a float16 the packer widened: narrowing it again is exact) and its 32 codes less 128
+inline void unpack_int8_row(const uint8_t* in, uint8_t* row_bytes, int64_t block, int64_t lane, int64_t blocks,
+                            int64_t groups) {
+  for (int64_t g = 0; g < groups; ++g) {
+    uint8_t* q8 = row_bytes + g * kQ8_0Bytes;
+    const uint8_t* group = in + unit_offset(block, g, blocks, groups, kInt8GroupBytes);
+    float scale;
+    std::memcpy(&scale, group + 512 + 4 * lane, 4);
+    const uint16_t d_bits = to_f16_bits(scale);
+    std::memcpy(q8, &d_bits, 2);
+    for (int step = 0; step < 8; ++step)
+      for (int j = 0; j < 4; ++j) q8[2 + 4 * step + j] = static_cast<uint8_t>(group[step * 64 + lane * 4 + j] - 128);
   }
 }
 
@@ -273,9 +341,8 @@ at::Tensor gguf_pack_int6(const std::vector<at::Tensor>& shards) {
   gguf_pack::Shards rows_of;
   for (const at::Tensor& shard : shards) rows_of.add("gguf_pack_int6", shard, gguf_pack::kQ6_K, gguf_pack::kQ6KBytes, 256);
   TORCH_CHECK(rows_of.rows % gguf_pack::kBlockRows == 0, "gguf_pack_int6: ", rows_of.rows, " rows are not a multiple of 16");
-  constexpr int64_t group_bytes = 256 + 128 + 32, super_bytes = 32 + 8 * group_bytes;  // d[16], 8 groups
   const int64_t blocks = rows_of.rows / gguf_pack::kBlockRows, supers = rows_of.features / 256;
-  at::Tensor packed = at::empty({blocks, supers * super_bytes}, at::kByte);
+  at::Tensor packed = at::empty({blocks, supers * gguf_pack::kQ6KSuperBytes}, at::kByte);  // d[16], 8 groups each
   uint8_t* out = packed.data_ptr<uint8_t>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
@@ -287,14 +354,48 @@ at::Tensor gguf_pack_int6(const std::vector<at::Tensor>& shards) {
   return packed;
 }
 
+at::Tensor gguf_unpack_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t ggml_type) {
+  TORCH_CHECK(ggml_type == gguf_pack::kQ6_K || ggml_type == gguf_pack::kQ8_0, "gguf_unpack_rows: GGML type ", ggml_type,
+              " is not Q6_K or Q8_0");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "gguf_unpack_rows: the packed weight is contiguous uint8 [blocks, bytes per block]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "gguf_unpack_rows: rows is int64 [n]");
+  const bool q6 = ggml_type == gguf_pack::kQ6_K;
+  const int64_t unit_bytes = q6 ? gguf_pack::kQ6KSuperBytes : gguf_pack::kInt8GroupBytes;
+  TORCH_CHECK(packed.size(1) % unit_bytes == 0, "gguf_unpack_rows: a block's bytes are not whole units of the type");
+  const int64_t blocks = packed.size(0), units = packed.size(1) / unit_bytes;
+  const int64_t row_bytes = units * (q6 ? gguf_pack::kQ6KBytes : gguf_pack::kQ8_0Bytes);
+  const at::Tensor ids = rows.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t count = ids.size(0);
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < blocks * gguf_pack::kBlockRows, "gguf_unpack_rows: row ", id[i], " is outside 0..",
+                blocks * gguf_pack::kBlockRows - 1);
+  at::Tensor out = at::zeros({count, row_bytes}, at::kByte);
+  const uint8_t* in = packed.data_ptr<uint8_t>();
+  uint8_t* base = out.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t block = id[i] / gguf_pack::kBlockRows, lane = id[i] % gguf_pack::kBlockRows;
+      if (q6)
+        gguf_pack::unpack_int6_row(in, base + i * row_bytes, block, lane, blocks, units);
+      else
+        gguf_pack::unpack_int8_row(in, base + i * row_bytes, block, lane, blocks, units);
+    }
+  });
+  return out;
+}
+
 }  // namespace TOKENLOOM_CPU_NAMESPACE
 
 TOKENLOOM_LIBRARY_FRAGMENT(m) {
   m.def("gguf_pack_int4(Tensor[] shards, int[] ggml_types) -> Tensor");
   m.def("gguf_pack_int6(Tensor[] shards) -> Tensor");
+  m.def("gguf_unpack_rows(Tensor packed, Tensor rows, int ggml_type) -> Tensor");
 }
 
 TOKENLOOM_LIBRARY_IMPL_CPU(m) {
   m.impl("gguf_pack_int4", &TOKENLOOM_CPU_NAMESPACE::gguf_pack_int4);
   m.impl("gguf_pack_int6", &TOKENLOOM_CPU_NAMESPACE::gguf_pack_int6);
+  m.impl("gguf_unpack_rows", &TOKENLOOM_CPU_NAMESPACE::gguf_unpack_rows);
 }
