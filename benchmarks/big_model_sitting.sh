@@ -3,7 +3,10 @@
 # native llama-server, serving the same GGUF one at a time, each measured with vLLM's own client
 # (../shared/bench/peer.sh bench: random 256 in / 128 out, ignore_eos, greedy). Prints each
 # server's time to ready (process start to a 200 from /health), its peak RSS (VmHWM) and the
-# client's summary lines; the client's JSON and logs go to OUT_DIR.
+# client's summary lines; the client's JSON and logs go to OUT_DIR. Each server starts with the
+# file read through the page cache just before, so that ready times the server's own start-up:
+# a test run before a sitting can push the file out of the cache, and the server that starts
+# first would then read it from disk while the second reads it from memory.
 #
 #   benchmarks/big_model_sitting.sh /work/peer/models/smollm2-1.7b-Q4_K_M.gguf /tmp/sitting [ORDER]
 #
@@ -29,6 +32,7 @@ mkdir -p "$out"
 
 ready_and_bench() {  # name port command...
   local name=$1 port=$2; shift 2
+  cat "$gguf" >/dev/null
   local started; started=$(date +%s.%N)
   "$@" >"$out/$name.server.log" 2>&1 &
   local pid=$!
