@@ -219,7 +219,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         )
         if source.row_blocks is not None and inexact and self.bias is None:
             self.kernel_weight = source.row_blocks.padded_rows(self.weight.shape[0]).kernel_weight()
-        if self.kernel_weight is not None:  # no dense weight: a tied embedding looks up in the blocks
+        if self.kernel_weight is not None:  # no dense weight: a tied embedding looks up in the codes or blocks
             source._drop_dense_weight()
             self.weight = source.weight
             blocks = source.row_blocks
