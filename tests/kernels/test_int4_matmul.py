@@ -101,6 +101,27 @@ def test_any_number_of_rows_gives_each_row_the_bits_it_gets_alone(shape, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("out_features", [64, 160, 304])
+def test_one_row_read_in_two_streams_gets_the_bits_of_a_batchs_row(out_features, threads):
+    """One row reads each thread's block pairs two at a time, from the two halves of its range, and
+    a pair left over alone (an odd count; 304 outputs: 9 pairs and a lone block). Every split of the
+    pairs over 1-3 threads gives the row the bits it gets inside a batch (one stream a tile), and
+    writes every output."""
+    codes, scales, zeros = random_int4(out_features, 256, 32, seed=out_features)
+    weight = pack_int4(codes, scales, zeros, torch.bfloat16)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(threads)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([int4_linear(x[row : row + 1], weight) for row in range(3)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, int4_linear(x, weight))
+    torch.testing.assert_close(alone.double(), exact_product(x, codes, scales, zeros), rtol=0.02, atol=0.02)
+
+
+@needs_native
 def test_activations_are_quantized_per_group_of_32_to_nearest_even():
     x = torch.zeros(1, 64)
     x[0, :4] = torch.tensor([127.0, -63.5, 0.5, 1.5])  # max 127: scale 1, codes the values rounded

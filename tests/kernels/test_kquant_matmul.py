@@ -226,3 +226,23 @@ def test_bf16_prompt_path_writes_a_large_output_as_it_writes_a_small_one(bf16_am
     assert torch.equal(
         large, torch.cat([kquant_linear_bf16(part, weight, dtype=torch.float32) for part in x.split(100)])
     )
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("case", ["int6", "int5-k"])
+def test_one_row_read_in_two_streams_gets_the_bits_of_a_batchs_row(case, threads):
+    """One row reads each thread's block pairs two at a time (AVX-512), a pair left over alone: 304
+    outputs are 9 pairs and a lone block. Every split over 1-3 threads gives the row the bits it gets
+    inside a batch, within float32 summation error of the exact product."""
+    weight, dense = weight_for(case, (304, 512), seed=threads)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(threads))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([kquant_linear(x[row : row + 1], weight) for row in range(3)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, kquant_linear(x, weight))
+    exact = exact_product(x, dense)
+    torch.testing.assert_close(alone.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())

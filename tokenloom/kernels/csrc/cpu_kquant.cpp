@@ -164,25 +164,29 @@ void decode_superblocks(const uint8_t* pair_start, int64_t width, const Superblo
 // acc_rows + r * acc_stride + 16 b. The codes are decoded here from the packed stream
 // (kFromDecoded false), or read from `decoded` (decode_superblocks of these superblocks, block b's
 // from b * block_stride bytes on): the same integers, the same float operations in the same order, so every row
-// gets the same bits
-template <int kBits, int kRows, int kBlocks, bool kFromDecoded>
-void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* pair_start, int64_t width,
-                 const Superblocks& layout, int64_t sb_begin, int64_t sb_end, const uint8_t* decoded, int64_t block_stride,
-                 float* acc_rows, int64_t acc_stride, int64_t m0, int64_t K) {
+// gets the same bits. kStreams pairs read at once (one row's tiles: for_each_pair_in_two_streams in
+// cpu_qlinear.h), pair s from pair_starts[s], its blocks' accumulators after the earlier pairs'.
+template <int kBits, int kRows, int kBlocks, bool kFromDecoded, int kStreams = 1>
+void kquant_streams_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* const* pair_starts,
+                         int64_t width, const Superblocks& layout, int64_t sb_begin, int64_t sb_end,
+                         const uint8_t* decoded, int64_t block_stride, float* acc_rows, int64_t acc_stride, int64_t m0,
+                         int64_t K) {
+  static_assert(kStreams == 1 || (kBlocks == 2 && !kFromDecoded), "several streams are full pairs, read directly");
+  constexpr int kAll = kStreams * kBlocks;
   const int64_t groups = x.groups;
   for (int64_t sb = sb_begin; sb < sb_end; ++sb) {
-    const uint8_t* header[kBlocks];
-    __m512 d[kBlocks], dmin[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) {
-      header[b] = pair_start + (sb * width + b) * layout.bytes;
+    const uint8_t* header[kAll];
+    __m512 d[kAll], dmin[kAll];
+    for (int b = 0; b < kAll; ++b) {
+      header[b] = pair_starts[b / kBlocks] + (sb * width + b % kBlocks) * layout.bytes;
       d[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header[b])));
       if constexpr (kBits == 5)
         dmin[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header[b] + 32)));
     }
     for (int64_t gi = 0; gi < layout.groups; ++gi) {
       const int64_t g = sb * layout.groups + gi;
-      const uint8_t* group[kBlocks];
-      for (int b = 0; b < kBlocks; ++b) group[b] = header[b] + kHeaderBytes<kBits> + gi * kKGroupBytes<kBits>;
+      const uint8_t* group[kAll];
+      for (int b = 0; b < kAll; ++b) group[b] = header[b] + kHeaderBytes<kBits> + gi * kKGroupBytes<kBits>;
       const uint8_t* decoded_group = decoded + ((sb - sb_begin) * layout.groups + gi) * kDecodedGroupBytes;
       // read straight from the stream (1-4 rows: a decode step, the LM head, a mixture of
       // experts' 1-2 rows per expert at a batch's decode step): the stream prefetched
@@ -191,7 +195,7 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint
       // not hide the loads: one OLMoE Q4_K_M layer's experts at an 8-token step (1-3 rows per
       // expert) took ~3% less CPU time with it
       if constexpr (!kFromDecoded)
-        for (int b = 0; b < kBlocks; ++b)
+        for (int b = 0; b < kAll; ++b)
           for (int64_t line = 0; line < kKGroupBytes<kBits>; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(group[b] + kDirectPrefetchBytes + line), _MM_HINT_T0);
       // I in float32, as float(I) exactly: each sc (S - 32 A) is an integer below 2^24 (|code - 32|
@@ -199,7 +203,7 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint
       // is rounded once, as the conversion of the integer I would be (5-bit: sc S, one rounding).
       // Float multiplies instead of vpmulld: at 4 or more rows two vpmulld a group ran as long as
       // its 8 dot products
-      __m512 total[kRows][kBlocks];
+      __m512 total[kRows][kAll];
       // (unrolled: each step's shifts are constants; the accumulators stay in memory, updated once a
       // group, so that the integer sums of 4 rows x 2 blocks stay in registers: held there too,
       // they spilled)
@@ -208,17 +212,17 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint
         // 6-bit: the group in halves of 16 features (steps 4h..4h+3); 5-bit: all 8 steps at once
         constexpr int kSteps = kBits == 6 ? 4 : 8;
         // 6-bit: S - 32 A, from -32 A on
-        __m512i sums[kRows][kBlocks];
+        __m512i sums[kRows][kAll];
         for (int r = 0; r < kRows; ++r) {
           const __m512i start = kBits == 6 ? _mm512_set1_epi32(half_offsets[((m0 + r) * groups + g) * 2 + h])
                                            : _mm512_setzero_si512();
-          for (int b = 0; b < kBlocks; ++b) sums[r][b] = start;
+          for (int b = 0; b < kAll; ++b) sums[r][b] = start;
         }
 #pragma GCC unroll 4
         for (int t = 0; t < kSteps / 2; ++t) {
           const int step = h * 4 + 2 * t;
-          __m512i codes[kBlocks][2];
-          for (int b = 0; b < kBlocks; ++b) {
+          __m512i codes[kAll][2];
+          for (int b = 0; b < kAll; ++b) {
             if constexpr (kFromDecoded) {
               for (int i = 0; i < 2; ++i)
                 codes[b][i] = _mm512_loadu_si512(decoded_group + b * block_stride + (step + i) * 64);
@@ -232,11 +236,11 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint
               int32_t four;
               std::memcpy(&four, row + 4 * half, 4);
               const __m512i broadcast = _mm512_set1_epi32(four);
-              for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_dpbusd_epi32(sums[r][b], codes[b][half], broadcast);
+              for (int b = 0; b < kAll; ++b) sums[r][b] = _mm512_dpbusd_epi32(sums[r][b], codes[b][half], broadcast);
             }
           }
         }
-        for (int b = 0; b < kBlocks; ++b) {
+        for (int b = 0; b < kAll; ++b) {
           const uint8_t* sub_scales = group[b] + kNibbleBytes + kPlaneBytes<kBits>;
           if constexpr (kBits == 6) {
             const __m512 sc = _mm512_cvtepi32_ps(
@@ -252,7 +256,7 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint
           }
         }
       }
-      for (int b = 0; b < kBlocks; ++b) {
+      for (int b = 0; b < kAll; ++b) {
         __m512 dmin_mn;
         if constexpr (kBits == 5) {
           const uint8_t* mins = group[b] + kNibbleBytes + kPlaneBytes<kBits> + 16;
@@ -270,6 +274,14 @@ void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint
       }
     }
   }
+}
+
+template <int kBits, int kRows, int kBlocks, bool kFromDecoded>
+void kquant_tile(const QuantizedRows& x, const int32_t* half_offsets, const uint8_t* pair_start, int64_t width,
+                 const Superblocks& layout, int64_t sb_begin, int64_t sb_end, const uint8_t* decoded, int64_t block_stride,
+                 float* acc_rows, int64_t acc_stride, int64_t m0, int64_t K) {
+  kquant_streams_tile<kBits, kRows, kBlocks, kFromDecoded>(x, half_offsets, &pair_start, width, layout, sb_begin,
+                                                           sb_end, decoded, block_stride, acc_rows, acc_stride, m0, K);
 }
 
 template <int kBits, int kBlocks, bool kFromDecoded, int... kRows>
@@ -607,6 +619,29 @@ at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor
   const int32_t* half_offsets = kBits == 6 ? half_group_offsets(rows, M, K) : nullptr;
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   float* result = out.data_ptr<float>();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (M == 1) {
+    for_each_pair_in_two_streams(
+        N,
+        [&](int64_t first, int64_t second) {
+          alignas(64) float acc[2 * 2 * kBlockRows];  // (in the calling thread's frame)
+          const uint8_t* starts[2] = {packed + first * layout.count * layout.bytes,
+                                      packed + second * layout.count * layout.bytes};
+          std::fill_n(acc, 4 * kBlockRows, 0.f);
+          kquant_streams_tile<kBits, 1, 2, false, 2>(rows, half_offsets, starts, 2, layout, 0, layout.count, nullptr, 0,
+                                                     acc, 4 * kBlockRows, 0, K);
+          std::memcpy(result + first * kBlockRows, acc, sizeof(float) * 2 * kBlockRows);
+          std::memcpy(result + second * kBlockRows, acc + 2 * kBlockRows, sizeof(float) * 2 * kBlockRows);
+        },
+        [&](int64_t b0, int width) {
+          if (width == 2)
+            kquant_rows<kBits, 2>(rows, half_offsets, packed, result, 0, 1, b0, N, K, layout);
+          else
+            kquant_rows<kBits, 1>(rows, half_offsets, packed, result, 0, 1, b0, N, K, layout);
+        });
+    return out;
+  }
+#endif
   for_each_tile(M, N, [&](int64_t m, int64_t m_end, int64_t b0, int width) {
     if (width == 2)
       kquant_rows<kBits, 2>(rows, half_offsets, packed, result, m, m_end, b0, N, K, layout);

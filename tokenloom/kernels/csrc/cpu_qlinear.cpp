@@ -146,22 +146,29 @@ QuantizedRows quantize_activations(const scalar_t* x, int64_t M, int64_t K) {
   return rows;
 }
 
-// kRows activation rows from m0 times kBlocks blocks from b0: out[m0.., 16 b0..]
-template <int kBits, typename out_t, int kRows, int kBlocks>
-inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m0, int64_t b0,
-                         int64_t N, int64_t K, [[maybe_unused]] PairTile place) {
+// kRows activation rows from m0 times kStreams runs of kBlocks blocks, run s from b0s[s]:
+// out[m0.., 16 b0s[s]..]. Each run is one stream of the weight (a pair of blocks, or an odd last
+// block); one row's tiles read two full pairs at once (for_each_pair_in_two_streams, cpu_qlinear.h).
+template <int kBits, typename out_t, int kRows, int kBlocks, int kStreams>
+inline void qlinear_streams_tile(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m0,
+                                 const int64_t* b0s, int64_t N, int64_t K, [[maybe_unused]] PairTile place) {
+  static_assert(kStreams == 1 || kBlocks == 2, "several streams are full pairs");
+  constexpr int kAll = kStreams * kBlocks;
   const int64_t groups = x.groups;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  __m512 acc[kRows][kBlocks];
+  __m512 acc[kRows][kAll];
   for (int r = 0; r < kRows; ++r)
-    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < kAll; ++b) acc[r][b] = _mm512_setzero_ps();
   // blocks are stored in pairs (b0 is even), group by group (the pair's two groups g side by
   // side: one stream for a tile of the pair), an odd last block alone
-  const uint8_t* pair_start = weight + b0 * groups * kGroupBytes<kBits>;
-  const int64_t width = b0 + 1 < N / kBlockRows ? 2 : 1;
+  const uint8_t* pair_start[kStreams];
+  for (int s = 0; s < kStreams; ++s) pair_start[s] = weight + b0s[s] * groups * kGroupBytes<kBits>;
+  const int64_t width = b0s[0] + 1 < N / kBlockRows ? 2 : 1;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) group[b] = pair_start + (g * width + b) * kGroupBytes<kBits>;
+    const uint8_t* group[kAll];
+    for (int s = 0; s < kStreams; ++s)
+      for (int b = 0; b < kBlocks; ++b)
+        group[s * kBlocks + b] = pair_start[s] + (g * width + b) * kGroupBytes<kBits>;
     // 4-bit codes: the hardware prefetcher alone leaves the stream's loads waiting on memory (or
     // L3) between the tile's dot products; reading kPrefetchGroups groups ahead (past the pair's
     // end: the next pair's stream, which this thread reads next) overlaps them. (The 8-bit head,
@@ -174,26 +181,28 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
     // step 102 -> 94 ms (alternated). (With the weights in L3, a few copies of a layer, it
     // measured ~10 % slower: no model that fits there is slow at 8 rows.)
     if constexpr (kBits == 4) {
-      for (int64_t line = 0; line < kBlocks * kGroupBytes<kBits>; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(group[0] + kPrefetchGroups * width * kGroupBytes<kBits> + line),
-                     _MM_HINT_T0);
-      if (place.tiles > 1) {
+      for (int s = 0; s < kStreams; ++s)
+        for (int64_t line = 0; line < kBlocks * kGroupBytes<kBits>; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(group[s * kBlocks] + kPrefetchGroups * width * kGroupBytes<kBits> +
+                                                     line),
+                       _MM_HINT_T0);
+      if (kStreams == 1 && place.tiles > 1) {
         const int64_t stream_bytes = width * kGroupBytes<kBits>;
-        const uint8_t* next_pair = pair_start + groups * stream_bytes;
+        const uint8_t* next_pair = pair_start[0] + groups * stream_bytes;
         const int64_t from = (place.tile * groups + g) * stream_bytes / place.tiles;
         const int64_t to = from + stream_bytes / place.tiles;
         for (int64_t line = from & ~int64_t{63}; line < to; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next_pair + line), _MM_HINT_T1);
       }
     }
-    __m512i sums[kRows][kBlocks];
+    __m512i sums[kRows][kAll];
     for (int r = 0; r < kRows; ++r)
-      for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_setzero_si512();
+      for (int b = 0; b < kAll; ++b) sums[r][b] = _mm512_setzero_si512();
     // steps of 4 features: two per 64-byte load of 4-bit codes, one per load of 8-bit codes
     constexpr int kStepsPerLoad = kBits == 4 ? 2 : 1;
     for (int step = 0; step < 8; step += kStepsPerLoad) {
-      __m512i codes[kBlocks][kStepsPerLoad];
-      for (int b = 0; b < kBlocks; ++b) {
+      __m512i codes[kAll][kStepsPerLoad];
+      for (int b = 0; b < kAll; ++b) {
         const __m512i bytes = _mm512_loadu_si512(group[b] + step / kStepsPerLoad * 64);
         if constexpr (kBits == 4) {
           codes[b][0] = _mm512_and_si512(bytes, low_nibbles);
@@ -208,11 +217,11 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
           int32_t four;  // the activation codes of this step's 4 features
           std::memcpy(&four, row + 4 * half, 4);
           const __m512i broadcast = _mm512_set1_epi32(four);
-          for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_dpbusd_epi32(sums[r][b], codes[b][half], broadcast);
+          for (int b = 0; b < kAll; ++b) sums[r][b] = _mm512_dpbusd_epi32(sums[r][b], codes[b][half], broadcast);
         }
       }
     }
-    for (int b = 0; b < kBlocks; ++b) {
+    for (int b = 0; b < kAll; ++b) {
       const uint8_t* scales = group[b] + kCodeBytes<kBits>;
       if constexpr (kBits == 4) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
@@ -235,7 +244,16 @@ inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* o
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int b = 0; b < kBlocks; ++b) store16(out + (m0 + r) * N + (b0 + b) * kBlockRows, acc[r][b]);
+    for (int s = 0; s < kStreams; ++s)
+      for (int b = 0; b < kBlocks; ++b)
+        store16(out + (m0 + r) * N + (b0s[s] + b) * kBlockRows, acc[r][s * kBlocks + b]);
+}
+
+// kRows activation rows from m0 times kBlocks blocks from b0: out[m0.., 16 b0..]
+template <int kBits, typename out_t, int kRows, int kBlocks>
+inline void qlinear_tile(const QuantizedRows& x, const uint8_t* weight, out_t* out, int64_t m0, int64_t b0,
+                         int64_t N, int64_t K, PairTile place) {
+  qlinear_streams_tile<kBits, out_t, kRows, kBlocks, 1>(x, weight, out, m0, &b0, N, K, place);
 }
 
 #if defined(TOKENLOOM_AMX_BUILD)
@@ -664,6 +682,25 @@ void qlinear(const in_t* x, const uint8_t* weight, out_t* out, int64_t M, int64_
         }
         amx_release();
       });
+      return;
+    }
+  }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (kBits == 4) {
+    if (M == 1) {
+      for_each_pair_in_two_streams(
+          N,
+          [&](int64_t first, int64_t second) {
+            const int64_t b0s[2] = {first, second};
+            qlinear_streams_tile<kBits, out_t, 1, 2, 2>(rows, weight, out, 0, b0s, N, K, PairTile{0, 1});
+          },
+          [&](int64_t b0, int width) {
+            if (width == 2)
+              qlinear_rows<kBits, out_t, 2>(rows, weight, out, 0, 1, b0, N, K);
+            else
+              qlinear_rows<kBits, out_t, 1>(rows, weight, out, 0, 1, b0, N, K);
+          });
       return;
     }
   }
