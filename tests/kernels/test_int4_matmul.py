@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 import torch
 from helpers.isa_levels import at_the_host_level
+from helpers.threads import torch_threads
 
 from tokenloom.kernels import cpu_native, int4_matmul
 from tokenloom.kernels.int4_matmul import (
@@ -111,12 +112,8 @@ def test_one_row_read_in_two_streams_gets_the_bits_of_a_batchs_row(out_features,
     codes, scales, zeros = random_int4(out_features, 256, 32, seed=out_features)
     weight = pack_int4(codes, scales, zeros, torch.bfloat16)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(threads)).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         alone = torch.cat([int4_linear(x[row : row + 1], weight) for row in range(3)])
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(alone, int4_linear(x, weight))
     torch.testing.assert_close(alone.double(), exact_product(x, codes, scales, zeros), rtol=0.02, atol=0.02)
 
@@ -373,13 +370,9 @@ def test_bf16_prompt_path_gives_a_row_the_same_bits_in_any_batch_and_thread_coun
     assert torch.equal(everything[:40], alone)
     order = torch.randperm(300, generator=torch.Generator().manual_seed(1))
     assert torch.equal(int4_linear_bf16(x[order], weight), everything[order])
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with torch_threads(count):
             assert torch.equal(int4_linear_bf16(x, weight), everything), f"{count} threads"
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_native

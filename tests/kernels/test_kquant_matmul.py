@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.threads import torch_threads
 
 from tokenloom.kernels import kquant_matmul
 from tokenloom.kernels.int4_matmul import bf16_amx_available, quantize_activations
@@ -194,13 +195,9 @@ def test_bf16_prompt_path_gives_a_row_the_same_bits_in_any_batch_and_thread_coun
     assert torch.equal(everything[:40], alone)
     order = torch.randperm(300, generator=torch.Generator().manual_seed(1))
     assert torch.equal(kquant_linear_bf16(x[order], weight), everything[order])
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with torch_threads(count):
             assert torch.equal(kquant_linear_bf16(x, weight), everything), f"{count} threads"
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_native
@@ -237,12 +234,8 @@ def test_one_row_read_in_two_streams_gets_the_bits_of_a_batchs_row(case, threads
     inside a batch, within float32 summation error of the exact product."""
     weight, dense = weight_for(case, (304, 512), seed=threads)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(threads))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         alone = torch.cat([kquant_linear(x[row : row + 1], weight) for row in range(3)])
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(alone, kquant_linear(x, weight))
     exact = exact_product(x, dense)
     torch.testing.assert_close(alone.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())

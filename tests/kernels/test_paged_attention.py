@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers.attention import allocate_kv_caches, build_attention_metadata
 from helpers.isa_levels import at_the_host_level, once_and_per_level
+from helpers.threads import torch_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -942,17 +943,13 @@ def test_native_decode_rows_of_a_run_equal_each_row_alone(
                 v_scale,
             )
         assert not alone.isnan().any()
-        threads = torch.get_num_threads()
-        try:
-            for num_threads in (1, 2, 3):
-                torch.set_num_threads(num_threads)
-                batched = torch.full_like(query, float("nan"))
+        for num_threads in (1, 2, 3):
+            batched = torch.full_like(query, float("nan"))
+            with torch_threads(num_threads):
                 ops.paged_decode_attention(
                     batched, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, k_scale, v_scale
                 )
-                assert torch.equal(batched, alone), f"{num_threads} threads, lone run {lone_run}"
-        finally:
-            torch.set_num_threads(threads)
+            assert torch.equal(batched, alone), f"{num_threads} threads, lone run {lone_run}"
     # and the rows are attention over their own keys: the last run against the reference
     keys = kv_cache[0][block_tables[-1]].flatten(0, 1).float() * k_scale
     values = kv_cache[1][block_tables[-1]].flatten(0, 1).float() * v_scale
