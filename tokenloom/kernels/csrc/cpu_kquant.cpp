@@ -619,6 +619,13 @@ at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor
   const int32_t* half_offsets = kBits == 6 ? half_group_offsets(rows, M, K) : nullptr;
   const uint8_t* packed = weight.data_ptr<uint8_t>();
   float* result = out.data_ptr<float>();
+  // rows [m, m_end) times one block pair (or the odd last block)
+  auto rows_times_pair = [&](int64_t m, int64_t m_end, int64_t b0, int width) {
+    if (width == 2)
+      kquant_rows<kBits, 2>(rows, half_offsets, packed, result, m, m_end, b0, N, K, layout);
+    else
+      kquant_rows<kBits, 1>(rows, half_offsets, packed, result, m, m_end, b0, N, K, layout);
+  };
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (M == 1) {
     for_each_pair_in_two_streams(
@@ -633,21 +640,11 @@ at::Tensor kquant_linear(const char* name, const at::Tensor& x, const at::Tensor
           std::memcpy(result + first * kBlockRows, acc, sizeof(float) * 2 * kBlockRows);
           std::memcpy(result + second * kBlockRows, acc + 2 * kBlockRows, sizeof(float) * 2 * kBlockRows);
         },
-        [&](int64_t b0, int width) {
-          if (width == 2)
-            kquant_rows<kBits, 2>(rows, half_offsets, packed, result, 0, 1, b0, N, K, layout);
-          else
-            kquant_rows<kBits, 1>(rows, half_offsets, packed, result, 0, 1, b0, N, K, layout);
-        });
+        [&](int64_t b0, int width) { rows_times_pair(0, 1, b0, width); });
     return out;
   }
 #endif
-  for_each_tile(M, N, [&](int64_t m, int64_t m_end, int64_t b0, int width) {
-    if (width == 2)
-      kquant_rows<kBits, 2>(rows, half_offsets, packed, result, m, m_end, b0, N, K, layout);
-    else
-      kquant_rows<kBits, 1>(rows, half_offsets, packed, result, m, m_end, b0, N, K, layout);
-  });
+  for_each_tile(M, N, rows_times_pair);
   return out;
 }
 

@@ -686,6 +686,13 @@ void qlinear(const in_t* x, const uint8_t* weight, out_t* out, int64_t M, int64_
     }
   }
 #endif
+  // rows [m, m_end) times one block pair (or the odd last block)
+  auto rows_times_pair = [&](int64_t m, int64_t m_end, int64_t b0, int width) {
+    if (width == 2)
+      qlinear_rows<kBits, out_t, 2>(rows, weight, out, m, m_end, b0, N, K);
+    else
+      qlinear_rows<kBits, out_t, 1>(rows, weight, out, m, m_end, b0, N, K);
+  };
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if constexpr (kBits == 4) {
     if (M == 1) {
@@ -695,22 +702,12 @@ void qlinear(const in_t* x, const uint8_t* weight, out_t* out, int64_t M, int64_
             const int64_t b0s[2] = {first, second};
             qlinear_streams_tile<kBits, out_t, 1, 2, 2>(rows, weight, out, 0, b0s, N, K, PairTile{0, 1});
           },
-          [&](int64_t b0, int width) {
-            if (width == 2)
-              qlinear_rows<kBits, out_t, 2>(rows, weight, out, 0, 1, b0, N, K);
-            else
-              qlinear_rows<kBits, out_t, 1>(rows, weight, out, 0, 1, b0, N, K);
-          });
+          [&](int64_t b0, int width) { rows_times_pair(0, 1, b0, width); });
       return;
     }
   }
 #endif
-  for_each_tile(M, N, [&](int64_t m, int64_t m_end, int64_t b0, int width) {
-    if (width == 2)
-      qlinear_rows<kBits, out_t, 2>(rows, weight, out, m, m_end, b0, N, K);
-    else
-      qlinear_rows<kBits, out_t, 1>(rows, weight, out, m, m_end, b0, N, K);
-  });
+  for_each_tile(M, N, rows_times_pair);
 }
 
 // x [M, K] bfloat16 or float32, weight packed for kBits; out [M, N] of x's dtype, or float32
