@@ -94,7 +94,7 @@ def test_run_server_serves_until_told_to_exit(tokenizer, monkeypatch, caplog, re
     messages = [record.getMessage() for record in caplog.records]
     assert "--foo is deprecated" in messages
     for phase in (
-        "importing the engine (torch): done in",
+        "importing the engine (torch, transformers): done in",
         "loading plugins: done in",
         "importing the server (fastapi), while the engine builds: done in",
         "building the engine: done in",
