@@ -85,12 +85,14 @@ void two_pairs(const Row& x, const uint8_t* const* starts, float* out, int64_t K
                                          : header + kHeaderBytes + (g % 8) * kScaledGroupBytes;
     }
     if constexpr (kLayout == kPerBlock) {
-      for (int b = 0; b < kBlocks; ++b) {  // the block's bytes ahead in its own order (its next superblock is a pair's on)
-        const uint8_t* superblock = starts[b / 2] + (g / 8) * 2 * kBlockSuperblockBytes + (b % 2) * kBlockSuperblockBytes;
+      // each block's bytes ahead in its own order: its next superblock is a pair's superblock on
+      constexpr int64_t kOwn = kBlockSuperblockBytes;
+      for (int b = 0; b < kBlocks; ++b) {
+        const uint8_t* superblock = starts[b / 2] + (g / 8) * 2 * kOwn + (b % 2) * kOwn;
         const int64_t ahead = (group[b] - superblock) + kPerBlockPrefetchBytes;
-        const uint8_t* target =
-            superblock + ahead / kBlockSuperblockBytes * 2 * kBlockSuperblockBytes + ahead % kBlockSuperblockBytes;
-        for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(target + line), _MM_HINT_T0);
+        const uint8_t* target = superblock + ahead / kOwn * 2 * kOwn + ahead % kOwn;
+        for (int64_t line = 0; line < kGroupBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(target + line), _MM_HINT_T0);
       }
     } else {
       for (int s = 0; s < 2; ++s)
@@ -203,8 +205,8 @@ int main(int argc, char** argv) {
       const auto started = std::chrono::steady_clock::now();
       for (const Matmul& matmul : matmuls[layout]) run(static_cast<Layout>(layout), x, matmul, out.data());
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
-      std::printf("%-12s %5.0f MB in %6.2f ms = %4.1f GB/s; 24 layers %.2f ms\n", kNames[layout], bytes[layout] / 1e6, ms,
-                  bytes[layout] / ms / 1e6, ms / copies * 24);
+      std::printf("%-12s %5.0f MB in %6.2f ms = %4.1f GB/s; 24 layers %.2f ms\n", kNames[layout],
+                  bytes[layout] / 1e6, ms, bytes[layout] / ms / 1e6, ms / copies * 24);
     }
   return 0;
 }
