@@ -240,7 +240,14 @@ class ModelRunner(KVCacheSetup, SpeculativeSteps):
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. A pipeline stage before the last sends its hidden states on to the
-        next stage and returns None; the last stage samples and returns the step's output."""
+        next stage and returns None; the last stage samples and returns the step's output.
+        The platform hears of every step when it ends (:meth:`Platform.finish_step`)."""
+        try:
+            return self._execute(scheduler_output)
+        finally:
+            self.platform.finish_step(scheduler_output.total_num_scheduled_tokens)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self._update_states(scheduler_output)
         self.map_new_blocks()
         place = self.parallel.place

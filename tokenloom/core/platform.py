@@ -132,6 +132,12 @@ class Platform:
         KV cache is sized: the place to settle where they live (the CPU platform moves their
         pages onto huge pages). By default nothing."""
 
+    def finish_step(self, num_tokens: int) -> None:
+        """Called in the worker after every step (``num_tokens``: the tokens it ran, all its
+        requests' together), whether or not it succeeded: the place to give a large step's freed
+        temporaries back (the CPU platform trims the C heap after a prompt's step). By default
+        nothing."""
+
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A zero-filled tensor on this device (the KV cache is allocated with it)."""
         import torch

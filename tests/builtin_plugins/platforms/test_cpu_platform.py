@@ -163,3 +163,19 @@ def test_verify_row_cost_follows_the_kernel_level(kernels_load, level, row_cost,
     monkeypatch.setattr(cpu_native, "load", lambda: object() if kernels_load else None)
     monkeypatch.setattr(cpu_native, "selected_level", lambda: cpu_native.LEVELS_BY_NAME[level])
     assert CpuPlatform().verify_row_cost() == row_cost
+
+
+def test_a_prompts_step_trims_the_c_heap_and_a_decode_step_does_not(monkeypatch):
+    """finish_step gives the C heap's free memory back after a step of TRIM_HEAP_FROM_TOKENS
+    tokens or more, and leaves a smaller one's alone."""
+    from tokenloom.kernels import page_mapping
+
+    trims = []
+    monkeypatch.setattr(page_mapping, "trim_heap", lambda: trims.append(True) or True)
+    platform = CpuPlatform()
+    platform.finish_step(cpu.TRIM_HEAP_FROM_TOKENS - 1)
+    platform.finish_step(1)
+    assert trims == []
+    platform.finish_step(cpu.TRIM_HEAP_FROM_TOKENS)
+    platform.finish_step(2048)
+    assert trims == [True, True]

@@ -19,6 +19,8 @@ DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
 # speculative decoding: one more verified row relative to a one-row decode step (see verify_row_cost)
 AVX512_VERIFY_ROW_COST = 0.06
 FLOAT32_VERIFY_ROW_COST = 0.2
+# steps of this many tokens or more give their freed temporaries back to the OS (see finish_step)
+TRIM_HEAP_FROM_TOKENS = 256
 _CGROUP_V2_LIMIT = "/sys/fs/cgroup/memory.max"
 _CGROUP_V2_USAGE = "/sys/fs/cgroup/memory.current"
 _CGROUP_V1_LIMIT = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
@@ -174,6 +176,20 @@ class CpuPlatform(Platform):
                 logger.info("%.2f GiB of weights on huge pages in %.2fs", collapsed / 2**30, elapsed)
 
         threading.Thread(target=collapse, name="tokenloom-huge-pages", daemon=True).start()
+
+    def finish_step(self, num_tokens: int) -> None:
+        """After a step of ``TRIM_HEAP_FROM_TOKENS`` tokens or more (a prompt's), the C heap's
+        freed memory given back to the OS (``page_mapping.trim_heap``). Such a step's
+        temporaries (tens of MiB a layer at 2048 tokens) are freed into glibc's per-thread heaps,
+        which keep up to 64 MiB each at their tops and whatever the next step's different sizes
+        leave unused: a served 1.7B Q4_K_M file held ~150 MiB of it after a c=32 run. Trimmed,
+        the sitting's peak RSS went 5.45 -> 5.29 GiB (c=8 and c=32 throughput within 1 %). A
+        decode step's few rows free little, and are not trimmed: the trim itself walks every
+        heap."""
+        if num_tokens >= TRIM_HEAP_FROM_TOKENS:
+            from tokenloom.kernels import page_mapping
+
+            page_mapping.trim_heap()
 
     def attention_backend(self) -> str:
         """The native-kernel backend when tokenloom's CPU operators load (built once, cached;
