@@ -135,12 +135,13 @@ def _run_headless(serve_args: ServeArgs) -> None:
 
 
 async def _serve(serve_args: ServeArgs) -> None:
-    # one event loop for the engine and uvicorn: the engine's asyncio objects belong to it
-    # transformers' tokenizer classes too, though the engine imports them only when it loads the
-    # tokenizer: imported there, they took the GIL from the server's import running beside the
-    # build (both are Python), and the weights' packing that follows (in torch ops, which release
-    # it) ran with nothing beside it. Imported here the server's import runs beside the packing: a
-    # 1.7B GGUF's start-up to ready, 3.31-3.49 s -> 3.24-3.38 s (2 cores, alternated)
+    # one event loop for the engine and uvicorn: the engine's asyncio objects belong to it.
+    # The engine's modules first, and transformers' tokenizer classes with them, though the
+    # engine imports those only when it loads the tokenizer: imported there, they took turns on
+    # the GIL with the server's import running beside the build (both are Python), and the
+    # weights' packing after them (torch ops, which release it) ran alone. Imported here, the
+    # server's import runs beside the packing: a 1.7B GGUF's start-up to ready 3.31-3.49 s ->
+    # 3.24-3.38 s (2 cores, alternated)
     with startup_phase("importing the engine (torch, transformers)"):
         import transformers.tokenization_utils_fast  # noqa: F401
 
