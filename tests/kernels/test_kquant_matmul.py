@@ -77,8 +77,9 @@ def weight_for(case: str, shape: tuple[int, int], seed: int):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 32, 33, 130])
 @pytest.mark.parametrize("case, shape", CASES)
 def test_kernel_is_exact_up_to_float32_summation(case, shape, rows):
-    """Tiles of 1-4 rows; 5-32 rows over one decoding of the codes (AVX-512), in one or more tiles
-    a block, and 33 (a second decoding for the last row); chunks of 128 rows; odd and even block
+    """Tiles of 1-4 rows (AVX-512: 1-8, each decoding the codes as it reads them); 5-32 rows (AVX-512:
+    9-32) over one decoding of the codes, in one or more tiles a block, and 33 (a second decoding
+    for the last row); chunks of 128 rows; odd and even block
     counts, one and several superblocks: within float32 summation error of the exact product."""
     weight, dense = weight_for(case, shape, seed=rows)
     assert weight is not None
