@@ -104,17 +104,18 @@ def test_any_number_of_rows_gives_each_row_the_bits_it_gets_alone(shape, dtype):
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("out_features", [64, 160, 304])
-def test_one_row_read_in_two_streams_gets_the_bits_of_a_batchs_row(out_features, threads):
-    """One row reads each thread's block pairs two at a time, from the two halves of its range, and
-    a pair left over alone (an odd count; 304 outputs: 9 pairs and a lone block). Every split of the
-    pairs over 1-3 threads gives the row the bits it gets inside a batch (one stream a tile), and
-    writes every output."""
+def test_a_decode_steps_rows_read_in_two_streams_get_the_bits_of_any_batch(out_features, threads):
+    """A decode step's 1-8 rows read each thread's block pairs two at a time (AVX-512), from the two
+    halves of its range, and a pair left over alone (an odd count; 304 outputs: 9 pairs and a lone
+    block). Every split of the pairs over 1-3 threads gives each row the bits it gets alone and in
+    a batch of 12 (tiles of one pair), and writes every output."""
     codes, scales, zeros = random_int4(out_features, 256, 32, seed=out_features)
     weight = pack_int4(codes, scales, zeros, torch.bfloat16)
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(threads)).to(torch.bfloat16)
+    x = torch.randn(12, 256, generator=torch.Generator().manual_seed(threads)).to(torch.bfloat16)
     with torch_threads(threads):
-        alone = torch.cat([int4_linear(x[row : row + 1], weight) for row in range(3)])
-    assert torch.equal(alone, int4_linear(x, weight))
+        alone = torch.cat([int4_linear(x[row : row + 1], weight) for row in range(12)])
+        for rows in (2, 3, 5, 8, 12):
+            assert torch.equal(int4_linear(x[:rows], weight), alone[:rows]), f"{rows} rows"
     torch.testing.assert_close(alone.double(), exact_product(x, codes, scales, zeros), rtol=0.02, atol=0.02)
 
 

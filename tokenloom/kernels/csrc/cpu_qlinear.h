@@ -47,15 +47,16 @@ void for_each_tile(int64_t M, int64_t N, const RowsTimesBlocks& rows_times_block
   });
 }
 
-// One activation row (a decode step's): each thread's range of block pairs read as two streams at
-// once, pair i of the range's first half beside pair i of its second half (two_pairs(b0, b1), full
-// pairs), and a pair left over (an odd count, or the odd last block) alone (one_pair(b0, width)).
+// A decode step's rows (one; or up to 8, cpu_qlinear.cpp's 4-bit tiles): each thread's range of
+// block pairs read as two streams at once, pair i of the range's first half beside pair i of its
+// second half (two_pairs(b0, b1), full pairs), and a pair left over (an odd count, or the odd last
+// block) alone (one_pair(b0, width)).
 // The hardware prefetcher follows each half front to back across its pairs, and a core keeps more
 // of memory's reads in flight with two streams than with one and a prefetch: the AVX-512 4- and
 // 6-bit tiles over a 1.7B Q4_K_M file's weights (2 threads, weights from memory) read its int4
 // layers in 28.3-28.7 ms a step against 30.1-31.7 and its Q6_K ones in 7.6-7.9 against 8.0-8.5
 // (benchmarks/decode_profile.py, alternated). Each output keeps its float operations and their
-// order, so the row gets the bits any tiling gives it.
+// order, so a row gets the bits any tiling gives it.
 template <typename TwoPairs, typename OnePair>
 void for_each_pair_in_two_streams(int64_t N, const TwoPairs& two_pairs, const OnePair& one_pair) {
   const int64_t blocks = N / kBlockRows, full_pairs = blocks / 2;
