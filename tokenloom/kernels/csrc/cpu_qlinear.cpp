@@ -181,9 +181,9 @@ inline void qlinear_streams_tile(const QuantizedRows& x, const uint8_t* weight, 
     // L3) between the tile's dot products; reading kPrefetchGroups groups ahead (past the pair's
     // end: the next pair's stream, which this thread reads next) overlaps them. (The 8-bit head,
     // whose groups are nearly twice the bytes, measured a little slower with it.)
-    // When several tiles run over the pair (7 rows and more: a batch's decode step), the first
-    // reads the stream from memory and the others from L2, so memory idled while they ran: each
-    // tile also asks for its share of the next pair's stream into L2 (tile t of n, at group g:
+    // When several tiles run over the pair (9 rows and more: 2-8 take int4_two_stream_rows_tile),
+    // the first reads the stream from memory and the others from L2, so memory idled while they
+    // ran: each tile also asks for its share of the next pair's stream into L2 (tile t of n, at group g:
     // bytes (t G + g) / n of it), spreading the next pair's reads over all of this pair's
     // tiles. A 1.7B model's 8-row step, weights from memory: its Q4_K layers 56.8 -> 48.5 ms, the
     // step 102 -> 94 ms (alternated). (With the weights in L3, a few copies of a layer, it
