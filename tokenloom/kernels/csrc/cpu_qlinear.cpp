@@ -126,6 +126,13 @@ inline void store16(c10::BFloat16* dst, __m512 value) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_bits16(value));
 }
 
+// acc + one 4-bit group of 16 outputs for an activation row: d s (integer sums) + m (s A), the
+// operations every AVX-512 tile (VNNI and AMX) takes in this order, so any tile gives a row its bits
+inline __m512 add_int4_group(__m512 acc, __m512 group_sums, __m512 d, __m512 m, float scale, float scaled_sum) {
+  acc = _mm512_fmadd_ps(group_sums, _mm512_mul_ps(d, _mm512_set1_ps(scale)), acc);
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(scaled_sum), acc);
+}
+
 template <typename scalar_t>
 QuantizedRows quantize_activations(const scalar_t* x, int64_t M, int64_t K) {
   const QuantizedRows rows = quantized_rows_buffers(M, K);
@@ -236,9 +243,8 @@ inline void qlinear_streams_tile(const QuantizedRows& x, const uint8_t* weight, 
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
         for (int r = 0; r < kRows; ++r) {
           const int64_t index = (m0 + r) * groups + g;
-          acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][b]),
-                                      _mm512_mul_ps(d, _mm512_set1_ps(x.scales[index])), acc[r][b]);
-          acc[r][b] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scaled_sums[index]), acc[r][b]);
+          acc[r][b] = add_int4_group(acc[r][b], _mm512_cvtepi32_ps(sums[r][b]), d, m, x.scales[index],
+                                     x.scaled_sums[index]);
         }
       } else {  // m = -128 d: sum (code - 128) q in integers
         const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(scales));
@@ -303,9 +309,7 @@ inline void int4_two_stream_rows_tile(const QuantizedRows& x, const uint8_t* wei
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
       for (int r = 0; r < kRows; ++r) {
         const int64_t index = (m0 + r) * groups + g;
-        acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.scales[index])),
-                                    acc[r][b]);
-        acc[r][b] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scaled_sums[index]), acc[r][b]);
+        acc[r][b] = add_int4_group(acc[r][b], _mm512_cvtepi32_ps(sums[r]), d, m, x.scales[index], x.scaled_sums[index]);
       }
     }
   }
@@ -423,8 +427,7 @@ __attribute__((target("amx-tile,amx-int8"))) void int4_amx_tile(const QuantizedR
         __m512 total = _mm512_load_ps(acc[r] + b * kBlockRows);
         for (int64_t gi = 0; gi < chunk; ++gi) {
           const __m512 group_sums = _mm512_cvtepi32_ps(_mm512_load_si512(sums[gi][r] + b * kBlockRows));
-          total = _mm512_fmadd_ps(group_sums, _mm512_mul_ps(d[gi][b], _mm512_set1_ps(x.scales[index + gi])), total);
-          total = _mm512_fmadd_ps(m[gi][b], _mm512_set1_ps(x.scaled_sums[index + gi]), total);
+          total = add_int4_group(total, group_sums, d[gi][b], m[gi][b], x.scales[index + gi], x.scaled_sums[index + gi]);
         }
         _mm512_store_ps(acc[r] + b * kBlockRows, total);
       }
